@@ -1,0 +1,173 @@
+import { createRequire } from 'node:module';
+import { invalid } from './errors.js';
+
+const require = createRequire(import.meta.url);
+// Both packages ship CommonJS/UMD bundles; require keeps their types usable under NodeNext.
+const { WaveFile } = require('wavefile') as typeof import('wavefile');
+const LibSampleRate = require('@alexanderolsen/libsamplerate-js') as typeof import('@alexanderolsen/libsamplerate-js');
+
+/** The sample rate every bundled model runs at, Hz. */
+export const MODEL_SAMPLE_RATE = 16_000;
+/** Accepted input sample rates, Hz (inclusive). */
+export const MIN_SAMPLE_RATE = 8_000;
+export const MAX_SAMPLE_RATE = 192_000;
+/** Accepted channel counts. */
+export const MAX_CHANNELS = 32;
+
+type SRC = Awaited<ReturnType<typeof LibSampleRate.create>>;
+
+/** Mono float32 audio in [-1, 1] at `sampleRate` Hz. */
+export interface MonoAudio {
+  samples: Float32Array;
+  sampleRate: number;
+}
+
+const WAV_FORMATS: Record<number, string> = { 1: 'PCM', 3: 'IEEE float', 65534: 'extensible' };
+
+/**
+ * Decodes a WAV file (PCM 8/16/24/32-bit or float32/64, any rate, any channel count) with the
+ * `wavefile` library and downmixes it to mono by averaging channels.
+ * @param bytes the whole file.
+ * @returns mono float32 samples in [-1, 1] at the file's own sample rate.
+ * @throws VoxError `invalid_request_error` if the bytes are not a WAV file, use a compressed
+ *   encoding, have no samples, or declare a sample rate or channel count out of range.
+ */
+export function decodeWav(bytes: Uint8Array): MonoAudio {
+  if (bytes.length === 0) throw invalid('audio: empty body, expected a WAV file');
+  const wav = new WaveFile();
+  try {
+    wav.fromBuffer(bytes);
+  } catch (e) {
+    throw invalid(`audio: not a readable WAV file (${(e as Error).message})`);
+  }
+  const fmt = wav.fmt as { audioFormat: number; numChannels: number; sampleRate: number; bitsPerSample: number };
+  if (!(fmt.audioFormat in WAV_FORMATS)) {
+    throw invalid(`audio: unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM or float`);
+  }
+  if (![8, 16, 24, 32, 64].includes(fmt.bitsPerSample)) {
+    throw invalid(`audio: unsupported bit depth ${fmt.bitsPerSample}; expected 8, 16, 24, 32 or 64`);
+  }
+  const { numChannels: channels, sampleRate } = fmt;
+  checkFormat(sampleRate, channels);
+  try {
+    if (fmt.bitsPerSample !== 32 || fmt.audioFormat !== 3) wav.toBitDepth('32f');
+  } catch (e) {
+    throw invalid(`audio: cannot convert WAV samples (${(e as Error).message})`);
+  }
+  const interleaved = wav.getSamples(true, Float32Array) as unknown as Float32Array;
+  const frames = Math.floor(interleaved.length / channels);
+  if (frames === 0) throw invalid('audio: the WAV file holds no samples');
+  return { samples: downmix(interleaved, channels, frames), sampleRate };
+}
+
+/**
+ * Checks a declared sample rate (Hz) and channel count.
+ * @throws VoxError `invalid_request_error` naming the field.
+ */
+export function checkFormat(sampleRate: number, channels: number): void {
+  if (!Number.isInteger(sampleRate) || sampleRate < MIN_SAMPLE_RATE || sampleRate > MAX_SAMPLE_RATE) {
+    throw invalid(`sample_rate: ${sampleRate} Hz is out of range ${MIN_SAMPLE_RATE}-${MAX_SAMPLE_RATE}`);
+  }
+  if (!Number.isInteger(channels) || channels < 1 || channels > MAX_CHANNELS) {
+    throw invalid(`channels: ${channels} is out of range 1-${MAX_CHANNELS}`);
+  }
+}
+
+function downmix(interleaved: Float32Array, channels: number, frames: number): Float32Array {
+  if (channels === 1) return interleaved.length === frames ? interleaved : interleaved.slice(0, frames);
+  const out = new Float32Array(frames);
+  for (let f = 0; f < frames; f++) {
+    let sum = 0;
+    for (let c = 0; c < channels; c++) sum += interleaved[f * channels + c];
+    out[f] = sum / channels;
+  }
+  return out;
+}
+
+/**
+ * Streaming resampler (libsamplerate's SINC_FASTEST converter, compiled to WASM by
+ * `@alexanderolsen/libsamplerate-js`). Keeps filter state across `push` calls. A pass-through
+ * when the rates are equal. Call `close()` to free the WASM memory.
+ */
+export class Resampler {
+  private constructor(private readonly src: SRC | null) {}
+
+  /** @param fromHz input rate, Hz. @param toHz output rate, Hz. */
+  static async create(fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Resampler> {
+    if (fromHz === toHz) return new Resampler(null);
+    const src = await LibSampleRate.create(1, fromHz, toHz, { converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST });
+    return new Resampler(src);
+  }
+
+  /** Resamples the next chunk of a stream (mono float32). */
+  push(samples: Float32Array): Float32Array {
+    if (!this.src || samples.length === 0) return samples;
+    return this.src.full(samples);
+  }
+
+  /** Frees the converter. */
+  close(): void {
+    this.src?.destroy();
+  }
+}
+
+/** Resamples a whole mono signal from `fromHz` to `toHz` (libsamplerate, one shot). */
+export async function resample(samples: Float32Array, fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Float32Array> {
+  if (fromHz === toHz) return samples;
+  const src = await LibSampleRate.create(1, fromHz, toHz, { converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST });
+  try {
+    return src.simple(samples);
+  } finally {
+    src.destroy();
+  }
+}
+
+/** Raw PCM encodings accepted on `/v1/stream`. */
+export const PCM_ENCODINGS = ['s16le', 'f32le'] as const;
+export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
+
+/**
+ * Turns a stream of raw interleaved PCM byte chunks (frames may split a sample anywhere) into
+ * mono float32 samples at {@link MODEL_SAMPLE_RATE}.
+ */
+export class PcmStreamDecoder {
+  private remainder: Buffer = Buffer.alloc(0);
+  private readonly frameBytes: number;
+
+  private constructor(
+    private readonly encoding: PcmEncoding,
+    private readonly channels: number,
+    private readonly resampler: Resampler,
+  ) {
+    this.frameBytes = (encoding === 's16le' ? 2 : 4) * channels;
+  }
+
+  /**
+   * @param sampleRate input rate, Hz. @param channels interleaved channel count.
+   * @throws VoxError `invalid_request_error` for a rate or channel count out of range.
+   */
+  static async create(encoding: PcmEncoding, sampleRate: number, channels: number): Promise<PcmStreamDecoder> {
+    checkFormat(sampleRate, channels);
+    return new PcmStreamDecoder(encoding, channels, await Resampler.create(sampleRate));
+  }
+
+  /** Decodes one chunk; bytes of an incomplete frame are kept for the next call. */
+  push(chunk: Buffer): Float32Array {
+    const buf = this.remainder.length ? Buffer.concat([this.remainder, chunk]) : chunk;
+    const frames = Math.floor(buf.length / this.frameBytes);
+    this.remainder = Buffer.from(buf.subarray(frames * this.frameBytes));
+    const n = frames * this.channels;
+    const interleaved = new Float32Array(n);
+    if (this.encoding === 's16le') {
+      for (let i = 0; i < n; i++) interleaved[i] = buf.readInt16LE(i * 2) / 32768;
+    } else {
+      for (let i = 0; i < n; i++) interleaved[i] = buf.readFloatLE(i * 4);
+    }
+    return this.resampler.push(downmix(interleaved, this.channels, frames));
+  }
+
+  /** Frees the resampler. */
+  close(): void {
+    this.resampler.close();
+  }
+}

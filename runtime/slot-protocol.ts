@@ -1,0 +1,94 @@
+/**
+ * The slot-host message protocol (DESIGN.md section 2): one set of messages whatever carries
+ * them (a worker MessagePort today). Slot workers are stateless between `run` messages: the
+ * per-stream state (VAD recurrent state and context, wake-word feature buffers) travels in the
+ * job and comes back in the result. Float32Array payloads are transferred, not copied.
+ */
+
+/** The model files a slot loads. Bytes are shared read-only by every slot of every model using them. */
+export type LoadSpec =
+  | { kind: 'vad'; model: Uint8Array }
+  | { kind: 'wakeword'; model: Uint8Array; melspectrogram: Uint8Array; embedding: Uint8Array };
+
+/** What a slot reports after loading. */
+export interface SlotInfo {
+  /** vad: 'v5' (input+state+context) or 'v4' (input+h+c). */
+  vadVersion?: 'v4' | 'v5';
+  /** wakeword: number of embeddings the head reads (input shape [1, N, 96]). */
+  headWindow?: number;
+  /** wakeword: one label per output column; '' for the "no wake word" column of multi-class heads. */
+  labels?: string[];
+  /** wakeword: the embedding of the initial (all-ones) melspectrogram buffer, 96 floats. */
+  initialEmbedding?: Float32Array;
+}
+
+/** Silero VAD over consecutive 512-sample windows of one stream. */
+export interface VadJob {
+  kind: 'vad';
+  /** n x 512 samples, 16 kHz, float32 in [-1, 1]. */
+  windows: Float32Array;
+  /** Recurrent state: v5 `state` [2,1,128]; v4 `h` then `c`, each [2,1,64]. 256 floats either way. */
+  state: Float32Array;
+  /** v5 only: the last 64 samples before `windows` (zeros at stream start). */
+  context: Float32Array;
+}
+export interface VadResult {
+  kind: 'vad';
+  /** One speech probability per window. */
+  probs: Float32Array;
+  state: Float32Array;
+  context: Float32Array;
+}
+
+/** openWakeWord over consecutive 1280-sample (80 ms) steps of one stream. */
+export interface WakewordJob {
+  kind: 'wakeword';
+  /** 480 samples of look-back then k x 1280 new samples, 16 kHz, int16 scale (+-32767) as float32. */
+  audio: Float32Array;
+  /** The last 76 melspectrogram frames x 32 bins, already transformed (x/10 + 2). */
+  mel: Float32Array;
+  /** The last N embeddings x 96. */
+  embeddings: Float32Array;
+}
+export interface WakewordResult {
+  kind: 'wakeword';
+  /** k x labels.length head outputs. */
+  scores: Float32Array;
+  mel: Float32Array;
+  embeddings: Float32Array;
+}
+
+export type Job = VadJob | WakewordJob;
+export type JobResult = VadResult | WakewordResult;
+
+export type ToSlot =
+  | { type: 'load'; spec: LoadSpec }
+  | { type: 'run'; seq: number; job: Job }
+  | { type: 'release' };
+
+export type FromSlot =
+  | { type: 'loaded'; info: SlotInfo }
+  | { type: 'result'; seq: number; result: JobResult }
+  | { type: 'error'; seq?: number; message: string }
+  | { type: 'released' };
+
+/** Float32Arrays in a job or result, for the transfer list. */
+export function transferList(value: Job | JobResult): ArrayBuffer[] {
+  const out: ArrayBuffer[] = [];
+  for (const v of Object.values(value)) {
+    if (v instanceof Float32Array && v.buffer instanceof ArrayBuffer && !out.includes(v.buffer)) out.push(v.buffer);
+  }
+  return out;
+}
+
+/** openWakeWord constants (openwakeword/utils.py AudioFeatures). */
+export const OWW = {
+  STEP: 1280,
+  LOOKBACK: 480,
+  MEL_FRAMES: 76,
+  MEL_BINS: 32,
+  EMBEDDING: 96,
+} as const;
+
+/** Silero VAD at 16 kHz: window and (v5) context sizes, samples. */
+export const SILERO = { WINDOW: 512, CONTEXT: 64, STATE: 256 } as const;

@@ -1,0 +1,170 @@
+/**
+ * A slot worker: a worker thread holding one ONNX session set for one model. It runs what it is
+ * sent and keeps nothing between `run` messages (see slot-protocol.ts). onnxruntime-node blocks
+ * the thread for the whole of `create` and `run`, which is why sessions only ever live here.
+ */
+import { parentPort } from 'node:worker_threads';
+import ort from 'onnxruntime-node';
+import {
+  OWW,
+  SILERO,
+  transferList,
+  type FromSlot,
+  type Job,
+  type JobResult,
+  type LoadSpec,
+  type SlotInfo,
+  type ToSlot,
+  type VadJob,
+  type WakewordJob,
+} from './slot-protocol.js';
+
+const port = parentPort!;
+const OPTIONS: ort.InferenceSession.SessionOptions = {
+  intraOpNumThreads: 1,
+  interOpNumThreads: 1,
+  executionMode: 'sequential',
+  graphOptimizationLevel: 'all',
+};
+
+let sessions: ort.InferenceSession[] = [];
+let runJob: ((job: Job) => Promise<JobResult>) | null = null;
+
+function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
+  port.postMessage(msg, transfer);
+}
+
+async function create(bytes: Uint8Array): Promise<ort.InferenceSession> {
+  // Copy out of the shared buffer: onnxruntime reads a plain byte array.
+  const s = await ort.InferenceSession.create(new Uint8Array(bytes), OPTIONS);
+  sessions.push(s);
+  return s;
+}
+
+async function loadVad(model: Uint8Array): Promise<SlotInfo> {
+  const session = await create(model);
+  const v5 = session.inputNames.includes('state');
+  if (!v5 && !(session.inputNames.includes('h') && session.inputNames.includes('c'))) {
+    throw new Error(`not a Silero VAD model: inputs are ${session.inputNames.join(', ')}`);
+  }
+  const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
+  runJob = async (job) => {
+    const { windows, state, context } = job as VadJob;
+    const n = windows.length / SILERO.WINDOW;
+    const probs = new Float32Array(n);
+    let st = state.slice();
+    let ctx = context.slice();
+    for (let i = 0; i < n; i++) {
+      const w = windows.subarray(i * SILERO.WINDOW, (i + 1) * SILERO.WINDOW);
+      if (v5) {
+        const x = new Float32Array(SILERO.CONTEXT + SILERO.WINDOW);
+        x.set(ctx, 0);
+        x.set(w, SILERO.CONTEXT);
+        const out = await session.run({
+          input: new ort.Tensor('float32', x, [1, x.length]),
+          state: new ort.Tensor('float32', st, [2, 1, 128]),
+          sr,
+        });
+        probs[i] = (out.output.data as Float32Array)[0];
+        st = Float32Array.from(out.stateN.data as Float32Array);
+        ctx = x.slice(x.length - SILERO.CONTEXT);
+      } else {
+        const out = await session.run({
+          input: new ort.Tensor('float32', Float32Array.from(w), [1, SILERO.WINDOW]),
+          h: new ort.Tensor('float32', st.slice(0, 128), [2, 1, 64]),
+          c: new ort.Tensor('float32', st.slice(128), [2, 1, 64]),
+          sr,
+        });
+        probs[i] = (out.output.data as Float32Array)[0];
+        st = new Float32Array(256);
+        st.set(out.hn.data as Float32Array, 0);
+        st.set(out.cn.data as Float32Array, 128);
+      }
+    }
+    return { kind: 'vad', probs, state: st, context: ctx };
+  };
+  return { vadVersion: v5 ? 'v5' : 'v4' };
+}
+
+/** openWakeWord's label map: multi-class heads name their classes in the output name as JSON. */
+function headLabels(outputName: string, columns: number): string[] {
+  if (columns === 1) return ['@model'];
+  try {
+    const map = JSON.parse(outputName) as Record<string, string>;
+    return Array.from({ length: columns }, (_, i) => map[String(i)] ?? '');
+  } catch {
+    return Array.from({ length: columns }, (_, i) => (i === 0 ? '' : `class_${i}`));
+  }
+}
+
+async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Promise<SlotInfo> {
+  const mel = await create(spec.melspectrogram);
+  const emb = await create(spec.embedding);
+  const head = await create(spec.model);
+  const headInput = head.inputNames[0];
+  const headMeta = head.inputMetadata.find((m) => m.name === headInput);
+  const shape = headMeta && headMeta.isTensor ? headMeta.shape : [];
+  const window = typeof shape[1] === 'number' ? shape[1] : 16;
+  if (shape[2] !== undefined && shape[2] !== OWW.EMBEDDING) {
+    throw new Error(`not an openWakeWord head: input ${headInput} has shape [${shape.join(', ')}]`);
+  }
+  const outMeta = head.outputMetadata[0];
+  const columns = outMeta.isTensor && typeof outMeta.shape[1] === 'number' ? outMeta.shape[1] : 1;
+  const labels = headLabels(head.outputNames[0], columns);
+
+  const embed = async (frames: Float32Array): Promise<Float32Array> => {
+    const out = await emb.run({ [emb.inputNames[0]]: new ort.Tensor('float32', frames, [1, OWW.MEL_FRAMES, OWW.MEL_BINS, 1]) });
+    return Float32Array.from(out[emb.outputNames[0]].data as Float32Array);
+  };
+  const initialEmbedding = await embed(new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1));
+
+  runJob = async (job) => {
+    const { audio, mel: melIn, embeddings: embIn } = job as WakewordJob;
+    const steps = (audio.length - OWW.LOOKBACK) / OWW.STEP;
+    const scores = new Float32Array(steps * columns);
+    const melBuf = melIn.slice();
+    const embBuf = embIn.slice();
+    for (let s = 0; s < steps; s++) {
+      const x = audio.slice(s * OWW.STEP, s * OWW.STEP + OWW.STEP + OWW.LOOKBACK);
+      const mo = await mel.run({ [mel.inputNames[0]]: new ort.Tensor('float32', x, [1, x.length]) });
+      const spec = mo[mel.outputNames[0]].data as Float32Array;
+      const frames = spec.length / OWW.MEL_BINS;
+      // Shift the mel buffer left by `frames` and append the transformed new frames.
+      melBuf.copyWithin(0, frames * OWW.MEL_BINS);
+      const base = melBuf.length - spec.length;
+      for (let j = 0; j < spec.length; j++) melBuf[base + j] = spec[j] / 10 + 2;
+      const e = await embed(melBuf.slice());
+      embBuf.copyWithin(0, OWW.EMBEDDING);
+      embBuf.set(e, embBuf.length - OWW.EMBEDDING);
+      const ho = await head.run({ [headInput]: new ort.Tensor('float32', embBuf.slice(), [1, window, OWW.EMBEDDING]) });
+      scores.set(ho[head.outputNames[0]].data as Float32Array, s * columns);
+    }
+    return { kind: 'wakeword', scores, mel: melBuf, embeddings: embBuf };
+  };
+  return { headWindow: window, labels, initialEmbedding };
+}
+
+async function release(): Promise<void> {
+  runJob = null;
+  const all = sessions;
+  sessions = [];
+  for (const s of all) await s.release();
+}
+
+port.on('message', async (msg: ToSlot) => {
+  try {
+    if (msg.type === 'load') {
+      const info = msg.spec.kind === 'vad' ? await loadVad(msg.spec.model) : await loadWakeword(msg.spec);
+      post({ type: 'loaded', info });
+    } else if (msg.type === 'run') {
+      if (!runJob) throw new Error('slot has no model loaded');
+      const result = await runJob(msg.job);
+      post({ type: 'result', seq: msg.seq, result }, transferList(result));
+    } else if (msg.type === 'release') {
+      await release();
+      post({ type: 'released' });
+    }
+  } catch (e) {
+    post({ type: 'error', seq: msg.type === 'run' ? msg.seq : undefined, message: (e as Error).message ?? String(e) });
+  }
+});

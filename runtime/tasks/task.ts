@@ -1,0 +1,78 @@
+import type { Job, JobResult, SlotInfo } from '../slot-protocol.js';
+
+/** Events a task emits while audio is processed (DESIGN.md section 4). Times are ms from stream start. */
+export type TaskEvent =
+  | { type: 'speech_start'; at_ms: number }
+  | { type: 'speech_end'; start_ms: number; end_ms: number; confidence: number }
+  | { type: 'detection'; label: string; score: number; at_ms: number };
+
+/**
+ * One request's or stream's task state on the main thread: it buffers 16 kHz mono audio, cuts it
+ * into jobs for the slots, and turns results into events. At most one job of a session is in
+ * flight at a time, because each result carries the state the next job needs.
+ */
+export interface TaskSession {
+  /** Appends 16 kHz mono float32 samples. */
+  push(samples: Float32Array): void;
+  /**
+   * No more audio will come: the last partial window is padded with zeros and processed. Returns
+   * the closing events when nothing is left to process (otherwise the last `accept` returns them).
+   */
+  end(): TaskEvent[];
+  /** The next job over at most `maxSteps` windows/steps, or null if not enough audio is buffered. */
+  nextJob(maxSteps: number): Job | null;
+  /** Applies a job's result; returns the events it produced, in time order. */
+  accept(result: JobResult): TaskEvent[];
+  /** True once `end()` was called and every buffered sample has been processed. */
+  readonly finished: boolean;
+  /** Samples received so far (16 kHz). */
+  readonly receivedSamples: number;
+}
+
+/** Creates a session for one request or stream; `info` is what the model's slots reported at load. */
+export type TaskSessionFactory = (info: SlotInfo) => TaskSession;
+
+/** Runs every job a session has ready, in order, through `run`; calls `emit` for each event. */
+export async function drain(
+  session: TaskSession,
+  run: (job: Job) => Promise<JobResult>,
+  emit: (e: TaskEvent) => void,
+  maxSteps: number,
+): Promise<void> {
+  for (let job = session.nextJob(maxSteps); job; job = session.nextJob(maxSteps)) {
+    const result = await run(job);
+    for (const e of session.accept(result)) emit(e);
+  }
+}
+
+/** Growable float32 buffer with cheap consumption from the front. */
+export class SampleBuffer {
+  private data = new Float32Array(16_384);
+  private start = 0;
+  private end = 0;
+
+  get length(): number {
+    return this.end - this.start;
+  }
+
+  push(samples: Float32Array, scale = 1): void {
+    if (this.end + samples.length > this.data.length) {
+      const need = this.length + samples.length;
+      const next = need > this.data.length / 2 ? new Float32Array(Math.max(need * 2, 16_384)) : this.data;
+      next.set(this.data.subarray(this.start, this.end), 0);
+      this.data = next;
+      this.end -= this.start;
+      this.start = 0;
+    }
+    if (scale === 1) this.data.set(samples, this.end);
+    else for (let i = 0; i < samples.length; i++) this.data[this.end + i] = samples[i] * scale;
+    this.end += samples.length;
+  }
+
+  /** Removes and returns the first `n` samples (a copy). */
+  take(n: number): Float32Array {
+    const out = this.data.slice(this.start, this.start + n);
+    this.start += n;
+    return out;
+  }
+}

@@ -1,0 +1,168 @@
+import type { VadOptions } from '../config.js';
+import { SILERO, type Job, type JobResult, type SlotInfo, type VadResult } from '../slot-protocol.js';
+import { SampleBuffer, type TaskEvent, type TaskSession } from './task.js';
+
+const RATE = 16_000;
+const msOf = (samples: number): number => Math.round((samples * 1000) / RATE);
+
+/** A detected speech segment; samples at 16 kHz, confidence = mean speech probability over it. */
+export interface Segment {
+  start_ms: number;
+  end_ms: number;
+  start_sample: number;
+  end_sample: number;
+  confidence: number;
+}
+
+/**
+ * Silero VAD segmentation, streaming: the state machine of `get_speech_timestamps` in
+ * silero-vad's utils_vad.py (threshold, neg_threshold, min_speech_duration_ms,
+ * min_silence_duration_ms, speech_pad_ms; max_speech_duration_s is not supported, i.e. infinite),
+ * fed one window probability at a time.
+ *
+ * Differences from the offline function, which sees the whole file: `speech_start` is emitted once
+ * a segment is certain to be kept (longer than min_speech_duration_ms), and padding is applied as
+ * segments close: a start is padded back by speech_pad_ms but never before the previous padded end.
+ * With min_silence_duration_ms >= 2 x speech_pad_ms (the defaults) the result is Silero's exactly.
+ */
+export class VadSegmenter {
+  readonly segments: Segment[] = [];
+  private readonly thr: number;
+  private readonly neg: number;
+  private readonly minSpeech: number;
+  private readonly minSilence: number;
+  private readonly pad: number;
+  private triggered = false;
+  private started = false;
+  private start = 0;
+  private tempEnd = 0;
+  private probs: number[] = [];
+  private prevEnd = 0;
+  private index = 0;
+
+  constructor(o: VadOptions) {
+    this.thr = o.threshold;
+    this.neg = o.neg_threshold ?? Math.max(o.threshold - 0.15, 0.01);
+    this.minSpeech = (RATE * o.min_speech_duration_ms) / 1000;
+    this.minSilence = (RATE * o.min_silence_duration_ms) / 1000;
+    this.pad = Math.floor((RATE * o.speech_pad_ms) / 1000);
+  }
+
+  private paddedStart(): number {
+    return Math.max(this.prevEnd, this.start - this.pad, 0);
+  }
+
+  /** Feeds the next window's probability; `processed` = samples processed so far. */
+  push(p: number, processed: number): TaskEvent[] {
+    const events: TaskEvent[] = [];
+    const sample = SILERO.WINDOW * this.index++;
+    if (p >= this.thr && this.tempEnd) this.tempEnd = 0;
+    if (p >= this.thr && !this.triggered) {
+      this.triggered = true;
+      this.started = false;
+      this.start = sample;
+      this.probs = [p];
+      return events;
+    }
+    if (!this.triggered) return events;
+    this.probs.push(p);
+    if (!this.started && (this.tempEnd || sample) - this.start > this.minSpeech) {
+      this.started = true;
+      events.push({ type: 'speech_start', at_ms: msOf(this.paddedStart()) });
+    }
+    if (p < this.neg) {
+      if (!this.tempEnd) this.tempEnd = sample;
+      if (sample - this.tempEnd >= this.minSilence) {
+        if (this.tempEnd - this.start > this.minSpeech) events.push(...this.close(this.tempEnd, processed));
+        this.triggered = false;
+        this.tempEnd = 0;
+      }
+    }
+    return events;
+  }
+
+  /** End of audio at `total` samples: closes an open segment long enough to keep. */
+  finish(total: number): TaskEvent[] {
+    if (!this.triggered || total - this.start <= this.minSpeech) return [];
+    const events: TaskEvent[] = [];
+    if (!this.started) events.push({ type: 'speech_start', at_ms: msOf(this.paddedStart()) });
+    this.triggered = false;
+    return [...events, ...this.close(total, total)];
+  }
+
+  private close(end: number, limit: number): TaskEvent[] {
+    const windows = Math.max(1, Math.ceil((end - this.start) / SILERO.WINDOW));
+    const used = this.probs.slice(0, windows);
+    const confidence = Math.round((used.reduce((a, b) => a + b, 0) / used.length) * 1000) / 1000;
+    const seg: Segment = {
+      start_sample: this.paddedStart(),
+      end_sample: Math.min(end + this.pad, limit),
+      start_ms: 0,
+      end_ms: 0,
+      confidence,
+    };
+    seg.start_ms = msOf(seg.start_sample);
+    seg.end_ms = msOf(seg.end_sample);
+    this.prevEnd = seg.end_sample;
+    this.segments.push(seg);
+    return [{ type: 'speech_end', start_ms: seg.start_ms, end_ms: seg.end_ms, confidence }];
+  }
+}
+
+/** A VAD request or stream: 512-sample windows through Silero, segmented by {@link VadSegmenter}. */
+export class VadSession implements TaskSession {
+  readonly segmenter: VadSegmenter;
+  private readonly pending = new SampleBuffer();
+  private state: Float32Array = new Float32Array(SILERO.STATE);
+  private context: Float32Array = new Float32Array(SILERO.CONTEXT);
+  private received = 0;
+  private processed = 0;
+  private ended = false;
+  private inFlight = false;
+
+  constructor(_info: SlotInfo, options: VadOptions) {
+    this.segmenter = new VadSegmenter(options);
+  }
+
+  get receivedSamples(): number {
+    return this.received;
+  }
+
+  get finished(): boolean {
+    return this.ended && !this.inFlight && this.pending.length === 0;
+  }
+
+  push(samples: Float32Array): void {
+    this.pending.push(samples);
+    this.received += samples.length;
+  }
+
+  end(): TaskEvent[] {
+    if (this.ended) return [];
+    this.ended = true;
+    const partial = this.pending.length % SILERO.WINDOW;
+    if (partial) this.pending.push(new Float32Array(SILERO.WINDOW - partial));
+    return this.finished ? this.segmenter.finish(this.received) : [];
+  }
+
+  nextJob(maxSteps: number): Job | null {
+    const n = Math.min(maxSteps, Math.floor(this.pending.length / SILERO.WINDOW));
+    if (this.inFlight || n === 0) return null;
+    this.inFlight = true;
+    return { kind: 'vad', windows: this.pending.take(n * SILERO.WINDOW), state: this.state, context: this.context };
+  }
+
+  accept(result: JobResult): TaskEvent[] {
+    const r = result as VadResult;
+    this.inFlight = false;
+    this.state = r.state;
+    this.context = r.context;
+    const events: TaskEvent[] = [];
+    for (const p of r.probs) {
+      this.processed = Math.min(this.processed + SILERO.WINDOW, this.received);
+      events.push(...this.segmenter.push(p, this.processed));
+    }
+    if (this.finished) events.push(...this.segmenter.finish(this.received));
+    return events;
+  }
+}
