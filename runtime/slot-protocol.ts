@@ -59,7 +59,8 @@ export interface WakewordResult {
 }
 
 export type Job = VadJob | WakewordJob;
-export type JobResult = VadResult | WakewordResult;
+/** A result, with when the slot ran it: [start, end] in ms since the epoch (sub-ms precision). */
+export type JobResult = (VadResult | WakewordResult) & { ran?: [number, number] };
 
 export type ToSlot =
   | { type: 'load'; spec: LoadSpec }

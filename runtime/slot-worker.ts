@@ -158,7 +158,9 @@ port.on('message', async (msg: ToSlot) => {
       post({ type: 'loaded', info });
     } else if (msg.type === 'run') {
       if (!runJob) throw new Error('slot has no model loaded');
+      const start = performance.timeOrigin + performance.now();
       const result = await runJob(msg.job);
+      result.ran = [start, performance.timeOrigin + performance.now()];
       post({ type: 'result', seq: msg.seq, result }, transferList(result));
     } else if (msg.type === 'release') {
       await release();

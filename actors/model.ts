@@ -1,0 +1,277 @@
+import { assign, createActor, fromPromise, setup, waitFor, type Actor, type InspectionEvent } from 'xstate';
+import { Admission } from '../runtime/admission.js';
+import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
+import { VoxError } from '../runtime/errors.js';
+import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
+
+/** A model entry's context: the committed config and what the current load holds. */
+export interface ModelContext {
+  config: ModelConfig;
+  /** The config a reconfiguration commits once the old pool is gone. */
+  next: ModelConfig | null;
+  loaded: LoadedModel | null;
+  lastError: string | null;
+}
+
+export type ModelEvent =
+  | { type: 'LOAD' }
+  | { type: 'UNLOAD' }
+  | { type: 'RECONFIGURE'; config: ModelConfig }
+  | { type: 'SLOT_FAILED'; message: string };
+
+const errorMessage = (e: unknown): string => (e instanceof Error ? e.message : String(e));
+
+/**
+ * The model entry state chart (DESIGN.md section 2): `unloaded -> loading -> ready ->
+ * unloading -> unloaded`, plus `reconfiguring` (close the old pool, commit the new config, load).
+ * A load publishes only a complete pool (`loadModel` resolves with every slot built); a failed
+ * load returns to `unloaded` with `lastError` and can be retried. A slot that dies in `ready`
+ * unloads the model with `lastError` set; the next request loads it again.
+ * The `loadModel` actor is provided by {@link ModelEntry} (its loader).
+ */
+export const modelMachine = setup({
+  types: {
+    context: {} as ModelContext,
+    events: {} as ModelEvent,
+    input: {} as { config: ModelConfig },
+  },
+  actors: {
+    loadModel: fromPromise<LoadedModel, ModelConfig>(async () => {
+      throw new Error('no loader provided');
+    }),
+    closeModel: fromPromise<void, LoadedModel | null>(async ({ input }) => {
+      await input?.close();
+    }),
+  },
+}).createMachine({
+  id: 'model',
+  context: ({ input }) => ({ config: input.config, next: null, loaded: null, lastError: null }),
+  initial: 'unloaded',
+  states: {
+    unloaded: {
+      on: {
+        LOAD: 'loading',
+        RECONFIGURE: { actions: assign({ config: ({ event }) => event.config }) },
+      },
+    },
+    loading: {
+      invoke: {
+        src: 'loadModel',
+        input: ({ context }) => context.config,
+        onDone: { target: 'ready', actions: assign({ loaded: ({ event }) => event.output, lastError: null }) },
+        onError: { target: 'unloaded', actions: assign({ lastError: ({ event }) => errorMessage(event.error) }) },
+      },
+    },
+    ready: {
+      on: {
+        UNLOAD: 'unloading',
+        SLOT_FAILED: { target: 'unloading', actions: assign({ lastError: ({ event }) => event.message }) },
+        RECONFIGURE: { target: 'reconfiguring', actions: assign({ next: ({ event }) => event.config }) },
+      },
+    },
+    unloading: {
+      invoke: {
+        src: 'closeModel',
+        input: ({ context }) => context.loaded,
+        onDone: { target: 'unloaded', actions: assign({ loaded: null }) },
+        onError: { target: 'unloaded', actions: assign({ loaded: null, lastError: ({ event }) => errorMessage(event.error) }) },
+      },
+    },
+    reconfiguring: {
+      invoke: {
+        src: 'closeModel',
+        input: ({ context }) => context.loaded,
+        onDone: { target: 'loading', actions: assign({ loaded: null, config: ({ context }) => context.next!, next: null }) },
+        onError: {
+          target: 'unloaded',
+          actions: assign({ loaded: null, config: ({ context }) => context.next!, next: null, lastError: ({ event }) => errorMessage(event.error) }),
+        },
+      },
+    },
+  },
+});
+
+export type ModelActor = Actor<typeof modelMachine>;
+export type ModelState = 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
+
+/** `GET /v1/models/{id}` (DESIGN.md section 4). Times in ms since the epoch; bytes. */
+export interface ModelStatus {
+  id: string;
+  task: string;
+  state: ModelState;
+  loaded: boolean;
+  slots: number;
+  active_slots: number;
+  active_leases: number;
+  max_streams: number;
+  queued_requests: number;
+  oldest_wait_ms: number;
+  resident_bytes: number;
+  last_used_at: number | null;
+  last_error: string | null;
+}
+
+/** Key order-independent JSON, to compare configs. */
+function stable(v: unknown): string {
+  if (Array.isArray(v)) return `[${v.map(stable).join(',')}]`;
+  if (v && typeof v === 'object') {
+    return `{${Object.keys(v)
+      .sort()
+      .filter((k) => (v as Record<string, unknown>)[k] !== undefined)
+      .map((k) => `${JSON.stringify(k)}:${stable((v as Record<string, unknown>)[k])}`)
+      .join(',')}}`;
+  }
+  return JSON.stringify(v);
+}
+
+/**
+ * Validates a model config, including its task options.
+ * @throws VoxError `invalid_request_error` naming the field.
+ */
+export function validateModelConfig(raw: unknown): ModelConfig {
+  const config = parseWith(ModelConfig, raw);
+  parseTaskOptions(config.task, config.options);
+  return config;
+}
+
+/**
+ * One registered model: its state-chart actor, its admission queue and its bookkeeping.
+ * Requests hold a lease (see {@link Admission}) from before their input is prepared until their
+ * response is written; management (load, reconfigure, unload) holds the exclusive lease.
+ */
+export class ModelEntry {
+  readonly id: string;
+  readonly actor: ModelActor;
+  readonly admission: Admission;
+  private lastUsedAt: number | null = null;
+
+  /** @param inspect XState inspection observer, when inspection is on. */
+  constructor(config: ModelConfig, loader: ModelLoader, inspect?: (e: InspectionEvent) => void) {
+    this.id = config.id;
+    this.admission = new Admission(config.max_streams);
+    const machine = modelMachine.provide({
+      actors: {
+        loadModel: fromPromise<LoadedModel, ModelConfig>(async ({ input }) => {
+          const loaded = await loader(input);
+          loaded.pool.onFailure((err) => this.actor.send({ type: 'SLOT_FAILED', message: err.message }));
+          return loaded;
+        }),
+      },
+    });
+    this.actor = createActor(machine, { input: { config }, inspect, systemId: `model:${config.id}` });
+    this.actor.subscribe({ error: () => {} }); // the machine handles every error itself; never crash the process
+    this.actor.start();
+  }
+
+  /** The committed config. */
+  get config(): ModelConfig {
+    return this.actor.getSnapshot().context.config;
+  }
+
+  get state(): ModelState {
+    return this.actor.getSnapshot().value as ModelState;
+  }
+
+  /** Marks use (request start and end), for `last_used_at`. */
+  touch(): void {
+    this.lastUsedAt = Date.now();
+  }
+
+  /**
+   * Waits until the model is ready, starting a load if it is unloaded (concurrent callers share
+   * one load). Call it holding a lease.
+   * @throws VoxError `server_error` with the load error if loading fails.
+   */
+  async ensureReady(): Promise<LoadedModel> {
+    let asked = false;
+    for (;;) {
+      const s = this.actor.getSnapshot();
+      if (s.value === 'ready') return s.context.loaded!;
+      if (s.value === 'unloaded') {
+        if (asked) throw new VoxError('server_error', `model ${this.id} failed to load: ${s.context.lastError}`);
+        asked = true;
+        this.actor.send({ type: 'LOAD' });
+        continue;
+      }
+      await waitFor(this.actor, (n) => n.value !== s.value);
+    }
+  }
+
+  /**
+   * `POST /v1/models/load` on this entry: fields given replace the committed ones, the rest are
+   * kept. The new config is validated before any lease is taken; then, under the exclusive lease,
+   * an identical config on a loaded model does nothing, a different one unloads the old pool,
+   * commits the whole new config and loads it.
+   * @returns whether the config changed (`reconfigured`).
+   * @throws VoxError `invalid_request_error` (invalid config, nothing touched), `server_busy`
+   *   (no exclusive lease within `timeoutMs`), `server_error` (the load failed; the new config
+   *   stays committed, unloaded, retryable).
+   */
+  async configure(fields: Record<string, unknown>, timeoutMs: number): Promise<{ reconfigured: boolean }> {
+    const committed = this.config;
+    const next = validateModelConfig({ ...committed, ...fields, id: this.id });
+    const changed = stable(next) !== stable(committed);
+    const lease = await this.admission.acquire({ exclusive: true, timeoutMs });
+    try {
+      if (changed) {
+        this.admission.setPlaces(next.max_streams);
+        this.actor.send({ type: 'RECONFIGURE', config: next });
+        await waitFor(this.actor, (s) => s.value === 'unloaded' || s.value === 'loading');
+      }
+      await this.ensureReady();
+      return { reconfigured: changed };
+    } finally {
+      lease.release();
+    }
+  }
+
+  /**
+   * Unloads under the exclusive lease (waits for running requests). Idempotent.
+   * @throws VoxError `server_busy` if the lease is not granted within `timeoutMs`.
+   */
+  async unload(timeoutMs: number): Promise<void> {
+    const lease = await this.admission.acquire({ exclusive: true, timeoutMs });
+    try {
+      await waitFor(this.actor, (s) => s.value === 'ready' || s.value === 'unloaded');
+      if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
+      await waitFor(this.actor, (s) => s.value === 'unloaded');
+    } finally {
+      lease.release();
+    }
+  }
+
+  /** An observation of the entry; never waits on the model's work (C17). */
+  status(): ModelStatus {
+    const s = this.actor.getSnapshot();
+    const loaded = s.context.loaded;
+    return {
+      id: this.id,
+      task: s.context.config.task,
+      state: s.value as ModelState,
+      loaded: s.value === 'ready',
+      slots: s.context.config.slots,
+      active_slots: loaded?.pool.activeSlots ?? 0,
+      active_leases: this.admission.activeLeases,
+      max_streams: s.context.config.max_streams,
+      queued_requests: this.admission.queued,
+      oldest_wait_ms: this.admission.oldestWaitMs(),
+      resident_bytes: loaded?.residentBytes ?? 0,
+      last_used_at: this.lastUsedAt,
+      last_error: s.context.lastError,
+    };
+  }
+
+  /**
+   * Unloads (waiting at most `timeoutMs` for running requests) and stops the actor. Past the
+   * timeout the slots are closed anyway: their pending inferences fail.
+   */
+  async stop(timeoutMs: number): Promise<void> {
+    try {
+      await this.unload(timeoutMs);
+    } catch {
+      await this.actor.getSnapshot().context.loaded?.close();
+    } finally {
+      this.actor.stop();
+    }
+  }
+}

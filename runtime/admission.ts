@@ -1,0 +1,154 @@
+import { VoxError } from './errors.js';
+
+/** A granted admission: call `release()` once the response is fully written. Idempotent. */
+export interface Lease {
+  readonly exclusive: boolean;
+  release(): void;
+}
+
+interface Waiter {
+  exclusive: boolean;
+  enqueuedAt: number;
+  grant: (lease: Lease) => void;
+  reject: (err: Error) => void;
+  timer?: NodeJS.Timeout;
+  cleanup: () => void;
+}
+
+/** Options of one acquisition. */
+export interface AcquireOptions {
+  /** Exclusive (management) lease: granted only when no other lease is held. */
+  exclusive?: boolean;
+  /** Busy timeout, ms; 0 = wait without bound. */
+  timeoutMs?: number;
+  /** Aborting leaves the queue at once (the client went away). */
+  signal?: AbortSignal;
+}
+
+/**
+ * Effective busy timeout (DESIGN.md C3): the smallest of the non-zero values, 0 if all are 0
+ * (unbounded) or undefined.
+ * @throws VoxError `invalid_request_error` for a negative or non-integer request value.
+ */
+export function effectiveTimeout(request: number | undefined, model: number | undefined, server: number): number {
+  if (request !== undefined && (!Number.isInteger(request) || request < 0)) {
+    throw new VoxError('invalid_request_error', `busy_timeout_ms: must be a non-negative integer, got ${request}`);
+  }
+  const bounded = [request, model, server].filter((v): v is number => v !== undefined && v > 0);
+  return bounded.length ? Math.min(...bounded) : 0;
+}
+
+/**
+ * A model's admission queue: up to `places` leases at once, one FIFO shared by requests and
+ * management (DESIGN.md C1-C3, C5). Dispatch walks from the head: a management head is granted
+ * only when no lease is held, a request head takes a free place unless an exclusive lease is held,
+ * and a blocked head stops dispatch (a waiting manager is a barrier).
+ */
+export class Admission {
+  private active = 0;
+  private exclusiveHeld = false;
+  private readonly queue: Waiter[] = [];
+
+  /** @param places max concurrent leases (the model's `max_streams`). */
+  constructor(private places: number) {}
+
+  /** Leases held now. */
+  get activeLeases(): number {
+    return this.active;
+  }
+
+  /** Waiters in the queue. */
+  get queued(): number {
+    return this.queue.length;
+  }
+
+  /** Age of the oldest waiter, ms (0 when none). */
+  oldestWaitMs(now = Date.now()): number {
+    return this.queue.length ? now - this.queue[0].enqueuedAt : 0;
+  }
+
+  /** True if an exclusive (management) lease is held. */
+  get exclusive(): boolean {
+    return this.exclusiveHeld;
+  }
+
+  /** Changes the number of places (reconfiguration); dispatch runs again. */
+  setPlaces(places: number): void {
+    this.places = places;
+    this.dispatch();
+  }
+
+  /**
+   * Takes a lease, waiting in FIFO order if needed.
+   * @throws VoxError `server_busy` (Retry-After 1 s) once `timeoutMs` passes while queued;
+   *   an `AbortError` DOMException if `signal` aborts while queued.
+   */
+  acquire(opts: AcquireOptions = {}): Promise<Lease> {
+    const exclusive = opts.exclusive ?? false;
+    if (opts.signal?.aborted) return Promise.reject(new DOMException('the client went away', 'AbortError'));
+    if (this.queue.length === 0 && this.canGrant(exclusive)) return Promise.resolve(this.grant(exclusive));
+    return new Promise<Lease>((resolve, reject) => {
+      const w: Waiter = {
+        exclusive,
+        enqueuedAt: Date.now(),
+        grant: resolve,
+        reject,
+        cleanup: () => {
+          if (w.timer) clearTimeout(w.timer);
+          opts.signal?.removeEventListener('abort', onAbort);
+        },
+      };
+      const leave = (err: Error): void => {
+        const i = this.queue.indexOf(w);
+        if (i < 0) return;
+        this.queue.splice(i, 1);
+        w.cleanup();
+        reject(err);
+        this.dispatch();
+      };
+      const onAbort = (): void => leave(new DOMException('the client went away', 'AbortError'));
+      if (opts.timeoutMs && opts.timeoutMs > 0) {
+        w.timer = setTimeout(
+          () => leave(new VoxError('server_busy', `no lease free within the busy timeout of ${opts.timeoutMs} ms`, { retryAfterS: 1 })),
+          opts.timeoutMs,
+        );
+      }
+      opts.signal?.addEventListener('abort', onAbort, { once: true });
+      this.queue.push(w);
+    });
+  }
+
+  /** Takes a lease only if it can be granted now without waiting; otherwise null. */
+  tryAcquire(exclusive = false): Lease | null {
+    return this.queue.length === 0 && this.canGrant(exclusive) ? this.grant(exclusive) : null;
+  }
+
+  private canGrant(exclusive: boolean): boolean {
+    if (this.exclusiveHeld) return false;
+    return exclusive ? this.active === 0 : this.active < this.places;
+  }
+
+  private grant(exclusive: boolean): Lease {
+    this.active++;
+    if (exclusive) this.exclusiveHeld = true;
+    let released = false;
+    return {
+      exclusive,
+      release: () => {
+        if (released) return;
+        released = true;
+        this.active--;
+        if (exclusive) this.exclusiveHeld = false;
+        this.dispatch();
+      },
+    };
+  }
+
+  private dispatch(): void {
+    while (this.queue.length && this.canGrant(this.queue[0].exclusive)) {
+      const w = this.queue.shift()!;
+      w.cleanup();
+      w.grant(this.grant(w.exclusive));
+    }
+  }
+}

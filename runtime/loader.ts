@@ -1,0 +1,102 @@
+import { readFile } from 'node:fs/promises';
+import type { ModelConfig } from './config.js';
+import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
+import { SlotPool, startWorkerSlot, type SlotFactory } from './slots.js';
+import type { LoadSpec } from './slot-protocol.js';
+
+/** A model's loaded slots plus what they hold. `close()` stops clones, the primary, then drops shared weights. */
+export interface LoadedModel {
+  pool: SlotPool;
+  /** Model file bytes the slots hold: (model + shared bundle) x slots, as each slot has its own sessions. Bytes. */
+  residentBytes: number;
+  close(): Promise<void>;
+}
+
+/** Turns a committed model config into running slots. */
+export type ModelLoader = (config: ModelConfig) => Promise<LoadedModel>;
+
+async function readModelFile(path: string): Promise<Uint8Array> {
+  let bytes: Buffer;
+  try {
+    bytes = await readFile(path);
+  } catch (e) {
+    throw new Error(`cannot read model file ${path}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
+  }
+  // A SharedArrayBuffer: every slot worker reads the same bytes, no copy per message.
+  const shared = new Uint8Array(new SharedArrayBuffer(bytes.length));
+  shared.set(bytes);
+  return shared;
+}
+
+interface Bundle {
+  melspectrogram: Uint8Array;
+  embedding: Uint8Array;
+  refs: number;
+}
+
+/**
+ * The openWakeWord feature models (melspectrogram + embedding) as one shared, immutable weight
+ * bundle: read once, reference-counted by the wake-word models using it, dropped after the last.
+ */
+export class WeightBundles {
+  private readonly bundles = new Map<string, Promise<Bundle>>();
+
+  /** Takes a reference; the returned function gives it back (idempotent). */
+  async acquire(melPath: string, embPath: string): Promise<{ bundle: Bundle; release: () => void }> {
+    const key = `${melPath}\n${embPath}`;
+    let p = this.bundles.get(key);
+    if (!p) {
+      p = Promise.all([readModelFile(melPath), readModelFile(embPath)]).then(([melspectrogram, embedding]) => ({ melspectrogram, embedding, refs: 0 }));
+      this.bundles.set(key, p);
+      p.catch(() => this.bundles.delete(key));
+    }
+    const bundle = await p;
+    bundle.refs++;
+    let done = false;
+    return {
+      bundle,
+      release: () => {
+        if (done) return;
+        done = true;
+        if (--bundle.refs === 0) this.bundles.delete(key);
+      },
+    };
+  }
+
+  /** Bundles currently held. */
+  get size(): number {
+    return this.bundles.size;
+  }
+}
+
+/** The loader used by the server: reads the files, starts `config.slots` slot workers. */
+export function createLoader(bundles: WeightBundles, factory: SlotFactory = startWorkerSlot): ModelLoader {
+  return async (config) => {
+    const model = await readModelFile(config.path);
+    let spec: LoadSpec;
+    let release = (): void => {};
+    let shared = 0;
+    if (config.task === 'wakeword') {
+      const b = await bundles.acquire(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
+      release = b.release;
+      shared = b.bundle.melspectrogram.length + b.bundle.embedding.length;
+      spec = { kind: 'wakeword', model, melspectrogram: b.bundle.melspectrogram, embedding: b.bundle.embedding };
+    } else {
+      spec = { kind: 'vad', model };
+    }
+    try {
+      const pool = await SlotPool.start(spec, config.slots, factory);
+      return {
+        pool,
+        residentBytes: (model.length + shared) * config.slots,
+        close: async () => {
+          await pool.close();
+          release();
+        },
+      };
+    } catch (e) {
+      release();
+      throw e;
+    }
+  };
+}

@@ -1,0 +1,29 @@
+import { parseTaskOptions, type ModelConfig } from '../config.js';
+import type { SlotInfo } from '../slot-protocol.js';
+import type { TaskSession } from './task.js';
+import { VadSession } from './vad.js';
+import { WakewordSession } from './wakeword.js';
+
+export type { TaskEvent, TaskSession } from './task.js';
+export { drain } from './task.js';
+
+/**
+ * Creates the task session for one request or stream of a model. Request `options` override the
+ * model's configured ones field by field.
+ * @throws VoxError `invalid_request_error` naming the bad `options.*` field.
+ */
+export function createTaskSession(config: ModelConfig, info: SlotInfo, options: unknown): TaskSession {
+  if (options !== undefined && (typeof options !== 'object' || options === null || Array.isArray(options))) {
+    parseTaskOptions(config.task, options); // throws the schema's message for a non-object
+  }
+  const merged = { ...config.options, ...(options as object | undefined) };
+  if (config.task === 'vad') return new VadSession(info, parseTaskOptions('vad', merged));
+  return new WakewordSession(info, parseTaskOptions('wakeword', merged), config.id);
+}
+
+/** The task-specific part of a `/v1/tasks/run` result. */
+export function taskResult(session: TaskSession): Record<string, unknown> {
+  if (session instanceof VadSession) return { task: 'vad', sample_rate: 16_000, segments: session.segmenter.segments };
+  if (session instanceof WakewordSession) return { task: 'wakeword', detections: session.detections };
+  throw new Error('unknown task session');
+}

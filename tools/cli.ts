@@ -1,0 +1,146 @@
+#!/usr/bin/env node
+/**
+ * The voxserve command line: `serve` runs the server; `run` and `stream` are clients of a
+ * running server (HTTP `POST /v1/tasks/run` and WebSocket `/v1/stream`).
+ */
+import { readFileSync } from 'node:fs';
+import { createRequire } from 'node:module';
+import { Command, InvalidArgumentError } from 'commander';
+import WebSocket from 'ws';
+import { loadServerConfig, type ServerConfig } from '../runtime/config.js';
+import { VoxError } from '../runtime/errors.js';
+import { startServer } from '../transport/server.js';
+
+const require = createRequire(import.meta.url);
+const { WaveFile } = require('wavefile') as typeof import('wavefile');
+const DEFAULT_URL = 'http://127.0.0.1:8080';
+
+const int = (name: string) => (v: string): number => {
+  if (!/^\d+$/.test(v)) throw new InvalidArgumentError(`${name} must be a non-negative integer`);
+  return Number(v);
+};
+
+function die(message: string): never {
+  process.stderr.write(`voxserve: ${message}\n`);
+  process.exit(1);
+}
+
+function unreachable(url: string, e: unknown): never {
+  const code = (e as { cause?: { code?: string }; code?: string }).cause?.code ?? (e as { code?: string }).code;
+  if (code === 'ECONNREFUSED' || code === 'ENOTFOUND' || code === 'EHOSTUNREACH') {
+    die(`no voxserve is running at ${url} (${code}); start one with: voxserve serve`);
+  }
+  die(`cannot reach ${url}: ${(e as Error).message}`);
+}
+
+const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket');
+
+program
+  .command('serve')
+  .description('run the server (with no config: the embedded default models, on 127.0.0.1:8080)')
+  .option('--config <file>', 'JSON config file')
+  .option('--host <host>', 'listen address')
+  .option('--port <port>', 'listen port (0 picks a free one)', int('--port'))
+  .option('--busy-timeout-ms <ms>', 'server ceiling on admission waits, ms (0 = unbounded)', int('--busy-timeout-ms'))
+  .option('--management', 'enable the model management routes (load/unload)')
+  .action(async (opts: { config?: string; host?: string; port?: number; busyTimeoutMs?: number; management?: boolean }) => {
+    let config: ServerConfig;
+    try {
+      config = loadServerConfig(opts.config, { host: opts.host, port: opts.port, busy_timeout_ms: opts.busyTimeoutMs });
+    } catch (e) {
+      die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e));
+    }
+    if (opts.management) config.management = { ...config.management, enabled: true };
+    const t0 = performance.now();
+    let server;
+    try {
+      server = await startServer(config);
+    } catch (e) {
+      die(`cannot listen on ${config.host}:${config.port}: ${(e as Error).message}`);
+    }
+    process.stderr.write(`voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`);
+    let signals = 0;
+    const stop = (sig: string): void => {
+      if (++signals > 1) process.exit(0);
+      process.stderr.write(`voxserve: ${sig}, shutting down\n`);
+      server.close().then(
+        () => process.exit(0),
+        (e) => die(`shutdown failed: ${(e as Error).message}`),
+      );
+    };
+    process.on('SIGTERM', () => stop('SIGTERM'));
+    process.on('SIGINT', () => stop('SIGINT'));
+  });
+
+program
+  .command('run')
+  .description('send a WAV file to a running server and print the JSON result')
+  .argument('<model>', 'model id, e.g. silero-vad or alexa')
+  .argument('<file>', 'WAV file')
+  .option('--url <url>', 'server URL', DEFAULT_URL)
+  .action(async (model: string, file: string, opts: { url: string }) => {
+    let wav: Buffer;
+    try {
+      wav = readFileSync(file);
+    } catch (e) {
+      die(`cannot read ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
+    }
+    const url = `${opts.url.replace(/\/+$/, '')}/v1/tasks/run?model=${encodeURIComponent(model)}`;
+    let res: Response;
+    try {
+      res = await fetch(url, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+    } catch (e) {
+      unreachable(opts.url, e);
+    }
+    const text = await res.text();
+    process.stdout.write(`${text}\n`);
+    if (!res.ok) process.exit(1);
+  });
+
+program
+  .command('stream')
+  .description('stream a WAV file to a running server over WebSocket and print events as they arrive')
+  .argument('<model>', 'model id')
+  .argument('<file>', 'WAV file (16-bit PCM, any rate and channel count)')
+  .option('--url <url>', 'server URL', DEFAULT_URL)
+  .option('--realtime', 'send each 100 ms frame when its audio has elapsed')
+  .option('--frame-ms <ms>', 'frame length, ms', int('--frame-ms'), 100)
+  .action(async (model: string, file: string, opts: { url: string; realtime?: boolean; frameMs: number }) => {
+    let wav: InstanceType<typeof WaveFile>;
+    try {
+      wav = new WaveFile(readFileSync(file));
+      wav.toBitDepth('16');
+    } catch (e) {
+      die(`cannot read ${file} as WAV: ${(e as Error).message}`);
+    }
+    const fmt = wav.fmt as { sampleRate: number; numChannels: number };
+    const pcm = Buffer.from((wav.data as { samples: Uint8Array }).samples);
+    const q = new URLSearchParams({ model, sample_rate: String(fmt.sampleRate), channels: String(fmt.numChannels), encoding: 's16le' });
+    const wsUrl = `${opts.url.replace(/^http/, 'ws').replace(/\/+$/, '')}/v1/stream?${q}`;
+    const ws = new WebSocket(wsUrl, 'voxserve.v1.json');
+    const frameBytes = Math.max(2 * fmt.numChannels, Math.round((fmt.sampleRate * opts.frameMs) / 1000) * 2 * fmt.numChannels);
+    let failed = false;
+    ws.on('unexpected-response', (_req, res) => die(`server refused the stream: HTTP ${res.statusCode}`));
+    ws.on('error', (e) => unreachable(opts.url, e));
+    ws.on('message', async (data) => {
+      const event = JSON.parse(data.toString());
+      process.stdout.write(`${JSON.stringify(event)}\n`);
+      if (event.type === 'error') failed = true;
+      if (event.type !== 'ready') return;
+      const start = performance.now();
+      for (let off = 0, i = 0; off < pcm.length; off += frameBytes, i++) {
+        if (opts.realtime) {
+          const due = start + i * opts.frameMs - performance.now();
+          if (due > 0) await new Promise((r) => setTimeout(r, due));
+        }
+        ws.send(pcm.subarray(off, off + frameBytes));
+      }
+      ws.send(JSON.stringify({ type: 'end' }));
+    });
+    ws.on('close', (code, reason) => {
+      if (code !== 1000) process.stderr.write(`voxserve: stream closed ${code} ${reason.toString()}\n`);
+      process.exit(code === 1000 && !failed ? 0 : 1);
+    });
+  });
+
+program.parseAsync().catch((e) => die((e as Error).message));

@@ -1,0 +1,130 @@
+import type { IncomingMessage, ServerResponse } from 'node:http';
+import type { Supervisor } from '../actors/supervisor.js';
+import { effectiveTimeout } from '../runtime/admission.js';
+import { decodeWav, resample } from '../runtime/audio.js';
+import type { ServerConfig } from '../runtime/config.js';
+import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
+import { createTaskSession, drain, taskResult } from '../runtime/tasks/index.js';
+
+/** Windows (VAD, 32 ms) or steps (wake word, 80 ms) per slot job for a file: ~2-5 s of audio, so streams interleave. */
+const FILE_JOB_STEPS = 64;
+
+/** Writes a JSON response. */
+export function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
+  const text = JSON.stringify(body);
+  res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text), ...headers });
+  res.end(text);
+}
+
+/** Writes a VoxError (or any error, as `server_error`) in the wire format, with Retry-After on 503s. */
+export function sendError(res: ServerResponse, err: unknown): void {
+  const e = toVoxError(err);
+  if (res.headersSent) {
+    res.destroy();
+    return;
+  }
+  const headers: Record<string, string> = e.status === 503 ? { 'retry-after': String(e.retryAfterS ?? 1) } : {};
+  sendJson(res, e.status, errorBody(e), headers);
+}
+
+/**
+ * Reads a request body of at most `limit` bytes.
+ * @throws VoxError `payload_too_large` past the limit (the rest is not read).
+ */
+export async function readBody(req: IncomingMessage, limit: number): Promise<Buffer> {
+  const declared = Number(req.headers['content-length']);
+  if (declared > limit) throw new VoxError('payload_too_large', `body of ${declared} bytes exceeds limits.max_body_bytes (${limit})`);
+  const chunks: Buffer[] = [];
+  let size = 0;
+  for await (const chunk of req) {
+    size += (chunk as Buffer).length;
+    if (size > limit) throw new VoxError('payload_too_large', `body exceeds limits.max_body_bytes (${limit})`);
+    chunks.push(chunk as Buffer);
+  }
+  return Buffer.concat(chunks);
+}
+
+/** Parses a JSON object body. @throws VoxError `invalid_request_error`. */
+export function parseJsonObject(body: Buffer): Record<string, unknown> {
+  let v: unknown;
+  try {
+    v = JSON.parse(body.toString('utf8'));
+  } catch (e) {
+    throw invalid(`body is not valid JSON: ${(e as Error).message}`);
+  }
+  if (!v || typeof v !== 'object' || Array.isArray(v)) throw invalid('body must be a JSON object');
+  return v as Record<string, unknown>;
+}
+
+function parseTimeout(v: unknown): number | undefined {
+  if (v === undefined || v === null || v === '') return undefined;
+  const n = typeof v === 'string' ? Number(v) : v;
+  if (typeof n !== 'number' || !Number.isInteger(n) || n < 0) throw invalid(`busy_timeout_ms: must be a non-negative integer, got ${JSON.stringify(v)}`);
+  return n;
+}
+
+interface RunRequest {
+  model: string;
+  wav: Buffer;
+  busyTimeoutMs?: number;
+  options?: unknown;
+}
+
+function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer): RunRequest {
+  const type = (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
+  if (type === 'application/json') {
+    const json = parseJsonObject(body);
+    if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
+    if (typeof json.audio !== 'string' || !json.audio) throw invalid('audio: required, a base64-encoded WAV file');
+    if (!/^[A-Za-z0-9+/]*={0,2}$/.test(json.audio.replace(/\s/g, ''))) throw invalid('audio: not valid base64');
+    return { model: json.model, wav: Buffer.from(json.audio, 'base64'), busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options };
+  }
+  if (type === 'audio/wav' || type === 'audio/x-wav' || type === 'audio/wave' || type === 'application/octet-stream') {
+    const model = url.searchParams.get('model');
+    if (!model) throw invalid('model: required as a query parameter (?model=ID) with a WAV body');
+    return { model, wav: body, busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined) };
+  }
+  throw invalid(`content-type: expected audio/wav (with ?model=ID) or application/json, got '${type || 'none'}'`);
+}
+
+/**
+ * `POST /v1/tasks/run`: one WAV in, one result out. The lease is taken before the audio is
+ * decoded and released once the response is written, or when the client goes away (then
+ * pending inference is dropped and the result discarded).
+ */
+export async function handleRun(supervisor: Supervisor, config: ServerConfig, req: IncomingMessage, res: ServerResponse, url: URL): Promise<void> {
+  const t0 = performance.now();
+  const body = await readBody(req, config.limits.max_body_bytes);
+  const run = parseRunRequest(req, url, body);
+  const entry = supervisor.require(run.model);
+  const timeoutMs = effectiveTimeout(run.busyTimeoutMs, entry.config.busy_timeout_ms, config.busy_timeout_ms);
+  const gone = new AbortController();
+  res.on('close', () => {
+    if (!res.writableFinished) gone.abort();
+  });
+  const lease = await entry.admission.acquire({ timeoutMs, signal: gone.signal });
+  entry.touch();
+  const queueMs = performance.now() - t0;
+  const done = (): void => {
+    entry.touch();
+    lease.release();
+  };
+  if (res.closed) return done();
+  res.on('close', done);
+  const audio = decodeWav(run.wav);
+  const samples = await resample(audio.samples, audio.sampleRate);
+  const { pool } = await entry.ensureReady();
+  const session = createTaskSession(entry.config, pool.info, run.options);
+  session.push(samples);
+  session.end();
+  await drain(session, (job) => pool.run(job, gone.signal), () => {}, FILE_JOB_STEPS);
+  const wallMs = performance.now() - t0;
+  const audioMs = (audio.samples.length * 1000) / audio.sampleRate;
+  sendJson(res, 200, {
+    model: entry.id,
+    ...taskResult(session),
+    timing: { wall_ms: round(wallMs), queue_ms: round(queueMs), audio_duration_ms: round(audioMs), rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000 },
+  });
+}
+
+const round = (ms: number): number => Math.round(ms * 10) / 10;
