@@ -1,0 +1,100 @@
+import { describe, expect, it } from 'vitest';
+import { ModelEntry } from '../../actors/model.js';
+import type { ModelConfig } from '../../runtime/config.js';
+import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
+import type { Job, JobResult, LoadSpec } from '../../runtime/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+
+const config: ModelConfig = { id: 'm', task: 'vad', path: '/nowhere.onnx', slots: 1, max_streams: 4, lazy: true, options: {} };
+
+/** A loader over fake slots; `exits` lets a test kill slot 0 of the latest load. */
+function fakeLoader(opts: { fail?: () => string | null; delayMs?: number } = {}) {
+  const calls: ModelConfig[] = [];
+  const kills: ((e: Error) => void)[] = [];
+  const loader: ModelLoader = async (c) => {
+    calls.push(c);
+    await new Promise((r) => setTimeout(r, opts.delayMs ?? 5));
+    const err = opts.fail?.();
+    if (err) throw new Error(err);
+    const factory = async (_s: LoadSpec): Promise<SlotHost> => ({
+      info: {},
+      run: async (job: Job) => ({ kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) }) as JobResult,
+      close: async () => {},
+      onExit: (cb) => kills.push(cb),
+    });
+    const pool = await SlotPool.start({ kind: 'vad', model: new Uint8Array(0) }, c.slots, factory);
+    return { pool, residentBytes: 100 * c.slots, close: () => pool.close() } satisfies LoadedModel;
+  };
+  return { loader, calls, kills };
+}
+
+describe('ModelEntry', () => {
+  it('shares one load between concurrent first requests (single flight)', async () => {
+    const f = fakeLoader({ delayMs: 20 });
+    const e = new ModelEntry(config, f.loader);
+    const results = await Promise.all([e.ensureReady(), e.ensureReady(), e.ensureReady()]);
+    expect(f.calls).toHaveLength(1);
+    expect(new Set(results).size).toBe(1);
+    expect(e.state).toBe('ready');
+    expect(e.status()).toMatchObject({ loaded: true, resident_bytes: 100, last_error: null });
+  });
+
+  it('leaves a failed load unloaded with last_error, and a retry loads it', async () => {
+    let failures = 1;
+    const f = fakeLoader({ fail: () => (failures-- > 0 ? 'bad weights' : null) });
+    const e = new ModelEntry(config, f.loader);
+    await expect(e.ensureReady()).rejects.toThrow(/failed to load: bad weights/);
+    expect(e.status()).toMatchObject({ state: 'unloaded', loaded: false, last_error: 'bad weights', resident_bytes: 0 });
+    await e.ensureReady();
+    expect(e.status()).toMatchObject({ state: 'ready', last_error: null });
+    expect(f.calls).toHaveLength(2);
+  });
+
+  it('a dying slot unloads the model with last_error; the next request loads it again', async () => {
+    const f = fakeLoader();
+    const e = new ModelEntry(config, f.loader);
+    await e.ensureReady();
+    f.kills[0](new Error('worker exited with code 1'));
+    await new Promise((r) => setTimeout(r, 10));
+    expect(e.status()).toMatchObject({ state: 'unloaded', last_error: 'worker exited with code 1' });
+    await e.ensureReady();
+    expect(e.state).toBe('ready');
+  });
+
+  it('configure: an identical config does nothing; a changed one reloads with the merged config', async () => {
+    const f = fakeLoader();
+    const e = new ModelEntry(config, f.loader);
+    await e.ensureReady();
+    expect(await e.configure({}, 1000)).toEqual({ reconfigured: false });
+    expect(f.calls).toHaveLength(1);
+    expect(await e.configure({ slots: 2 }, 1000)).toEqual({ reconfigured: true });
+    expect(f.calls).toHaveLength(2);
+    expect(e.config).toMatchObject({ slots: 2, max_streams: 4 }); // max_streams kept
+    expect(e.status()).toMatchObject({ state: 'ready', slots: 2, resident_bytes: 200 });
+  });
+
+  it('configure: an invalid config is refused with the field named and leaves the model untouched', async () => {
+    const f = fakeLoader();
+    const e = new ModelEntry(config, f.loader);
+    const before = await e.ensureReady();
+    await expect(e.configure({ slots: 17 }, 1000)).rejects.toThrow(/slots/);
+    await expect(e.configure({ options: { threshold: 2 } }, 1000)).rejects.toThrow(/options\.threshold/);
+    expect(e.state).toBe('ready');
+    expect(await e.ensureReady()).toBe(before);
+  });
+
+  it('unload waits for running requests (exclusive lease) and is idempotent', async () => {
+    const f = fakeLoader();
+    const e = new ModelEntry(config, f.loader);
+    const lease = await e.admission.acquire();
+    await e.ensureReady();
+    const unloading = e.unload(1000);
+    await new Promise((r) => setTimeout(r, 10));
+    expect(e.state).toBe('ready');
+    lease.release();
+    await unloading;
+    expect(e.status()).toMatchObject({ state: 'unloaded', loaded: false, resident_bytes: 0, active_leases: 0 });
+    await e.unload(1000);
+    expect(e.state).toBe('unloaded');
+  });
+});

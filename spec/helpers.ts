@@ -1,0 +1,32 @@
+import { readFileSync } from 'node:fs';
+import { fileURLToPath } from 'node:url';
+import { createRequire } from 'node:module';
+
+const require = createRequire(import.meta.url);
+export const { WaveFile } = require('wavefile') as typeof import('wavefile');
+
+/** Path of a file in spec/fixtures (see spec/fixtures/README.md for provenance). */
+export function fixturePath(name: string): string {
+  return fileURLToPath(new URL(`./fixtures/${name}`, import.meta.url));
+}
+
+export function fixture(name: string): Buffer {
+  return readFileSync(fixturePath(name));
+}
+
+/** A WAV file built with wavefile: `channels` x `frames` of a 440 Hz tone. */
+export function toneWav(opts: { rate: number; channels: number; bitDepth: string; frames: number }): Buffer {
+  const w = new WaveFile();
+  const chans: number[][] = [];
+  const scale = opts.bitDepth === '32f' ? 0.5 : opts.bitDepth === '8' ? 64 : 0.5 * 2 ** (Number(opts.bitDepth) - 1);
+  for (let c = 0; c < opts.channels; c++) {
+    chans.push(
+      Array.from({ length: opts.frames }, (_, i) => {
+        const v = Math.sin((2 * Math.PI * 440 * i) / opts.rate) * scale;
+        return opts.bitDepth === '8' ? Math.round(128 + v) : opts.bitDepth === '32f' ? v : Math.round(v);
+      }),
+    );
+  }
+  w.fromScratch(opts.channels, opts.rate, opts.bitDepth, opts.channels === 1 ? chans[0] : chans);
+  return Buffer.from(w.toBuffer());
+}

@@ -1,0 +1,109 @@
+import { describe, expect, it } from 'vitest';
+import { decodeWav, PcmStreamDecoder, resample } from '../../runtime/audio.js';
+import { VoxError } from '../../runtime/errors.js';
+import { fixture, toneWav } from '../helpers.js';
+
+function rms(x: Float32Array): number {
+  let s = 0;
+  for (const v of x) s += v * v;
+  return Math.sqrt(s / x.length);
+}
+
+describe('decodeWav', () => {
+  it.each(['8', '16', '24', '32', '32f'])('decodes %s-bit PCM to float32 at the same level', (bitDepth) => {
+    const a = decodeWav(toneWav({ rate: 22050, channels: 1, bitDepth, frames: 2205 }));
+    expect(a.sampleRate).toBe(22050);
+    expect(a.samples.length).toBe(2205);
+    // A sine of amplitude 0.5 has an RMS of 0.5 / sqrt(2).
+    expect(rms(a.samples)).toBeCloseTo(0.5 / Math.SQRT2, 2);
+  });
+
+  it('downmixes channels by averaging', () => {
+    const a = decodeWav(toneWav({ rate: 16000, channels: 3, bitDepth: '16', frames: 1600 }));
+    expect(a.samples.length).toBe(1600);
+    expect(rms(a.samples)).toBeCloseTo(0.5 / Math.SQRT2, 2);
+  });
+
+  it('reads the 48 kHz human recording', () => {
+    const a = decodeWav(fixture('Front_Center.wav'));
+    expect(a.sampleRate).toBe(48000);
+    expect(a.samples.length).toBeGreaterThan(48000);
+  });
+
+  it.each([
+    ['an empty body', Buffer.alloc(0), /empty body/],
+    ['bytes that are not a WAV file', Buffer.from('hello, this is not audio at all, not at all'), /not a readable WAV/],
+  ])('rejects %s with a 400 naming the problem', (_name, bytes, message) => {
+    expect(() => decodeWav(bytes)).toThrow(message);
+    try {
+      decodeWav(bytes);
+    } catch (e) {
+      expect((e as VoxError).status).toBe(400);
+    }
+  });
+
+  it('rejects a WAV with no samples', () => {
+    const w = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: 0 });
+    expect(() => decodeWav(w)).toThrow(/no samples/);
+  });
+
+  it('rejects a compressed encoding (mu-law) by its format code', () => {
+    const w = toneWav({ rate: 8000, channels: 1, bitDepth: '16', frames: 800 });
+    w.writeUInt16LE(7, 20); // fmt audioFormat = 7 (mu-law)
+    w.writeUInt16LE(8, 34); // bitsPerSample 8
+    expect(() => decodeWav(w)).toThrow(/unsupported WAV encoding \(format code 7\)/);
+  });
+
+  it('rejects a sample rate out of range', () => {
+    const w = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: 100 });
+    w.writeUInt32LE(4000, 24);
+    expect(() => decodeWav(w)).toThrow(/sample_rate: 4000 Hz is out of range/);
+  });
+});
+
+describe('resample', () => {
+  it('changes the length by the rate ratio and keeps the level', async () => {
+    const a = decodeWav(toneWav({ rate: 48000, channels: 1, bitDepth: '16', frames: 48000 }));
+    const out = await resample(a.samples, 48000, 16000);
+    expect(Math.abs(out.length - 16000)).toBeLessThanOrEqual(2);
+    expect(rms(out.subarray(100, 15900))).toBeCloseTo(0.5 / Math.SQRT2, 2);
+  });
+
+  it('is the identity at equal rates', async () => {
+    const x = new Float32Array([0.1, 0.2]);
+    expect(await resample(x, 16000, 16000)).toBe(x);
+  });
+});
+
+describe('PcmStreamDecoder', () => {
+  it('reassembles samples split across frames and downmixes stereo s16le', async () => {
+    const d = await PcmStreamDecoder.create('s16le', 16000, 2);
+    const bytes = Buffer.alloc(8);
+    bytes.writeInt16LE(16384, 0); // L0
+    bytes.writeInt16LE(0, 2); // R0
+    bytes.writeInt16LE(-16384, 4); // L1
+    bytes.writeInt16LE(-16384, 6); // R1
+    const a = d.push(bytes.subarray(0, 5)); // one frame and one byte of the next
+    const b = d.push(bytes.subarray(5));
+    expect([...a]).toEqual([0.25]);
+    expect([...b]).toEqual([-0.5]);
+    d.close();
+  });
+
+  it('decodes f32le', async () => {
+    const d = await PcmStreamDecoder.create('f32le', 16000, 1);
+    const bytes = Buffer.alloc(8);
+    bytes.writeFloatLE(0.5, 0);
+    bytes.writeFloatLE(-0.25, 4);
+    expect([...d.push(bytes)]).toEqual([0.5, -0.25]);
+  });
+
+  it.each([
+    [0, 1, /sample_rate/],
+    [16000, 0, /channels/],
+    [16000, 33, /channels/],
+    [400000, 1, /sample_rate/],
+  ])('rejects sample_rate %i, channels %i', async (rate, channels, message) => {
+    await expect(PcmStreamDecoder.create('s16le', rate, channels)).rejects.toThrow(message);
+  });
+});

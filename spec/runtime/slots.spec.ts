@@ -1,0 +1,81 @@
+import { readFileSync } from 'node:fs';
+import { describe, expect, it } from 'vitest';
+import { defaultCatalog } from '../../runtime/catalog.js';
+import type { Job, JobResult, LoadSpec, SlotInfo } from '../../runtime/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+
+const vadPath = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
+const vadSpec = (): LoadSpec => ({ kind: 'vad', model: new Uint8Array(readFileSync(vadPath)) });
+const vadJob = (windows: number): Job => ({
+  kind: 'vad',
+  windows: new Float32Array(windows * 512).map((_, i) => Math.sin(i / 10) * 0.3),
+  state: new Float32Array(256),
+  context: new Float32Array(64),
+});
+
+describe('SlotPool on real slot workers', () => {
+  it('runs two jobs at once on a pool of two slots (their run intervals overlap)', async () => {
+    const pool = await SlotPool.start(vadSpec(), 2);
+    try {
+      const [a, b] = await Promise.all([pool.run(vadJob(400)), pool.run(vadJob(400))]);
+      const [a0, a1] = a.ran!;
+      const [b0, b1] = b.ran!;
+      expect(a0 < b1 && b0 < a1).toBe(true);
+    } finally {
+      await pool.close();
+    }
+  });
+
+  it('runs jobs one after another on a pool of one slot', async () => {
+    const pool = await SlotPool.start(vadSpec(), 1);
+    try {
+      const [a, b] = await Promise.all([pool.run(vadJob(100)), pool.run(vadJob(100))]);
+      expect(a.ran![1]).toBeLessThanOrEqual(b.ran![0]);
+    } finally {
+      await pool.close();
+    }
+  });
+
+  it('rejects a model file that is not ONNX', async () => {
+    const bad: LoadSpec = { kind: 'vad', model: new Uint8Array(Buffer.from('definitely not an onnx protobuf')) };
+    await expect(SlotPool.start(bad, 1)).rejects.toThrow();
+  });
+});
+
+/** A fake slot recording what happened to it. */
+function fakeFactory(log: string[], failOn: number | null) {
+  let n = 0;
+  return async (_spec: LoadSpec): Promise<SlotHost> => {
+    const id = n++;
+    await new Promise((r) => setTimeout(r, id === 0 ? 1 : 5 * id));
+    if (id === failOn) throw new Error(`clone ${id} failed`);
+    log.push(`start ${id}`);
+    return {
+      info: {} as SlotInfo,
+      run: async (job: Job) => (log.push(`run ${id}`), { kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) }) as JobResult,
+      close: async () => void log.push(`close ${id}`),
+      onExit: () => {},
+    };
+  };
+}
+
+describe('SlotPool.start', () => {
+  it('on a failing clone closes the clones, then the primary, and rethrows', async () => {
+    const log: string[] = [];
+    await expect(SlotPool.start(vadSpec(), 4, fakeFactory(log, 2))).rejects.toThrow('clone 2 failed');
+    expect(log).toEqual(['start 0', 'start 1', 'start 3', 'close 1', 'close 3', 'close 0']);
+  });
+
+  it('drops a queued job whose client went away, without running it', async () => {
+    const log: string[] = [];
+    const pool = await SlotPool.start(vadSpec(), 1, fakeFactory(log, null));
+    const first = pool.run(vadJob(1));
+    const gone = new AbortController();
+    const second = pool.run(vadJob(1), gone.signal);
+    gone.abort();
+    await expect(second).rejects.toThrow(/went away/);
+    await first;
+    expect(log.filter((l) => l.startsWith('run'))).toEqual(['run 0']);
+    await pool.close();
+  });
+});
