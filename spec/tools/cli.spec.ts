@@ -1,0 +1,86 @@
+import { execFile } from 'node:child_process';
+import { createServer, type AddressInfo } from 'node:net';
+import { fileURLToPath } from 'node:url';
+import { promisify } from 'node:util';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { ServerConfig } from '../../runtime/config.js';
+import { startServer, type VoxServer } from '../../transport/server.js';
+import { fixturePath } from '../helpers.js';
+
+const exec = promisify(execFile);
+const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
+let server: VoxServer;
+
+beforeAll(async () => {
+  server = await startServer(ServerConfig.parse({ port: 0 }));
+});
+afterAll(async () => {
+  await server?.close();
+});
+
+async function voxserve(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
+  try {
+    const { stdout, stderr } = await exec(process.execPath, [cli, ...args]);
+    return { code: 0, stdout, stderr };
+  } catch (e) {
+    const err = e as { code: number; stdout: string; stderr: string };
+    return { code: err.code, stdout: err.stdout, stderr: err.stderr };
+  }
+}
+
+describe('voxserve CLI', () => {
+  it('run prints the JSON result of a file', async () => {
+    const r = await voxserve('run', 'silero-vad', fixturePath('Front_Center.wav'), '--url', server.url);
+    expect(r.code).toBe(0);
+    const result = JSON.parse(r.stdout);
+    expect(result).toMatchObject({ model: 'silero-vad', task: 'vad' });
+    expect(result.segments.length).toBeGreaterThan(0);
+  });
+
+  it('run detects the wake word in the hey jarvis phrase', async () => {
+    const r = await voxserve('run', 'hey-jarvis', fixturePath('espeak_hey_jarvis_22k.wav'), '--url', server.url);
+    expect(JSON.parse(r.stdout).detections).toEqual([expect.objectContaining({ label: 'hey-jarvis' })]);
+  });
+
+  it('stream prints one event per line: ready, detection, done', async () => {
+    const r = await voxserve('stream', 'alexa', fixturePath('espeak_alexa_16k.wav'), '--url', server.url);
+    expect(r.code).toBe(0);
+    const events = r.stdout.trim().split('\n').map((l) => JSON.parse(l));
+    expect(events.map((e) => e.type)).toEqual(['ready', 'detection', 'done']);
+    expect(events[1]).toMatchObject({ label: 'alexa' });
+  });
+
+  it('run and stream exit 1 with an error body for an unknown model', async () => {
+    const r = await voxserve('run', 'nope', fixturePath('Front_Center.wav'), '--url', server.url);
+    expect(r.code).toBe(1);
+    expect(JSON.parse(r.stdout).error.type).toBe('not_found');
+    const s = await voxserve('stream', 'nope', fixturePath('Front_Center.wav'), '--url', server.url);
+    expect(s.code).toBe(1);
+    expect(s.stderr).toMatch(/closed 1008/);
+  });
+
+  it('says clearly when no server is running', async () => {
+    // A port that was free a moment ago: nothing listens there.
+    const probe = createServer();
+    await new Promise<void>((r) => probe.listen(0, '127.0.0.1', r));
+    const { port } = probe.address() as AddressInfo;
+    await new Promise((r) => probe.close(r));
+    for (const cmd of ['run', 'stream']) {
+      const r = await voxserve(cmd, 'silero-vad', fixturePath('Front_Center.wav'), '--url', `http://127.0.0.1:${port}`);
+      expect(r.code).toBe(1);
+      expect(r.stderr).toContain(`no voxserve is running at http://127.0.0.1:${port} (ECONNREFUSED); start one with: voxserve serve`);
+    }
+  });
+
+  it('says clearly when the file is missing', async () => {
+    const r = await voxserve('run', 'silero-vad', '/no/such/file.wav', '--url', server.url);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toMatch(/cannot read \/no\/such\/file\.wav: ENOENT/);
+  });
+
+  it('serve refuses an invalid config naming the field', async () => {
+    const r = await voxserve('serve', '--port', '99999');
+    expect(r.code).toBe(1);
+    expect(r.stderr).toMatch(/invalid configuration: port:/);
+  });
+});
