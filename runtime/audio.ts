@@ -49,12 +49,15 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
   }
   const { numChannels: channels, sampleRate } = fmt;
   checkFormat(sampleRate, channels);
-  try {
-    if (fmt.bitsPerSample !== 32 || fmt.audioFormat !== 3) wav.toBitDepth('32f');
-  } catch (e) {
-    throw invalid(`audio: cannot convert WAV samples (${(e as Error).message})`);
-  }
+  // wavefile unpacks the samples as stored (integers for PCM); scale them to [-1, 1].
   const interleaved = wav.getSamples(true, Float32Array) as unknown as Float32Array;
+  const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && (fmt.bitsPerSample === 64 || isFloatExtensible(wav)));
+  if (!float) {
+    const bits = fmt.bitsPerSample;
+    const offset = bits === 8 ? 128 : 0; // 8-bit WAV is unsigned
+    const scale = 1 / 2 ** (bits - 1);
+    for (let i = 0; i < interleaved.length; i++) interleaved[i] = (interleaved[i] - offset) * scale;
+  }
   const frames = Math.floor(interleaved.length / channels);
   if (frames === 0) throw invalid('audio: the WAV file holds no samples');
   return { samples: downmix(interleaved, channels, frames), sampleRate };
@@ -71,6 +74,12 @@ export function checkFormat(sampleRate: number, channels: number): void {
   if (!Number.isInteger(channels) || channels < 1 || channels > MAX_CHANNELS) {
     throw invalid(`channels: ${channels} is out of range 1-${MAX_CHANNELS}`);
   }
+}
+
+/** WAVE_FORMAT_EXTENSIBLE with the IEEE float sub-format GUID (starts 03 00). */
+function isFloatExtensible(wav: { fmt: object }): boolean {
+  const sub = (wav.fmt as { subformat?: number[] }).subformat;
+  return Array.isArray(sub) && sub[0] === 3;
 }
 
 function downmix(interleaved: Float32Array, channels: number, frames: number): Float32Array {
