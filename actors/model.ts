@@ -1,5 +1,5 @@
 import { assign, createActor, fromPromise, setup, waitFor, type Actor, type InspectionEvent } from 'xstate';
-import { Admission } from '../runtime/admission.js';
+import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
 import { VoxError } from '../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
@@ -145,14 +145,26 @@ export class ModelEntry {
   readonly admission: Admission;
   private lastUsedAt: number | null = null;
 
-  /** @param inspect XState inspection observer, when inspection is on. */
-  constructor(config: ModelConfig, loader: ModelLoader, inspect?: (e: InspectionEvent) => void) {
+  /**
+   * @param serverBusyTimeoutMs the server's busy-timeout ceiling, ms (0 = unbounded).
+   * @param inspect XState inspection observer, when inspection is on.
+   */
+  constructor(
+    config: ModelConfig,
+    loader: ModelLoader,
+    private readonly serverBusyTimeoutMs = 0,
+    inspect?: (e: InspectionEvent) => void,
+  ) {
     this.id = config.id;
     this.admission = new Admission(config.max_streams);
     const machine = modelMachine.provide({
       actors: {
         loadModel: fromPromise<LoadedModel, ModelConfig>(async ({ input }) => {
           const loaded = await loader(input);
+          if (!loaded?.pool?.slots.length) {
+            await loaded?.close?.();
+            throw new Error('the loader yielded no session');
+          }
           loaded.pool.onFailure((err) => this.actor.send({ type: 'SLOT_FAILED', message: err.message }));
           return loaded;
         }),
@@ -175,6 +187,41 @@ export class ModelEntry {
   /** Marks use (request start and end), for `last_used_at`. */
   touch(): void {
     this.lastUsedAt = Date.now();
+  }
+
+  /** The model's busy-timeout ceiling: min(model, server), 0 = unbounded. Also the overdue limit of C4. */
+  get busyTimeoutMs(): number {
+    return effectiveTimeout(undefined, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
+  }
+
+  /**
+   * True while the model is stuck (DESIGN.md C4): every slot has been running one inference
+   * for longer than the busy timeout, or the exclusive holder has held its lease that long.
+   */
+  stuck(now = Date.now()): boolean {
+    const limit = this.busyTimeoutMs;
+    if (limit <= 0) return false;
+    const ex = this.admission.exclusive;
+    if (ex && now - ex.grantedAt > limit) return true;
+    return this.actor.getSnapshot().context.loaded?.pool.allOverdue(limit, now) ?? false;
+  }
+
+  /**
+   * Admits one request (a file, or a whole stream): takes a lease in FIFO order within the
+   * effective busy timeout min(request, model, server).
+   * @param requestTimeoutMs the request's own `busy_timeout_ms`, if it gave one.
+   * @throws VoxError `invalid_request_error` (negative timeout), `server_busy` with Retry-After
+   *   (stuck work, at once; or no lease within the timeout); an `AbortError` if `signal` aborts
+   *   while queued.
+   */
+  async admit(opts: { requestTimeoutMs?: number; signal?: AbortSignal; onRevoke?: () => void }): Promise<Lease> {
+    const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
+    if (this.stuck()) {
+      throw new VoxError('server_busy', `model ${this.id} is stuck: its work has run longer than the busy timeout of ${this.busyTimeoutMs} ms`, { retryAfterS: 5 });
+    }
+    const lease = await this.admission.acquire({ timeoutMs, signal: opts.signal, onRevoke: opts.onRevoke });
+    this.touch();
+    return lease;
   }
 
   /**
@@ -214,9 +261,9 @@ export class ModelEntry {
     const lease = await this.admission.acquire({ exclusive: true, timeoutMs });
     try {
       if (changed) {
-        this.admission.setPlaces(next.max_streams);
         this.actor.send({ type: 'RECONFIGURE', config: next });
         await waitFor(this.actor, (s) => s.value === 'unloaded' || s.value === 'loading');
+        this.admission.setPlaces(next.max_streams); // committed
       }
       await this.ensureReady();
       return { reconfigured: changed };
@@ -230,14 +277,33 @@ export class ModelEntry {
    * @throws VoxError `server_busy` if the lease is not granted within `timeoutMs`.
    */
   async unload(timeoutMs: number): Promise<void> {
-    const lease = await this.admission.acquire({ exclusive: true, timeoutMs });
-    try {
-      await waitFor(this.actor, (s) => s.value === 'ready' || s.value === 'unloaded');
-      if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
-      await waitFor(this.actor, (s) => s.value === 'unloaded');
-    } finally {
-      lease.release();
-    }
+    await this.unloadUnder(this.admission.acquire({ exclusive: true, timeoutMs }));
+  }
+
+  /**
+   * Places an unload barrier now (the exclusive lease's place in the FIFO) and unloads once it
+   * is granted. Bulk unloads place every barrier in one synchronous step, then wait.
+   */
+  unloadUnder(barrier: Promise<Lease>): Promise<void> {
+    return barrier.then(async (lease) => {
+      try {
+        await waitFor(this.actor, (s) => s.value === 'ready' || s.value === 'unloaded');
+        if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
+        await waitFor(this.actor, (s) => s.value === 'unloaded');
+      } finally {
+        lease.release();
+      }
+    });
+  }
+
+  /**
+   * Forced unload (C9 `force`): does not wait. Queued requests get 503, every lease holder is
+   * revoked (HTTP requests answer 503, streams get an `error` event and close 1012), then the
+   * model unloads; running inferences are abandoned with their slots.
+   */
+  async forceUnload(): Promise<void> {
+    this.admission.revokeAll(new VoxError('server_busy', `model ${this.id} was unloaded (force)`, { retryAfterS: 1 }));
+    await this.unload(0);
   }
 
   /** An observation of the entry; never waits on the model's work (C17). */

@@ -1,6 +1,7 @@
 import { assign, createActor, setup, type Actor, type InspectionEvent } from 'xstate';
 import { defaultCatalog } from '../runtime/catalog.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
+import type { Lease } from '../runtime/admission.js';
 import { VoxError } from '../runtime/errors.js';
 import { createLoader, WeightBundles, type ModelLoader } from '../runtime/loader.js';
 import { ModelEntry, validateModelConfig, type ModelStatus } from './model.js';
@@ -82,8 +83,9 @@ export class Supervisor {
     return e;
   }
 
-  private publish(config: ModelConfig): ModelEntry {
-    const entry = new ModelEntry(config, this.loader, this.inspect);
+  private publish(config: ModelConfig, before?: (entry: ModelEntry) => void): ModelEntry {
+    const entry = new ModelEntry(config, this.loader, this.config.busy_timeout_ms, this.inspect);
+    before?.(entry);
     this.entries.set(config.id, entry);
     this.actor.send({ type: 'REGISTERED', id: config.id });
     return entry;
@@ -102,14 +104,43 @@ export class Supervisor {
       return { id: existing.id, loaded: true, reconfigured };
     }
     const config = validateModelConfig(body);
-    const entry = this.publish(config);
-    const lease = await entry.admission.acquire({ exclusive: true, timeoutMs });
+    // C7: the new entry's exclusive lease is taken before it is published, so a concurrent
+    // registration of the same id finds the entry and queues behind this load.
+    let lease!: Lease;
+    const entry = this.publish(config, (e) => (lease = e.admission.tryAcquire(true)!));
     try {
       await entry.ensureReady();
     } finally {
       lease.release();
     }
     return { id: entry.id, loaded: true, reconfigured: false };
+  }
+
+  /**
+   * Bulk unload (C10): de-duplicates `ids`, places every model's unload barrier in one
+   * synchronous step (so two bulk unloads never wait on each other in a cycle), then waits;
+   * idle models are freed at once, busy ones once their running requests finish.
+   * @param timeoutMs how long each barrier may wait (0 = unbounded).
+   * @returns ids unloaded (including known models that were never loaded) and ids unknown, each once.
+   * @throws VoxError `server_busy` naming the models whose barrier timed out (the others are unloaded).
+   */
+  async unloadMany(ids: string[], timeoutMs: number): Promise<{ unloaded: string[]; not_found: string[] }> {
+    const unique = [...new Set(ids)];
+    const not_found = unique.filter((id) => !this.entries.has(id) && !this.catalog.has(id));
+    const entries = unique.filter((id) => this.entries.has(id)).map((id) => this.entries.get(id)!);
+    const barriers = entries.map((e) => e.unloadUnder(e.admission.acquire({ exclusive: true, timeoutMs })));
+    const results = await Promise.allSettled(barriers);
+    const busy = entries.filter((_, i) => results[i].status === 'rejected').map((e) => e.id);
+    const unloaded = unique.filter((id) => !not_found.includes(id) && !busy.includes(id));
+    if (busy.length) {
+      throw new VoxError('server_busy', `could not unload ${busy.join(', ')} within the busy timeout; unloaded: ${unloaded.join(', ') || 'none'}`, { retryAfterS: 1 });
+    }
+    return { unloaded, not_found };
+  }
+
+  /** Every registered model's id. */
+  get registeredIds(): string[] {
+    return [...this.entries.keys()];
   }
 
   /** Status of every known model: registered entries, then catalog models not yet registered. */

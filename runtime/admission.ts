@@ -3,12 +3,15 @@ import { VoxError } from './errors.js';
 /** A granted admission: call `release()` once the response is fully written. Idempotent. */
 export interface Lease {
   readonly exclusive: boolean;
+  /** When it was granted, ms since the epoch. */
+  readonly grantedAt: number;
   release(): void;
 }
 
 interface Waiter {
   exclusive: boolean;
   enqueuedAt: number;
+  onRevoke?: () => void;
   grant: (lease: Lease) => void;
   reject: (err: Error) => void;
   timer?: NodeJS.Timeout;
@@ -23,6 +26,8 @@ export interface AcquireOptions {
   timeoutMs?: number;
   /** Aborting leaves the queue at once (the client went away). */
   signal?: AbortSignal;
+  /** Called if the lease is revoked while held (a forced unload): stop the work. The lease is released right after. */
+  onRevoke?: () => void;
 }
 
 /**
@@ -46,8 +51,9 @@ export function effectiveTimeout(request: number | undefined, model: number | un
  */
 export class Admission {
   private active = 0;
-  private exclusiveHeld = false;
+  private exclusiveLease: Lease | null = null;
   private readonly queue: Waiter[] = [];
+  private readonly revokers = new Map<Lease, () => void>();
 
   /** @param places max concurrent leases (the model's `max_streams`). */
   constructor(private places: number) {}
@@ -67,9 +73,9 @@ export class Admission {
     return this.queue.length ? now - this.queue[0].enqueuedAt : 0;
   }
 
-  /** True if an exclusive (management) lease is held. */
-  get exclusive(): boolean {
-    return this.exclusiveHeld;
+  /** The exclusive (management) lease, if one is held. */
+  get exclusive(): Lease | null {
+    return this.exclusiveLease;
   }
 
   /** Changes the number of places (reconfiguration); dispatch runs again. */
@@ -86,10 +92,11 @@ export class Admission {
   acquire(opts: AcquireOptions = {}): Promise<Lease> {
     const exclusive = opts.exclusive ?? false;
     if (opts.signal?.aborted) return Promise.reject(new DOMException('the client went away', 'AbortError'));
-    if (this.queue.length === 0 && this.canGrant(exclusive)) return Promise.resolve(this.grant(exclusive));
+    if (this.queue.length === 0 && this.canGrant(exclusive)) return Promise.resolve(this.grant(exclusive, opts.onRevoke));
     return new Promise<Lease>((resolve, reject) => {
       const w: Waiter = {
         exclusive,
+        onRevoke: opts.onRevoke,
         enqueuedAt: Date.now(),
         grant: resolve,
         reject,
@@ -123,32 +130,51 @@ export class Admission {
     return this.queue.length === 0 && this.canGrant(exclusive) ? this.grant(exclusive) : null;
   }
 
+  /**
+   * Forced unload: every waiter is answered `err` and leaves the queue; every holder that gave
+   * an `onRevoke` has it called and its lease released.
+   */
+  revokeAll(err: Error): void {
+    for (const w of this.queue.splice(0)) {
+      w.cleanup();
+      w.reject(err);
+    }
+    for (const [lease, revoke] of [...this.revokers]) {
+      revoke();
+      lease.release();
+    }
+  }
+
   private canGrant(exclusive: boolean): boolean {
-    if (this.exclusiveHeld) return false;
+    if (this.exclusiveLease) return false;
     return exclusive ? this.active === 0 : this.active < this.places;
   }
 
-  private grant(exclusive: boolean): Lease {
+  private grant(exclusive: boolean, onRevoke?: () => void): Lease {
     this.active++;
-    if (exclusive) this.exclusiveHeld = true;
     let released = false;
-    return {
+    const lease: Lease = {
       exclusive,
+      grantedAt: Date.now(),
       release: () => {
         if (released) return;
         released = true;
         this.active--;
-        if (exclusive) this.exclusiveHeld = false;
+        this.revokers.delete(lease);
+        if (this.exclusiveLease === lease) this.exclusiveLease = null;
         this.dispatch();
       },
     };
+    if (exclusive) this.exclusiveLease = lease;
+    if (onRevoke) this.revokers.set(lease, onRevoke);
+    return lease;
   }
 
   private dispatch(): void {
     while (this.queue.length && this.canGrant(this.queue[0].exclusive)) {
       const w = this.queue.shift()!;
       w.cleanup();
-      w.grant(this.grant(w.exclusive));
+      w.grant(this.grant(w.exclusive, w.onRevoke));
     }
   }
 }

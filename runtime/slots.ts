@@ -148,6 +148,8 @@ interface QueuedRun {
  */
 export class SlotPool {
   private readonly idle: SlotHost[];
+  /** Slots running a job, with when the job started (ms since the epoch). */
+  private readonly running = new Map<SlotHost, number>();
   private readonly queue: QueuedRun[] = [];
   private failure: Error | null = null;
   private failCb: ((err: Error) => void) | null = null;
@@ -181,7 +183,17 @@ export class SlotPool {
 
   /** Slots running a job now. */
   get activeSlots(): number {
-    return this.slots.length - this.idle.length;
+    return this.running.size;
+  }
+
+  /**
+   * Stuck work (DESIGN.md C4): true when every slot is running a job that started more than
+   * `timeoutMs` ago. Always false for `timeoutMs` 0 (unbounded).
+   */
+  allOverdue(timeoutMs: number, now = Date.now()): boolean {
+    if (timeoutMs <= 0 || this.running.size < this.slots.length) return false;
+    for (const started of this.running.values()) if (now - started <= timeoutMs) return false;
+    return true;
   }
 
   /** Called once if a slot dies: the pool is then failed and must be closed. */
@@ -219,7 +231,9 @@ export class SlotPool {
       const slot = this.idle.shift()!;
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
+      this.running.set(slot, Date.now());
       slot.run(q.job).then(q.resolve, q.reject).finally(() => {
+        this.running.delete(slot);
         if (this.failure) return;
         this.idle.push(slot);
         this.dispatch();

@@ -1,6 +1,5 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { Supervisor } from '../actors/supervisor.js';
-import { effectiveTimeout } from '../runtime/admission.js';
 import { decodeWav, resample } from '../runtime/audio.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
@@ -97,13 +96,19 @@ export async function handleRun(supervisor: Supervisor, config: ServerConfig, re
   const body = await readBody(req, config.limits.max_body_bytes);
   const run = parseRunRequest(req, url, body);
   const entry = supervisor.require(run.model);
-  const timeoutMs = effectiveTimeout(run.busyTimeoutMs, entry.config.busy_timeout_ms, config.busy_timeout_ms);
   const gone = new AbortController();
+  let revoked = false;
   res.on('close', () => {
     if (!res.writableFinished) gone.abort();
   });
-  const lease = await entry.admission.acquire({ timeoutMs, signal: gone.signal });
-  entry.touch();
+  const lease = await entry.admit({
+    requestTimeoutMs: run.busyTimeoutMs,
+    signal: gone.signal,
+    onRevoke: () => {
+      revoked = true;
+      gone.abort();
+    },
+  });
   const queueMs = performance.now() - t0;
   const done = (): void => {
     entry.touch();
@@ -111,15 +116,21 @@ export async function handleRun(supervisor: Supervisor, config: ServerConfig, re
   };
   if (res.closed) return done();
   res.on('close', done);
-  const audio = decodeWav(run.wav);
-  const samples = await resample(audio.samples, audio.sampleRate);
-  const { pool } = await entry.ensureReady();
-  const session = createTaskSession(entry.config, pool.info, run.options);
-  session.push(samples);
-  session.end();
-  await drain(session, (job) => pool.run(job, gone.signal), () => {}, FILE_JOB_STEPS);
+  let session;
+  try {
+    const audio = decodeWav(run.wav);
+    const samples = await resample(audio.samples, audio.sampleRate);
+    const { pool } = await entry.ensureReady();
+    session = createTaskSession(entry.config, pool.info, run.options);
+    session.push(samples);
+    session.end();
+    await drain(session, (job) => (gone.signal.aborted ? Promise.reject(gone.signal.reason) : pool.run(job, gone.signal)), () => {}, FILE_JOB_STEPS);
+  } catch (e) {
+    if (revoked) throw new VoxError('server_busy', `model ${entry.id} was unloaded (force) while this request ran`, { retryAfterS: 1 });
+    throw e;
+  }
+  const audioMs = (session.receivedSamples * 1000) / 16_000;
   const wallMs = performance.now() - t0;
-  const audioMs = (audio.samples.length * 1000) / audio.sampleRate;
   sendJson(res, 200, {
     model: entry.id,
     ...taskResult(session),

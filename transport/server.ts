@@ -30,6 +30,8 @@ export interface ServerOptions {
   catalog?: ModelConfig[];
 }
 
+const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_many', '/v1/models/unload_all'];
+
 function managementAllowed(config: ServerConfig, req: IncomingMessage): void {
   if (!config.management.enabled) {
     throw new VoxError('forbidden', 'management routes are disabled; start the server with --management');
@@ -64,20 +66,30 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       if (!status) throw new VoxError('not_found', `model '${id}' does not exist`);
       return sendJson(res, 200, status);
     }
-    if (method === 'POST' && (path === '/v1/models/load' || path === '/v1/models/unload')) {
+    if (method === 'POST' && MANAGEMENT.includes(path)) {
       managementAllowed(config, req);
       if (!supervisor.accepting) throw new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
       const body = parseJsonObject(await readBody(req, 1024 * 1024));
       if (path === '/v1/models/load') return sendJson(res, 200, await supervisor.load(body, timeout));
-      if (typeof body.id !== 'string' || !body.id) throw invalid('id: required, a model id string');
-      await supervisor.require(body.id).unload(timeout);
-      return sendJson(res, 200, { id: body.id, loaded: false });
+      if (path === '/v1/models/unload') {
+        if (typeof body.id !== 'string' || !body.id) throw invalid('id: required, a model id string');
+        if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force: must be a boolean');
+        const entry = supervisor.require(body.id);
+        await (body.force ? entry.forceUnload() : entry.unload(timeout));
+        return sendJson(res, 200, { id: body.id, loaded: false });
+      }
+      if (path === '/v1/models/unload_many') {
+        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids: required, an array of model id strings');
+        return sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout));
+      }
+      const { unloaded } = await supervisor.unloadMany(supervisor.registeredIds, timeout);
+      return sendJson(res, 200, { unloaded });
     }
     if (method === 'POST' && path === '/v1/tasks/run') {
       if (!supervisor.accepting) throw new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
       return handleRun(supervisor, config, req, res, url);
     }
-    const known = ['/health', '/ready', '/v1/models', '/v1/models/load', '/v1/models/unload', '/v1/tasks/run', '/v1/stream'];
+    const known = ['/health', '/ready', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
     throw new VoxError('not_found', `no route ${method} ${path}`);
   };

@@ -2,8 +2,8 @@ import { randomUUID } from 'node:crypto';
 import type { IncomingMessage } from 'node:http';
 import type { WebSocket } from 'ws';
 import type { Supervisor } from '../actors/supervisor.js';
-import { effectiveTimeout, type Lease } from '../runtime/admission.js';
-import { PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
+import type { Lease } from '../runtime/admission.js';
+import { checkFormat, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
@@ -34,13 +34,15 @@ export function parseStreamParams(url: URL): StreamParams {
   if (!model) throw invalid('model: required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
   if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid(`encoding: must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
-  return {
+  const params = {
     model,
     encoding: encoding as PcmEncoding,
     sampleRate: intParam(url, 'sample_rate', 16_000)!,
     channels: intParam(url, 'channels', 1)!,
     busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined),
   };
+  checkFormat(params.sampleRate, params.channels);
+  return params;
 }
 
 /** Close reasons are limited to 123 bytes by the WebSocket protocol. */
@@ -87,12 +89,14 @@ export class StreamConnection {
     try {
       params = parseStreamParams(new URL(req.url ?? '/', 'http://x'));
       const entry = this.supervisor.require(params.model);
-      const timeoutMs = effectiveTimeout(params.busyTimeoutMs, entry.config.busy_timeout_ms, this.config.busy_timeout_ms);
-      this.decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
-      this.lease = await entry.admission.acquire({ timeoutMs, signal: this.gone.signal });
+      this.lease = await entry.admit({
+        requestTimeoutMs: params.busyTimeoutMs,
+        signal: this.gone.signal,
+        onRevoke: () => this.fail(new VoxError('server_busy', `model ${entry.id} was unloaded (force)`), CLOSE.FORCE_UNLOAD),
+      });
       if (this.closed) return this.lease.release();
       this.queueMs = performance.now() - this.t0;
-      entry.touch();
+      this.decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
       this.loaded = await entry.ensureReady();
       this.session = createTaskSession(entry.config, this.loaded.pool.info, undefined);
       if (this.closed) return;
@@ -148,7 +152,7 @@ export class StreamConnection {
       const pool = this.loaded!.pool;
       await drain(this.session!, (job) => pool.run(job, this.gone.signal), this.emit, Number.MAX_SAFE_INTEGER);
     } catch (e) {
-      if (this.state !== 'closed') this.fail(toVoxError(e), CLOSE.INTERNAL);
+      if (!this.gone.signal.aborted) this.fail(toVoxError(e), CLOSE.INTERNAL);
       return;
     } finally {
       this.pumping = false;
@@ -165,10 +169,12 @@ export class StreamConnection {
     }
   }
 
-  /** Sends an `error` event, then closes with `code`. */
+  /** Sends an `error` event, then closes with `code`; pending inference is dropped. */
   fail(err: VoxError, code: number): void {
+    if (this.closed) return;
     this.send({ type: 'error', error: { type: err.type, message: err.message } });
     this.state = 'draining';
+    this.gone.abort();
     this.ws.close(code, reason(err.message));
   }
 
