@@ -226,12 +226,15 @@ export class ModelEntry {
 
   /**
    * Waits until the model is ready, starting a load if it is unloaded (concurrent callers share
-   * one load). Call it holding a lease.
-   * @throws VoxError `server_error` with the load error if loading fails.
+   * one load). Call it holding a lease, with the signal that aborts when the lease is revoked or
+   * the client goes away: an aborted caller never starts a load.
+   * @throws VoxError `server_error` with the load error if loading fails; the signal's reason
+   *   (an `AbortError`) once it aborts.
    */
-  async ensureReady(): Promise<LoadedModel> {
+  async ensureReady(signal?: AbortSignal): Promise<LoadedModel> {
     let asked = false;
     for (;;) {
+      signal?.throwIfAborted();
       const s = this.actor.getSnapshot();
       if (s.value === 'ready') return s.context.loaded!;
       if (s.value === 'unloaded') {
@@ -289,7 +292,7 @@ export class ModelEntry {
       try {
         await waitFor(this.actor, (s) => s.value === 'ready' || s.value === 'unloaded');
         if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
-        await waitFor(this.actor, (s) => s.value === 'unloaded');
+        await waitFor(this.actor, (s) => s.value !== 'unloading');
       } finally {
         lease.release();
       }

@@ -56,7 +56,17 @@ export class Supervisor {
   /** Loads the config's non-lazy models, then accepts work. Load failures are kept in `last_error`. */
   async start(): Promise<void> {
     const eager = this.config.models.filter((m) => !m.lazy);
-    await Promise.allSettled(eager.map((m) => this.get(m.id)!.ensureReady()));
+    await Promise.allSettled(
+      eager.map(async (m) => {
+        const entry = this.get(m.id)!;
+        const lease = await entry.admission.acquire({ exclusive: true });
+        try {
+          await entry.ensureReady();
+        } finally {
+          lease.release();
+        }
+      }),
+    );
     this.actor.send({ type: 'STARTED' });
   }
 

@@ -156,7 +156,9 @@ export class SlotPool {
 
   private constructor(readonly slots: readonly SlotHost[]) {
     this.idle = [...slots];
-    for (const s of slots) s.onExit((err) => this.fail(err));
+    for (const s of slots) {
+      s.onExit((err) => this.fail(err instanceof VoxError ? err : new VoxError('server_error', `slot failed: ${err.message}`, { cause: err })));
+    }
   }
 
   /**

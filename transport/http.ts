@@ -120,7 +120,7 @@ export async function handleRun(supervisor: Supervisor, config: ServerConfig, re
   try {
     const audio = decodeWav(run.wav);
     const samples = await resample(audio.samples, audio.sampleRate);
-    const { pool } = await entry.ensureReady();
+    const { pool } = await entry.ensureReady(gone.signal);
     session = createTaskSession(entry.config, pool.info, run.options);
     session.push(samples);
     session.end();

@@ -97,7 +97,7 @@ export class StreamConnection {
       if (this.closed) return this.lease.release();
       this.queueMs = performance.now() - this.t0;
       this.decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
-      this.loaded = await entry.ensureReady();
+      this.loaded = await entry.ensureReady(this.gone.signal);
       this.session = createTaskSession(entry.config, this.loaded.pool.info, undefined);
       if (this.closed) return;
       this.state = 'streaming';
