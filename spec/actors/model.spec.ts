@@ -56,7 +56,7 @@ describe('ModelEntry', () => {
     await e.ensureReady();
     f.kills[0](new Error('worker exited with code 1'));
     await new Promise((r) => setTimeout(r, 10));
-    expect(e.status()).toMatchObject({ state: 'unloaded', last_error: 'worker exited with code 1' });
+    expect(e.status()).toMatchObject({ state: 'unloaded', last_error: 'slot failed: worker exited with code 1' });
     await e.ensureReady();
     expect(e.state).toBe('ready');
   });
