@@ -65,13 +65,13 @@ export type JobResult = (VadResult | WakewordResult) & { ran?: [number, number] 
 export type ToSlot =
   | { type: 'load'; spec: LoadSpec }
   | { type: 'run'; seq: number; job: Job }
+  /** Free the sessions and exit the thread (after any job still running). */
   | { type: 'release' };
 
 export type FromSlot =
   | { type: 'loaded'; info: SlotInfo }
   | { type: 'result'; seq: number; result: JobResult }
-  | { type: 'error'; seq?: number; message: string }
-  | { type: 'released' };
+  | { type: 'error'; seq?: number; message: string };
 
 /** Float32Arrays in a job or result, for the transfer list. */
 export function transferList(value: Job | JobResult): ArrayBuffer[] {

@@ -164,7 +164,7 @@ port.on('message', async (msg: ToSlot) => {
       post({ type: 'result', seq: msg.seq, result }, transferList(result));
     } else if (msg.type === 'release') {
       await release();
-      post({ type: 'released' });
+      port.close(); // the thread ends once nothing is left to run
     }
   } catch (e) {
     post({ type: 'error', seq: msg.type === 'run' ? msg.seq : undefined, message: (e as Error).message ?? String(e) });

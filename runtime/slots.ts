@@ -29,18 +29,17 @@ export interface SlotHost {
 export type SlotFactory = (spec: LoadSpec) => Promise<SlotHost>;
 
 /** A slot worker thread (see slot-worker.ts). */
-class WorkerSlot implements SlotHost {
+export class WorkerSlot implements SlotHost {
   info: SlotInfo = {};
   private seq = 0;
   private readonly pending = new Map<number, { resolve: (r: JobResult) => void; reject: (e: Error) => void }>();
   private loadWaiter: { resolve: () => void; reject: (e: Error) => void } | null = null;
-  private releaseWaiter: (() => void) | null = null;
   private exitCb: ((err: Error) => void) | null = null;
   private closing = false;
   private exited = false;
   private readonly exitPromise: Promise<void>;
 
-  constructor(private readonly worker: Worker) {
+  constructor(readonly worker: Worker) {
     worker.on('message', (m: FromSlot) => this.onMessage(m));
     worker.on('error', (e) => this.fail(e));
     this.exitPromise = new Promise((resolve) => {
@@ -63,8 +62,6 @@ class WorkerSlot implements SlotHost {
       else p?.reject(new VoxError('server_error', `inference failed: ${m.message}`));
     } else if (m.type === 'error') {
       this.loadWaiter?.reject(new Error(m.message));
-    } else if (m.type === 'released') {
-      this.releaseWaiter?.();
     }
   }
 
@@ -74,13 +71,13 @@ class WorkerSlot implements SlotHost {
     this.loadWaiter = null;
     for (const p of this.pending.values()) p.reject(err);
     this.pending.clear();
-    this.releaseWaiter?.();
     if (!this.closing) {
       this.closing = true;
       const cb = this.exitCb;
       this.exitCb = null;
       cb?.(err);
-      void this.worker.terminate();
+      // An 'error' event means the thread is already gone; ask it to exit in case it is not.
+      if (!this.exited) this.send({ type: 'release' });
     }
   }
 
@@ -92,7 +89,7 @@ class WorkerSlot implements SlotHost {
   }
 
   private send(msg: ToSlot, transfer: ArrayBuffer[] = []): void {
-    this.worker.postMessage(msg, transfer);
+    if (!this.exited) this.worker.postMessage(msg, transfer);
   }
 
   run(job: Job): Promise<JobResult> {
@@ -104,15 +101,16 @@ class WorkerSlot implements SlotHost {
     });
   }
 
+  /**
+   * Asks the worker to release its sessions and exit, and waits until it has. A job still running
+   * finishes first: the worker is never terminated from outside, because terminating a thread
+   * inside an onnxruntime call aborts the whole process.
+   */
   async close(): Promise<void> {
-    if (this.exited) return;
-    if (!this.closing) {
+    if (!this.closing && !this.exited) {
       this.closing = true;
       this.exitCb = null;
-      const released = new Promise<void>((resolve) => (this.releaseWaiter = resolve));
       this.send({ type: 'release' });
-      await Promise.race([released, new Promise((r) => setTimeout(r, 2000).unref())]);
-      await this.worker.terminate();
     }
     await this.exitPromise;
   }

@@ -30,3 +30,14 @@ export function toneWav(opts: { rate: number; channels: number; bitDepth: string
   w.fromScratch(opts.channels, opts.rate, opts.bitDepth, opts.channels === 1 ? chans[0] : chans);
   return Buffer.from(w.toBuffer());
 }
+
+/** A 16 kHz mono s16 WAV of `seconds` of a fixture (16 kHz mono) played in a loop. */
+export function loopWav(name: string, seconds: number): Buffer {
+  const src = new WaveFile(fixture(name));
+  const one = src.getSamples(false, Int16Array) as unknown as Int16Array;
+  const out = new Int16Array(16000 * seconds);
+  for (let i = 0; i < out.length; i++) out[i] = one[i % one.length];
+  const w = new WaveFile();
+  w.fromScratch(1, 16000, '16', out);
+  return Buffer.from(w.toBuffer());
+}
