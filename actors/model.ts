@@ -11,6 +11,8 @@ export interface ModelContext {
   next: ModelConfig | null;
   loaded: LoadedModel | null;
   lastError: string | null;
+  /** Why the last load ended without a pool (also capacity refusals, which are not `lastError`). */
+  failure: unknown;
 }
 
 export type ModelEvent =
@@ -20,6 +22,8 @@ export type ModelEvent =
   | { type: 'SLOT_FAILED'; message: string };
 
 const errorMessage = (e: unknown): string => (e instanceof Error ? e.message : String(e));
+/** A load refused for capacity (503: busy, insufficient memory) is not a fault of the model. */
+const refused = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
 /**
  * The model entry state chart (DESIGN.md section 2): `unloaded -> loading -> ready ->
@@ -45,7 +49,7 @@ export const modelMachine = setup({
   },
 }).createMachine({
   id: 'model',
-  context: ({ input }) => ({ config: input.config, next: null, loaded: null, lastError: null }),
+  context: ({ input }) => ({ config: input.config, next: null, loaded: null, lastError: null, failure: null }),
   initial: 'unloaded',
   states: {
     unloaded: {
@@ -58,8 +62,14 @@ export const modelMachine = setup({
       invoke: {
         src: 'loadModel',
         input: ({ context }) => context.config,
-        onDone: { target: 'ready', actions: assign({ loaded: ({ event }) => event.output, lastError: null }) },
-        onError: { target: 'unloaded', actions: assign({ lastError: ({ event }) => errorMessage(event.error) }) },
+        onDone: { target: 'ready', actions: assign({ loaded: ({ event }) => event.output, lastError: null, failure: null }) },
+        onError: {
+          target: 'unloaded',
+          actions: assign({
+            failure: ({ event }) => event.error,
+            lastError: ({ context, event }) => (refused(event.error) ? context.lastError : errorMessage(event.error)),
+          }),
+        },
       },
     },
     ready: {
@@ -109,6 +119,8 @@ export interface ModelStatus {
   resident_bytes: number;
   last_used_at: number | null;
   last_error: string | null;
+  /** True while the model is being unloaded: not counted as resident, its memory still is. */
+  retiring: boolean;
 }
 
 /** Key order-independent JSON, to compare configs. */
@@ -184,9 +196,14 @@ export class ModelEntry {
     return this.actor.getSnapshot().value as ModelState;
   }
 
-  /** Marks use (request start and end), for `last_used_at`. */
+  /** Marks use (request start and end, load), for `last_used_at` and LRU eviction. */
   touch(): void {
     this.lastUsedAt = Date.now();
+  }
+
+  /** `last_used_at`, ms since the epoch (null if never used). */
+  get lastUsed(): number | null {
+    return this.lastUsedAt;
   }
 
   /** The model's busy-timeout ceiling: min(model, server), 0 = unbounded. Also the overdue limit of C4. */
@@ -238,7 +255,10 @@ export class ModelEntry {
       const s = this.actor.getSnapshot();
       if (s.value === 'ready') return s.context.loaded!;
       if (s.value === 'unloaded') {
-        if (asked) throw new VoxError('server_error', `model ${this.id} failed to load: ${s.context.lastError}`);
+        if (asked) {
+          const f = s.context.failure;
+          throw refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`);
+        }
         asked = true;
         this.actor.send({ type: 'LOAD' });
         continue;
@@ -327,6 +347,7 @@ export class ModelEntry {
       resident_bytes: loaded?.residentBytes ?? 0,
       last_used_at: this.lastUsedAt,
       last_error: s.context.lastError,
+      retiring: s.value === 'unloading',
     };
   }
 

@@ -1,9 +1,11 @@
-import { assign, createActor, setup, type Actor, type InspectionEvent } from 'xstate';
-import { defaultCatalog } from '../runtime/catalog.js';
-import type { ModelConfig, ServerConfig } from '../runtime/config.js';
+import { stat } from 'node:fs/promises';
+import { assign, createActor, setup, waitFor, type Actor, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
+import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
+import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { VoxError } from '../runtime/errors.js';
-import { createLoader, WeightBundles, type ModelLoader } from '../runtime/loader.js';
+import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
+import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { ModelEntry, validateModelConfig, type ModelStatus } from './model.js';
 
 /**
@@ -37,13 +39,23 @@ export class Supervisor {
   readonly actor: Actor<typeof supervisorMachine>;
   private readonly entries = new Map<string, ModelEntry>();
   private readonly catalog = new Map<string, ModelConfig>();
+  private readonly baseLoader: ModelLoader;
   private readonly loader: ModelLoader;
+  private readonly probe: MemoryProbe;
+  private readonly gate = new Gate();
+  /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
+  private readonly measuredPerSlot = new Map<string, number>();
+  private idleTimer: NodeJS.Timeout | null = null;
+  /** Models unloaded to make room (LRU eviction) or for being idle, since start. */
+  evictions = 0;
 
   constructor(
     readonly config: ServerConfig,
-    options: { loader?: ModelLoader; inspect?: (e: InspectionEvent) => void; catalog?: ModelConfig[] } = {},
+    options: { loader?: ModelLoader; inspect?: (e: InspectionEvent) => void; catalog?: ModelConfig[]; memoryProbe?: MemoryProbe } = {},
   ) {
-    this.loader = options.loader ?? createLoader(new WeightBundles());
+    this.baseLoader = options.loader ?? createLoader(new WeightBundles());
+    this.loader = (c) => this.coldLoad(c);
+    this.probe = options.memoryProbe ?? availableMemory;
     this.inspect = options.inspect;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     this.actor = createActor(supervisorMachine, { inspect: options.inspect, systemId: 'supervisor' });
@@ -68,6 +80,133 @@ export class Supervisor {
       }),
     );
     this.actor.send({ type: 'STARTED' });
+    // Checks a few times per idle period (at least every second, for per-model keep_alive_ms).
+    const idle = this.config.idle_unload_ms;
+    this.idleTimer = setInterval(() => this.unloadIdle(), idle > 0 ? Math.max(10, Math.min(1000, idle / 4)) : 1000);
+    this.idleTimer.unref();
+  }
+
+  /** True when cold loads pass through the supervisor one at a time (C11). */
+  get guarded(): boolean {
+    return this.config.max_loaded_models > 0 || this.config.min_free_memory_mb > 0;
+  }
+
+  /**
+   * Every load of every model comes here (the model entries' loader). With a limit on, loads run
+   * one at a time, each first making room; warm inference never passes here. The footprint is
+   * measured as the growth of process RSS over the load (noisy when unguarded loads overlap).
+   */
+  private async coldLoad(config: ModelConfig): Promise<LoadedModel> {
+    const load = async (): Promise<LoadedModel> => {
+      if (this.guarded) await this.makeRoom(config);
+      const before = process.memoryUsage().rss;
+      const loaded = await this.baseLoader(config);
+      if (loaded?.pool) {
+        loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before);
+        if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
+        this.entries.get(config.id)?.touch();
+      }
+      return loaded;
+    };
+    return this.guarded ? this.gate.run(load) : load();
+  }
+
+  /** Footprint of `config`: measured per slot if it has loaded before, else estimated from its files. */
+  async footprint(config: ModelConfig): Promise<number> {
+    const perSlot = this.measuredPerSlot.get(config.id);
+    if (perSlot !== undefined) return perSlot * config.slots;
+    const files = [config.path, ...(config.task === 'wakeword' ? [config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING] : [])];
+    let bytes = 0;
+    for (const f of files) bytes += await stat(f).then((st) => st.size, () => 0);
+    return estimateFootprint(config, bytes);
+  }
+
+  /**
+   * Makes room for `target` (C12, C13), holding the load gate. Retiring models (being unloaded)
+   * are not counted as resident but are waited for; victims are the least recently used ready
+   * models whose exclusive lease can be taken at once (never busy, queued, loading or held):
+   * exactly as many as needed. Memory is then checked against the probe (never a status flag),
+   * evicting more idle models while it is short.
+   * @throws VoxError `server_busy` when not enough models can be evicted; `insufficient_memory`
+   *   when the estimate plus headroom exceeds the available memory, with the figures.
+   */
+  private async makeRoom(target: ModelConfig): Promise<void> {
+    const max = this.config.max_loaded_models;
+    for (;;) {
+      const others = [...this.entries.values()].filter((e) => e.id !== target.id);
+      const retiring = others.filter((e) => e.state === 'unloading' || e.state === 'reconfiguring');
+      const live = others.filter((e) => e.state === 'ready').length + retiring.length;
+      const need = max > 0 ? live + 1 - max : 0;
+      if (need <= 0) break;
+      if (retiring.length >= need) {
+        await this.settled(retiring);
+        continue;
+      }
+      const victims = this.takeVictims(others, need - retiring.length);
+      if (!victims) {
+        throw new VoxError('server_busy', `cannot load ${target.id}: max_loaded_models (${max}) reached and no idle model can be evicted`, { retryAfterS: 1 });
+      }
+      await this.evict(victims);
+      await this.settled(retiring);
+    }
+    const headroom = this.config.min_free_memory_mb * 1024 * 1024;
+    if (headroom <= 0) return;
+    const estimate = await this.footprint(target);
+    for (;;) {
+      const available = this.probe();
+      if (estimate + headroom <= available) return;
+      const others = [...this.entries.values()].filter((e) => e.id !== target.id);
+      const retiring = others.filter((e) => e.state === 'unloading' || e.state === 'reconfiguring');
+      if (retiring.length) {
+        await this.settled(retiring);
+        continue;
+      }
+      const victims = this.takeVictims(others, 1);
+      if (!victims) {
+        throw new VoxError(
+          'insufficient_memory',
+          `cannot load ${target.id}: needs about ${mib(estimate)} plus ${mib(headroom)} of headroom (min_free_memory_mb), but only ${mib(available)} is available`,
+          { retryAfterS: 5 },
+        );
+      }
+      await this.evict(victims);
+    }
+  }
+
+  /** Try-acquires `count` least recently used ready models; null (and nothing held) if fewer are free. */
+  private takeVictims(candidates: ModelEntry[], count: number): { entry: ModelEntry; lease: Lease }[] | null {
+    const lru = candidates.filter((e) => e.state === 'ready').sort((a, b) => (a.lastUsed ?? 0) - (b.lastUsed ?? 0));
+    const taken: { entry: ModelEntry; lease: Lease }[] = [];
+    for (const entry of lru) {
+      if (taken.length === count) break;
+      const lease = entry.admission.tryAcquire(true);
+      if (lease) taken.push({ entry, lease });
+    }
+    if (taken.length === count) return taken;
+    for (const t of taken) t.lease.release();
+    return null;
+  }
+
+  private async evict(victims: { entry: ModelEntry; lease: Lease }[]): Promise<void> {
+    this.evictions += victims.length;
+    await Promise.all(victims.map((v) => v.entry.unloadUnder(Promise.resolve(v.lease))));
+  }
+
+  /** Waits until none of `entries` is unloading or closing its old pool (their workers are gone). */
+  private async settled(entries: ModelEntry[]): Promise<void> {
+    await Promise.all(entries.map((e) => waitFor(e.actor, (s) => s.value !== 'unloading' && s.value !== 'reconfiguring')));
+  }
+
+  /** Idle unload (C14): a ready model unused for longer than its keep-alive is try-acquired and unloaded; a busy one is skipped. */
+  private unloadIdle(now = Date.now()): void {
+    for (const e of this.entries.values()) {
+      const keepAlive = e.config.keep_alive_ms ?? this.config.idle_unload_ms;
+      if (e.state !== 'ready' || keepAlive <= 0 || now - (e.lastUsed ?? 0) <= keepAlive) continue;
+      const lease = e.admission.tryAcquire(true);
+      if (!lease) continue;
+      this.evictions++;
+      void e.unloadUnder(Promise.resolve(lease));
+    }
   }
 
   /** True while accepting work (`/ready`). */
@@ -178,6 +317,7 @@ export class Supervisor {
   /** Unloads every model (each waits at most `timeoutMs` for its running requests), then stops. */
   async stop(timeoutMs: number): Promise<void> {
     this.beginShutdown();
+    if (this.idleTimer) clearInterval(this.idleTimer);
     await Promise.all([...this.entries.values()].map((e) => e.stop(timeoutMs)));
     this.actor.send({ type: 'STOPPED' });
   }
@@ -198,5 +338,16 @@ function unregisteredStatus(c: ModelConfig): ModelStatus {
     resident_bytes: 0,
     last_used_at: null,
     last_error: null,
+    retiring: false,
   };
+}
+
+/** A FIFO mutex: `run` calls run one at a time, in call order. */
+class Gate {
+  private tail: Promise<unknown> = Promise.resolve();
+  run<T>(fn: () => Promise<T>): Promise<T> {
+    const result = this.tail.then(fn);
+    this.tail = result.catch(() => {});
+    return result;
+  }
 }

@@ -1,4 +1,4 @@
-import { readFile } from 'node:fs/promises';
+import { access, readFile } from 'node:fs/promises';
 import type { ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
 import { SlotPool, startWorkerSlot, type SlotFactory } from './slots.js';
@@ -7,7 +7,7 @@ import type { LoadSpec } from './slot-protocol.js';
 /** A model's loaded slots plus what they hold. `close()` stops clones, the primary, then drops shared weights. */
 export interface LoadedModel {
   pool: SlotPool;
-  /** Model file bytes the slots hold: (model + shared bundle) x slots, as each slot has its own sessions. Bytes. */
+  /** Measured footprint: process RSS growth over the load, bytes (set by the supervisor). */
   residentBytes: number;
   close(): Promise<void>;
 }
@@ -72,14 +72,17 @@ export class WeightBundles {
 /** The loader used by the server: reads the files, starts `config.slots` slot workers. */
 export function createLoader(bundles: WeightBundles, factory: SlotFactory = startWorkerSlot): ModelLoader {
   return async (config) => {
-    const model = await readModelFile(config.path);
+    const model = config.path;
+    try {
+      await access(model);
+    } catch (e) {
+      throw new Error(`cannot read model file ${model}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
+    }
     let spec: LoadSpec;
     let release = (): void => {};
-    let shared = 0;
     if (config.task === 'wakeword') {
       const b = await bundles.acquire(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
       release = b.release;
-      shared = b.bundle.melspectrogram.length + b.bundle.embedding.length;
       spec = { kind: 'wakeword', model, melspectrogram: b.bundle.melspectrogram, embedding: b.bundle.embedding };
     } else {
       spec = { kind: 'vad', model };
@@ -88,7 +91,7 @@ export function createLoader(bundles: WeightBundles, factory: SlotFactory = star
       const pool = await SlotPool.start(spec, config.slots, factory);
       return {
         pool,
-        residentBytes: (model.length + shared) * config.slots,
+        residentBytes: 0,
         close: async () => {
           await pool.close();
           release();

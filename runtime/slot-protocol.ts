@@ -5,10 +5,13 @@
  * job and comes back in the result. Float32Array payloads are transferred, not copied.
  */
 
-/** The model files a slot loads. Bytes are shared read-only by every slot of every model using them. */
+/**
+ * The model files a slot loads: the model by path (onnxruntime reads it), the wake-word
+ * feature models as bytes shared read-only by every slot of every wake-word model.
+ */
 export type LoadSpec =
-  | { kind: 'vad'; model: Uint8Array }
-  | { kind: 'wakeword'; model: Uint8Array; melspectrogram: Uint8Array; embedding: Uint8Array };
+  | { kind: 'vad'; model: string }
+  | { kind: 'wakeword'; model: string; melspectrogram: Uint8Array; embedding: Uint8Array };
 
 /** What a slot reports after loading. */
 export interface SlotInfo {

@@ -34,14 +34,14 @@ function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
   port.postMessage(msg, transfer);
 }
 
-async function create(bytes: Uint8Array): Promise<ort.InferenceSession> {
-  // Copy out of the shared buffer: onnxruntime reads a plain byte array.
-  const s = await ort.InferenceSession.create(new Uint8Array(bytes), OPTIONS);
+async function create(source: string | Uint8Array): Promise<ort.InferenceSession> {
+  // A path is read by onnxruntime; shared bytes are copied out: onnxruntime reads a plain array.
+  const s = typeof source === 'string' ? await ort.InferenceSession.create(source, OPTIONS) : await ort.InferenceSession.create(new Uint8Array(source), OPTIONS);
   sessions.push(s);
   return s;
 }
 
-async function loadVad(model: Uint8Array): Promise<SlotInfo> {
+async function loadVad(model: string): Promise<SlotInfo> {
   const session = await create(model);
   const v5 = session.inputNames.includes('state');
   if (!v5 && !(session.inputNames.includes('h') && session.inputNames.includes('c'))) {

@@ -33,6 +33,17 @@ function unreachable(url: string, e: unknown): never {
   die(`cannot reach ${url}: ${(e as Error).message}`);
 }
 
+interface ServeOptions {
+  config?: string;
+  host?: string;
+  port?: number;
+  busyTimeoutMs?: number;
+  management?: boolean;
+  maxLoadedModels?: number;
+  minFreeMemoryMb?: number;
+  idleUnloadMs?: number;
+}
+
 const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket');
 
 program
@@ -43,10 +54,20 @@ program
   .option('--port <port>', 'listen port (0 picks a free one)', int('--port'))
   .option('--busy-timeout-ms <ms>', 'server ceiling on admission waits, ms (0 = unbounded)', int('--busy-timeout-ms'))
   .option('--management', 'enable the model management routes (load/unload)')
-  .action(async (opts: { config?: string; host?: string; port?: number; busyTimeoutMs?: number; management?: boolean }) => {
+  .option('--max-loaded-models <n>', 'models resident at once; cold loads evict the least recently used idle one (0 = no limit)', int('--max-loaded-models'))
+  .option('--min-free-memory-mb <mb>', 'refuse a cold load that would leave less memory free (0 = off)', int('--min-free-memory-mb'))
+  .option('--idle-unload-ms <ms>', 'unload models idle this long (0 = off)', int('--idle-unload-ms'))
+  .action(async (opts: ServeOptions) => {
     let config: ServerConfig;
     try {
-      config = loadServerConfig(opts.config, { host: opts.host, port: opts.port, busy_timeout_ms: opts.busyTimeoutMs });
+      config = loadServerConfig(opts.config, {
+        host: opts.host,
+        port: opts.port,
+        busy_timeout_ms: opts.busyTimeoutMs,
+        max_loaded_models: opts.maxLoadedModels,
+        min_free_memory_mb: opts.minFreeMemoryMb,
+        idle_unload_ms: opts.idleUnloadMs,
+      });
     } catch (e) {
       die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e));
     }

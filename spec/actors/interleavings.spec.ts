@@ -116,7 +116,7 @@ function fakeLoader(w: World): ModelLoader {
       };
       // A pool with a single slot has no clone to fail; a clone fault then yields no session.
       const slots = fault === 'clone-fails' ? Math.max(2, config.slots) : config.slots;
-      const pool = await SlotPool.start({ kind: 'vad', model: new Uint8Array(0) }, slots, factory);
+      const pool = await SlotPool.start({ kind: 'vad', model: '/fake.onnx' }, slots, factory);
       w.bump(w.livePools, id, 1, 1, 'two pools resident');
       let closed = false;
       return {

@@ -22,7 +22,7 @@ function fakeLoader(opts: { fail?: () => string | null; delayMs?: number } = {})
       close: async () => {},
       onExit: (cb) => kills.push(cb),
     });
-    const pool = await SlotPool.start({ kind: 'vad', model: new Uint8Array(0) }, c.slots, factory);
+    const pool = await SlotPool.start({ kind: 'vad', model: '/fake.onnx' }, c.slots, factory);
     return { pool, residentBytes: 100 * c.slots, close: () => pool.close() } satisfies LoadedModel;
   };
   return { loader, calls, kills };

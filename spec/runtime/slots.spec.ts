@@ -1,11 +1,13 @@
-import { readFileSync } from 'node:fs';
+import { writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import type { Job, JobResult, LoadSpec, SlotInfo } from '../../runtime/slot-protocol.js';
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 
 const vadPath = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
-const vadSpec = (): LoadSpec => ({ kind: 'vad', model: new Uint8Array(readFileSync(vadPath)) });
+const vadSpec = (): LoadSpec => ({ kind: 'vad', model: vadPath });
 const vadJob = (windows: number): Job => ({
   kind: 'vad',
   windows: new Float32Array(windows * 512).map((_, i) => Math.sin(i / 10) * 0.3),
@@ -37,7 +39,9 @@ describe('SlotPool on real slot workers', () => {
   });
 
   it('rejects a model file that is not ONNX', async () => {
-    const bad: LoadSpec = { kind: 'vad', model: new Uint8Array(Buffer.from('definitely not an onnx protobuf')) };
+    const path = join(tmpdir(), `voxserve-bad-${process.pid}.onnx`);
+    writeFileSync(path, 'definitely not an onnx protobuf');
+    const bad: LoadSpec = { kind: 'vad', model: path };
     await expect(SlotPool.start(bad, 1)).rejects.toThrow();
   });
 });
