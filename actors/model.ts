@@ -159,16 +159,19 @@ export class ModelEntry {
 
   /**
    * @param serverBusyTimeoutMs the server's busy-timeout ceiling, ms (0 = unbounded).
-   * @param inspect XState inspection observer, when inspection is on.
+   * @param options `onChange`: called after every state change and lease release;
+   *   `inspect`: XState inspection observer, when inspection is on.
    */
   constructor(
     config: ModelConfig,
     loader: ModelLoader,
     private readonly serverBusyTimeoutMs = 0,
-    inspect?: (e: InspectionEvent) => void,
+    options: { onChange?: () => void; inspect?: (e: InspectionEvent) => void } = {},
   ) {
     this.id = config.id;
-    this.admission = new Admission(config.max_streams);
+    const onChange = options.onChange ?? (() => {});
+    const inspect = options.inspect;
+    this.admission = new Admission(config.max_streams, onChange);
     const machine = modelMachine.provide({
       actors: {
         loadModel: fromPromise<LoadedModel, ModelConfig>(async ({ input }) => {
@@ -183,7 +186,8 @@ export class ModelEntry {
       },
     });
     this.actor = createActor(machine, { input: { config }, inspect, systemId: `model:${config.id}` });
-    this.actor.subscribe({ error: () => {} }); // the machine handles every error itself; never crash the process
+    // The machine handles every error itself; the error observer keeps one from crashing the process.
+    this.actor.subscribe({ next: onChange, error: () => {} });
     this.actor.start();
   }
 

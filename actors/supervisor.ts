@@ -1,5 +1,5 @@
 import { stat } from 'node:fs/promises';
-import { assign, createActor, setup, waitFor, type Actor, type InspectionEvent } from 'xstate';
+import { assign, createActor, setup, type Actor, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
 import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
@@ -43,9 +43,12 @@ export class Supervisor {
   private readonly loader: ModelLoader;
   private readonly probe: MemoryProbe;
   private readonly gate = new Gate();
+  /** Models whose slots exist: from the end of their load until their pool has closed (retiring included). */
+  private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
   private readonly measuredPerSlot = new Map<string, number>();
   private idleTimer: NodeJS.Timeout | null = null;
+  private changeWaiters: (() => void)[] = [];
   /** Models unloaded to make room (LRU eviction) or for being idle, since start. */
   evictions = 0;
 
@@ -105,6 +108,16 @@ export class Supervisor {
         loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before);
         if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
         this.entries.get(config.id)?.touch();
+        this.resident.add(config.id);
+        const close = loaded.close;
+        loaded.close = async () => {
+          try {
+            await close();
+          } finally {
+            this.resident.delete(config.id);
+            this.changed();
+          }
+        };
       }
       return loaded;
     };
@@ -125,29 +138,38 @@ export class Supervisor {
    * Makes room for `target` (C12, C13), holding the load gate. Retiring models (being unloaded)
    * are not counted as resident but are waited for; victims are the least recently used ready
    * models whose exclusive lease can be taken at once (never busy, queued, loading or held):
-   * exactly as many as needed. Memory is then checked against the probe (never a status flag),
-   * evicting more idle models while it is short.
-   * @throws VoxError `server_busy` when not enough models can be evicted; `insufficient_memory`
+   * exactly as many as needed. While too few are idle, it waits for a lease release or state
+   * change, up to the model's busy timeout. Memory is then checked against the probe (never a
+   * status flag), evicting more idle models while it is short.
+   * @throws VoxError `server_busy` when no model became evictable in time; `insufficient_memory`
    *   when the estimate plus headroom exceeds the available memory, with the figures.
    */
   private async makeRoom(target: ModelConfig): Promise<void> {
     const max = this.config.max_loaded_models;
+    const timeout = this.entries.get(target.id)?.busyTimeoutMs ?? this.config.busy_timeout_ms;
+    const deadline = timeout > 0 ? Date.now() + timeout : Infinity;
+    /** Waits for the next release or state change; false once the deadline has passed. */
+    const wait = (): Promise<boolean> => this.nextChange(deadline);
+    const others = (): ModelEntry[] => [...this.resident].filter((id) => id !== target.id).map((id) => this.entries.get(id)!);
+    const isRetiring = (e: ModelEntry): boolean => e.state === 'unloading' || e.state === 'reconfiguring' || e.state === 'unloaded';
     for (;;) {
-      const others = [...this.entries.values()].filter((e) => e.id !== target.id);
-      const retiring = others.filter((e) => e.state === 'unloading' || e.state === 'reconfiguring');
-      const live = others.filter((e) => e.state === 'ready').length + retiring.length;
-      const need = max > 0 ? live + 1 - max : 0;
+      const live = others();
+      const need = max > 0 ? live.length + 1 - max : 0;
       if (need <= 0) break;
-      if (retiring.length >= need) {
-        await this.settled(retiring);
-        continue;
+      const retiring = live.filter(isRetiring).length;
+      if (retiring < need) {
+        const victims = this.takeVictims(live, need - retiring);
+        if (victims) {
+          await this.evict(victims);
+          continue;
+        }
       }
-      const victims = this.takeVictims(others, need - retiring.length);
-      if (!victims) {
-        throw new VoxError('server_busy', `cannot load ${target.id}: max_loaded_models (${max}) reached and no idle model can be evicted`, { retryAfterS: 1 });
+      // Wait for retiring models' workers to exit, or for a busy model to become idle.
+      if (!(await wait())) {
+        throw new VoxError('server_busy', `cannot load ${target.id}: max_loaded_models (${max}) reached and no model became idle to evict within the busy timeout`, {
+          retryAfterS: 1,
+        });
       }
-      await this.evict(victims);
-      await this.settled(retiring);
     }
     const headroom = this.config.min_free_memory_mb * 1024 * 1024;
     if (headroom <= 0) return;
@@ -155,21 +177,21 @@ export class Supervisor {
     for (;;) {
       const available = this.probe();
       if (estimate + headroom <= available) return;
-      const others = [...this.entries.values()].filter((e) => e.id !== target.id);
-      const retiring = others.filter((e) => e.state === 'unloading' || e.state === 'reconfiguring');
-      if (retiring.length) {
-        await this.settled(retiring);
-        continue;
+      const live = others();
+      if (!live.some(isRetiring)) {
+        const victims = this.takeVictims(live, 1);
+        if (victims) {
+          await this.evict(victims);
+          continue;
+        }
       }
-      const victims = this.takeVictims(others, 1);
-      if (!victims) {
+      if (!live.length || !(await wait())) {
         throw new VoxError(
           'insufficient_memory',
           `cannot load ${target.id}: needs about ${mib(estimate)} plus ${mib(headroom)} of headroom (min_free_memory_mb), but only ${mib(available)} is available`,
           { retryAfterS: 5 },
         );
       }
-      await this.evict(victims);
     }
   }
 
@@ -192,9 +214,22 @@ export class Supervisor {
     await Promise.all(victims.map((v) => v.entry.unloadUnder(Promise.resolve(v.lease))));
   }
 
-  /** Waits until none of `entries` is unloading or closing its old pool (their workers are gone). */
-  private async settled(entries: ModelEntry[]): Promise<void> {
-    await Promise.all(entries.map((e) => waitFor(e.actor, (s) => s.value !== 'unloading' && s.value !== 'reconfiguring')));
+  private changed(): void {
+    const waiters = this.changeWaiters;
+    this.changeWaiters = [];
+    for (const w of waiters) w();
+  }
+
+  /** Resolves true at the next lease release or model state change, false at `deadline` (ms since the epoch). */
+  private nextChange(deadline: number): Promise<boolean> {
+    if (Date.now() >= deadline) return Promise.resolve(false);
+    return new Promise((resolve) => {
+      const timer = deadline === Infinity ? null : setTimeout(() => resolve(false), deadline - Date.now());
+      this.changeWaiters.push(() => {
+        if (timer) clearTimeout(timer);
+        resolve(true);
+      });
+    });
   }
 
   /** Idle unload (C14): a ready model unused for longer than its keep-alive is try-acquired and unloaded; a busy one is skipped. */
@@ -233,7 +268,7 @@ export class Supervisor {
   }
 
   private publish(config: ModelConfig, before?: (entry: ModelEntry) => void): ModelEntry {
-    const entry = new ModelEntry(config, this.loader, this.config.busy_timeout_ms, this.inspect);
+    const entry = new ModelEntry(config, this.loader, this.config.busy_timeout_ms, { onChange: () => this.changed(), inspect: this.inspect });
     before?.(entry);
     this.entries.set(config.id, entry);
     this.actor.send({ type: 'REGISTERED', id: config.id });

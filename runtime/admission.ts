@@ -55,8 +55,14 @@ export class Admission {
   private readonly queue: Waiter[] = [];
   private readonly revokers = new Map<Lease, () => void>();
 
-  /** @param places max concurrent leases (the model's `max_streams`). */
-  constructor(private places: number) {}
+  /**
+   * @param places max concurrent leases (the model's `max_streams`).
+   * @param onRelease called after every release (the supervisor waits on it for capacity).
+   */
+  constructor(
+    private places: number,
+    private readonly onRelease: () => void = () => {},
+  ) {}
 
   /** Leases held now. */
   get activeLeases(): number {
@@ -163,6 +169,7 @@ export class Admission {
         this.revokers.delete(lease);
         if (this.exclusiveLease === lease) this.exclusiveLease = null;
         this.dispatch();
+        this.onRelease();
       },
     };
     if (exclusive) this.exclusiveLease = lease;
