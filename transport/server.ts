@@ -5,6 +5,7 @@ import { Supervisor } from '../actors/supervisor.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { invalid, VoxError } from '../runtime/errors.js';
 import type { ModelLoader } from '../runtime/loader.js';
+import type { MemoryProbe } from '../runtime/memory.js';
 import type { ModelConfig } from '../runtime/config.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
 import { handleRun, parseJsonObject, readBody, sendError, sendJson } from './http.js';
@@ -25,9 +26,11 @@ export interface VoxServer {
   close(): Promise<void>;
 }
 
+/** Test seams: a loader (fake slots), the catalog of lazily registered models, the memory probe. */
 export interface ServerOptions {
   loader?: ModelLoader;
   catalog?: ModelConfig[];
+  memoryProbe?: MemoryProbe;
 }
 
 const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_many', '/v1/models/unload_all'];
@@ -46,7 +49,7 @@ function managementAllowed(config: ServerConfig, req: IncomingMessage): void {
  * eager loads are done.
  */
 export async function startServer(config: ServerConfig, options: ServerOptions = {}): Promise<VoxServer> {
-  const supervisor = new Supervisor(config, { loader: options.loader, catalog: options.catalog });
+  const supervisor = new Supervisor(config, options);
   const streams = new Set<StreamConnection>();
 
   const route = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
