@@ -235,7 +235,7 @@ export class ModelEntry {
    *   (stuck work, at once; or no lease within the timeout); an `AbortError` if `signal` aborts
    *   while queued.
    */
-  async admit(opts: { requestTimeoutMs?: number; signal?: AbortSignal; onRevoke?: () => void }): Promise<Lease> {
+  async admit(opts: { requestTimeoutMs?: number; signal?: AbortSignal; onRevoke?: (reason: Error) => void }): Promise<Lease> {
     const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
     if (this.stuck()) {
       throw new VoxError('server_busy', `model ${this.id} is stuck: its work has run longer than the busy timeout of ${this.busyTimeoutMs} ms`, { retryAfterS: 5 });

@@ -349,6 +349,11 @@ export class Supervisor {
     this.actor.send({ type: 'SHUTDOWN' });
   }
 
+  /** Shutdown past the drain deadline: every queued request gets `err`, every lease holder is revoked. */
+  revokeAll(err: VoxError): void {
+    for (const e of this.entries.values()) e.admission.revokeAll(err);
+  }
+
   /** Unloads every model (each waits at most `timeoutMs` for its running requests), then stops. */
   async stop(timeoutMs: number): Promise<void> {
     this.beginShutdown();

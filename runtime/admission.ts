@@ -11,7 +11,7 @@ export interface Lease {
 interface Waiter {
   exclusive: boolean;
   enqueuedAt: number;
-  onRevoke?: () => void;
+  onRevoke?: (reason: Error) => void;
   grant: (lease: Lease) => void;
   reject: (err: Error) => void;
   timer?: NodeJS.Timeout;
@@ -26,8 +26,8 @@ export interface AcquireOptions {
   timeoutMs?: number;
   /** Aborting leaves the queue at once (the client went away). */
   signal?: AbortSignal;
-  /** Called if the lease is revoked while held (a forced unload): stop the work. The lease is released right after. */
-  onRevoke?: () => void;
+  /** Called with the reason if the lease is revoked while held (forced unload, shutdown): stop the work. The lease is released right after. */
+  onRevoke?: (reason: Error) => void;
 }
 
 /**
@@ -53,7 +53,7 @@ export class Admission {
   private active = 0;
   private exclusiveLease: Lease | null = null;
   private readonly queue: Waiter[] = [];
-  private readonly revokers = new Map<Lease, () => void>();
+  private readonly revokers = new Map<Lease, (reason: Error) => void>();
 
   /**
    * @param places max concurrent leases (the model's `max_streams`).
@@ -146,7 +146,7 @@ export class Admission {
       w.reject(err);
     }
     for (const [lease, revoke] of [...this.revokers]) {
-      revoke();
+      revoke(err);
       lease.release();
     }
   }
@@ -156,7 +156,7 @@ export class Admission {
     return exclusive ? this.active === 0 : this.active < this.places;
   }
 
-  private grant(exclusive: boolean, onRevoke?: () => void): Lease {
+  private grant(exclusive: boolean, onRevoke?: (reason: Error) => void): Lease {
     this.active++;
     let released = false;
     const lease: Lease = {

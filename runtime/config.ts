@@ -47,6 +47,30 @@ export const ModelConfig = z.strictObject({
 });
 export type ModelConfig = z.infer<typeof ModelConfig>;
 
+/** Connection limits and deadlines (ms; 0 = no deadline). */
+export const Limits = z.strictObject({
+  /** HTTP request body, bytes (413 past it). */
+  max_body_bytes: z.number().int().positive().default(50 * 1024 * 1024),
+  /** HTTP request headers, bytes (431 past it). */
+  max_header_bytes: z.number().int().min(1024).default(16 * 1024),
+  /** Time to receive a request's headers. */
+  headers_timeout_ms: nonNegInt.default(10_000),
+  max_ws_connections: z.number().int().positive().default(1024),
+  /** One WebSocket message, bytes (close 1009 past it). */
+  ws_max_frame_bytes: z.number().int().positive().default(1024 * 1024),
+  /** Outbound bytes a client may leave unread before it is cut off (close 1013). */
+  ws_max_buffered_bytes: z.number().int().positive().default(4 * 1024 * 1024),
+  /** No data on a request body, or no message on a stream, for this long cuts it off. */
+  idle_ms: nonNegInt.default(30_000),
+  /** Longest stream. */
+  total_ms: nonNegInt.default(0),
+  /** Longest wait for one send to a client to be written out. */
+  send_timeout_ms: nonNegInt.default(10_000),
+  /** WebSocket ping interval; a peer that has not answered the previous ping is dropped. */
+  heartbeat_ms: nonNegInt.default(30_000),
+});
+export type Limits = z.infer<typeof Limits>;
+
 export const ServerConfig = z.strictObject({
   host: z.string().min(1).default('127.0.0.1'),
   port: z.number().int().min(0).max(65535).default(8080),
@@ -59,23 +83,7 @@ export const ServerConfig = z.strictObject({
   management: z
     .strictObject({ enabled: z.boolean().default(false), token: z.string().min(1).optional() })
     .default({ enabled: false }),
-  limits: z
-    .strictObject({
-      max_body_bytes: z.number().int().positive().default(50 * 1024 * 1024),
-      max_ws_connections: z.number().int().positive().default(1024),
-      ws_max_frame_bytes: z.number().int().positive().default(1024 * 1024),
-      idle_ms: nonNegInt.default(30_000),
-      total_ms: nonNegInt.default(0),
-      send_timeout_ms: nonNegInt.default(10_000),
-    })
-    .default({
-      max_body_bytes: 50 * 1024 * 1024,
-      max_ws_connections: 1024,
-      ws_max_frame_bytes: 1024 * 1024,
-      idle_ms: 30_000,
-      total_ms: 0,
-      send_timeout_ms: 10_000,
-    }),
+  limits: Limits.default(Limits.parse({})),
   models_root: z.string().min(1).optional(),
   /** Models registered at start, in addition to (or replacing, by id) the embedded catalog. */
   models: z.array(ModelConfig).default([]),

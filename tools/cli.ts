@@ -42,6 +42,7 @@ interface ServeOptions {
   maxLoadedModels?: number;
   minFreeMemoryMb?: number;
   idleUnloadMs?: number;
+  drainTimeoutMs?: number;
 }
 
 const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket');
@@ -57,6 +58,7 @@ program
   .option('--max-loaded-models <n>', 'models resident at once; cold loads evict the least recently used idle one (0 = no limit)', int('--max-loaded-models'))
   .option('--min-free-memory-mb <mb>', 'refuse a cold load that would leave less memory free (0 = off)', int('--min-free-memory-mb'))
   .option('--idle-unload-ms <ms>', 'unload models idle this long (0 = off)', int('--idle-unload-ms'))
+  .option('--drain-timeout-ms <ms>', 'on SIGTERM/SIGINT, how long running work may finish', int('--drain-timeout-ms'))
   .action(async (opts: ServeOptions) => {
     let config: ServerConfig;
     try {
@@ -67,6 +69,7 @@ program
         max_loaded_models: opts.maxLoadedModels,
         min_free_memory_mb: opts.minFreeMemoryMb,
         idle_unload_ms: opts.idleUnloadMs,
+        drain_timeout_ms: opts.drainTimeoutMs,
       });
     } catch (e) {
       die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e));
@@ -77,15 +80,18 @@ program
     try {
       server = await startServer(config);
     } catch (e) {
-      die(`cannot listen on ${config.host}:${config.port}: ${(e as Error).message}`);
+      die(`cannot start on ${config.host}:${config.port}: ${(e as Error).message}`);
     }
     process.stderr.write(`voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`);
     let signals = 0;
     const stop = (sig: string): void => {
-      if (++signals > 1) process.exit(0);
-      process.stderr.write(`voxserve: ${sig}, shutting down\n`);
+      const first = ++signals === 1;
+      process.stderr.write(first ? `voxserve: ${sig}, draining (up to ${config.drain_timeout_ms} ms; again to skip)\n` : `voxserve: ${sig}, skipping the drain\n`);
+      // A second call skips what is left of the drain.
       server.close().then(
-        () => process.exit(0),
+        () => {
+          if (first) process.exit(0);
+        },
         (e) => die(`shutdown failed: ${(e as Error).message}`),
       );
     };

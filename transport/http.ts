@@ -27,20 +27,43 @@ export function sendError(res: ServerResponse, err: unknown): void {
 }
 
 /**
- * Reads a request body of at most `limit` bytes.
- * @throws VoxError `payload_too_large` past the limit (the rest is not read).
+ * Reads a request body of at most `limit` bytes, with no gap between chunks over `idleMs`.
+ * @throws VoxError `payload_too_large` past the limit; `invalid_request_error` when the body
+ *   stalls (the rest is not read either way).
  */
-export async function readBody(req: IncomingMessage, limit: number): Promise<Buffer> {
+export function readBody(req: IncomingMessage, limit: number, idleMs: number): Promise<Buffer> {
   const declared = Number(req.headers['content-length']);
-  if (declared > limit) throw new VoxError('payload_too_large', `body of ${declared} bytes exceeds limits.max_body_bytes (${limit})`);
-  const chunks: Buffer[] = [];
-  let size = 0;
-  for await (const chunk of req) {
-    size += (chunk as Buffer).length;
-    if (size > limit) throw new VoxError('payload_too_large', `body exceeds limits.max_body_bytes (${limit})`);
-    chunks.push(chunk as Buffer);
-  }
-  return Buffer.concat(chunks);
+  if (declared > limit) return Promise.reject(new VoxError('payload_too_large', `body of ${declared} bytes exceeds limits.max_body_bytes (${limit})`));
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = [];
+    let size = 0;
+    let timer: NodeJS.Timeout | null = null;
+    const arm = (): void => {
+      if (timer) clearTimeout(timer);
+      if (idleMs > 0) timer = setTimeout(() => fail(new VoxError('invalid_request_error', `request body stalled: no data for limits.idle_ms (${idleMs} ms)`)), idleMs);
+    };
+    const cleanup = (): void => {
+      if (timer) clearTimeout(timer);
+      req.off('data', onData).off('end', onEnd).off('error', fail).off('close', onClose);
+    };
+    const fail = (e: Error): void => {
+      cleanup();
+      reject(e);
+    };
+    const onData = (chunk: Buffer): void => {
+      size += chunk.length;
+      if (size > limit) return fail(new VoxError('payload_too_large', `body exceeds limits.max_body_bytes (${limit})`));
+      chunks.push(chunk);
+      arm();
+    };
+    const onEnd = (): void => {
+      cleanup();
+      resolve(Buffer.concat(chunks));
+    };
+    const onClose = (): void => fail(new DOMException('the client went away', 'AbortError'));
+    req.on('data', onData).on('end', onEnd).on('error', fail).on('close', onClose);
+    arm();
+  });
 }
 
 /** Parses a JSON object body. @throws VoxError `invalid_request_error`. */
@@ -93,19 +116,19 @@ function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer): RunReque
  */
 export async function handleRun(supervisor: Supervisor, config: ServerConfig, req: IncomingMessage, res: ServerResponse, url: URL): Promise<void> {
   const t0 = performance.now();
-  const body = await readBody(req, config.limits.max_body_bytes);
+  const body = await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms);
   const run = parseRunRequest(req, url, body);
   const entry = supervisor.require(run.model);
   const gone = new AbortController();
-  let revoked = false;
+  let revoked: Error | null = null;
   res.on('close', () => {
     if (!res.writableFinished) gone.abort();
   });
   const lease = await entry.admit({
     requestTimeoutMs: run.busyTimeoutMs,
     signal: gone.signal,
-    onRevoke: () => {
-      revoked = true;
+    onRevoke: (reason) => {
+      revoked = reason;
       gone.abort();
     },
   });
@@ -126,7 +149,7 @@ export async function handleRun(supervisor: Supervisor, config: ServerConfig, re
     session.end();
     await drain(session, (job) => (gone.signal.aborted ? Promise.reject(gone.signal.reason) : pool.run(job, gone.signal)), () => {}, FILE_JOB_STEPS);
   } catch (e) {
-    if (revoked) throw new VoxError('server_busy', `model ${entry.id} was unloaded (force) while this request ran`, { retryAfterS: 1 });
+    if (revoked) throw revoked;
     throw e;
   }
   const audioMs = (session.receivedSamples * 1000) / 16_000;

@@ -1,3 +1,4 @@
+import { createHash, timingSafeEqual } from 'node:crypto';
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
@@ -6,6 +7,7 @@ import type { ServerConfig } from '../runtime/config.js';
 import { invalid, VoxError } from '../runtime/errors.js';
 import type { ModelLoader } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
+import { confinePath } from '../runtime/paths.js';
 import type { ModelConfig } from '../runtime/config.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
 import { handleRun, parseJsonObject, readBody, sendError, sendJson } from './http.js';
@@ -19,9 +21,14 @@ export interface VoxServer {
   readonly url: string;
   /** Live WebSocket streams. */
   readonly streams: ReadonlySet<StreamConnection>;
+  /** HTTP requests being handled. */
+  readonly inflight: ReadonlySet<Promise<void>>;
   /**
-   * Shuts down: stop accepting (`/ready` 503), close streams with 1001, close the listener and
-   * idle connections, unload every model (waiting up to `drain_timeout_ms` for running requests).
+   * Shuts down in phases (C15): stop accepting (`/ready` and new work 503 `shutting_down`);
+   * let running requests finish and finish every stream (last events, `done`, close 1001) for
+   * up to `drain_timeout_ms`; then close what is left (streams 1001 with a reason, queued and
+   * running HTTP requests 503) and every connection; then unload every model. Resolves when no
+   * handler or callback runs any more. A second call skips what is left of the drain.
    */
   close(): Promise<void>;
 }
@@ -35,13 +42,25 @@ export interface ServerOptions {
 
 const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_many', '/v1/models/unload_all'];
 
+const digest = (s: string): Buffer => createHash('sha256').update(s).digest();
+
 function managementAllowed(config: ServerConfig, req: IncomingMessage): void {
   if (!config.management.enabled) {
     throw new VoxError('forbidden', 'management routes are disabled; start the server with --management');
   }
   const token = config.management.token;
-  if (token && req.headers.authorization !== `Bearer ${token}`) throw new VoxError('forbidden', 'management routes need Authorization: Bearer <token>');
+  // Compared as fixed-length digests in constant time.
+  if (token && !timingSafeEqual(digest(req.headers.authorization ?? ''), digest(`Bearer ${token}`))) {
+    throw new VoxError('forbidden', 'management routes need Authorization: Bearer <token>');
+  }
 }
+
+/** True for addresses only this machine can reach. */
+export function isLoopback(host: string): boolean {
+  return host === 'localhost' || host === '::1' || /^127\.\d+\.\d+\.\d+$/.test(host);
+}
+
+const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
 
 /**
  * Creates the server, starts listening on `config.host:config.port` (port 0 picks a free one),
@@ -49,8 +68,13 @@ function managementAllowed(config: ServerConfig, req: IncomingMessage): void {
  * eager loads are done.
  */
 export async function startServer(config: ServerConfig, options: ServerOptions = {}): Promise<VoxServer> {
+  if (config.management.enabled && !config.management.token && !isLoopback(config.host)) {
+    throw new Error(`refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`);
+  }
   const supervisor = new Supervisor(config, options);
   const streams = new Set<StreamConnection>();
+  const inflight = new Set<Promise<void>>();
+  const shuttingDown = (): VoxError => new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
 
   const route = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
     const url = new URL(req.url ?? '/', 'http://localhost');
@@ -71,9 +95,12 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     }
     if (method === 'POST' && MANAGEMENT.includes(path)) {
       managementAllowed(config, req);
-      if (!supervisor.accepting) throw new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
-      const body = parseJsonObject(await readBody(req, 1024 * 1024));
-      if (path === '/v1/models/load') return sendJson(res, 200, await supervisor.load(body, timeout));
+      if (!supervisor.accepting) throw shuttingDown();
+      const body = parseJsonObject(await readBody(req, 1024 * 1024, config.limits.idle_ms));
+      if (path === '/v1/models/load') {
+        for (const f of PATH_FIELDS) if (typeof body[f] === 'string') body[f] = await confinePath(config.models_root, body[f] as string, f);
+        return sendJson(res, 200, await supervisor.load(body, timeout));
+      }
       if (path === '/v1/models/unload') {
         if (typeof body.id !== 'string' || !body.id) throw invalid('id: required, a model id string');
         if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force: must be a boolean');
@@ -89,7 +116,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return sendJson(res, 200, { unloaded });
     }
     if (method === 'POST' && path === '/v1/tasks/run') {
-      if (!supervisor.accepting) throw new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
+      if (!supervisor.accepting) throw shuttingDown();
       return handleRun(supervisor, config, req, res, url);
     }
     const known = ['/health', '/ready', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/stream'];
@@ -97,12 +124,33 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     throw new VoxError('not_found', `no route ${method} ${path}`);
   };
 
-  const http = createServer({ maxHeaderSize: 16 * 1024, requestTimeout: 60_000, headersTimeout: 10_000 }, (req, res) => {
-    route(req, res).catch((err) => {
-      sendError(res, err);
-      // A body we did not read (e.g. over the size limit) must not be parsed as the next request.
-      if (!req.complete) res.once('finish', () => req.socket.destroy());
-    });
+  const headersTimeout = config.limits.headers_timeout_ms;
+  const http = createServer(
+    {
+      maxHeaderSize: config.limits.max_header_bytes,
+      headersTimeout: headersTimeout || undefined,
+      requestTimeout: 0, // bodies have their own idle deadline (readBody)
+      // How often node checks the headers deadline (its default, 30 s, would make it useless).
+      connectionsCheckingInterval: headersTimeout ? Math.max(50, Math.min(1000, headersTimeout / 4)) : undefined,
+    },
+    (req, res) => {
+    if (!supervisor.accepting) res.setHeader('connection', 'close');
+    const handled: Promise<void> = route(req, res)
+      .catch((err) => {
+        sendError(res, err);
+        // A body we did not read (e.g. over the size limit) must not be parsed as the next request.
+        if (!req.complete) res.once('finish', () => req.socket.destroy());
+      })
+      .finally(() => inflight.delete(handled));
+    inflight.add(handled);
+    },
+  );
+  http.on('clientError', (err: NodeJS.ErrnoException, socket) => {
+    // Garbage request lines, oversized headers, header timeouts: answer if the socket can still take it.
+    if (!socket.writable) return socket.destroy();
+    const status = err.code === 'HPE_HEADER_OVERFLOW' ? '431 Request Header Fields Too Large' : err.code === 'ERR_HTTP_REQUEST_TIMEOUT' ? '408 Request Timeout' : '400 Bad Request';
+    const body = JSON.stringify({ error: { type: 'invalid_request_error', message: `malformed request: ${err.code ?? err.message}` } });
+    socket.end(`HTTP/1.1 ${status}\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`);
   });
 
   const wss = new WebSocketServer({
@@ -118,6 +166,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     };
     if (path !== '/v1/stream') return refuse(404, 'Not Found');
     if (!supervisor.accepting) return refuse(503, 'Service Unavailable');
+    if (socket.destroyed) return;
     if (streams.size >= config.limits.max_ws_connections) return refuse(503, 'Service Unavailable');
     wss.handleUpgrade(req, socket, head, (ws) => {
       const protocol = (ws.protocol || SUBPROTOCOLS[0]) as Subprotocol;
@@ -139,21 +188,46 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   void supervisor.start();
 
   let closing: Promise<void> | null = null;
+  let skipDrain = (): void => {};
+  const close = async (): Promise<void> => {
+    // Phase 1: stop accepting.
+    supervisor.beginShutdown();
+    const listenerClosed = new Promise<void>((resolve) => http.close(() => resolve()));
+    http.closeIdleConnections();
+    // Phase 2: running work finishes; streams get their last events and `done`.
+    for (const s of streams) s.drainForShutdown();
+    const drained = Promise.all([...[...streams].map((s) => s.closedSignal), ...inflight]);
+    let timer: NodeJS.Timeout | undefined;
+    await Promise.race([
+      drained,
+      new Promise<void>((resolve) => {
+        skipDrain = resolve;
+        timer = setTimeout(resolve, config.drain_timeout_ms);
+      }),
+    ]);
+    clearTimeout(timer);
+    // Phase 3: what is left is cut off, then every connection closes.
+    for (const s of streams) s.goAway('server shutting down: drain deadline passed');
+    supervisor.revokeAll(shuttingDown());
+    await Promise.all([...[...streams].map((s) => s.closedSignal), ...inflight]);
+    http.closeAllConnections();
+    for (const c of wss.clients) c.terminate();
+    // Phase 4: unload every model.
+    await supervisor.stop(0);
+    await listenerClosed;
+  };
   return {
     supervisor,
     http,
     url: `http://${host}:${addr.port}`,
     streams,
-    close: () =>
-      (closing ??= (async () => {
-        supervisor.beginShutdown();
-        for (const s of streams) s.goAway();
-        const closed = new Promise<void>((resolve) => http.close(() => resolve()));
-        http.closeIdleConnections();
-        await supervisor.stop(config.drain_timeout_ms);
-        http.closeAllConnections();
-        for (const c of wss.clients) c.terminate();
-        await closed;
-      })()),
+    inflight,
+    close: () => {
+      if (closing) {
+        skipDrain();
+        return closing;
+      }
+      return (closing = close());
+    },
   };
 }

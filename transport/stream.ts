@@ -45,15 +45,23 @@ export function parseStreamParams(url: URL): StreamParams {
   return params;
 }
 
+/** Unprocessed audio (16 kHz samples) above which a stream stops reading its socket: 10 s. */
+export const MAX_PENDING_SAMPLES = 160_000;
+
 /** Close reasons are limited to 123 bytes by the WebSocket protocol. */
 function reason(text: string): string {
   return Buffer.byteLength(text) <= 123 ? text : Buffer.from(text).subarray(0, 120).toString('utf8') + '...';
 }
 
 /**
- * One live stream on `/v1/stream`: open -> streaming -> draining -> closed. It takes its lease
- * before preparing anything and holds it until the socket has closed; audio is decoded, windowed
- * and sent to the model's slots as it arrives, and events go out as soon as they exist.
+ * One live stream on `/v1/stream` (a socket actor as a plain object): open -> streaming ->
+ * draining -> closed. It takes its lease before preparing anything and holds it until the socket
+ * has closed or it is cut off; audio is decoded, windowed and sent to the model's slots as it
+ * arrives, and events go out as soon as they exist. Every wait has a deadline (limits.*): no
+ * message for `idle_ms`, the whole stream past `total_ms`, a send not flushed within
+ * `send_timeout_ms`, a heartbeat ping not answered; outbound bytes over
+ * `ws_max_buffered_bytes` close it with 1013. Reading pauses while more than
+ * {@link MAX_PENDING_SAMPLES} of audio wait for the model.
  */
 export class StreamConnection {
   readonly id = randomUUID();
@@ -65,8 +73,18 @@ export class StreamConnection {
   private readonly early: { data: Buffer; binary: boolean }[] = [];
   private readonly gone = new AbortController();
   private pumping = false;
+  private paused = false;
   private readonly t0 = performance.now();
   private queueMs = 0;
+  /** Close code once the stream is done: 1000, or 1001 when the server drains it for shutdown. */
+  private doneCode: number = CLOSE.NORMAL;
+  private readonly timers: NodeJS.Timeout[] = [];
+  private idleTimer: NodeJS.Timeout | null = null;
+  private sendTimer: NodeJS.Timeout | null = null;
+  private unflushed = 0;
+  private alive = true;
+  private readonly closedPromise: Promise<void>;
+  private resolveClosed!: () => void;
 
   constructor(
     private readonly ws: WebSocket,
@@ -75,12 +93,34 @@ export class StreamConnection {
     private readonly config: ServerConfig,
     private readonly onClosed: (c: StreamConnection) => void,
   ) {
+    this.closedPromise = new Promise((r) => (this.resolveClosed = r));
+    const limits = config.limits;
     ws.on('error', () => this.finish());
     ws.on('close', () => this.finish());
+    ws.on('pong', () => (this.alive = true));
     ws.on('message', (data: Buffer, binary: boolean) => {
+      this.touchIdle();
       if (this.state === 'open') this.early.push({ data, binary });
       else if (this.state === 'streaming') this.onMessage(data, binary);
     });
+    this.touchIdle();
+    if (limits.total_ms > 0) {
+      this.timers.push(setTimeout(() => this.cutOff(CLOSE.POLICY, `stream exceeded limits.total_ms (${limits.total_ms} ms)`), limits.total_ms));
+    }
+    if (limits.heartbeat_ms > 0) {
+      this.timers.push(
+        setInterval(() => {
+          if (!this.alive) return this.cutOff(CLOSE.GOING_AWAY, 'no pong: peer is gone', false);
+          this.alive = false;
+          ws.ping();
+        }, limits.heartbeat_ms),
+      );
+    }
+  }
+
+  /** Resolves once the connection is closed and its lease released. */
+  get closedSignal(): Promise<void> {
+    return this.closedPromise;
   }
 
   /** Validates the request, takes the lease, loads the model if needed, then sends `ready`. */
@@ -92,14 +132,14 @@ export class StreamConnection {
       this.lease = await entry.admit({
         requestTimeoutMs: params.busyTimeoutMs,
         signal: this.gone.signal,
-        onRevoke: () => this.fail(new VoxError('server_busy', `model ${entry.id} was unloaded (force)`), CLOSE.FORCE_UNLOAD),
+        onRevoke: (why) => this.fail(toVoxError(why), toVoxError(why).type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD),
       });
       if (this.closed) return this.lease.release();
       this.queueMs = performance.now() - this.t0;
       this.decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
       this.loaded = await entry.ensureReady(this.gone.signal);
       this.session = createTaskSession(entry.config, this.loaded.pool.info, undefined);
-      if (this.closed) return;
+      if (this.closed || this.state === 'draining') return;
       this.state = 'streaming';
       this.send({ type: 'ready', session_id: this.id, model: entry.id, task: entry.config.task, sample_rate: 16_000 });
       for (const m of this.early.splice(0)) this.onMessage(m.data, m.binary);
@@ -115,8 +155,32 @@ export class StreamConnection {
     return this.state === 'closed';
   }
 
+  private touchIdle(): void {
+    const idle = this.config.limits.idle_ms;
+    if (idle <= 0 || this.closed) return;
+    if (this.idleTimer) clearTimeout(this.idleTimer);
+    this.idleTimer = setTimeout(() => {
+      if (this.state === 'open' || this.state === 'streaming') this.cutOff(CLOSE.POLICY, `no message for limits.idle_ms (${idle} ms)`);
+    }, idle);
+  }
+
+  /** Sends an event; cuts the client off when it stops reading (buffer cap, send deadline). */
   private send(event: Record<string, unknown>): void {
-    if (this.ws.readyState === this.ws.OPEN) this.ws.send(encodeEvent(this.protocol, event));
+    if (this.ws.readyState !== this.ws.OPEN) return;
+    const limits = this.config.limits;
+    if (this.ws.bufferedAmount > limits.ws_max_buffered_bytes) {
+      return this.cutOff(CLOSE.BUSY, `client is not reading: over limits.ws_max_buffered_bytes (${limits.ws_max_buffered_bytes})`);
+    }
+    this.unflushed++;
+    if (!this.sendTimer && limits.send_timeout_ms > 0) {
+      this.sendTimer = setTimeout(() => this.cutOff(CLOSE.BUSY, `client is not reading: a send waited over limits.send_timeout_ms (${limits.send_timeout_ms} ms)`, false), limits.send_timeout_ms);
+    }
+    this.ws.send(encodeEvent(this.protocol, event), () => {
+      if (--this.unflushed === 0 && this.sendTimer) {
+        clearTimeout(this.sendTimer);
+        this.sendTimer = null;
+      }
+    });
   }
 
   private emit = (e: TaskEvent): void => this.send({ ...e });
@@ -125,6 +189,10 @@ export class StreamConnection {
     if (binary) {
       if (this.state !== 'streaming') return;
       this.session!.push(this.decoder!.push(data));
+      if (!this.paused && this.session!.pendingSamples > MAX_PENDING_SAMPLES) {
+        this.paused = true;
+        this.ws.pause();
+      }
       void this.pump();
       return;
     }
@@ -135,13 +203,17 @@ export class StreamConnection {
       return this.send({ type: 'error', error: { type: 'invalid_request_error', message: 'control frame is not valid JSON; expected {"type":"end"}' } });
     }
     if (msg && typeof msg === 'object' && (msg as { type?: unknown }).type === 'end') {
-      if (this.state !== 'streaming') return;
-      this.state = 'draining';
-      for (const e of this.session!.end()) this.emit(e);
-      void this.pump();
+      if (this.state === 'streaming') this.end();
       return;
     }
     this.send({ type: 'error', error: { type: 'invalid_request_error', message: `unknown control message type ${JSON.stringify((msg as { type?: unknown })?.type)}; expected "end"` } });
+  }
+
+  /** No more audio: flush, send the last events and `done`, then close. */
+  private end(): void {
+    this.state = 'draining';
+    for (const e of this.session!.end()) this.emit(e);
+    void this.pump();
   }
 
   /** Runs every ready job, one at a time, in order; after `end`, sends `done` and closes. */
@@ -150,12 +222,27 @@ export class StreamConnection {
     this.pumping = true;
     try {
       const pool = this.loaded!.pool;
-      await drain(this.session!, (job) => pool.run(job, this.gone.signal), this.emit, Number.MAX_SAFE_INTEGER);
+      await drain(
+        this.session!,
+        (job) => pool.run(job, this.gone.signal),
+        (e) => {
+          this.emit(e);
+          if (this.paused && this.session!.pendingSamples < MAX_PENDING_SAMPLES / 2) {
+            this.paused = false;
+            this.ws.resume();
+          }
+        },
+        Number.MAX_SAFE_INTEGER,
+      );
     } catch (e) {
       if (!this.gone.signal.aborted) this.fail(toVoxError(e), CLOSE.INTERNAL);
       return;
     } finally {
       this.pumping = false;
+    }
+    if (this.paused) {
+      this.paused = false;
+      this.ws.resume();
     }
     if (this.state === 'draining' && this.session!.finished) {
       const wallMs = performance.now() - this.t0;
@@ -165,7 +252,7 @@ export class StreamConnection {
         processed_ms: Math.round(audioMs),
         timing: { wall_ms: Math.round(wallMs), queue_ms: Math.round(this.queueMs), audio_duration_ms: Math.round(audioMs), rtf: audioMs ? Math.round((wallMs / audioMs) * 10_000) / 10_000 : 0 },
       });
-      this.ws.close(CLOSE.NORMAL, 'done');
+      this.ws.close(this.doneCode, this.doneCode === CLOSE.NORMAL ? 'done' : 'server shutting down');
     }
   }
 
@@ -178,18 +265,52 @@ export class StreamConnection {
     this.ws.close(code, reason(err.message));
   }
 
-  /** Closes with 1001 (server shutting down). */
-  goAway(): void {
-    if (this.state === 'closed') return;
-    this.ws.close(CLOSE.GOING_AWAY, 'server shutting down');
+  /**
+   * Shutdown, phase 2: the stream is finished as if the client had sent `end` (its last events
+   * and `done`, then close 1001). A stream not yet streaming is closed with 1001 at once.
+   */
+  drainForShutdown(): void {
+    if (this.state === 'streaming') {
+      this.doneCode = CLOSE.GOING_AWAY;
+      this.end();
+    } else if (this.state === 'draining') {
+      this.doneCode = CLOSE.GOING_AWAY;
+    } else if (this.state === 'open') {
+      this.cutOff(CLOSE.GOING_AWAY, 'server shutting down', false);
+    }
+  }
+
+  /** Shutdown, phase 3 (drain deadline passed): close 1001 with a reason, now. */
+  goAway(why = 'server shutting down'): void {
+    this.cutOff(CLOSE.GOING_AWAY, why, false);
+  }
+
+  /**
+   * Cuts the connection off: an `error` event (unless `notify` is false) and a close frame if
+   * they can still go out, then the lease is released at once and the socket is destroyed if
+   * the peer does not complete the close within a second.
+   */
+  private cutOff(code: number, why: string, notify = true): void {
+    if (this.closed) return;
+    if (notify && this.ws.bufferedAmount <= this.config.limits.ws_max_buffered_bytes) {
+      this.ws.send(encodeEvent(this.protocol, { type: 'error', error: { type: code === CLOSE.BUSY ? 'server_busy' : 'invalid_request_error', message: why } }));
+    }
+    this.ws.close(code, reason(why));
+    const ws = this.ws;
+    setTimeout(() => ws.terminate(), 1000).unref();
+    this.finish();
   }
 
   private finish(): void {
-    if (this.state === 'closed') return;
+    if (this.closed) return;
     this.state = 'closed';
     this.gone.abort();
+    for (const t of this.timers) clearTimeout(t);
+    if (this.idleTimer) clearTimeout(this.idleTimer);
+    if (this.sendTimer) clearTimeout(this.sendTimer);
     this.decoder?.close();
     this.lease?.release();
     this.onClosed(this);
+    this.resolveClosed();
   }
 }

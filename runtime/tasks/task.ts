@@ -27,6 +27,8 @@ export interface TaskSession {
   readonly finished: boolean;
   /** Samples received so far (16 kHz). */
   readonly receivedSamples: number;
+  /** Samples received and not yet sent to a slot. */
+  readonly pendingSamples: number;
 }
 
 /** Creates a session for one request or stream; `info` is what the model's slots reported at load. */

@@ -128,6 +128,10 @@ export class VadSession implements TaskSession {
     return this.received;
   }
 
+  get pendingSamples(): number {
+    return this.pending.length;
+  }
+
   get finished(): boolean {
     return this.ended && !this.inFlight && this.pending.length === 0;
   }

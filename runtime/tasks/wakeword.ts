@@ -52,6 +52,10 @@ export class WakewordSession implements TaskSession {
     return this.received;
   }
 
+  get pendingSamples(): number {
+    return this.pending.length;
+  }
+
   get finished(): boolean {
     return this.ended && !this.inFlight && this.pending.length === 0;
   }
