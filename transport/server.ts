@@ -190,10 +190,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   let closing: Promise<void> | null = null;
   let skipDrain = (): void => {};
   const close = async (): Promise<void> => {
-    // Phase 1: stop accepting.
+    // Phase 1: stop accepting work. The listener stays up, so /ready answers 503 and new
+    // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
-    const listenerClosed = new Promise<void>((resolve) => http.close(() => resolve()));
-    http.closeIdleConnections();
     // Phase 2: running work finishes; streams get their last events and `done`.
     for (const s of streams) s.drainForShutdown();
     const drained = Promise.all([...[...streams].map((s) => s.closedSignal), ...inflight]);
@@ -206,7 +205,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       }),
     ]);
     clearTimeout(timer);
-    // Phase 3: what is left is cut off, then every connection closes.
+    // Phase 3: what is left is cut off; the listener and every connection close.
+    const listenerClosed = new Promise<void>((resolve) => http.close(() => resolve()));
+    http.closeIdleConnections();
     for (const s of streams) s.goAway('server shutting down: drain deadline passed');
     supervisor.revokeAll(shuttingDown());
     await Promise.all([...[...streams].map((s) => s.closedSignal), ...inflight]);

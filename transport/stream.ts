@@ -83,6 +83,8 @@ export class StreamConnection {
   private sendTimer: NodeJS.Timeout | null = null;
   private unflushed = 0;
   private alive = true;
+  /** Why the server cut the connection off, if it did (for logs and tests). */
+  cutReason: string | null = null;
   private readonly closedPromise: Promise<void>;
   private resolveClosed!: () => void;
 
@@ -292,6 +294,7 @@ export class StreamConnection {
    */
   private cutOff(code: number, why: string, notify = true): void {
     if (this.closed) return;
+    this.cutReason = why;
     if (notify && this.ws.bufferedAmount <= this.config.limits.ws_max_buffered_bytes) {
       this.ws.send(encodeEvent(this.protocol, { type: 'error', error: { type: code === CLOSE.BUSY ? 'server_busy' : 'invalid_request_error', message: why } }));
     }

@@ -1,0 +1,115 @@
+/** Shutdown of `voxserve serve` on SIGTERM, in phases (C15), with live streams and queued requests. */
+import { spawn } from 'node:child_process';
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { describe, expect, it } from 'vitest';
+import WebSocket from 'ws';
+import { defaultCatalog } from '../../runtime/catalog.js';
+import { fixture } from '../helpers.js';
+
+const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
+const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
+const DRAIN_MS = 4000;
+
+describe('SIGTERM', () => {
+  it('20 live streams get done then 1001, 20 queued requests get a result or 503, a keep-alive client never sees "not found"; exit 0 within the drain deadline', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'voxserve-shutdown-'));
+    const config = join(dir, 'config.json');
+    writeFileSync(
+      config,
+      JSON.stringify({
+        port: 0,
+        drain_timeout_ms: DRAIN_MS,
+        limits: { idle_ms: 0, heartbeat_ms: 0 },
+        models: [{ id: 'vad20', task: 'vad', path: silero, max_streams: 20, lazy: false }],
+      }),
+    );
+    const child = spawn(process.execPath, [cli, 'serve', '--config', config], { stdio: ['ignore', 'ignore', 'pipe'] });
+    const exited = new Promise<{ code: number | null; at: number }>((r) => child.on('exit', (code) => r({ code, at: performance.now() })));
+    const url = await new Promise<string>((resolve, reject) => {
+      child.stderr!.on('data', (d: Buffer) => {
+        const m = /listening on (\S+)/.exec(d.toString());
+        if (m) resolve(m[1]);
+      });
+      child.on('exit', () => reject(new Error('server exited early')));
+    });
+    while ((await fetch(`${url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 20));
+    const status = async () => (await fetch(`${url}/v1/models/vad20`)).json();
+
+    // 20 streams hold every lease; each has sent speech and not yet `end`.
+    const speech = fixture('espeak_sentence_16k.wav').subarray(44);
+    const streams = await Promise.all(
+      Array.from(
+        { length: 20 },
+        () =>
+          new Promise<{ events: any[]; closed: Promise<number> }>((resolve, reject) => {
+            const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/stream?model=vad20`);
+            const events: any[] = [];
+            const closed = new Promise<number>((r) => ws.on('close', (code) => r(code)));
+            ws.on('error', reject);
+            ws.on('message', (d) => {
+              const e = JSON.parse(d.toString());
+              events.push(e);
+              if (e.type === 'ready') {
+                ws.send(speech);
+                resolve({ events, closed });
+              }
+            });
+          }),
+      ),
+    );
+    // 20 HTTP requests queue behind them.
+    const wav = fixture('Front_Left.wav');
+    const queued = Array.from({ length: 20 }, () =>
+      fetch(`${url}/v1/tasks/run?model=vad20`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) }).then(
+        async (r) => ({ status: r.status, body: await r.json() }),
+        (e: Error) => ({ status: 0, body: { error: { message: `no response: ${e.message}` } } }),
+      ),
+    );
+    while ((await status()).queued_requests < 20) await new Promise((r) => setTimeout(r, 10));
+
+    // A keep-alive client: one request every 100 ms until the server is gone.
+    const keepAlive = (async () => {
+      const seen: { status: number; type?: string }[] = [];
+      for (;;) {
+        try {
+          const r = await fetch(`${url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+          const body = await r.json();
+          seen.push({ status: r.status, type: body.error?.type });
+        } catch (e) {
+          const code = (e as { cause?: { code?: string } }).cause?.code;
+          if (code === 'ECONNREFUSED') return seen;
+          seen.push({ status: 0, type: `no response: ${code ?? (e as Error).message}` });
+        }
+        await new Promise((r) => setTimeout(r, 100));
+      }
+    })();
+
+    await new Promise((r) => setTimeout(r, 300));
+    const t0 = performance.now();
+    child.kill('SIGTERM');
+    const exit = await exited;
+
+    const statuses = (await Promise.all(queued)).map((q) => q.status);
+    console.log(`shutdown: exit ${exit.code} after ${Math.round(exit.at - t0)} ms (drain_timeout_ms ${DRAIN_MS}); queued requests: ${statuses.filter((c) => c === 200).length} served, ${statuses.filter((c) => c === 503).length} got 503`);
+    expect(exit.code).toBe(0);
+    expect(exit.at - t0).toBeLessThan(DRAIN_MS + 1000);
+    for (const s of streams) {
+      expect(await s.closed).toBe(1001);
+      expect(s.events.at(-1)).toMatchObject({ type: 'done' });
+      expect(s.events.some((e) => e.type === 'speech_start')).toBe(true);
+    }
+    for (const q of await Promise.all(queued)) {
+      expect([200, 503], JSON.stringify(q.body)).toContain(q.status);
+      if (q.status === 503) expect(q.body.error.type).toBe('shutting_down');
+    }
+    const seen = await keepAlive;
+    for (const r of seen) {
+      expect([200, 503], JSON.stringify(r)).toContain(r.status);
+      if (r.status === 503) expect(r.type).toBe('shutting_down');
+    }
+    expect(seen.some((r) => r.type === 'shutting_down')).toBe(true);
+  });
+});
