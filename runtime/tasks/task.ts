@@ -49,7 +49,7 @@ export async function drain(
 
 /** Growable float32 buffer with cheap consumption from the front. */
 export class SampleBuffer {
-  private data = new Float32Array(16_384);
+  private data = new Float32Array(0);
   private start = 0;
   private end = 0;
 
@@ -60,7 +60,7 @@ export class SampleBuffer {
   push(samples: Float32Array, scale = 1): void {
     if (this.end + samples.length > this.data.length) {
       const need = this.length + samples.length;
-      const next = need > this.data.length / 2 ? new Float32Array(Math.max(need * 2, 16_384)) : this.data;
+      const next = need > this.data.length / 2 ? new Float32Array(Math.max(need * 2, 4096)) : this.data;
       next.set(this.data.subarray(this.start, this.end), 0);
       this.data = next;
       this.end -= this.start;
