@@ -3,6 +3,8 @@ import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
 import { VoxError } from '../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
+import { createLogger, type Metrics } from '../runtime/telemetry.js';
+import type { Logger } from 'pino';
 
 /** A model entry's context: the committed config and what the current load holds. */
 export interface ModelContext {
@@ -155,22 +157,26 @@ export class ModelEntry {
   readonly id: string;
   readonly actor: ModelActor;
   readonly admission: Admission;
+  readonly log: Logger;
   private lastUsedAt: number | null = null;
 
   /**
    * @param serverBusyTimeoutMs the server's busy-timeout ceiling, ms (0 = unbounded).
    * @param options `onChange`: called after every state change and lease release;
-   *   `inspect`: XState inspection observer, when inspection is on.
+   *   `inspect`: XState inspection observer, when inspection is on; `log`: the model's logger
+   *   (one line per state change); `metrics`: slot job durations go to its histogram.
    */
   constructor(
     config: ModelConfig,
     loader: ModelLoader,
     private readonly serverBusyTimeoutMs = 0,
-    options: { onChange?: () => void; inspect?: (e: InspectionEvent) => void } = {},
+    options: { onChange?: () => void; inspect?: (e: InspectionEvent) => void; log?: Logger; metrics?: Metrics } = {},
   ) {
     this.id = config.id;
     const onChange = options.onChange ?? (() => {});
     const inspect = options.inspect;
+    this.log = options.log ?? createLogger('silent');
+    const inference = options.metrics?.inference.labels({ model: config.id });
     this.admission = new Admission(config.max_streams, onChange);
     const machine = modelMachine.provide({
       actors: {
@@ -181,13 +187,24 @@ export class ModelEntry {
             throw new Error('the loader yielded no session');
           }
           loaded.pool.onFailure((err) => this.actor.send({ type: 'SLOT_FAILED', message: err.message }));
+          if (inference) loaded.pool.onRun = (ms) => inference.observe(ms / 1000);
           return loaded;
         }),
       },
     });
-    this.actor = createActor(machine, { input: { config }, inspect, systemId: `model:${config.id}` });
+    this.actor = createActor(machine, { input: { config }, inspect, id: `model:${config.id}` });
     // The machine handles every error itself; the error observer keeps one from crashing the process.
-    this.actor.subscribe({ next: onChange, error: () => {} });
+    let previous = 'unloaded';
+    this.actor.subscribe({
+      next: (s) => {
+        if (s.value !== previous) {
+          this.log.info({ from: previous, to: s.value, last_error: s.context.lastError ?? undefined }, 'model state');
+          previous = s.value as string;
+        }
+        onChange();
+      },
+      error: () => {},
+    });
     this.actor.start();
   }
 

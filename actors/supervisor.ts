@@ -6,6 +6,8 @@ import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { VoxError } from '../runtime/errors.js';
 import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
+import { createLogger, Metrics } from '../runtime/telemetry.js';
+import type { Logger } from 'pino';
 import { ModelEntry, validateModelConfig, type ModelStatus } from './model.js';
 
 /**
@@ -52,16 +54,21 @@ export class Supervisor {
   /** Models unloaded to make room (LRU eviction) or for being idle, since start. */
   evictions = 0;
 
+  readonly metrics: Metrics;
+  readonly log: Logger;
+
   constructor(
     readonly config: ServerConfig,
-    options: { loader?: ModelLoader; inspect?: (e: InspectionEvent) => void; catalog?: ModelConfig[]; memoryProbe?: MemoryProbe } = {},
+    options: { loader?: ModelLoader; inspect?: (e: InspectionEvent) => void; catalog?: ModelConfig[]; memoryProbe?: MemoryProbe; metrics?: Metrics; log?: Logger } = {},
   ) {
+    this.metrics = options.metrics ?? new Metrics();
+    this.log = options.log ?? createLogger('silent');
     this.baseLoader = options.loader ?? createLoader(new WeightBundles());
     this.loader = (c) => this.coldLoad(c);
     this.probe = options.memoryProbe ?? availableMemory;
     this.inspect = options.inspect;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
-    this.actor = createActor(supervisorMachine, { inspect: options.inspect, systemId: 'supervisor' });
+    this.actor = createActor(supervisorMachine, { inspect: options.inspect, id: 'supervisor' });
     this.actor.subscribe({ error: () => {} });
     this.actor.start();
   }
@@ -103,7 +110,16 @@ export class Supervisor {
     const load = async (): Promise<LoadedModel> => {
       if (this.guarded) await this.makeRoom(config);
       const before = process.memoryUsage().rss;
-      const loaded = await this.baseLoader(config);
+      const t0 = performance.now();
+      let loaded: LoadedModel;
+      try {
+        loaded = await this.baseLoader(config);
+      } catch (e) {
+        this.metrics.loads.inc({ model: config.id, outcome: 'error' });
+        throw e;
+      }
+      this.metrics.loads.inc({ model: config.id, outcome: loaded?.pool ? 'ok' : 'error' });
+      this.metrics.loadDuration.observe({ model: config.id }, (performance.now() - t0) / 1000);
       if (loaded?.pool) {
         loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before);
         if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
@@ -211,6 +227,10 @@ export class Supervisor {
 
   private async evict(victims: { entry: ModelEntry; lease: Lease }[]): Promise<void> {
     this.evictions += victims.length;
+    for (const v of victims) {
+      this.metrics.evictions.inc({ model: v.entry.id });
+      v.entry.log.info({ reason: 'make room' }, 'evict');
+    }
     await Promise.all(victims.map((v) => v.entry.unloadUnder(Promise.resolve(v.lease))));
   }
 
@@ -240,6 +260,8 @@ export class Supervisor {
       const lease = e.admission.tryAcquire(true);
       if (!lease) continue;
       this.evictions++;
+      this.metrics.evictions.inc({ model: e.id });
+      e.log.info({ reason: 'idle', idle_ms: now - (e.lastUsed ?? 0) }, 'evict');
       void e.unloadUnder(Promise.resolve(lease));
     }
   }
@@ -268,7 +290,12 @@ export class Supervisor {
   }
 
   private publish(config: ModelConfig, before?: (entry: ModelEntry) => void): ModelEntry {
-    const entry = new ModelEntry(config, this.loader, this.config.busy_timeout_ms, { onChange: () => this.changed(), inspect: this.inspect });
+    const entry = new ModelEntry(config, this.loader, this.config.busy_timeout_ms, {
+      onChange: () => this.changed(),
+      inspect: this.inspect,
+      log: this.log.child({ model: config.id }),
+      metrics: this.metrics,
+    });
     before?.(entry);
     this.entries.set(config.id, entry);
     this.actor.send({ type: 'REGISTERED', id: config.id });

@@ -1,6 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { z } from 'zod';
 import { invalid } from './errors.js';
+import { LOG_LEVELS } from './telemetry.js';
 
 /**
  * Configuration schemas (DESIGN.md section 6), validated with zod. Errors name the offending
@@ -85,6 +86,16 @@ export const ServerConfig = z.strictObject({
     .default({ enabled: false }),
   limits: Limits.default(Limits.parse({})),
   models_root: z.string().min(1).optional(),
+  /** pino level of the JSON logs on stdout. */
+  log_level: z.enum(LOG_LEVELS).default('info'),
+  debug: z
+    .strictObject({
+      /** Record XState inspection events for `/debug` and `/debug/actors` (costs event throughput). */
+      inspect: z.boolean().default(false),
+      /** Also send them to a Stately inspector relay (`@statelyai/inspect`), e.g. ws://localhost:8090. */
+      stately_url: z.string().url().optional(),
+    })
+    .default({ inspect: false }),
   /** Models registered at start, in addition to (or replacing, by id) the embedded catalog. */
   models: z.array(ModelConfig).default([]),
 });

@@ -151,6 +151,8 @@ export class SlotPool {
   private readonly queue: QueuedRun[] = [];
   private failure: Error | null = null;
   private failCb: ((err: Error) => void) | null = null;
+  /** Called with each finished job's run time, ms (for metrics). */
+  onRun: ((ms: number) => void) | null = null;
 
   private constructor(readonly slots: readonly SlotHost[]) {
     this.idle = [...slots];
@@ -232,7 +234,13 @@ export class SlotPool {
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
       this.running.set(slot, Date.now());
-      slot.run(q.job).then(q.resolve, q.reject).finally(() => {
+      slot
+        .run(q.job)
+        .then((r) => {
+          if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);
+          q.resolve(r);
+        }, q.reject)
+        .finally(() => {
         this.running.delete(slot);
         if (this.failure) return;
         this.idle.push(slot);

@@ -19,7 +19,7 @@ const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
 const path = join(dir, 'model.onnx');
 writeFileSync(path, syntheticModel(sizeMiB, 1));
 
-const server = await startServer(ServerConfig.parse({ port: 0, management: { enabled: true } }));
+const server = await startServer(ServerConfig.parse({ port: 0, log_level: 'silent', management: { enabled: true } }));
 const post = async (route: string, body: unknown): Promise<void> => {
   const res = await fetch(`${server.url}${route}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
   if (!res.ok) throw new Error(`${route}: ${res.status} ${await res.text()}`);

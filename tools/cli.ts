@@ -8,6 +8,7 @@ import { createRequire } from 'node:module';
 import { Command, InvalidArgumentError } from 'commander';
 import WebSocket from 'ws';
 import { loadServerConfig, type ServerConfig } from '../runtime/config.js';
+import { LOG_LEVELS } from '../runtime/telemetry.js';
 import { VoxError } from '../runtime/errors.js';
 import { startServer } from '../transport/server.js';
 
@@ -43,6 +44,9 @@ interface ServeOptions {
   minFreeMemoryMb?: number;
   idleUnloadMs?: number;
   drainTimeoutMs?: number;
+  logLevel?: string;
+  inspect?: boolean;
+  statelyInspector?: string;
 }
 
 const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket');
@@ -59,6 +63,9 @@ program
   .option('--min-free-memory-mb <mb>', 'refuse a cold load that would leave less memory free (0 = off)', int('--min-free-memory-mb'))
   .option('--idle-unload-ms <ms>', 'unload models idle this long (0 = off)', int('--idle-unload-ms'))
   .option('--drain-timeout-ms <ms>', 'on SIGTERM/SIGINT, how long running work may finish', int('--drain-timeout-ms'))
+  .option('--log-level <level>', `JSON log level on stdout: ${LOG_LEVELS.join(', ')}`)
+  .option('--inspect', 'record state-chart transitions for /debug and /debug/actors')
+  .option('--stately-inspector <url>', 'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090')
   .action(async (opts: ServeOptions) => {
     let config: ServerConfig;
     try {
@@ -70,11 +77,14 @@ program
         min_free_memory_mb: opts.minFreeMemoryMb,
         idle_unload_ms: opts.idleUnloadMs,
         drain_timeout_ms: opts.drainTimeoutMs,
+        log_level: opts.logLevel as ServerConfig['log_level'] | undefined,
       });
     } catch (e) {
       die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e));
     }
     if (opts.management) config.management = { ...config.management, enabled: true };
+    if (opts.inspect) config.debug = { ...config.debug, inspect: true };
+    if (opts.statelyInspector) config.debug = { ...config.debug, stately_url: opts.statelyInspector };
     const t0 = performance.now();
     let server;
     try {

@@ -3,6 +3,7 @@ import type { Supervisor } from '../actors/supervisor.js';
 import { decodeWav, resample } from '../runtime/audio.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
+import type { Job, JobResult } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, taskResult } from '../runtime/tasks/index.js';
 
 /** Windows (VAD, 32 ms) or steps (wake word, 80 ms) per slot job for a file: ~2-5 s of audio, so streams interleave. */
@@ -112,13 +113,37 @@ function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer): RunReque
 /**
  * `POST /v1/tasks/run`: one WAV in, one result out. The lease is taken before the audio is
  * decoded and released once the response is written, or when the client goes away (then
- * pending inference is dropped and the result discarded).
+ * pending inference is dropped and the result discarded). Logs one line per request and
+ * counts it in `voxserve_requests_total` by outcome.
  */
 export async function handleRun(supervisor: Supervisor, config: ServerConfig, req: IncomingMessage, res: ServerResponse, url: URL): Promise<void> {
   const t0 = performance.now();
+  const m = { model: undefined as string | undefined, queueMs: 0, inferenceMs: 0 };
+  let outcome = 'ok';
+  try {
+    await runTask(supervisor, config, req, res, url, t0, m);
+  } catch (e) {
+    outcome = e instanceof DOMException && e.name === 'AbortError' ? 'cancelled' : toVoxError(e).type;
+    throw e;
+  } finally {
+    if (m.model) supervisor.metrics.requests.inc({ model: m.model, outcome });
+    supervisor.log.info({ route: 'run', model: m.model, outcome, queue_ms: round(m.queueMs), inference_ms: round(m.inferenceMs), wall_ms: round(performance.now() - t0) }, 'request');
+  }
+}
+
+async function runTask(
+  supervisor: Supervisor,
+  config: ServerConfig,
+  req: IncomingMessage,
+  res: ServerResponse,
+  url: URL,
+  t0: number,
+  m: { model?: string; queueMs: number; inferenceMs: number },
+): Promise<void> {
   const body = await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms);
   const run = parseRunRequest(req, url, body);
   const entry = supervisor.require(run.model);
+  m.model = entry.id;
   const gone = new AbortController();
   let revoked: Error | null = null;
   res.on('close', () => {
@@ -132,7 +157,8 @@ export async function handleRun(supervisor: Supervisor, config: ServerConfig, re
       gone.abort();
     },
   });
-  const queueMs = performance.now() - t0;
+  m.queueMs = performance.now() - t0;
+  supervisor.metrics.queueWait.observe({ model: entry.id }, m.queueMs / 1000);
   const done = (): void => {
     entry.touch();
     lease.release();
@@ -147,7 +173,13 @@ export async function handleRun(supervisor: Supervisor, config: ServerConfig, re
     session = createTaskSession(entry.config, pool.info, run.options);
     session.push(samples);
     session.end();
-    await drain(session, (job) => (gone.signal.aborted ? Promise.reject(gone.signal.reason) : pool.run(job, gone.signal)), () => {}, FILE_JOB_STEPS);
+    const runJob = async (job: Job): Promise<JobResult> => {
+      if (gone.signal.aborted) throw gone.signal.reason;
+      const r = await pool.run(job, gone.signal);
+      if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
+      return r;
+    };
+    await drain(session, runJob, () => {}, FILE_JOB_STEPS);
   } catch (e) {
     if (revoked) throw revoked;
     throw e;
@@ -157,7 +189,7 @@ export async function handleRun(supervisor: Supervisor, config: ServerConfig, re
   sendJson(res, 200, {
     model: entry.id,
     ...taskResult(session),
-    timing: { wall_ms: round(wallMs), queue_ms: round(queueMs), audio_duration_ms: round(audioMs), rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000 },
+    timing: { wall_ms: round(wallMs), queue_ms: round(m.queueMs), audio_duration_ms: round(audioMs), rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000 },
   });
 }
 

@@ -7,6 +7,10 @@ import type { ServerConfig } from '../runtime/config.js';
 import { invalid, VoxError } from '../runtime/errors.js';
 import type { ModelLoader } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
+import { createLogger, InspectionLog, Metrics } from '../runtime/telemetry.js';
+import type { Logger } from 'pino';
+import type { InspectionEvent } from 'xstate';
+import { DEBUG_PAGE, debugState, streamActors } from './debug.js';
 import { confinePath } from '../runtime/paths.js';
 import type { ModelConfig } from '../runtime/config.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
@@ -33,22 +37,48 @@ export interface VoxServer {
   close(): Promise<void>;
 }
 
-/** Test seams: a loader (fake slots), the catalog of lazily registered models, the memory probe. */
+/** Test seams: a loader (fake slots), the catalog of lazily registered models, the memory probe, a logger. */
 export interface ServerOptions {
   loader?: ModelLoader;
   catalog?: ModelConfig[];
   memoryProbe?: MemoryProbe;
+  log?: Logger;
+}
+
+/**
+ * The XState inspection observer for the config: the `/debug` ring buffer (`debug.inspect`)
+ * and/or a Stately inspector relay (`debug.stately_url`, via `@statelyai/inspect`).
+ */
+async function inspection(config: ServerConfig): Promise<{ log: InspectionLog | null; inspect?: (e: InspectionEvent) => void; stop: () => void }> {
+  const log = config.debug.inspect ? new InspectionLog() : null;
+  const observers: ((e: InspectionEvent) => void)[] = [];
+  if (log) observers.push(log.inspect);
+  let stop = (): void => {};
+  if (config.debug.stately_url) {
+    // A dev dependency: installed for development, optional in production.
+    const { createWebSocketInspector } = await import('@statelyai/inspect');
+    const stately = createWebSocketInspector({ url: config.debug.stately_url });
+    observers.push(stately.inspect.next!.bind(stately.inspect));
+    stop = () => stately.stop();
+  }
+  return { log, inspect: observers.length ? (e) => observers.forEach((o) => o(e)) : undefined, stop };
 }
 
 const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_many', '/v1/models/unload_all'];
 
 const digest = (s: string): Buffer => createHash('sha256').update(s).digest();
 
-function managementAllowed(config: ServerConfig, req: IncomingMessage): void {
+/**
+ * Management and debug routes need management enabled and, when set, the bearer token.
+ * @param page the static `/debug` page itself, which holds no data: it sends the token (from
+ *   its `?token=`) on its own requests.
+ */
+function managementAllowed(config: ServerConfig, req: IncomingMessage, page = false): void {
   if (!config.management.enabled) {
-    throw new VoxError('forbidden', 'management routes are disabled; start the server with --management');
+    throw new VoxError('forbidden', 'management and debug routes are disabled; start the server with --management');
   }
   const token = config.management.token;
+  if (page) return;
   // Compared as fixed-length digests in constant time.
   if (token && !timingSafeEqual(digest(req.headers.authorization ?? ''), digest(`Bearer ${token}`))) {
     throw new VoxError('forbidden', 'management routes need Authorization: Bearer <token>');
@@ -71,7 +101,11 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   if (config.management.enabled && !config.management.token && !isLoopback(config.host)) {
     throw new Error(`refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`);
   }
-  const supervisor = new Supervisor(config, options);
+  const log = options.log ?? createLogger(config.log_level);
+  const metrics = new Metrics();
+  const inspected = await inspection(config);
+  const supervisor = new Supervisor(config, { ...options, log, metrics, inspect: inspected.inspect });
+  const sse = new Set<ServerResponse>();
   const streams = new Set<StreamConnection>();
   const inflight = new Set<Promise<void>>();
   const shuttingDown = (): VoxError => new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
@@ -86,6 +120,27 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return supervisor.accepting ? sendJson(res, 200, { status: 'ready' }) : sendJson(res, 503, { status: supervisor.actor.getSnapshot().value });
     }
     if (method === 'GET' && path === '/v1/models') return sendJson(res, 200, { models: supervisor.statuses() });
+    if (method === 'GET' && path === '/metrics') {
+      for (const m of supervisor.statuses()) {
+        metrics.queued.set({ model: m.id }, m.queued_requests);
+        metrics.activeSlots.set({ model: m.id }, m.active_slots);
+        metrics.resident.set({ model: m.id }, m.resident_bytes);
+      }
+      metrics.wsConnections.set(streams.size);
+      metrics.wsBuffered.set([...streams].reduce((n, s) => n + s.bufferedBytes, 0));
+      const text = await metrics.registry.metrics();
+      res.writeHead(200, { 'content-type': metrics.registry.contentType });
+      return void res.end(text);
+    }
+    if (method === 'GET' && (path === '/debug' || path.startsWith('/debug/'))) {
+      managementAllowed(config, req, path === '/debug');
+      if (path === '/debug') {
+        res.writeHead(200, { 'content-type': 'text/html; charset=utf-8', 'cache-control': 'no-store' });
+        return void res.end(DEBUG_PAGE);
+      }
+      if (path === '/debug/state') return sendJson(res, 200, debugState(supervisor, streams, inspected.log));
+      if (path === '/debug/actors') return streamActors(res, inspected.log, sse);
+    }
     const one = /^\/v1\/models\/([^/]+)$/.exec(path);
     if (method === 'GET' && one) {
       const id = decodeURIComponent(one[1]);
@@ -119,7 +174,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       if (!supervisor.accepting) throw shuttingDown();
       return handleRun(supervisor, config, req, res, url);
     }
-    const known = ['/health', '/ready', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/stream'];
+    const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
     throw new VoxError('not_found', `no route ${method} ${path}`);
   };
@@ -193,6 +248,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Phase 1: stop accepting work. The listener stays up, so /ready answers 503 and new
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
+    log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, requests: inflight.size }, 'shutting down');
+    for (const res of sse) res.end();
     // Phase 2: running work finishes; streams get their last events and `done`.
     for (const s of streams) s.drainForShutdown();
     const drained = Promise.all([...[...streams].map((s) => s.closedSignal), ...inflight]);
@@ -216,6 +273,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Phase 4: unload every model.
     await supervisor.stop(0);
     await listenerClosed;
+    inspected.stop();
+    log.info('stopped');
+    log.flush();
   };
   return {
     supervisor,

@@ -83,6 +83,7 @@ export class StreamConnection {
   private sendTimer: NodeJS.Timeout | null = null;
   private unflushed = 0;
   private alive = true;
+  private model: string | undefined;
   /** Why the server cut the connection off, if it did (for logs and tests). */
   cutReason: string | null = null;
   private readonly closedPromise: Promise<void>;
@@ -97,8 +98,8 @@ export class StreamConnection {
   ) {
     this.closedPromise = new Promise((r) => (this.resolveClosed = r));
     const limits = config.limits;
-    ws.on('error', () => this.finish());
-    ws.on('close', () => this.finish());
+    ws.on('error', () => this.finish(1006));
+    ws.on('close', (code) => this.finish(code));
     ws.on('pong', () => (this.alive = true));
     ws.on('message', (data: Buffer, binary: boolean) => {
       this.touchIdle();
@@ -120,6 +121,11 @@ export class StreamConnection {
     }
   }
 
+  /** Outbound bytes queued on the socket. */
+  get bufferedBytes(): number {
+    return this.ws.bufferedAmount;
+  }
+
   /** Resolves once the connection is closed and its lease released. */
   get closedSignal(): Promise<void> {
     return this.closedPromise;
@@ -131,6 +137,7 @@ export class StreamConnection {
     try {
       params = parseStreamParams(new URL(req.url ?? '/', 'http://x'));
       const entry = this.supervisor.require(params.model);
+      this.model = entry.id;
       this.lease = await entry.admit({
         requestTimeoutMs: params.busyTimeoutMs,
         signal: this.gone.signal,
@@ -138,6 +145,7 @@ export class StreamConnection {
       });
       if (this.closed) return this.lease.release();
       this.queueMs = performance.now() - this.t0;
+      this.supervisor.metrics.queueWait.observe({ model: entry.id }, this.queueMs / 1000);
       this.decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
       this.loaded = await entry.ensureReady(this.gone.signal);
       this.session = createTaskSession(entry.config, this.loaded.pool.info, undefined);
@@ -301,11 +309,18 @@ export class StreamConnection {
     this.ws.close(code, reason(why));
     const ws = this.ws;
     setTimeout(() => ws.terminate(), 1000).unref();
-    this.finish();
+    this.finish(code);
   }
 
-  private finish(): void {
+  private finish(code: number): void {
     if (this.closed) return;
+    const outcome = code === CLOSE.NORMAL || code === CLOSE.GOING_AWAY ? 'ok' : `close_${code}`;
+    this.supervisor.metrics.wsClosed.inc({ code: String(code) });
+    if (this.model) this.supervisor.metrics.requests.inc({ model: this.model, outcome });
+    this.supervisor.log.info(
+      { route: 'stream', session_id: this.id, model: this.model, state: this.state, code, reason: this.cutReason ?? undefined, processed_ms: Math.round((this.session?.receivedSamples ?? 0) / 16), duration_ms: Math.round(performance.now() - this.t0) },
+      'stream closed',
+    );
     this.state = 'closed';
     this.gone.abort();
     for (const t of this.timers) clearTimeout(t);

@@ -298,7 +298,7 @@ async function checkInvariants(limit: number, totals: { runs: number; interleavi
       async (s, cmds, loadFaults, runFaults) => {
         const w = new World(s, loadFaults, runFaults, limit);
         current = w;
-        const sup = new Supervisor(ServerConfig.parse({ busy_timeout_ms: 0, max_loaded_models: limit }), { loader: fakeLoader(w), catalog });
+        const sup = new Supervisor(ServerConfig.parse({ log_level: 'silent',  busy_timeout_ms: 0, max_loaded_models: limit }), { loader: fakeLoader(w), catalog });
         await fc.scheduledModelRun(s, () => ({ model: {}, real: { w, sup } }), cmds);
         await settle(s);
         // Every operation settled: nothing hangs.

@@ -35,7 +35,7 @@ afterAll(async () => {
 
 async function serve(extra: Record<string, unknown>, ids: string[], options = {}): Promise<VoxServer> {
   const models = ids.map((id) => ({ id, task: 'vad', path: paths[id] }));
-  const s = await startServer(ServerConfig.parse({ port: 0, management: { enabled: true }, models, ...extra }), options);
+  const s = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, management: { enabled: true }, models, ...extra }), options);
   servers.push(s);
   return s;
 }

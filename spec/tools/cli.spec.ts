@@ -12,7 +12,7 @@ const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
 let server: VoxServer;
 
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ port: 0 }));
+  server = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0 }));
 });
 afterAll(async () => {
   await server?.close();

@@ -43,7 +43,7 @@ beforeAll(async () => {
     loads.push(config.id);
     return real(config);
   };
-  server = await startServer(ServerConfig.parse({ port: 0, management: { enabled: true } }), { loader });
+  server = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, management: { enabled: true } }), { loader });
 });
 afterAll(async () => {
   await server?.close();

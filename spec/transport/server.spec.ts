@@ -13,7 +13,7 @@ let server: VoxServer;
 const MAX_BODY = 4 * 1024 * 1024;
 
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ port: 0, management: { enabled: true }, limits: { max_body_bytes: MAX_BODY } }));
+  server = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, management: { enabled: true }, limits: { max_body_bytes: MAX_BODY } }));
 });
 afterAll(async () => {
   await server?.close();
@@ -347,7 +347,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
 
 describe('management routes', () => {
   it('answer 403 when management is disabled', async () => {
-    const s = await startServer(ServerConfig.parse({ port: 0 }));
+    const s = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0 }));
     try {
       const res = await fetch(`${s.url}/v1/models/load`, { method: 'POST', body: '{}', headers: { 'content-type': 'application/json' } });
       expect(res.status).toBe(403);

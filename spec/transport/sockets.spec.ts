@@ -19,7 +19,7 @@ beforeAll(async () => {
   mkdirSync(join(root, 'sub'));
   symlinkSync('/etc', join(root, 'sub', 'out'));
   server = await startServer(
-    ServerConfig.parse({
+    ServerConfig.parse({ log_level: 'silent', 
       port: 0,
       management: { enabled: true, token: 'sesame' },
       models_root: root,
@@ -109,7 +109,7 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
 
   it('a client that stops reading its event stream is cut off; lease released; a healthy client is served meanwhile', async () => {
     // No heartbeat and no idle deadline here: the send deadline and the buffer cap must do it.
-    const quiet = await startServer(ServerConfig.parse({ port: 0, limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 500, ws_max_buffered_bytes: 64 * 1024 } }));
+    const quiet = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 500, ws_max_buffered_bytes: 64 * 1024 } }));
     const s = await openStream('model=silero-vad', quiet);
     const conn = [...quiet.streams][0];
     (s.ws as unknown as { _socket: Socket })._socket.pause(); // stop reading
@@ -229,6 +229,6 @@ describe('management authorisation and models_root', () => {
   });
 
   it('refuses to start beyond loopback with management on and no token', async () => {
-    await expect(startServer(ServerConfig.parse({ host: '0.0.0.0', port: 0, management: { enabled: true } }))).rejects.toThrow(/no management.token/);
+    await expect(startServer(ServerConfig.parse({ log_level: 'silent',  host: '0.0.0.0', port: 0, management: { enabled: true } }))).rejects.toThrow(/no management.token/);
   });
 });

@@ -1,0 +1,93 @@
+import { pino, type Logger } from 'pino';
+import { collectDefaultMetrics, Counter, Gauge, Histogram, Registry } from 'prom-client';
+import type { InspectionEvent } from 'xstate';
+
+/** Log levels accepted in config (`log_level`) and on the CLI (`--log-level`). */
+export const LOG_LEVELS = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'] as const;
+export type LogLevel = (typeof LOG_LEVELS)[number];
+
+/** A JSON-lines logger on stdout (pino, synchronous writes, so nothing is lost at exit). */
+export function createLogger(level: LogLevel): Logger {
+  return pino({ level, base: { service: 'voxserve' } }, pino.destination({ dest: 1, sync: true }));
+}
+
+const SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30];
+
+/**
+ * Prometheus metrics of one server, in a registry of its own (prom-client). Gauges that mirror
+ * status (`queued_requests`, `active_slots`, `resident_bytes`, WebSocket counts) are filled at
+ * scrape time by `collect` callbacks the server installs.
+ */
+export class Metrics {
+  readonly registry = new Registry();
+  /** Finished requests and streams by model and outcome (ok, or the error type). */
+  readonly requests = new Counter({ name: 'voxserve_requests_total', help: 'Requests and streams by model and outcome', labelNames: ['model', 'outcome'], registers: [this.registry] });
+  /** One slot job (a run of windows or steps). */
+  readonly inference = new Histogram({ name: 'voxserve_inference_duration_seconds', help: 'Slot job run time', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
+  readonly queueWait = new Histogram({ name: 'voxserve_queue_wait_seconds', help: 'Time from arrival to lease', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
+  readonly loads = new Counter({ name: 'voxserve_loads_total', help: 'Model loads by outcome (ok, error)', labelNames: ['model', 'outcome'], registers: [this.registry] });
+  readonly loadDuration = new Histogram({ name: 'voxserve_load_duration_seconds', help: 'Model load time', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
+  readonly evictions = new Counter({ name: 'voxserve_evictions_total', help: 'Models unloaded to make room or for being idle', labelNames: ['model'], registers: [this.registry] });
+  readonly wsClosed = new Counter({ name: 'voxserve_ws_closed_total', help: 'WebSocket streams closed, by close code', labelNames: ['code'], registers: [this.registry] });
+  readonly queued = new Gauge({ name: 'voxserve_queued_requests', help: 'Requests waiting for a lease', labelNames: ['model'], registers: [this.registry] });
+  readonly activeSlots = new Gauge({ name: 'voxserve_active_slots', help: 'Slots running a job', labelNames: ['model'], registers: [this.registry] });
+  readonly resident = new Gauge({ name: 'voxserve_resident_bytes', help: 'Measured model footprint', labelNames: ['model'], registers: [this.registry] });
+  readonly wsConnections = new Gauge({ name: 'voxserve_ws_connections', help: 'Open WebSocket streams', registers: [this.registry] });
+  readonly wsBuffered = new Gauge({ name: 'voxserve_ws_bytes_buffered', help: 'Outbound bytes queued on WebSockets', registers: [this.registry] });
+
+  constructor() {
+    collectDefaultMetrics({ register: this.registry, prefix: 'voxserve_' });
+  }
+}
+
+/** One XState inspection record, as kept in the ring buffer and sent to `/debug/actors`. */
+export interface InspectionRecord {
+  seq: number;
+  /** ms since the epoch */
+  at: number;
+  /** `@xstate.event`, `@xstate.snapshot`, `@xstate.actor` */
+  kind: string;
+  /** The actor's id: `supervisor` or `model:<model id>`. */
+  actor: string;
+  /** The event's type (the event that caused a snapshot, for snapshots). */
+  event?: string;
+  /** The state value, for snapshots. */
+  state?: unknown;
+}
+
+/**
+ * A bounded ring buffer of inspection records with live subscribers (`/debug/actors`).
+ * `inspect` is the observer given to XState's `createActor(..., { inspect })`.
+ */
+export class InspectionLog {
+  private readonly buffer: InspectionRecord[] = [];
+  private readonly subscribers = new Set<(r: InspectionRecord) => void>();
+  private seq = 0;
+
+  /** @param capacity records kept. */
+  constructor(private readonly capacity = 2000) {}
+
+  readonly inspect = (e: InspectionEvent): void => {
+    if (e.type !== '@xstate.snapshot' && e.type !== '@xstate.event' && e.type !== '@xstate.actor') return;
+    const actor = (e.actorRef as { id?: string }).id ?? '';
+    // Promise actors (loads, closes) are part of their model: keep only the state charts.
+    if (!actor.startsWith('model:') && actor !== 'supervisor') return;
+    const r: InspectionRecord = { seq: ++this.seq, at: Date.now(), kind: e.type, actor };
+    if (e.type !== '@xstate.actor') r.event = e.event.type;
+    if (e.type === '@xstate.snapshot') r.state = (e.snapshot as { value?: unknown }).value;
+    this.buffer.push(r);
+    if (this.buffer.length > this.capacity) this.buffer.shift();
+    for (const s of this.subscribers) s(r);
+  };
+
+  /** Records kept now, oldest first. */
+  recent(): InspectionRecord[] {
+    return [...this.buffer];
+  }
+
+  /** Calls `fn` with every new record; returns the unsubscribe function. */
+  subscribe(fn: (r: InspectionRecord) => void): () => void {
+    this.subscribers.add(fn);
+    return () => this.subscribers.delete(fn);
+  }
+}
