@@ -75,7 +75,10 @@ table { border-collapse: collapse; font-size: 12px; } td, th { padding: 2px 8px;
 const token = new URLSearchParams(location.search).get('token');
 const headers = token ? { authorization: 'Bearer ' + token } : {};
 const W = 440, H = 300, BW = 104, BH = 28;
+// The model entry chart's own layout; any other chart goes on a circle.
+const LAYOUT = { unloaded: [110, 50], loading: [330, 50], ready: [330, 250], unloading: [110, 250], reconfiguring: [220, 150] };
 function place(states) {
+  if (states.every((s) => LAYOUT[s])) return Object.fromEntries(states.map((s) => [s, { x: LAYOUT[s][0], y: LAYOUT[s][1] }]));
   const pos = {}; const n = states.length;
   states.forEach((s, i) => { const a = -Math.PI / 2 + (2 * Math.PI * i) / n; pos[s] = { x: W / 2 + 150 * Math.cos(a), y: H / 2 + 105 * Math.sin(a) }; });
   return pos;
@@ -91,11 +94,15 @@ function chartSvg(chart, current) {
     const a = pos[t.from], b = pos[t.to];
     const key = [t.from, t.to].sort().join('|'); const k = (seen[key] = (seen[key] || 0) + 1);
     const dx = b.x - a.x, dy = b.y - a.y, len = Math.hypot(dx, dy) || 1;
-    const off = (k - 1) * 12 + (t.from < t.to ? 5 : -5);
+    const off = (t.from < t.to ? 1 : -1) * (6 + (k - 1) * 14);
     const nx = -dy / len * off, ny = dx / len * off;
-    const sx = a.x + dx * 0.28 + nx, sy = a.y + dy * 0.28 + ny, ex = a.x + dx * 0.72 + nx, ey = a.y + dy * 0.72 + ny;
+    const sx = a.x + dx * 0.3 + nx, sy = a.y + dy * 0.3 + ny, ex = a.x + dx * 0.7 + nx, ey = a.y + dy * 0.7 + ny;
     out += '<line x1="' + sx + '" y1="' + sy + '" x2="' + ex + '" y2="' + ey + '" stroke="#999" marker-end="url(#arr)"/>';
-    out += '<text x="' + ((sx + ex) / 2 + nx * 0.6) + '" y="' + ((sy + ey) / 2 + ny * 0.6) + '" fill="#666" text-anchor="middle">' + esc(t.event) + '</text>';
+    // Labels beside vertical edges, above or below the others.
+    const vertical = Math.abs(dx) < Math.abs(dy);
+    const lx = (sx + ex) / 2 + (vertical ? Math.sign(nx) * 5 : 0), ly = (sy + ey) / 2 + (vertical ? 4 + (k - 1) * 13 : Math.sign(ny || -1) * 7 + 3);
+    const anchor = vertical ? (nx < 0 ? 'end' : 'start') : 'middle';
+    out += '<text x="' + lx + '" y="' + ly + '" fill="#666" text-anchor="' + anchor + '">' + esc(t.event) + '</text>';
   }
   for (const s of chart.states) {
     const p = pos[s];

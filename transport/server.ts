@@ -55,7 +55,7 @@ async function inspection(config: ServerConfig): Promise<{ log: InspectionLog | 
   if (log) observers.push(log.inspect);
   let stop = (): void => {};
   if (config.debug.stately_url) {
-    // A dev dependency: installed for development, optional in production.
+    // Loaded only when used.
     const { createWebSocketInspector } = await import('@statelyai/inspect');
     const stately = createWebSocketInspector({ url: config.debug.stately_url });
     observers.push(stately.inspect.next!.bind(stately.inspect));
