@@ -1,5 +1,6 @@
 import { assign, createActor, fromPromise, setup, waitFor, type Actor, type InspectionEvent } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
+import { VadBatcher } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
 import { VoxError } from '../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
@@ -123,6 +124,8 @@ export interface ModelStatus {
   last_error: string | null;
   /** True while the model is being unloaded: not counted as resident, its memory still is. */
   retiring: boolean;
+  /** Streams: last sample arrival to result, over the last 4,096 windows, ms; null before any. */
+  processing_lag_ms: { p50: number; p99: number; windows: number } | null;
 }
 
 /** Key order-independent JSON, to compare configs. */
@@ -158,6 +161,11 @@ export class ModelEntry {
   readonly actor: ModelActor;
   readonly admission: Admission;
   readonly log: Logger;
+  /** The last 4,096 stream windows' processing lag, ms (a ring). */
+  private readonly lags = new Float64Array(4096);
+  private lagNext = 0;
+  private lagCount = 0;
+  private readonly lagMetric?: { observe(v: number): void };
   private lastUsedAt: number | null = null;
 
   /**
@@ -177,6 +185,8 @@ export class ModelEntry {
     const inspect = options.inspect;
     this.log = options.log ?? createLogger('silent');
     const inference = options.metrics?.inference.labels({ model: config.id });
+    const batchSize = options.metrics?.batchSize.labels({ model: config.id });
+    this.lagMetric = options.metrics?.processingLag.labels({ model: config.id });
     this.admission = new Admission(config.max_streams, onChange);
     const machine = modelMachine.provide({
       actors: {
@@ -188,6 +198,9 @@ export class ModelEntry {
           }
           loaded.pool.onFailure((err) => this.actor.send({ type: 'SLOT_FAILED', message: err.message }));
           if (inference) loaded.pool.onRun = (ms) => inference.observe(ms / 1000);
+          if (input.task === 'vad' && input.max_batch_size > 1) {
+            loaded.batcher = new VadBatcher(loaded.pool, input.max_batch_size, input.max_batch_delay_ms, (n) => batchSize?.observe(n));
+          }
           return loaded;
         }),
       },
@@ -220,6 +233,21 @@ export class ModelEntry {
   /** Marks use (request start and end, load), for `last_used_at` and LRU eviction. */
   touch(): void {
     this.lastUsedAt = Date.now();
+  }
+
+  /** Records one stream window's processing lag (last sample arrival to result), ms. */
+  recordLag(ms: number): void {
+    this.lags[this.lagNext++ % this.lags.length] = ms;
+    this.lagCount++;
+    this.lagMetric?.observe(ms / 1000);
+  }
+
+  private lagPercentiles(): { p50: number; p99: number; windows: number } | null {
+    const n = Math.min(this.lagCount, this.lags.length);
+    if (!n) return null;
+    const sorted = Array.from(this.lags.subarray(0, n)).sort((a, b) => a - b);
+    const at = (q: number): number => Math.round(sorted[Math.min(n - 1, Math.floor(q * n))] * 10) / 10;
+    return { p50: at(0.5), p99: at(0.99), windows: this.lagCount };
   }
 
   /** `last_used_at`, ms since the epoch (null if never used). */
@@ -369,6 +397,7 @@ export class ModelEntry {
       last_used_at: this.lastUsedAt,
       last_error: s.context.lastError,
       retiring: s.value === 'unloading',
+      processing_lag_ms: this.lagPercentiles(),
     };
   }
 

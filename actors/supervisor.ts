@@ -406,6 +406,7 @@ function unregisteredStatus(c: ModelConfig): ModelStatus {
     last_used_at: null,
     last_error: null,
     retiring: false,
+    processing_lag_ms: null,
   };
 }
 

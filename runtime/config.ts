@@ -44,6 +44,10 @@ export const ModelConfig = z.strictObject({
   busy_timeout_ms: nonNegInt.optional(),
   keep_alive_ms: nonNegInt.optional(),
   lazy: z.boolean().default(true),
+  /** VAD streams: windows from different streams run together, up to this many per batch (1 = no batching). */
+  max_batch_size: z.number().int().min(1).max(512).default(32),
+  /** VAD streams: the longest a window waits for company before its batch is sent, ms. */
+  max_batch_delay_ms: z.number().int().min(0).max(1000).default(2),
   options: z.record(z.string(), z.unknown()).default({}),
 });
 export type ModelConfig = z.infer<typeof ModelConfig>;

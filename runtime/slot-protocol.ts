@@ -25,19 +25,24 @@ export interface SlotInfo {
   initialEmbedding?: Float32Array;
 }
 
-/** Silero VAD over consecutive 512-sample windows of one stream. */
+/**
+ * Silero VAD over consecutive 512-sample windows of `rows` streams at once (a batch; 1 row
+ * without batching): step by step, one window per row per run.
+ */
 export interface VadJob {
   kind: 'vad';
-  /** n x 512 samples, 16 kHz, float32 in [-1, 1]. */
+  /** steps x rows x 512 samples (step-major), 16 kHz, float32 in [-1, 1]. */
   windows: Float32Array;
-  /** Recurrent state: v5 `state` [2,1,128]; v4 `h` then `c`, each [2,1,64]. 256 floats either way. */
+  /** rows x 256 floats of recurrent state (v5: `state` layers 0 and 1; v4: `h` then `c`). */
   state: Float32Array;
-  /** v5 only: the last 64 samples before `windows` (zeros at stream start). */
+  /** rows x 64: v5 only, the last 64 samples before each row's windows (zeros at stream start). */
   context: Float32Array;
+  /** Streams in the batch; 1 if absent. */
+  rows?: number;
 }
 export interface VadResult {
   kind: 'vad';
-  /** One speech probability per window. */
+  /** steps x rows speech probabilities (step-major). */
   probs: Float32Array;
   state: Float32Array;
   context: Float32Array;

@@ -48,37 +48,51 @@ async function loadVad(model: string): Promise<SlotInfo> {
     throw new Error(`not a Silero VAD model: inputs are ${session.inputNames.join(', ')}`);
   }
   const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
+  // State layout: each row keeps 256 floats (v5: state[0], state[1]; v4: h[0], h[1], c[0], c[1]);
+  // the tensors want [2, rows, 128] (v5) or [2, rows, 64] twice (v4).
+  const HALF = v5 ? 128 : 64;
+  const toTensor = (rows: Float32Array, n: number, offset: number): Float32Array => {
+    const t = new Float32Array(2 * n * HALF);
+    for (let r = 0; r < n; r++) for (let l = 0; l < 2; l++) t.set(rows.subarray(r * 256 + offset + l * HALF, r * 256 + offset + (l + 1) * HALF), (l * n + r) * HALF);
+    return t;
+  };
+  const fromTensor = (t: Float32Array, rows: Float32Array, n: number, offset: number): void => {
+    for (let r = 0; r < n; r++) for (let l = 0; l < 2; l++) rows.set(t.subarray((l * n + r) * HALF, (l * n + r + 1) * HALF), r * 256 + offset + l * HALF);
+  };
   runJob = async (job) => {
     const { windows, state, context } = job as VadJob;
-    const n = windows.length / SILERO.WINDOW;
-    const probs = new Float32Array(n);
-    let st = state.slice();
-    let ctx = context.slice();
-    for (let i = 0; i < n; i++) {
-      const w = windows.subarray(i * SILERO.WINDOW, (i + 1) * SILERO.WINDOW);
+    const rows = (job as VadJob).rows ?? 1;
+    const steps = windows.length / (SILERO.WINDOW * rows);
+    const probs = new Float32Array(steps * rows);
+    const st = state.slice();
+    const ctx = context.slice();
+    for (let i = 0; i < steps; i++) {
+      const w = windows.subarray(i * rows * SILERO.WINDOW, (i + 1) * rows * SILERO.WINDOW);
       if (v5) {
-        const x = new Float32Array(SILERO.CONTEXT + SILERO.WINDOW);
-        x.set(ctx, 0);
-        x.set(w, SILERO.CONTEXT);
+        const width = SILERO.CONTEXT + SILERO.WINDOW;
+        const x = new Float32Array(rows * width);
+        for (let r = 0; r < rows; r++) {
+          x.set(ctx.subarray(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT), r * width);
+          x.set(w.subarray(r * SILERO.WINDOW, (r + 1) * SILERO.WINDOW), r * width + SILERO.CONTEXT);
+          ctx.set(x.subarray((r + 1) * width - SILERO.CONTEXT, (r + 1) * width), r * SILERO.CONTEXT);
+        }
         const out = await session.run({
-          input: new ort.Tensor('float32', x, [1, x.length]),
-          state: new ort.Tensor('float32', st, [2, 1, 128]),
+          input: new ort.Tensor('float32', x, [rows, width]),
+          state: new ort.Tensor('float32', toTensor(st, rows, 0), [2, rows, 128]),
           sr,
         });
-        probs[i] = (out.output.data as Float32Array)[0];
-        st = Float32Array.from(out.stateN.data as Float32Array);
-        ctx = x.slice(x.length - SILERO.CONTEXT);
+        probs.set(out.output.data as Float32Array, i * rows);
+        fromTensor(out.stateN.data as Float32Array, st, rows, 0);
       } else {
         const out = await session.run({
-          input: new ort.Tensor('float32', Float32Array.from(w), [1, SILERO.WINDOW]),
-          h: new ort.Tensor('float32', st.slice(0, 128), [2, 1, 64]),
-          c: new ort.Tensor('float32', st.slice(128), [2, 1, 64]),
+          input: new ort.Tensor('float32', Float32Array.from(w), [rows, SILERO.WINDOW]),
+          h: new ort.Tensor('float32', toTensor(st, rows, 0), [2, rows, 64]),
+          c: new ort.Tensor('float32', toTensor(st, rows, 128), [2, rows, 64]),
           sr,
         });
-        probs[i] = (out.output.data as Float32Array)[0];
-        st = new Float32Array(256);
-        st.set(out.hn.data as Float32Array, 0);
-        st.set(out.cn.data as Float32Array, 128);
+        probs.set(out.output.data as Float32Array, i * rows);
+        fromTensor(out.hn.data as Float32Array, st, rows, 0);
+        fromTensor(out.cn.data as Float32Array, st, rows, 128);
       }
     }
     return { kind: 'vad', probs, state: st, context: ctx };

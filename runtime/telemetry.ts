@@ -32,6 +32,10 @@ export class Metrics {
   readonly queued = new Gauge({ name: 'voxserve_queued_requests', help: 'Requests waiting for a lease', labelNames: ['model'], registers: [this.registry] });
   readonly activeSlots = new Gauge({ name: 'voxserve_active_slots', help: 'Slots running a job', labelNames: ['model'], registers: [this.registry] });
   readonly resident = new Gauge({ name: 'voxserve_resident_bytes', help: 'Measured model footprint', labelNames: ['model'], registers: [this.registry] });
+  /** Windows per batched VAD run. */
+  readonly batchSize = new Histogram({ name: 'voxserve_batch_size', help: 'Windows per batched run', labelNames: ['model'], buckets: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], registers: [this.registry] });
+  /** From the arrival of a window's last sample to its result (streams). */
+  readonly processingLag = new Histogram({ name: 'voxserve_processing_lag_seconds', help: 'Stream window: last sample arrival to result', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
   readonly wsConnections = new Gauge({ name: 'voxserve_ws_connections', help: 'Open WebSocket streams', registers: [this.registry] });
   readonly wsBuffered = new Gauge({ name: 'voxserve_ws_bytes_buffered', help: 'Outbound bytes queued on WebSockets', registers: [this.registry] });
 

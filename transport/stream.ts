@@ -8,6 +8,8 @@ import type { ServerConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import type { LoadedModel } from '../runtime/loader.js';
+import type { Job, VadJob } from '../runtime/slot-protocol.js';
+import type { ModelEntry } from '../actors/model.js';
 import { encodeEvent, type Subprotocol } from './codec.js';
 
 /** WebSocket close codes (DESIGN.md section 4). */
@@ -84,6 +86,10 @@ export class StreamConnection {
   private unflushed = 0;
   private alive = true;
   private model: string | undefined;
+  private entry: ModelEntry | undefined;
+  /** Per received frame: samples received after it (16 kHz) and when it arrived (performance.now()). */
+  private readonly arrivals: { end: number; at: number }[] = [];
+  private lagWindows = 0;
   /** Why the server cut the connection off, if it did (for logs and tests). */
   cutReason: string | null = null;
   private readonly closedPromise: Promise<void>;
@@ -138,6 +144,7 @@ export class StreamConnection {
       params = parseStreamParams(new URL(req.url ?? '/', 'http://x'));
       const entry = this.supervisor.require(params.model);
       this.model = entry.id;
+      this.entry = entry;
       this.lease = await entry.admit({
         requestTimeoutMs: params.busyTimeoutMs,
         signal: this.gone.signal,
@@ -195,10 +202,22 @@ export class StreamConnection {
 
   private emit = (e: TaskEvent): void => this.send({ ...e });
 
+  /** Processing lag of each window finished since the last call: now - arrival of its last sample. */
+  private recordLag(): void {
+    const s = this.session!;
+    const now = performance.now();
+    for (; (this.lagWindows + 1) * s.step <= s.processedSamples; this.lagWindows++) {
+      const end = (this.lagWindows + 1) * s.step;
+      while (this.arrivals.length > 1 && this.arrivals[0].end < end) this.arrivals.shift();
+      if (this.arrivals.length) this.entry?.recordLag(now - this.arrivals[0].at);
+    }
+  }
+
   private onMessage(data: Buffer, binary: boolean): void {
     if (binary) {
       if (this.state !== 'streaming') return;
       this.session!.push(this.decoder!.push(data));
+      this.arrivals.push({ end: this.session!.receivedSamples, at: performance.now() });
       if (!this.paused && this.session!.pendingSamples > MAX_PENDING_SAMPLES) {
         this.paused = true;
         this.ws.pause();
@@ -231,19 +250,16 @@ export class StreamConnection {
     if (this.pumping) return;
     this.pumping = true;
     try {
-      const pool = this.loaded!.pool;
-      await drain(
-        this.session!,
-        (job) => pool.run(job, this.gone.signal),
-        (e) => {
-          this.emit(e);
-          if (this.paused && this.session!.pendingSamples < MAX_PENDING_SAMPLES / 2) {
-            this.paused = false;
-            this.ws.resume();
-          }
-        },
-        Number.MAX_SAFE_INTEGER,
-      );
+      const { pool, batcher } = this.loaded!;
+      // VAD windows go one at a time through the batcher, which runs them with other streams'.
+      const run = batcher ? (job: Job) => batcher.run(job as VadJob, this.gone.signal) : (job: Job) => pool.run(job, this.gone.signal);
+      await drain(this.session!, run, this.emit, batcher ? 1 : Number.MAX_SAFE_INTEGER, () => {
+        this.recordLag();
+        if (this.paused && this.session!.pendingSamples < MAX_PENDING_SAMPLES / 2) {
+          this.paused = false;
+          this.ws.resume();
+        }
+      });
     } catch (e) {
       if (!this.gone.signal.aborted) this.fail(toVoxError(e), CLOSE.INTERNAL);
       return;

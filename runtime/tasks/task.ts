@@ -29,21 +29,30 @@ export interface TaskSession {
   readonly receivedSamples: number;
   /** Samples received and not yet sent to a slot. */
   readonly pendingSamples: number;
+  /** Samples whose results have been accepted (at most `receivedSamples`). */
+  readonly processedSamples: number;
+  /** Samples per window (VAD, 512) or step (wake word, 1280). */
+  readonly step: number;
 }
 
 /** Creates a session for one request or stream; `info` is what the model's slots reported at load. */
 export type TaskSessionFactory = (info: SlotInfo) => TaskSession;
 
-/** Runs every job a session has ready, in order, through `run`; calls `emit` for each event. */
+/**
+ * Runs every job a session has ready, in order, through `run`; calls `emit` for each event and
+ * `accepted` after each result is applied.
+ */
 export async function drain(
   session: TaskSession,
   run: (job: Job) => Promise<JobResult>,
   emit: (e: TaskEvent) => void,
   maxSteps: number,
+  accepted: () => void = () => {},
 ): Promise<void> {
   for (let job = session.nextJob(maxSteps); job; job = session.nextJob(maxSteps)) {
     const result = await run(job);
     for (const e of session.accept(result)) emit(e);
+    accepted();
   }
 }
 

@@ -132,6 +132,12 @@ export class VadSession implements TaskSession {
     return this.pending.length;
   }
 
+  get processedSamples(): number {
+    return this.processed;
+  }
+
+  readonly step = SILERO.WINDOW;
+
   get finished(): boolean {
     return this.ended && !this.inFlight && this.pending.length === 0;
   }

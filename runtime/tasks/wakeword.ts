@@ -56,6 +56,12 @@ export class WakewordSession implements TaskSession {
     return this.pending.length;
   }
 
+  get processedSamples(): number {
+    return Math.min(this.steps * OWW.STEP, this.received);
+  }
+
+  readonly step = OWW.STEP;
+
   get finished(): boolean {
     return this.ended && !this.inFlight && this.pending.length === 0;
   }

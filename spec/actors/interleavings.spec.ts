@@ -10,7 +10,7 @@ import fc from 'fast-check';
 import { afterEach, describe, expect, it } from 'vitest';
 import { Supervisor } from '../../actors/supervisor.js';
 import { Admission } from '../../runtime/admission.js';
-import { ServerConfig, type ModelConfig } from '../../runtime/config.js';
+import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
 import type { Job, JobResult, LoadSpec } from '../../runtime/slot-protocol.js';
@@ -168,9 +168,9 @@ class Request implements Cmd {
       };
       try {
         exclusiveAlongside();
-        const { pool } = await entry.ensureReady(ctl.signal);
+        const { pool, batcher } = await entry.ensureReady(ctl.signal);
         for (let i = 0; i < this.jobs && !ctl.signal.aborted; i++) {
-          await pool.run(job(), ctl.signal).catch((e: Error) => {
+          await (batcher ? batcher.run(job(), ctl.signal) : pool.run(job(), ctl.signal)).catch((e: Error) => {
             // Only a forced unload (which aborts us) may close the pool under a held lease.
             if (/model unloaded/.test(e.message) && !ctl.signal.aborted) w.violations.push(`${this}: pool closed under a held lease`);
             throw e;
@@ -240,7 +240,8 @@ const slotsArb = fc.constantFrom(1, 2, 4);
 const commandArb = fc.oneof(
   { weight: 5, arbitrary: fc.tuple(idArb, fc.integer({ min: 1, max: 3 })).map(([id, n]) => new Request(id, n) as Cmd) },
   { weight: 2, arbitrary: fc.nat(20).map((i) => new Disconnect(i) as Cmd) },
-  { weight: 2, arbitrary: fc.tuple(idArb, slotsArb).map(([id, slots]) => new Load(id, { task: 'vad', path: '/fake.onnx', slots }) as Cmd) },
+  // No batch delay timer: the scheduler alone orders everything.
+  { weight: 2, arbitrary: fc.tuple(idArb, slotsArb).map(([id, slots]) => new Load(id, { task: 'vad', path: '/fake.onnx', slots, max_batch_delay_ms: 0 }) as Cmd) },
   { weight: 1, arbitrary: fc.tuple(idArb, fc.constantFrom(0, 17, 1.5, '2', null, true)).map(([id, slots]) => new Load(id, { slots }) as Cmd) },
   { weight: 1, arbitrary: fc.tuple(idArb, fc.integer({ min: 1, max: 8 })).map(([id, max_streams]) => new Load(id, { max_streams }) as Cmd) },
   { weight: 2, arbitrary: fc.tuple(idArb, fc.boolean()).map(([id, force]) => new Unload(id, force) as Cmd) },
@@ -280,7 +281,9 @@ async function settle(s: fc.Scheduler): Promise<void> {
   }
 }
 
-const catalog: ModelConfig[] = IDS.slice(0, 2).map((id) => ({ id, task: 'vad', path: '/fake.onnx', slots: 1, max_streams: 2, lazy: true, options: {} }));
+/** Models a and b; with `batch`, their one-window jobs go through a batcher (no delay timer, so the scheduler orders everything). */
+const catalogOf = (batch: number): ModelConfig[] =>
+  IDS.slice(0, 2).map((id) => ModelConfig.parse({ id, task: 'vad', path: '/fake.onnx', max_streams: 2, max_batch_size: batch, max_batch_delay_ms: 0 }));
 let current: World | null = null;
 const restore = instrumentAdmission(() => current);
 afterEach(() => {
@@ -288,7 +291,8 @@ afterEach(() => {
 });
 
 /** One property: random commands and faults against a supervisor with `limit` max_loaded_models. */
-async function checkInvariants(limit: number, totals: { runs: number; interleavings: number; commands: number }): Promise<void> {
+async function checkInvariants(limit: number, totals: { runs: number; interleavings: number; commands: number }, batch = 1): Promise<void> {
+  const catalog = catalogOf(batch);
   await fc.assert(
     fc.asyncProperty(
       fc.scheduler(),
@@ -325,12 +329,16 @@ async function checkInvariants(limit: number, totals: { runs: number; interleavi
     ),
     { numRuns: RUNS, ...replay },
   );
-  console.log(`interleavings (max_loaded_models ${limit}): ${totals.runs} runs, ${totals.commands} commands, ${totals.interleavings} scheduled steps in random order`);
+  console.log(`interleavings (max_loaded_models ${limit}, max_batch_size ${batch}): ${totals.runs} runs, ${totals.commands} commands, ${totals.interleavings} scheduled steps in random order`);
 }
 
 describe('model lifecycle under random interleavings (fast-check scheduler, fake slot hosts)', () => {
   it(`holds the contract invariants (${RUNS} runs)`, async () => {
     await checkInvariants(0, { runs: 0, interleavings: 0, commands: 0 });
+  });
+
+  it(`holds them with dynamic batching on (${RUNS} runs)`, async () => {
+    await checkInvariants(0, { runs: 0, interleavings: 0, commands: 0 }, 4);
   });
 
   it.each([1, 2, 3])(`with max_loaded_models %i never has more models resident, and every cold load loads or gets a 503 (${RUNS} runs)`, async (limit) => {

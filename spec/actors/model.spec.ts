@@ -1,11 +1,11 @@
 import { describe, expect, it } from 'vitest';
 import { ModelEntry } from '../../actors/model.js';
-import type { ModelConfig } from '../../runtime/config.js';
+import { ModelConfig } from '../../runtime/config.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
 import type { Job, JobResult, LoadSpec } from '../../runtime/slot-protocol.js';
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 
-const config: ModelConfig = { id: 'm', task: 'vad', path: '/nowhere.onnx', slots: 1, max_streams: 4, lazy: true, options: {} };
+const config: ModelConfig = ModelConfig.parse({ id: 'm', task: 'vad', path: '/nowhere.onnx', max_streams: 4 });
 
 /** A loader over fake slots; `exits` lets a test kill slot 0 of the latest load. */
 function fakeLoader(opts: { fail?: () => string | null; delayMs?: number } = {}) {

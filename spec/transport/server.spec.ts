@@ -85,7 +85,7 @@ describe('server basics', () => {
     expect(models.map((m: { id: string }) => m.id).sort()).toEqual(['alexa', 'hey-jarvis', 'hey-mycroft', 'hey-rhasspy', 'silero-vad', 'timer', 'weather']);
     const one = await (await fetch(`${server.url}/v1/models/silero-vad`)).json();
     expect(Object.keys(one).sort()).toEqual(
-      ['active_leases', 'active_slots', 'id', 'last_error', 'last_used_at', 'loaded', 'max_streams', 'oldest_wait_ms', 'queued_requests', 'resident_bytes', 'retiring', 'slots', 'state', 'task'].sort(),
+      ['active_leases', 'active_slots', 'id', 'last_error', 'last_used_at', 'loaded', 'max_streams', 'oldest_wait_ms', 'processing_lag_ms', 'queued_requests', 'resident_bytes', 'retiring', 'slots', 'state', 'task'].sort(),
     );
   });
 });
@@ -190,7 +190,8 @@ describe('GET /v1/stream', () => {
 
   it('runs two streams concurrently on a model with slots: 2 (both slots busy at once)', async () => {
     const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
-    const load = await postJson('/v1/models/load', { id: 'vad-two-slots', task: 'vad', path: silero.path, slots: 2 });
+    // Batching off: with it, both streams' windows would share one batched run on one slot.
+    const load = await postJson('/v1/models/load', { id: 'vad-two-slots', task: 'vad', path: silero.path, slots: 2, max_batch_size: 1 });
     expect(load).toEqual({ status: 200, body: { id: 'vad-two-slots', loaded: true, reconfigured: false } });
     // 20 s of speech-like tone per stream, sent at once: each stream keeps a long job in flight.
     const long = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: 16000 * 20 });
