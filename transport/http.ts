@@ -1,7 +1,8 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { Supervisor } from '../actors/supervisor.js';
 import { decodeWav, resample } from '../runtime/audio.js';
-import type { ServerConfig } from '../runtime/config.js';
+import type { ModelConfig, ServerConfig } from '../runtime/config.js';
+import type { SlotPool } from '../runtime/slots.js';
 import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import type { Job, JobResult } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, taskResult } from '../runtime/tasks/index.js';
@@ -116,18 +117,29 @@ function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer): RunReque
  * pending inference is dropped and the result discarded). Logs one line per request and
  * counts it in `voxserve_requests_total` by outcome.
  */
-export async function handleRun(supervisor: Supervisor, config: ServerConfig, req: IncomingMessage, res: ServerResponse, url: URL): Promise<void> {
+export function handleRun(supervisor: Supervisor, config: ServerConfig, req: IncomingMessage, res: ServerResponse, url: URL): Promise<void> {
+  return tracked(supervisor, 'run', (t0, m) => runTask(supervisor, config, req, res, url, t0, m));
+}
+
+interface RequestFigures {
+  model?: string;
+  queueMs: number;
+  inferenceMs: number;
+}
+
+/** Runs a task request, then logs one line and counts it in `voxserve_requests_total` by outcome. */
+async function tracked(supervisor: Supervisor, route: string, fn: (t0: number, m: RequestFigures) => Promise<void>): Promise<void> {
   const t0 = performance.now();
-  const m = { model: undefined as string | undefined, queueMs: 0, inferenceMs: 0 };
+  const m: RequestFigures = { queueMs: 0, inferenceMs: 0 };
   let outcome = 'ok';
   try {
-    await runTask(supervisor, config, req, res, url, t0, m);
+    await fn(t0, m);
   } catch (e) {
     outcome = e instanceof DOMException && e.name === 'AbortError' ? 'cancelled' : toVoxError(e).type;
     throw e;
   } finally {
     if (m.model) supervisor.metrics.requests.inc({ model: m.model, outcome });
-    supervisor.log.info({ route: 'run', model: m.model, outcome, queue_ms: round(m.queueMs), inference_ms: round(m.inferenceMs), wall_ms: round(performance.now() - t0) }, 'request');
+    supervisor.log.info({ route, model: m.model, outcome, queue_ms: round(m.queueMs), inference_ms: round(m.inferenceMs), wall_ms: round(performance.now() - t0) }, 'request');
   }
 }
 
@@ -138,7 +150,7 @@ async function runTask(
   res: ServerResponse,
   url: URL,
   t0: number,
-  m: { model?: string; queueMs: number; inferenceMs: number },
+  m: RequestFigures,
 ): Promise<void> {
   const body = await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms);
   const run = parseRunRequest(req, url, body);
@@ -165,32 +177,115 @@ async function runTask(
   };
   if (res.closed) return done();
   res.on('close', done);
-  let session;
+  let result;
   try {
-    const audio = decodeWav(run.wav);
-    const samples = await resample(audio.samples, audio.sampleRate);
     const { pool } = await entry.ensureReady(gone.signal);
-    session = createTaskSession(entry.config, pool.info, run.options);
-    session.push(samples);
-    session.end();
-    const runJob = async (job: Job): Promise<JobResult> => {
-      if (gone.signal.aborted) throw gone.signal.reason;
-      const r = await pool.run(job, gone.signal);
-      if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
-      return r;
-    };
-    await drain(session, runJob, () => {}, FILE_JOB_STEPS);
+    result = await processFile(entry.config, pool, run.wav, run.options, gone.signal, m);
   } catch (e) {
     if (revoked) throw revoked;
     throw e;
   }
-  const audioMs = (session.receivedSamples * 1000) / 16_000;
   const wallMs = performance.now() - t0;
   sendJson(res, 200, {
     model: entry.id,
-    ...taskResult(session),
-    timing: { wall_ms: round(wallMs), queue_ms: round(m.queueMs), audio_duration_ms: round(audioMs), rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000 },
+    ...result.body,
+    timing: { wall_ms: round(wallMs), queue_ms: round(m.queueMs), audio_duration_ms: round(result.audioMs), rtf: Math.round((wallMs / result.audioMs) * 10_000) / 10_000 },
   });
+}
+
+/**
+ * Decodes one WAV file and runs it through the model's slots, in jobs of {@link FILE_JOB_STEPS}.
+ * @returns the task result (segments or detections) and the audio duration, ms.
+ * @throws VoxError `invalid_request_error` for bad audio or options; the signal's reason once it aborts.
+ */
+async function processFile(
+  config: ModelConfig,
+  pool: SlotPool,
+  wav: Buffer,
+  options: unknown,
+  signal: AbortSignal,
+  m: { inferenceMs: number },
+): Promise<{ body: Record<string, unknown>; audioMs: number }> {
+  const session = createTaskSession(config, pool.info, options);
+  const audio = decodeWav(wav);
+  session.push(await resample(audio.samples, audio.sampleRate));
+  session.end();
+  const runJob = async (job: Job): Promise<JobResult> => {
+    signal.throwIfAborted();
+    const r = await pool.run(job, signal);
+    if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
+    return r;
+  };
+  await drain(session, runJob, () => {}, FILE_JOB_STEPS);
+  return { body: taskResult(session), audioMs: (session.receivedSamples * 1000) / 16_000 };
+}
+
+/** Files in one `POST /v1/tasks/batch`. */
+export const MAX_BATCH_FILES = 256;
+
+/**
+ * `POST /v1/tasks/batch`: JSON `{model, files: [<base64 WAV>...], options?, busy_timeout_ms?}`.
+ * One lease for the whole batch; the files run concurrently through the model's slots and each
+ * result is streamed as a server-sent event as soon as it is ready (`event: result`, data
+ * `{index, model, task, ..., timing}`; a bad file gives `event: error`, data `{index, error}`),
+ * then `event: done` with `{files, failed, wall_ms}`.
+ */
+export function handleBatch(supervisor: Supervisor, config: ServerConfig, req: IncomingMessage, res: ServerResponse): Promise<void> {
+  return tracked(supervisor, 'batch', (t0, m) => runBatch(supervisor, config, req, res, t0, m));
+}
+
+async function runBatch(supervisor: Supervisor, config: ServerConfig, req: IncomingMessage, res: ServerResponse, t0: number, m: RequestFigures): Promise<void> {
+  const json = parseJsonObject(await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms));
+  if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
+  const files = json.files;
+  if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES) throw invalid(`files: required, an array of 1-${MAX_BATCH_FILES} base64-encoded WAV files`);
+  const bad = files.findIndex((f) => typeof f !== 'string' || !/^[A-Za-z0-9+/]*={0,2}$/.test(f.replace(/\s/g, '')));
+  if (bad >= 0) throw invalid(`files.${bad}: not a base64 string`);
+  const entry = supervisor.require(json.model);
+  m.model = entry.id;
+  const gone = new AbortController();
+  let revoked: Error | null = null;
+  res.on('close', () => {
+    if (!res.writableFinished) gone.abort();
+  });
+  const lease = await entry.admit({
+    requestTimeoutMs: parseTimeout(json.busy_timeout_ms),
+    signal: gone.signal,
+    onRevoke: (reason) => {
+      revoked = reason;
+      gone.abort();
+    },
+  });
+  m.queueMs = performance.now() - t0;
+  supervisor.metrics.queueWait.observe({ model: entry.id }, m.queueMs / 1000);
+  const done = (): void => {
+    entry.touch();
+    lease.release();
+  };
+  if (res.closed) return done();
+  res.on('close', done);
+  const { pool } = await entry.ensureReady(gone.signal).catch((e) => {
+    throw revoked ?? e;
+  });
+  res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-store' });
+  const event = (name: string, data: unknown): void => void res.write(`event: ${name}\ndata: ${JSON.stringify(data)}\n\n`);
+  let failed = 0;
+  await Promise.all(
+    (files as string[]).map(async (b64, index) => {
+      const f0 = performance.now();
+      try {
+        const r = await processFile(entry.config, pool, Buffer.from(b64, 'base64'), json.options, gone.signal, m);
+        const wallMs = performance.now() - f0;
+        event('result', { index, model: entry.id, ...r.body, timing: { wall_ms: round(wallMs), audio_duration_ms: round(r.audioMs), rtf: Math.round((wallMs / r.audioMs) * 10_000) / 10_000 } });
+      } catch (e) {
+        failed++;
+        if (!gone.signal.aborted) event('error', { index, ...errorBody(toVoxError(e)) });
+      }
+    }),
+  );
+  if (gone.signal.aborted) return void res.end(revoked ? `event: error\ndata: ${JSON.stringify(errorBody(toVoxError(revoked)))}\n\n` : undefined);
+  event('done', { files: files.length, failed, wall_ms: round(performance.now() - t0), queue_ms: round(m.queueMs), inference_ms: round(m.inferenceMs) });
+  res.end();
 }
 
 const round = (ms: number): number => Math.round(ms * 10) / 10;

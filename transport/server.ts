@@ -14,7 +14,7 @@ import { DEBUG_PAGE, debugState, streamActors } from './debug.js';
 import { confinePath } from '../runtime/paths.js';
 import type { ModelConfig } from '../runtime/config.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
-import { handleRun, parseJsonObject, readBody, sendError, sendJson } from './http.js';
+import { handleBatch, handleRun, parseJsonObject, readBody, sendError, sendJson } from './http.js';
 import { StreamConnection } from './stream.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
@@ -170,11 +170,11 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       const { unloaded } = await supervisor.unloadMany(supervisor.registeredIds, timeout);
       return sendJson(res, 200, { unloaded });
     }
-    if (method === 'POST' && path === '/v1/tasks/run') {
+    if (method === 'POST' && (path === '/v1/tasks/run' || path === '/v1/tasks/batch')) {
       if (!supervisor.accepting) throw shuttingDown();
-      return handleRun(supervisor, config, req, res, url);
+      return path === '/v1/tasks/run' ? handleRun(supervisor, config, req, res, url) : handleBatch(supervisor, config, req, res);
     }
-    const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/stream'];
+    const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
     throw new VoxError('not_found', `no route ${method} ${path}`);
   };
