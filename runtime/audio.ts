@@ -167,10 +167,13 @@ export class PcmStreamDecoder {
     this.remainder = Buffer.from(buf.subarray(frames * this.frameBytes));
     const n = frames * this.channels;
     const interleaved = new Float32Array(n);
+    // Aligned little-endian views (this machine and every Node target is little-endian).
+    const aligned = buf.byteOffset % 4 === 0 ? buf : Buffer.from(buf);
     if (this.encoding === 's16le') {
-      for (let i = 0; i < n; i++) interleaved[i] = buf.readInt16LE(i * 2) / 32768;
+      const s16 = new Int16Array(aligned.buffer, aligned.byteOffset, n);
+      for (let i = 0; i < n; i++) interleaved[i] = s16[i] / 32768;
     } else {
-      for (let i = 0; i < n; i++) interleaved[i] = buf.readFloatLE(i * 4);
+      interleaved.set(new Float32Array(aligned.buffer, aligned.byteOffset, n));
     }
     return this.resampler.push(downmix(interleaved, this.channels, frames));
   }

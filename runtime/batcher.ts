@@ -2,7 +2,7 @@ import { SILERO, type VadJob, type VadResult } from './slot-protocol.js';
 import type { SlotPool } from './slots.js';
 
 interface Item {
-  window: Float32Array;
+  windows: Float32Array;
   state: Float32Array;
   context: Float32Array;
   at: number;
@@ -12,12 +12,12 @@ interface Item {
 }
 
 /**
- * Dynamic batching for Silero VAD streams: single-window jobs from many streams are collected
- * and run as one batched inference (`rows` = streams) on a free slot, and each row's
- * probability, state and context go back to its stream. A batch is sent when it is full
- * (`maxBatch`), when its oldest window has waited `maxDelayMs` for company, or as soon as a
- * slot frees up while windows wait (under load, windows gather while every slot is busy).
- * A batch holds its slot for its run only. Jobs of more than one window (files) bypass it.
+ * Dynamic batching for Silero VAD streams: the jobs of many streams (each its stream's ready
+ * windows) are collected and run as one ragged batch (a row per stream) on a free slot, and
+ * each row's probabilities, state and context go back to its stream. A batch is sent when it
+ * holds `maxBatch` streams, when its oldest job has waited `maxDelayMs` for company, or as soon
+ * as a slot frees up while jobs wait (under load, jobs gather while every slot is busy). A batch
+ * holds its slot for its run only.
  */
 export class VadBatcher {
   private pending: Item[] = [];
@@ -25,7 +25,7 @@ export class VadBatcher {
   private timer: NodeJS.Timeout | null = null;
 
   /**
-   * @param maxBatch windows per batch (1-512). @param maxDelayMs longest wait for company, ms.
+   * @param maxBatch streams (rows) per batch (1-512). @param maxDelayMs longest wait for company, ms.
    * @param onBatch called with each batch's size (for metrics).
    */
   constructor(
@@ -36,26 +36,15 @@ export class VadBatcher {
   ) {}
 
   /**
-   * Runs a VAD job: batched if it is one window of one stream, else directly on the pool.
-   * An aborted `signal` drops a window that has not been sent (rejecting with `AbortError`).
+   * Runs one stream's job (one row) in a batch with other streams'. A job whose `signal` has
+   * aborted by the time its batch is formed is dropped (rejected with the signal's reason). No
+   * listener is added to the signal: a stream sends thousands of jobs, and EventTarget
+   * listeners are costly.
    */
   run(job: VadJob, signal?: AbortSignal): Promise<VadResult> {
-    if ((job.rows ?? 1) !== 1 || job.windows.length !== SILERO.WINDOW) return this.pool.run(job, signal) as Promise<VadResult>;
     if (signal?.aborted) return Promise.reject(signal.reason);
     return new Promise((resolve, reject) => {
-      const item: Item = { window: job.windows, state: job.state, context: job.context, at: Date.now(), resolve, reject, signal };
-      signal?.addEventListener(
-        'abort',
-        () => {
-          const i = this.pending.indexOf(item);
-          if (i >= 0) {
-            this.pending.splice(i, 1);
-            reject(signal.reason);
-          }
-        },
-        { once: true },
-      );
-      this.pending.push(item);
+      this.pending.push({ windows: job.windows, state: job.state, context: job.context, at: Date.now(), resolve, reject, signal });
       this.schedule();
     });
   }
@@ -73,17 +62,27 @@ export class VadBatcher {
   private dispatch(): void {
     if (this.timer) clearTimeout(this.timer);
     this.timer = null;
-    const batch = this.pending.splice(0, this.maxBatch);
+    const batch: Item[] = [];
+    while (batch.length < this.maxBatch && this.pending.length) {
+      const item = this.pending.shift()!;
+      if (item.signal?.aborted) item.reject(item.signal.reason);
+      else batch.push(item);
+    }
     const rows = batch.length;
+    if (!rows) return;
+    const counts = batch.map((b) => b.windows.length / SILERO.WINDOW);
+    const total = counts.reduce((a, b) => a + b, 0);
     const job: VadJob = {
       kind: 'vad',
-      rows,
-      windows: new Float32Array(rows * SILERO.WINDOW),
+      counts,
+      windows: new Float32Array(total * SILERO.WINDOW),
       state: new Float32Array(rows * SILERO.STATE),
       context: new Float32Array(rows * SILERO.CONTEXT),
     };
+    const starts: number[] = [];
     batch.forEach((b, r) => {
-      job.windows.set(b.window, r * SILERO.WINDOW);
+      starts.push(r ? starts[r - 1] + counts[r - 1] : 0);
+      job.windows.set(b.windows, starts[r] * SILERO.WINDOW);
       job.state.set(b.state, r * SILERO.STATE);
       job.context.set(b.context, r * SILERO.CONTEXT);
     });
@@ -95,7 +94,7 @@ export class VadBatcher {
           batch.forEach((b, r) =>
             b.resolve({
               kind: 'vad',
-              probs: res.probs.slice(r, r + 1),
+              probs: res.probs.slice(starts[r], starts[r] + counts[r]),
               state: res.state.slice(r * SILERO.STATE, (r + 1) * SILERO.STATE),
               context: res.context.slice(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT),
               ran: (res as { ran?: [number, number] }).ran,

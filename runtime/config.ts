@@ -47,7 +47,7 @@ export const ModelConfig = z.strictObject({
   /** VAD streams: windows from different streams run together, up to this many per batch (1 = no batching). */
   max_batch_size: z.number().int().min(1).max(512).default(32),
   /** VAD streams: the longest a window waits for company before its batch is sent, ms. */
-  max_batch_delay_ms: z.number().int().min(0).max(1000).default(2),
+  max_batch_delay_ms: z.number().int().min(0).max(1000).default(10),
   options: z.record(z.string(), z.unknown()).default({}),
 });
 export type ModelConfig = z.infer<typeof ModelConfig>;

@@ -26,23 +26,24 @@ export interface SlotInfo {
 }
 
 /**
- * Silero VAD over consecutive 512-sample windows of `rows` streams at once (a batch; 1 row
- * without batching): step by step, one window per row per run.
+ * Silero VAD over consecutive 512-sample windows of one or more streams (rows) at once. Row r
+ * has `counts[r]` windows; the slot runs step by step, each run holding the next window of every
+ * row that still has one (a ragged batch).
  */
 export interface VadJob {
   kind: 'vad';
-  /** steps x rows x 512 samples (step-major), 16 kHz, float32 in [-1, 1]. */
+  /** Each row's windows in turn (row-major), 512 samples each, 16 kHz, float32 in [-1, 1]. */
   windows: Float32Array;
   /** rows x 256 floats of recurrent state (v5: `state` layers 0 and 1; v4: `h` then `c`). */
   state: Float32Array;
   /** rows x 64: v5 only, the last 64 samples before each row's windows (zeros at stream start). */
   context: Float32Array;
-  /** Streams in the batch; 1 if absent. */
-  rows?: number;
+  /** Windows per row; absent: one row holding every window. */
+  counts?: number[];
 }
 export interface VadResult {
   kind: 'vad';
-  /** steps x rows speech probabilities (step-major). */
+  /** One speech probability per window, in the layout of `windows`. */
   probs: Float32Array;
   state: Float32Array;
   context: Float32Array;

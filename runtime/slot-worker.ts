@@ -49,51 +49,59 @@ async function loadVad(model: string): Promise<SlotInfo> {
   }
   const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
   // State layout: each row keeps 256 floats (v5: state[0], state[1]; v4: h[0], h[1], c[0], c[1]);
-  // the tensors want [2, rows, 128] (v5) or [2, rows, 64] twice (v4).
+  // the tensors want [2, rows, 128] (v5) or [2, rows, 64] twice (v4), for the active rows only.
   const HALF = v5 ? 128 : 64;
-  const toTensor = (rows: Float32Array, n: number, offset: number): Float32Array => {
+  const gather = (rows: Float32Array, active: number[], offset: number): Float32Array => {
+    const n = active.length;
     const t = new Float32Array(2 * n * HALF);
-    for (let r = 0; r < n; r++) for (let l = 0; l < 2; l++) t.set(rows.subarray(r * 256 + offset + l * HALF, r * 256 + offset + (l + 1) * HALF), (l * n + r) * HALF);
+    active.forEach((r, j) => {
+      for (let l = 0; l < 2; l++) t.set(rows.subarray(r * 256 + offset + l * HALF, r * 256 + offset + (l + 1) * HALF), (l * n + j) * HALF);
+    });
     return t;
   };
-  const fromTensor = (t: Float32Array, rows: Float32Array, n: number, offset: number): void => {
-    for (let r = 0; r < n; r++) for (let l = 0; l < 2; l++) rows.set(t.subarray((l * n + r) * HALF, (l * n + r + 1) * HALF), r * 256 + offset + l * HALF);
+  const scatter = (t: Float32Array, rows: Float32Array, active: number[], offset: number): void => {
+    const n = active.length;
+    active.forEach((r, j) => {
+      for (let l = 0; l < 2; l++) rows.set(t.subarray((l * n + j) * HALF, (l * n + j + 1) * HALF), r * 256 + offset + l * HALF);
+    });
   };
   runJob = async (job) => {
     const { windows, state, context } = job as VadJob;
-    const rows = (job as VadJob).rows ?? 1;
-    const steps = windows.length / (SILERO.WINDOW * rows);
-    const probs = new Float32Array(steps * rows);
+    const counts = (job as VadJob).counts ?? [windows.length / SILERO.WINDOW];
+    const starts: number[] = [];
+    counts.reduce((at, c) => (starts.push(at), at + c), 0);
+    const probs = new Float32Array(windows.length / SILERO.WINDOW);
     const st = state.slice();
     const ctx = context.slice();
-    for (let i = 0; i < steps; i++) {
-      const w = windows.subarray(i * rows * SILERO.WINDOW, (i + 1) * rows * SILERO.WINDOW);
+    const width = SILERO.CONTEXT + SILERO.WINDOW;
+    for (let i = 0; i < Math.max(...counts); i++) {
+      const active = counts.flatMap((c, r) => (c > i ? [r] : []));
+      const n = active.length;
+      const win = (r: number): Float32Array => windows.subarray((starts[r] + i) * SILERO.WINDOW, (starts[r] + i + 1) * SILERO.WINDOW);
+      let out: ort.InferenceSession.ReturnType;
       if (v5) {
-        const width = SILERO.CONTEXT + SILERO.WINDOW;
-        const x = new Float32Array(rows * width);
-        for (let r = 0; r < rows; r++) {
-          x.set(ctx.subarray(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT), r * width);
-          x.set(w.subarray(r * SILERO.WINDOW, (r + 1) * SILERO.WINDOW), r * width + SILERO.CONTEXT);
-          ctx.set(x.subarray((r + 1) * width - SILERO.CONTEXT, (r + 1) * width), r * SILERO.CONTEXT);
-        }
-        const out = await session.run({
-          input: new ort.Tensor('float32', x, [rows, width]),
-          state: new ort.Tensor('float32', toTensor(st, rows, 0), [2, rows, 128]),
-          sr,
+        const x = new Float32Array(n * width);
+        active.forEach((r, j) => {
+          x.set(ctx.subarray(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT), j * width);
+          x.set(win(r), j * width + SILERO.CONTEXT);
+          ctx.set(x.subarray((j + 1) * width - SILERO.CONTEXT, (j + 1) * width), r * SILERO.CONTEXT);
         });
-        probs.set(out.output.data as Float32Array, i * rows);
-        fromTensor(out.stateN.data as Float32Array, st, rows, 0);
+        out = await session.run({ input: new ort.Tensor('float32', x, [n, width]), state: new ort.Tensor('float32', gather(st, active, 0), [2, n, 128]), sr });
+        scatter(out.stateN.data as Float32Array, st, active, 0);
       } else {
-        const out = await session.run({
-          input: new ort.Tensor('float32', Float32Array.from(w), [rows, SILERO.WINDOW]),
-          h: new ort.Tensor('float32', toTensor(st, rows, 0), [2, rows, 64]),
-          c: new ort.Tensor('float32', toTensor(st, rows, 128), [2, rows, 64]),
+        const x = new Float32Array(n * SILERO.WINDOW);
+        active.forEach((r, j) => x.set(win(r), j * SILERO.WINDOW));
+        out = await session.run({
+          input: new ort.Tensor('float32', x, [n, SILERO.WINDOW]),
+          h: new ort.Tensor('float32', gather(st, active, 0), [2, n, 64]),
+          c: new ort.Tensor('float32', gather(st, active, 128), [2, n, 64]),
           sr,
         });
-        probs.set(out.output.data as Float32Array, i * rows);
-        fromTensor(out.hn.data as Float32Array, st, rows, 0);
-        fromTensor(out.cn.data as Float32Array, st, rows, 128);
+        scatter(out.hn.data as Float32Array, st, active, 0);
+        scatter(out.cn.data as Float32Array, st, active, 128);
       }
+      const p = out.output.data as Float32Array;
+      active.forEach((r, j) => (probs[starts[r] + i] = p[j]));
     }
     return { kind: 'vad', probs, state: st, context: ctx };
   };

@@ -180,4 +180,19 @@ program
     });
   });
 
+program
+  .command('bench')
+  .description('live streaming benchmark against a server it starts, with the bare and per-client baselines (one table)')
+  .option('--streams <list>', 'comma-separated stream counts', '100,500,1000')
+  .option('--frame-ms <ms>', 'frame length, ms', int('--frame-ms'), 100)
+  .option('--seconds <s>', 'audio per stream, s', int('--seconds'), 20)
+  .option('--slots <n>', 'server slots for the model', int('--slots'), 1)
+  .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms", int('--batch-delay-ms'), 10)
+  .action(async (opts: { streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number }) => {
+    const streams = opts.streams.split(',').map(Number);
+    if (streams.some((n) => !Number.isInteger(n) || n < 1)) die('--streams must be a comma-separated list of positive integers');
+    const { bench } = await import('./bench.js');
+    await bench({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: opts.slots, batchDelayMs: opts.batchDelayMs });
+  });
+
 program.parseAsync().catch((e) => die((e as Error).message));

@@ -47,6 +47,9 @@ export function parseStreamParams(url: URL): StreamParams {
   return params;
 }
 
+/** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */
+const MAX_JOB_WINDOWS = 64;
+
 /** Unprocessed audio (16 kHz samples) above which a stream stops reading its socket: 10 s. */
 export const MAX_PENDING_SAMPLES = 160_000;
 
@@ -251,9 +254,9 @@ export class StreamConnection {
     this.pumping = true;
     try {
       const { pool, batcher } = this.loaded!;
-      // VAD windows go one at a time through the batcher, which runs them with other streams'.
+      // A VAD stream's ready windows go through the batcher, which runs them with other streams'.
       const run = batcher ? (job: Job) => batcher.run(job as VadJob, this.gone.signal) : (job: Job) => pool.run(job, this.gone.signal);
-      await drain(this.session!, run, this.emit, batcher ? 1 : Number.MAX_SAFE_INTEGER, () => {
+      await drain(this.session!, run, this.emit, MAX_JOB_WINDOWS, () => {
         this.recordLag();
         if (this.paused && this.session!.pendingSamples < MAX_PENDING_SAMPLES / 2) {
           this.paused = false;
