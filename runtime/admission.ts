@@ -1,3 +1,4 @@
+import { MAX_TIMEOUT_MS } from './config.js';
 import { VoxError } from './errors.js';
 
 /** A granted admission: call `release()` once the response is fully written. Idempotent. */
@@ -36,8 +37,8 @@ export interface AcquireOptions {
  * @throws VoxError `invalid_request_error` for a negative or non-integer request value.
  */
 export function effectiveTimeout(request: number | undefined, model: number | undefined, server: number): number {
-  if (request !== undefined && (!Number.isInteger(request) || request < 0)) {
-    throw new VoxError('invalid_request_error', `busy_timeout_ms: must be a non-negative integer, got ${request}`);
+  if (request !== undefined && (!Number.isInteger(request) || request < 0 || request > MAX_TIMEOUT_MS)) {
+    throw new VoxError('invalid_request_error', `busy_timeout_ms: must be an integer from 0 to ${MAX_TIMEOUT_MS}, got ${request}`);
   }
   const bounded = [request, model, server].filter((v): v is number => v !== undefined && v > 0);
   return bounded.length ? Math.min(...bounded) : 0;

@@ -13,6 +13,19 @@ export const MIN_SAMPLE_RATE = 8_000;
 export const MAX_SAMPLE_RATE = 192_000;
 /** Accepted channel counts. */
 export const MAX_CHANNELS = 32;
+/** Longest audio file accepted, s: decoding and resampling run on the main thread. */
+export const MAX_AUDIO_SECONDS = 1800;
+
+/**
+ * Float samples from a client: NaN becomes 0 and values outside [-1, 1] are clipped, so one bad
+ * sample cannot poison a model's recurrent state or a score. In place.
+ */
+export function sanitize(x: Float32Array): void {
+  for (let i = 0; i < x.length; i++) {
+    const v = x[i];
+    if (!(v >= -1 && v <= 1)) x[i] = v > 1 ? 1 : v < -1 ? -1 : 0;
+  }
+}
 
 type SRC = Awaited<ReturnType<typeof LibSampleRate.create>>;
 
@@ -44,15 +57,19 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
   if (!(fmt.audioFormat in WAV_FORMATS)) {
     throw invalid(`audio: unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM or float`);
   }
-  if (![8, 16, 24, 32, 64].includes(fmt.bitsPerSample)) {
-    throw invalid(`audio: unsupported bit depth ${fmt.bitsPerSample}; expected 8, 16, 24, 32 or 64`);
+  const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && isFloatExtensible(wav));
+  if (float ? ![32, 64].includes(fmt.bitsPerSample) : ![8, 16, 24, 32].includes(fmt.bitsPerSample)) {
+    throw invalid(`audio: unsupported bit depth ${fmt.bitsPerSample} for ${float ? 'float' : 'PCM'} samples; expected ${float ? '32 or 64' : '8, 16, 24 or 32'}`);
   }
   const { numChannels: channels, sampleRate } = fmt;
   checkFormat(sampleRate, channels);
+  const dataBytes = (wav.data as { samples: Uint8Array }).samples.length;
+  const seconds = dataBytes / ((fmt.bitsPerSample / 8) * channels) / sampleRate;
+  if (seconds > MAX_AUDIO_SECONDS) throw invalid(`audio: ${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`);
   // wavefile unpacks the samples as stored (integers for PCM); scale them to [-1, 1].
   const interleaved = wav.getSamples(true, Float32Array) as unknown as Float32Array;
-  const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && (fmt.bitsPerSample === 64 || isFloatExtensible(wav)));
-  if (!float) {
+  if (float) sanitize(interleaved);
+  else {
     const bits = fmt.bitsPerSample;
     const offset = bits === 8 ? 128 : 0; // 8-bit WAV is unsigned
     const scale = 1 / 2 ** (bits - 1);
@@ -120,14 +137,33 @@ export class Resampler {
   }
 }
 
-/** Resamples a whole mono signal from `fromHz` to `toHz` (libsamplerate, one shot). */
+/**
+ * Resamples a whole mono signal from `fromHz` to `toHz` (libsamplerate, streaming API), in
+ * chunks of 10 s of input, yielding to the event loop between chunks so that a long file does
+ * not stall other clients.
+ */
 export async function resample(samples: Float32Array, fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Float32Array> {
   if (fromHz === toHz) return samples;
-  const src = await LibSampleRate.create(1, fromHz, toHz, { converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST });
+  const r = await Resampler.create(fromHz, toHz);
   try {
-    return src.simple(samples);
+    const chunk = fromHz * 10;
+    const parts: Float32Array[] = [];
+    for (let at = 0; at < samples.length; at += chunk) {
+      parts.push(r.push(samples.subarray(at, at + chunk)));
+      if (at + chunk < samples.length) await new Promise((resolve) => setImmediate(resolve));
+    }
+    // The converter holds back its filter delay: push silence to flush it, then cut to length.
+    parts.push(r.push(new Float32Array(Math.ceil(fromHz / 50))));
+    const out = new Float32Array(Math.round((samples.length * toHz) / fromHz));
+    let o = 0;
+    for (const p of parts) {
+      if (o >= out.length) break;
+      out.set(p.subarray(0, out.length - o), o);
+      o += p.length;
+    }
+    return out;
   } finally {
-    src.destroy();
+    r.close();
   }
 }
 
@@ -174,6 +210,7 @@ export class PcmStreamDecoder {
       for (let i = 0; i < n; i++) interleaved[i] = s16[i] / 32768;
     } else {
       interleaved.set(new Float32Array(aligned.buffer, aligned.byteOffset, n));
+      sanitize(interleaved);
     }
     return this.resampler.push(downmix(interleaved, this.channels, frames));
   }

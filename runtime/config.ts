@@ -8,7 +8,9 @@ import { LOG_LEVELS } from './telemetry.js';
  * field by its path, e.g. `models.0.slots: Too big: expected number to be <=16`.
  */
 
-const nonNegInt = z.number().int().nonnegative();
+/** The longest delay node's timers take, ms (about 24.8 days); longer ones would fire at once. */
+export const MAX_TIMEOUT_MS = 2_147_483_647;
+const nonNegInt = z.number().int().nonnegative().max(MAX_TIMEOUT_MS);
 
 /** Silero VAD segmentation parameters, with Silero's names and defaults (silero-vad utils_vad.py). */
 export const VadOptions = z.strictObject({

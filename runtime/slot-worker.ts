@@ -123,15 +123,17 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
   const mel = await create(spec.melspectrogram);
   const emb = await create(spec.embedding);
   const head = await create(spec.model);
+  // An openWakeWord head: one input [1, N, 96] (N embeddings), one output [1, classes].
   const headInput = head.inputNames[0];
-  const headMeta = head.inputMetadata.find((m) => m.name === headInput);
-  const shape = headMeta && headMeta.isTensor ? headMeta.shape : [];
-  const window = typeof shape[1] === 'number' ? shape[1] : 16;
-  if (shape[2] !== undefined && shape[2] !== OWW.EMBEDDING) {
-    throw new Error(`not an openWakeWord head: input ${headInput} has shape [${shape.join(', ')}]`);
-  }
+  const headMeta = head.inputMetadata[0];
+  const shape = headMeta?.isTensor ? headMeta.shape : [];
   const outMeta = head.outputMetadata[0];
-  const columns = outMeta.isTensor && typeof outMeta.shape[1] === 'number' ? outMeta.shape[1] : 1;
+  const outShape = outMeta?.isTensor ? outMeta.shape : [];
+  if (head.inputNames.length !== 1 || shape.length !== 3 || typeof shape[1] !== 'number' || shape[2] !== OWW.EMBEDDING || head.outputNames.length !== 1 || outShape.length !== 2) {
+    throw new Error(`not an openWakeWord head: inputs ${head.inputNames.join(', ')} [${shape.join(', ')}], outputs ${head.outputNames.length} [${outShape.join(', ')}]; expected one input [1, N, 96] and one output [1, classes]`);
+  }
+  const window = shape[1];
+  const columns = typeof outShape[1] === 'number' ? outShape[1] : 1;
   const labels = headLabels(head.outputNames[0], columns);
 
   const embed = async (frames: Float32Array): Promise<Float32Array> => {

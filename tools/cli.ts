@@ -31,7 +31,8 @@ function unreachable(url: string, e: unknown): never {
   if (code === 'ECONNREFUSED' || code === 'ENOTFOUND' || code === 'EHOSTUNREACH') {
     die(`no voxserve is running at ${url} (${code}); start one with: voxserve serve`);
   }
-  die(`cannot reach ${url}: ${(e as Error).message}`);
+  const cause = (e as { cause?: { message?: string } }).cause?.message;
+  die(`cannot reach ${url}: ${cause ?? (e as Error).message}`);
 }
 
 interface ServeOptions {
@@ -138,7 +139,7 @@ program
   .command('stream')
   .description('stream a WAV file to a running server over WebSocket and print events as they arrive')
   .argument('<model>', 'model id')
-  .argument('<file>', 'WAV file (16-bit PCM, any rate and channel count)')
+  .argument('<file>', 'WAV file (PCM or float, any rate and channel count; sent as s16le)')
   .option('--url <url>', 'server URL', DEFAULT_URL)
   .option('--realtime', 'send each 100 ms frame when its audio has elapsed')
   .option('--frame-ms <ms>', 'frame length, ms', int('--frame-ms'), 100)

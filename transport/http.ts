@@ -1,7 +1,7 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { Supervisor } from '../actors/supervisor.js';
 import { decodeWav, resample } from '../runtime/audio.js';
-import type { ModelConfig, ServerConfig } from '../runtime/config.js';
+import { MAX_TIMEOUT_MS, type ModelConfig, type ServerConfig } from '../runtime/config.js';
 import type { SlotPool } from '../runtime/slots.js';
 import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import type { Job, JobResult } from '../runtime/slot-protocol.js';
@@ -83,7 +83,9 @@ export function parseJsonObject(body: Buffer): Record<string, unknown> {
 function parseTimeout(v: unknown): number | undefined {
   if (v === undefined || v === null || v === '') return undefined;
   const n = typeof v === 'string' ? Number(v) : v;
-  if (typeof n !== 'number' || !Number.isInteger(n) || n < 0) throw invalid(`busy_timeout_ms: must be a non-negative integer, got ${JSON.stringify(v)}`);
+  if (typeof n !== 'number' || !Number.isInteger(n) || n < 0 || n > MAX_TIMEOUT_MS || (typeof v === 'string' && !/^\d+$/.test(v))) {
+    throw invalid(`busy_timeout_ms: must be an integer from 0 to ${MAX_TIMEOUT_MS}, got ${JSON.stringify(v)}`);
+  }
   return n;
 }
 

@@ -1,5 +1,6 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import { createServer, ServerResponse, type IncomingMessage, type Server } from 'node:http';
+import type { Socket } from 'node:net';
 import type { AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
 import { Supervisor } from '../actors/supervisor.js';
@@ -143,7 +144,12 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     }
     const one = /^\/v1\/models\/([^/]+)$/.exec(path);
     if (method === 'GET' && one) {
-      const id = decodeURIComponent(one[1]);
+      let id: string;
+      try {
+        id = decodeURIComponent(one[1]);
+      } catch {
+        throw invalid(`model id in the path is not valid percent-encoding: ${one[1].slice(0, 64)}`);
+      }
       const status = supervisor.status(id);
       if (!status) throw new VoxError('not_found', `model '${id}' does not exist`);
       return sendJson(res, 200, status);
@@ -188,18 +194,19 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       // How often node checks the headers deadline (its default, 30 s, would make it useless).
       connectionsCheckingInterval: headersTimeout ? Math.max(50, Math.min(1000, headersTimeout / 4)) : undefined,
     },
-    (req, res) => {
+    (req, res) => handle(req, res),
+  );
+  function handle(req: IncomingMessage, res: ServerResponse): void {
     if (!supervisor.accepting) res.setHeader('connection', 'close');
     const handled: Promise<void> = route(req, res)
       .catch((err) => {
         sendError(res, err);
         // A body we did not read (e.g. over the size limit) must not be parsed as the next request.
-        if (!req.complete) res.once('finish', () => req.socket.destroy());
+        if (!req.complete) res.once('finish', () => req.socket?.destroy());
       })
       .finally(() => inflight.delete(handled));
     inflight.add(handled);
-    },
-  );
+  }
   http.on('clientError', (err: NodeJS.ErrnoException, socket) => {
     // Garbage request lines, oversized headers, header timeouts: answer if the socket can still take it.
     if (!socket.writable) return socket.destroy();
@@ -216,13 +223,23 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   http.on('upgrade', (req, socket, head) => {
     socket.on('error', () => socket.destroy());
     const path = new URL(req.url ?? '/', 'http://localhost').pathname;
-    const refuse = (status: number, text: string): void => {
-      socket.end(`HTTP/1.1 ${status} ${text}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n`);
+    const refuse = (status: number, text: string, message = text): void => {
+      const body = JSON.stringify({ error: { type: status === 404 ? 'not_found' : status === 503 ? 'server_busy' : 'invalid_request_error', message } });
+      socket.end(`HTTP/1.1 ${status} ${text}\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
     };
-    if (path !== '/v1/stream') return refuse(404, 'Not Found');
-    if (!supervisor.accepting) return refuse(503, 'Service Unavailable');
+    if ((req.headers.upgrade ?? '').toLowerCase() !== 'websocket') {
+      // Another protocol (e.g. curl's h2c offer): answer a body-less request over HTTP/1.1 as usual.
+      if (req.method !== 'GET' && req.method !== 'HEAD') return refuse(400, 'Bad Request', `Upgrade: ${req.headers.upgrade} is not supported`);
+      const res = new ServerResponse(req);
+      res.assignSocket(socket as Socket);
+      res.shouldKeepAlive = false;
+      res.on('finish', () => socket.end());
+      return handle(req, res);
+    }
+    if (path.replace(/\/+$/, '') !== '/v1/stream') return refuse(404, 'Not Found', `no WebSocket route ${path}; streams are at /v1/stream`);
+    if (!supervisor.accepting) return refuse(503, 'Service Unavailable', 'the server is shutting down');
     if (socket.destroyed) return;
-    if (streams.size >= config.limits.max_ws_connections) return refuse(503, 'Service Unavailable');
+    if (streams.size >= config.limits.max_ws_connections) return refuse(503, 'Service Unavailable', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
     wss.handleUpgrade(req, socket, head, (ws) => {
       const protocol = (ws.protocol || SUBPROTOCOLS[0]) as Subprotocol;
       const conn = new StreamConnection(ws, protocol, supervisor, config, (c) => streams.delete(c));

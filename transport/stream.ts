@@ -4,7 +4,7 @@ import type { WebSocket } from 'ws';
 import type { Supervisor } from '../actors/supervisor.js';
 import type { Lease } from '../runtime/admission.js';
 import { checkFormat, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
-import type { ServerConfig } from '../runtime/config.js';
+import { MAX_TIMEOUT_MS, type ServerConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import type { LoadedModel } from '../runtime/loader.js';
@@ -26,7 +26,7 @@ interface StreamParams {
 function intParam(url: URL, name: string, dflt: number | undefined): number | undefined {
   const raw = url.searchParams.get(name);
   if (raw === null || raw === '') return dflt;
-  if (!/^\d+$/.test(raw)) throw invalid(`${name}: must be a non-negative integer, got '${raw}'`);
+  if (!/^\d{1,10}$/.test(raw) || Number(raw) > MAX_TIMEOUT_MS) throw invalid(`${name}: must be an integer from 0 to ${MAX_TIMEOUT_MS}, got '${raw.slice(0, 32)}'`);
   return Number(raw);
 }
 
@@ -49,6 +49,9 @@ export function parseStreamParams(url: URL): StreamParams {
 
 /** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */
 const MAX_JOB_WINDOWS = 64;
+
+/** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
+const MAX_EARLY_BYTES = 4 * 1024 * 1024;
 
 /** Unprocessed audio (16 kHz samples) above which a stream stops reading its socket: 10 s. */
 export const MAX_PENDING_SAMPLES = 160_000;
@@ -76,8 +79,10 @@ export class StreamConnection {
   private decoder: PcmStreamDecoder | null = null;
   private loaded: LoadedModel | null = null;
   private readonly early: { data: Buffer; binary: boolean }[] = [];
+  private earlyBytes = 0;
   private readonly gone = new AbortController();
   private pumping = false;
+  private repump = false;
   private paused = false;
   private readonly t0 = performance.now();
   private queueMs = 0;
@@ -112,7 +117,15 @@ export class StreamConnection {
     ws.on('pong', () => (this.alive = true));
     ws.on('message', (data: Buffer, binary: boolean) => {
       this.touchIdle();
-      if (this.state === 'open') this.early.push({ data, binary });
+      if (this.state === 'open') {
+        // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
+        this.early.push({ data, binary });
+        this.earlyBytes += data.length;
+        if (this.earlyBytes > MAX_EARLY_BYTES && !this.paused) {
+          this.paused = true;
+          ws.pause();
+        }
+      }
       else if (this.state === 'streaming') this.onMessage(data, binary);
     });
     this.touchIdle();
@@ -163,6 +176,11 @@ export class StreamConnection {
       this.state = 'streaming';
       this.send({ type: 'ready', session_id: this.id, model: entry.id, task: entry.config.task, sample_rate: 16_000 });
       for (const m of this.early.splice(0)) this.onMessage(m.data, m.binary);
+      this.earlyBytes = 0;
+      if (this.paused && this.session.pendingSamples <= MAX_PENDING_SAMPLES) {
+        this.paused = false;
+        this.ws.resume();
+      }
     } catch (e) {
       if (this.closed) return;
       const err = toVoxError(e);
@@ -248,21 +266,31 @@ export class StreamConnection {
     void this.pump();
   }
 
-  /** Runs every ready job, one at a time, in order; after `end`, sends `done` and closes. */
+  /**
+   * Runs every ready job, one at a time, in order; after `end`, sends `done` and closes. A call
+   * made while it runs (more audio, or `end`, possibly in the same tick as the last job was
+   * taken) makes it look for work once more before it stops.
+   */
   private async pump(): Promise<void> {
-    if (this.pumping) return;
+    if (this.pumping) {
+      this.repump = true;
+      return;
+    }
     this.pumping = true;
     try {
       const { pool, batcher } = this.loaded!;
       // A VAD stream's ready windows go through the batcher, which runs them with other streams'.
       const run = batcher ? (job: Job) => batcher.run(job as VadJob, this.gone.signal) : (job: Job) => pool.run(job, this.gone.signal);
-      await drain(this.session!, run, this.emit, MAX_JOB_WINDOWS, () => {
-        this.recordLag();
-        if (this.paused && this.session!.pendingSamples < MAX_PENDING_SAMPLES / 2) {
-          this.paused = false;
-          this.ws.resume();
-        }
-      });
+      do {
+        this.repump = false;
+        await drain(this.session!, run, this.emit, MAX_JOB_WINDOWS, () => {
+          this.recordLag();
+          if (this.paused && this.session!.pendingSamples < MAX_PENDING_SAMPLES / 2) {
+            this.paused = false;
+            this.ws.resume();
+          }
+        });
+      } while (this.repump);
     } catch (e) {
       if (!this.gone.signal.aborted) this.fail(toVoxError(e), CLOSE.INTERNAL);
       return;
