@@ -321,16 +321,17 @@ export class ModelEntry {
    * kept. The new config is validated before any lease is taken; then, under the exclusive lease,
    * an identical config on a loaded model does nothing, a different one unloads the old pool,
    * commits the whole new config and loads it.
+   * @param signal aborts the wait for the lease (the client went away).
    * @returns whether the config changed (`reconfigured`).
    * @throws VoxError `invalid_request_error` (invalid config, nothing touched), `server_busy`
    *   (no exclusive lease within `timeoutMs`), `server_error` (the load failed; the new config
    *   stays committed, unloaded, retryable).
    */
-  async configure(fields: Record<string, unknown>, timeoutMs: number): Promise<{ reconfigured: boolean }> {
+  async configure(fields: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ reconfigured: boolean }> {
     const committed = this.config;
     const next = validateModelConfig({ ...committed, ...fields, id: this.id });
     const changed = stable(next) !== stable(committed);
-    const lease = await this.admission.acquire({ exclusive: true, timeoutMs });
+    const lease = await this.admission.acquire({ exclusive: true, timeoutMs, signal });
     try {
       if (changed) {
         this.actor.send({ type: 'RECONFIGURE', config: next });
@@ -346,10 +347,11 @@ export class ModelEntry {
 
   /**
    * Unloads under the exclusive lease (waits for running requests). Idempotent.
+   * @param signal aborts the wait for the lease (the client went away).
    * @throws VoxError `server_busy` if the lease is not granted within `timeoutMs`.
    */
-  async unload(timeoutMs: number): Promise<void> {
-    await this.unloadUnder(this.admission.acquire({ exclusive: true, timeoutMs }));
+  async unload(timeoutMs: number, signal?: AbortSignal): Promise<void> {
+    await this.unloadUnder(this.admission.acquire({ exclusive: true, timeoutMs, signal }));
   }
 
   /**

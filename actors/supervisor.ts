@@ -307,11 +307,11 @@ export class Supervisor {
    * reconfigures / loads an existing one.
    * @throws VoxError `invalid_request_error`, `server_busy`, `server_error` (load failed).
    */
-  async load(body: Record<string, unknown>, timeoutMs: number): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+  async load(body: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
     const id = typeof body.id === 'string' ? body.id : undefined;
     const existing = id !== undefined ? this.get(id) : undefined;
     if (existing) {
-      const { reconfigured } = await existing.configure(body, timeoutMs);
+      const { reconfigured } = await existing.configure(body, timeoutMs, signal);
       return { id: existing.id, loaded: true, reconfigured };
     }
     const config = validateModelConfig(body);

@@ -158,15 +158,18 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       managementAllowed(config, req);
       if (!supervisor.accepting) throw shuttingDown();
       const body = parseJsonObject(await readBody(req, 1024 * 1024, config.limits.idle_ms));
+      // A manager whose client goes away leaves the model's queue.
+      const gone = new AbortController();
+      res.on('close', () => res.writableFinished || gone.abort());
       if (path === '/v1/models/load') {
         for (const f of PATH_FIELDS) if (typeof body[f] === 'string') body[f] = await confinePath(config.models_root, body[f] as string, f);
-        return sendJson(res, 200, await supervisor.load(body, timeout));
+        return sendJson(res, 200, await supervisor.load(body, timeout, gone.signal));
       }
       if (path === '/v1/models/unload') {
         if (typeof body.id !== 'string' || !body.id) throw invalid('id: required, a model id string');
         if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force: must be a boolean');
         const entry = supervisor.require(body.id);
-        await (body.force ? entry.forceUnload() : entry.unload(timeout));
+        await (body.force ? entry.forceUnload() : entry.unload(timeout, gone.signal));
         return sendJson(res, 200, { id: body.id, loaded: false });
       }
       if (path === '/v1/models/unload_many') {

@@ -168,6 +168,20 @@ describe('lifecycle contract on the real server', () => {
     expect(models.every((m: { loaded: boolean; resident_bytes: number }) => !m.loaded && m.resident_bytes === 0)).toBe(true);
   });
 
+  it('a manager whose client goes away leaves the queue', async () => {
+    await post('/v1/models/load', { id: 'vad-g', task: 'vad', path: silero });
+    const pending = run('vad-g', long);
+    await until(async () => (await status('vad-g')).active_leases === 1);
+    const ac = new AbortController();
+    const unload = post('/v1/models/unload', { id: 'vad-g' }, ac.signal).catch((e) => e);
+    await until(async () => (await status('vad-g')).queued_requests === 1);
+    ac.abort();
+    expect((await unload).name).toBe('AbortError');
+    await until(async () => (await status('vad-g')).queued_requests === 0);
+    expect((await pending).status).toBe(200);
+    expect((await status('vad-g')).state).toBe('ready');
+  });
+
   it('status answers while a model is busy with a long inference', async () => {
     await post('/v1/models/load', { id: 'vad-s', task: 'vad', path: silero });
     const pending = run('vad-s', long);
