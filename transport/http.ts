@@ -1,4 +1,5 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
+import type { ModelEntry } from '../actors/model.js';
 import type { Supervisor } from '../actors/supervisor.js';
 import { decodeWav, resample } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, type ModelConfig, type ServerConfig } from '../runtime/config.js';
@@ -158,13 +159,46 @@ async function runTask(
   const run = parseRunRequest(req, url, body);
   const entry = supervisor.require(run.model);
   m.model = entry.id;
+  const admitted = await admitResponse(supervisor, entry, res, run.busyTimeoutMs, t0, m);
+  if (!admitted) return;
+  const { signal: gone, revoked } = admitted;
+  let result;
+  try {
+    const { pool } = await entry.ensureReady(gone);
+    result = await processFile(entry.config, pool, run.wav, run.options, gone, m);
+  } catch (e) {
+    throw revoked() ?? e;
+  }
+  const wallMs = performance.now() - t0;
+  sendJson(res, 200, {
+    model: entry.id,
+    ...result.body,
+    timing: { wall_ms: round(wallMs), queue_ms: round(m.queueMs), audio_duration_ms: round(result.audioMs), rtf: Math.round((wallMs / result.audioMs) * 10_000) / 10_000 },
+  });
+}
+
+/**
+ * Admits an HTTP request to `entry` (FIFO, busy timeout) and ties the lease to the response:
+ * it is released when the response has closed. The returned signal aborts when the client goes
+ * away or the lease is revoked (forced unload, shutdown); `revoked()` then gives the reason.
+ * @returns null when the client went away before the lease was granted.
+ * @throws what {@link ModelEntry.admit} throws.
+ */
+async function admitResponse(
+  supervisor: Supervisor,
+  entry: ModelEntry,
+  res: ServerResponse,
+  requestTimeoutMs: number | undefined,
+  t0: number,
+  m: RequestFigures,
+): Promise<{ signal: AbortSignal; revoked: () => Error | null } | null> {
   const gone = new AbortController();
   let revoked: Error | null = null;
   res.on('close', () => {
     if (!res.writableFinished) gone.abort();
   });
   const lease = await entry.admit({
-    requestTimeoutMs: run.busyTimeoutMs,
+    requestTimeoutMs,
     signal: gone.signal,
     onRevoke: (reason) => {
       revoked = reason;
@@ -177,22 +211,12 @@ async function runTask(
     entry.touch();
     lease.release();
   };
-  if (res.closed) return done();
-  res.on('close', done);
-  let result;
-  try {
-    const { pool } = await entry.ensureReady(gone.signal);
-    result = await processFile(entry.config, pool, run.wav, run.options, gone.signal, m);
-  } catch (e) {
-    if (revoked) throw revoked;
-    throw e;
+  if (res.closed) {
+    done();
+    return null;
   }
-  const wallMs = performance.now() - t0;
-  sendJson(res, 200, {
-    model: entry.id,
-    ...result.body,
-    timing: { wall_ms: round(wallMs), queue_ms: round(m.queueMs), audio_duration_ms: round(result.audioMs), rtf: Math.round((wallMs / result.audioMs) * 10_000) / 10_000 },
-  });
+  res.on('close', done);
+  return { signal: gone.signal, revoked: () => revoked };
 }
 
 /**
@@ -245,29 +269,11 @@ async function runBatch(supervisor: Supervisor, config: ServerConfig, req: Incom
   if (bad >= 0) throw invalid(`files.${bad}: not a base64 string`);
   const entry = supervisor.require(json.model);
   m.model = entry.id;
-  const gone = new AbortController();
-  let revoked: Error | null = null;
-  res.on('close', () => {
-    if (!res.writableFinished) gone.abort();
-  });
-  const lease = await entry.admit({
-    requestTimeoutMs: parseTimeout(json.busy_timeout_ms),
-    signal: gone.signal,
-    onRevoke: (reason) => {
-      revoked = reason;
-      gone.abort();
-    },
-  });
-  m.queueMs = performance.now() - t0;
-  supervisor.metrics.queueWait.observe({ model: entry.id }, m.queueMs / 1000);
-  const done = (): void => {
-    entry.touch();
-    lease.release();
-  };
-  if (res.closed) return done();
-  res.on('close', done);
-  const { pool } = await entry.ensureReady(gone.signal).catch((e) => {
-    throw revoked ?? e;
+  const admitted = await admitResponse(supervisor, entry, res, parseTimeout(json.busy_timeout_ms), t0, m);
+  if (!admitted) return;
+  const { signal: gone, revoked } = admitted;
+  const { pool } = await entry.ensureReady(gone).catch((e) => {
+    throw revoked() ?? e;
   });
   res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-store' });
   const event = (name: string, data: unknown): void => void res.write(`event: ${name}\ndata: ${JSON.stringify(data)}\n\n`);
@@ -276,16 +282,17 @@ async function runBatch(supervisor: Supervisor, config: ServerConfig, req: Incom
     (files as string[]).map(async (b64, index) => {
       const f0 = performance.now();
       try {
-        const r = await processFile(entry.config, pool, Buffer.from(b64, 'base64'), json.options, gone.signal, m);
+        const r = await processFile(entry.config, pool, Buffer.from(b64, 'base64'), json.options, gone, m);
         const wallMs = performance.now() - f0;
         event('result', { index, model: entry.id, ...r.body, timing: { wall_ms: round(wallMs), audio_duration_ms: round(r.audioMs), rtf: Math.round((wallMs / r.audioMs) * 10_000) / 10_000 } });
       } catch (e) {
         failed++;
-        if (!gone.signal.aborted) event('error', { index, ...errorBody(toVoxError(e)) });
+        if (!gone.aborted) event('error', { index, ...errorBody(toVoxError(e)) });
       }
     }),
   );
-  if (gone.signal.aborted) return void res.end(revoked ? `event: error\ndata: ${JSON.stringify(errorBody(toVoxError(revoked)))}\n\n` : undefined);
+  const why = revoked();
+  if (gone.aborted) return void res.end(why ? `event: error\ndata: ${JSON.stringify(errorBody(toVoxError(why)))}\n\n` : undefined);
   event('done', { files: files.length, failed, wall_ms: round(performance.now() - t0), queue_ms: round(m.queueMs), inference_ms: round(m.inferenceMs) });
   res.end();
 }
