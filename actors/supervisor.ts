@@ -56,6 +56,7 @@ export class Supervisor {
 
   readonly metrics: Metrics;
   readonly log: Logger;
+  private readonly inspect?: (e: InspectionEvent) => void;
 
   constructor(
     readonly config: ServerConfig,
@@ -72,8 +73,6 @@ export class Supervisor {
     this.actor.subscribe({ error: () => {} });
     this.actor.start();
   }
-
-  private readonly inspect?: (e: InspectionEvent) => void;
 
   /** Loads the config's non-lazy models, then accepts work. Load failures are kept in `last_error`. */
   async start(): Promise<void> {

@@ -13,7 +13,7 @@ import { Admission } from '../../runtime/admission.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, LoadSpec } from '../../runtime/slot-protocol.js';
+import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protocol.js';
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 
 const RUNS = Number(process.env.FC_RUNS ?? 1000);
@@ -141,7 +141,7 @@ function fakeLoader(w: World): ModelLoader {
   };
 }
 
-const job = (): Job => ({ kind: 'vad', windows: new Float32Array(512), state: new Float32Array(256), context: new Float32Array(64) });
+const job = (): VadJob => ({ kind: 'vad', windows: new Float32Array(512), state: new Float32Array(256), context: new Float32Array(64) });
 
 type Real = { w: World; sup: Supervisor };
 type Cmd = fc.AsyncCommand<object, Real, false>;
