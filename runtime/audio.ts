@@ -203,8 +203,10 @@ export class PcmStreamDecoder {
     this.remainder = Buffer.from(buf.subarray(frames * this.frameBytes));
     const n = frames * this.channels;
     const interleaved = new Float32Array(n);
-    // Aligned little-endian views (this machine and every Node target is little-endian).
-    const aligned = buf.byteOffset % 4 === 0 ? buf : Buffer.from(buf);
+    // Aligned little-endian views (this machine and every Node target is little-endian); a
+    // frame that starts at an odd offset inside ws's receive buffer is copied once.
+    const bytes = this.encoding === 's16le' ? 2 : 4;
+    const aligned = buf.byteOffset % bytes === 0 ? buf : Buffer.from(buf);
     if (this.encoding === 's16le') {
       const s16 = new Int16Array(aligned.buffer, aligned.byteOffset, n);
       for (let i = 0; i < n; i++) interleaved[i] = s16[i] / 32768;
