@@ -331,15 +331,17 @@ export class Supervisor {
    * synchronous step (so two bulk unloads never wait on each other in a cycle), then waits;
    * idle models are freed at once, busy ones once their running requests finish.
    * @param timeoutMs how long each barrier may wait (0 = unbounded).
+   * @param signal aborting it takes the barriers not yet granted out of their queues.
    * @returns ids unloaded (including known models that were never loaded) and ids unknown, each once.
    * @throws VoxError `server_busy` naming the models whose barrier timed out (the others are unloaded).
    */
-  async unloadMany(ids: string[], timeoutMs: number): Promise<{ unloaded: string[]; not_found: string[] }> {
+  async unloadMany(ids: string[], timeoutMs: number, signal?: AbortSignal): Promise<{ unloaded: string[]; not_found: string[] }> {
     const unique = [...new Set(ids)];
     const not_found = unique.filter((id) => !this.entries.has(id) && !this.catalog.has(id));
     const entries = unique.filter((id) => this.entries.has(id)).map((id) => this.entries.get(id)!);
-    const barriers = entries.map((e) => e.unloadUnder(e.admission.acquire({ exclusive: true, timeoutMs })));
+    const barriers = entries.map((e) => e.unloadUnder(e.admission.acquire({ exclusive: true, timeoutMs, signal })));
     const results = await Promise.allSettled(barriers);
+    signal?.throwIfAborted();
     const busy = entries.filter((_, i) => results[i].status === 'rejected').map((e) => e.id);
     const unloaded = unique.filter((id) => !not_found.includes(id) && !busy.includes(id));
     if (busy.length) {

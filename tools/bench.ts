@@ -234,7 +234,7 @@ export async function bench(o: BenchOptions): Promise<void> {
         `${f(1 / serverPer, 0)} vs ${f(1 / perClient, 0)} (${f(perClient / serverPer, 1)}x)`,
       ].join(' | '),
     );
-    process.stderr.write(`${rows.at(-1)}\n`);
+    process.stderr.write(`progress: ${rows.at(-1)}\n`);
   }
   process.stdout.write(`${rows.join('\n')}\n`);
 }

@@ -118,13 +118,19 @@ export async function writeSyntheticModel(path: string, sizeMiB: number, runMs: 
 }
 
 if (import.meta.url === `file://${process.argv[1]}`) {
-  const { values } = parseArgs({ options: { out: { type: 'string' }, 'size-mib': { type: 'string', default: '1' }, 'run-ms': { type: 'string', default: '0' } } });
-  const size = Number(values['size-mib']);
-  const runMs = Number(values['run-ms']);
-  if (!values.out || !(size >= 0) || !(runMs >= 0)) {
+  const usage = (): never => {
     process.stderr.write('usage: synth-model --out FILE [--size-mib MIB] [--run-ms MS]\n');
     process.exit(2);
+  };
+  let values: { out?: string; 'size-mib'?: string; 'run-ms'?: string };
+  try {
+    values = parseArgs({ options: { out: { type: 'string' }, 'size-mib': { type: 'string', default: '1' }, 'run-ms': { type: 'string', default: '0' } } }).values;
+  } catch {
+    usage();
   }
-  const k = await writeSyntheticModel(values.out, size, runMs);
-  process.stdout.write(`wrote ${values.out}: ${size} MiB of weights, ${k} MatMuls per run (~${runMs} ms)\n`);
+  const size = Number(values!['size-mib']);
+  const runMs = Number(values!['run-ms']);
+  if (!values!.out || !(size >= 0) || !(runMs >= 0)) usage();
+  const k = await writeSyntheticModel(values!.out!, size, runMs);
+  process.stdout.write(`wrote ${values!.out}: ${size} MiB of weights, ${k} MatMuls per run (~${runMs} ms)\n`);
 }

@@ -69,8 +69,9 @@ export function readBody(req: IncomingMessage, limit: number, idleMs: number): P
   });
 }
 
-/** Parses a JSON object body. @throws VoxError `invalid_request_error`. */
+/** Parses a JSON object body; an empty body is `{}`. @throws VoxError `invalid_request_error`. */
 export function parseJsonObject(body: Buffer): Record<string, unknown> {
+  if (body.length === 0) return {};
   let v: unknown;
   try {
     v = JSON.parse(body.toString('utf8'));
@@ -284,7 +285,8 @@ async function runBatch(supervisor: Supervisor, config: ServerConfig, req: Incom
       try {
         const r = await processFile(entry.config, pool, Buffer.from(b64, 'base64'), json.options, gone, m);
         const wallMs = performance.now() - f0;
-        event('result', { index, model: entry.id, ...r.body, timing: { wall_ms: round(wallMs), audio_duration_ms: round(r.audioMs), rtf: Math.round((wallMs / r.audioMs) * 10_000) / 10_000 } });
+        const timing = { wall_ms: round(wallMs), queue_ms: round(m.queueMs), audio_duration_ms: round(r.audioMs), rtf: Math.round((wallMs / r.audioMs) * 10_000) / 10_000 };
+        event('result', { index, model: entry.id, ...r.body, timing });
       } catch (e) {
         failed++;
         if (!gone.aborted) event('error', { index, ...errorBody(toVoxError(e)) });

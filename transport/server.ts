@@ -174,9 +174,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       }
       if (path === '/v1/models/unload_many') {
         if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids: required, an array of model id strings');
-        return sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout));
+        return sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout, gone.signal));
       }
-      const { unloaded } = await supervisor.unloadMany(supervisor.registeredIds, timeout);
+      const { unloaded } = await supervisor.unloadMany(supervisor.registeredIds, timeout, gone.signal);
       return sendJson(res, 200, { unloaded });
     }
     if (method === 'POST' && (path === '/v1/tasks/run' || path === '/v1/tasks/batch')) {

@@ -178,8 +178,21 @@ describe('lifecycle contract on the real server', () => {
     ac.abort();
     expect((await unload).name).toBe('AbortError');
     await until(async () => (await status('vad-g')).queued_requests === 0);
+    // The same for a bulk unload.
+    const bulk = new AbortController();
+    const many = post('/v1/models/unload_many', { ids: ['vad-g'] }, bulk.signal).catch((e) => e);
+    await until(async () => (await status('vad-g')).queued_requests === 1);
+    bulk.abort();
+    expect((await many).name).toBe('AbortError');
+    await until(async () => (await status('vad-g')).queued_requests === 0);
     expect((await pending).status).toBe(200);
     expect((await status('vad-g')).state).toBe('ready');
+  });
+
+  it('unload_all takes an empty body', async () => {
+    const res = await fetch(`${server.url}/v1/models/unload_all`, { method: 'POST' });
+    expect(res.status).toBe(200);
+    expect((await res.json()).unloaded).toEqual(expect.any(Array));
   });
 
   it('status answers while a model is busy with a long inference', async () => {
