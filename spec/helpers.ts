@@ -41,3 +41,12 @@ export function loopWav(name: string, seconds: number): Buffer {
   w.fromScratch(1, 16000, '16', out);
   return Buffer.from(w.toBuffer());
 }
+
+/** Polls `pred` every 5 ms until it holds; throws after `ms`. */
+export async function until(pred: () => boolean | Promise<boolean>, ms = 5000): Promise<void> {
+  const end = Date.now() + ms;
+  while (!(await pred())) {
+    if (Date.now() > end) throw new Error('condition not reached');
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}

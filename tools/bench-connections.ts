@@ -7,25 +7,21 @@
  *
  *   npm run build && node dist/tools/bench-connections.js [--connections 1000]
  */
-import { spawn } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/catalog.js';
+import { spawnServer } from './spawn-server.js';
 
 const { values } = parseArgs({ options: { connections: { type: 'string', default: '1000' } } });
 const N = Number(values.connections);
-const cli = fileURLToPath(new URL('./cli.js', import.meta.url));
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-conn-'));
 const config = join(dir, 'config.json');
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
 writeFileSync(config, JSON.stringify({ port: 0, limits: { max_ws_connections: N + 10, idle_ms: 0 }, models: [{ ...silero, max_streams: N + 10, lazy: false }] }));
-const child = spawn(process.execPath, [cli, 'serve', '--config', config], { stdio: ['ignore', 'ignore', 'pipe'] });
-const url = await new Promise<string>((resolve) => child.stderr!.on('data', (d: Buffer) => /listening on (\S+)/.exec(d.toString())?.[1] && resolve(/listening on (\S+)/.exec(d.toString())![1])));
-while ((await fetch(`${url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 20));
+const { child, url } = await spawnServer(['--config', config]);
 const rss = (): number => Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${child.pid}/status`, 'utf8'))![1]) * 1024;
 const settle = (): Promise<void> => new Promise((r) => setTimeout(r, 1000));
 const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=silero-vad`;

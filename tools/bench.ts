@@ -11,7 +11,7 @@
  * speech ends, i.e. at end_ms - speech_pad_ms + min_silence_duration_ms (+ one 32 ms window);
  * the lag is its arrival minus the moment that audio position was due on the wire.
  */
-import { spawn, type ChildProcess } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -19,6 +19,7 @@ import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/catalog.js';
+import { spawnServer } from './spawn-server.js';
 
 export interface BenchOptions {
   /** Stream counts to run, e.g. [100, 500, 1000]. */
@@ -67,16 +68,7 @@ async function startChild(n: number, o: BenchOptions): Promise<{ child: ChildPro
       models: [{ ...silero, slots: o.slots, max_streams: n + 16, max_batch_size: 256, max_batch_delay_ms: o.batchDelayMs, lazy: false }],
     }),
   );
-  const child = spawn(process.execPath, [join(root, 'dist/tools/cli.js'), 'serve', '--config', config], { stdio: ['ignore', 'ignore', 'pipe'] });
-  const url = await new Promise<string>((resolve, reject) => {
-    child.stderr!.on('data', (d: Buffer) => {
-      const m = /listening on (\S+)/.exec(d.toString());
-      if (m) resolve(m[1]);
-    });
-    child.on('exit', (c) => reject(new Error(`server exited ${c}`)));
-  });
-  while ((await fetch(`${url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 20));
-  return { child, url };
+  return spawnServer(['--config', config]);
 }
 
 async function metricSum(url: string, name: string): Promise<number> {

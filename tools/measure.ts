@@ -4,10 +4,10 @@
  * model load; warm: loaded), and the server's resident memory (VmRSS) with every default model
  * loaded. Run: `npm run build && node dist/tools/measure.js`.
  */
-import { spawn } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
+import { spawnServer } from './spawn-server.js';
 
 const require = createRequire(import.meta.url);
 const { WaveFile } = require('wavefile') as typeof import('wavefile');
@@ -25,15 +25,7 @@ function sixtySeconds(): Buffer {
 }
 
 const t0 = performance.now();
-const child = spawn(process.execPath, [`${root}/dist/tools/cli.js`, 'serve', '--port', '0'], { stdio: ['ignore', 'ignore', 'pipe'] });
-const url = await new Promise<string>((resolve, reject) => {
-  child.stderr!.on('data', (d: Buffer) => {
-    const m = /listening on (\S+)/.exec(d.toString());
-    if (m) resolve(m[1]);
-  });
-  child.on('exit', (c) => reject(new Error(`server exited ${c}`)));
-});
-while ((await fetch(`${url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 5));
+const { child, url } = await spawnServer(['--port', '0']);
 const readyMs = performance.now() - t0;
 
 const wav = sixtySeconds();

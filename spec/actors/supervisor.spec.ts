@@ -8,7 +8,7 @@ import { ServerConfig } from '../../runtime/config.js';
 import { mib } from '../../runtime/memory.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { calibrate, syntheticModel } from '../../tools/synth-model.js';
-import { toneWav } from '../helpers.js';
+import { toneWav, until } from '../helpers.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-sup-'));
 let msPerMatmul = 1;
@@ -47,13 +47,6 @@ const loaded = async (s: VoxServer) =>
 /** Fails the test instead of hanging. */
 const within = <T>(ms: number, p: Promise<T>): Promise<T> =>
   Promise.race([p, new Promise<T>((_, reject) => setTimeout(() => reject(new Error(`hung for ${ms} ms`)), ms))]);
-const until = async (pred: () => Promise<boolean>, ms = 5000): Promise<void> => {
-  const end = Date.now() + ms;
-  while (!(await pred())) {
-    if (Date.now() > end) throw new Error('condition not reached');
-    await new Promise((r) => setTimeout(r, 5));
-  }
-};
 
 describe('supervisor on the real server', () => {
   it('(1) limit 1: a cold load during a steady stream of requests for the victim -> loads after it drains or 503; nothing hangs', async () => {

@@ -1,15 +1,13 @@
 /** Shutdown of `voxserve serve` on SIGTERM, in phases (C15), with live streams and queued requests. */
-import { spawn } from 'node:child_process';
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../../runtime/catalog.js';
+import { spawnServer } from '../../tools/spawn-server.js';
 import { fixture } from '../helpers.js';
 
-const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
 const DRAIN_MS = 4000;
 
@@ -26,16 +24,8 @@ describe('SIGTERM', () => {
         models: [{ id: 'vad20', task: 'vad', path: silero, max_streams: 20, lazy: false }],
       }),
     );
-    const child = spawn(process.execPath, [cli, 'serve', '--config', config], { stdio: ['ignore', 'ignore', 'pipe'] });
+    const { child, url } = await spawnServer(['--config', config]);
     const exited = new Promise<{ code: number | null; at: number }>((r) => child.on('exit', (code) => r({ code, at: performance.now() })));
-    const url = await new Promise<string>((resolve, reject) => {
-      child.stderr!.on('data', (d: Buffer) => {
-        const m = /listening on (\S+)/.exec(d.toString());
-        if (m) resolve(m[1]);
-      });
-      child.on('exit', () => reject(new Error('server exited early')));
-    });
-    while ((await fetch(`${url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 20));
     const status = async () => (await fetch(`${url}/v1/models/vad20`)).json();
 
     // 20 streams hold every lease; each has sent speech and not yet `end`.

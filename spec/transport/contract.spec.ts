@@ -6,7 +6,7 @@ import { ServerConfig } from '../../runtime/config.js';
 import { createLoader, WeightBundles, type ModelLoader } from '../../runtime/loader.js';
 import { startWorkerSlot, WorkerSlot, type SlotFactory } from '../../runtime/slots.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, loopWav } from '../helpers.js';
+import { fixture, loopWav, until } from '../helpers.js';
 
 let server: VoxServer;
 const loads: string[] = [];
@@ -58,13 +58,6 @@ const run = async (model: string, wav: Buffer, signal?: AbortSignal) => {
   return { status: res.status, body: await res.json() };
 };
 const status = async (id: string) => (await fetch(`${server.url}/v1/models/${id}`)).json();
-const until = async (pred: () => Promise<boolean>, ms = 5000): Promise<void> => {
-  const end = Date.now() + ms;
-  while (!(await pred())) {
-    if (Date.now() > end) throw new Error('condition not reached');
-    await new Promise((r) => setTimeout(r, 5));
-  }
-};
 
 describe('lifecycle contract on the real server', () => {
   it('concurrent identical loads -> one load', async () => {

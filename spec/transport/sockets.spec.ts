@@ -8,7 +8,7 @@ import WebSocket from 'ws';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture } from '../helpers.js';
+import { fixture, until } from '../helpers.js';
 
 let server: VoxServer;
 const root = mkdtempSync(join(tmpdir(), 'voxserve-root-'));
@@ -32,13 +32,6 @@ afterAll(async () => {
 });
 
 const leases = (): number => server.supervisor.statuses().reduce((n, m) => n + m.active_leases + m.queued_requests, 0);
-const until = async (pred: () => boolean | Promise<boolean>, ms = 5000): Promise<void> => {
-  const end = Date.now() + ms;
-  while (!(await pred())) {
-    if (Date.now() > end) throw new Error('condition not reached');
-    await new Promise((r) => setTimeout(r, 10));
-  }
-};
 /** A healthy client: one real request, its status and latency (ms). */
 const healthy = async (): Promise<{ status: number; ms: number }> => {
   const t = performance.now();

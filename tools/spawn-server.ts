@@ -1,0 +1,27 @@
+import { spawn, type ChildProcess } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { fileURLToPath } from 'node:url';
+
+/**
+ * Starts `voxserve serve` (the compiled CLI) as a child process with `args` (use `--port 0` or a
+ * config with `port: 0`), and resolves once it listens and `/ready` answers 200. For the
+ * benchmarks and shutdown tests, which measure or signal a separate server process.
+ * @throws Error if the server exits first.
+ */
+export async function spawnServer(args: string[]): Promise<{ child: ChildProcess; url: string }> {
+  // The compiled CLI: beside this file in dist/, or in dist/ when this runs from the sources (vitest).
+  const sibling = fileURLToPath(new URL('./cli.js', import.meta.url));
+  const cli = existsSync(sibling) ? sibling : fileURLToPath(new URL('../dist/tools/cli.js', import.meta.url));
+  const child = spawn(process.execPath, [cli, 'serve', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
+  const url = await new Promise<string>((resolve, reject) => {
+    let err = '';
+    child.stderr!.on('data', (d: Buffer) => {
+      err += d.toString();
+      const m = /listening on (\S+)/.exec(err);
+      if (m) resolve(m[1]);
+    });
+    child.on('exit', (code) => reject(new Error(`voxserve serve exited with ${code}: ${err.trim()}`)));
+  });
+  while ((await fetch(`${url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 20));
+  return { child, url };
+}
