@@ -93,7 +93,6 @@ export class StreamConnection {
   private sendTimer: NodeJS.Timeout | null = null;
   private unflushed = 0;
   private alive = true;
-  private model: string | undefined;
   private entry: ModelEntry | undefined;
   /** Per received frame: samples received after it (16 kHz) and when it arrived (performance.now()). */
   private readonly arrivals: { end: number; at: number }[] = [];
@@ -125,8 +124,9 @@ export class StreamConnection {
           this.paused = true;
           ws.pause();
         }
+      } else if (this.state === 'streaming') {
+        this.onMessage(data, binary);
       }
-      else if (this.state === 'streaming') this.onMessage(data, binary);
     });
     this.touchIdle();
     if (limits.total_ms > 0) {
@@ -159,7 +159,6 @@ export class StreamConnection {
     try {
       params = parseStreamParams(new URL(req.url ?? '/', 'http://x'));
       const entry = this.supervisor.require(params.model);
-      this.model = entry.id;
       this.entry = entry;
       this.lease = await entry.admit({
         requestTimeoutMs: params.busyTimeoutMs,
@@ -363,9 +362,9 @@ export class StreamConnection {
     if (this.closed) return;
     const outcome = code === CLOSE.NORMAL || code === CLOSE.GOING_AWAY ? 'ok' : `close_${code}`;
     this.supervisor.metrics.wsClosed.inc({ code: String(code) });
-    if (this.model) this.supervisor.metrics.requests.inc({ model: this.model, outcome });
+    if (this.entry) this.supervisor.metrics.requests.inc({ model: this.entry.id, outcome });
     this.supervisor.log.info(
-      { route: 'stream', session_id: this.id, model: this.model, state: this.state, code, reason: this.cutReason ?? undefined, processed_ms: Math.round((this.session?.receivedSamples ?? 0) / 16), duration_ms: Math.round(performance.now() - this.t0) },
+      { route: 'stream', session_id: this.id, model: this.entry?.id, state: this.state, code, reason: this.cutReason ?? undefined, processed_ms: Math.round((this.session?.receivedSamples ?? 0) / 16), duration_ms: Math.round(performance.now() - this.t0) },
       'stream closed',
     );
     this.state = 'closed';
