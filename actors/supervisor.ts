@@ -284,7 +284,7 @@ export class Supervisor {
    */
   require(id: string): ModelEntry {
     const e = this.get(id);
-    if (!e) throw new VoxError('not_found', `model '${id}' does not exist; GET /v1/models lists the models`);
+    if (!e) throw new VoxError('not_found', `model '${id.length > 128 ? `${id.slice(0, 128)}...` : id}' does not exist; GET /v1/models lists the models`);
     return e;
   }
 

@@ -91,6 +91,8 @@ function parseTimeout(v: unknown): number | undefined {
   return n;
 }
 
+const RUN_FIELDS = ['model', 'audio', 'busy_timeout_ms', 'options'];
+
 interface RunRequest {
   model: string;
   wav: Buffer;
@@ -102,6 +104,8 @@ function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer): RunReque
   const type = (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
   if (type === 'application/json') {
     const json = parseJsonObject(body);
+    const unknown = Object.keys(json).filter((k) => !RUN_FIELDS.includes(k));
+    if (unknown.length) throw invalid(`${unknown[0]}: unknown field; expected ${RUN_FIELDS.join(', ')}`);
     if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
     if (typeof json.audio !== 'string' || !json.audio) throw invalid('audio: required, a base64-encoded WAV file');
     if (!/^[A-Za-z0-9+/]*={0,2}$/.test(json.audio.replace(/\s/g, ''))) throw invalid('audio: not valid base64');

@@ -80,8 +80,9 @@ function managementAllowed(config: ServerConfig, req: IncomingMessage, page = fa
   }
   const token = config.management.token;
   if (page) return;
-  // Compared as fixed-length digests in constant time.
-  if (token && !timingSafeEqual(digest(req.headers.authorization ?? ''), digest(`Bearer ${token}`))) {
+  // The scheme is case-insensitive (RFC 7235); the token is compared as a fixed-length digest in constant time.
+  const given = /^bearer\s+(.*)$/i.exec(req.headers.authorization ?? '')?.[1] ?? '';
+  if (token && !timingSafeEqual(digest(given), digest(token))) {
     throw new VoxError('forbidden', 'management routes need Authorization: Bearer <token>');
   }
 }

@@ -105,6 +105,15 @@ describe('regressions', () => {
     expect(() => ServerConfig.parse({ busy_timeout_ms: 3_000_000_000 })).toThrow();
   });
 
+  it('a huge unknown model id is not echoed back in full; an unknown JSON field is named', async () => {
+    const r = await fetch(`${server.url}/v1/tasks/run`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x'.repeat(100_000), audio: 'AAAA' }) });
+    expect(r.status).toBe(404);
+    expect((await r.text()).length).toBeLessThan(400);
+    const j = await fetch(`${server.url}/v1/tasks/run`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'silero-vad', audio: 'AAAA', treshold: 0.4 }) });
+    expect(j.status).toBe(400);
+    expect((await j.json()).error.message).toMatch(/^treshold: unknown field/);
+  });
+
   it('bad percent-encoding in a model path is a 400', async () => {
     const r = await fetch(`${server.url}/v1/models/%ZZ`);
     expect(r.status).toBe(400);

@@ -202,6 +202,7 @@ describe('management authorisation and models_root', () => {
     expect((await load({ id: 'x' })).status).toBe(403);
     expect((await load({ id: 'x' }, 'Bearer wrong')).status).toBe(403);
     expect((await load({ id: 'silero-vad' }, 'Bearer sesame')).status).toBe(200);
+    expect((await load({ id: 'silero-vad' }, 'bearer sesame')).status).toBe(200); // the scheme is case-insensitive
   });
 
   it.each([
