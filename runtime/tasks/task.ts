@@ -87,3 +87,66 @@ export class SampleBuffer {
     return out;
   }
 }
+
+/**
+ * The buffering every task session shares: audio in, whole windows (`step` samples) out, one
+ * job in flight at a time, and the last partial window padded with zeros at `end()`.
+ * Subclasses build the job from {@link takeWindows} and apply results in `accept`.
+ */
+export abstract class WindowedSession implements TaskSession {
+  protected readonly pending = new SampleBuffer();
+  protected received = 0;
+  protected ended = false;
+  protected inFlight = false;
+
+  /** @param step samples per window/step. @param scale applied to incoming samples. */
+  constructor(
+    readonly step: number,
+    private readonly scale = 1,
+  ) {}
+
+  get receivedSamples(): number {
+    return this.received;
+  }
+
+  get pendingSamples(): number {
+    return this.pending.length;
+  }
+
+  get finished(): boolean {
+    return this.ended && !this.inFlight && this.pending.length === 0;
+  }
+
+  abstract readonly processedSamples: number;
+  abstract nextJob(maxSteps: number): Job | null;
+  abstract accept(result: JobResult): TaskEvent[];
+
+  push(samples: Float32Array): void {
+    this.pending.push(samples, this.scale);
+    this.received += samples.length;
+  }
+
+  end(): TaskEvent[] {
+    if (this.ended) return [];
+    this.ended = true;
+    const partial = this.pending.length % this.step;
+    if (partial) this.pending.push(new Float32Array(this.step - partial));
+    return this.finished ? this.closing() : [];
+  }
+
+  /** Events due when the session finishes with nothing left to run (see `end`). */
+  protected closing(): TaskEvent[] {
+    return [];
+  }
+
+  /**
+   * Takes up to `maxSteps` whole windows for the next job and marks it in flight; null while a
+   * job is in flight or no whole window is buffered.
+   */
+  protected takeWindows(maxSteps: number): { count: number; samples: Float32Array } | null {
+    const count = Math.min(maxSteps, Math.floor(this.pending.length / this.step));
+    if (this.inFlight || count === 0) return null;
+    this.inFlight = true;
+    return { count, samples: this.pending.take(count * this.step) };
+  }
+}

@@ -1,6 +1,6 @@
 import type { VadOptions } from '../config.js';
 import { SILERO, type Job, type JobResult, type SlotInfo, type VadResult } from '../slot-protocol.js';
-import { SampleBuffer, type TaskEvent, type TaskSession } from './task.js';
+import { WindowedSession, type TaskEvent } from './task.js';
 
 const RATE = 16_000;
 const msOf = (samples: number): number => Math.round((samples * 1000) / RATE);
@@ -110,56 +110,28 @@ export class VadSegmenter {
 }
 
 /** A VAD request or stream: 512-sample windows through Silero, segmented by {@link VadSegmenter}. */
-export class VadSession implements TaskSession {
+export class VadSession extends WindowedSession {
   readonly segmenter: VadSegmenter;
-  private readonly pending = new SampleBuffer();
   private state: Float32Array = new Float32Array(SILERO.STATE);
   private context: Float32Array = new Float32Array(SILERO.CONTEXT);
-  private received = 0;
   private processed = 0;
-  private ended = false;
-  private inFlight = false;
 
   constructor(_info: SlotInfo, options: VadOptions) {
+    super(SILERO.WINDOW);
     this.segmenter = new VadSegmenter(options);
-  }
-
-  get receivedSamples(): number {
-    return this.received;
-  }
-
-  get pendingSamples(): number {
-    return this.pending.length;
   }
 
   get processedSamples(): number {
     return this.processed;
   }
 
-  readonly step = SILERO.WINDOW;
-
-  get finished(): boolean {
-    return this.ended && !this.inFlight && this.pending.length === 0;
-  }
-
-  push(samples: Float32Array): void {
-    this.pending.push(samples);
-    this.received += samples.length;
-  }
-
-  end(): TaskEvent[] {
-    if (this.ended) return [];
-    this.ended = true;
-    const partial = this.pending.length % SILERO.WINDOW;
-    if (partial) this.pending.push(new Float32Array(SILERO.WINDOW - partial));
-    return this.finished ? this.segmenter.finish(this.received) : [];
+  protected override closing(): TaskEvent[] {
+    return this.segmenter.finish(this.received);
   }
 
   nextJob(maxSteps: number): Job | null {
-    const n = Math.min(maxSteps, Math.floor(this.pending.length / SILERO.WINDOW));
-    if (this.inFlight || n === 0) return null;
-    this.inFlight = true;
-    return { kind: 'vad', windows: this.pending.take(n * SILERO.WINDOW), state: this.state, context: this.context };
+    const w = this.takeWindows(maxSteps);
+    return w && { kind: 'vad', windows: w.samples, state: this.state, context: this.context };
   }
 
   accept(result: JobResult): TaskEvent[] {
@@ -172,7 +144,7 @@ export class VadSession implements TaskSession {
       this.processed = Math.min(this.processed + SILERO.WINDOW, this.received);
       events.push(...this.segmenter.push(p, this.processed));
     }
-    if (this.finished) events.push(...this.segmenter.finish(this.received));
+    if (this.finished) events.push(...this.closing());
     return events;
   }
 }

@@ -1,6 +1,6 @@
 import type { WakewordOptions } from '../config.js';
 import { OWW, type Job, type JobResult, type SlotInfo, type WakewordResult } from '../slot-protocol.js';
-import { SampleBuffer, type TaskEvent, type TaskSession } from './task.js';
+import { WindowedSession, type TaskEvent } from './task.js';
 
 /** openWakeWord zeroes the first 5 predictions of a stream while its buffers fill (openwakeword/model.py). */
 const WARMUP_STEPS = 5;
@@ -25,21 +25,19 @@ export interface Detection {
  * A detection is emitted when a label's score reaches `threshold`; that label re-arms once its
  * score falls below the threshold again.
  */
-export class WakewordSession implements TaskSession {
+export class WakewordSession extends WindowedSession {
   readonly detections: Detection[] = [];
   private readonly labels: string[];
   private readonly armed: boolean[];
-  private readonly pending = new SampleBuffer();
   private lookback: Float32Array = new Float32Array(OWW.LOOKBACK);
   private mel: Float32Array = new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1);
   private embeddings: Float32Array;
   private steps = 0;
-  private received = 0;
-  private ended = false;
-  private inFlight = false;
 
   /** @param modelLabel the label of a single-output head (the model id). */
   constructor(info: SlotInfo, private readonly options: WakewordOptions, modelLabel: string) {
+    // openWakeWord's models read int16-scaled audio.
+    super(OWW.STEP, 32767);
     const window = info.headWindow ?? 16;
     this.labels = (info.labels ?? ['@model']).map((l) => (l === '@model' ? modelLabel : l));
     this.armed = this.labels.map(() => true);
@@ -48,45 +46,16 @@ export class WakewordSession implements TaskSession {
     for (let i = 0; i < window; i++) this.embeddings.set(init, i * OWW.EMBEDDING);
   }
 
-  get receivedSamples(): number {
-    return this.received;
-  }
-
-  get pendingSamples(): number {
-    return this.pending.length;
-  }
-
   get processedSamples(): number {
     return Math.min(this.steps * OWW.STEP, this.received);
   }
 
-  readonly step = OWW.STEP;
-
-  get finished(): boolean {
-    return this.ended && !this.inFlight && this.pending.length === 0;
-  }
-
-  push(samples: Float32Array): void {
-    // openWakeWord's models read int16-scaled audio.
-    this.pending.push(samples, 32767);
-    this.received += samples.length;
-  }
-
-  end(): TaskEvent[] {
-    if (this.ended) return [];
-    this.ended = true;
-    const partial = this.pending.length % OWW.STEP;
-    if (partial) this.pending.push(new Float32Array(OWW.STEP - partial));
-    return [];
-  }
-
   nextJob(maxSteps: number): Job | null {
-    const k = Math.min(maxSteps, Math.floor(this.pending.length / OWW.STEP));
-    if (this.inFlight || k === 0) return null;
-    this.inFlight = true;
-    const audio = new Float32Array(OWW.LOOKBACK + k * OWW.STEP);
+    const w = this.takeWindows(maxSteps);
+    if (!w) return null;
+    const audio = new Float32Array(OWW.LOOKBACK + w.samples.length);
     audio.set(this.lookback, 0);
-    audio.set(this.pending.take(k * OWW.STEP), OWW.LOOKBACK);
+    audio.set(w.samples, OWW.LOOKBACK);
     this.lookback = audio.slice(audio.length - OWW.LOOKBACK);
     return { kind: 'wakeword', audio, mel: this.mel, embeddings: this.embeddings };
   }
