@@ -1,4 +1,4 @@
-import { assign, createActor, fromPromise, setup, waitFor, type Actor, type InspectionEvent } from 'xstate';
+import { and, assign, createActor, enqueueActions, fromCallback, not, raise, sendTo, setup, waitFor, type ActorRefFrom, type AnyActorRef, type InspectionEvent, type SnapshotFrom } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { VadBatcher } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
@@ -7,105 +7,228 @@ import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
 import { createLogger, type Metrics } from '../runtime/telemetry.js';
 import type { Logger } from 'pino';
 
-/** A model entry's context: the committed config and what the current load holds. */
+/** Why a model entry is asked to give up its slots without a manager asking (DESIGN.md C12-C14). */
+export type EvictReason = 'lru' | 'idle' | 'memory';
+
+/**
+ * A model entry's context: the committed config and serialisable figures. The slot pool itself is
+ * held by the invoked `residency` actor, never here.
+ */
 export interface ModelContext {
   config: ModelConfig;
   /** The config a reconfiguration commits once the old pool is gone. */
   next: ModelConfig | null;
-  loaded: LoadedModel | null;
   lastError: string | null;
   /** Why the last load ended without a pool (also capacity refusals, which are not `lastError`). */
   failure: unknown;
+  /** Mirror of the admission queue (sent by it on every change): leases held, waiters, an exclusive holder. */
+  leases: { active: number; queued: number; exclusive: boolean };
+  /** The server's `idle_unload_ms`, ms (0 = off); the model's `keep_alive_ms` overrides it. */
+  serverIdleUnloadMs: number;
+  /** The last eviction: why and when (ms since the epoch). */
+  evicted: { reason: EvictReason; at: number } | null;
+  /** Measured footprint of the current pool, bytes (0 when nothing is resident). */
+  residentBytes: number;
 }
 
 export type ModelEvent =
   | { type: 'LOAD' }
-  | { type: 'UNLOAD' }
   | { type: 'RECONFIGURE'; config: ModelConfig }
-  | { type: 'SLOT_FAILED'; message: string };
+  | { type: 'UNLOAD' }
+  /** Give up the slots for the supervisor; refused (`EVICT_REFUSED` to `replyTo`) unless idle. */
+  | { type: 'EVICT'; reason: EvictReason; replyTo?: AnyActorRef }
+  | { type: 'SLOT_FAILED'; message: string }
+  | { type: 'LEASES'; active: number; queued: number; exclusive: boolean }
+  /** From the `residency` actor: the pool is complete (`residentBytes` measured). */
+  | { type: 'LOADED'; residentBytes: number }
+  | { type: 'LOAD_FAILED'; error: unknown }
+  /** From the `residency` actor: the pool is closed (`error` if closing failed). */
+  | { type: 'CLOSED'; error?: string };
+
+/** Replies to `EVICT`, sent to its `replyTo`. */
+export type EvictReply = { type: 'EVICTED'; id: string; reason: EvictReason } | { type: 'EVICT_REFUSED'; id: string; reason: EvictReason; state: string };
 
 const errorMessage = (e: unknown): string => (e instanceof Error ? e.message : String(e));
 /** A load refused for capacity (503: busy, insufficient memory) is not a fault of the model. */
 const refused = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
+/** What the `residency` actor receives: `CLOSE` from the chart, the gate's answer from the supervisor. */
+export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
+
+/** Input of the `residency` actor: the config to load. */
+export interface ResidencyInput {
+  config: ModelConfig;
+}
+
 /**
- * The model entry state chart (DESIGN.md section 2): `unloaded -> loading -> ready ->
- * unloading -> unloaded`, plus `reconfiguring` (close the old pool, commit the new config, load).
- * A load publishes only a complete pool (`loadModel` resolves with every slot built); a failed
- * load returns to `unloaded` with `lastError` and can be retried. A slot that dies in `ready`
- * unloads the model with `lastError` set; the next request loads it again.
- * The `loadModel` actor is provided by {@link ModelEntry} (its loader).
+ * The model entry state chart (DESIGN.md section 2):
+ * `unloaded -> resident.loading -> resident.ready.{idle,busy} -> resident.unloading -> unloaded`,
+ * and `resident.reconfiguring` (close the old pool, commit the new config, load again).
+ *
+ * - The `residency` actor, invoked for as long as the entry is `resident`, loads the pool (through
+ *   the supervisor's cold-load gate), holds it, and closes it on `CLOSE` or when stopped. It
+ *   answers `LOADED`, `LOAD_FAILED`, `CLOSED` and, when a slot dies, `SLOT_FAILED`.
+ * - `ready.idle` / `ready.busy` follow the admission queue's mirror (`LEASES`).
+ * - `EVICT {reason}` is taken only in `ready.idle` through the guard `evictable` (no lease held, no
+ *   waiter, no exclusive holder); anywhere else it is answered `EVICT_REFUSED`: that refusal is
+ *   the try-acquire of eviction (C12). An accepted eviction takes the exclusive lease
+ *   (`holdForEviction`), so requests arriving meanwhile queue and load the model again.
+ * - Keep-alive (C14): `ready.idle` raises `EVICT {reason: "idle"}` after `keepAlive` ms
+ *   (`keep_alive_ms`, else the server's `idle_unload_ms`; never when 0).
+ * - A failed load returns to `unloaded` with `lastError` (not for a 503 refusal) and can be
+ *   retried; a slot that dies in `ready` unloads the model with `lastError` set.
+ * The actors and actions that touch live resources are provided by {@link ModelEntry}.
  */
 export const modelMachine = setup({
   types: {
     context: {} as ModelContext,
     events: {} as ModelEvent,
-    input: {} as { config: ModelConfig },
+    input: {} as { config: ModelConfig; serverIdleUnloadMs?: number },
   },
   actors: {
-    loadModel: fromPromise<LoadedModel, ModelConfig>(async () => {
-      throw new Error('no loader provided');
+    residency: fromCallback<ResidencyEvent, ResidencyInput>(({ sendBack }) => {
+      sendBack({ type: 'LOAD_FAILED', error: new Error('no residency provided') });
     }),
-    closeModel: fromPromise<void, LoadedModel | null>(async ({ input }) => {
-      await input?.close();
-    }),
+  },
+  actions: {
+    /** Takes the exclusive lease for an accepted eviction (released once closed). */
+    holdForEviction: () => {},
+    /** Gives the eviction's exclusive lease back. */
+    releaseEviction: () => {},
+    /** Counts and logs an accepted eviction. */
+    recordEviction: (_, _params: { reason: EvictReason }) => {},
+  },
+  guards: {
+    /** Leases held or waiting: the model is in use. */
+    inUse: ({ context }) => context.leases.active > 0 || context.leases.queued > 0,
+    /** Idle: no lease, no waiter, no exclusive holder. */
+    evictable: ({ context }) => context.leases.active === 0 && context.leases.queued === 0 && !context.leases.exclusive,
+    keepAliveOn: ({ context }) => (context.config.keep_alive_ms ?? context.serverIdleUnloadMs) > 0,
+    hasNext: ({ context }) => context.next !== null,
+  },
+  delays: {
+    /** Keep-alive, ms: `keep_alive_ms`, else the server's `idle_unload_ms` (guarded off at 0). */
+    keepAlive: ({ context }) => Math.max(1, context.config.keep_alive_ms ?? context.serverIdleUnloadMs),
   },
 }).createMachine({
   id: 'model',
-  context: ({ input }) => ({ config: input.config, next: null, loaded: null, lastError: null, failure: null }),
+  context: ({ input }) => ({
+    config: input.config,
+    next: null,
+    lastError: null,
+    failure: null,
+    leases: { active: 0, queued: 0, exclusive: false },
+    serverIdleUnloadMs: input.serverIdleUnloadMs ?? 0,
+    evicted: null,
+    residentBytes: 0,
+  }),
   initial: 'unloaded',
+  on: {
+    LEASES: { actions: assign({ leases: ({ event }) => ({ active: event.active, queued: event.queued, exclusive: event.exclusive }) }) },
+    // Taken only where a state does not take it first (ready.idle, through `evictable`).
+    EVICT: {
+      actions: enqueueActions(({ enqueue, event, context, self }) => {
+        const snapshot = self.getSnapshot() as { value: unknown } | undefined;
+        if (event.replyTo) {
+          enqueue.sendTo(event.replyTo, { type: 'EVICT_REFUSED', id: context.config.id, reason: event.reason, state: stateName(snapshot?.value) } satisfies EvictReply);
+        }
+      }),
+    },
+  },
   states: {
     unloaded: {
       on: {
-        LOAD: 'loading',
+        LOAD: 'resident',
         RECONFIGURE: { actions: assign({ config: ({ event }) => event.config }) },
       },
     },
-    loading: {
-      invoke: {
-        src: 'loadModel',
-        input: ({ context }) => context.config,
-        onDone: { target: 'ready', actions: assign({ loaded: ({ event }) => event.output, lastError: null, failure: null }) },
-        onError: {
-          target: 'unloaded',
-          actions: assign({
-            failure: ({ event }) => event.error,
-            lastError: ({ context, event }) => (refused(event.error) ? context.lastError : errorMessage(event.error)),
-          }),
+    resident: {
+      invoke: { id: 'residency', src: 'residency', input: ({ context }) => ({ config: context.config }) },
+      initial: 'loading',
+      states: {
+        loading: {
+          on: {
+            LOADED: { target: 'ready', actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }) },
+            LOAD_FAILED: {
+              target: '#model.unloaded',
+              actions: assign({
+                failure: ({ event }) => event.error,
+                lastError: ({ context, event }) => (refused(event.error) ? context.lastError : errorMessage(event.error)),
+              }),
+            },
+          },
         },
-      },
-    },
-    ready: {
-      on: {
-        UNLOAD: 'unloading',
-        SLOT_FAILED: { target: 'unloading', actions: assign({ lastError: ({ event }) => event.message }) },
-        RECONFIGURE: { target: 'reconfiguring', actions: assign({ next: ({ event }) => event.config }) },
-      },
-    },
-    unloading: {
-      invoke: {
-        src: 'closeModel',
-        input: ({ context }) => context.loaded,
-        onDone: { target: 'unloaded', actions: assign({ loaded: null }) },
-        onError: { target: 'unloaded', actions: assign({ loaded: null, lastError: ({ event }) => errorMessage(event.error) }) },
-      },
-    },
-    reconfiguring: {
-      invoke: {
-        src: 'closeModel',
-        input: ({ context }) => context.loaded,
-        onDone: { target: 'loading', actions: assign({ loaded: null, config: ({ context }) => context.next!, next: null }) },
-        onError: {
-          target: 'unloaded',
-          actions: assign({ loaded: null, config: ({ context }) => context.next!, next: null, lastError: ({ event }) => errorMessage(event.error) }),
+        ready: {
+          initial: 'idle',
+          on: {
+            UNLOAD: 'unloading',
+            SLOT_FAILED: { target: 'unloading', actions: assign({ lastError: ({ event }) => event.message }) },
+            RECONFIGURE: { target: 'reconfiguring', actions: assign({ next: ({ event }) => event.config }) },
+          },
+          states: {
+            idle: {
+              always: { guard: 'inUse', target: 'busy' },
+              after: { keepAlive: { guard: 'keepAliveOn', actions: raise({ type: 'EVICT', reason: 'idle' }) } },
+              on: {
+                EVICT: {
+                  guard: 'evictable',
+                  target: '#model.resident.unloading',
+                  actions: [
+                    'holdForEviction',
+                    assign({ evicted: ({ event }) => ({ reason: event.reason, at: Date.now() }) }),
+                    { type: 'recordEviction', params: ({ event }) => ({ reason: event.reason }) },
+                    enqueueActions(({ enqueue, event, context }) => {
+                      if (event.replyTo) enqueue.sendTo(event.replyTo, { type: 'EVICTED', id: context.config.id, reason: event.reason } satisfies EvictReply);
+                    }),
+                  ],
+                },
+              },
+            },
+            busy: { always: { guard: not('inUse'), target: 'idle' } },
+          },
+        },
+        unloading: {
+          entry: sendTo('residency', { type: 'CLOSE' }),
+          on: {
+            CLOSED: {
+              target: '#model.unloaded',
+              actions: ['releaseEviction', assign({ residentBytes: 0, lastError: ({ context, event }) => event.error ?? context.lastError })],
+            },
+          },
+        },
+        reconfiguring: {
+          entry: sendTo('residency', { type: 'CLOSE' }),
+          on: {
+            CLOSED: [
+              {
+                guard: and(['hasNext', ({ event }) => !event.error]),
+                target: '#model.resident',
+                reenter: true,
+                actions: assign({ residentBytes: 0, config: ({ context }) => context.next!, next: null }),
+              },
+              {
+                target: '#model.unloaded',
+                actions: assign({ residentBytes: 0, config: ({ context }) => context.next ?? context.config, next: null, lastError: ({ context, event }) => event.error ?? context.lastError }),
+              },
+            ],
+          },
         },
       },
     },
   },
 });
 
-export type ModelActor = Actor<typeof modelMachine>;
+export type ModelActor = ActorRefFrom<typeof modelMachine>;
+/** A model entry's state as `/v1/models` reports it. */
 export type ModelState = 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
+
+/** The reported state of a model chart's value (`{resident: {ready: 'idle'}}` -> `ready`). */
+export function stateName(value: unknown): ModelState {
+  if (typeof value === 'string') return value as ModelState;
+  const inner = (value as { resident?: unknown } | undefined)?.resident;
+  if (typeof inner === 'string') return inner as ModelState;
+  return inner && typeof inner === 'object' && 'ready' in inner ? 'ready' : 'unloaded';
+}
 
 /** `GET /v1/models/{id}` (DESIGN.md section 4). Times in ms since the epoch; bytes. */
 export interface ModelStatus {
@@ -124,6 +247,8 @@ export interface ModelStatus {
   last_error: string | null;
   /** True while the model is being unloaded: not counted as resident, its memory still is. */
   retiring: boolean;
+  /** The last eviction (`lru`, `idle` or `memory`) and when, ms since the epoch; null if never evicted. */
+  last_eviction: { reason: EvictReason; at: number } | null;
   /** Streams: last sample arrival to result, over the last 4,096 windows, ms; null before any. */
   processing_lag_ms: { p50: number; p99: number; windows: number } | null;
 }
@@ -151,8 +276,30 @@ export function validateModelConfig(raw: unknown): ModelConfig {
   return config;
 }
 
+/** What a model entry needs from its supervisor. */
+export interface EntryOptions {
+  /** Builds the pool (the supervisor's loader measures and tracks residency around the real one). */
+  loader: ModelLoader;
+  /** Estimated footprint of a config, bytes, sent to the cold-load gate (0 when the memory guard is off). */
+  footprint?: (config: ModelConfig) => Promise<number>;
+  /** The server's busy-timeout ceiling, ms (0 = unbounded). */
+  serverBusyTimeoutMs?: number;
+  /** The server's `idle_unload_ms`, ms (0 = off). */
+  serverIdleUnloadMs?: number;
+  /** Called after every state change and lease change. */
+  onChange?: () => void;
+  /** XState inspection observer, when inspection is on. */
+  inspect?: (e: InspectionEvent) => void;
+  /** The model's logger (one line per state change and eviction). */
+  log?: Logger;
+  /** Slot job durations, batch sizes, lags and evictions go here. */
+  metrics?: Metrics;
+  /** Creates the chart's actor; the supervisor spawns it as its child with `systemId` `model:<id>`. */
+  spawn?: (logic: typeof modelMachine, id: string) => ModelActor;
+}
+
 /**
- * One registered model: its state-chart actor, its admission queue and its bookkeeping.
+ * One registered model: its state-chart actor plus its admission queue (the FIFO of leases).
  * Requests hold a lease (see {@link Admission}) from before their input is prepared until their
  * response is written; management (load, reconfigure, unload) holds the exclusive lease.
  */
@@ -161,64 +308,142 @@ export class ModelEntry {
   readonly actor: ModelActor;
   readonly admission: Admission;
   readonly log: Logger;
+  /** The live pool, held by the chart's `residency` actor while it is resident; null otherwise. */
+  private loaded: LoadedModel | null = null;
+  /** The exclusive lease an accepted eviction holds until the pool is closed. */
+  private evictionLease: Lease | null = null;
   /** The last 4,096 stream windows' processing lag, ms (a ring). */
   private readonly lags = new Float64Array(4096);
   private lagNext = 0;
   private lagCount = 0;
   private readonly lagMetric?: { observe(v: number): void };
   private lastUsedAt: number | null = null;
+  private readonly serverBusyTimeoutMs: number;
+  /** Evictions accepted since start (LRU, memory or idle). */
+  evictions = 0;
 
-  /**
-   * @param serverBusyTimeoutMs the server's busy-timeout ceiling, ms (0 = unbounded).
-   * @param options `onChange`: called after every state change and lease release;
-   *   `inspect`: XState inspection observer, when inspection is on; `log`: the model's logger
-   *   (one line per state change); `metrics`: slot job durations go to its histogram.
-   */
-  constructor(
-    config: ModelConfig,
-    loader: ModelLoader,
-    private readonly serverBusyTimeoutMs = 0,
-    options: { onChange?: () => void; inspect?: (e: InspectionEvent) => void; log?: Logger; metrics?: Metrics } = {},
-  ) {
+  constructor(config: ModelConfig, options: EntryOptions) {
     this.id = config.id;
     const onChange = options.onChange ?? (() => {});
-    const inspect = options.inspect;
     this.log = options.log ?? createLogger('silent');
-    const inference = options.metrics?.inference.labels({ model: config.id });
-    const batchSize = options.metrics?.batchSize.labels({ model: config.id });
-    this.lagMetric = options.metrics?.processingLag.labels({ model: config.id });
-    this.admission = new Admission(config.max_streams, onChange);
+    this.serverBusyTimeoutMs = options.serverBusyTimeoutMs ?? 0;
+    const metrics = options.metrics;
+    const inference = metrics?.inference.labels({ model: config.id });
+    const batchSize = metrics?.batchSize.labels({ model: config.id });
+    this.lagMetric = metrics?.processingLag.labels({ model: config.id });
+    this.admission = new Admission(config.max_streams, () => {
+      const a = this.admission;
+      this.actor?.send({ type: 'LEASES', active: a.activeLeases, queued: a.queued, exclusive: a.exclusive !== null });
+      onChange();
+    });
+    const loader = options.loader;
     const machine = modelMachine.provide({
       actors: {
-        loadModel: fromPromise<LoadedModel, ModelConfig>(async ({ input }) => {
-          const loaded = await loader(input);
-          if (!loaded?.pool?.slots.length) {
-            await loaded?.close?.();
-            throw new Error('the loader yielded no session');
-          }
-          loaded.pool.onFailure((err) => this.actor.send({ type: 'SLOT_FAILED', message: err.message }));
-          if (inference) loaded.pool.onRun = (ms) => inference.observe(ms / 1000);
-          if (input.task === 'vad' && input.max_batch_size > 1) {
-            loaded.batcher = new VadBatcher(loaded.pool, input.max_batch_size, input.max_batch_delay_ms, (n) => batchSize?.observe(n));
-          }
-          return loaded;
+        residency: fromCallback<ResidencyEvent, ResidencyInput>(({ input, sendBack, receive, self, system }) => {
+          let model: LoadedModel | null = null;
+          let stopped = false;
+          let closing: Promise<void> | null = null;
+          /** The supervisor's cold-load gate, when the entry runs under one. */
+          const gate = system.get('supervisor') as AnyActorRef | undefined;
+          let atGate = false;
+          let answer: { granted: () => void; refused: (e: VoxError) => void } | null = null;
+          const leaveGate = (): void => {
+            if (atGate) gate?.send({ type: 'LOAD_FINISHED', id: input.config.id });
+            atGate = false;
+          };
+          const close = (): Promise<void> => (closing ??= (async () => {
+            // Marked not resident first (C9), then the slots close.
+            this.loaded = null;
+            await model?.close();
+          })());
+          void (async () => {
+            try {
+              if (gate) {
+                const needed_bytes = (await options.footprint?.(input.config)) ?? 0;
+                if (stopped) return;
+                const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
+                atGate = true;
+                gate.send({ type: 'LOAD_REQUESTED', id: input.config.id, needed_bytes, timeout_ms: this.busyTimeoutMs, replyTo: self });
+                await granted;
+              }
+              let m: LoadedModel;
+              try {
+                m = await loader(input.config);
+              } finally {
+                leaveGate();
+              }
+              if (!m?.pool?.slots.length) {
+                await m?.close?.();
+                throw new Error('the loader yielded no session');
+              }
+              if (stopped) return void (await m.close());
+              model = m;
+              m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
+              if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
+              if (input.config.task === 'vad' && input.config.max_batch_size > 1) {
+                m.batcher = new VadBatcher(m.pool, input.config.max_batch_size, input.config.max_batch_delay_ms, (n) => batchSize?.observe(n));
+              }
+              this.loaded = m;
+              this.touch();
+              sendBack({ type: 'LOADED', residentBytes: m.residentBytes });
+            } catch (error) {
+              leaveGate();
+              if (!stopped) sendBack({ type: 'LOAD_FAILED', error });
+            }
+          })();
+          receive((e) => {
+            if (e.type === 'LOAD_GRANTED') return answer?.granted();
+            if (e.type === 'LOAD_REFUSED') {
+              atGate = false;
+              return answer?.refused(new VoxError(e.error.type, e.error.message, { retryAfterS: e.error.type === 'server_busy' ? 1 : 5 }));
+            }
+            close().then(
+              () => sendBack({ type: 'CLOSED' }),
+              (err) => sendBack({ type: 'CLOSED', error: errorMessage(err) }),
+            );
+          });
+          return () => {
+            stopped = true;
+            leaveGate();
+            answer?.refused(new VoxError('shutting_down', 'the model entry stopped'));
+            void close().catch(() => {});
+          };
         }),
       },
+      actions: {
+        holdForEviction: () => {
+          this.evictionLease = this.admission.tryAcquire(true);
+        },
+        releaseEviction: () => {
+          const lease = this.evictionLease;
+          this.evictionLease = null;
+          // After the chart has settled in `unloaded`: requests queued behind it load again.
+          if (lease) queueMicrotask(() => lease.release());
+        },
+        recordEviction: (_, { reason }) => {
+          this.evictions++;
+          metrics?.evictions.inc({ model: config.id, reason });
+          this.log.info({ reason, idle_ms: this.lastUsedAt ? Date.now() - this.lastUsedAt : undefined }, 'evict');
+        },
+      },
     });
-    this.actor = createActor(machine, { input: { config }, inspect, id: `model:${config.id}` });
-    // The machine handles every error itself; the error observer keeps one from crashing the process.
-    let previous = 'unloaded';
+    this.actor = options.spawn
+      ? options.spawn(machine, config.id)
+      : createActor(machine, { input: { config, serverIdleUnloadMs: options.serverIdleUnloadMs }, inspect: options.inspect, id: `model:${config.id}`, systemId: `model:${config.id}` });
+    let previous: ModelState = 'unloaded';
     this.actor.subscribe({
       next: (s) => {
-        if (s.value !== previous) {
-          this.log.info({ from: previous, to: s.value, last_error: s.context.lastError ?? undefined }, 'model state');
-          previous = s.value as string;
+        const now = stateName(s.value);
+        if (now !== previous) {
+          this.log.info({ from: previous, to: now, last_error: s.context.lastError ?? undefined }, 'model state');
+          previous = now;
         }
         onChange();
       },
+      // The machine handles every error itself; the error observer keeps one from crashing the process.
       error: () => {},
     });
-    this.actor.start();
+    if (!options.spawn) this.actor.start();
   }
 
   /** The committed config. */
@@ -227,7 +452,12 @@ export class ModelEntry {
   }
 
   get state(): ModelState {
-    return this.actor.getSnapshot().value as ModelState;
+    return stateName(this.actor.getSnapshot().value);
+  }
+
+  /** True in `ready.idle`: resident, no lease held, nobody waiting. */
+  get idle(): boolean {
+    return this.actor.getSnapshot().matches({ resident: { ready: 'idle' } });
   }
 
   /** Marks use (request start and end, load), for `last_used_at` and LRU eviction. */
@@ -269,7 +499,7 @@ export class ModelEntry {
     if (limit <= 0) return false;
     const ex = this.admission.exclusive;
     if (ex && now - ex.grantedAt > limit) return true;
-    return this.actor.getSnapshot().context.loaded?.pool.allOverdue(limit, now) ?? false;
+    return this.loaded?.pool.allOverdue(limit, now) ?? false;
   }
 
   /**
@@ -291,19 +521,22 @@ export class ModelEntry {
   }
 
   /**
-   * Waits until the model is ready, starting a load if it is unloaded (concurrent callers share
-   * one load). Call it holding a lease, with the signal that aborts when the lease is revoked or
-   * the client goes away: an aborted caller never starts a load.
-   * @throws VoxError `server_error` with the load error if loading fails; the signal's reason
-   *   (an `AbortError`) once it aborts.
+   * Waits until the model is ready, sending `LOAD` if it is unloaded (concurrent callers share
+   * one load: the chart ignores `LOAD` outside `unloaded`). Call it holding a lease, with the
+   * signal that aborts when the lease is revoked or the client goes away: an aborted caller never
+   * starts a load.
+   * @returns the live pool (and batcher) to run jobs on.
+   * @throws VoxError `server_error` with the load error if loading fails; the 503 the supervisor
+   *   answered if it refused the load; the signal's reason (an `AbortError`) once it aborts.
    */
   async ensureReady(signal?: AbortSignal): Promise<LoadedModel> {
     let asked = false;
     for (;;) {
       signal?.throwIfAborted();
       const s = this.actor.getSnapshot();
-      if (s.value === 'ready') return s.context.loaded!;
-      if (s.value === 'unloaded') {
+      const state = stateName(s.value);
+      if (state === 'ready' && this.loaded) return this.loaded;
+      if (state === 'unloaded') {
         if (asked) {
           const f = s.context.failure;
           throw refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`);
@@ -312,15 +545,15 @@ export class ModelEntry {
         this.actor.send({ type: 'LOAD' });
         continue;
       }
-      await waitFor(this.actor, (n) => n.value !== s.value);
+      await waitFor(this.actor, (n) => stateName(n.value) !== state);
     }
   }
 
   /**
    * `POST /v1/models/load` on this entry: fields given replace the committed ones, the rest are
    * kept. The new config is validated before any lease is taken; then, under the exclusive lease,
-   * an identical config on a loaded model does nothing, a different one unloads the old pool,
-   * commits the whole new config and loads it.
+   * an identical config on a loaded model does nothing, a different one is sent as `RECONFIGURE`
+   * (the chart closes the old pool, commits the whole new config and loads it).
    * @param signal aborts the wait for the lease (the client went away).
    * @returns whether the config changed (`reconfigured`).
    * @throws VoxError `invalid_request_error` (invalid config, nothing touched), `server_busy`
@@ -334,8 +567,10 @@ export class ModelEntry {
     const lease = await this.admission.acquire({ exclusive: true, timeoutMs, signal });
     try {
       if (changed) {
+        // Under the exclusive lease nothing else moves the chart but a load or a slot failure.
+        await waitFor(this.actor, (s) => this.settled(s));
         this.actor.send({ type: 'RECONFIGURE', config: next });
-        await waitFor(this.actor, (s) => s.value === 'unloaded' || s.value === 'loading');
+        await waitFor(this.actor, (s) => s.context.config === next);
         this.admission.setPlaces(next.max_streams); // committed
       }
       await this.ensureReady();
@@ -343,6 +578,12 @@ export class ModelEntry {
     } finally {
       lease.release();
     }
+  }
+
+  /** Ready or unloaded: no load or close in flight. */
+  private settled(s: SnapshotFrom<typeof modelMachine>): boolean {
+    const state = stateName(s.value);
+    return state === 'ready' || state === 'unloaded';
   }
 
   /**
@@ -355,15 +596,15 @@ export class ModelEntry {
   }
 
   /**
-   * Places an unload barrier now (the exclusive lease's place in the FIFO) and unloads once it
-   * is granted. Bulk unloads place every barrier in one synchronous step, then wait.
+   * Places an unload barrier now (the exclusive lease's place in the FIFO) and sends `UNLOAD` once
+   * it is granted. Bulk unloads place every barrier in one synchronous step, then wait.
    */
   unloadUnder(barrier: Promise<Lease>): Promise<void> {
     return barrier.then(async (lease) => {
       try {
-        await waitFor(this.actor, (s) => s.value === 'ready' || s.value === 'unloaded');
+        await waitFor(this.actor, (s) => this.settled(s));
         if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
-        await waitFor(this.actor, (s) => s.value !== 'unloading');
+        await waitFor(this.actor, (s) => stateName(s.value) === 'unloaded');
       } finally {
         lease.release();
       }
@@ -383,12 +624,13 @@ export class ModelEntry {
   /** An observation of the entry; never waits on the model's work (C17). */
   status(): ModelStatus {
     const s = this.actor.getSnapshot();
-    const loaded = s.context.loaded;
+    const state = stateName(s.value);
+    const loaded = this.loaded;
     return {
       id: this.id,
       task: s.context.config.task,
-      state: s.value as ModelState,
-      loaded: s.value === 'ready',
+      state,
+      loaded: state === 'ready',
       slots: s.context.config.slots,
       active_slots: loaded?.pool.activeSlots ?? 0,
       active_leases: this.admission.activeLeases,
@@ -398,22 +640,21 @@ export class ModelEntry {
       resident_bytes: loaded?.residentBytes ?? 0,
       last_used_at: this.lastUsedAt,
       last_error: s.context.lastError,
-      retiring: s.value === 'unloading',
+      retiring: state === 'unloading',
+      last_eviction: s.context.evicted,
       processing_lag_ms: this.lagPercentiles(),
     };
   }
 
   /**
-   * Unloads (waiting at most `timeoutMs` for running requests) and stops the actor. Past the
-   * timeout the slots are closed anyway: their pending inferences fail.
+   * Unloads (waiting at most `timeoutMs` for running requests). Past the timeout the slots are
+   * closed anyway: their pending inferences fail.
    */
   async stop(timeoutMs: number): Promise<void> {
     try {
       await this.unload(timeoutMs);
     } catch {
-      await this.actor.getSnapshot().context.loaded?.close();
-    } finally {
-      this.actor.stop();
+      await this.loaded?.close();
     }
   }
 }

@@ -1,5 +1,5 @@
 import { stat } from 'node:fs/promises';
-import { assign, createActor, setup, type Actor, type InspectionEvent } from 'xstate';
+import { assign, createActor, enqueueActions, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
 import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
@@ -8,51 +8,251 @@ import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from 
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
 import type { Logger } from 'pino';
-import { ModelEntry, validateModelConfig, type ModelStatus } from './model.js';
+import { ModelEntry, modelMachine, type ModelActor, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus } from './model.js';
+import { systemMachine } from './system.js';
+
+/** A cold load waiting at the gate (DESIGN.md C11). */
+export interface PendingLoad {
+  id: string;
+  /** Estimated footprint, bytes (0 when the memory guard is off). */
+  needed_bytes: number;
+  /** How long it may wait for room, ms (0 = unbounded): the model's busy timeout. */
+  timeout_ms: number;
+  /** When it reached the gate, ms since the epoch. */
+  since: number;
+  /** The model's `residency` actor: answered `LOAD_GRANTED` or `LOAD_REFUSED`. */
+  replyTo: AnyActorRef;
+}
+
+/** What the supervisor measured when it last looked for room: the figures an inspector shows. */
+export interface RoomFigures {
+  /** The model to load. */
+  target: string;
+  needed_bytes: number;
+  /** `min_free_memory_mb` in bytes (0 = memory guard off). */
+  headroom_bytes: number;
+  /** Available memory from the probe (cgroup limit and MemAvailable, the lower), bytes; null when the guard is off. */
+  free_bytes: number | null;
+  /** `max_loaded_models` (0 = no limit). */
+  max_loaded: number;
+  /** Other models with slots, retiring ones included. */
+  resident: string[];
+  /** Of those, the ones being unloaded. */
+  retiring: string[];
+  /** Idle ready models, least recently used first, minus those that refused this round. */
+  candidates: string[];
+}
+
+/** Events of the supervisor chart. */
+export type SupervisorEvent =
+  | { type: 'REGISTER'; id: string; logic: typeof modelMachine; input: { config: ModelConfig; serverIdleUnloadMs: number } }
+  | ({ type: 'LOAD_REQUESTED' } & Omit<PendingLoad, 'since'>)
+  /** The load granted to `id` ended (loaded or failed), or its requester went away. */
+  | { type: 'LOAD_FINISHED'; id: string }
+  /** A model's leases, state or residency changed: room may have been freed. */
+  | { type: 'MODEL_CHANGED' }
+  | EvictReply;
+
+/** Replies of the gate to a `LOAD_REQUESTED`. */
+export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
+
+export interface SupervisorContext {
+  /** Registered model ids, in registration order. */
+  models: string[];
+  /** The model entry actors, by id (each spawned with `systemId` `model:<id>`). */
+  entries: Record<string, AnyActorRef>;
+  /** Cold loads waiting for the gate, FIFO. */
+  pending: PendingLoad[];
+  /** The cold load the gate is working for (making room, then loading). */
+  current: PendingLoad | null;
+  /** Victims that refused `EVICT` since room was last measured after a change. */
+  refused: string[];
+  room: RoomFigures | null;
+  /** The victim last asked to `EVICT`, and why. */
+  victim: { id: string; reason: EvictReason } | null;
+  /** What the current load waits for, while it waits. */
+  waitingFor: 'release' | 'memory' | null;
+}
+
+/** Functions the chart's guards read: the live measurements of room. */
+export interface RoomProbe {
+  measure(target: PendingLoad, refused: string[]): RoomFigures;
+}
+
+const need = (r: RoomFigures): number => (r.max_loaded > 0 ? r.resident.length + 1 - r.max_loaded : 0);
+const roomFree = (r: RoomFigures): boolean => need(r) <= 0;
+const memoryFree = (r: RoomFigures): boolean => r.headroom_bytes <= 0 || r.needed_bytes + r.headroom_bytes <= (r.free_bytes ?? Infinity);
 
 /**
- * The supervisor's state chart: `starting` (eager models loading) -> `running` (accepting work)
- * -> `draining` (shutdown: no new work) -> `stopped`. Its context is the registry of model ids.
+ * The supervisor chart (DESIGN.md section 2, C10-C14). It registers model entries as children
+ * (`REGISTER`, `systemId` `model:<id>`) and runs the cold-load gate: with `max_loaded_models` or
+ * `min_free_memory_mb` set, cold loads (`LOAD_REQUESTED` from a model's `residency` actor) pass
+ * one at a time, in FIFO order:
+ * - `admitting` measures room (figures in `context.room`) and decides by named guards:
+ *   `hasRoom` -> `loading` (`LOAD_GRANTED`); `victimForRoom` / `victimForMemory` -> `evicting`;
+ *   `nothingToFree` -> refused at once (`insufficient_memory`); otherwise it waits.
+ * - `evicting` asks the least recently used idle model to `EVICT {reason: lru | memory}`; `EVICTED`
+ *   -> wait for its release; `EVICT_REFUSED` (it turned busy: the try-acquire failed) -> measure
+ *   again without it.
+ * - `waitingForRelease` / `waitingForMemory` go back to `admitting` on `MODEL_CHANGED` (and, for
+ *   memory, every `memoryPoll` ms), up to the load's busy timeout (`untilDeadline`), then answer
+ *   `LOAD_REFUSED` (`server_busy` or `insufficient_memory`, with the figures).
+ * - `loading` holds the gate until `LOAD_FINISHED`.
+ * With both limits off, `LOAD_REQUESTED` is granted at once and loads run in parallel.
  */
 export const supervisorMachine = setup({
   types: {
-    context: {} as { models: string[] },
-    events: {} as { type: 'REGISTERED'; id: string } | { type: 'STARTED' } | { type: 'SHUTDOWN' } | { type: 'STOPPED' },
+    context: {} as SupervisorContext,
+    events: {} as SupervisorEvent,
+    input: {} as { guarded: boolean },
+  },
+  actions: {
+    /** Measures room for `current` into `context.room` (provided by {@link Supervisor}). */
+    measureRoom: assign({ room: () => null as RoomFigures | null }),
+    refuseForRoom: sendTo(
+      ({ context }) => context.current!.replyTo,
+      ({ context }): GateReply => ({
+        type: 'LOAD_REFUSED',
+        error: {
+          type: 'server_busy',
+          message: `cannot load ${context.current!.id}: max_loaded_models (${context.room?.max_loaded}) reached and no model became idle to evict within the busy timeout (${context.current!.timeout_ms} ms); resident: ${context.room?.resident.join(', ') || 'none'}`,
+        },
+      }),
+    ),
+    refuseForMemory: sendTo(
+      ({ context }) => context.current!.replyTo,
+      ({ context }): GateReply => ({
+        type: 'LOAD_REFUSED',
+        error: {
+          type: 'insufficient_memory',
+          message: `cannot load ${context.current!.id}: needs about ${mib(context.room!.needed_bytes)} plus ${mib(context.room!.headroom_bytes)} of headroom (min_free_memory_mb), but only ${mib(context.room!.free_bytes ?? 0)} is available`,
+        },
+      }),
+    ),
+  },
+  guards: {
+    guarded: () => false,
+    hasPending: ({ context }) => context.pending.length > 0,
+    hasRoom: ({ context }) => roomFree(context.room!) && memoryFree(context.room!),
+    /** Over `max_loaded_models`, fewer models retiring than needed, and an idle one to ask. */
+    victimForRoom: ({ context }) => {
+      const r = context.room!;
+      return !roomFree(r) && r.retiring.length < need(r) && r.candidates.length > 0;
+    },
+    /** Room enough, memory short, nothing already retiring, and an idle one to ask. */
+    victimForMemory: ({ context }) => {
+      const r = context.room!;
+      return roomFree(r) && !memoryFree(r) && r.retiring.length === 0 && r.candidates.length > 0;
+    },
+    /** Memory short and no other model resident: waiting cannot help. */
+    nothingToFree: ({ context }) => {
+      const r = context.room!;
+      return roomFree(r) && !memoryFree(r) && r.resident.length === 0;
+    },
+    shortOfMemory: ({ context }) => roomFree(context.room!) && !memoryFree(context.room!),
+    hasDeadline: ({ context }) => (context.current?.timeout_ms ?? 0) > 0,
+    isCurrent: ({ context, event }) => event.type === 'LOAD_FINISHED' && context.current?.id === event.id,
+  },
+  delays: {
+    untilDeadline: ({ context }) => Math.max(0, Math.min(2 ** 31 - 1, context.current!.since + context.current!.timeout_ms - Date.now())),
+    memoryPoll: 250,
   },
 }).createMachine({
   id: 'supervisor',
-  context: { models: [] },
-  initial: 'starting',
-  on: { REGISTERED: { actions: assign({ models: ({ context, event }) => [...context.models, event.id] }) } },
+  context: { models: [], entries: {}, pending: [], current: null, refused: [], room: null, victim: null, waitingFor: null },
+  on: {
+    REGISTER: {
+      actions: assign({
+        models: ({ context, event }) => [...context.models, event.id],
+        entries: ({ context, event, spawn }) => ({
+          ...context.entries,
+          // Each entry's logic comes with its event: the entry provides its own residency actor.
+          [event.id]: (spawn as (logic: AnyActorLogic, options: object) => AnyActorRef)(event.logic, { id: `model:${event.id}`, systemId: `model:${event.id}`, input: event.input }),
+        }),
+      }),
+    },
+    LOAD_REQUESTED: [
+      {
+        guard: 'guarded',
+        actions: assign({ pending: ({ context, event }) => [...context.pending, { id: event.id, needed_bytes: event.needed_bytes, timeout_ms: event.timeout_ms, replyTo: event.replyTo, since: Date.now() }] }),
+      },
+      { actions: sendTo(({ event }) => (event as { replyTo: AnyActorRef }).replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply) },
+    ],
+    LOAD_FINISHED: [
+      // The load ended (or its requester stopped while the gate made room for it): next one.
+      { guard: 'isCurrent', target: '.idle' },
+      // A load that left before its turn (its model stopped) leaves the queue.
+      { actions: assign({ pending: ({ context, event }) => context.pending.filter((p) => p.id !== event.id) }) },
+    ],
+  },
+  initial: 'idle',
   states: {
-    starting: { on: { STARTED: 'running', SHUTDOWN: 'draining' } },
-    running: { on: { SHUTDOWN: 'draining' } },
-    draining: { on: { STOPPED: 'stopped' } },
-    stopped: { type: 'final' },
+    idle: {
+      entry: assign({ current: null, room: null, victim: null, waitingFor: null, refused: [] }),
+      always: {
+        guard: 'hasPending',
+        target: 'admitting',
+        actions: assign({ current: ({ context }) => context.pending[0], pending: ({ context }) => context.pending.slice(1) }),
+      },
+    },
+    admitting: {
+      entry: ['measureRoom', assign({ waitingFor: null })],
+      always: [
+        { guard: 'hasRoom', target: 'loading', actions: sendTo(({ context }) => context.current!.replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply) },
+        { guard: 'victimForRoom', target: 'evicting', actions: assign({ victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'lru' as const }) }) },
+        { guard: 'victimForMemory', target: 'evicting', actions: assign({ victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'memory' as const }) }) },
+        { guard: 'nothingToFree', target: 'idle', actions: 'refuseForMemory' },
+        { guard: 'shortOfMemory', target: 'waitingForMemory' },
+        { target: 'waitingForRelease' },
+      ],
+    },
+    evicting: {
+      entry: sendTo(
+        ({ context, system }) => system.get(`model:${context.victim!.id}`),
+        ({ context, self }) => ({ type: 'EVICT', reason: context.victim!.reason, replyTo: self }),
+      ),
+      on: {
+        EVICTED: 'waitingForRelease',
+        EVICT_REFUSED: { target: 'admitting', actions: assign({ refused: ({ context, event }) => [...context.refused, event.id] }) },
+      },
+    },
+    waitingForRelease: {
+      entry: assign({ waitingFor: 'release' }),
+      on: { MODEL_CHANGED: { target: 'admitting', actions: assign({ refused: [] }) } },
+      after: { untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: 'refuseForRoom' } },
+    },
+    waitingForMemory: {
+      entry: assign({ waitingFor: 'memory' }),
+      on: { MODEL_CHANGED: { target: 'admitting', actions: assign({ refused: [] }) } },
+      after: {
+        untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: 'refuseForMemory' },
+        memoryPoll: { target: 'admitting', actions: assign({ refused: [] }) },
+      },
+    },
+    /** The granted load runs; the gate stays closed until its `LOAD_FINISHED`. */
+    loading: {},
   },
 });
 
 /**
- * Holds the registry (id -> model entry) and the catalog of models that may be registered
- * lazily: the embedded defaults and the config file's `models`. An entry, once published,
- * is never erased while the server runs.
+ * The server's actor system and its registry: the root (`system`), the supervisor chart, and the
+ * model entries, plus the catalog of models that may be registered lazily (the embedded defaults
+ * and the config file's `models`). An entry, once published, is never erased while the server
+ * runs. Its methods send events to the charts and wait for their answers.
  */
 export class Supervisor {
-  readonly actor: Actor<typeof supervisorMachine>;
+  /** The system root: `starting -> running -> draining -> stopped`; emits `drain`. */
+  readonly root: Actor<typeof systemMachine>;
+  /** The supervisor chart (the root's child, `systemId` `supervisor`). */
+  readonly actor: ActorRefFrom<typeof supervisorMachine>;
   private readonly entries = new Map<string, ModelEntry>();
   private readonly catalog = new Map<string, ModelConfig>();
   private readonly baseLoader: ModelLoader;
-  private readonly loader: ModelLoader;
   private readonly probe: MemoryProbe;
-  private readonly gate = new Gate();
   /** Models whose slots exist: from the end of their load until their pool has closed (retiring included). */
   private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
   private readonly measuredPerSlot = new Map<string, number>();
-  private idleTimer: NodeJS.Timeout | null = null;
-  private changeWaiters: (() => void)[] = [];
-  /** Models unloaded to make room (LRU eviction) or for being idle, since start. */
-  evictions = 0;
 
   readonly metrics: Metrics;
   readonly log: Logger;
@@ -65,16 +265,22 @@ export class Supervisor {
     this.metrics = options.metrics ?? new Metrics();
     this.log = options.log ?? createLogger('silent');
     this.baseLoader = options.loader ?? createLoader(new WeightBundles());
-    this.loader = (c) => this.coldLoad(c);
     this.probe = options.memoryProbe ?? availableMemory;
     this.inspect = options.inspect;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
-    this.actor = createActor(supervisorMachine, { inspect: options.inspect, id: 'supervisor' });
-    this.actor.subscribe({ error: () => {} });
-    this.actor.start();
+    const guarded = this.guarded;
+    const supervisor = supervisorMachine.provide({
+      actions: { measureRoom: assign({ room: ({ context }) => this.measureRoom(context.current!, context.refused) }) },
+      guards: { guarded: () => guarded },
+    });
+    this.root = createActor(systemMachine.provide({ actors: { supervisor } }), { inspect: options.inspect, id: 'system' });
+    // Every chart handles its own errors; the error observer keeps one from crashing the process.
+    this.root.subscribe({ error: (e) => this.log.error({ err: e }, 'actor system error') });
+    this.root.start();
+    this.actor = this.root.system.get('supervisor') as ActorRefFrom<typeof supervisorMachine>;
   }
 
-  /** Loads the config's non-lazy models, then accepts work. Load failures are kept in `last_error`. */
+  /** Loads the config's non-lazy models, then accepts work (`STARTED`). Load failures are kept in `last_error`. */
   async start(): Promise<void> {
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
@@ -88,58 +294,68 @@ export class Supervisor {
         }
       }),
     );
-    this.actor.send({ type: 'STARTED' });
-    // Checks a few times per idle period (at least every second, for per-model keep_alive_ms).
-    const idle = this.config.idle_unload_ms;
-    this.idleTimer = setInterval(() => this.unloadIdle(), idle > 0 ? Math.max(10, Math.min(1000, idle / 4)) : 1000);
-    this.idleTimer.unref();
+    this.root.send({ type: 'STARTED' });
   }
 
-  /** True when cold loads pass through the supervisor one at a time (C11). */
+  /** True when cold loads pass through the supervisor's gate one at a time (C11). */
   get guarded(): boolean {
     return this.config.max_loaded_models > 0 || this.config.min_free_memory_mb > 0;
   }
 
-  /**
-   * Every load of every model comes here (the model entries' loader). With a limit on, loads run
-   * one at a time, each first making room; warm inference never passes here. The footprint is
-   * measured as the growth of process RSS over the load (noisy when unguarded loads overlap).
-   */
-  private async coldLoad(config: ModelConfig): Promise<LoadedModel> {
-    const load = async (): Promise<LoadedModel> => {
-      if (this.guarded) await this.makeRoom(config);
-      const before = process.memoryUsage().rss;
-      const t0 = performance.now();
-      let loaded: LoadedModel;
-      try {
-        loaded = await this.baseLoader(config);
-      } catch (e) {
-        this.metrics.loads.inc({ model: config.id, outcome: 'error' });
-        throw e;
-      }
-      this.metrics.loads.inc({ model: config.id, outcome: loaded?.pool ? 'ok' : 'error' });
-      this.metrics.loadDuration.observe({ model: config.id }, (performance.now() - t0) / 1000);
-      if (loaded?.pool) {
-        loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before);
-        if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
-        this.entries.get(config.id)?.touch();
-        this.resident.add(config.id);
-        const close = loaded.close;
-        loaded.close = async () => {
-          try {
-            await close();
-          } finally {
-            this.resident.delete(config.id);
-            this.changed();
-          }
-        };
-      }
-      return loaded;
+  /** The chart's `measureRoom`: what is resident, retiring and evictable now, and the free memory. */
+  private measureRoom(target: PendingLoad, refused: string[]): RoomFigures {
+    const others = [...this.resident].filter((id) => id !== target.id).map((id) => this.entries.get(id)!);
+    const headroom = this.config.min_free_memory_mb * 1024 * 1024;
+    return {
+      target: target.id,
+      needed_bytes: target.needed_bytes,
+      headroom_bytes: headroom,
+      free_bytes: headroom > 0 ? this.probe() : null,
+      max_loaded: this.config.max_loaded_models,
+      resident: others.map((e) => e.id),
+      retiring: others.filter((e) => e.state !== 'ready').map((e) => e.id),
+      candidates: others
+        .filter((e) => e.idle && !refused.includes(e.id))
+        .sort((a, b) => (a.lastUsed ?? 0) - (b.lastUsed ?? 0))
+        .map((e) => e.id),
     };
-    return this.guarded ? this.gate.run(load) : load();
   }
 
-  /** Footprint of `config`: measured per slot if it has loaded before, else estimated from its files. */
+  /**
+   * The loader every model entry's `residency` actor calls once the gate granted its load. The
+   * footprint is measured as the growth of process RSS over the load (noisy when unguarded loads
+   * overlap); the model counts as resident from then until its pool has closed.
+   */
+  private readonly loadPool = async (config: ModelConfig): Promise<LoadedModel> => {
+    const before = process.memoryUsage().rss;
+    const t0 = performance.now();
+    let loaded: LoadedModel;
+    try {
+      loaded = await this.baseLoader(config);
+    } catch (e) {
+      this.metrics.loads.inc({ model: config.id, outcome: 'error' });
+      throw e;
+    }
+    this.metrics.loads.inc({ model: config.id, outcome: loaded?.pool ? 'ok' : 'error' });
+    this.metrics.loadDuration.observe({ model: config.id }, (performance.now() - t0) / 1000);
+    if (loaded?.pool) {
+      loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before);
+      if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
+      this.resident.add(config.id);
+      const close = loaded.close;
+      loaded.close = async () => {
+        try {
+          await close();
+        } finally {
+          this.resident.delete(config.id);
+          this.changed();
+        }
+      };
+    }
+    return loaded;
+  };
+
+  /** Footprint of `config`, bytes: measured per slot if it has loaded before, else estimated from its files. */
   async footprint(config: ModelConfig): Promise<number> {
     const perSlot = this.measuredPerSlot.get(config.id);
     if (perSlot !== undefined) return perSlot * config.slots;
@@ -149,125 +365,27 @@ export class Supervisor {
     return estimateFootprint(config, bytes);
   }
 
-  /**
-   * Makes room for `target` (C12, C13), holding the load gate. Retiring models (being unloaded)
-   * are not counted as resident but are waited for; victims are the least recently used ready
-   * models whose exclusive lease can be taken at once (never busy, queued, loading or held):
-   * exactly as many as needed. While too few are idle, it waits for a lease release or state
-   * change, up to the model's busy timeout. Memory is then checked against the probe (never a
-   * status flag), evicting more idle models while it is short.
-   * @throws VoxError `server_busy` when no model became evictable in time; `insufficient_memory`
-   *   when the estimate plus headroom exceeds the available memory, with the figures.
-   */
-  private async makeRoom(target: ModelConfig): Promise<void> {
-    const max = this.config.max_loaded_models;
-    const timeout = this.entries.get(target.id)?.busyTimeoutMs ?? this.config.busy_timeout_ms;
-    const deadline = timeout > 0 ? Date.now() + timeout : Infinity;
-    /** Waits for the next release or state change; false once the deadline has passed. */
-    const wait = (): Promise<boolean> => this.nextChange(deadline);
-    const others = (): ModelEntry[] => [...this.resident].filter((id) => id !== target.id).map((id) => this.entries.get(id)!);
-    const isRetiring = (e: ModelEntry): boolean => e.state === 'unloading' || e.state === 'reconfiguring' || e.state === 'unloaded';
-    for (;;) {
-      const live = others();
-      const need = max > 0 ? live.length + 1 - max : 0;
-      if (need <= 0) break;
-      const retiring = live.filter(isRetiring).length;
-      if (retiring < need) {
-        const victims = this.takeVictims(live, need - retiring);
-        if (victims) {
-          await this.evict(victims);
-          continue;
-        }
-      }
-      // Wait for retiring models' workers to exit, or for a busy model to become idle.
-      if (!(await wait())) {
-        throw new VoxError('server_busy', `cannot load ${target.id}: max_loaded_models (${max}) reached and no model became idle to evict within the busy timeout`, {
-          retryAfterS: 1,
-        });
-      }
-    }
-    const headroom = this.config.min_free_memory_mb * 1024 * 1024;
-    if (headroom <= 0) return;
-    const estimate = await this.footprint(target);
-    for (;;) {
-      const available = this.probe();
-      if (estimate + headroom <= available) return;
-      const live = others();
-      if (!live.some(isRetiring)) {
-        const victims = this.takeVictims(live, 1);
-        if (victims) {
-          await this.evict(victims);
-          continue;
-        }
-      }
-      if (!live.length || !(await wait())) {
-        throw new VoxError(
-          'insufficient_memory',
-          `cannot load ${target.id}: needs about ${mib(estimate)} plus ${mib(headroom)} of headroom (min_free_memory_mb), but only ${mib(available)} is available`,
-          { retryAfterS: 5 },
-        );
-      }
-    }
-  }
-
-  /** Try-acquires `count` least recently used ready models; null (and nothing held) if fewer are free. */
-  private takeVictims(candidates: ModelEntry[], count: number): { entry: ModelEntry; lease: Lease }[] | null {
-    const lru = candidates.filter((e) => e.state === 'ready').sort((a, b) => (a.lastUsed ?? 0) - (b.lastUsed ?? 0));
-    const taken: { entry: ModelEntry; lease: Lease }[] = [];
-    for (const entry of lru) {
-      if (taken.length === count) break;
-      const lease = entry.admission.tryAcquire(true);
-      if (lease) taken.push({ entry, lease });
-    }
-    if (taken.length === count) return taken;
-    for (const t of taken) t.lease.release();
-    return null;
-  }
-
-  private async evict(victims: { entry: ModelEntry; lease: Lease }[]): Promise<void> {
-    this.evictions += victims.length;
-    for (const v of victims) {
-      this.metrics.evictions.inc({ model: v.entry.id });
-      v.entry.log.info({ reason: 'make room' }, 'evict');
-    }
-    await Promise.all(victims.map((v) => v.entry.unloadUnder(Promise.resolve(v.lease))));
-  }
-
+  /** Tells the gate that room may have changed, when it is waiting for that. */
   private changed(): void {
-    const waiters = this.changeWaiters;
-    this.changeWaiters = [];
-    for (const w of waiters) w();
+    const s = this.actor.getSnapshot();
+    if (s.status === 'active' && (s.matches('waitingForRelease') || s.matches('waitingForMemory'))) this.actor.send({ type: 'MODEL_CHANGED' });
   }
 
-  /** Resolves true at the next lease release or model state change, false at `deadline` (ms since the epoch). */
-  private nextChange(deadline: number): Promise<boolean> {
-    if (Date.now() >= deadline) return Promise.resolve(false);
-    return new Promise((resolve) => {
-      const timer = deadline === Infinity ? null : setTimeout(() => resolve(false), deadline - Date.now());
-      this.changeWaiters.push(() => {
-        if (timer) clearTimeout(timer);
-        resolve(true);
-      });
-    });
-  }
-
-  /** Idle unload (C14): a ready model unused for longer than its keep-alive is try-acquired and unloaded; a busy one is skipped. */
-  private unloadIdle(now = Date.now()): void {
-    for (const e of this.entries.values()) {
-      const keepAlive = e.config.keep_alive_ms ?? this.config.idle_unload_ms;
-      if (e.state !== 'ready' || keepAlive <= 0 || now - (e.lastUsed ?? 0) <= keepAlive) continue;
-      const lease = e.admission.tryAcquire(true);
-      if (!lease) continue;
-      this.evictions++;
-      this.metrics.evictions.inc({ model: e.id });
-      e.log.info({ reason: 'idle', idle_ms: now - (e.lastUsed ?? 0) }, 'evict');
-      void e.unloadUnder(Promise.resolve(lease));
-    }
+  /** Models evicted (LRU, memory or idle) since start. */
+  get evictions(): number {
+    let n = 0;
+    for (const e of this.entries.values()) n += e.evictions;
+    return n;
   }
 
   /** True while accepting work (`/ready`). */
   get accepting(): boolean {
-    return this.actor.getSnapshot().value === 'running';
+    return this.root.getSnapshot().value === 'running';
+  }
+
+  /** The root's state: `starting`, `running`, `draining` or `stopped`. */
+  get phase(): string {
+    return this.root.getSnapshot().value as string;
   }
 
   /** The entry for `id`, registering it from the catalog on first use; undefined if unknown. */
@@ -288,19 +406,26 @@ export class Supervisor {
     return e;
   }
 
+  /** Registers `config` (`REGISTER`: the supervisor spawns its chart as `model:<id>`) and publishes the entry. */
   private publish(config: ModelConfig, before?: (entry: ModelEntry) => void): ModelEntry {
-    const entry = new ModelEntry(config, this.loader, this.config.busy_timeout_ms, {
+    const headroom = this.config.min_free_memory_mb > 0;
+    const entry = new ModelEntry(config, {
+      loader: this.loadPool,
+      footprint: (c) => (headroom ? this.footprint(c) : Promise.resolve(0)),
+      serverBusyTimeoutMs: this.config.busy_timeout_ms,
+      serverIdleUnloadMs: this.config.idle_unload_ms,
       onChange: () => this.changed(),
-      inspect: this.inspect,
       log: this.log.child({ model: config.id }),
       metrics: this.metrics,
+      spawn: (logic, id) => {
+        this.actor.send({ type: 'REGISTER', id, logic, input: { config, serverIdleUnloadMs: this.config.idle_unload_ms } });
+        return this.actor.getSnapshot().context.entries[id] as ModelActor;
+      },
     });
     before?.(entry);
     this.entries.set(config.id, entry);
-    this.actor.send({ type: 'REGISTERED', id: config.id });
     return entry;
   }
-
   /**
    * `POST /v1/models/load`: registers a new model (validated first) and loads it, or
    * reconfigures / loads an existing one.
@@ -372,9 +497,9 @@ export class Supervisor {
     return c ? unregisteredStatus(c) : undefined;
   }
 
-  /** Stops accepting work (`/ready` answers 503). */
+  /** Stops accepting work (`/ready` answers 503): the root goes `draining` and emits `drain`. */
   beginShutdown(): void {
-    this.actor.send({ type: 'SHUTDOWN' });
+    this.root.send({ type: 'SHUTDOWN' });
   }
 
   /** Shutdown past the drain deadline: every queued request gets `err`, every lease holder is revoked. */
@@ -385,9 +510,8 @@ export class Supervisor {
   /** Unloads every model (each waits at most `timeoutMs` for its running requests), then stops. */
   async stop(timeoutMs: number): Promise<void> {
     this.beginShutdown();
-    if (this.idleTimer) clearInterval(this.idleTimer);
     await Promise.all([...this.entries.values()].map((e) => e.stop(timeoutMs)));
-    this.actor.send({ type: 'STOPPED' });
+    this.root.send({ type: 'STOPPED' });
   }
 }
 
@@ -407,16 +531,8 @@ function unregisteredStatus(c: ModelConfig): ModelStatus {
     last_used_at: null,
     last_error: null,
     retiring: false,
+    last_eviction: null,
     processing_lag_ms: null,
   };
 }
 
-/** A FIFO mutex: `run` calls run one at a time, in call order. */
-class Gate {
-  private tail: Promise<unknown> = Promise.resolve();
-  run<T>(fn: () => Promise<T>): Promise<T> {
-    const result = this.tail.then(fn);
-    this.tail = result.catch(() => {});
-    return result;
-  }
-}

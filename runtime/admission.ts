@@ -58,11 +58,12 @@ export class Admission {
 
   /**
    * @param places max concurrent leases (the model's `max_streams`).
-   * @param onRelease called after every release (the supervisor waits on it for capacity).
+   * @param onChange called after every change of the leases held or the queue (grant, release,
+   *   enqueue, leave): the model entry mirrors them into its chart.
    */
   constructor(
     private places: number,
-    private readonly onRelease: () => void = () => {},
+    private readonly onChange: () => void = () => {},
   ) {}
 
   /** Leases held now. */
@@ -89,6 +90,7 @@ export class Admission {
   setPlaces(places: number): void {
     this.places = places;
     this.dispatch();
+    this.onChange();
   }
 
   /**
@@ -99,7 +101,11 @@ export class Admission {
   acquire(opts: AcquireOptions = {}): Promise<Lease> {
     const exclusive = opts.exclusive ?? false;
     if (opts.signal?.aborted) return Promise.reject(new DOMException('the client went away', 'AbortError'));
-    if (this.queue.length === 0 && this.canGrant(exclusive)) return Promise.resolve(this.grant(exclusive, opts.onRevoke));
+    if (this.queue.length === 0 && this.canGrant(exclusive)) {
+      const lease = this.grant(exclusive, opts.onRevoke);
+      this.onChange();
+      return Promise.resolve(lease);
+    }
     return new Promise<Lease>((resolve, reject) => {
       const w: Waiter = {
         exclusive,
@@ -119,6 +125,7 @@ export class Admission {
         w.cleanup();
         reject(err);
         this.dispatch();
+        this.onChange();
       };
       const onAbort = (): void => leave(new DOMException('the client went away', 'AbortError'));
       if (opts.timeoutMs && opts.timeoutMs > 0) {
@@ -129,12 +136,16 @@ export class Admission {
       }
       opts.signal?.addEventListener('abort', onAbort, { once: true });
       this.queue.push(w);
+      this.onChange();
     });
   }
 
   /** Takes a lease only if it can be granted now without waiting; otherwise null. */
   tryAcquire(exclusive = false): Lease | null {
-    return this.queue.length === 0 && this.canGrant(exclusive) ? this.grant(exclusive) : null;
+    if (this.queue.length !== 0 || !this.canGrant(exclusive)) return null;
+    const lease = this.grant(exclusive);
+    this.onChange();
+    return lease;
   }
 
   /**
@@ -146,6 +157,7 @@ export class Admission {
       w.cleanup();
       w.reject(err);
     }
+    this.onChange();
     for (const [lease, revoke] of [...this.revokers]) {
       revoke(err);
       lease.release();
@@ -170,7 +182,7 @@ export class Admission {
         this.revokers.delete(lease);
         if (this.exclusiveLease === lease) this.exclusiveLease = null;
         this.dispatch();
-        this.onRelease();
+        this.onChange();
       },
     };
     if (exclusive) this.exclusiveLease = lease;

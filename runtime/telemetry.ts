@@ -27,7 +27,7 @@ export class Metrics {
   readonly queueWait = new Histogram({ name: 'voxserve_queue_wait_seconds', help: 'Time from arrival to lease', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
   readonly loads = new Counter({ name: 'voxserve_loads_total', help: 'Model loads by outcome (ok, error)', labelNames: ['model', 'outcome'], registers: [this.registry] });
   readonly loadDuration = new Histogram({ name: 'voxserve_load_duration_seconds', help: 'Model load time', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
-  readonly evictions = new Counter({ name: 'voxserve_evictions_total', help: 'Models unloaded to make room or for being idle', labelNames: ['model'], registers: [this.registry] });
+  readonly evictions = new Counter({ name: 'voxserve_evictions_total', help: 'Models unloaded to make room (reason lru or memory) or for being idle (reason idle)', labelNames: ['model', 'reason'], registers: [this.registry] });
   readonly wsClosed = new Counter({ name: 'voxserve_ws_closed_total', help: 'WebSocket streams closed, by close code', labelNames: ['code'], registers: [this.registry] });
   readonly queued = new Gauge({ name: 'voxserve_queued_requests', help: 'Requests waiting for a lease', labelNames: ['model'], registers: [this.registry] });
   readonly activeSlots = new Gauge({ name: 'voxserve_active_slots', help: 'Slots running a job', labelNames: ['model'], registers: [this.registry] });

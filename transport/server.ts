@@ -119,7 +119,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const timeout = config.busy_timeout_ms;
     if (method === 'GET' && path === '/health') return sendJson(res, 200, { status: 'ok', models: supervisor.statuses().length });
     if (method === 'GET' && path === '/ready') {
-      return supervisor.accepting ? sendJson(res, 200, { status: 'ready' }) : sendJson(res, 503, { status: supervisor.actor.getSnapshot().value });
+      return supervisor.accepting ? sendJson(res, 200, { status: 'ready' }) : sendJson(res, 503, { status: supervisor.phase });
     }
     if (method === 'GET' && path === '/v1/models') return sendJson(res, 200, { models: supervisor.statuses() });
     if (method === 'GET' && path === '/metrics') {

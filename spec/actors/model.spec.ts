@@ -31,7 +31,7 @@ function fakeLoader(opts: { fail?: () => string | null; delayMs?: number } = {})
 describe('ModelEntry', () => {
   it('shares one load between concurrent first requests (single flight)', async () => {
     const f = fakeLoader({ delayMs: 20 });
-    const e = new ModelEntry(config, f.loader);
+    const e = new ModelEntry(config, { loader: f.loader });
     const results = await Promise.all([e.ensureReady(), e.ensureReady(), e.ensureReady()]);
     expect(f.calls).toHaveLength(1);
     expect(new Set(results).size).toBe(1);
@@ -42,7 +42,7 @@ describe('ModelEntry', () => {
   it('leaves a failed load unloaded with last_error, and a retry loads it', async () => {
     let failures = 1;
     const f = fakeLoader({ fail: () => (failures-- > 0 ? 'bad weights' : null) });
-    const e = new ModelEntry(config, f.loader);
+    const e = new ModelEntry(config, { loader: f.loader });
     await expect(e.ensureReady()).rejects.toThrow(/failed to load: bad weights/);
     expect(e.status()).toMatchObject({ state: 'unloaded', loaded: false, last_error: 'bad weights', resident_bytes: 0 });
     await e.ensureReady();
@@ -52,7 +52,7 @@ describe('ModelEntry', () => {
 
   it('a dying slot unloads the model with last_error; the next request loads it again', async () => {
     const f = fakeLoader();
-    const e = new ModelEntry(config, f.loader);
+    const e = new ModelEntry(config, { loader: f.loader });
     await e.ensureReady();
     f.kills[0](new Error('worker exited with code 1'));
     await new Promise((r) => setTimeout(r, 10));
@@ -63,7 +63,7 @@ describe('ModelEntry', () => {
 
   it('configure: an identical config does nothing; a changed one reloads with the merged config', async () => {
     const f = fakeLoader();
-    const e = new ModelEntry(config, f.loader);
+    const e = new ModelEntry(config, { loader: f.loader });
     await e.ensureReady();
     expect(await e.configure({}, 1000)).toEqual({ reconfigured: false });
     expect(f.calls).toHaveLength(1);
@@ -75,7 +75,7 @@ describe('ModelEntry', () => {
 
   it('configure: an invalid config is refused with the field named and leaves the model untouched', async () => {
     const f = fakeLoader();
-    const e = new ModelEntry(config, f.loader);
+    const e = new ModelEntry(config, { loader: f.loader });
     const before = await e.ensureReady();
     await expect(e.configure({ slots: 17 }, 1000)).rejects.toThrow(/slots/);
     await expect(e.configure({ options: { threshold: 2 } }, 1000)).rejects.toThrow(/options\.threshold/);
@@ -85,7 +85,7 @@ describe('ModelEntry', () => {
 
   it('unload waits for running requests (exclusive lease) and is idempotent', async () => {
     const f = fakeLoader();
-    const e = new ModelEntry(config, f.loader);
+    const e = new ModelEntry(config, { loader: f.loader });
     const lease = await e.admission.acquire();
     await e.ensureReady();
     const unloading = e.unload(1000);

@@ -1,0 +1,29 @@
+import { emit, setup, type AnyActorLogic } from 'xstate';
+
+/** Events of the system root. */
+export type SystemEvent = { type: 'STARTED' } | { type: 'SHUTDOWN' } | { type: 'STOPPED' };
+
+/** What the root emits to whoever listens (`root.on('drain', ...)`): socket actors drain on it. */
+export type SystemEmitted = { type: 'drain' };
+
+/**
+ * The system root (DESIGN.md section 2), one per server: `starting` (eager models loading) ->
+ * `running` (accepting work) -> `draining` (shutdown: nothing new accepted; emits `drain`, which
+ * every socket actor listens to) -> `stopped`. It invokes the supervisor with `systemId`
+ * `supervisor`; model entries are the supervisor's children (`model:<id>`). Socket actors are
+ * root actors of their own that share the inspector and listen to `drain`.
+ */
+export const systemMachine = setup({
+  types: { events: {} as SystemEvent, emitted: {} as SystemEmitted },
+  actors: { supervisor: {} as AnyActorLogic },
+}).createMachine({
+  id: 'system',
+  invoke: { id: 'supervisor', systemId: 'supervisor', src: 'supervisor' },
+  initial: 'starting',
+  states: {
+    starting: { on: { STARTED: 'running', SHUTDOWN: 'draining' } },
+    running: { on: { SHUTDOWN: 'draining' } },
+    draining: { entry: emit({ type: 'drain' }), on: { STOPPED: 'stopped' } },
+    stopped: { type: 'final' },
+  },
+});
