@@ -51,21 +51,56 @@ export interface InspectionRecord {
   at: number;
   /** `@xstate.event`, `@xstate.snapshot`, `@xstate.actor` */
   kind: string;
-  /** The actor's id: `supervisor` or `model:<model id>`. */
+  /** The actor's id: `system`, `supervisor`, `model:<model id>` or `socket:<n>`. */
   actor: string;
   /** The event's type (the event that caused a snapshot, for snapshots). */
   event?: string;
-  /** The state value, for snapshots. */
-  state?: unknown;
+  /** The event's fields (primitives, actor refs as their id, `error` objects), for events. */
+  payload?: Record<string, unknown>;
+  /** The state as a dotted path (`resident.ready.idle`), for snapshots. */
+  state?: string;
+  /** The chart's figures worth showing (the supervisor's room, waiting load and victim), for snapshots. */
+  context?: Record<string, unknown>;
 }
+
+/** Events too frequent to keep (mirrors of counters) or too large to serialise. */
+const QUIET_EVENTS = new Set(['LEASES', 'xstate.init']);
+
+/** A state value as a dotted path; parallel regions joined with `, `. */
+export function statePath(value: unknown): string {
+  if (typeof value === 'string') return value;
+  if (!value || typeof value !== 'object') return String(value);
+  return Object.entries(value as Record<string, unknown>)
+    .map(([k, v]) => (v && (typeof v !== 'object' || Object.keys(v).length) ? `${k}.${statePath(v)}` : k))
+    .join(', ');
+}
+
+/** An event's fields made JSON-safe: primitives, arrays of primitives, actor refs by id, `{type, message}` errors. */
+function payloadOf(event: Record<string, unknown>): Record<string, unknown> | undefined {
+  const out: Record<string, unknown> = {};
+  for (const [k, v] of Object.entries(event)) {
+    if (k === 'type') continue;
+    if (v === null || ['string', 'number', 'boolean'].includes(typeof v)) out[k] = v;
+    else if (Array.isArray(v) && v.every((x) => typeof x !== 'object')) out[k] = v;
+    else if (v && typeof v === 'object' && 'sessionId' in v && 'id' in v) out[k] = (v as { id: string }).id;
+    else if (v instanceof Error) out[k] = { type: (v as { type?: string }).type ?? v.name, message: v.message };
+    else if (v && typeof v === 'object' && 'message' in v) out[k] = { type: (v as { type?: unknown }).type, message: (v as { message: unknown }).message };
+  }
+  return Object.keys(out).length ? out : undefined;
+}
+
+/** Context fields shown with snapshots (the supervisor's decisions). */
+const SHOWN_CONTEXT = ['room', 'victim', 'waitingFor', 'evicted', 'lastError'];
 
 /**
  * A bounded ring buffer of inspection records with live subscribers (`/debug/actors`).
- * `inspect` is the observer given to XState's `createActor(..., { inspect })`.
+ * `inspect` is the observer given to XState's `createActor(..., { inspect })`. Snapshots are kept
+ * only when an actor's state changes; promise and callback actors are left out.
  */
 export class InspectionLog {
   private readonly buffer: InspectionRecord[] = [];
   private readonly subscribers = new Set<(r: InspectionRecord) => void>();
+  private readonly lastState = new Map<string, string>();
   private seq = 0;
 
   /** @param capacity records kept. */
@@ -74,11 +109,24 @@ export class InspectionLog {
   readonly inspect = (e: InspectionEvent): void => {
     if (e.type !== '@xstate.snapshot' && e.type !== '@xstate.event' && e.type !== '@xstate.actor') return;
     const actor = (e.actorRef as { id?: string }).id ?? '';
-    // Promise actors (loads, closes) are part of their model: keep only the state charts.
-    if (!actor.startsWith('model:') && actor !== 'supervisor') return;
+    if (!/^(system$|supervisor$|model:|socket:)/.test(actor)) return;
     const r: InspectionRecord = { seq: ++this.seq, at: Date.now(), kind: e.type, actor };
-    if (e.type !== '@xstate.actor') r.event = e.event.type;
-    if (e.type === '@xstate.snapshot') r.state = (e.snapshot as { value?: unknown }).value;
+    if (e.type === '@xstate.event') {
+      if (QUIET_EVENTS.has(e.event.type)) return;
+      r.event = e.event.type;
+      r.payload = payloadOf(e.event as Record<string, unknown>);
+    }
+    if (e.type === '@xstate.snapshot') {
+      const snapshot = e.snapshot as { value?: unknown; status?: string; context?: Record<string, unknown> };
+      const state = snapshot.status === 'stopped' ? 'stopped' : statePath(snapshot.value);
+      if (this.lastState.get(actor) === state) return;
+      if (state === 'stopped') this.lastState.delete(actor);
+      else this.lastState.set(actor, state);
+      r.event = e.event.type;
+      r.state = state;
+      const shown = SHOWN_CONTEXT.filter((k) => snapshot.context?.[k] != null);
+      if (shown.length) r.context = Object.fromEntries(shown.map((k) => [k, snapshot.context![k]]));
+    }
     this.buffer.push(r);
     if (this.buffer.length > this.capacity) this.buffer.shift();
     for (const s of this.subscribers) s(r);
