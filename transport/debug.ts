@@ -2,7 +2,8 @@ import type { ServerResponse } from 'node:http';
 import { modelMachine } from '../actors/model.js';
 import type { Supervisor } from '../actors/supervisor.js';
 import type { InspectionLog } from '../runtime/telemetry.js';
-import type { StreamConnection } from './stream.js';
+import { streamPhase } from '../actors/stream.js';
+import type { StreamLink } from './stream.js';
 
 /** The model entry state chart as data: states and their transitions (event -> target). */
 export function modelChart(): { states: string[]; transitions: { from: string; event: string; to: string }[] } {
@@ -18,9 +19,12 @@ export function modelChart(): { states: string[]; transitions: { from: string; e
 }
 
 /** `GET /debug/state`: the supervisor's state, the chart, every model's status, streams by state, recent transitions. */
-export function debugState(supervisor: Supervisor, streams: ReadonlySet<StreamConnection>, inspection: InspectionLog | null): unknown {
+export function debugState(supervisor: Supervisor, streams: ReadonlySet<StreamLink>, inspection: InspectionLog | null): unknown {
   const byState: Record<string, number> = { open: 0, streaming: 0, draining: 0 };
-  for (const s of streams) byState[s.state] = (byState[s.state] ?? 0) + 1;
+  for (const s of streams) {
+    const phase = streamPhase(s.actor);
+    byState[phase] = (byState[phase] ?? 0) + 1;
+  }
   return {
     inspect: inspection !== null,
     supervisor: supervisor.actor.getSnapshot().value,

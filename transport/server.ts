@@ -16,7 +16,8 @@ import { confinePath } from '../runtime/paths.js';
 import type { ModelConfig } from '../runtime/config.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
 import { handleBatch, handleRun, parseJsonObject, readBody, sendError, sendJson } from './http.js';
-import { StreamConnection } from './stream.js';
+import { createStreamSocket } from '../actors/stream.js';
+import { bindStream, type StreamLink } from './stream.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -24,8 +25,8 @@ export interface VoxServer {
   readonly http: Server;
   /** `http://host:port` once listening. */
   readonly url: string;
-  /** Live WebSocket streams. */
-  readonly streams: ReadonlySet<StreamConnection>;
+  /** Live WebSocket streams (until their lease is released). */
+  readonly streams: ReadonlySet<StreamLink>;
   /** HTTP requests being handled. */
   readonly inflight: ReadonlySet<Promise<void>>;
   /**
@@ -108,7 +109,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const inspected = await inspection(config);
   const supervisor = new Supervisor(config, { ...options, log, metrics, inspect: inspected.inspect });
   const sse = new Set<ServerResponse>();
-  const streams = new Set<StreamConnection>();
+  const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
   const shuttingDown = (): VoxError => new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
 
@@ -129,7 +130,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
         metrics.resident.set({ model: m.id }, m.resident_bytes);
       }
       metrics.wsConnections.set(streams.size);
-      metrics.wsBuffered.set([...streams].reduce((n, s) => n + s.bufferedBytes, 0));
+      metrics.wsBuffered.set([...streams].reduce((n, s) => n + s.ws.bufferedAmount, 0));
       const text = await metrics.registry.metrics();
       res.writeHead(200, { 'content-type': metrics.registry.contentType });
       return void res.end(text);
@@ -246,9 +247,15 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     if (streams.size >= config.limits.max_ws_connections) return refuse(503, 'Service Unavailable', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
     wss.handleUpgrade(req, socket, head, (ws) => {
       const protocol = (ws.protocol || SUBPROTOCOLS[0]) as Subprotocol;
-      const conn = new StreamConnection(ws, protocol, supervisor, config, (c) => streams.delete(c));
-      streams.add(conn);
-      void conn.start(req);
+      const actor = createStreamSocket({ url: req.url ?? '/', limits: config.limits, registry: supervisor }, inspected.inspect);
+      // Shutdown phase 2: the root's `drain` reaches every socket actor.
+      const unsubscribe = supervisor.root.on('drain', () => actor.send({ type: 'DRAIN' }));
+      const link = bindStream(ws, actor, protocol, config.limits);
+      streams.add(link);
+      void link.released.then(() => {
+        unsubscribe.unsubscribe();
+        streams.delete(link);
+      });
     });
   });
 
@@ -271,9 +278,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     supervisor.beginShutdown();
     log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, requests: inflight.size }, 'shutting down');
     for (const res of sse) res.end();
-    // Phase 2: running work finishes; streams get their last events and `done`.
-    for (const s of streams) s.drainForShutdown();
-    const drained = Promise.all([...[...streams].map((s) => s.closedSignal), ...inflight]);
+    // Phase 2 (the root's `drain`, sent by beginShutdown): running work finishes; streams get their last events and `done`.
+    const drained = Promise.all([...[...streams].map((s) => s.released), ...inflight]);
     let timer: NodeJS.Timeout | undefined;
     await Promise.race([
       drained,
@@ -286,9 +292,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Phase 3: what is left is cut off; the listener and every connection close.
     const listenerClosed = new Promise<void>((resolve) => http.close(() => resolve()));
     http.closeIdleConnections();
-    for (const s of streams) s.goAway('server shutting down: drain deadline passed');
+    for (const s of streams) s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
     supervisor.revokeAll(shuttingDown());
-    await Promise.all([...[...streams].map((s) => s.closedSignal), ...inflight]);
+    await Promise.all([...[...streams].map((s) => s.released), ...inflight]);
     http.closeAllConnections();
     for (const c of wss.clients) c.terminate();
     // Phase 4: unload every model.

@@ -113,7 +113,7 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
     expect(h.status).toBe(200);
     await until(() => quiet.streams.size === 0, 10_000);
     expect(quiet.supervisor.status('silero-vad')).toMatchObject({ active_leases: 0, queued_requests: 0 });
-    expect(conn.cutReason).toMatch(/client is not reading: (over limits\.ws_max_buffered_bytes|a send waited over limits\.send_timeout_ms)/);
+    expect(conn.actor.getSnapshot().context.cutReason).toMatch(/client is not reading: (over limits\.ws_max_buffered_bytes|a send waited over limits\.send_timeout_ms)/);
     s.ws.terminate();
     await quiet.close();
   });

@@ -1,0 +1,537 @@
+import { randomUUID } from 'node:crypto';
+import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, type Actor, type InspectionEvent } from 'xstate';
+import type { Lease } from '../runtime/admission.js';
+import { checkFormat, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
+import { MAX_TIMEOUT_MS, type Limits } from '../runtime/config.js';
+import { invalid, toVoxError } from '../runtime/errors.js';
+import type { Job, VadJob } from '../runtime/slot-protocol.js';
+import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
+import type { Supervisor } from './supervisor.js';
+
+/** WebSocket close codes (DESIGN.md section 4). */
+export const CLOSE = { NORMAL: 1000, GOING_AWAY: 1001, POLICY: 1008, TOO_LARGE: 1009, INTERNAL: 1011, FORCE_UNLOAD: 1012, BUSY: 1013 } as const;
+
+/** What a stream asks for in its query string. */
+export interface StreamParams {
+  model: string;
+  /** Hz of the audio the client sends. */
+  sampleRate: number;
+  encoding: PcmEncoding;
+  channels: number;
+  /** The request's own busy timeout, ms. */
+  busyTimeoutMs?: number;
+}
+
+function intParam(url: URL, name: string, dflt: number | undefined): number | undefined {
+  const raw = url.searchParams.get(name);
+  if (raw === null || raw === '') return dflt;
+  if (!/^\d{1,10}$/.test(raw) || Number(raw) > MAX_TIMEOUT_MS) throw invalid(`${name}: must be an integer from 0 to ${MAX_TIMEOUT_MS}, got '${raw.slice(0, 32)}'`);
+  return Number(raw);
+}
+
+/**
+ * Parses `/v1/stream?model=&sample_rate=&encoding=&channels=&busy_timeout_ms=`.
+ * @throws VoxError `invalid_request_error` naming the bad query parameter.
+ */
+export function parseStreamParams(url: URL): StreamParams {
+  const model = url.searchParams.get('model');
+  if (!model) throw invalid('model: required query parameter');
+  const encoding = url.searchParams.get('encoding') ?? 's16le';
+  if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid(`encoding: must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
+  const params = {
+    model,
+    encoding: encoding as PcmEncoding,
+    sampleRate: intParam(url, 'sample_rate', 16_000)!,
+    channels: intParam(url, 'channels', 1)!,
+    busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined),
+  };
+  checkFormat(params.sampleRate, params.channels);
+  return params;
+}
+
+/** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */
+const MAX_JOB_WINDOWS = 64;
+
+/** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
+const MAX_EARLY_BYTES = 4 * 1024 * 1024;
+
+/** Unprocessed audio (16 kHz samples) above which a stream stops reading its socket: 10 s. */
+export const MAX_PENDING_SAMPLES = 160_000;
+
+/** A server event as it goes on the wire (before encoding). */
+export type WireEvent = Record<string, unknown> & { type: string };
+
+/** Events the transport sends a stream socket actor: bytes turned into events. */
+export type StreamInput =
+  | { type: 'FRAME'; data: Buffer }
+  | { type: 'END' }
+  /** A text frame that is not `{"type":"end"}`: answered with an `error` event, the stream goes on. */
+  | { type: 'BAD_CONTROL'; message: string }
+  | { type: 'PONG' }
+  /** Every event written so far has been flushed to the socket. */
+  | { type: 'FLUSHED' }
+  /** The client leaves more than `ws_max_buffered_bytes` unread. */
+  | { type: 'SEND_BLOCKED' }
+  /** The peer closed (or the socket failed: 1006). */
+  | { type: 'PEER_CLOSED'; code: number }
+  /** Shutdown phase 2 (the root's `drain`): finish as if the client had sent `end`, close 1001. */
+  | { type: 'DRAIN' }
+  /** Shutdown phase 3: close 1001 now. */
+  | { type: 'GO_AWAY'; reason: string };
+
+/** Events the `work` actor sends its socket actor. */
+type WorkEvent =
+  | { type: 'READY'; model: string; task: string }
+  | { type: 'OUT'; event: WireEvent }
+  | { type: 'PAUSE' }
+  | { type: 'RESUME' }
+  | { type: 'DONE'; processed_ms: number; timing: Record<string, number> }
+  | { type: 'FAILED'; error: { type: string; message: string }; code: number };
+
+type CutEvent = { type: 'CUT'; code: number; reason: string; notify: boolean };
+
+/** What a stream socket actor emits for the transport to write: events into bytes. */
+export type StreamOutput =
+  | { type: 'send'; event: WireEvent }
+  | { type: 'close'; code: number; reason: string }
+  | { type: 'pause' }
+  | { type: 'resume' }
+  | { type: 'ping' }
+  /** Destroy the socket: the peer did not complete the close handshake within a second. */
+  | { type: 'terminate' }
+  /** The stream is over for the server: its lease is released (the socket may still be closing). */
+  | { type: 'released' };
+
+/** Figures the `work` actor keeps for the closing log line. */
+interface StreamStats {
+  model?: string;
+  receivedSamples: number;
+}
+
+/** Input of a stream socket actor. */
+export interface StreamSocketInput {
+  /** The stream's `session_id`. */
+  id: string;
+  /** The request target (`/v1/stream?model=...`), parsed by {@link parseStreamParams}. */
+  url: string;
+  limits: Limits;
+  registry: Supervisor;
+}
+
+interface StreamContext {
+  id: string;
+  limits: Limits;
+  /** The close code once known (sent or received). */
+  code: number | null;
+  /** Why the server cut the connection off, if it did. */
+  cutReason: string | null;
+  /** Close code for `done`: 1000, or 1001 when drained for shutdown. */
+  doneCode: number;
+  /** When the last message arrived, `performance.now()` ms. */
+  heardAt: number;
+  /** Answered the last ping. */
+  alive: boolean;
+  /** The client sent `end`. */
+  ended: boolean;
+  /** Events written and not yet flushed. */
+  unflushed: boolean;
+  openedAt: number;
+  stats: StreamStats;
+  input: StreamSocketInput;
+}
+
+/** Close reasons are limited to 123 bytes by the WebSocket protocol. */
+function closeReason(text: string): string {
+  return Buffer.byteLength(text) <= 123 ? text : Buffer.from(text).subarray(0, 120).toString('utf8') + '...';
+}
+
+const errorEvent = (type: string, message: string): WireEvent => ({ type: 'error', error: { type, message } });
+
+/**
+ * The `work` actor of a stream: it owns the live resources (the lease, the PCM decoder, the task
+ * session and the model's pool) from the stream's first moment to its last. It takes the lease
+ * before preparing anything, loads the model if needed, then sends `READY`; audio (`FRAME`) is
+ * decoded, windowed and sent to the model's slots as it arrives, one job at a time, and task
+ * events go back as `OUT`. `END` flushes; `DONE` follows the last result. Stopping it (the socket
+ * actor leaving `live`) drops pending inference and releases the lease, on every path.
+ */
+const streamWork = fromCallback<StreamInput, { input: StreamSocketInput; stats: StreamStats }>(({ input: { input, stats }, sendBack, receive }) => {
+  const send = (e: WorkEvent): void => sendBack(e);
+  const gone = new AbortController();
+  const t0 = performance.now();
+  let lease: Lease | null = null;
+  let decoder: PcmStreamDecoder | null = null;
+  let session: TaskSession | null = null;
+  let run: ((job: Job) => Promise<import('../runtime/slot-protocol.js').JobResult>) | null = null;
+  let entry: ReturnType<Supervisor['require']> | null = null;
+  let queueMs = 0;
+  let early: Buffer[] = [];
+  let earlyBytes = 0;
+  let paused = false;
+  let ended = false;
+  let pumping = false;
+  let repump = false;
+  /** Per received frame: samples received after it (16 kHz) and when it arrived (performance.now()). */
+  const arrivals: { end: number; at: number }[] = [];
+  let lagWindows = 0;
+
+  const fail = (e: unknown): void => {
+    if (gone.signal.aborted) return;
+    const err = toVoxError(e);
+    const code = err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
+    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code });
+  };
+  const pause = (): void => {
+    if (!paused) send({ type: 'PAUSE' });
+    paused = true;
+  };
+  const resume = (): void => {
+    if (paused) send({ type: 'RESUME' });
+    paused = false;
+  };
+  const emitTask = (e: TaskEvent): void => send({ type: 'OUT', event: { ...e } });
+
+  /** Processing lag of each window finished since the last call: now - arrival of its last sample. */
+  const recordLag = (): void => {
+    const s = session!;
+    const now = performance.now();
+    for (; (lagWindows + 1) * s.step <= s.processedSamples; lagWindows++) {
+      const end = (lagWindows + 1) * s.step;
+      while (arrivals.length > 1 && arrivals[0].end < end) arrivals.shift();
+      if (arrivals.length) entry?.recordLag(now - arrivals[0].at);
+    }
+  };
+
+  const push = (data: Buffer): void => {
+    session!.push(decoder!.push(data));
+    stats.receivedSamples = session!.receivedSamples;
+    arrivals.push({ end: session!.receivedSamples, at: performance.now() });
+    if (session!.pendingSamples > MAX_PENDING_SAMPLES) pause();
+    void pump();
+  };
+
+  /**
+   * Runs every ready job, one at a time, in order; after `END`, sends `DONE`. A call made while it
+   * runs (more audio, or `END`) makes it look for work once more before it stops.
+   */
+  const pump = async (): Promise<void> => {
+    if (pumping) {
+      repump = true;
+      return;
+    }
+    pumping = true;
+    try {
+      do {
+        repump = false;
+        await drain(session!, run!, emitTask, MAX_JOB_WINDOWS, () => {
+          recordLag();
+          if (paused && session!.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
+        });
+      } while (repump);
+    } catch (e) {
+      return fail(e);
+    } finally {
+      pumping = false;
+    }
+    resume();
+    if (ended && session!.finished && !gone.signal.aborted) {
+      const wallMs = performance.now() - t0;
+      const audioMs = session!.receivedSamples / 16;
+      send({
+        type: 'DONE',
+        processed_ms: Math.round(audioMs),
+        timing: { wall_ms: Math.round(wallMs), queue_ms: Math.round(queueMs), audio_duration_ms: Math.round(audioMs), rtf: audioMs ? Math.round((wallMs / audioMs) * 10_000) / 10_000 : 0 },
+      });
+    }
+  };
+
+  const finishAudio = (): void => {
+    for (const e of session!.end()) emitTask(e);
+    void pump();
+  };
+
+  void (async () => {
+    try {
+      const { registry } = input;
+      const params = parseStreamParams(new URL(input.url, 'http://localhost'));
+      entry = registry.require(params.model);
+      stats.model = entry.id;
+      lease = await entry.admit({
+        requestTimeoutMs: params.busyTimeoutMs,
+        signal: gone.signal,
+        onRevoke: (why) => {
+          const err = toVoxError(why);
+          send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
+        },
+      });
+      if (gone.signal.aborted) return lease.release();
+      queueMs = performance.now() - t0;
+      registry.metrics.queueWait.observe({ model: entry.id }, queueMs / 1000);
+      decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
+      const loaded = await entry.ensureReady(gone.signal);
+      const { pool, batcher } = loaded;
+      // A VAD stream's ready windows go through the batcher, which runs them with other streams'.
+      run = batcher ? (job) => batcher.run(job as VadJob, gone.signal) : (job) => pool.run(job, gone.signal);
+      session = createTaskSession(entry.config, pool.info, undefined);
+      if (gone.signal.aborted) return;
+      send({ type: 'READY', model: entry.id, task: entry.config.task });
+      const buffered = early;
+      early = [];
+      earlyBytes = 0;
+      for (const data of buffered) push(data);
+      if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
+      if (ended) finishAudio();
+    } catch (e) {
+      fail(e);
+    }
+  })();
+
+  receive((e) => {
+    if (e.type === 'FRAME') {
+      if (session) return push(e.data);
+      // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
+      early.push(e.data);
+      earlyBytes += e.data.length;
+      if (earlyBytes > MAX_EARLY_BYTES) pause();
+    } else if (e.type === 'END' && !ended) {
+      ended = true;
+      if (session) finishAudio();
+    }
+  });
+  return () => {
+    gone.abort();
+    decoder?.close();
+    lease?.release();
+  };
+});
+
+/**
+ * A stream socket actor (DESIGN.md section 2): one per WebSocket on `/v1/stream`, each its own
+ * root actor sharing the server's inspector. `live` runs four regions side by side:
+ * - `phase`: `open` (waiting for the lease and the model) -> `streaming` -> `draining` (after
+ *   `end` or the root's `drain`: last events, `done`);
+ * - `idle`: no message for `limits.idle_ms` while open or streaming cuts it off (1008);
+ * - `heartbeat`: a ping every `limits.heartbeat_ms`; a ping still unanswered at the next one
+ *   cuts it off (1001 "no pong: peer is gone");
+ * - `send`: an event not flushed within `limits.send_timeout_ms` cuts it off (1013).
+ * `limits.total_ms` bounds the whole of `live` (1008). Leaving `live` stops the `work` actor, which
+ * releases the lease; `closing` waits a second for the peer's close frame, then `terminate`s;
+ * `closed` is final. Everything the transport must write comes out as emitted {@link StreamOutput}.
+ */
+export const streamSocketMachine = setup({
+  types: {
+    context: {} as StreamContext,
+    events: {} as StreamInput | WorkEvent | CutEvent,
+    input: {} as StreamSocketInput,
+    emitted: {} as StreamOutput,
+  },
+  actors: { work: streamWork },
+  actions: {
+    sendReady: enqueueActions(({ enqueue, context, event }) => {
+      const ready = event as Extract<WorkEvent, { type: 'READY' }>;
+      enqueue.assign({ unflushed: true });
+      enqueue.emit({ type: 'send', event: { type: 'ready', session_id: context.id, model: ready.model, task: ready.task, sample_rate: 16_000 } });
+    }),
+    /** The closing log line and metrics, once per stream. */
+    log: ({ context, event }) => {
+      const { registry } = context.input;
+      // Exit actions run before the transition's own: the code comes from the event that ends `live`.
+      const code = event.type === 'DONE' ? context.doneCode : event.type === 'CUT' || event.type === 'FAILED' || event.type === 'PEER_CLOSED' ? event.code : (context.code ?? 1006);
+      const cutReason = event.type === 'CUT' ? event.reason : context.cutReason;
+      const model = context.stats.model;
+      const outcome = code === CLOSE.NORMAL || code === CLOSE.GOING_AWAY ? 'ok' : `close_${code}`;
+      registry.metrics.wsClosed.inc({ code: String(code) });
+      if (model) registry.metrics.requests.inc({ model, outcome });
+      registry.log.info(
+        { route: 'stream', session_id: context.id, model, code, reason: cutReason ?? undefined, processed_ms: Math.round(context.stats.receivedSamples / 16), duration_ms: Math.round(performance.now() - context.openedAt) },
+        'stream closed',
+      );
+    },
+  },
+  guards: {
+    heartbeatOn: ({ context }) => context.limits.heartbeat_ms > 0,
+    alive: ({ context }) => context.alive,
+    totalOn: ({ context }) => context.limits.total_ms > 0,
+    sendTimeoutOn: ({ context }) => context.limits.send_timeout_ms > 0,
+    flushed: ({ context }) => !context.unflushed,
+  },
+  delays: {
+    /** What is left of the idle deadline since the last message, ms. */
+    idleLeft: ({ context }) => Math.max(1, context.limits.idle_ms - (performance.now() - context.heardAt)),
+    heartbeat: ({ context }) => context.limits.heartbeat_ms,
+    total: ({ context }) => context.limits.total_ms,
+    sendTimeout: ({ context }) => context.limits.send_timeout_ms,
+    /** How long `closing` waits for the peer's close frame. */
+    closeGrace: 1000,
+  },
+}).createMachine({
+  id: 'stream',
+  context: ({ input }) => ({
+    id: input.id,
+    limits: input.limits,
+    code: null,
+    cutReason: null,
+    doneCode: CLOSE.NORMAL,
+    heardAt: performance.now(),
+    alive: true,
+    ended: false,
+    unflushed: false,
+    openedAt: performance.now(),
+    stats: { receivedSamples: 0 },
+    input,
+  }),
+  initial: 'live',
+  states: {
+    live: {
+      type: 'parallel',
+      invoke: { id: 'work', src: 'work', input: ({ context }) => ({ input: context.input, stats: context.stats }) },
+      // The lease is released as `work` stops; the transport hears `released`.
+      exit: ['log', emit({ type: 'released' })],
+      after: { total: { guard: 'totalOn', actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `stream exceeded limits.total_ms (${context.limits.total_ms} ms)`, notify: true }) as CutEvent) } },
+      on: {
+        FRAME: { actions: [assign({ heardAt: () => performance.now() }), sendTo('work', ({ event }) => event)] },
+        OUT: { actions: [assign({ unflushed: true }), emit(({ event }) => ({ type: 'send', event: event.event }) as StreamOutput)] },
+        BAD_CONTROL: { actions: [assign({ heardAt: () => performance.now(), unflushed: true }), emit(({ event }) => ({ type: 'send', event: errorEvent('invalid_request_error', event.message) }) as StreamOutput)] },
+        PAUSE: { actions: emit({ type: 'pause' }) },
+        RESUME: { actions: emit({ type: 'resume' }) },
+        PONG: { actions: assign({ alive: true }) },
+        FLUSHED: { actions: assign({ unflushed: false }) },
+        SEND_BLOCKED: { actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`, notify: true }) as CutEvent) },
+        GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason, notify: false }) as CutEvent) },
+        CUT: {
+          target: 'closing',
+          actions: [
+            assign({ code: ({ event }) => event.code, cutReason: ({ event }) => event.reason }),
+            enqueueActions(({ enqueue, event }) => {
+              if (event.notify) enqueue.emit({ type: 'send', event: errorEvent(event.code === CLOSE.BUSY ? 'server_busy' : 'invalid_request_error', event.reason) });
+              enqueue.emit({ type: 'close', code: event.code, reason: closeReason(event.reason) });
+            }),
+          ],
+        },
+        FAILED: {
+          target: 'closing',
+          actions: [
+            assign({ code: ({ event }) => event.code }),
+            emit(({ event }) => ({ type: 'send', event: errorEvent(event.error.type, event.error.message) }) as StreamOutput),
+            emit(({ event }) => ({ type: 'close', code: event.code, reason: closeReason(event.error.message) }) as StreamOutput),
+          ],
+        },
+        PEER_CLOSED: { target: 'closed', actions: assign({ code: ({ context, event }) => context.code ?? event.code }) },
+      },
+      states: {
+        phase: {
+          initial: 'open',
+          states: {
+            open: {
+              on: {
+                READY: [
+                  { guard: ({ context }) => context.ended, target: 'draining', actions: 'sendReady' },
+                  { target: 'streaming', actions: 'sendReady' },
+                ],
+                // The client may end before it is ready; `work` keeps it for later.
+                END: { actions: [assign({ ended: true }), sendTo('work', { type: 'END' })] },
+                DRAIN: { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'server shutting down', notify: false } as CutEvent) },
+              },
+            },
+            streaming: {
+              on: {
+                END: { target: 'draining', actions: [assign({ ended: true }), sendTo('work', { type: 'END' })] },
+                DRAIN: { target: 'draining', actions: [assign({ doneCode: CLOSE.GOING_AWAY, ended: true }), sendTo('work', { type: 'END' })] },
+              },
+            },
+            draining: {
+              on: {
+                DRAIN: { actions: assign({ doneCode: CLOSE.GOING_AWAY }) },
+                DONE: {
+                  target: '#stream.closing',
+                  actions: [
+                    assign({ code: ({ context }) => context.doneCode }),
+                    emit(({ event }) => ({ type: 'send', event: { type: 'done', processed_ms: event.processed_ms, timing: event.timing } }) as StreamOutput),
+                    emit(({ context }) => ({ type: 'close', code: context.doneCode, reason: context.doneCode === CLOSE.NORMAL ? 'done' : 'server shutting down' }) as StreamOutput),
+                  ],
+                },
+              },
+            },
+          },
+        },
+        idle: {
+          initial: 'watching',
+          states: {
+            watching: {
+              always: { guard: ({ context }) => context.limits.idle_ms <= 0, target: 'off' },
+              after: {
+                idleLeft: [
+                  // After `end`, the stream waits for the model, not the client: no idle deadline then.
+                  {
+                    guard: ({ context }) => !context.ended && performance.now() - context.heardAt >= context.limits.idle_ms,
+                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `no message for limits.idle_ms (${context.limits.idle_ms} ms)`, notify: true }) as CutEvent),
+                  },
+                  { target: 'watching', reenter: true },
+                ],
+              },
+            },
+            off: {},
+          },
+        },
+        heartbeat: {
+          initial: 'waiting',
+          states: {
+            waiting: {
+              always: { guard: ({ context }) => context.limits.heartbeat_ms <= 0, target: 'off' },
+              after: {
+                heartbeat: [
+                  { guard: 'alive', target: 'waiting', reenter: true, actions: [assign({ alive: false }), emit({ type: 'ping' })] },
+                  { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'no pong: peer is gone', notify: false } as CutEvent) },
+                ],
+              },
+            },
+            off: {},
+          },
+        },
+        send: {
+          initial: 'flushed',
+          states: {
+            flushed: { always: { guard: ({ context }) => context.unflushed, target: 'unflushed' } },
+            unflushed: {
+              always: { guard: 'flushed', target: 'flushed' },
+              after: {
+                sendTimeout: {
+                  guard: 'sendTimeoutOn',
+                  actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)`, notify: false }) as CutEvent),
+                },
+              },
+            },
+          },
+        },
+      },
+    },
+    closing: {
+      on: { PEER_CLOSED: 'closed' },
+      after: { closeGrace: { target: 'closed', actions: emit({ type: 'terminate' }) } },
+    },
+    closed: { type: 'final' },
+  },
+});
+
+export type StreamSocket = Actor<typeof streamSocketMachine>;
+
+let socketSeq = 0;
+
+/**
+ * Creates a stream socket actor as its own root actor (`socket:<n>`), sharing the server's
+ * inspector. It is returned unstarted: the transport subscribes to what it emits
+ * (`actor.on('*', ...)`), then starts it.
+ */
+export function createStreamSocket(input: Omit<StreamSocketInput, 'id'>, inspect?: (e: InspectionEvent) => void): StreamSocket {
+  const actor = createActor(streamSocketMachine, { input: { ...input, id: randomUUID() }, inspect, id: `socket:${++socketSeq}` });
+  return actor;
+}
+
+/** The phase of a stream socket, for `/debug` counts: `open`, `streaming`, `draining`, `closing` or `closed`. */
+export function streamPhase(actor: StreamSocket): string {
+  const s = actor.getSnapshot();
+  if (s.status !== 'active') return 'closed';
+  if (s.matches('closing')) return 'closing';
+  const phase = (s.value as { live?: { phase?: string } }).live?.phase;
+  return phase ?? 'closed';
+}
