@@ -15,7 +15,8 @@ import { DEBUG_PAGE, debugState, streamActors } from './debug.js';
 import { confinePath } from '../runtime/paths.js';
 import type { ModelConfig } from '../runtime/config.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
-import { handleBatch, handleRun, parseJsonObject, readBody, sendError, sendJson } from './http.js';
+import { createHttpSocket } from '../actors/http.js';
+import { bindHttp, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, sendError, sendJson, type HttpLink } from './http.js';
 import { createStreamSocket } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
 
@@ -113,7 +114,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const inflight = new Set<Promise<void>>();
   const shuttingDown = (): VoxError => new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
 
-  const route = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
+  const route = async (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number): Promise<void> => {
     const url = new URL(req.url ?? '/', 'http://localhost');
     const path = url.pathname.replace(/\/+$/, '') || '/';
     const method = req.method ?? 'GET';
@@ -183,7 +184,11 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     }
     if (method === 'POST' && (path === '/v1/tasks/run' || path === '/v1/tasks/batch')) {
       if (!supervisor.accepting) throw shuttingDown();
-      return path === '/v1/tasks/run' ? handleRun(supervisor, config, req, res, url) : handleBatch(supervisor, config, req, res);
+      // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
+      const t0 = performance.now();
+      const body = await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms);
+      const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(body, t0);
+      return void link.actor.send({ type: 'TASK', rid, request });
     }
     const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
@@ -196,19 +201,38 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       maxHeaderSize: config.limits.max_header_bytes,
       headersTimeout: headersTimeout || undefined,
       requestTimeout: 0, // bodies have their own idle deadline (readBody)
+      keepAliveTimeout: 0, // an idle keep-alive connection is closed by its socket actor (limits.idle_ms)
       // How often node checks the headers deadline (its default, 30 s, would make it useless).
       connectionsCheckingInterval: headersTimeout ? Math.max(50, Math.min(1000, headersTimeout / 4)) : undefined,
     },
     (req, res) => handle(req, res),
   );
+  /** Each connection's HTTP socket actor. */
+  const links = new WeakMap<object, HttpLink>();
+  http.on('connection', (socket: Socket) => {
+    const actor = createHttpSocket({ limits: config.limits, registry: supervisor }, inspected.inspect);
+    const link = bindHttp(socket, actor);
+    links.set(socket, link);
+    // Shutdown phase 2: the root's `drain` reaches every socket actor.
+    const drain = supervisor.root.on('drain', () => actor.send({ type: 'DRAIN' }));
+    socket.once('close', () => {
+      drain.unsubscribe();
+      actor.send({ type: 'PEER_CLOSED' });
+    });
+  });
   function handle(req: IncomingMessage, res: ServerResponse): void {
     if (!supervisor.accepting) res.setHeader('connection', 'close');
-    const handled: Promise<void> = route(req, res)
+    const link = links.get(req.socket)!;
+    const rid = link.begin(res);
+    // In flight until the response has closed (task responses are written after `route` returns).
+    const closed = new Promise<void>((resolve) => res.once('close', resolve));
+    const handled: Promise<void> = route(req, res, link, rid)
       .catch((err) => {
         sendError(res, err);
         // A body we did not read (e.g. over the size limit) must not be parsed as the next request.
         if (!req.complete) res.once('finish', () => req.socket?.destroy());
       })
+      .then(() => closed)
       .finally(() => inflight.delete(handled));
     inflight.add(handled);
   }
@@ -227,6 +251,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
   http.on('upgrade', (req, socket, head) => {
     socket.on('error', () => socket.destroy());
+    // The connection leaves HTTP: a stream socket actor (or this handler's answer) owns it now.
+    if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.actor.send({ type: 'UPGRADED' });
     const path = new URL(req.url ?? '/', 'http://localhost').pathname;
     const refuse = (status: number, text: string, message = text): void => {
       const body = JSON.stringify({ error: { type: status === 404 ? 'not_found' : status === 503 ? 'server_busy' : 'invalid_request_error', message } });

@@ -1,0 +1,266 @@
+import { assign, createActor, emit, enqueueActions, fromCallback, setup, stopChild, type Actor, type InspectionEvent } from 'xstate';
+import type { Lease } from '../runtime/admission.js';
+import { decodeWav, resample } from '../runtime/audio.js';
+import type { Limits, ModelConfig } from '../runtime/config.js';
+import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
+import type { Job, JobResult } from '../runtime/slot-protocol.js';
+import type { SlotPool } from '../runtime/slots.js';
+import { createTaskSession, drain, taskResult } from '../runtime/tasks/index.js';
+import type { Supervisor } from './supervisor.js';
+
+/** Windows (VAD, 32 ms) or steps (wake word, 80 ms) per slot job for a file: ~2-5 s of audio, so streams interleave. */
+const FILE_JOB_STEPS = 64;
+
+/** One task request on HTTP, parsed by the transport: `POST /v1/tasks/run` (one file) or `/v1/tasks/batch`. */
+export interface TaskRequest {
+  kind: 'run' | 'batch';
+  model: string;
+  /** WAV files (one for `run`). */
+  files: Buffer[];
+  /** The request's own busy timeout, ms. */
+  busyTimeoutMs?: number;
+  /** Task options (`threshold`, ...), validated against the model's task. */
+  options?: unknown;
+  /** When the request arrived, `performance.now()` ms. */
+  t0: number;
+}
+
+/** A response error as the transport writes it. */
+export interface ResponseError {
+  status: number;
+  body: { error: { type: string; message: string } };
+  retryAfterS?: number;
+}
+
+/** What an exchange (one request) tells its socket actor; the socket actor emits it as {@link HttpOutput}. */
+type ExchangeEvent =
+  /** The whole JSON response (`run`). */
+  | { type: 'RESPONSE'; rid: number; status: number; body: unknown }
+  /** Server-sent events (`batch`): headers, then each event, then the end. */
+  | { type: 'SSE_START'; rid: number }
+  | { type: 'SSE_EVENT'; rid: number; name: string; data: unknown }
+  | { type: 'SSE_END'; rid: number; error?: ResponseError['body'] }
+  | { type: 'FAILED'; rid: number; error: ResponseError };
+
+/** Events the transport sends an HTTP socket actor. */
+export type HttpInput =
+  /** A request started (`rid` numbers the requests of the connection): the connection is busy until its response closes. */
+  | { type: 'REQUEST_STARTED'; rid: number }
+  /** A started request is a task request, parsed: an exchange runs it. */
+  | { type: 'TASK'; rid: number; request: TaskRequest }
+  /** The response to `rid` is fully written, or its client went away: its lease is released. */
+  | { type: 'RESPONSE_CLOSED'; rid: number }
+  | { type: 'PEER_CLOSED' }
+  /** The connection was upgraded to a WebSocket: a stream socket actor owns it now. */
+  | { type: 'UPGRADED' }
+  /** Shutdown phase 2 (the root's `drain`). */
+  | { type: 'DRAIN' };
+
+/** What an HTTP socket actor emits for the transport to write. */
+export type HttpOutput =
+  | { type: 'respond'; rid: number; status: number; body: unknown }
+  | { type: 'sse-start'; rid: number }
+  | { type: 'sse-event'; rid: number; name: string; data: unknown }
+  | { type: 'sse-end'; rid: number; error?: ResponseError['body'] }
+  | { type: 'fail'; rid: number; error: ResponseError }
+  /** Close the connection once what is in flight is written (keep-alive deadline, drain). */
+  | { type: 'close' };
+
+const round = (ms: number): number => Math.round(ms * 10) / 10;
+
+function responseError(e: unknown): ResponseError {
+  const err: VoxError = toVoxError(e);
+  return { status: err.status, body: errorBody(err), retryAfterS: err.status === 503 ? (err.retryAfterS ?? 1) : undefined };
+}
+
+/**
+ * Decodes one WAV file and runs it through the model's slots, in jobs of {@link FILE_JOB_STEPS}.
+ * @returns the task result (segments or detections) and the audio duration, ms.
+ * @throws VoxError `invalid_request_error` for bad audio or options; the signal's reason once it aborts.
+ */
+async function processFile(
+  config: ModelConfig,
+  pool: SlotPool,
+  wav: Buffer,
+  options: unknown,
+  signal: AbortSignal,
+  m: { inferenceMs: number },
+): Promise<{ body: Record<string, unknown>; audioMs: number }> {
+  const session = createTaskSession(config, pool.info, options);
+  const audio = decodeWav(wav);
+  session.push(await resample(audio.samples, audio.sampleRate));
+  session.end();
+  const runJob = async (job: Job): Promise<JobResult> => {
+    signal.throwIfAborted();
+    const r = await pool.run(job, signal);
+    if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
+    return r;
+  };
+  await drain(session, runJob, () => {}, FILE_JOB_STEPS);
+  return { body: taskResult(session), audioMs: (session.receivedSamples * 1000) / 16_000 };
+}
+
+/**
+ * One task request's work (an exchange): it takes the lease before the audio is decoded (C1),
+ * loads the model if needed, runs every file and reports the response as events. It holds the
+ * lease until it is stopped (the socket actor stops it once the response is written or the
+ * client went away, or when the connection closes): then pending inference is dropped and the
+ * lease released. A lease revoked (forced unload, shutdown) answers with the revocation's error.
+ * Logs one line per request and counts it in `voxserve_requests_total` by outcome.
+ */
+const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequest; registry: Supervisor }>(({ input: { rid, request, registry }, sendBack }) => {
+  const send = (e: ExchangeEvent): void => sendBack(e);
+  const gone = new AbortController();
+  let lease: Lease | null = null;
+  let revoked: Error | null = null;
+  let model: string | undefined;
+  const figures = { queueMs: 0, inferenceMs: 0 };
+  let outcome = 'ok';
+  const timing = (t0: number, audioMs: number): Record<string, number> => {
+    const wallMs = performance.now() - t0;
+    return { wall_ms: round(wallMs), queue_ms: round(figures.queueMs), audio_duration_ms: round(audioMs), rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000 };
+  };
+  void (async () => {
+    const { t0 } = request;
+    const entry = registry.require(request.model);
+    model = entry.id;
+    lease = await entry.admit({
+      requestTimeoutMs: request.busyTimeoutMs,
+      signal: gone.signal,
+      onRevoke: (why) => {
+        revoked = why;
+        gone.abort();
+      },
+    });
+    figures.queueMs = performance.now() - t0;
+    registry.metrics.queueWait.observe({ model: entry.id }, figures.queueMs / 1000);
+    const { pool } = await entry.ensureReady(gone.signal);
+    if (request.kind === 'run') {
+      const r = await processFile(entry.config, pool, request.files[0], request.options, gone.signal, figures);
+      return send({ type: 'RESPONSE', rid, status: 200, body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) } });
+    }
+    send({ type: 'SSE_START', rid });
+    let failed = 0;
+    await Promise.all(
+      request.files.map(async (wav, index) => {
+        const f0 = performance.now();
+        try {
+          const r = await processFile(entry.config, pool, wav, request.options, gone.signal, figures);
+          send({ type: 'SSE_EVENT', rid, name: 'result', data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) } });
+        } catch (e) {
+          failed++;
+          if (!gone.signal.aborted) send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
+        }
+      }),
+    );
+    if (gone.signal.aborted) {
+      if (revoked) outcome = toVoxError(revoked).type;
+      return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
+    }
+    send({ type: 'SSE_EVENT', rid, name: 'done', data: { files: request.files.length, failed, wall_ms: round(performance.now() - t0), queue_ms: round(figures.queueMs), inference_ms: round(figures.inferenceMs) } });
+    send({ type: 'SSE_END', rid });
+  })()
+    .catch((e) => {
+      const why = revoked ?? e;
+      outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
+      send({ type: 'FAILED', rid, error: responseError(why) });
+    })
+    .finally(() => {
+      if (model) registry.metrics.requests.inc({ model, outcome });
+      registry.log.info({ route: request.kind, model, outcome, queue_ms: round(figures.queueMs), inference_ms: round(figures.inferenceMs), wall_ms: round(performance.now() - request.t0) }, 'request');
+    });
+  return () => {
+    gone.abort();
+    if (lease) {
+      registry.get(request.model)?.touch();
+      lease.release();
+    }
+  };
+});
+
+interface HttpContext {
+  limits: Limits;
+  registry: Supervisor;
+  /** Requests in flight on this connection (task exchanges and other routes). */
+  active: number[];
+}
+
+/**
+ * An HTTP socket actor (DESIGN.md section 2): one per accepted TCP connection, each its own root
+ * actor sharing the server's inspector. `open` (keep-alive, no request in flight) <-> `streaming`
+ * (requests in flight; each task request runs in an `exchange` child that holds its lease) ->
+ * `draining` (the root's `drain`: in-flight responses finish, then the connection closes) ->
+ * `closed`. An idle keep-alive connection is closed after `limits.idle_ms` (`after`). When the
+ * peer goes, every exchange is stopped: pending inference dropped, leases released.
+ * (The request-headers deadline is node's own parser deadline, `limits.headers_timeout_ms`, answered 408.)
+ */
+export const httpSocketMachine = setup({
+  types: {
+    context: {} as HttpContext,
+    events: {} as HttpInput | ExchangeEvent,
+    input: {} as { limits: Limits; registry: Supervisor },
+    emitted: {} as HttpOutput,
+  },
+  actors: { exchange },
+  guards: {
+    busy: ({ context }) => context.active.length > 0,
+    keepAliveOn: ({ context }) => context.limits.idle_ms > 0,
+  },
+  delays: { keepAlive: ({ context }) => context.limits.idle_ms },
+  actions: {
+    finished: enqueueActions(({ enqueue, context, event }) => {
+      const rid = (event as { rid: number }).rid;
+      if (!context.active.includes(rid)) return;
+      enqueue(stopChild(`exchange:${rid}`));
+      enqueue.assign({ active: context.active.filter((r) => r !== rid) });
+    }),
+  },
+}).createMachine({
+  id: 'http',
+  context: ({ input }) => ({ limits: input.limits, registry: input.registry, active: [] }),
+  initial: 'open',
+  on: {
+    TASK: {
+      actions: enqueueActions(({ enqueue, event, context }) => {
+        if (context.active.includes(event.rid)) enqueue.spawnChild('exchange', { id: `exchange:${event.rid}`, input: { rid: event.rid, request: event.request, registry: context.registry } });
+      }),
+    },
+    REQUEST_STARTED: { actions: assign({ active: ({ context, event }) => [...context.active, event.rid] }) },
+    RESPONSE_CLOSED: { actions: 'finished' },
+    RESPONSE: { actions: emit(({ event }) => ({ type: 'respond', rid: event.rid, status: event.status, body: event.body }) as HttpOutput) },
+    SSE_START: { actions: emit(({ event }) => ({ type: 'sse-start', rid: event.rid }) as HttpOutput) },
+    SSE_EVENT: { actions: emit(({ event }) => ({ type: 'sse-event', rid: event.rid, name: event.name, data: event.data }) as HttpOutput) },
+    SSE_END: { actions: emit(({ event }) => ({ type: 'sse-end', rid: event.rid, error: event.error }) as HttpOutput) },
+    FAILED: { actions: emit(({ event }) => ({ type: 'fail', rid: event.rid, error: event.error }) as HttpOutput) },
+    PEER_CLOSED: '.closed',
+    UPGRADED: '.closed',
+  },
+  states: {
+    open: {
+      always: { guard: 'busy', target: 'streaming' },
+      on: { DRAIN: { target: 'closed', actions: emit({ type: 'close' }) } },
+      after: { keepAlive: { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) } },
+    },
+    streaming: {
+      always: { guard: ({ context }) => context.active.length === 0, target: 'open' },
+      on: { DRAIN: 'draining' },
+    },
+    draining: {
+      always: { guard: ({ context }) => context.active.length === 0, target: 'closed', actions: emit({ type: 'close' }) },
+    },
+    // Final: its exchanges are stopped with it (leases released).
+    closed: { type: 'final' },
+  },
+});
+
+export type HttpSocket = Actor<typeof httpSocketMachine>;
+
+let httpSeq = 0;
+
+/**
+ * Creates an HTTP socket actor as its own root actor (`socket:http:<n>`), sharing the server's
+ * inspector; unstarted, so the transport can listen to what it emits first.
+ */
+export function createHttpSocket(input: { limits: Limits; registry: Supervisor }, inspect?: (e: InspectionEvent) => void): HttpSocket {
+  return createActor(httpSocketMachine, { input, inspect, id: `socket:http:${++httpSeq}` });
+}
