@@ -7,6 +7,10 @@ import { VoxError } from '../runtime/errors.js';
 import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
+import { confinePath } from '../runtime/paths.js';
+
+/** Config fields that name model files. */
+const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
 import type { Logger } from 'pino';
 import { ModelEntry, modelMachine, type ModelActor, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus } from './model.js';
 import { systemMachine } from './system.js';
@@ -234,6 +238,21 @@ export const supervisorMachine = setup({
   },
 });
 
+/** What a supervisor may be given instead of its defaults (tests give fakes). */
+export interface SupervisorOptions {
+  /** Builds a model's slots; default: worker-thread slots over onnxruntime-node. */
+  loader?: ModelLoader;
+  /** The shared XState inspection observer. */
+  inspect?: (e: InspectionEvent) => void;
+  /** Models that may be registered lazily; default: the embedded catalog. */
+  catalog?: ModelConfig[];
+  /** Available memory, bytes; default: cgroup limit and MemAvailable, the lower. */
+  memoryProbe?: MemoryProbe;
+  metrics?: Metrics;
+  /** Default: a pino logger at the config's `log_level`. */
+  log?: Logger;
+}
+
 /**
  * The server's actor system and its registry: the root (`system`), the supervisor chart, and the
  * model entries, plus the catalog of models that may be registered lazily (the embedded defaults
@@ -260,10 +279,10 @@ export class Supervisor {
 
   constructor(
     readonly config: ServerConfig,
-    options: { loader?: ModelLoader; inspect?: (e: InspectionEvent) => void; catalog?: ModelConfig[]; memoryProbe?: MemoryProbe; metrics?: Metrics; log?: Logger } = {},
+    options: SupervisorOptions = {},
   ) {
     this.metrics = options.metrics ?? new Metrics();
-    this.log = options.log ?? createLogger('silent');
+    this.log = options.log ?? createLogger(config.log_level);
     this.baseLoader = options.loader ?? createLoader(new WeightBundles());
     this.probe = options.memoryProbe ?? availableMemory;
     this.inspect = options.inspect;
@@ -428,10 +447,12 @@ export class Supervisor {
   }
   /**
    * `POST /v1/models/load`: registers a new model (validated first) and loads it, or
-   * reconfigures / loads an existing one.
-   * @throws VoxError `invalid_request_error`, `server_busy`, `server_error` (load failed).
+   * reconfigures / loads an existing one. Model paths are confined to `models_root` first.
+   * @throws VoxError `invalid_request_error` (also a path outside `models_root`), `server_busy`,
+   *   `server_error` (load failed).
    */
   async load(body: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+    for (const f of PATH_FIELDS) if (typeof body[f] === 'string') body[f] = await confinePath(this.config.models_root, body[f] as string, f);
     const id = typeof body.id === 'string' ? body.id : undefined;
     const existing = id !== undefined ? this.get(id) : undefined;
     if (existing) {

@@ -1,7 +1,7 @@
 import type { ServerResponse } from 'node:http';
 import { modelMachine } from '../actors/model.js';
 import type { Supervisor } from '../actors/supervisor.js';
-import type { InspectionLog } from '../runtime/telemetry.js';
+import type { InspectionLog } from '../actors/inspection.js';
 import { streamPhase } from '../actors/stream.js';
 import type { StreamLink } from './stream.js';
 

@@ -3,17 +3,11 @@ import { createServer, ServerResponse, type IncomingMessage, type Server } from 
 import type { Socket } from 'node:net';
 import type { AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
-import { Supervisor } from '../actors/supervisor.js';
+import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
+import { createInspection } from '../actors/inspection.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { invalid, VoxError } from '../runtime/errors.js';
-import type { ModelLoader } from '../runtime/loader.js';
-import type { MemoryProbe } from '../runtime/memory.js';
-import { createLogger, InspectionLog, Metrics } from '../runtime/telemetry.js';
-import type { Logger } from 'pino';
-import type { InspectionEvent } from 'xstate';
 import { DEBUG_PAGE, debugState, streamActors } from './debug.js';
-import { confinePath } from '../runtime/paths.js';
-import type { ModelConfig } from '../runtime/config.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
 import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, sendError, sendJson, type HttpLink } from './http.js';
@@ -41,31 +35,7 @@ export interface VoxServer {
 }
 
 /** Test seams: a loader (fake slots), the catalog of lazily registered models, the memory probe, a logger. */
-export interface ServerOptions {
-  loader?: ModelLoader;
-  catalog?: ModelConfig[];
-  memoryProbe?: MemoryProbe;
-  log?: Logger;
-}
-
-/**
- * The XState inspection observer for the config: the `/debug` ring buffer (`debug.inspect`)
- * and/or a Stately inspector relay (`debug.stately_url`, via `@statelyai/inspect`).
- */
-async function inspection(config: ServerConfig): Promise<{ log: InspectionLog | null; inspect?: (e: InspectionEvent) => void; stop: () => void }> {
-  const log = config.debug.inspect ? new InspectionLog() : null;
-  const observers: ((e: InspectionEvent) => void)[] = [];
-  if (log) observers.push(log.inspect);
-  let stop = (): void => {};
-  if (config.debug.stately_url) {
-    // Loaded only when used.
-    const { createWebSocketInspector } = await import('@statelyai/inspect');
-    const stately = createWebSocketInspector({ url: config.debug.stately_url });
-    observers.push(stately.inspect.next!.bind(stately.inspect));
-    stop = () => stately.stop();
-  }
-  return { log, inspect: observers.length ? (e) => observers.forEach((o) => o(e)) : undefined, stop };
-}
+export type ServerOptions = Pick<SupervisorOptions, 'loader' | 'catalog' | 'memoryProbe' | 'log'>;
 
 const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_many', '/v1/models/unload_all'];
 
@@ -94,8 +64,6 @@ export function isLoopback(host: string): boolean {
   return host === 'localhost' || host === '::1' || /^127\.\d+\.\d+\.\d+$/.test(host);
 }
 
-const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
-
 /**
  * Creates the server, starts listening on `config.host:config.port` (port 0 picks a free one),
  * and loads the config's non-lazy models. Resolves once listening; `/ready` turns 200 when the
@@ -105,10 +73,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   if (config.management.enabled && !config.management.token && !isLoopback(config.host)) {
     throw new Error(`refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`);
   }
-  const log = options.log ?? createLogger(config.log_level);
-  const metrics = new Metrics();
-  const inspected = await inspection(config);
-  const supervisor = new Supervisor(config, { ...options, log, metrics, inspect: inspected.inspect });
+  const inspected = await createInspection(config);
+  const supervisor = new Supervisor(config, { ...options, inspect: inspected.inspect });
+  const { log, metrics } = supervisor;
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
@@ -165,7 +132,6 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       const gone = new AbortController();
       res.on('close', () => res.writableFinished || gone.abort());
       if (path === '/v1/models/load') {
-        for (const f of PATH_FIELDS) if (typeof body[f] === 'string') body[f] = await confinePath(config.models_root, body[f] as string, f);
         return sendJson(res, 200, await supervisor.load(body, timeout, gone.signal));
       }
       if (path === '/v1/models/unload') {
