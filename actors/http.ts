@@ -204,6 +204,7 @@ export const httpSocketMachine = setup({
   actors: { exchange },
   guards: {
     busy: ({ context }) => context.active.length > 0,
+    quiet: ({ context }) => context.active.length === 0,
     keepAliveOn: ({ context }) => context.limits.idle_ms > 0,
   },
   delays: { keepAlive: ({ context }) => context.limits.idle_ms },
@@ -242,11 +243,11 @@ export const httpSocketMachine = setup({
       after: { keepAlive: { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) } },
     },
     streaming: {
-      always: { guard: ({ context }) => context.active.length === 0, target: 'open' },
+      always: { guard: 'quiet', target: 'open' },
       on: { DRAIN: 'draining' },
     },
     draining: {
-      always: { guard: ({ context }) => context.active.length === 0, target: 'closed', actions: emit({ type: 'close' }) },
+      always: { guard: 'quiet', target: 'closed', actions: emit({ type: 'close' }) },
     },
     // Final: its exchanges are stopped with it (leases released).
     closed: { type: 'final' },

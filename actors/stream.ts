@@ -349,8 +349,13 @@ export const streamSocketMachine = setup({
     },
   },
   guards: {
-    heartbeatOn: ({ context }) => context.limits.heartbeat_ms > 0,
+    heartbeatOff: ({ context }) => context.limits.heartbeat_ms <= 0,
+    idleOff: ({ context }) => context.limits.idle_ms <= 0,
+    /** Past the idle deadline, and the client has not ended (after `end` the stream waits for the model, not the client). */
+    idleExpired: ({ context }) => !context.ended && performance.now() - context.heardAt >= context.limits.idle_ms,
     alive: ({ context }) => context.alive,
+    endedEarly: ({ context }) => context.ended,
+    unflushed: ({ context }) => context.unflushed,
     totalOn: ({ context }) => context.limits.total_ms > 0,
     sendTimeoutOn: ({ context }) => context.limits.send_timeout_ms > 0,
     flushed: ({ context }) => !context.unflushed,
@@ -425,7 +430,7 @@ export const streamSocketMachine = setup({
             open: {
               on: {
                 READY: [
-                  { guard: ({ context }) => context.ended, target: 'draining', actions: 'sendReady' },
+                  { guard: 'endedEarly', target: 'draining', actions: 'sendReady' },
                   { target: 'streaming', actions: 'sendReady' },
                 ],
                 // The client may end before it is ready; `work` keeps it for later.
@@ -458,12 +463,11 @@ export const streamSocketMachine = setup({
           initial: 'watching',
           states: {
             watching: {
-              always: { guard: ({ context }) => context.limits.idle_ms <= 0, target: 'off' },
+              always: { guard: 'idleOff', target: 'off' },
               after: {
                 idleLeft: [
-                  // After `end`, the stream waits for the model, not the client: no idle deadline then.
                   {
-                    guard: ({ context }) => !context.ended && performance.now() - context.heardAt >= context.limits.idle_ms,
+                    guard: 'idleExpired',
                     actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `no message for limits.idle_ms (${context.limits.idle_ms} ms)`, notify: true }) as CutEvent),
                   },
                   { target: 'watching', reenter: true },
@@ -477,7 +481,7 @@ export const streamSocketMachine = setup({
           initial: 'waiting',
           states: {
             waiting: {
-              always: { guard: ({ context }) => context.limits.heartbeat_ms <= 0, target: 'off' },
+              always: { guard: 'heartbeatOff', target: 'off' },
               after: {
                 heartbeat: [
                   { guard: 'alive', target: 'waiting', reenter: true, actions: [assign({ alive: false }), emit({ type: 'ping' })] },
@@ -491,7 +495,7 @@ export const streamSocketMachine = setup({
         send: {
           initial: 'flushed',
           states: {
-            flushed: { always: { guard: ({ context }) => context.unflushed, target: 'unflushed' } },
+            flushed: { always: { guard: 'unflushed', target: 'unflushed' } },
             unflushed: {
               always: { guard: 'flushed', target: 'flushed' },
               after: {

@@ -496,6 +496,11 @@ export class Supervisor {
     return { unloaded, not_found };
   }
 
+  /** A registered model's chart state value (`{resident: {ready: 'idle'}}`), for `/debug`; undefined if not registered. */
+  chartValue(id: string): unknown {
+    return this.entries.get(id)?.actor.getSnapshot().value;
+  }
+
   /** Every registered model's id. */
   get registeredIds(): string[] {
     return [...this.entries.keys()];

@@ -63,8 +63,8 @@ export interface InspectionRecord {
   context?: Record<string, unknown>;
 }
 
-/** Events too frequent to keep (mirrors of counters) or too large to serialise. */
-const QUIET_EVENTS = new Set(['LEASES', 'xstate.init']);
+/** Events too frequent to keep: mirrors of counters, per-request and per-frame bookkeeping. */
+const QUIET_EVENTS = new Set(['LEASES', 'xstate.init', 'REQUEST_STARTED', 'RESPONSE_CLOSED', 'FRAME', 'FLUSHED', 'PONG']);
 
 /** A state value as a dotted path; parallel regions joined with `, `. */
 export function statePath(value: unknown): string {

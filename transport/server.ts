@@ -7,7 +7,7 @@ import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
 import { createInspection } from '../actors/inspection.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { invalid, VoxError } from '../runtime/errors.js';
-import { DEBUG_PAGE, debugState, streamActors } from './debug.js';
+import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
 import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, sendError, sendJson, type HttpLink } from './http.js';
@@ -104,7 +104,13 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return void res.end(text);
     }
     if (method === 'GET' && (path === '/debug' || path.startsWith('/debug/'))) {
-      managementAllowed(config, req, path === '/debug');
+      // The page and its layout script hold no data.
+      managementAllowed(config, req, path === '/debug' || path === '/debug/elk.js');
+      if (path === '/debug/elk.js') {
+        res.writeHead(200, { 'content-type': 'text/javascript; charset=utf-8', 'cache-control': 'max-age=3600' });
+        return void res.end(ELK_SCRIPT);
+      }
+      if (path === '/debug/charts') return sendJson(res, 200, CHARTS);
       if (path === '/debug') {
         res.writeHead(200, { 'content-type': 'text/html; charset=utf-8', 'cache-control': 'no-store' });
         return void res.end(DEBUG_PAGE);
@@ -156,7 +162,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(body, t0);
       return void link.actor.send({ type: 'TASK', rid, request });
     }
-    const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
+    const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
     throw new VoxError('not_found', `no route ${method} ${path}`);
   };

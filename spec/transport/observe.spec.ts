@@ -144,7 +144,10 @@ describe('observability', () => {
       await page.waitForSelector('[data-model="silero-vad"]');
       await post('/v1/models/unload', { id: 'page-model' }).catch(() => {});
       expect(await post('/v1/models/load', { id: 'page-model', task: 'vad', path: silero })).toMatchObject({ loaded: true });
-      await page.waitForSelector('[data-model="page-model"][data-state="ready"] .state.current[data-state="ready"]', { timeout: 5000 });
+      await page.waitForSelector('[data-model="page-model"][data-state="ready"] .state.current[data-state="resident.ready"]', { timeout: 5000 });
+      // Every chart is drawn from its definition: the root, the supervisor, a model entry, both socket actors.
+      for (const chart of ['system', 'supervisor', 'model', 'stream', 'http']) await page.waitForSelector(`svg[data-chart="${chart}"] .state`, { timeout: 5000 });
+      expect(await page.locator('[data-chart="system"] .state.current[data-state="running"]').count()).toBe(1);
       expect((await page.textContent('#log')) ?? '').toContain('model:page-model');
       await post('/v1/models/unload', { id: 'page-model' });
       await page.waitForSelector('[data-model="page-model"][data-state="unloaded"]', { timeout: 5000 });
