@@ -39,6 +39,8 @@ export type ModelEvent =
   | { type: 'EVICT'; reason: EvictReason; replyTo?: AnyActorRef }
   | { type: 'SLOT_FAILED'; message: string }
   | { type: 'LEASES'; active: number; queued: number; exclusive: boolean }
+  /** From the `residency` actor: the cold-load gate let the load through. */
+  | { type: 'LOAD_GRANTED' }
   /** From the `residency` actor: the pool is complete (`residentBytes` measured). */
   | { type: 'LOADED'; residentBytes: number }
   | { type: 'LOAD_FAILED'; error: unknown }
@@ -147,6 +149,13 @@ export const modelMachine = setup({
       initial: 'loading',
       states: {
         loading: {
+          initial: 'queued',
+          states: {
+            /** Waiting at the supervisor's cold-load gate (at once past it when no limit is set). */
+            queued: { on: { LOAD_GRANTED: 'building' } },
+            /** Building the pool: the primary session, then its clones. */
+            building: {},
+          },
           on: {
             LOADED: { target: 'ready', actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }) },
             LOAD_FAILED: {
@@ -222,12 +231,12 @@ export type ModelActor = ActorRefFrom<typeof modelMachine>;
 /** A model entry's state as `/v1/models` reports it. */
 export type ModelState = 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
 
-/** The reported state of a model chart's value (`{resident: {ready: 'idle'}}` -> `ready`). */
+/** The reported state of a model chart's value (`{resident: {ready: 'idle'}}` -> `ready`, `{resident: {loading: 'queued'}}` -> `loading`). */
 export function stateName(value: unknown): ModelState {
   if (typeof value === 'string') return value as ModelState;
   const inner = (value as { resident?: unknown } | undefined)?.resident;
   if (typeof inner === 'string') return inner as ModelState;
-  return inner && typeof inner === 'object' && 'ready' in inner ? 'ready' : 'unloaded';
+  return (inner && typeof inner === 'object' ? Object.keys(inner)[0] : 'unloaded') as ModelState;
 }
 
 /** `GET /v1/models/{id}` (DESIGN.md section 4). Times in ms since the epoch; bytes. */
@@ -286,7 +295,7 @@ export interface EntryOptions {
   serverBusyTimeoutMs?: number;
   /** The server's `idle_unload_ms`, ms (0 = off). */
   serverIdleUnloadMs?: number;
-  /** Called after every state change and lease change. */
+  /** Called after every change of state and of the admission queue. */
   onChange?: () => void;
   /** XState inspection observer, when inspection is on. */
   inspect?: (e: InspectionEvent) => void;
@@ -366,6 +375,7 @@ export class ModelEntry {
                 gate.send({ type: 'LOAD_REQUESTED', id: input.config.id, needed_bytes, timeout_ms: this.busyTimeoutMs, replyTo: self });
                 await granted;
               }
+              sendBack({ type: 'LOAD_GRANTED' });
               let m: LoadedModel;
               try {
                 m = await loader(input.config);
@@ -431,8 +441,14 @@ export class ModelEntry {
       ? options.spawn(machine, config.id)
       : createActor(machine, { input: { config, serverIdleUnloadMs: options.serverIdleUnloadMs }, inspect: options.inspect, id: `model:${config.id}`, systemId: `model:${config.id}` });
     let previous: ModelState = 'unloaded';
+    let previousValue = '';
     this.actor.subscribe({
       next: (s) => {
+        // Only a change of state counts: an event that changes nothing (a refused EVICT) must not
+        // wake the supervisor, which would ask again.
+        const value = JSON.stringify(s.value);
+        if (value === previousValue) return;
+        previousValue = value;
         const now = stateName(s.value);
         if (now !== previous) {
           this.log.info({ from: previous, to: now, last_error: s.context.lastError ?? undefined }, 'model state');

@@ -43,7 +43,7 @@ export interface RoomFigures {
   resident: string[];
   /** Of those, the ones being unloaded. */
   retiring: string[];
-  /** Idle ready models, least recently used first, minus those that refused this round. */
+  /** Ready models, least recently used first, minus those that refused `EVICT` since the last change. */
   candidates: string[];
 }
 
@@ -333,8 +333,9 @@ export class Supervisor {
       max_loaded: this.config.max_loaded_models,
       resident: others.map((e) => e.id),
       retiring: others.filter((e) => e.state !== 'ready').map((e) => e.id),
+      // Every ready model is asked in LRU order; a busy one refuses (the try-acquire), and is asked again after a change.
       candidates: others
-        .filter((e) => e.idle && !refused.includes(e.id))
+        .filter((e) => e.state === 'ready' && !refused.includes(e.id))
         .sort((a, b) => (a.lastUsed ?? 0) - (b.lastUsed ?? 0))
         .map((e) => e.id),
     };
@@ -366,8 +367,8 @@ export class Supervisor {
         try {
           await close();
         } finally {
+          // The gate hears of it when the entry reaches `unloaded` (its `onChange`).
           this.resident.delete(config.id);
-          this.changed();
         }
       };
     }

@@ -55,7 +55,7 @@ export interface InspectionRecord {
   actor: string;
   /** The event's type (the event that caused a snapshot, for snapshots). */
   event?: string;
-  /** The event's fields (primitives, actor refs as their id, `error` objects), for events. */
+  /** The event's fields (primitives, actor refs as their id, `error` objects), for events and the snapshots they cause. */
   payload?: Record<string, unknown>;
   /** The state as a dotted path (`resident.ready.idle`), for snapshots. */
   state?: string;
@@ -107,22 +107,25 @@ export class InspectionLog {
   constructor(private readonly capacity = 2000) {}
 
   readonly inspect = (e: InspectionEvent): void => {
-    if (e.type !== '@xstate.snapshot' && e.type !== '@xstate.event' && e.type !== '@xstate.actor') return;
+    // Microsteps carry each state an actor passes through, before the events its actions send are
+    // delivered, so the log keeps cause before effect; snapshots add the initial and stopped states.
+    if (e.type !== '@xstate.snapshot' && e.type !== '@xstate.microstep' && e.type !== '@xstate.event' && e.type !== '@xstate.actor') return;
     const actor = (e.actorRef as { id?: string }).id ?? '';
     if (!/^(system$|supervisor$|model:|socket:)/.test(actor)) return;
-    const r: InspectionRecord = { seq: ++this.seq, at: Date.now(), kind: e.type, actor };
+    const r: InspectionRecord = { seq: ++this.seq, at: Date.now(), kind: e.type === '@xstate.microstep' ? '@xstate.snapshot' : e.type, actor };
     if (e.type === '@xstate.event') {
       if (QUIET_EVENTS.has(e.event.type)) return;
       r.event = e.event.type;
       r.payload = payloadOf(e.event as Record<string, unknown>);
     }
-    if (e.type === '@xstate.snapshot') {
+    if (e.type === '@xstate.snapshot' || e.type === '@xstate.microstep') {
       const snapshot = e.snapshot as { value?: unknown; status?: string; context?: Record<string, unknown> };
       const state = snapshot.status === 'stopped' ? 'stopped' : statePath(snapshot.value);
       if (this.lastState.get(actor) === state) return;
       if (state === 'stopped') this.lastState.delete(actor);
       else this.lastState.set(actor, state);
       r.event = e.event.type;
+      r.payload = payloadOf(e.event as Record<string, unknown>);
       r.state = state;
       const shown = SHOWN_CONTEXT.filter((k) => snapshot.context?.[k] != null);
       if (shown.length) r.context = Object.fromEntries(shown.map((k) => [k, snapshot.context![k]]));

@@ -68,10 +68,10 @@ describe('observability', () => {
     ac.abort();
     await reader;
 
-    // `resident.ready.idle` and `resident.ready.busy` are both `ready` here.
+    // `resident.ready.idle` and `.busy` are both `ready` here; `resident.loading.queued` and `.building` both `loading`.
     const states = events
       .filter((e) => e.actor === 'model:obs' && e.kind === '@xstate.snapshot')
-      .map((e) => e.state.replace(/^resident\./, '').replace(/^ready\..*/, 'ready'))
+      .map((e) => e.state.replace(/^resident\./, '').replace(/^(ready|loading)\..*/, '$1'))
       .filter((s, i, all) => s !== all[i - 1]);
     expect(states).toEqual(['unloaded', 'loading', 'ready', 'reconfiguring', 'loading', 'ready', 'unloading', 'unloaded']);
     const causes = events.filter((e) => e.actor === 'model:obs' && e.kind === '@xstate.event').map((e) => e.event);
@@ -125,7 +125,7 @@ describe('observability', () => {
       const deadline = Date.now() + 5000;
       const values = () => got.filter((g) => g.type === '@xstate.snapshot').map((g) => statePath(g.snapshot?.value));
       while (!values().includes('resident.ready.idle') && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
-      expect(values()).toEqual(expect.arrayContaining(['running', 'resident.loading', 'resident.ready.idle']));
+      expect(values()).toEqual(expect.arrayContaining(['running', 'resident.loading.queued', 'resident.loading.building', 'resident.ready.idle']));
     } finally {
       await s.close();
       relay.close();
