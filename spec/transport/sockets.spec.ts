@@ -130,6 +130,70 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
   });
 });
 
+describe('deadlines and limits, each alone (the test fails with the feature off)', () => {
+  /** A server with only the limits given: every other deadline is off, so only the one tested can close a stream. */
+  const alone = (limits: Record<string, number>) => startServer(ServerConfig.parse({ log_level: 'silent', port: 0, limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 0, ...limits } }));
+
+  it('heartbeat: a peer that stops answering pings is cut off with 1001 "no pong: peer is gone", its lease released', async () => {
+    const srv = await alone({ heartbeat_ms: 150 });
+    try {
+      const s = await openStream('model=silero-vad', srv);
+      const link = [...srv.streams][0];
+      (s.ws as unknown as { _socket: Socket })._socket.pause(); // no reads: pings go unanswered
+      await until(() => srv.streams.size === 0, 3000);
+      expect(link.actor.getSnapshot().context).toMatchObject({ code: 1001, cutReason: 'no pong: peer is gone' });
+      expect(srv.supervisor.status('silero-vad')).toMatchObject({ active_leases: 0 });
+      s.ws.terminate();
+    } finally {
+      await srv.close();
+    }
+  });
+
+  it('limits.total_ms: a stream still sending audio is closed 1008 naming total_ms', async () => {
+    const srv = await alone({ total_ms: 400 });
+    try {
+      const s = await openStream('model=silero-vad', srv);
+      const t0 = performance.now();
+      const feed = setInterval(() => s.ws.readyState === WebSocket.OPEN && s.ws.send(Buffer.alloc(3200)), 50);
+      const { code, reason } = await s.closed;
+      clearInterval(feed);
+      expect(code).toBe(1008);
+      expect(reason).toMatch(/limits\.total_ms \(400 ms\)/);
+      expect(performance.now() - t0).toBeGreaterThanOrEqual(300);
+      expect(s.events.at(-1)).toMatchObject({ type: 'error', error: { message: expect.stringContaining('total_ms') } });
+    } finally {
+      await srv.close();
+    }
+  });
+
+  it('limits.max_ws_connections: the connection past the limit gets 503 naming it; a place freed is taken again', async () => {
+    const srv = await alone({ max_ws_connections: 2 });
+    try {
+      const a = await openStream('model=silero-vad', srv);
+      const b = await openStream('model=silero-vad', srv);
+      const refused = await new Promise<{ status: number; body: string }>((resolve) => {
+        const ws = new WebSocket(`${srv.url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
+        ws.on('error', () => {});
+        ws.on('unexpected-response', (_req, res) => {
+          let body = '';
+          res.on('data', (d: Buffer) => (body += d));
+          res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
+        });
+        ws.on('open', () => resolve({ status: 101, body: '' }));
+      });
+      expect(refused.status).toBe(503);
+      expect(JSON.parse(refused.body).error.message).toMatch(/limits\.max_ws_connections \(2\) reached/);
+      a.ws.close();
+      await until(() => srv.streams.size === 1);
+      const c = await openStream('model=silero-vad', srv);
+      c.ws.close();
+      b.ws.close();
+    } finally {
+      await srv.close();
+    }
+  });
+});
+
 describe('limits and fuzz: clear errors, the server keeps serving', () => {
   it('garbage HTTP request lines -> 400 and the connection closed', async () => {
     for (const junk of ['GARBAGE\r\n\r\n', '\x00\x01\x02\x03\r\n\r\n', 'GET / HTTP/9.9\r\n\r\n', 'POST /v1/tasks/run HTTP/1.1\r\nContent-Length: -5\r\n\r\n']) {
