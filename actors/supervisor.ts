@@ -15,6 +15,14 @@ import type { Logger } from 'pino';
 import { ModelEntry, modelMachine, type ModelActor, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus } from './model.js';
 import { systemMachine } from './system.js';
 
+/** A model's footprint estimated from the sizes of its files (C13). */
+async function estimateFromFiles(config: ModelConfig): Promise<number> {
+  const files = [config.path, ...(config.task === 'wakeword' ? [config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING] : [])];
+  let bytes = 0;
+  for (const f of files) bytes += await stat(f).then((st) => st.size, () => 0);
+  return estimateFootprint(config, bytes);
+}
+
 /** A cold load waiting at the gate (DESIGN.md C11). */
 export interface PendingLoad {
   id: string;
@@ -248,6 +256,8 @@ export interface SupervisorOptions {
   catalog?: ModelConfig[];
   /** Available memory, bytes; default: cgroup limit and MemAvailable, the lower. */
   memoryProbe?: MemoryProbe;
+  /** A model's footprint before it has loaded, bytes; default: its files' sizes x a factor ({@link estimateFootprint}). */
+  footprint?: (config: ModelConfig) => Promise<number>;
   metrics?: Metrics;
   /** Default: a pino logger at the config's `log_level`. */
   log?: Logger;
@@ -268,6 +278,7 @@ export class Supervisor {
   private readonly catalog = new Map<string, ModelConfig>();
   private readonly baseLoader: ModelLoader;
   private readonly probe: MemoryProbe;
+  private readonly estimate: (config: ModelConfig) => Promise<number>;
   /** Models whose slots exist: from the end of their load until their pool has closed (retiring included). */
   private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
@@ -285,6 +296,7 @@ export class Supervisor {
     this.log = options.log ?? createLogger(config.log_level);
     this.baseLoader = options.loader ?? createLoader(new WeightBundles());
     this.probe = options.memoryProbe ?? availableMemory;
+    this.estimate = options.footprint ?? estimateFromFiles;
     this.inspect = options.inspect;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     const guarded = this.guarded;
@@ -375,14 +387,10 @@ export class Supervisor {
     return loaded;
   };
 
-  /** Footprint of `config`, bytes: measured per slot if it has loaded before, else estimated from its files. */
+  /** Footprint of `config`, bytes: measured per slot if it has loaded before, else estimated. */
   async footprint(config: ModelConfig): Promise<number> {
     const perSlot = this.measuredPerSlot.get(config.id);
-    if (perSlot !== undefined) return perSlot * config.slots;
-    const files = [config.path, ...(config.task === 'wakeword' ? [config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING] : [])];
-    let bytes = 0;
-    for (const f of files) bytes += await stat(f).then((st) => st.size, () => 0);
-    return estimateFootprint(config, bytes);
+    return perSlot !== undefined ? perSlot * config.slots : this.estimate(config);
   }
 
   /** Tells the gate that room may have changed, when it is waiting for that. */

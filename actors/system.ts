@@ -1,4 +1,4 @@
-import { emit, setup, type AnyActorLogic } from 'xstate';
+import { emit, setup, type Actor, type AnyActorLogic, type AnyActorRef } from 'xstate';
 
 /** Events of the system root. */
 export type SystemEvent = { type: 'STARTED' } | { type: 'SHUTDOWN' } | { type: 'STOPPED' };
@@ -27,3 +27,14 @@ export const systemMachine = setup({
     stopped: { type: 'final' },
   },
 });
+
+/**
+ * Shutdown phase 2 for a socket actor: `DRAIN` reaches it when the root emits `drain`, for as
+ * long as it runs (the listener goes once it reaches its final state).
+ */
+export function drainOnShutdown(root: Pick<Actor<typeof systemMachine>, 'on'>, socket: AnyActorRef): void {
+  const sub = root.on('drain', () => {
+    if (socket.getSnapshot().status === 'active') socket.send({ type: 'DRAIN' });
+  });
+  socket.subscribe({ complete: () => sub.unsubscribe(), error: () => sub.unsubscribe() });
+}

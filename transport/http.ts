@@ -1,5 +1,5 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
-import type { HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
+import type { HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
 import { MAX_TIMEOUT_MS } from '../runtime/config.js';
 import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
 
@@ -136,6 +136,8 @@ export interface HttpLink {
   readonly actor: HttpSocket;
   /** Registers a request's response with the actor; returns its number. */
   begin(res: ServerResponse): number;
+  /** Sends the actor an event if it still runs. */
+  tell(e: HttpInput): void;
 }
 
 /**
@@ -147,6 +149,9 @@ export interface HttpLink {
 export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: HttpSocket): HttpLink {
   const responses = new Map<number, ServerResponse>();
   let seq = 0;
+  const tell = (e: HttpInput): void => {
+    if (actor.getSnapshot().status === 'active') actor.send(e);
+  };
   actor.on('*', (o: HttpOutput) => {
     if (o.type === 'close') return void (socket.destroyed || socket.end());
     const res = responses.get(o.rid);
@@ -169,13 +174,14 @@ export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: Htt
   actor.start();
   return {
     actor,
+    tell,
     begin(res) {
       const rid = ++seq;
       responses.set(rid, res);
-      actor.send({ type: 'REQUEST_STARTED', rid });
+      tell({ type: 'REQUEST_STARTED', rid });
       res.on('close', () => {
         responses.delete(rid);
-        actor.send({ type: 'RESPONSE_CLOSED', rid });
+        tell({ type: 'RESPONSE_CLOSED', rid });
       });
       return rid;
     },

@@ -5,6 +5,7 @@ import type { AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
 import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
 import { createInspection } from '../actors/inspection.js';
+import { drainOnShutdown } from '../actors/system.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { invalid, VoxError } from '../runtime/errors.js';
 import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
@@ -160,7 +161,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       const t0 = performance.now();
       const body = await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms);
       const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(body, t0);
-      return void link.actor.send({ type: 'TASK', rid, request });
+      return link.tell({ type: 'TASK', rid, request });
     }
     const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
@@ -185,12 +186,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const actor = createHttpSocket({ limits: config.limits, registry: supervisor }, inspected.inspect);
     const link = bindHttp(socket, actor);
     links.set(socket, link);
-    // Shutdown phase 2: the root's `drain` reaches every socket actor.
-    const drain = supervisor.root.on('drain', () => actor.send({ type: 'DRAIN' }));
-    socket.once('close', () => {
-      drain.unsubscribe();
-      actor.send({ type: 'PEER_CLOSED' });
-    });
+    drainOnShutdown(supervisor.root, actor);
+    socket.once('close', () => link.tell({ type: 'PEER_CLOSED' }));
   });
   function handle(req: IncomingMessage, res: ServerResponse): void {
     if (!supervisor.accepting) res.setHeader('connection', 'close');
@@ -224,7 +221,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   http.on('upgrade', (req, socket, head) => {
     socket.on('error', () => socket.destroy());
     // The connection leaves HTTP: a stream socket actor (or this handler's answer) owns it now.
-    if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.actor.send({ type: 'UPGRADED' });
+    if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.tell({ type: 'UPGRADED' });
     const path = new URL(req.url ?? '/', 'http://localhost').pathname;
     const refuse = (status: number, text: string, message = text): void => {
       const body = JSON.stringify({ error: { type: status === 404 ? 'not_found' : status === 503 ? 'server_busy' : 'invalid_request_error', message } });
@@ -246,14 +243,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     wss.handleUpgrade(req, socket, head, (ws) => {
       const protocol = (ws.protocol || SUBPROTOCOLS[0]) as Subprotocol;
       const actor = createStreamSocket({ url: req.url ?? '/', limits: config.limits, registry: supervisor }, inspected.inspect);
-      // Shutdown phase 2: the root's `drain` reaches every socket actor.
-      const unsubscribe = supervisor.root.on('drain', () => actor.send({ type: 'DRAIN' }));
+      drainOnShutdown(supervisor.root, actor);
       const link = bindStream(ws, actor, protocol, config.limits);
       streams.add(link);
-      void link.released.then(() => {
-        unsubscribe.unsubscribe();
-        streams.delete(link);
-      });
+      void link.released.then(() => streams.delete(link));
     });
   });
 

@@ -1,5 +1,5 @@
 import type { WebSocket } from 'ws';
-import type { StreamOutput, StreamSocket } from '../actors/stream.js';
+import type { StreamInput, StreamOutput, StreamSocket } from '../actors/stream.js';
 import type { Limits } from '../runtime/config.js';
 import { encodeEvent, type Subprotocol } from './codec.js';
 
@@ -36,16 +36,20 @@ function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; me
  */
 export function bindStream(ws: WebSocket, actor: StreamSocket, protocol: Subprotocol, limits: Limits): StreamLink {
   let unflushed = 0;
+  /** Socket events after the actor's final state (a late close, a flush) have no one to hear them. */
+  const tell = (e: StreamInput): void => {
+    if (actor.getSnapshot().status === 'active') actor.send(e);
+  };
   let release!: () => void;
   const released = new Promise<void>((r) => (release = r));
   actor.on('*', (o: StreamOutput) => {
     switch (o.type) {
       case 'send':
         if (ws.readyState !== ws.OPEN) return;
-        if (ws.bufferedAmount > limits.ws_max_buffered_bytes) return void actor.send({ type: 'SEND_BLOCKED' });
+        if (ws.bufferedAmount > limits.ws_max_buffered_bytes) return tell({ type: 'SEND_BLOCKED' });
         unflushed++;
         ws.send(encodeEvent(protocol, o.event), () => {
-          if (--unflushed === 0) actor.send({ type: 'FLUSHED' });
+          if (--unflushed === 0) tell({ type: 'FLUSHED' });
         });
         return;
       case 'close':
@@ -62,10 +66,10 @@ export function bindStream(ws: WebSocket, actor: StreamSocket, protocol: Subprot
         return release();
     }
   });
-  ws.on('error', () => actor.send({ type: 'PEER_CLOSED', code: 1006 }));
-  ws.on('close', (code) => actor.send({ type: 'PEER_CLOSED', code }));
-  ws.on('pong', () => actor.send({ type: 'PONG' }));
-  ws.on('message', (data: Buffer, binary: boolean) => actor.send(binary ? { type: 'FRAME', data } : controlEvent(data.toString('utf8'))));
+  ws.on('error', () => tell({ type: 'PEER_CLOSED', code: 1006 }));
+  ws.on('close', (code) => tell({ type: 'PEER_CLOSED', code }));
+  ws.on('pong', () => tell({ type: 'PONG' }));
+  ws.on('message', (data: Buffer, binary: boolean) => tell(binary ? { type: 'FRAME', data } : controlEvent(data.toString('utf8'))));
   actor.subscribe({ error: () => {} });
   actor.start();
   return { actor, ws, released };

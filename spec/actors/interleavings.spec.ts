@@ -1,13 +1,18 @@
 /**
- * Property-based interleaving tests of the model lifecycle contract (DESIGN.md C1-C10, C17)
- * against fake slot hosts whose load, run and close are scheduled by fast-check's scheduler.
+ * Property-based interleaving tests of the model lifecycle contract (DESIGN.md C1-C17) against
+ * fake slot hosts whose load, run and close are scheduled by fast-check's scheduler. Time is
+ * controlled too (fake timers; `advance` is a command), so busy timeouts, keep-alive (idle
+ * unload), the gate's deadlines and memory polls, and the stream sockets' deadlines fire at
+ * random points; stream socket actors, a changing memory probe and shutdown are commands.
  *
  * A failure prints its seed and the scheduler's order of every step of the shrunk case. The runs
  * are deterministic for a seed: `FC_SEED=<seed> npx vitest run spec/actors/interleavings.spec.ts
  * -t '<test name>'` reruns them and shrinks to the same counterexample.
  */
 import fc from 'fast-check';
-import { afterEach, describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it, vi } from 'vitest';
+import { createStreamSocket, type StreamOutput } from '../../actors/stream.js';
+import { drainOnShutdown } from '../../actors/system.js';
 import { Supervisor } from '../../actors/supervisor.js';
 import { Admission } from '../../runtime/admission.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
@@ -17,7 +22,7 @@ import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protoc
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 
 const RUNS = Number(process.env.FC_RUNS ?? 1000);
-const replay = process.env.FC_SEED ? { seed: Number(process.env.FC_SEED) } : {};
+const replay = process.env.FC_SEED ? { seed: Number(process.env.FC_SEED), ...(process.env.FC_PATH ? { path: process.env.FC_PATH, endOnFailure: true } : {}) } : {};
 
 type LoadFault = 'ok' | 'throws' | 'no-session' | 'clone-fails';
 type RunFault = 'ok' | 'throws' | 'worker-exits';
@@ -33,6 +38,14 @@ class World {
   readonly grants = new Map<Admission, number[]>();
   readonly ops: { name: string; done: boolean; promise: Promise<void> }[] = [];
   readonly controllers: AbortController[] = [];
+  /** Stream socket actors started, to drop the ones still open at the end. */
+  readonly sockets: ReturnType<typeof createStreamSocket>[] = [];
+  /** Faults injected so far: a 500 is allowed only after one. */
+  faultsUsed = 0;
+  /** Available memory the probe reports, bytes. */
+  memory = 1e12;
+  /** Shut down: later commands do nothing. */
+  down = false;
   private seq = 0;
 
   constructor(
@@ -47,10 +60,14 @@ class World {
     return ++this.seq;
   }
   loadFault(): LoadFault {
-    return this.loadFaults.shift() ?? 'ok';
+    const f = this.loadFaults.shift() ?? 'ok';
+    if (f !== 'ok') this.faultsUsed++;
+    return f;
   }
   runFault(): RunFault {
-    return this.runFaults.shift() ?? 'ok';
+    const f = this.runFaults.shift() ?? 'ok';
+    if (f !== 'ok') this.faultsUsed++;
+    return f;
   }
   bump(map: Map<string, number>, id: string, by: number, limit: number, what: string): void {
     const n = (map.get(id) ?? 0) + by;
@@ -62,7 +79,10 @@ class World {
     }
   }
 
-  /** Starts an operation; expected failures (VoxError, AbortError) are fine, anything else is a violation. */
+  /**
+   * Starts an operation; expected failures (a 503 or 400 VoxError, AbortError) are fine, a 500
+   * only once a fault was injected, anything else is a violation.
+   */
   launch(name: string, op: () => Promise<unknown>): void {
     const rec = { name, done: false, promise: Promise.resolve() };
     rec.promise = (async () => {
@@ -71,6 +91,7 @@ class World {
       } catch (e) {
         const expected = e instanceof VoxError || (e instanceof DOMException && e.name === 'AbortError');
         if (!expected) this.violations.push(`${name} threw ${(e as Error)?.stack ?? e}`);
+        else if (e instanceof VoxError && e.status === 500 && this.faultsUsed === 0) this.violations.push(`${name}: 500 with no fault injected: ${e.message}`);
       } finally {
         rec.done = true;
       }
@@ -157,6 +178,7 @@ class Request implements Cmd {
   ) {}
   check = (): boolean => true;
   async run(_m: object, { w, sup }: Real): Promise<void> {
+    if (w.down) return;
     const ctl = new AbortController();
     w.controllers.push(ctl);
     w.launch(this.toString(), async () => {
@@ -171,8 +193,12 @@ class Request implements Cmd {
         const { pool, batcher } = await entry.ensureReady(ctl.signal);
         for (let i = 0; i < this.jobs && !ctl.signal.aborted; i++) {
           await (batcher ? batcher.run(job(), ctl.signal) : pool.run(job(), ctl.signal)).catch((e: Error) => {
-            // Only a forced unload (which aborts us) may close the pool under a held lease.
-            if (/model unloaded/.test(e.message) && !ctl.signal.aborted) w.violations.push(`${this}: pool closed under a held lease`);
+            // Only a forced unload or shutdown (which abort us) may close the pool under a held lease.
+            // (A slot that died, an injected fault, unloads the model with its requests' slots.)
+            const closed = /model unloaded/.test(e.message) || (/slot is closed/.test(e.message) && w.faultsUsed === 0);
+            if (closed && !ctl.signal.aborted) w.violations.push(`${this}: pool closed under a held lease: ${e.message}`);
+            // A revoked request answers with the revocation (503), not with what its inference hit.
+            if (ctl.signal.aborted) throw new DOMException('revoked', 'AbortError');
             throw e;
           });
           exclusiveAlongside();
@@ -201,6 +227,7 @@ class Load implements Cmd {
   ) {}
   check = (): boolean => true;
   async run(_m: object, { w, sup }: Real): Promise<void> {
+    if (w.down) return;
     w.launch(this.toString(), () => sup.load({ id: this.id, ...this.fields }, 0));
   }
   toString = (): string => `load(${this.id}, ${JSON.stringify(this.fields)})`;
@@ -213,6 +240,7 @@ class Unload implements Cmd {
   ) {}
   check = (): boolean => true;
   async run(_m: object, { w, sup }: Real): Promise<void> {
+    if (w.down) return;
     w.launch(this.toString(), async () => {
       const e = sup.require(this.id);
       await (this.force ? e.forceUnload() : e.unload(0));
@@ -225,6 +253,7 @@ class BulkUnload implements Cmd {
   constructor(readonly ids: string[]) {}
   check = (): boolean => true;
   async run(_m: object, { w, sup }: Real): Promise<void> {
+    if (w.down) return;
     w.launch(this.toString(), async () => {
       const r = await sup.unloadMany(this.ids, 0);
       const all = [...r.unloaded, ...r.not_found];
@@ -236,6 +265,95 @@ class BulkUnload implements Cmd {
   toString = (): string => `unloadMany(${JSON.stringify(this.ids)})`;
 }
 
+
+/** Moves the fake clock: busy timeouts, keep-alive, the gate's deadline and memory poll, stream deadlines. */
+class Advance implements Cmd {
+  constructor(readonly ms: number) {}
+  check = (): boolean => true;
+  async run(): Promise<void> {
+    await vi.advanceTimersByTimeAsync(this.ms);
+  }
+  toString = (): string => `advance(${this.ms} ms)`;
+}
+
+/** The memory probe's next readings. */
+class SetMemory implements Cmd {
+  constructor(readonly bytes: number) {}
+  check = (): boolean => true;
+  async run(_m: object, { w }: Real): Promise<void> {
+    w.memory = this.bytes;
+  }
+  toString = (): string => `memory(${this.bytes})`;
+}
+
+/**
+ * A stream socket actor on model `id` (its transport played here: FLUSHED after each send, PONG
+ * after each ping): `frames` audio frames of 512 samples, then `end`, a dropped connection, or
+ * nothing (its idle deadline or shutdown ends it). It must release its lease; a close 1011 only
+ * after an injected fault.
+ */
+class Stream implements Cmd {
+  constructor(
+    readonly id: string,
+    readonly frames: number,
+    readonly ending: 'end' | 'drop' | 'none',
+  ) {}
+  check = (): boolean => true;
+  async run(_m: object, { w, sup }: Real): Promise<void> {
+    if (w.down) return;
+    const actor = createStreamSocket({ url: `/v1/stream?model=${this.id}`, limits: STREAM_LIMITS, registry: sup });
+    let release!: () => void;
+    const released = new Promise<void>((r) => (release = r));
+    // As the transport does: events for an actor past its final state are dropped.
+    const tell = (e: Parameters<typeof actor.send>[0]): void => void (actor.getSnapshot().status === 'active' && actor.send(e));
+    const later = (e: Parameters<typeof actor.send>[0]): void => queueMicrotask(() => tell(e));
+    actor.on('*', (o: StreamOutput) => {
+      if (o.type === 'released') release();
+      else if (o.type === 'send') later({ type: 'FLUSHED' });
+      else if (o.type === 'ping') later({ type: 'PONG' });
+      else if (o.type === 'close' || o.type === 'terminate') later({ type: 'PEER_CLOSED', code: o.type === 'close' ? o.code : 1006 });
+    });
+    drainOnShutdown(sup.root, actor);
+    actor.subscribe({ error: (e) => w.violations.push(`${this} errored: ${e}`) });
+    actor.start();
+    w.sockets.push(actor);
+    w.launch(this.toString(), async () => {
+      for (let i = 0; i < this.frames; i++) {
+        await w.s.schedule(Promise.resolve(), `frame ${this}#${i}`);
+        tell({ type: 'FRAME', data: Buffer.alloc(1024) });
+      }
+      if (this.ending === 'end') tell({ type: 'END' });
+      if (this.ending === 'drop') tell({ type: 'PEER_CLOSED', code: 1006 });
+      await released;
+      const code = actor.getSnapshot().context.code;
+      if (code === 1011 && w.faultsUsed === 0) w.violations.push(`${this} closed 1011 with no fault injected`);
+    });
+  }
+  toString = (): string => `stream(${this.id}, ${this.frames} frames, ${this.ending})`;
+}
+
+/**
+ * Shutdown as the server runs it: stop accepting and drain sockets (the root's `drain`), revoke
+ * what is left, unload every model. Later commands do nothing.
+ */
+class Shutdown implements Cmd {
+  check = (): boolean => true;
+  async run(_m: object, { w, sup }: Real): Promise<void> {
+    if (w.down) return;
+    w.down = true;
+    w.launch('shutdown', async () => {
+      sup.beginShutdown();
+      await w.s.schedule(Promise.resolve(), 'drain deadline');
+      sup.revokeAll(new VoxError('shutting_down', 'the server is shutting down'));
+      await sup.stop(0);
+    });
+  }
+  toString = (): string => 'shutdown';
+}
+
+/** Stream deadlines short enough for `advance` to reach them. */
+const STREAM_LIMITS = ServerConfig.parse({ limits: { idle_ms: 100, heartbeat_ms: 70, send_timeout_ms: 50, total_ms: 400 } }).limits;
+
 const slotsArb = fc.constantFrom(1, 2, 4);
 const commandArb = fc.oneof(
   { weight: 5, arbitrary: fc.tuple(idArb, fc.integer({ min: 1, max: 3 })).map(([id, n]) => new Request(id, n) as Cmd) },
@@ -246,6 +364,10 @@ const commandArb = fc.oneof(
   { weight: 1, arbitrary: fc.tuple(idArb, fc.integer({ min: 1, max: 8 })).map(([id, max_streams]) => new Load(id, { max_streams }) as Cmd) },
   { weight: 2, arbitrary: fc.tuple(idArb, fc.boolean()).map(([id, force]) => new Unload(id, force) as Cmd) },
   { weight: 2, arbitrary: fc.array(fc.constantFrom(...IDS, 'nope'), { minLength: 1, maxLength: 5 }).map((ids) => new BulkUnload(ids) as Cmd) },
+  { weight: 3, arbitrary: fc.constantFrom(1, 20, 60, 150).map((ms) => new Advance(ms) as Cmd) },
+  { weight: 2, arbitrary: fc.tuple(idArb, fc.integer({ min: 0, max: 3 }), fc.constantFrom('end', 'drop', 'none')).map(([id, n, e]) => new Stream(id, n, e as 'end') as Cmd) },
+  { weight: 1, arbitrary: fc.constantFrom(1e12, 0).map((b) => new SetMemory(b) as Cmd) },
+  { weight: 1, arbitrary: fc.constant(new Shutdown() as Cmd) },
 );
 
 /** Records, per admission queue, the order in which acquisitions are granted. */
@@ -272,11 +394,19 @@ function instrumentAdmission(w: () => World | null): () => void {
   };
 }
 
-/** Runs scheduled tasks until none is left, letting microtasks and immediates settle in between. */
+/**
+ * Runs scheduled tasks until none is left, letting microtasks and immediates settle in between;
+ * it ends after five quiet turns of the event loop, so real I/O started meanwhile (a footprint's
+ * `stat`) has finished and scheduled what follows it.
+ */
 async function settle(s: fc.Scheduler): Promise<void> {
-  for (let i = 0; i < 1000; i++) {
+  for (let i = 0, quiet = 0; i < 1000 && quiet < 5; i++) {
     await new Promise((r) => setImmediate(r));
-    if (s.count() === 0) return;
+    if (s.count() === 0) {
+      quiet++;
+      continue;
+    }
+    quiet = 0;
     await s.waitAll();
   }
 }
@@ -290,8 +420,28 @@ afterEach(() => {
   current = null;
 });
 
-/** One property: random commands and faults against a supervisor with `limit` max_loaded_models. */
-async function checkInvariants(limit: number, totals: { runs: number; interleavings: number; commands: number }, batch = 1): Promise<void> {
+/** One property's server: `max_loaded_models`, `max_batch_size`, busy timeout, idle unload, memory guard. */
+interface Setup {
+  limit: number;
+  batch?: number;
+  busyTimeoutMs?: number;
+  idleUnloadMs?: number;
+  /** `min_free_memory_mb: 1` against the probe that `memory(...)` commands change. */
+  memoryGuard?: boolean;
+}
+
+/** Lets every timer up to `ms` from now fire, settling the scheduler between steps. */
+async function runClock(s: fc.Scheduler, ms: number): Promise<void> {
+  for (let t = 0; t < ms; t += 50) {
+    await settle(s);
+    await vi.advanceTimersByTimeAsync(50);
+  }
+  await settle(s);
+}
+
+/** One property: random commands, faults and clock moves against a supervisor set up as `setup` says. */
+async function checkInvariants(setup: Setup, totals: { runs: number; interleavings: number; commands: number }): Promise<void> {
+  const { limit, batch = 1 } = setup;
   const catalog = catalogOf(batch);
   await fc.assert(
     fc.asyncProperty(
@@ -300,49 +450,74 @@ async function checkInvariants(limit: number, totals: { runs: number; interleavi
       fc.array(fc.constantFrom<LoadFault>('ok', 'ok', 'throws', 'no-session', 'clone-fails'), { maxLength: 6 }),
       fc.array(fc.constantFrom<RunFault>('ok', 'ok', 'ok', 'throws', 'worker-exits'), { maxLength: 8 }),
       async (s, cmds, loadFaults, runFaults) => {
-        const w = new World(s, loadFaults, runFaults, limit);
-        current = w;
-        const sup = new Supervisor(ServerConfig.parse({ log_level: 'silent',  busy_timeout_ms: 0, max_loaded_models: limit }), { loader: fakeLoader(w), catalog });
-        await fc.scheduledModelRun(s, () => ({ model: {}, real: { w, sup } }), cmds);
-        await settle(s);
-        // Every operation settled: nothing hangs.
-        const hung = w.ops.filter((o) => !o.done);
-        if (hung.length && process.env.FC_DEBUG) console.log('HUNG', hung.map((o) => o.name), sup.statuses());
-        expect(hung.length, 'operations still pending').toBe(0);
-        // Residency returns to baseline after unload of everything.
-        w.launch('unload_all', () => sup.unloadMany(sup.registeredIds, 0));
-        await settle(s);
-        expect(w.ops.every((o) => o.done), 'unload_all settled').toBe(true);
-        expect(w.violations).toEqual([]);
-        for (const id of sup.registeredIds) {
-          const st = sup.status(id)!;
-          expect(st, `status of ${id}`).toMatchObject({ state: 'unloaded', loaded: false, resident_bytes: 0, active_leases: 0, queued_requests: 0, active_slots: 0 });
-          expect(w.livePools.get(id) ?? 0, `pools of ${id}`).toBe(0);
-          expect(w.liveSlots.get(id) ?? 0, `slots of ${id}`).toBe(0);
+        // setImmediate stays real: `settle` uses it to let the scheduler's promises run.
+        vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'setInterval', 'clearInterval', 'Date', 'performance'] });
+        try {
+          const w = new World(s, loadFaults, runFaults, limit);
+          current = w;
+          const config = ServerConfig.parse({
+            log_level: 'silent',
+            busy_timeout_ms: setup.busyTimeoutMs ?? 0,
+            idle_unload_ms: setup.idleUnloadMs ?? 0,
+            max_loaded_models: limit,
+            min_free_memory_mb: setup.memoryGuard ? 1 : 0,
+          });
+          // The footprint estimate is given, not read from files: real I/O would race the scheduler.
+          const sup = new Supervisor(config, { loader: fakeLoader(w), catalog, memoryProbe: () => w.memory, footprint: async (c) => c.slots * 1000 });
+          await sup.start();
+          await fc.scheduledModelRun(s, () => ({ model: {}, real: { w, sup } }), cmds);
+          // Memory comes back, open streams' clients go away, and the clock runs until every deadline has passed.
+          w.memory = 1e12;
+          await settle(s);
+          for (const socket of w.sockets) if (socket.getSnapshot().status === 'active') socket.send({ type: 'PEER_CLOSED', code: 1006 });
+          await runClock(s, 1000);
+          // Every operation settled: nothing hangs.
+          const hung = w.ops.filter((o) => !o.done);
+          if (hung.length && process.env.FC_DEBUG) console.log('HUNG', hung.map((o) => o.name), s.count(), JSON.stringify(sup.actor.getSnapshot().value), sup.statuses().map((x) => `${x.id}:${x.state}:${x.active_leases}:${x.queued_requests}`), [...cmds].map(String));
+          expect(hung.length, `operations still pending: ${hung.map((o) => o.name).join(', ')}`).toBe(0);
+          // Residency returns to baseline after unload of everything (shutdown did it already).
+          if (!w.down) w.launch('unload_all', () => sup.unloadMany(sup.registeredIds, 0));
+          await runClock(s, 100);
+          expect(w.ops.every((o) => o.done), 'unload_all settled').toBe(true);
+          expect(w.violations).toEqual([]);
+          for (const id of sup.registeredIds) {
+            const st = sup.status(id)!;
+            expect(st, `status of ${id}`).toMatchObject({ state: 'unloaded', loaded: false, resident_bytes: 0, active_leases: 0, queued_requests: 0, active_slots: 0 });
+            expect(w.livePools.get(id) ?? 0, `pools of ${id}`).toBe(0);
+            expect(w.liveSlots.get(id) ?? 0, `slots of ${id}`).toBe(0);
+          }
+          // FIFO: each queue granted its acquisitions in the order they were made.
+          for (const order of w.grants.values()) expect(order).toEqual([...order].sort((x, y) => x - y));
+          totals.runs++;
+          totals.commands += [...cmds].length;
+          totals.interleavings += s.report().length;
+        } finally {
+          vi.useRealTimers();
         }
-        // FIFO: each queue granted its acquisitions in the order they were made.
-        for (const order of w.grants.values()) expect(order).toEqual([...order].sort((x, y) => x - y));
-        totals.runs++;
-        totals.commands += [...cmds].length;
-        totals.interleavings += s.report().length;
       },
     ),
     { numRuns: RUNS, ...replay },
   );
-  console.log(`interleavings (max_loaded_models ${limit}, max_batch_size ${batch}): ${totals.runs} runs, ${totals.commands} commands, ${totals.interleavings} scheduled steps in random order`);
+  console.log(`interleavings (${JSON.stringify(setup)}): ${totals.runs} runs, ${totals.commands} commands, ${totals.interleavings} scheduled steps in random order`);
 }
 
-describe('model lifecycle under random interleavings (fast-check scheduler, fake slot hosts)', () => {
+const fresh = () => ({ runs: 0, interleavings: 0, commands: 0 });
+
+describe('model lifecycle under random interleavings (fast-check scheduler, fake slot hosts, controlled time)', () => {
   it(`holds the contract invariants (${RUNS} runs)`, async () => {
-    await checkInvariants(0, { runs: 0, interleavings: 0, commands: 0 });
+    await checkInvariants({ limit: 0 }, fresh());
   });
 
-  it(`holds them with dynamic batching on (${RUNS} runs)`, async () => {
-    await checkInvariants(0, { runs: 0, interleavings: 0, commands: 0 }, 4);
+  it(`holds them with dynamic batching on, a busy timeout and idle unload (${RUNS} runs)`, async () => {
+    await checkInvariants({ limit: 0, batch: 4, busyTimeoutMs: 40, idleUnloadMs: 30 }, fresh());
   });
 
-  it.each([1, 2, 3])(`with max_loaded_models %i never has more models resident, and every cold load loads or gets a 503 (${RUNS} runs)`, async (limit) => {
-    await checkInvariants(limit, { runs: 0, interleavings: 0, commands: 0 });
+  it.each([
+    { limit: 1, busyTimeoutMs: 60 },
+    { limit: 2, busyTimeoutMs: 60, idleUnloadMs: 30 },
+    { limit: 3, busyTimeoutMs: 60, memoryGuard: true },
+  ])(`with max_loaded_models $limit never has more models resident, and every cold load loads or gets a 503 (${RUNS} runs, $busyTimeoutMs ms busy timeout)`, async (setup) => {
+    await checkInvariants(setup, fresh());
   });
 });
 
