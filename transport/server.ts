@@ -242,9 +242,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     if (streams.size >= config.limits.max_ws_connections) return refuse(503, 'Service Unavailable', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
     wss.handleUpgrade(req, socket, head, (ws) => {
       const protocol = (ws.protocol || SUBPROTOCOLS[0]) as Subprotocol;
-      const actor = createStreamSocket({ url: req.url ?? '/', limits: config.limits, registry: supervisor }, inspected.inspect);
-      drainOnShutdown(supervisor.root, actor);
-      const link = bindStream(ws, actor, protocol, config.limits);
+      const socketActor = createStreamSocket({ url: req.url ?? '/', limits: config.limits, registry: supervisor }, inspected.inspect);
+      drainOnShutdown(supervisor.root, socketActor.actor);
+      const link = bindStream(ws, socketActor, protocol, config.limits);
       streams.add(link);
       void link.released.then(() => streams.delete(link));
     });

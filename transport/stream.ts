@@ -1,5 +1,5 @@
 import type { WebSocket } from 'ws';
-import type { StreamInput, StreamOutput, StreamSocket } from '../actors/stream.js';
+import type { StreamInput, StreamOutput, StreamSocket, StreamSocketHandle } from '../actors/stream.js';
 import type { Limits } from '../runtime/config.js';
 import { encodeEvent, type Subprotocol } from './codec.js';
 
@@ -28,13 +28,13 @@ function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; me
 }
 
 /**
- * Binds a WebSocket to its stream socket actor, bytes to events and back: binary frames become
- * `FRAME`, text frames `END` or `BAD_CONTROL`, pongs `PONG`, the close `PEER_CLOSED`; what the actor
+ * Binds a WebSocket to its stream socket actor, bytes to events and back: binary frames go to its
+ * frame channel, text frames become `END` or `BAD_CONTROL`, pongs `PONG`, the close `PEER_CLOSED`; what the actor
  * emits is written (events encoded for the subprotocol; a client holding more than
  * `limits.ws_max_buffered_bytes` unread gets `SEND_BLOCKED` instead), and `FLUSHED` is sent once
  * every write has gone out. Starts the actor.
  */
-export function bindStream(ws: WebSocket, actor: StreamSocket, protocol: Subprotocol, limits: Limits): StreamLink {
+export function bindStream(ws: WebSocket, { actor, channel }: StreamSocketHandle, protocol: Subprotocol, limits: Limits): StreamLink {
   let unflushed = 0;
   /** Socket events after the actor's final state (a late close, a flush) have no one to hear them. */
   const tell = (e: StreamInput): void => {
@@ -69,7 +69,11 @@ export function bindStream(ws: WebSocket, actor: StreamSocket, protocol: Subprot
   ws.on('error', () => tell({ type: 'PEER_CLOSED', code: 1006 }));
   ws.on('close', (code) => tell({ type: 'PEER_CLOSED', code }));
   ws.on('pong', () => tell({ type: 'PONG' }));
-  ws.on('message', (data: Buffer, binary: boolean) => tell(binary ? { type: 'FRAME', data } : controlEvent(data.toString('utf8'))));
+  ws.on('message', (data: Buffer, binary: boolean) => {
+    if (binary) return channel.push(data);
+    channel.heard();
+    tell(controlEvent(data.toString('utf8')));
+  });
   actor.subscribe({ error: () => {} });
   actor.start();
   return { actor, ws, released };

@@ -39,7 +39,7 @@ class World {
   readonly ops: { name: string; done: boolean; promise: Promise<void> }[] = [];
   readonly controllers: AbortController[] = [];
   /** Stream socket actors started, to drop the ones still open at the end. */
-  readonly sockets: ReturnType<typeof createStreamSocket>[] = [];
+  readonly sockets: ReturnType<typeof createStreamSocket>['actor'][] = [];
   /** Faults injected so far: a 500 is allowed only after one. */
   faultsUsed = 0;
   /** Available memory the probe reports, bytes. */
@@ -301,7 +301,7 @@ class Stream implements Cmd {
   check = (): boolean => true;
   async run(_m: object, { w, sup }: Real): Promise<void> {
     if (w.down) return;
-    const actor = createStreamSocket({ url: `/v1/stream?model=${this.id}`, limits: STREAM_LIMITS, registry: sup });
+    const { actor, channel } = createStreamSocket({ url: `/v1/stream?model=${this.id}`, limits: STREAM_LIMITS, registry: sup });
     let release!: () => void;
     const released = new Promise<void>((r) => (release = r));
     // As the transport does: events for an actor past its final state are dropped.
@@ -320,7 +320,7 @@ class Stream implements Cmd {
     w.launch(this.toString(), async () => {
       for (let i = 0; i < this.frames; i++) {
         await w.s.schedule(Promise.resolve(), `frame ${this}#${i}`);
-        tell({ type: 'FRAME', data: Buffer.alloc(1024) });
+        if (actor.getSnapshot().status === 'active') channel.push(Buffer.alloc(1024));
       }
       if (this.ending === 'end') tell({ type: 'END' });
       if (this.ending === 'drop') tell({ type: 'PEER_CLOSED', code: 1006 });
