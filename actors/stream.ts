@@ -62,16 +62,21 @@ export const MAX_PENDING_SAMPLES = 160_000;
 export type WireEvent = Record<string, unknown> & { type: string };
 
 /**
- * A stream's data plane: binary frames go from the transport straight to its `work` actor, not
- * through the chart (a chart event per frame costs about 10 µs, a third of a stream's whole
- * main-thread budget). It also keeps when the client last sent anything, which the chart's idle
- * deadline asks `work` for (`CHECK_IDLE`).
+ * A stream's data plane, between the transport and the stream's `work` actor, beside the chart:
+ * binary frames in, task events (`speech_start`, `detection`, ...) out. They do not pass through
+ * the chart: a chart event costs about 10 µs, a third of a stream's whole main-thread budget at
+ * 100 ms frames. The channel also keeps the figures the chart's deadlines ask `work` for: when
+ * the client last sent anything, and since when a write has been waiting to flush.
  */
-export class FrameChannel {
+export class StreamChannel {
   /** When the client last sent a message, `performance.now()` ms. */
   heardAt = performance.now();
+  /** Since when writes have been waiting to flush (the backlog began), `performance.now()` ms; null when all are flushed (kept by the transport). */
+  unflushedSince: number | null = null;
   /** The `work` actor's frame handler while it runs. */
   sink: ((data: Buffer) => void) | null = null;
+  /** The transport's writer (set by it). */
+  write: (event: WireEvent) => void = () => {};
 
   /** A binary frame of PCM in the stream's declared format. */
   push(data: Buffer): void {
@@ -85,14 +90,12 @@ export class FrameChannel {
   }
 }
 
-/** Events the transport sends a stream socket actor: bytes turned into events (frames go by its {@link FrameChannel}). */
+/** Events the transport sends a stream socket actor: bytes turned into events (frames go by its {@link StreamChannel}). */
 export type StreamInput =
   | { type: 'END' }
   /** A text frame that is not `{"type":"end"}`: answered with an `error` event, the stream goes on. */
   | { type: 'BAD_CONTROL'; message: string }
   | { type: 'PONG' }
-  /** Every event written so far has been flushed to the socket. */
-  | { type: 'FLUSHED' }
   /** The client leaves more than `ws_max_buffered_bytes` unread. */
   | { type: 'SEND_BLOCKED' }
   /** The peer closed (or the socket failed: 1006). */
@@ -107,7 +110,8 @@ type WorkEvent =
   | { type: 'READY'; model: string; task: string }
   /** Answer to `CHECK_IDLE`: ms since the client last sent a message. */
   | { type: 'IDLE_REPORT'; silentMs: number }
-  | { type: 'OUT'; event: WireEvent }
+  /** Answer to `CHECK_SEND`: how long the oldest unflushed write has waited, ms (0: none). */
+  | { type: 'SEND_REPORT'; waitingMs: number }
   | { type: 'PAUSE' }
   | { type: 'RESUME' }
   | { type: 'DONE'; processed_ms: number; timing: Record<string, number> }
@@ -143,7 +147,7 @@ export interface StreamSocketInput {
 
 /** A stream's live resources, kept out of its chart's context, by session id. */
 interface StreamResources extends StreamSocketInput {
-  channel: FrameChannel;
+  channel: StreamChannel;
   stats: StreamStats;
 }
 const live = new Map<string, StreamResources>();
@@ -160,12 +164,12 @@ interface StreamContext {
   doneCode: number;
   /** The next idle check, ms from now. */
   idleLeftMs: number;
+  /** The next send check, ms from now. */
+  sendLeftMs: number;
   /** Answered the last ping. */
   alive: boolean;
   /** The client sent `end`. */
   ended: boolean;
-  /** Events written and not yet flushed. */
-  unflushed: boolean;
   openedAt: number;
 }
 
@@ -181,10 +185,10 @@ const errorEvent = (type: string, message: string): WireEvent => ({ type: 'error
  * session and the model's pool) from the stream's first moment to its last. It takes the lease
  * before preparing anything, loads the model if needed, then sends `READY`; audio (`FRAME`) is
  * decoded, windowed and sent to the model's slots as it arrives, one job at a time, and task
- * events go back as `OUT`. `END` flushes; `DONE` follows the last result. Stopping it (the socket
+ * events go straight to the transport by the stream's channel. `END` flushes; `DONE` follows the last result. Stopping it (the socket
  * actor leaving `live`) drops pending inference and releases the lease, on every path.
  */
-const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: string }>(({ input: { id }, sendBack, receive }) => {
+const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(({ input: { id }, sendBack, receive }) => {
   const input = live.get(id)!;
   const { stats, channel } = input;
   const send = (e: WorkEvent): void => sendBack(e);
@@ -220,7 +224,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     if (paused) send({ type: 'RESUME' });
     paused = false;
   };
-  const emitTask = (e: TaskEvent): void => send({ type: 'OUT', event: { ...e } });
+  const emitTask = (e: TaskEvent): void => channel.write({ ...e });
 
   /** Processing lag of each window finished since the last call: now - arrival of its last sample. */
   const recordLag = (): void => {
@@ -327,6 +331,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
   receive((e) => {
     if (e.type === 'CHECK_IDLE') {
       send({ type: 'IDLE_REPORT', silentMs: performance.now() - channel.heardAt });
+    } else if (e.type === 'CHECK_SEND') {
+      send({ type: 'SEND_REPORT', waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince });
     } else if (e.type === 'END' && !ended) {
       ended = true;
       if (session) finishAudio();
@@ -348,7 +354,10 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
  * - `idle`: no message for `limits.idle_ms` while open or streaming cuts it off (1008);
  * - `heartbeat`: a ping every `limits.heartbeat_ms`; a ping still unanswered at the next one
  *   cuts it off (1001 "no pong: peer is gone");
- * - `send`: an event not flushed within `limits.send_timeout_ms` cuts it off (1013).
+ * - `send`: a backlog of writes not flushed within `limits.send_timeout_ms` cuts it off (1013).
+ * The idle and send deadlines are `after` delays that ask `work` for the figure (`CHECK_IDLE`,
+ * `CHECK_SEND`) and decide by a named guard on the answer: frames and task events themselves go
+ * by the {@link StreamChannel}, not through the chart.
  * `limits.total_ms` bounds the whole of `live` (1008). Leaving `live` stops the `work` actor, which
  * releases the lease; `closing` waits a second for the peer's close frame, then `terminate`s;
  * `closed` is final. Everything the transport must write comes out as emitted {@link StreamOutput}.
@@ -364,7 +373,6 @@ export const streamSocketMachine = setup({
   actions: {
     sendReady: enqueueActions(({ enqueue, context, event }) => {
       const ready = event as Extract<WorkEvent, { type: 'READY' }>;
-      enqueue.assign({ unflushed: true });
       enqueue.emit({ type: 'send', event: { type: 'ready', session_id: context.id, model: ready.model, task: ready.task, sample_rate: 16_000 } });
     }),
     /** The closing log line and metrics, once per stream. */
@@ -390,17 +398,18 @@ export const streamSocketMachine = setup({
     idleExpired: ({ context, event }) => (event as { silentMs: number }).silentMs >= context.limits.idle_ms,
     alive: ({ context }) => context.alive,
     endedEarly: ({ context }) => context.ended,
-    unflushed: ({ context }) => context.unflushed,
     totalOn: ({ context }) => context.limits.total_ms > 0,
-    sendTimeoutOn: ({ context }) => context.limits.send_timeout_ms > 0,
-    flushed: ({ context }) => !context.unflushed,
+    sendTimeoutOff: ({ context }) => context.limits.send_timeout_ms <= 0,
+    /** A write has waited `limits.send_timeout_ms` to flush (the figure comes with `SEND_REPORT`). */
+    sendExpired: ({ context, event }) => (event as { waitingMs: number }).waitingMs >= context.limits.send_timeout_ms,
   },
   delays: {
     /** What is left of the idle deadline since the last message, ms (from the last `IDLE_REPORT`). */
     idleLeft: ({ context }) => context.idleLeftMs,
     heartbeat: ({ context }) => context.limits.heartbeat_ms,
     total: ({ context }) => context.limits.total_ms,
-    sendTimeout: ({ context }) => context.limits.send_timeout_ms,
+    /** Until the next send check, ms: the deadline of the oldest unflushed write at the last check, else a full period. */
+    sendLeft: ({ context }) => context.sendLeftMs,
     /** How long `closing` waits for the peer's close frame. */
     closeGrace: 1000,
   },
@@ -413,9 +422,9 @@ export const streamSocketMachine = setup({
     cutReason: null,
     doneCode: CLOSE.NORMAL,
     idleLeftMs: input.limits.idle_ms,
+    sendLeftMs: input.limits.send_timeout_ms,
     alive: true,
     ended: false,
-    unflushed: false,
     openedAt: performance.now(),
   }),
   initial: 'live',
@@ -427,12 +436,10 @@ export const streamSocketMachine = setup({
       exit: ['log', emit({ type: 'released' })],
       after: { total: { guard: 'totalOn', actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `stream exceeded limits.total_ms (${context.limits.total_ms} ms)`, notify: true }) as CutEvent) } },
       on: {
-        OUT: { actions: [assign({ unflushed: true }), emit(({ event }) => ({ type: 'send', event: event.event }) as StreamOutput)] },
-        BAD_CONTROL: { actions: [assign({ unflushed: true }), emit(({ event }) => ({ type: 'send', event: errorEvent('invalid_request_error', event.message) }) as StreamOutput)] },
+        BAD_CONTROL: { actions: emit(({ event }) => ({ type: 'send', event: errorEvent('invalid_request_error', event.message) }) as StreamOutput) },
         PAUSE: { actions: emit({ type: 'pause' }) },
         RESUME: { actions: emit({ type: 'resume' }) },
         PONG: { actions: assign({ alive: true }) },
-        FLUSHED: { actions: assign({ unflushed: false }) },
         SEND_BLOCKED: { actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`, notify: true }) as CutEvent) },
         GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason, notify: false }) as CutEvent) },
         CUT: {
@@ -492,10 +499,11 @@ export const streamSocketMachine = setup({
           },
         },
         idle: {
-          initial: 'watching',
+          initial: 'init',
           states: {
+            // Transient: off when limits.idle_ms is 0 (no eventless check on every later event).
+            init: { always: [{ guard: 'idleOff', target: 'off' }, { target: 'watching' }] },
             watching: {
-              always: { guard: 'idleOff', target: 'off' },
               after: { idleLeft: { target: 'checking', actions: sendTo('work', { type: 'CHECK_IDLE' }) } },
             },
             checking: {
@@ -515,10 +523,10 @@ export const streamSocketMachine = setup({
           },
         },
         heartbeat: {
-          initial: 'waiting',
+          initial: 'init',
           states: {
+            init: { always: [{ guard: 'heartbeatOff', target: 'off' }, { target: 'waiting' }] },
             waiting: {
-              always: { guard: 'heartbeatOff', target: 'off' },
               after: {
                 heartbeat: [
                   { guard: 'alive', target: 'waiting', reenter: true, actions: [assign({ alive: false }), emit({ type: 'ping' })] },
@@ -530,18 +538,22 @@ export const streamSocketMachine = setup({
           },
         },
         send: {
-          initial: 'flushed',
+          initial: 'init',
           states: {
-            flushed: { always: { guard: 'unflushed', target: 'unflushed' } },
-            unflushed: {
-              always: { guard: 'flushed', target: 'flushed' },
-              after: {
-                sendTimeout: {
-                  guard: 'sendTimeoutOn',
-                  actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)`, notify: false }) as CutEvent),
-                },
+            init: { always: [{ guard: 'sendTimeoutOff', target: 'off' }, { target: 'watching' }] },
+            watching: { after: { sendLeft: { target: 'checking', actions: sendTo('work', { type: 'CHECK_SEND' }) } } },
+            checking: {
+              on: {
+                SEND_REPORT: [
+                  {
+                    guard: 'sendExpired',
+                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)`, notify: false }) as CutEvent),
+                  },
+                  { target: 'watching', actions: assign({ sendLeftMs: ({ context, event }) => Math.max(1, context.limits.send_timeout_ms - event.waitingMs) }) },
+                ],
               },
             },
+            off: {},
           },
         },
       },
@@ -562,7 +574,7 @@ let socketSeq = 0;
 export interface StreamSocketHandle {
   actor: StreamSocket;
   /** Where the transport pushes binary frames (and notes control frames). */
-  channel: FrameChannel;
+  channel: StreamChannel;
 }
 
 /**
@@ -572,7 +584,7 @@ export interface StreamSocketHandle {
  */
 export function createStreamSocket(input: StreamSocketInput, inspect?: (e: InspectionEvent) => void): StreamSocketHandle {
   const id = randomUUID();
-  const channel = new FrameChannel();
+  const channel = new StreamChannel();
   live.set(id, { ...input, channel, stats: { receivedSamples: 0 } });
   const actor = createActor(streamSocketMachine, { input: { id, limits: input.limits }, inspect, id: `socket:${++socketSeq}` });
   const drop = (): void => void live.delete(id);

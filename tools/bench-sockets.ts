@@ -33,7 +33,6 @@ function open(): Promise<StreamSocket> {
     actor.on('*', (o: StreamOutput) => {
       if (o.type === 'send' && o.event.type === 'ready') resolve(actor);
       else if (o.type === 'send' && o.event.type === 'error') reject(new Error(JSON.stringify(o.event)));
-      else if (o.type === 'send') queueMicrotask(() => actor.send({ type: 'FLUSHED' }));
     });
     drainOnShutdown(sup.root, actor);
     actor.start();

@@ -6,13 +6,16 @@ import { fileURLToPath } from 'node:url';
  * Starts `voxserve serve` (the compiled CLI) as a child process with `args` (use `--port 0` or a
  * config with `port: 0`), and resolves once it listens and `/ready` answers 200. For the
  * benchmarks and shutdown tests, which measure or signal a separate server process.
+ * `VOXSERVE_SERVER_NODE_ARGS` adds Node flags to the server process (profiling).
  * @throws Error if the server exits first.
  */
 export async function spawnServer(args: string[]): Promise<{ child: ChildProcess; url: string }> {
   // The compiled CLI: beside this file in dist/, or in dist/ when this runs from the sources (vitest).
   const sibling = fileURLToPath(new URL('./cli.js', import.meta.url));
   const cli = existsSync(sibling) ? sibling : fileURLToPath(new URL('../dist/tools/cli.js', import.meta.url));
-  const child = spawn(process.execPath, [cli, 'serve', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
+  // VOXSERVE_SERVER_NODE_ARGS: extra Node flags for the server process, e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof`.
+  const nodeArgs = (process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').split(' ').filter(Boolean);
+  const child = spawn(process.execPath, [...nodeArgs, cli, 'serve', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
   const url = await new Promise<string>((resolve, reject) => {
     let err = '';
     child.stderr!.on('data', (d: Buffer) => {

@@ -29,29 +29,32 @@ function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; me
 
 /**
  * Binds a WebSocket to its stream socket actor, bytes to events and back: binary frames go to its
- * frame channel, text frames become `END` or `BAD_CONTROL`, pongs `PONG`, the close `PEER_CLOSED`; what the actor
- * emits is written (events encoded for the subprotocol; a client holding more than
- * `limits.ws_max_buffered_bytes` unread gets `SEND_BLOCKED` instead), and `FLUSHED` is sent once
- * every write has gone out. Starts the actor.
+ * channel, text frames become `END` or `BAD_CONTROL`, pongs `PONG`, the close `PEER_CLOSED`; what
+ * the actor emits and what its channel carries out is written (events encoded for the
+ * subprotocol; a client holding more than `limits.ws_max_buffered_bytes` unread gets
+ * `SEND_BLOCKED` instead). Starts the actor.
  */
 export function bindStream(ws: WebSocket, { actor, channel }: StreamSocketHandle, protocol: Subprotocol, limits: Limits): StreamLink {
   let unflushed = 0;
-  /** Socket events after the actor's final state (a late close, a flush) have no one to hear them. */
+  /** Socket events after the actor's final state (a late close) have no one to hear them. */
   const tell = (e: StreamInput): void => {
     if (actor.getSnapshot().status === 'active') actor.send(e);
   };
   let release!: () => void;
   const released = new Promise<void>((r) => (release = r));
+  /** Writes one event; the channel keeps since when writes have waited to flush (the chart's send deadline). */
+  channel.write = (event) => {
+    if (ws.readyState !== ws.OPEN) return;
+    if (ws.bufferedAmount > limits.ws_max_buffered_bytes) return tell({ type: 'SEND_BLOCKED' });
+    if (unflushed++ === 0) channel.unflushedSince = performance.now();
+    ws.send(encodeEvent(protocol, event), () => {
+      if (--unflushed === 0) channel.unflushedSince = null;
+    });
+  };
   actor.on('*', (o: StreamOutput) => {
     switch (o.type) {
       case 'send':
-        if (ws.readyState !== ws.OPEN) return;
-        if (ws.bufferedAmount > limits.ws_max_buffered_bytes) return tell({ type: 'SEND_BLOCKED' });
-        unflushed++;
-        ws.send(encodeEvent(protocol, o.event), () => {
-          if (--unflushed === 0) tell({ type: 'FLUSHED' });
-        });
-        return;
+        return channel.write(o.event);
       case 'close':
         return ws.close(o.code, o.reason);
       case 'pause':

@@ -287,7 +287,7 @@ class SetMemory implements Cmd {
 }
 
 /**
- * A stream socket actor on model `id` (its transport played here: FLUSHED after each send, PONG
+ * A stream socket actor on model `id` (its transport played here: writes flush at once, PONG
  * after each ping): `frames` audio frames of 512 samples, then `end`, a dropped connection, or
  * nothing (its idle deadline or shutdown ends it). It must release its lease; a close 1011 only
  * after an injected fault.
@@ -309,7 +309,6 @@ class Stream implements Cmd {
     const later = (e: Parameters<typeof actor.send>[0]): void => queueMicrotask(() => tell(e));
     actor.on('*', (o: StreamOutput) => {
       if (o.type === 'released') release();
-      else if (o.type === 'send') later({ type: 'FLUSHED' });
       else if (o.type === 'ping') later({ type: 'PONG' });
       else if (o.type === 'close' || o.type === 'terminate') later({ type: 'PEER_CLOSED', code: o.type === 'close' ? o.code : 1006 });
     });
