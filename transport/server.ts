@@ -180,18 +180,23 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     },
     (req, res) => handle(req, res),
   );
-  /** Each connection's HTTP socket actor. */
+  /** Each connection's HTTP socket actor, created with its first request (a WebSocket upgrade never needs one). */
   const links = new WeakMap<object, HttpLink>();
-  http.on('connection', (socket: Socket) => {
+  const linkOf = (socket: Socket): HttpLink => {
+    let link = links.get(socket);
+    if (link) return link;
     const actor = createHttpSocket({ limits: config.limits, registry: supervisor }, inspected.inspect);
-    const link = bindHttp(socket, actor);
+    link = bindHttp(socket, actor);
     links.set(socket, link);
     drainOnShutdown(supervisor.root, actor);
-    socket.once('close', () => link.tell({ type: 'PEER_CLOSED' }));
-  });
+    const peerGone = (): void => link!.tell({ type: 'PEER_CLOSED' });
+    if (socket.destroyed) peerGone();
+    else socket.once('close', peerGone);
+    return link;
+  };
   function handle(req: IncomingMessage, res: ServerResponse): void {
     if (!supervisor.accepting) res.setHeader('connection', 'close');
-    const link = links.get(req.socket)!;
+    const link = linkOf(req.socket);
     const rid = link.begin(res);
     // In flight until the response has closed (task responses are written after `route` returns).
     const closed = new Promise<void>((resolve) => res.once('close', resolve));

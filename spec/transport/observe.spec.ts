@@ -132,6 +132,32 @@ describe('observability', () => {
     }
   });
 
+  it('the /debug page shows an eviction: the victim, its reason, and the load that caused it', async () => {
+    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, max_loaded_models: 1, management: { enabled: true }, debug: { inspect: true } }));
+    const browser = await chromium.launch({
+      executablePath: '/usr/bin/chromium',
+      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+    });
+    try {
+      const load = (body: unknown) => fetch(`${s.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+      expect((await load({ id: 'vad-a', task: 'vad', path: silero })).status).toBe(200);
+      expect((await load({ id: 'vad-b', task: 'vad', path: silero })).status).toBe(200);
+      const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+      await page.goto(`${s.url}/debug`);
+      await page.waitForSelector('[data-model="vad-a"][data-state="unloaded"]');
+      expect(await page.textContent('[data-model="vad-a"]')).toContain('evicted (lru)');
+      await page.waitForSelector('[data-model="vad-b"][data-state="ready"] .state.current[data-state="resident.ready.idle"]');
+      const log = (await page.textContent('#log')) ?? '';
+      expect(log).toMatch(/model:vad-a\s*EVICT\s*\{"reason":"lru","replyTo":"supervisor"\}/);
+      expect(log).toMatch(/supervisor\s*\S*\s*\{"room":\{"target":"vad-b"/);
+      mkdirSync('spec/artifacts', { recursive: true });
+      await page.screenshot({ path: 'spec/artifacts/debug-eviction.png', fullPage: true });
+    } finally {
+      await browser.close();
+      await s.close();
+    }
+  });
+
   it('the /debug page shows a model\'s state change, live, in headless Chromium', async () => {
     expect(existsSync('/usr/bin/chromium'), 'Debian chromium is needed: apt-get install -y chromium (bash .ci/run installs it)').toBe(true);
     const browser = await chromium.launch({
