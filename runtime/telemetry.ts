@@ -122,6 +122,8 @@ export class InspectionLog {
       const snapshot = e.snapshot as { value?: unknown; status?: string; context?: Record<string, unknown> };
       const state = snapshot.status === 'stopped' ? 'stopped' : statePath(snapshot.value);
       if (this.lastState.get(actor) === state) return;
+      // An HTTP connection going busy and idle with each request (the /debug page's own polls) is noise.
+      if (actor.startsWith('socket:http:') && (state === 'open' || state === 'streaming') && this.lastState.has(actor)) return;
       if (state === 'stopped') this.lastState.delete(actor);
       else this.lastState.set(actor, state);
       r.event = e.event.type;
