@@ -294,7 +294,7 @@ export class Supervisor {
   ) {
     this.metrics = options.metrics ?? new Metrics();
     this.log = options.log ?? createLogger(config.log_level);
-    this.baseLoader = options.loader ?? createLoader(new WeightBundles());
+    this.baseLoader = options.loader ?? createLoader(new WeightBundles(), { isolation: config.isolation, jobTimeoutMs: config.job_timeout_ms });
     this.probe = options.memoryProbe ?? availableMemory;
     this.estimate = options.footprint ?? estimateFromFiles;
     this.inspect = options.inspect;
@@ -371,7 +371,8 @@ export class Supervisor {
     this.metrics.loads.inc({ model: config.id, outcome: loaded?.pool ? 'ok' : 'error' });
     this.metrics.loadDuration.observe({ model: config.id }, (performance.now() - t0) / 1000);
     if (loaded?.pool) {
-      loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before);
+      // The server's own growth plus the slot hosts' processes (0 for threads: they are in the first).
+      loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before) + loaded.pool.residentBytes();
       if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
       this.resident.add(config.id);
       const close = loaded.close;

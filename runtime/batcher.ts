@@ -50,7 +50,7 @@ export class VadBatcher {
   }
 
   private schedule(): void {
-    if (!this.pending.length || this.inFlight >= this.pool.slots.length) return;
+    if (!this.pending.length || this.inFlight >= this.pool.size) return;
     const waited = Date.now() - this.pending[0].at;
     if (this.pending.length >= this.maxBatch || waited >= this.maxDelayMs) return this.dispatch();
     this.timer ??= setTimeout(() => {

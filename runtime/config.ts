@@ -45,6 +45,10 @@ export const ModelConfig = z.strictObject({
   max_streams: z.number().int().min(1).max(65536).default(256),
   busy_timeout_ms: nonNegInt.optional(),
   keep_alive_ms: nonNegInt.optional(),
+  /** Where this model's slot hosts run (default: the server's `isolation`). */
+  isolation: z.enum(['process', 'thread']).optional(),
+  /** Longest one slot job may run before its host is killed, ms; 0 = none (default: the server's `job_timeout_ms`). */
+  job_timeout_ms: nonNegInt.optional(),
   lazy: z.boolean().default(true),
   /** VAD streams: windows from different streams run together, up to this many per batch (1 = no batching). */
   max_batch_size: z.number().int().min(1).max(512).default(32),
@@ -87,6 +91,13 @@ export const ServerConfig = z.strictObject({
   min_free_memory_mb: nonNegInt.default(0),
   idle_unload_ms: nonNegInt.default(0),
   drain_timeout_ms: nonNegInt.default(10_000),
+  /**
+   * Where slot hosts run: `process` (a child process per slot: a stuck job is killed, a crash
+   * respawns the slot) or `thread` (a worker thread: no kill, a crash unloads the model).
+   */
+  isolation: z.enum(['process', 'thread']).default('process'),
+  /** Longest one slot job may run before its host is killed (process isolation), ms; 0 = none. */
+  job_timeout_ms: nonNegInt.default(30_000),
   management: z
     .strictObject({ enabled: z.boolean().default(false), token: z.string().min(1).optional() })
     .default({ enabled: false }),

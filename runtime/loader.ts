@@ -1,7 +1,7 @@
 import { access, readFile } from 'node:fs/promises';
 import type { ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
-import { SlotPool, startWorkerSlot, type SlotFactory } from './slots.js';
+import { SlotPool, slotFactory, type SlotFactory } from './slots.js';
 import type { LoadSpec } from './slot-protocol.js';
 import type { VadBatcher } from './batcher.js';
 
@@ -72,8 +72,19 @@ export class WeightBundles {
   }
 }
 
-/** The loader used by the server: reads the files, starts `config.slots` slot workers. */
-export function createLoader(bundles: WeightBundles, factory: SlotFactory = startWorkerSlot): ModelLoader {
+/** Where slot hosts run and how long a job may take, server-wide (a model's own `isolation` and `job_timeout_ms` win). */
+export interface SlotDefaults {
+  isolation: 'process' | 'thread';
+  /** ms; 0 = none. */
+  jobTimeoutMs: number;
+}
+
+/**
+ * The loader used by the server: reads the files, starts `config.slots` slot hosts, child
+ * processes or worker threads as the model's (else the server's) `isolation` says.
+ * @param factory a fixed slot factory instead (tests).
+ */
+export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000 }, factory?: SlotFactory): ModelLoader {
   return async (config) => {
     const model = config.path;
     try {
@@ -91,7 +102,8 @@ export function createLoader(bundles: WeightBundles, factory: SlotFactory = star
       spec = { kind: 'vad', model };
     }
     try {
-      const pool = await SlotPool.start(spec, config.slots, factory);
+      const hosts = factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);
+      const pool = await SlotPool.start(spec, config.slots, hosts);
       return {
         pool,
         residentBytes: 0,

@@ -1,7 +1,13 @@
 /**
- * A slot worker: a worker thread holding one ONNX session set for one model. It runs what it is
- * sent and keeps nothing between `run` messages (see slot-protocol.ts). onnxruntime-node blocks
- * the thread for the whole of `create` and `run`, which is why sessions only ever live here.
+ * A slot host's body: one ONNX session set for one model, in a child process (`isolation:
+ * "process"`, messages over the IPC channel with Node's `advanced` serialization, so typed arrays
+ * travel as binary) or a worker thread (`isolation: "thread"`, messages over its port). It runs
+ * what it is sent and keeps nothing between `run` messages (see slot-protocol.ts).
+ * onnxruntime-node blocks its thread for the whole of `create` and `run`, which is why sessions
+ * only ever live here.
+ *
+ * Test hook: with `VOXSERVE_TEST_ABORT_AT` set to a number, a VAD job whose first sample equals it
+ * makes the host call `process.abort()` (a native crash, for the crash tests). Never set in use.
  */
 import { parentPort } from 'node:worker_threads';
 import ort from 'onnxruntime-node';
@@ -19,7 +25,9 @@ import {
   type WakewordJob,
 } from './slot-protocol.js';
 
-const port = parentPort!;
+/** The worker thread's port, or null in a child process (then `process.send` / `process.on`). */
+const port = parentPort;
+const ABORT_AT = process.env.VOXSERVE_TEST_ABORT_AT === undefined ? null : Number(process.env.VOXSERVE_TEST_ABORT_AT);
 const OPTIONS: ort.InferenceSession.SessionOptions = {
   intraOpNumThreads: 1,
   interOpNumThreads: 1,
@@ -31,7 +39,8 @@ let sessions: ort.InferenceSession[] = [];
 let runJob: ((job: Job) => Promise<JobResult>) | null = null;
 
 function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
-  port.postMessage(msg, transfer);
+  if (port) port.postMessage(msg, transfer);
+  else process.send!(msg);
 }
 
 async function create(source: string | Uint8Array): Promise<ort.InferenceSession> {
@@ -175,22 +184,27 @@ async function release(): Promise<void> {
   for (const s of all) await s.release();
 }
 
-port.on('message', async (msg: ToSlot) => {
+const onMessage = async (msg: ToSlot): Promise<void> => {
   try {
     if (msg.type === 'load') {
       const info = msg.spec.kind === 'vad' ? await loadVad(msg.spec.model) : await loadWakeword(msg.spec);
       post({ type: 'loaded', info });
     } else if (msg.type === 'run') {
       if (!runJob) throw new Error('slot has no model loaded');
+      if (!port && ABORT_AT !== null && msg.job.kind === 'vad' && msg.job.windows[0] === ABORT_AT) process.abort();
       const start = performance.timeOrigin + performance.now();
       const result = await runJob(msg.job);
       result.ran = [start, performance.timeOrigin + performance.now()];
       post({ type: 'result', seq: msg.seq, result }, transferList(result));
     } else if (msg.type === 'release') {
       await release();
-      port.close(); // the thread ends once nothing is left to run
+      // A thread ends once nothing is left to run; a process once its channel is closed.
+      if (port) port.close();
+      else process.disconnect();
     }
   } catch (e) {
     post({ type: 'error', seq: msg.type === 'run' ? msg.seq : undefined, message: (e as Error).message ?? String(e) });
   }
-});
+};
+if (port) port.on('message', onMessage);
+else process.on('message', onMessage);

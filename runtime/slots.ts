@@ -1,63 +1,79 @@
-import { existsSync } from 'node:fs';
+import { fork, type ChildProcess } from 'node:child_process';
+import { existsSync, readFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
 import { VoxError } from './errors.js';
 import { transferList, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
 
 /**
- * The compiled worker entry. Under the TypeScript sources (vitest) the worker still runs the
+ * The compiled slot host entry. Under the TypeScript sources (vitest) hosts still run the
  * compiled `dist/runtime/slot-worker.js`, so `npm run build` must have run first.
  */
-function workerFile(): URL {
+export function slotHostFile(): URL {
   const sibling = new URL('./slot-worker.js', import.meta.url);
   if (existsSync(fileURLToPath(sibling))) return sibling;
   return new URL('../dist/runtime/slot-worker.js', import.meta.url);
 }
 
-/** What the pool needs of one slot; the real one is a worker thread, tests may use fakes. */
+/** What the pool needs of one slot; the real ones are child processes or worker threads, tests may use fakes. */
 export interface SlotHost {
   readonly info: SlotInfo;
-  /** Runs one job. Rejects if the job fails or the slot dies. */
+  /** Runs one job. Rejects if the job fails, runs over its timeout, or the slot dies. */
   run(job: Job): Promise<JobResult>;
-  /** Frees the sessions and stops the slot. Idempotent. */
+  /** Frees the sessions and stops the slot (a process that does not exit in time is killed). Idempotent. */
   close(): Promise<void>;
-  /** Called once if the slot dies on its own (not through close). */
-  onExit(cb: (err: Error) => void): void;
+  /** Called once if the slot dies on its own (not through close); `timedOut` when it was killed for a job over its timeout. */
+  onExit(cb: (err: Error & { timedOut?: boolean }) => void): void;
+  /** Resident memory of the host's process, bytes; 0 for a thread (it shares the server's). */
+  residentBytes(): number;
 }
 
 /** Starts one slot and loads a model into it. */
 export type SlotFactory = (spec: LoadSpec) => Promise<SlotHost>;
 
-/** A slot worker thread (see slot-worker.ts). */
-export class WorkerSlot implements SlotHost {
+/** How long a closing process host may take to exit before it is killed, ms. */
+const CLOSE_GRACE_MS = 500;
+
+/** The two ends a slot host can be reached by: a worker thread's port, or a child process's IPC channel. */
+interface Endpoint {
+  send(msg: ToSlot, transfer: ArrayBuffer[]): void;
+  /** SIGKILL (process) or null (a thread cannot be stopped inside onnxruntime without aborting the server). */
+  kill: (() => void) | null;
+  pid: number | null;
+}
+
+/**
+ * One slot host behind a message endpoint (the slot-host protocol of slot-protocol.ts). With a
+ * `jobTimeoutMs` and a killable endpoint, a job running longer is answered 503 `server_busy`
+ * naming the timeout and its host is killed (SIGKILL); the pool respawns the slot.
+ */
+class MessageSlot implements SlotHost {
   info: SlotInfo = {};
   private seq = 0;
-  private readonly pending = new Map<number, { resolve: (r: JobResult) => void; reject: (e: Error) => void }>();
+  private readonly pending = new Map<number, { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout }>();
   private loadWaiter: { resolve: () => void; reject: (e: Error) => void } | null = null;
-  private exitCb: ((err: Error) => void) | null = null;
+  private exitCb: ((err: Error & { timedOut?: boolean }) => void) | null = null;
   private closing = false;
   private exited = false;
+  private timedOut = false;
   private readonly exitPromise: Promise<void>;
+  private markExited!: () => void;
 
-  constructor(readonly worker: Worker) {
-    worker.on('message', (m: FromSlot) => this.onMessage(m));
-    worker.on('error', (e) => this.fail(e));
-    this.exitPromise = new Promise((resolve) => {
-      worker.on('exit', (code) => {
-        this.exited = true;
-        this.fail(new Error(`slot worker exited with code ${code}`));
-        resolve();
-      });
-    });
+  constructor(
+    private readonly endpoint: Endpoint,
+    private readonly jobTimeoutMs: number,
+  ) {
+    this.exitPromise = new Promise((resolve) => (this.markExited = resolve));
   }
 
-  private onMessage(m: FromSlot): void {
+  onMessage(m: FromSlot): void {
     if (m.type === 'loaded') {
       this.info = m.info;
       this.loadWaiter?.resolve();
     } else if (m.type === 'result' || (m.type === 'error' && m.seq !== undefined)) {
       const p = this.pending.get(m.seq!);
       this.pending.delete(m.seq!);
+      if (p?.timer) clearTimeout(p.timer);
       if (m.type === 'result') p?.resolve(m.result);
       else p?.reject(new VoxError('server_error', `inference failed: ${m.message}`));
     } else if (m.type === 'error') {
@@ -65,18 +81,33 @@ export class WorkerSlot implements SlotHost {
     }
   }
 
-  private fail(e: Error): void {
-    const err = new VoxError('server_error', `slot failed: ${e.message}`, { cause: e });
+  onExit(cb: (err: Error & { timedOut?: boolean }) => void): void {
+    this.exitCb = cb;
+  }
+
+  /** The host is gone: `how` says how (an exit code, a signal). */
+  gone(how: string): void {
+    this.exited = true;
+    this.fail(new Error(how));
+    this.markExited();
+  }
+
+  fail(e: Error): void {
+    const err: VoxError & { timedOut?: boolean } = new VoxError('server_error', `slot failed: ${e.message}`, { cause: e });
+    err.timedOut = this.timedOut;
     this.loadWaiter?.reject(err);
     this.loadWaiter = null;
-    for (const p of this.pending.values()) p.reject(err);
+    for (const p of this.pending.values()) {
+      if (p.timer) clearTimeout(p.timer);
+      p.reject(err);
+    }
     this.pending.clear();
     if (!this.closing) {
       this.closing = true;
       const cb = this.exitCb;
       this.exitCb = null;
       cb?.(err);
-      // An 'error' event means the thread is already gone; ask it to exit in case it is not.
+      // An 'error' event may come before the host is gone; ask it to exit in case it is not.
       if (!this.exited) this.send({ type: 'release' });
     }
   }
@@ -89,22 +120,34 @@ export class WorkerSlot implements SlotHost {
   }
 
   private send(msg: ToSlot, transfer: ArrayBuffer[] = []): void {
-    if (!this.exited) this.worker.postMessage(msg, transfer);
+    if (!this.exited) this.endpoint.send(msg, transfer);
   }
 
   run(job: Job): Promise<JobResult> {
     if (this.closing) return Promise.reject(new VoxError('server_error', 'slot is closed'));
     const seq = ++this.seq;
     return new Promise((resolve, reject) => {
-      this.pending.set(seq, { resolve, reject });
+      const entry: { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout } = { resolve, reject };
+      const kill = this.endpoint.kill;
+      if (kill && this.jobTimeoutMs > 0) {
+        entry.timer = setTimeout(() => {
+          if (!this.pending.delete(seq)) return;
+          this.timedOut = true;
+          reject(
+            new VoxError('server_busy', `the job ran longer than job_timeout_ms (${this.jobTimeoutMs} ms): its slot host was killed and is being restarted`, { retryAfterS: 1 }),
+          );
+          kill();
+        }, this.jobTimeoutMs);
+      }
+      this.pending.set(seq, entry);
       this.send({ type: 'run', seq, job }, transferList(job));
     });
   }
 
   /**
-   * Asks the worker to release its sessions and exit, and waits until it has. A job still running
-   * finishes first: the worker is never terminated from outside, because terminating a thread
-   * inside an onnxruntime call aborts the whole process.
+   * Asks the host to release its sessions and exit, and waits until it has. A process still
+   * running a job after {@link CLOSE_GRACE_MS} is killed; a thread is never terminated from
+   * outside (terminating a thread inside onnxruntime aborts the whole server), so its job finishes.
    */
   async close(): Promise<void> {
     if (!this.closing && !this.exited) {
@@ -112,17 +155,28 @@ export class WorkerSlot implements SlotHost {
       this.exitCb = null;
       this.send({ type: 'release' });
     }
-    await this.exitPromise;
+    const kill = this.endpoint.kill;
+    if (kill && !this.exited) {
+      const timer = setTimeout(kill, CLOSE_GRACE_MS);
+      await this.exitPromise;
+      clearTimeout(timer);
+    } else {
+      await this.exitPromise;
+    }
   }
 
-  onExit(cb: (err: Error) => void): void {
-    this.exitCb = cb;
+  residentBytes(): number {
+    if (this.endpoint.pid === null || this.exited) return 0;
+    try {
+      return Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${this.endpoint.pid}/status`, 'utf8'))?.[1] ?? 0) * 1024;
+    } catch {
+      return 0;
+    }
   }
 }
 
-/** Starts a slot worker thread and loads `spec` into it. Rejects (and stops the worker) if the load fails. */
-export const startWorkerSlot: SlotFactory = async (spec) => {
-  const slot = new WorkerSlot(new Worker(workerFile()));
+/** Loads `spec` into a new slot; rejects (and stops it) if the load fails. */
+async function started(slot: MessageSlot, spec: LoadSpec): Promise<SlotHost> {
   try {
     await slot.load(spec);
     return slot;
@@ -130,7 +184,48 @@ export const startWorkerSlot: SlotFactory = async (spec) => {
     await slot.close();
     throw e;
   }
-};
+}
+
+/** Starts a slot worker thread (`isolation: "thread"`) and loads `spec` into it. */
+export const startWorkerSlot: SlotFactory = (spec) => slotOnWorker(new Worker(slotHostFile()), spec);
+
+/** A slot host on a worker thread already started (tests start their own), with `spec` loaded. */
+export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> {
+  const slot = new MessageSlot({ send: (m, t) => worker.postMessage(m, t), kill: null, pid: null }, 0);
+  worker.on('message', (m: FromSlot) => slot.onMessage(m));
+  worker.on('error', (e) => slot.fail(e));
+  worker.on('exit', (code) => slot.gone(`slot worker exited with code ${code}`));
+  return started(slot, spec);
+}
+
+/**
+ * A factory of child-process slot hosts (`isolation: "process"`): `node dist/runtime/slot-worker.js`
+ * forked with Node's `advanced` IPC serialization (typed arrays go as binary, not JSON). A job
+ * over `jobTimeoutMs` (0 = none) gets its host killed.
+ */
+export function processSlots(jobTimeoutMs: number): SlotFactory {
+  return async (spec) => {
+    const child: ChildProcess = fork(fileURLToPath(slotHostFile()), [], { serialization: 'advanced', stdio: ['ignore', 'ignore', 'inherit', 'ipc'] });
+    const slot = new MessageSlot(
+      {
+        // Shared memory does not cross processes: the wake-word feature models go as plain bytes.
+        send: (m) => child.connected && child.send(m.type === 'load' && m.spec.kind === 'wakeword' ? { ...m, spec: { ...m.spec, melspectrogram: new Uint8Array(m.spec.melspectrogram), embedding: new Uint8Array(m.spec.embedding) } } : m),
+        kill: () => child.kill('SIGKILL'),
+        pid: child.pid ?? null,
+      },
+      jobTimeoutMs,
+    );
+    child.on('message', (m: FromSlot) => slot.onMessage(m));
+    child.on('error', (e) => slot.fail(e));
+    child.on('exit', (code, signal) => slot.gone(signal ? `slot host was killed by ${signal}` : `slot host exited with code ${code}`));
+    return started(slot, spec);
+  };
+}
+
+/** The slot factory for an isolation mode. */
+export function slotFactory(isolation: 'process' | 'thread', jobTimeoutMs: number): SlotFactory {
+  return isolation === 'process' ? processSlots(jobTimeoutMs) : startWorkerSlot;
+}
 
 interface QueuedRun {
   job: Job;
@@ -138,27 +233,54 @@ interface QueuedRun {
   reject: (e: Error) => void;
   signal?: AbortSignal;
   onAbort?: () => void;
+  /** When it was queued, ms since the epoch. */
+  queuedAt: number;
 }
+
+/** Crashes of a pool's slots within this window, ms, that fail the pool (OTP's restart intensity). */
+const CRASH_WINDOW_MS = 60_000;
+/** Crashes within {@link CRASH_WINDOW_MS} that fail the pool instead of respawning. */
+const MAX_CRASHES = 3;
+/** First respawn delay after a crash, ms; doubled for each further crash in the window. */
+const RESPAWN_BACKOFF_MS = 100;
 
 /**
  * A model's slots: the primary and its clones. Jobs from every leased request run in arrival
  * order on the first free slot (one job per slot at a time).
+ *
+ * A slot whose host dies (a crash, or a kill for a job over `job_timeout_ms`) is respawned, one
+ * for one, after a backoff; three crashes within a minute, or a respawn that fails, fail the
+ * pool (the model unloads with the error). A job waiting for a slot longer than `waitTimeoutMs`
+ * is answered 503; once every slot has run one job longer than that (stuck work, C4), every
+ * waiting job is answered 503 at once.
  */
 export class SlotPool {
+  /** Slots the pool keeps (a respawning one included). */
+  readonly size: number;
+  private readonly live: SlotHost[];
   private readonly idle: SlotHost[];
   /** Slots running a job, with when the job started (ms since the epoch). */
   private readonly running = new Map<SlotHost, number>();
   private readonly queue: QueuedRun[] = [];
   private failure: Error | null = null;
   private failCb: ((err: Error) => void) | null = null;
+  private readonly crashes: number[] = [];
+  private respawning = 0;
+  private waitTimer: NodeJS.Timeout | null = null;
   /** Called with each finished job's run time, ms (for metrics). */
   onRun: ((ms: number) => void) | null = null;
+  /** Longest wait for a slot, ms (the model's busy timeout); 0 = unbounded. */
+  waitTimeoutMs = 0;
 
-  private constructor(readonly slots: readonly SlotHost[]) {
+  private constructor(
+    slots: SlotHost[],
+    private readonly spec: LoadSpec,
+    private readonly factory: SlotFactory,
+  ) {
+    this.size = slots.length;
+    this.live = [...slots];
     this.idle = [...slots];
-    for (const s of slots) {
-      s.onExit((err) => this.fail(err instanceof VoxError ? err : new VoxError('server_error', `slot failed: ${err.message}`, { cause: err })));
-    }
+    for (const s of slots) this.watch(s);
   }
 
   /**
@@ -175,12 +297,17 @@ export class SlotPool {
       await primary.close();
       throw failed.reason;
     }
-    return new SlotPool([primary, ...clones.map((c) => (c as PromiseFulfilledResult<SlotHost>).value)]);
+    return new SlotPool([primary, ...clones.map((c) => (c as PromiseFulfilledResult<SlotHost>).value)], spec, factory);
+  }
+
+  /** The slots alive now (a respawning one is missing). */
+  get slots(): readonly SlotHost[] {
+    return this.live;
   }
 
   /** What the primary reported at load. */
   get info(): SlotInfo {
-    return this.slots[0].info;
+    return this.live[0]?.info ?? {};
   }
 
   /** Slots running a job now. */
@@ -188,17 +315,22 @@ export class SlotPool {
     return this.running.size;
   }
 
+  /** Resident memory of the slots' processes, bytes (0 for threads). */
+  residentBytes(): number {
+    return this.live.reduce((n, s) => n + s.residentBytes(), 0);
+  }
+
   /**
    * Stuck work (DESIGN.md C4): true when every slot is running a job that started more than
    * `timeoutMs` ago. Always false for `timeoutMs` 0 (unbounded).
    */
   allOverdue(timeoutMs: number, now = Date.now()): boolean {
-    if (timeoutMs <= 0 || this.running.size < this.slots.length) return false;
+    if (timeoutMs <= 0 || this.running.size === 0 || this.running.size < this.live.length) return false;
     for (const started of this.running.values()) if (now - started <= timeoutMs) return false;
     return true;
   }
 
-  /** Called once if a slot dies: the pool is then failed and must be closed. */
+  /** Called once if the pool fails (too many crashes, a failed respawn): the pool must then be closed. */
   onFailure(cb: (err: Error) => void): void {
     this.failCb = cb;
   }
@@ -207,12 +339,15 @@ export class SlotPool {
    * Queues a job; it runs when a slot is free and every earlier job has started.
    * An aborted `signal` drops a job that has not started (rejecting with `AbortError`);
    * a started job's result is still delivered, and the caller discards it.
+   * @throws VoxError `server_busy` when it waited for a slot over `waitTimeoutMs` or the slots
+   *   turned stuck; `server_busy` naming `job_timeout_ms` when its host was killed for running
+   *   over it; `server_error` naming the signal or exit code when its host crashed.
    */
   run(job: Job, signal?: AbortSignal): Promise<JobResult> {
     if (this.failure) return Promise.reject(this.failure);
     if (signal?.aborted) return Promise.reject(abortError());
     return new Promise((resolve, reject) => {
-      const q: QueuedRun = { job, resolve, reject, signal };
+      const q: QueuedRun = { job, resolve, reject, signal, queuedAt: Date.now() };
       if (signal) {
         q.onAbort = () => {
           const i = this.queue.indexOf(q);
@@ -241,17 +376,87 @@ export class SlotPool {
           q.resolve(r);
         }, q.reject)
         .finally(() => {
-        this.running.delete(slot);
-        if (this.failure) return;
-        this.idle.push(slot);
-        this.dispatch();
-      });
+          this.running.delete(slot);
+          if (this.failure || !this.live.includes(slot)) return;
+          this.idle.push(slot);
+          this.dispatch();
+        });
     }
+    this.armWait();
+  }
+
+  /** Arms the slot-wait deadline: the oldest waiter's, or the moment the running jobs turn stuck. */
+  private armWait(): void {
+    if (this.waitTimer) clearTimeout(this.waitTimer);
+    this.waitTimer = null;
+    const limit = this.waitTimeoutMs;
+    if (limit <= 0 || !this.queue.length || this.failure) return;
+    let at = this.queue[0].queuedAt + limit;
+    if (this.running.size >= this.live.length) at = Math.min(at, Math.max(...this.running.values()) + limit);
+    this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
+  }
+
+  /** Answers 503 to every waiter past the slot-wait deadline, or to all of them once the slots are stuck. */
+  private expire(): void {
+    const limit = this.waitTimeoutMs;
+    const now = Date.now();
+    const stuck = this.allOverdue(limit, now);
+    for (const q of [...this.queue]) {
+      if (!stuck && now - q.queuedAt <= limit) continue;
+      this.queue.splice(this.queue.indexOf(q), 1);
+      if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
+      q.reject(
+        stuck
+          ? new VoxError('server_busy', `every slot of the model has run one job longer than the busy timeout (${limit} ms): it is stuck`, { retryAfterS: 5 })
+          : new VoxError('server_busy', `waited for a slot longer than the busy timeout (${limit} ms)`, { retryAfterS: 1 }),
+      );
+    }
+    this.armWait();
+  }
+
+  /** Respawns a slot whose host died, or fails the pool past the crash limit. */
+  private watch(slot: SlotHost): void {
+    slot.onExit((err) => {
+      // Whatever is left of the dead host is released (a no-op for a process that has exited).
+      void slot.close().catch(() => {});
+      if (this.failure) return;
+      this.live.splice(this.live.indexOf(slot), 1);
+      const i = this.idle.indexOf(slot);
+      if (i >= 0) this.idle.splice(i, 1);
+      const now = Date.now();
+      if (!err.timedOut) {
+        this.crashes.push(now);
+        while (this.crashes[0] < now - CRASH_WINDOW_MS) this.crashes.shift();
+        if (this.crashes.length >= MAX_CRASHES) {
+          return this.fail(new VoxError('server_error', `${this.crashes.length} slot crashes within a minute; the last: ${err.message}`, { cause: err }));
+        }
+      }
+      const delay = err.timedOut ? 0 : RESPAWN_BACKOFF_MS * 2 ** (this.crashes.length - 1);
+      this.respawning++;
+      setTimeout(() => {
+        if (this.failure) return void this.respawning--;
+        this.factory(this.spec).then(
+          (fresh) => {
+            this.respawning--;
+            if (this.failure) return void fresh.close();
+            this.live.push(fresh);
+            this.idle.push(fresh);
+            this.watch(fresh);
+            this.dispatch();
+          },
+          (e: Error) => {
+            this.respawning--;
+            this.fail(new VoxError('server_error', `a slot could not be restarted: ${e.message}`, { cause: e }));
+          },
+        );
+      }, delay).unref();
+    });
   }
 
   private fail(err: Error): void {
     if (this.failure) return;
     this.failure = err;
+    if (this.waitTimer) clearTimeout(this.waitTimer);
     for (const q of this.queue.splice(0)) q.reject(err);
     this.failCb?.(err);
   }
@@ -260,7 +465,7 @@ export class SlotPool {
   async close(): Promise<void> {
     this.failCb = null;
     this.fail(new VoxError('server_error', 'model unloaded'));
-    for (const s of [...this.slots].reverse()) await s.close();
+    for (const s of [...this.live].reverse()) await s.close();
   }
 }
 

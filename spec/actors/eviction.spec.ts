@@ -23,6 +23,7 @@ function fakeLoader(gate: { hold: Promise<void> | null }): ModelLoader {
       },
       close: async () => {},
       onExit: () => {},
+      residentBytes: () => 0,
     };
     const pool = await SlotPool.start({ kind: 'vad', model: '/fake.onnx' }, 1, async () => host);
     return { pool, residentBytes: 1000, close: () => pool.close() };

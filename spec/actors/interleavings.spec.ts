@@ -140,6 +140,7 @@ function fakeLoader(w: World): ModelLoader {
             w.bump(w.liveSlots, id, -1, 16, '');
           },
           onExit: (cb) => (exit = cb),
+          residentBytes: () => 0,
         };
       };
       // A pool with a single slot has no clone to fail; a clone fault then yields no session.

@@ -1,4 +1,5 @@
 import { describe, expect, it } from 'vitest';
+import { until } from '../helpers.js';
 import { ModelEntry } from '../../actors/model.js';
 import { ModelConfig } from '../../runtime/config.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
@@ -21,6 +22,7 @@ function fakeLoader(opts: { fail?: () => string | null; delayMs?: number } = {})
       run: async (job: Job) => ({ kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) }) as JobResult,
       close: async () => {},
       onExit: (cb) => kills.push(cb),
+      residentBytes: () => 0,
     });
     const pool = await SlotPool.start({ kind: 'vad', model: '/fake.onnx' }, c.slots, factory);
     return { pool, residentBytes: 100 * c.slots, close: () => pool.close() } satisfies LoadedModel;
@@ -50,13 +52,18 @@ describe('ModelEntry', () => {
     expect(f.calls).toHaveLength(2);
   });
 
-  it('a dying slot unloads the model with last_error; the next request loads it again', async () => {
+  it('a dying slot is respawned; three crashes within a minute unload the model with last_error; the next request loads it again', async () => {
     const f = fakeLoader();
     const e = new ModelEntry(config, { loader: f.loader });
     await e.ensureReady();
     f.kills[0](new Error('worker exited with code 1'));
-    await new Promise((r) => setTimeout(r, 10));
-    expect(e.status()).toMatchObject({ state: 'unloaded', last_error: 'slot failed: worker exited with code 1' });
+    await until(() => f.kills.length === 2); // respawned (after 100 ms)
+    expect(e.status()).toMatchObject({ state: 'ready', last_error: null });
+    f.kills[1](new Error('worker exited with code 1'));
+    await until(() => f.kills.length === 3); // respawned again (after 200 ms)
+    f.kills[2](new Error('worker exited with code 1'));
+    await until(() => e.state === 'unloaded');
+    expect(e.status().last_error).toMatch(/^3 slot crashes within a minute; the last: worker exited with code 1/);
     await e.ensureReady();
     expect(e.state).toBe('ready');
   });

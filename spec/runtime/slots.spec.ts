@@ -59,6 +59,7 @@ function fakeFactory(log: string[], failOn: number | null) {
       run: async (job: Job) => (log.push(`run ${id}`), { kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) }) as JobResult,
       close: async () => void log.push(`close ${id}`),
       onExit: () => {},
+      residentBytes: () => 0,
     };
   };
 }
