@@ -73,6 +73,15 @@ function responseError(e: unknown): ResponseError {
   return { status: err.status, body: errorBody(err), retryAfterS: err.status === 503 ? (err.retryAfterS ?? 1) : undefined };
 }
 
+/** `work`, or the signal's reason as soon as it aborts. */
+function untilAborted<T>(work: Promise<T>, signal: AbortSignal): Promise<T> {
+  return new Promise<T>((resolve, reject) => {
+    const onAbort = (): void => reject(signal.reason);
+    signal.addEventListener('abort', onAbort, { once: true });
+    work.then(resolve, reject).finally(() => signal.removeEventListener('abort', onAbort));
+  });
+}
+
 /**
  * Decodes one WAV file and runs it through the model's slots, in jobs of {@link FILE_JOB_STEPS}.
  * @returns the task result (segments or detections) and the audio duration, ms.
@@ -92,7 +101,8 @@ async function processFile(
   session.end();
   const runJob = async (job: Job): Promise<JobResult> => {
     signal.throwIfAborted();
-    const r = await pool.run(job, signal);
+    // A revoked or abandoned request answers at once; a job already running finishes (or is killed) without it.
+    const r = await untilAborted(pool.run(job, signal), signal);
     if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
     return r;
   };

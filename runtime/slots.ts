@@ -133,8 +133,11 @@ class MessageSlot implements SlotHost {
         entry.timer = setTimeout(() => {
           if (!this.pending.delete(seq)) return;
           this.timedOut = true;
+          // `slotLost`: the pool must not give this slot another job; its exit respawns it.
           reject(
-            new VoxError('server_busy', `the job ran longer than job_timeout_ms (${this.jobTimeoutMs} ms): its slot host was killed and is being restarted`, { retryAfterS: 1 }),
+            Object.assign(new VoxError('server_busy', `the job ran longer than job_timeout_ms (${this.jobTimeoutMs} ms): its slot host was killed and is being restarted`, { retryAfterS: 1 }), {
+              slotLost: true,
+            }),
           );
           kill();
         }, this.jobTimeoutMs);
@@ -369,14 +372,22 @@ export class SlotPool {
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
       this.running.set(slot, Date.now());
+      let lost = false;
       slot
         .run(q.job)
-        .then((r) => {
-          if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);
-          q.resolve(r);
-        }, q.reject)
+        .then(
+          (r) => {
+            if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);
+            q.resolve(r);
+          },
+          (e: Error & { slotLost?: boolean }) => {
+            lost = e.slotLost === true;
+            q.reject(e);
+          },
+        )
         .finally(() => {
           this.running.delete(slot);
+          if (lost) this.removeLive(slot);
           if (this.failure || !this.live.includes(slot)) return;
           this.idle.push(slot);
           this.dispatch();
@@ -420,9 +431,7 @@ export class SlotPool {
       // Whatever is left of the dead host is released (a no-op for a process that has exited).
       void slot.close().catch(() => {});
       if (this.failure) return;
-      this.live.splice(this.live.indexOf(slot), 1);
-      const i = this.idle.indexOf(slot);
-      if (i >= 0) this.idle.splice(i, 1);
+      this.removeLive(slot);
       const now = Date.now();
       if (!err.timedOut) {
         this.crashes.push(now);
@@ -451,6 +460,13 @@ export class SlotPool {
         );
       }, delay).unref();
     });
+  }
+
+  private removeLive(slot: SlotHost): void {
+    const i = this.live.indexOf(slot);
+    if (i >= 0) this.live.splice(i, 1);
+    const j = this.idle.indexOf(slot);
+    if (j >= 0) this.idle.splice(j, 1);
   }
 
   private fail(err: Error): void {

@@ -80,7 +80,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
-  const shuttingDown = (): VoxError => new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
+  const shuttingDown = (): VoxError =>
+    supervisor.phase === 'starting'
+      ? new VoxError('server_busy', 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work', { retryAfterS: 1 })
+      : new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
 
   const route = async (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number): Promise<void> => {
     const url = new URL(req.url ?? '/', 'http://localhost');

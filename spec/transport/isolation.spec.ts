@@ -1,0 +1,152 @@
+/**
+ * Slot hosts as child processes (isolation: "process"): a job over `job_timeout_ms` gets its host
+ * killed and a 503, a host that aborts gets a 500 naming the signal and is respawned, three
+ * crashes within a minute unload the model, waiting for a slot is bounded by the busy timeout,
+ * and SIGTERM does not wait for a job that never returns. Synthetic models of known run time.
+ */
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { monitorEventLoopDelay } from 'node:perf_hooks';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defaultCatalog } from '../../runtime/catalog.js';
+import { ServerConfig } from '../../runtime/config.js';
+import { spawnServer } from '../../tools/spawn-server.js';
+import { calibrate, syntheticModel } from '../../tools/synth-model.js';
+import { startServer, type VoxServer } from '../../transport/server.js';
+import { fixture, until, WaveFile } from '../helpers.js';
+
+/** The first sample of a job that makes a host call process.abort() (the slot host's test hook; s16 12345). */
+const ABORT_AT = 12345 / 32768;
+process.env.VOXSERVE_TEST_ABORT_AT = String(ABORT_AT);
+
+const dir = mkdtempSync(join(tmpdir(), 'voxserve-iso-'));
+const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
+let msPerMatmul = 1;
+/** A synthetic VAD-shaped model taking about `runMs` per 512-sample window. */
+function slowModel(name: string, runMs: number): string {
+  const path = join(dir, `${name}.onnx`);
+  writeFileSync(path, syntheticModel(1, Math.max(1, Math.round(runMs / msPerMatmul))));
+  return path;
+}
+/** 16 kHz mono s16 WAV of `seconds` of a quiet tone; `first` replaces its first sample. */
+function wav(seconds: number, first?: number): Buffer {
+  const samples = Int16Array.from({ length: Math.round(16000 * seconds) }, (_, i) => Math.round(Math.sin(i / 10) * 300));
+  if (first !== undefined) samples[0] = first;
+  const w = new WaveFile();
+  w.fromScratch(1, 16000, '16', samples);
+  return Buffer.from(w.toBuffer());
+}
+const servers: VoxServer[] = [];
+async function serve(extra: Record<string, unknown>): Promise<VoxServer> {
+  const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, isolation: 'process', ...extra }));
+  servers.push(s);
+  await until(async () => (await fetch(`${s.url}/ready`)).status === 200, 10_000);
+  return s;
+}
+const run = async (s: VoxServer, model: string, body: Buffer) => {
+  const res = await fetch(`${s.url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(body) });
+  return { status: res.status, body: await res.json() };
+};
+const status = async (s: VoxServer, id: string) => (await fetch(`${s.url}/v1/models/${id}`)).json();
+
+beforeAll(async () => {
+  msPerMatmul = await calibrate();
+});
+afterAll(async () => {
+  await Promise.all(servers.map((s) => s.close()));
+});
+
+describe('process isolation', () => {
+  it('a job over job_timeout_ms: its host is killed, 503 naming the timeout; the respawned slot serves the next request; another model is served throughout with no event-loop pause over 50 ms', async () => {
+    const s = await serve({ models: [{ id: 'slow', task: 'vad', path: slowModel('slow', 300), job_timeout_ms: 800, lazy: false, max_batch_size: 1 }] });
+    expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200); // loaded before the clock starts
+    const sentence = fixture('espeak_sentence_16k.wav');
+    const loop = monitorEventLoopDelay({ resolution: 5 });
+    loop.enable();
+    let serving = true;
+    const other = (async () => {
+      const codes: number[] = [];
+      // 16 kHz: no resampling on the main thread.
+      while (serving) codes.push((await run(s, 'silero-vad', sentence)).status);
+      return codes;
+    })();
+    const t0 = performance.now();
+    let long, short;
+    try {
+      long = await run(s, 'slow', wav(1)); // ~31 windows x 300 ms in one job
+    } finally {
+      serving = false;
+    }
+    const tookMs = performance.now() - t0;
+    expect(long.status).toBe(503);
+    expect(long.body.error).toMatchObject({ type: 'server_busy', message: expect.stringMatching(/job_timeout_ms \(800 ms\)/) });
+    expect(tookMs).toBeLessThan(3000);
+    const codes = await other;
+    short = await run(s, 'slow', wav(0.03)); // one window: well within the timeout, on the respawned slot
+    expect(short.status).toBe(200);
+    loop.disable();
+    expect(codes.length).toBeGreaterThan(0);
+    expect(codes.every((c) => c === 200)).toBe(true);
+    console.log('event loop delay ms: max', loop.max / 1e6, 'p99', loop.percentile(99) / 1e6, 'mean', loop.mean / 1e6);
+    expect(loop.max / 1e6).toBeLessThan(50);
+    expect(await status(s, 'slow')).toMatchObject({ state: 'ready', last_error: null });
+  });
+
+  it('a host that aborts mid-job: 500 naming the signal, the server and other models serve on, the slot respawns; three crashes in a minute unload the model with last_error; the next request loads it again', async () => {
+    const s = await serve({ models: [{ id: 'crashy', task: 'vad', path: silero, lazy: false, max_batch_size: 1 }] });
+    const marker = wav(0.5, 12345);
+    const first = await run(s, 'crashy', marker);
+    expect(first.status).toBe(500);
+    expect(first.body.error).toMatchObject({ type: 'server_error', message: expect.stringMatching(/SIGABRT/) });
+    expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
+    expect((await run(s, 'crashy', fixture('Front_Left.wav'))).status).toBe(200); // the respawned slot
+    expect(await status(s, 'crashy')).toMatchObject({ state: 'ready', last_error: null });
+    expect((await run(s, 'crashy', marker)).status).toBe(500);
+    await until(async () => (await status(s, 'crashy')).active_slots === 0);
+    expect((await run(s, 'crashy', marker)).status).toBe(500);
+    await until(async () => (await status(s, 'crashy')).state === 'unloaded', 5000);
+    expect((await status(s, 'crashy')).last_error).toMatch(/^3 slot crashes within a minute; the last: slot failed: slot host was killed by SIGABRT/);
+    const again = await run(s, 'crashy', fixture('Front_Left.wav'));
+    expect(again.status).toBe(200);
+    expect(again.body.segments.length).toBeGreaterThan(0);
+  });
+
+  it('waiting for a slot is bounded: behind a job that outlasts the busy timeout, a second request gets 503 within busy timeout + 100 ms (regression)', async () => {
+    const s = await serve({ busy_timeout_ms: 1000, job_timeout_ms: 0, models: [{ id: 'sluggish', task: 'vad', path: slowModel('sluggish', 400), lazy: false, max_batch_size: 1 }] });
+    const first = run(s, 'sluggish', wav(0.3)); // ~10 windows x 400 ms in one job
+    await new Promise((r) => setTimeout(r, 200));
+    const t = performance.now();
+    const second = await run(s, 'sluggish', wav(0.1));
+    const waited = performance.now() - t;
+    expect(second.status).toBe(503);
+    expect(second.body.error.type).toBe('server_busy');
+    expect(waited).toBeLessThan(1000 + 100);
+    expect((await first).status).toBe(200);
+  });
+});
+
+describe('SIGTERM with a job that never returns in time', () => {
+  it('`serve` exits 0 within drain_timeout_ms + 1 s: the host still running is killed', async () => {
+    const DRAIN_MS = 1000;
+    const config = join(dir, 'sigterm.json');
+    writeFileSync(
+      config,
+      JSON.stringify({ port: 0, drain_timeout_ms: DRAIN_MS, job_timeout_ms: 0, models: [{ id: 'forever', task: 'vad', path: slowModel('forever', 500), lazy: false, max_batch_size: 1 }] }),
+    );
+    const { child, url } = await spawnServer(['--config', config]);
+    const exited = new Promise<{ code: number | null; at: number }>((r) => child.on('exit', (code) => r({ code, at: performance.now() })));
+    // ~94 windows x 500 ms: its first job alone is half a minute.
+    const pending = fetch(`${url}/v1/tasks/run?model=forever`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(3)) }).then(
+      (r) => r.status,
+      () => 0,
+    );
+    await until(async () => (await (await fetch(`${url}/v1/models/forever`)).json()).active_slots === 1);
+    const t0 = performance.now();
+    child.kill('SIGTERM');
+    const exit = await exited;
+    expect(exit.code).toBe(0);
+    expect(exit.at - t0).toBeLessThan(DRAIN_MS + 1000);
+    expect([0, 503]).toContain(await pending);
+  });
+});
