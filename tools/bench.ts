@@ -12,13 +12,15 @@
  * the lag is its arrival minus the moment that audio position was due on the wire.
  */
 import type { ChildProcess } from 'node:child_process';
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/catalog.js';
+import type { Job } from '../runtime/slot-protocol.js';
+import { SlotPool, slotFactory } from '../runtime/slots.js';
 import { spawnServer } from './spawn-server.js';
 
 export interface BenchOptions {
@@ -32,6 +34,8 @@ export interface BenchOptions {
   slots: number;
   /** The model's max_batch_delay_ms. */
   batchDelayMs: number;
+  /** Slot host isolation modes to run, side by side. */
+  isolation: ('process' | 'thread')[];
 }
 
 const root = fileURLToPath(new URL('../..', import.meta.url));
@@ -44,18 +48,33 @@ function speechPcm(): Buffer {
   return wav.subarray(44); // 16 kHz mono s16le after the 44-byte header
 }
 
-function cpuOf(pid: number): number {
-  const f = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1].split(' ');
-  return (Number(f[11]) + Number(f[12])) / 100; // utime + stime, clock ticks of 10 ms
+/** A process and its live descendants (the slot hosts under process isolation), from /proc. */
+function tree(pid: number): number[] {
+  const out = [pid];
+  for (const tid of readdirSync(`/proc/${pid}/task`)) {
+    const kids = readFileSync(`/proc/${pid}/task/${tid}/children`, 'utf8').trim();
+    if (kids) for (const k of kids.split(' ')) out.push(...tree(Number(k)));
+  }
+  return out;
 }
-const rssOf = (pid: number): number => Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))![1]) * 1024;
+/** CPU seconds of a process and its live descendants (utime + stime, clock ticks of 10 ms). */
+function cpuOf(pid: number): number {
+  let s = 0;
+  for (const p of tree(pid)) {
+    const f = readFileSync(`/proc/${p}/stat`, 'utf8').split(') ')[1].split(' ');
+    s += (Number(f[11]) + Number(f[12])) / 100;
+  }
+  return s;
+}
+/** Resident bytes of a process and its live descendants. */
+const rssOf = (pid: number): number => tree(pid).reduce((n, p) => n + Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${p}/status`, 'utf8'))![1]) * 1024, 0);
 const pct = (xs: number[], q: number): number => {
   if (!xs.length) return NaN;
   const s = [...xs].sort((a, b) => a - b);
   return s[Math.min(s.length - 1, Math.floor(q * s.length))];
 };
 
-async function startChild(n: number, o: BenchOptions): Promise<{ child: ChildProcess; url: string }> {
+async function startChild(n: number, o: BenchOptions, isolation: 'process' | 'thread'): Promise<{ child: ChildProcess; url: string }> {
   const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
   const config = join(dir, 'config.json');
   writeFileSync(
@@ -64,6 +83,7 @@ async function startChild(n: number, o: BenchOptions): Promise<{ child: ChildPro
       port: 0,
       log_level: 'warn',
       busy_timeout_ms: 0,
+      isolation,
       limits: { max_ws_connections: n + 16, idle_ms: 0, heartbeat_ms: 0 },
       models: [{ ...silero, slots: o.slots, max_streams: n + 16, max_batch_size: 256, max_batch_delay_ms: o.batchDelayMs, lazy: false }],
     }),
@@ -92,8 +112,8 @@ interface LiveResult {
 }
 
 /** N live streams against a fresh server. */
-async function live(n: number, o: BenchOptions): Promise<LiveResult> {
-  const { child, url } = await startChild(n, o);
+async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread'): Promise<LiveResult> {
+  const { child, url } = await startChild(n, o, isolation);
   const pcm = speechPcm();
   const frameBytes = Math.round((16000 * o.frameMs) / 1000) * 2;
   const totalFrames = Math.round((o.seconds * 1000) / o.frameMs);
@@ -196,21 +216,47 @@ async function bare(batch: number, sessions: number, windows: number): Promise<n
   return cpuPerWindow * WINDOWS_PER_S;
 }
 
+/**
+ * The cost of reaching a slot host, per batched job: the round trip seen by the caller minus the
+ * run time the host reports, µs, over 500 jobs of `windows` windows one after another.
+ */
+async function ipcCost(isolation: 'process' | 'thread', windows: number): Promise<number> {
+  const pool = await SlotPool.start({ kind: 'vad', model: silero.path }, 1, slotFactory(isolation, 0));
+  try {
+    const job = (): Job => ({ kind: 'vad', windows: new Float32Array(windows * WINDOW).map(() => Math.random() * 0.1), state: new Float32Array(256), context: new Float32Array(64) });
+    for (let i = 0; i < 50; i++) await pool.run(job());
+    let overhead = 0;
+    for (let i = 0; i < 500; i++) {
+      const j = job();
+      const t0 = performance.timeOrigin + performance.now();
+      const r = await pool.run(j);
+      const t1 = performance.timeOrigin + performance.now();
+      overhead += t1 - t0 - (r.ran![1] - r.ran![0]);
+    }
+    return (overhead / 500) * 1000;
+  } finally {
+    await pool.close();
+  }
+}
+
 /** Runs the benchmark and prints the table. */
 export async function bench(o: BenchOptions): Promise<void> {
   const rows: string[] = [];
   const f = (x: number, d = 1): string => (Number.isFinite(x) ? x.toFixed(d) : '-');
   rows.push(`voxserve bench: silero-vad, ${o.frameMs} ms frames, ${o.seconds} s of speech per stream, ${o.slots} slot(s), max_batch_delay_ms ${o.batchDelayMs}, on ${(await import('node:os')).cpus().length} cores`);
   rows.push('');
-  rows.push('streams | sustained | lag p50/p99 ms | event lag p50/p99 ms | server CPU s | client CPU s | server RSS MiB | mean batch | server CPU per stream-s ms | bare batched ms | ratio bare/server | per-client ms | streams/core server vs per-client');
-  rows.push('---|---|---|---|---|---|---|---|---|---|---|---|---');
+  rows.push('isolation | streams | sustained | lag p50/p99 ms | event lag p50/p99 ms | server CPU s | client CPU s | server RSS MiB | mean batch | server CPU per stream-s ms | bare batched ms | ratio bare/server | per-client ms | streams/core server vs per-client');
+  rows.push('---|---|---|---|---|---|---|---|---|---|---|---|---|---');
   const perClient = await bare(1, 8, 20_000);
-  for (const n of o.streams) {
-    const r = await live(n, o);
+  const batches = new Map<string, number>();
+  for (const n of o.streams) for (const isolation of o.isolation) {
+    const r = await live(n, o, isolation);
+    batches.set(isolation, Math.max(batches.get(isolation) ?? 1, Math.round(r.meanBatch)));
     const serverPer = r.serverCpuS / r.streamSeconds;
     const barePer = await bare(Math.max(1, Math.round(r.meanBatch)), 1, 20_000);
     rows.push(
       [
+        isolation,
         r.streams,
         r.sustained,
         `${f(r.lagP50)} / ${f(r.lagP99)}`,
@@ -227,6 +273,13 @@ export async function bench(o: BenchOptions): Promise<void> {
       ].join(' | '),
     );
     process.stderr.write(`progress: ${rows.at(-1)}\n`);
+  }
+  rows.push('');
+  rows.push('isolation | windows per batched job | IPC and dispatch per job µs (round trip - run time, mean of 500)');
+  rows.push('---|---|---');
+  for (const isolation of o.isolation) {
+    const windows = Math.max(1, batches.get(isolation) ?? 32);
+    rows.push(`${isolation} | ${windows} | ${f(await ipcCost(isolation, windows), 0)}`);
   }
   process.stdout.write(`${rows.join('\n')}\n`);
 }

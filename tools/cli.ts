@@ -189,11 +189,14 @@ program
   .option('--seconds <s>', 'audio per stream, s', int('--seconds'), 20)
   .option('--slots <n>', 'server slots for the model', int('--slots'), 1)
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms", int('--batch-delay-ms'), 10)
-  .action(async (opts: { streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number }) => {
+  .option('--isolation <list>', 'slot host isolation modes to run side by side: process, thread', 'thread,process')
+  .action(async (opts: { streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number; isolation: string }) => {
     const streams = opts.streams.split(',').map(Number);
     if (streams.some((n) => !Number.isInteger(n) || n < 1)) die('--streams must be a comma-separated list of positive integers');
+    const isolation = opts.isolation.split(',');
+    if (!isolation.every((m) => m === 'process' || m === 'thread')) die(`--isolation must be a comma-separated list of process and thread, got '${opts.isolation}'`);
     const { bench } = await import('./bench.js');
-    await bench({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: opts.slots, batchDelayMs: opts.batchDelayMs });
+    await bench({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: opts.slots, batchDelayMs: opts.batchDelayMs, isolation: isolation as ('process' | 'thread')[] });
   });
 
 program.parseAsync().catch((e) => die((e as Error).message));
