@@ -164,7 +164,7 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
       }),
     );
     if (gone.signal.aborted) {
-      if (revoked) outcome = toVoxError(revoked).type;
+      outcome = revoked ? toVoxError(revoked).type : 'cancelled';
       return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
     }
     send({ type: 'SSE_EVENT', rid, name: 'done', data: { files: request.files.length, failed, wall_ms: round(performance.now() - t0), queue_ms: round(figures.queueMs), inference_ms: round(figures.inferenceMs) } });

@@ -177,7 +177,13 @@ export const modelMachine = setup({
           states: {
             idle: {
               always: { guard: 'inUse', target: 'busy' },
-              after: { keepAlive: { guard: 'keepAliveOn', actions: raise({ type: 'EVICT', reason: 'idle' }) } },
+              // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; off, no timer at all.
+              initial: 'init',
+              states: {
+                init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'forever' }] },
+                waiting: { after: { keepAlive: { actions: raise({ type: 'EVICT', reason: 'idle' }) } } },
+                forever: {},
+              },
               on: {
                 EVICT: {
                   guard: 'evictable',

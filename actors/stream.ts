@@ -322,6 +322,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   })();
 
   channel.sink = (data) => {
+    // Audio after `end` is dropped: the stream is finishing what it had.
+    if (ended) return;
     if (session) return push(data);
     // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
     early.push(data);

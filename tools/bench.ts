@@ -12,7 +12,7 @@
  * the lag is its arrival minus the moment that audio position was due on the wire.
  */
 import type { ChildProcess } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -21,6 +21,7 @@ import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/catalog.js';
 import type { Job } from '../runtime/slot-protocol.js';
 import { SlotPool, slotFactory } from '../runtime/slots.js';
+import { treeCpuSeconds, treeRssBytes } from './proc.js';
 import { spawnServer } from './spawn-server.js';
 
 export interface BenchOptions {
@@ -48,26 +49,8 @@ function speechPcm(): Buffer {
   return wav.subarray(44); // 16 kHz mono s16le after the 44-byte header
 }
 
-/** A process and its live descendants (the slot hosts under process isolation), from /proc. */
-function tree(pid: number): number[] {
-  const out = [pid];
-  for (const tid of readdirSync(`/proc/${pid}/task`)) {
-    const kids = readFileSync(`/proc/${pid}/task/${tid}/children`, 'utf8').trim();
-    if (kids) for (const k of kids.split(' ')) out.push(...tree(Number(k)));
-  }
-  return out;
-}
-/** CPU seconds of a process and its live descendants (utime + stime, clock ticks of 10 ms). */
-function cpuOf(pid: number): number {
-  let s = 0;
-  for (const p of tree(pid)) {
-    const f = readFileSync(`/proc/${p}/stat`, 'utf8').split(') ')[1].split(' ');
-    s += (Number(f[11]) + Number(f[12])) / 100;
-  }
-  return s;
-}
-/** Resident bytes of a process and its live descendants. */
-const rssOf = (pid: number): number => tree(pid).reduce((n, p) => n + Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${p}/status`, 'utf8'))![1]) * 1024, 0);
+const cpuOf = treeCpuSeconds;
+const rssOf = treeRssBytes;
 const pct = (xs: number[], q: number): number => {
   if (!xs.length) return NaN;
   const s = [...xs].sort((a, b) => a - b);

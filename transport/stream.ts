@@ -69,7 +69,8 @@ export function bindStream(ws: WebSocket, { actor, channel }: StreamSocketHandle
         return release();
     }
   });
-  ws.on('error', () => tell({ type: 'PEER_CLOSED', code: 1006 }));
+  // ws emits 'close' after every 'error' (with the code it closed with: 1009, 1007, 1006 ...).
+  ws.on('error', () => {});
   ws.on('close', (code) => tell({ type: 'PEER_CLOSED', code }));
   ws.on('pong', () => tell({ type: 'PONG' }));
   ws.on('message', (data: Buffer, binary: boolean) => {

@@ -229,6 +229,19 @@ describe('limits and fuzz: clear errors, the server keeps serving', () => {
     expect((await healthy()).status).toBe(200);
   });
 
+  it('audio after `end` is dropped: the stream still ends with `done` and 1000, and releases its lease (regression)', async () => {
+    for (let i = 0; i < 5; i++) {
+      const s = await openStream();
+      s.ws.send(Buffer.alloc(3200));
+      s.ws.send(JSON.stringify({ type: 'end' }));
+      s.ws.send(Buffer.alloc(3200));
+      const { code } = await s.closed;
+      expect(code).toBe(1000);
+      expect(s.events.at(-1)).toMatchObject({ type: 'done', processed_ms: 100 });
+    }
+    await until(() => leases() === 0);
+  });
+
   it('1,000 connections opened and dropped at random points leave no lease and no socket actor', async () => {
     const drops: Promise<void>[] = [];
     for (let i = 0; i < 1000; i++) {
