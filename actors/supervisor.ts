@@ -1,5 +1,5 @@
 import { stat } from 'node:fs/promises';
-import { assign, createActor, enqueueActions, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
+import { assign, createActor, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
 import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
@@ -286,7 +286,6 @@ export class Supervisor {
 
   readonly metrics: Metrics;
   readonly log: Logger;
-  private readonly inspect?: (e: InspectionEvent) => void;
 
   constructor(
     readonly config: ServerConfig,
@@ -297,7 +296,6 @@ export class Supervisor {
     this.baseLoader = options.loader ?? createLoader(new WeightBundles(), { isolation: config.isolation, jobTimeoutMs: config.job_timeout_ms });
     this.probe = options.memoryProbe ?? availableMemory;
     this.estimate = options.footprint ?? estimateFromFiles;
-    this.inspect = options.inspect;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     const guarded = this.guarded;
     const supervisor = supervisorMachine.provide({
