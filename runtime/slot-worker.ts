@@ -207,4 +207,8 @@ const onMessage = async (msg: ToSlot): Promise<void> => {
   }
 };
 if (port) port.on('message', onMessage);
-else process.on('message', onMessage);
+else {
+  process.on('message', onMessage);
+  // The server is gone (even killed with SIGKILL): no orphan host is left running.
+  process.on('disconnect', () => process.exit(0));
+}
