@@ -40,7 +40,8 @@ let runJob: ((job: Job) => Promise<JobResult>) | null = null;
 
 function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
   if (port) port.postMessage(msg, transfer);
-  else process.send!(msg);
+  // After `release` (or the server's exit) the channel is closed: a late answer has no one to go to.
+  else if (process.connected) process.send!(msg);
 }
 
 async function create(source: string | Uint8Array): Promise<ort.InferenceSession> {

@@ -403,7 +403,8 @@ export class SlotPool {
     const limit = this.waitTimeoutMs;
     if (limit <= 0 || !this.queue.length || this.failure) return;
     let at = this.queue[0].queuedAt + limit;
-    if (this.running.size >= this.live.length) at = Math.min(at, Math.max(...this.running.values()) + limit);
+    // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
+    if (this.running.size > 0 && this.running.size >= this.live.length) at = Math.min(at, Math.max(...this.running.values()) + limit);
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
   }
 
@@ -477,11 +478,13 @@ export class SlotPool {
     this.failCb?.(err);
   }
 
-  /** Stops every slot: clones first, then the primary. Queued jobs are rejected. */
+  /** Stops every slot: the clones (together), then the primary. Queued jobs are rejected. */
   async close(): Promise<void> {
     this.failCb = null;
     this.fail(new VoxError('server_error', 'model unloaded'));
-    for (const s of [...this.live].reverse()) await s.close();
+    const [primary, ...clones] = this.live;
+    await Promise.all(clones.map((s) => s.close()));
+    await primary?.close();
   }
 }
 
