@@ -2,7 +2,7 @@
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { describe, expect, it } from 'vitest';
+import { describe, expect, it, onTestFinished } from 'vitest';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { spawnServer } from '../../tools/spawn-server.js';
@@ -25,6 +25,8 @@ describe('SIGTERM', () => {
       }),
     );
     const { child, url } = await spawnServer(['--config', config]);
+    // A failed run must not leave the server behind.
+    onTestFinished(() => void child.kill('SIGKILL'));
     const exited = new Promise<{ code: number | null; at: number }>((r) => child.on('exit', (code) => r({ code, at: performance.now() })));
     const status = async () => (await fetch(`${url}/v1/models/vad20`)).json();
 

@@ -8,7 +8,7 @@ import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { monitorEventLoopDelay } from 'node:perf_hooks';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { spawnServer } from '../../tools/spawn-server.js';
@@ -135,6 +135,7 @@ describe('SIGTERM with a job that never returns in time', () => {
       JSON.stringify({ port: 0, drain_timeout_ms: DRAIN_MS, job_timeout_ms: 0, models: [{ id: 'forever', task: 'vad', path: slowModel('forever', 500), lazy: false, max_batch_size: 1 }] }),
     );
     const { child, url } = await spawnServer(['--config', config]);
+    onTestFinished(() => void child.kill('SIGKILL'));
     const exited = new Promise<{ code: number | null; at: number }>((r) => child.on('exit', (code) => r({ code, at: performance.now() })));
     // ~94 windows x 500 ms: its first job alone is half a minute.
     const pending = fetch(`${url}/v1/tasks/run?model=forever`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(3)) }).then(
