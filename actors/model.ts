@@ -396,6 +396,7 @@ export class ModelEntry {
               model = m;
               // A job waiting for a slot is bounded by the busy timeout too (0 = unbounded).
               m.pool.waitTimeoutMs = this.busyTimeoutMs;
+              m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
               m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
               if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
               if (input.config.task === 'vad' && input.config.max_batch_size > 1) {

@@ -272,6 +272,8 @@ export class SlotPool {
   private waitTimer: NodeJS.Timeout | null = null;
   /** Called with each finished job's run time, ms (for metrics). */
   onRun: ((ms: number) => void) | null = null;
+  /** Called when a slot host dies: why, and whether it is respawned (for logs). */
+  onHostExit: ((why: string, respawn: boolean) => void) | null = null;
   /** Longest wait for a slot, ms (the model's busy timeout); 0 = unbounded. */
   waitTimeoutMs = 0;
 
@@ -438,10 +440,12 @@ export class SlotPool {
         this.crashes.push(now);
         while (this.crashes[0] < now - CRASH_WINDOW_MS) this.crashes.shift();
         if (this.crashes.length >= MAX_CRASHES) {
+          this.onHostExit?.(err.message, false);
           return this.fail(new VoxError('server_error', `${this.crashes.length} slot crashes within a minute; the last: ${err.message}`, { cause: err }));
         }
       }
       const delay = err.timedOut ? 0 : RESPAWN_BACKOFF_MS * 2 ** (this.crashes.length - 1);
+      this.onHostExit?.(err.timedOut ? `killed: its job ran over job_timeout_ms` : err.message, true);
       this.respawning++;
       setTimeout(() => {
         if (this.failure) return void this.respawning--;
