@@ -121,25 +121,25 @@ export const supervisorMachine = setup({
   actions: {
     /** Measures room for `current` into `context.room` (provided by {@link Supervisor}). */
     measureRoom: assign({ room: () => null as RoomFigures | null }),
-    refuseForRoom: sendTo(
+    /** Answers the current load `LOAD_REFUSED` with the figures: no room (`server_busy`) or no memory (`insufficient_memory`). */
+    refuse: sendTo(
       ({ context }) => context.current!.replyTo,
-      ({ context }): GateReply => ({
-        type: 'LOAD_REFUSED',
-        error: {
-          type: 'server_busy',
-          message: `cannot load ${context.current!.id}: max_loaded_models (${context.room?.max_loaded}) reached and no model became idle to evict within the busy timeout (${context.current!.timeout_ms} ms); resident: ${context.room?.resident.join(', ') || 'none'}`,
-        },
-      }),
-    ),
-    refuseForMemory: sendTo(
-      ({ context }) => context.current!.replyTo,
-      ({ context }): GateReply => ({
-        type: 'LOAD_REFUSED',
-        error: {
-          type: 'insufficient_memory',
-          message: `cannot load ${context.current!.id}: needs about ${mib(context.room!.needed_bytes)} plus ${mib(context.room!.headroom_bytes)} of headroom (min_free_memory_mb), but only ${mib(context.room!.free_bytes ?? 0)} is available`,
-        },
-      }),
+      ({ context }, params: { why: 'room' | 'memory' }): GateReply => {
+        const { current, room } = context;
+        return {
+          type: 'LOAD_REFUSED',
+          error:
+            params.why === 'room'
+              ? {
+                  type: 'server_busy',
+                  message: `cannot load ${current!.id}: max_loaded_models (${room?.max_loaded}) reached and no model became idle to evict within the busy timeout (${current!.timeout_ms} ms); resident: ${room?.resident.join(', ') || 'none'}`,
+                }
+              : {
+                  type: 'insufficient_memory',
+                  message: `cannot load ${current!.id}: needs about ${mib(room!.needed_bytes)} plus ${mib(room!.headroom_bytes)} of headroom (min_free_memory_mb), but only ${mib(room!.free_bytes ?? 0)} is available`,
+                },
+        };
+      },
     ),
   },
   guards: {
@@ -213,7 +213,7 @@ export const supervisorMachine = setup({
         { guard: 'hasRoom', target: 'loading', actions: sendTo(({ context }) => context.current!.replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply) },
         { guard: 'victimForRoom', target: 'evicting', actions: assign({ victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'lru' as const }) }) },
         { guard: 'victimForMemory', target: 'evicting', actions: assign({ victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'memory' as const }) }) },
-        { guard: 'nothingToFree', target: 'idle', actions: 'refuseForMemory' },
+        { guard: 'nothingToFree', target: 'idle', actions: { type: 'refuse', params: { why: 'memory' } } },
         { guard: 'shortOfMemory', target: 'waitingForMemory' },
         { target: 'waitingForRelease' },
       ],
@@ -231,13 +231,13 @@ export const supervisorMachine = setup({
     waitingForRelease: {
       entry: assign({ waitingFor: 'release' }),
       on: { MODEL_CHANGED: { target: 'admitting', actions: assign({ refused: [] }) } },
-      after: { untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: 'refuseForRoom' } },
+      after: { untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: { type: 'refuse', params: { why: 'room' } } } },
     },
     waitingForMemory: {
       entry: assign({ waitingFor: 'memory' }),
       on: { MODEL_CHANGED: { target: 'admitting', actions: assign({ refused: [] }) } },
       after: {
-        untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: 'refuseForMemory' },
+        untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: { type: 'refuse', params: { why: 'memory' } } },
         memoryPoll: { target: 'admitting', actions: assign({ refused: [] }) },
       },
     },
