@@ -25,6 +25,8 @@ export interface ModelContext {
   leases: { active: number; queued: number; exclusive: boolean };
   /** The server's `idle_unload_ms`, ms (0 = off); the model's `keep_alive_ms` overrides it. */
   serverIdleUnloadMs: number;
+  /** The server's `load_timeout_ms`, ms (0 = none); the model's own overrides it. */
+  serverLoadTimeoutMs: number;
   /** The last eviction: why and when (ms since the epoch). */
   evicted: { reason: EvictReason; at: number } | null;
   /** Measured footprint of the current pool, bytes (0 when nothing is resident). */
@@ -46,6 +48,15 @@ export type ModelEvent =
   | { type: 'LOAD_FAILED'; error: unknown }
   /** From the `residency` actor: the pool is closed (`error` if closing failed). */
   | { type: 'CLOSED'; error?: string };
+
+/** A model chart's input: its config and the server-wide defaults it falls back on, ms. */
+export interface ModelInput {
+  config: ModelConfig;
+  /** `idle_unload_ms` (0 = off). */
+  serverIdleUnloadMs?: number;
+  /** `load_timeout_ms` (0 = none). */
+  serverLoadTimeoutMs?: number;
+}
 
 /** Replies to `EVICT`, sent to its `replyTo`. */
 export type EvictReply = { type: 'EVICTED'; id: string; reason: EvictReason } | { type: 'EVICT_REFUSED'; id: string; reason: EvictReason; state: string };
@@ -78,14 +89,14 @@ export interface ResidencyInput {
  * - Keep-alive (C14): `ready.idle` raises `EVICT {reason: "idle"}` after `keepAlive` ms
  *   (`keep_alive_ms`, else the server's `idle_unload_ms`; never when 0).
  * - A failed load returns to `unloaded` with `lastError` (not for a 503 refusal) and can be
- *   retried; a slot that dies in `ready` unloads the model with `lastError` set.
+ *   retried; so does a load still building after `loadTimeout` ms (`load_timeout_ms`); a slot that dies in `ready` unloads the model with `lastError` set.
  * The actors and actions that touch live resources are provided by {@link ModelEntry}.
  */
 export const modelMachine = setup({
   types: {
     context: {} as ModelContext,
     events: {} as ModelEvent,
-    input: {} as { config: ModelConfig; serverIdleUnloadMs?: number },
+    input: {} as ModelInput,
   },
   actors: {
     residency: fromCallback<ResidencyEvent, ResidencyInput>(({ sendBack }) => {
@@ -107,10 +118,13 @@ export const modelMachine = setup({
     evictable: ({ context }) => context.leases.active === 0 && context.leases.queued === 0 && !context.leases.exclusive,
     keepAliveOn: ({ context }) => (context.config.keep_alive_ms ?? context.serverIdleUnloadMs) > 0,
     hasNext: ({ context }) => context.next !== null,
+    loadTimeoutOn: ({ context }) => (context.config.load_timeout_ms ?? context.serverLoadTimeoutMs) > 0,
   },
   delays: {
     /** Keep-alive, ms: `keep_alive_ms`, else the server's `idle_unload_ms` (guarded off at 0). */
     keepAlive: ({ context }) => Math.max(1, context.config.keep_alive_ms ?? context.serverIdleUnloadMs),
+    /** Load timeout, ms: `load_timeout_ms`, else the server's (guarded off at 0). */
+    loadTimeout: ({ context }) => Math.max(1, context.config.load_timeout_ms ?? context.serverLoadTimeoutMs),
   },
 }).createMachine({
   id: 'model',
@@ -121,6 +135,7 @@ export const modelMachine = setup({
     failure: null,
     leases: { active: 0, queued: 0, exclusive: false },
     serverIdleUnloadMs: input.serverIdleUnloadMs ?? 0,
+    serverLoadTimeoutMs: input.serverLoadTimeoutMs ?? 0,
     evicted: null,
     residentBytes: 0,
   }),
@@ -153,8 +168,23 @@ export const modelMachine = setup({
           states: {
             /** Waiting at the supervisor's cold-load gate (at once past it when no limit is set). */
             queued: { on: { LOAD_GRANTED: 'building' } },
-            /** Building the pool: the primary session, then its clones. */
-            building: {},
+            /**
+             * Building the pool: the primary session, then its clones. Past the load timeout the
+             * load is abandoned: leaving `resident` stops the `residency` actor, which kills the
+             * process hosts still loading.
+             */
+            building: {
+              after: {
+                loadTimeout: {
+                  guard: 'loadTimeoutOn',
+                  target: '#model.unloaded',
+                  actions: assign(({ context }) => {
+                    const error = new VoxError('server_error', `loading took longer than load_timeout_ms (${context.config.load_timeout_ms ?? context.serverLoadTimeoutMs} ms); the load was abandoned`);
+                    return { failure: error, lastError: error.message };
+                  }),
+                },
+              },
+            },
           },
           on: {
             LOADED: { target: 'ready', actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }) },
@@ -301,6 +331,8 @@ export interface EntryOptions {
   serverBusyTimeoutMs?: number;
   /** The server's `idle_unload_ms`, ms (0 = off). */
   serverIdleUnloadMs?: number;
+  /** The server's `load_timeout_ms`, ms (0 = none). */
+  serverLoadTimeoutMs?: number;
   /** Called after every change of state and of the admission queue. */
   onChange?: () => void;
   /** XState inspection observer, when inspection is on. */
@@ -357,6 +389,8 @@ export class ModelEntry {
         residency: fromCallback<ResidencyEvent, ResidencyInput>(({ input, sendBack, receive, self, system }) => {
           let model: LoadedModel | null = null;
           let stopped = false;
+          /** Aborted when the entry leaves `resident` (an unload, or the load timeout) while loading. */
+          const abandon = new AbortController();
           let closing: Promise<void> | null = null;
           /** The supervisor's cold-load gate, when the entry runs under one. */
           const gate = system.get('supervisor') as AnyActorRef | undefined;
@@ -384,7 +418,7 @@ export class ModelEntry {
               sendBack({ type: 'LOAD_GRANTED' });
               let m: LoadedModel;
               try {
-                m = await loader(input.config);
+                m = await loader(input.config, abandon.signal);
               } finally {
                 leaveGate();
               }
@@ -423,6 +457,7 @@ export class ModelEntry {
           });
           return () => {
             stopped = true;
+            abandon.abort();
             leaveGate();
             answer?.refused(new VoxError('shutting_down', 'the model entry stopped'));
             void close().catch(() => {});
@@ -448,7 +483,7 @@ export class ModelEntry {
     });
     this.actor = options.spawn
       ? options.spawn(machine, config.id)
-      : createActor(machine, { input: { config, serverIdleUnloadMs: options.serverIdleUnloadMs }, inspect: options.inspect, id: `model:${config.id}`, systemId: `model:${config.id}` });
+      : createActor(machine, { input: { config, serverIdleUnloadMs: options.serverIdleUnloadMs, serverLoadTimeoutMs: options.serverLoadTimeoutMs }, inspect: options.inspect, id: `model:${config.id}`, systemId: `model:${config.id}` });
     let previous: ModelState = 'unloaded';
     let previousValue = '';
     this.actor.subscribe({

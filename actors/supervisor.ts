@@ -12,7 +12,7 @@ import { confinePath } from '../runtime/paths.js';
 /** Config fields that name model files. */
 const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
 import type { Logger } from 'pino';
-import { ModelEntry, modelMachine, type ModelActor, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus } from './model.js';
+import { ModelEntry, modelMachine, type ModelActor, type ModelInput, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus } from './model.js';
 import { systemMachine } from './system.js';
 
 /** A model's footprint estimated from the sizes of its files (C13). */
@@ -57,7 +57,7 @@ export interface RoomFigures {
 
 /** Events of the supervisor chart. */
 export type SupervisorEvent =
-  | { type: 'REGISTER'; id: string; logic: typeof modelMachine; input: { config: ModelConfig; serverIdleUnloadMs: number } }
+  | { type: 'REGISTER'; id: string; logic: typeof modelMachine; input: ModelInput }
   | ({ type: 'LOAD_REQUESTED' } & Omit<PendingLoad, 'since'>)
   /** The load granted to `id` ended (loaded or failed), or its requester went away. */
   | { type: 'LOAD_FINISHED'; id: string }
@@ -293,7 +293,7 @@ export class Supervisor {
   ) {
     this.metrics = options.metrics ?? new Metrics();
     this.log = options.log ?? createLogger(config.log_level);
-    this.baseLoader = options.loader ?? createLoader(new WeightBundles(), { isolation: config.isolation, jobTimeoutMs: config.job_timeout_ms });
+    this.baseLoader = options.loader ?? createLoader(new WeightBundles(), { isolation: config.isolation, jobTimeoutMs: config.job_timeout_ms, loadTimeoutMs: config.load_timeout_ms });
     this.probe = options.memoryProbe ?? availableMemory;
     this.estimate = options.footprint ?? estimateFromFiles;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
@@ -356,12 +356,12 @@ export class Supervisor {
    * footprint is measured as the growth of process RSS over the load (noisy when unguarded loads
    * overlap); the model counts as resident from then until its pool has closed.
    */
-  private readonly loadPool = async (config: ModelConfig): Promise<LoadedModel> => {
+  private readonly loadPool = async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
     const before = process.memoryUsage().rss;
     const t0 = performance.now();
     let loaded: LoadedModel;
     try {
-      loaded = await this.baseLoader(config);
+      loaded = await this.baseLoader(config, signal);
     } catch (e) {
       this.metrics.loads.inc({ model: config.id, outcome: 'error' });
       throw e;
@@ -441,11 +441,12 @@ export class Supervisor {
       footprint: (c) => (headroom ? this.footprint(c) : Promise.resolve(0)),
       serverBusyTimeoutMs: this.config.busy_timeout_ms,
       serverIdleUnloadMs: this.config.idle_unload_ms,
+      serverLoadTimeoutMs: this.config.load_timeout_ms,
       onChange: () => this.changed(),
       log: this.log.child({ model: config.id }),
       metrics: this.metrics,
       spawn: (logic, id) => {
-        this.actor.send({ type: 'REGISTER', id, logic, input: { config, serverIdleUnloadMs: this.config.idle_unload_ms } });
+        this.actor.send({ type: 'REGISTER', id, logic, input: { config, serverIdleUnloadMs: this.config.idle_unload_ms, serverLoadTimeoutMs: this.config.load_timeout_ms } });
         return this.actor.getSnapshot().context.entries[id] as ModelActor;
       },
     });

@@ -49,6 +49,8 @@ export const ModelConfig = z.strictObject({
   isolation: z.enum(['process', 'thread']).optional(),
   /** Longest one slot job may run before its host is killed, ms; 0 = none (default: the server's `job_timeout_ms`). */
   job_timeout_ms: nonNegInt.optional(),
+  /** Longest a load (all slots) or a slot's respawn may take before it is abandoned, ms; 0 = none (default: the server's `load_timeout_ms`). */
+  load_timeout_ms: nonNegInt.optional(),
   lazy: z.boolean().default(true),
   /** VAD streams: windows from different streams run together, up to this many per batch (1 = no batching). */
   max_batch_size: z.number().int().min(1).max(512).default(32),
@@ -98,6 +100,12 @@ export const ServerConfig = z.strictObject({
   isolation: z.enum(['process', 'thread']).default('process'),
   /** Longest one slot job may run before its host is killed (process isolation), ms; 0 = none. */
   job_timeout_ms: nonNegInt.default(30_000),
+  /**
+   * Longest a model load (every slot) or one slot's respawn may take, ms; 0 = none. Past it the
+   * load fails with `last_error` naming it and its process hosts are killed (a thread host
+   * cannot be stopped: it is left to finish and then closed).
+   */
+  load_timeout_ms: nonNegInt.default(60_000),
   management: z
     .strictObject({ enabled: z.boolean().default(false), token: z.string().min(1).optional() })
     .default({ enabled: false }),

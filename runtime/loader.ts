@@ -1,4 +1,4 @@
-import { access, readFile } from 'node:fs/promises';
+import { readFile, stat } from 'node:fs/promises';
 import type { ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
 import { SlotPool, slotFactory, type SlotFactory } from './slots.js';
@@ -15,10 +15,29 @@ export interface LoadedModel {
   close(): Promise<void>;
 }
 
-/** Turns a committed model config into running slots. */
-export type ModelLoader = (config: ModelConfig) => Promise<LoadedModel>;
+/**
+ * Turns a committed model config into running slots. An aborted `signal` (the load timed out, or
+ * its model entry stopped) abandons the load: process hosts still loading are killed.
+ */
+export type ModelLoader = (config: ModelConfig, signal?: AbortSignal) => Promise<LoadedModel>;
+
+/**
+ * Checks that `path` is a regular file before anything opens it: a FIFO or a device would block
+ * the reader (a thread of libuv's pool, or a slot host) forever.
+ * @throws Error `cannot read model file <path>: <code>` (ENOENT, EACCES...) or `... is not a regular file`.
+ */
+async function regularFile(path: string): Promise<void> {
+  let isFile: boolean;
+  try {
+    isFile = (await stat(path)).isFile();
+  } catch (e) {
+    throw new Error(`cannot read model file ${path}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
+  }
+  if (!isFile) throw new Error(`cannot read model file ${path}: it is not a regular file`);
+}
 
 async function readModelFile(path: string): Promise<Uint8Array> {
+  await regularFile(path);
   let bytes: Buffer;
   try {
     bytes = await readFile(path);
@@ -72,11 +91,13 @@ export class WeightBundles {
   }
 }
 
-/** Where slot hosts run and how long a job may take, server-wide (a model's own `isolation` and `job_timeout_ms` win). */
+/** Where slot hosts run and how long a job and a load may take, server-wide (a model's own `isolation`, `job_timeout_ms` and `load_timeout_ms` win). */
 export interface SlotDefaults {
   isolation: 'process' | 'thread';
   /** ms; 0 = none. */
   jobTimeoutMs: number;
+  /** ms; 0 = none. Bounds each slot's respawn (the model entry's chart bounds the whole load). */
+  loadTimeoutMs: number;
 }
 
 /**
@@ -84,14 +105,10 @@ export interface SlotDefaults {
  * processes or worker threads as the model's (else the server's) `isolation` says.
  * @param factory a fixed slot factory instead (tests).
  */
-export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000 }, factory?: SlotFactory): ModelLoader {
-  return async (config) => {
+export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 }, factory?: SlotFactory): ModelLoader {
+  return async (config, signal) => {
     const model = config.path;
-    try {
-      await access(model);
-    } catch (e) {
-      throw new Error(`cannot read model file ${model}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
-    }
+    await regularFile(model);
     let spec: LoadSpec;
     let release = (): void => {};
     if (config.task === 'wakeword') {
@@ -103,7 +120,7 @@ export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { 
     }
     try {
       const hosts = factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);
-      const pool = await SlotPool.start(spec, config.slots, hosts);
+      const pool = await SlotPool.start(spec, config.slots, hosts, { signal, loadTimeoutMs: config.load_timeout_ms ?? defaults.loadTimeoutMs });
       return {
         pool,
         residentBytes: 0,

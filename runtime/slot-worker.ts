@@ -1,7 +1,7 @@
 /**
  * A slot host's body: one ONNX session set for one model, in a child process (`isolation:
- * "process"`, messages over the IPC channel with Node's `advanced` serialization, so typed arrays
- * travel as binary) or a worker thread (`isolation: "thread"`, messages over its port). It runs
+ * "process"`: `load` and `release` over the IPC channel, `run` and its answer as binary frames on
+ * fd 4, see `encodeFrame`) or a worker thread (`isolation: "thread"`, messages over its port). It runs
  * what it is sent and keeps nothing between `run` messages (see slot-protocol.ts).
  * onnxruntime-node blocks its thread for the whole of `create` and `run`, which is why sessions
  * only ever live here.
@@ -9,9 +9,12 @@
  * Test hook: with `VOXSERVE_TEST_ABORT_AT` set to a number, a VAD job whose first sample equals it
  * makes the host call `process.abort()` (a native crash, for the crash tests). Never set in use.
  */
+import { Socket } from 'node:net';
 import { parentPort } from 'node:worker_threads';
 import ort from 'onnxruntime-node';
 import {
+  encodeFrame,
+  FrameReader,
   OWW,
   SILERO,
   transferList,
@@ -27,6 +30,8 @@ import {
 
 /** The worker thread's port, or null in a child process (then `process.send` / `process.on`). */
 const port = parentPort;
+/** A child process's job pipe (fd 4): `run` in, `result` and job errors out, as binary frames. */
+const jobs = port ? null : new Socket({ fd: 4, readable: true, writable: true }).unref();
 const ABORT_AT = process.env.VOXSERVE_TEST_ABORT_AT === undefined ? null : Number(process.env.VOXSERVE_TEST_ABORT_AT);
 const OPTIONS: ort.InferenceSession.SessionOptions = {
   intraOpNumThreads: 1,
@@ -40,6 +45,12 @@ let runJob: ((job: Job) => Promise<JobResult>) | null = null;
 
 function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
   if (port) port.postMessage(msg, transfer);
+  else if (jobs && 'seq' in msg && msg.seq !== undefined) {
+    if (!jobs.writable) return;
+    jobs.cork();
+    for (const b of encodeFrame(msg)) jobs.write(b);
+    jobs.uncork();
+  }
   // After `release` (or the server's exit) the channel is closed: a late answer has no one to go to.
   else if (process.connected) process.send!(msg);
 }
@@ -210,6 +221,10 @@ const onMessage = async (msg: ToSlot): Promise<void> => {
 if (port) port.on('message', onMessage);
 else {
   process.on('message', onMessage);
+  const reader = new FrameReader<ToSlot>((m) => void onMessage(m));
+  jobs!.on('data', (chunk: Buffer) => reader.push(chunk));
+  // The server is gone or has closed the pipe: 'disconnect' below ends the host.
+  jobs!.on('error', () => {});
   // The server is gone (even killed with SIGKILL): no orphan host is left running.
   process.on('disconnect', () => process.exit(0));
 }

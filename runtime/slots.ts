@@ -1,9 +1,10 @@
 import { fork, type ChildProcess } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
+import type { Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
 import { VoxError } from './errors.js';
-import { transferList, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
+import { encodeFrame, FrameReader, transferList, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
 
 /**
  * The compiled slot host entry. Under the TypeScript sources (vitest) hosts still run the
@@ -28,8 +29,11 @@ export interface SlotHost {
   residentBytes(): number;
 }
 
-/** Starts one slot and loads a model into it. */
-export type SlotFactory = (spec: LoadSpec) => Promise<SlotHost>;
+/**
+ * Starts one slot and loads a model into it. An aborted `signal` kills a process host still
+ * loading (the promise then rejects); a thread host cannot be stopped and ignores it.
+ */
+export type SlotFactory = (spec: LoadSpec, signal?: AbortSignal) => Promise<SlotHost>;
 
 /** How long a closing process host may take to exit before it is killed, ms. */
 const CLOSE_GRACE_MS = 500;
@@ -203,25 +207,48 @@ export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> 
 
 /**
  * A factory of child-process slot hosts (`isolation: "process"`): `node dist/runtime/slot-worker.js`
- * forked with Node's `advanced` IPC serialization (typed arrays go as binary, not JSON). A job
- * over `jobTimeoutMs` (0 = none) gets its host killed.
+ * forked with two channels: the IPC channel (Node's `advanced` serialization) for `load` and
+ * `release`, and a pipe (the child's fd 4) for `run` and its answer as binary frames
+ * ({@link encodeFrame}), so audio crosses as raw bytes with one copy on each side. A job over
+ * `jobTimeoutMs` (0 = none) gets its host killed.
  */
 export function processSlots(jobTimeoutMs: number): SlotFactory {
-  return async (spec) => {
-    const child: ChildProcess = fork(fileURLToPath(slotHostFile()), [], { serialization: 'advanced', stdio: ['ignore', 'ignore', 'inherit', 'ipc'] });
+  return async (spec, signal) => {
+    signal?.throwIfAborted();
+    const child: ChildProcess = fork(fileURLToPath(slotHostFile()), [], { serialization: 'advanced', stdio: ['ignore', 'ignore', 'inherit', 'ipc', 'pipe'] });
+    const abandon = (): void => void child.kill('SIGKILL');
+    signal?.addEventListener('abort', abandon, { once: true });
+    const jobs = child.stdio[4] as Socket;
     const slot = new MessageSlot(
       {
-        // Shared memory does not cross processes: the wake-word feature models go as plain bytes.
-        send: (m) => child.connected && child.send(m.type === 'load' && m.spec.kind === 'wakeword' ? { ...m, spec: { ...m.spec, melspectrogram: new Uint8Array(m.spec.melspectrogram), embedding: new Uint8Array(m.spec.embedding) } } : m),
+        send: (m) => {
+          if (m.type === 'run') {
+            if (!jobs.writable) return;
+            jobs.cork();
+            for (const b of encodeFrame(m)) jobs.write(b);
+            jobs.uncork();
+          } else if (child.connected) {
+            // Shared memory does not cross processes: the wake-word feature models go as plain bytes.
+            child.send(m.type === 'load' && m.spec.kind === 'wakeword' ? { ...m, spec: { ...m.spec, melspectrogram: new Uint8Array(m.spec.melspectrogram), embedding: new Uint8Array(m.spec.embedding) } } : m);
+          }
+        },
         kill: () => child.kill('SIGKILL'),
         pid: child.pid ?? null,
       },
       jobTimeoutMs,
     );
+    const reader = new FrameReader<FromSlot>((m) => slot.onMessage(m));
+    jobs.on('data', (chunk: Buffer) => reader.push(chunk));
+    // A dead host's pipe breaks (EPIPE, ECONNRESET); its 'exit' says why.
+    jobs.on('error', () => {});
     child.on('message', (m: FromSlot) => slot.onMessage(m));
     child.on('error', (e) => slot.fail(e));
     child.on('exit', (code, signal) => slot.gone(signal ? `slot host was killed by ${signal}` : `slot host exited with code ${code}`));
-    return started(slot, spec);
+    try {
+      return await started(slot, spec);
+    } finally {
+      signal?.removeEventListener('abort', abandon);
+    }
   };
 }
 
@@ -268,7 +295,6 @@ export class SlotPool {
   private failure: Error | null = null;
   private failCb: ((err: Error) => void) | null = null;
   private readonly crashes: number[] = [];
-  private respawning = 0;
   private waitTimer: NodeJS.Timeout | null = null;
   /** Called with each finished job's run time, ms (for metrics). */
   onRun: ((ms: number) => void) | null = null;
@@ -277,10 +303,17 @@ export class SlotPool {
   /** Longest wait for a slot, ms (the model's busy timeout); 0 = unbounded. */
   waitTimeoutMs = 0;
 
+  /** Aborted at close: kills the hosts of respawns still loading. */
+  private readonly closed = new AbortController();
+  /** Respawns in flight (close waits for them). */
+  private readonly respawns = new Set<Promise<void>>();
+
   private constructor(
     slots: SlotHost[],
     private readonly spec: LoadSpec,
     private readonly factory: SlotFactory,
+    /** Longest a respawn may take, ms (0 = none); past it the pool fails. */
+    private readonly loadTimeoutMs: number,
   ) {
     this.size = slots.length;
     this.live = [...slots];
@@ -290,19 +323,21 @@ export class SlotPool {
 
   /**
    * Builds the primary, then the clones (in parallel). Only a complete pool is returned: on any
-   * failure the clones are closed before the primary and the error is rethrown.
+   * failure, or once `opts.signal` has aborted (the load was abandoned), the clones are closed
+   * before the primary and the error is rethrown.
    * @param count slots, 1-16.
    */
-  static async start(spec: LoadSpec, count: number, factory: SlotFactory = startWorkerSlot): Promise<SlotPool> {
-    const primary = await factory(spec);
-    const clones = await Promise.allSettled(Array.from({ length: count - 1 }, () => factory(spec)));
-    const failed = clones.find((c): c is PromiseRejectedResult => c.status === 'rejected');
+  static async start(spec: LoadSpec, count: number, factory: SlotFactory = startWorkerSlot, opts: { signal?: AbortSignal; loadTimeoutMs?: number } = {}): Promise<SlotPool> {
+    const primary = await factory(spec, opts.signal);
+    const clones = await Promise.allSettled(Array.from({ length: count - 1 }, () => factory(spec, opts.signal)));
+    const abandoned = opts.signal?.aborted ? ({ status: 'rejected', reason: new Error('the load was abandoned') } as PromiseRejectedResult) : undefined;
+    const failed = abandoned ?? clones.find((c): c is PromiseRejectedResult => c.status === 'rejected');
     if (failed) {
       for (const c of clones) if (c.status === 'fulfilled') await c.value.close();
       await primary.close();
       throw failed.reason;
     }
-    return new SlotPool([primary, ...clones.map((c) => (c as PromiseFulfilledResult<SlotHost>).value)], spec, factory);
+    return new SlotPool([primary, ...clones.map((c) => (c as PromiseFulfilledResult<SlotHost>).value)], spec, factory, opts.loadTimeoutMs ?? 0);
   }
 
   /** The slots alive now (a respawning one is missing). */
@@ -446,24 +481,32 @@ export class SlotPool {
       }
       const delay = err.timedOut ? 0 : RESPAWN_BACKOFF_MS * 2 ** (this.crashes.length - 1);
       this.onHostExit?.(err.timedOut ? `killed: its job ran over job_timeout_ms` : err.message, true);
-      this.respawning++;
-      setTimeout(() => {
-        if (this.failure) return void this.respawning--;
-        this.factory(this.spec).then(
-          (fresh) => {
-            this.respawning--;
-            if (this.failure) return void fresh.close();
-            this.live.push(fresh);
-            this.idle.push(fresh);
-            this.watch(fresh);
-            this.dispatch();
-          },
-          (e: Error) => {
-            this.respawning--;
-            this.fail(new VoxError('server_error', `a slot could not be restarted: ${e.message}`, { cause: e }));
-          },
-        );
-      }, delay).unref();
+      const respawn = new Promise<void>((resolve) => setTimeout(resolve, delay).unref())
+        .then(() => {
+          if (this.failure) return;
+          const limit = this.loadTimeoutMs;
+          const signal = limit > 0 ? AbortSignal.any([this.closed.signal, AbortSignal.timeout(limit)]) : this.closed.signal;
+          const loading = this.factory(this.spec, signal);
+          // A factory that ignores the signal (a thread host) is not waited for: its host is closed when it comes.
+          const abandoned = new Promise<never>((_, reject) => signal.addEventListener('abort', () => reject(signal.reason as Error), { once: true }));
+          loading.catch(() => {});
+          return Promise.race([loading, abandoned]).then(
+            (fresh) => {
+              if (this.failure) return void fresh.close();
+              this.live.push(fresh);
+              this.idle.push(fresh);
+              this.watch(fresh);
+              this.dispatch();
+            },
+            (e: Error) => {
+              if (signal.aborted) void loading.then((late) => late.close(), () => {});
+              const why = signal.aborted && !this.closed.signal.aborted ? `it took longer than load_timeout_ms (${limit} ms)` : e.message;
+              this.fail(new VoxError('server_error', `a slot could not be restarted: ${why}`, { cause: e }));
+            },
+          );
+        })
+        .finally(() => this.respawns.delete(respawn));
+      this.respawns.add(respawn);
     });
   }
 
@@ -482,10 +525,12 @@ export class SlotPool {
     this.failCb?.(err);
   }
 
-  /** Stops every slot: the clones (together), then the primary. Queued jobs are rejected. */
+  /** Stops every slot: respawns in flight (their hosts killed), the clones (together), then the primary. Queued jobs are rejected. */
   async close(): Promise<void> {
     this.failCb = null;
     this.fail(new VoxError('server_error', 'model unloaded'));
+    this.closed.abort();
+    await Promise.all(this.respawns);
     const [primary, ...clones] = this.live;
     await Promise.all(clones.map((s) => s.close()));
     await primary?.close();

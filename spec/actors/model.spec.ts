@@ -104,4 +104,24 @@ describe('ModelEntry', () => {
     await e.unload(1000);
     expect(e.state).toBe('unloaded');
   });
+
+  it('a load still building after load_timeout_ms is abandoned: its signal aborts, the model is unloaded with last_error naming the timeout, and a later load can succeed', async () => {
+    let signal: AbortSignal | undefined;
+    let hang = true;
+    const good = fakeLoader();
+    const loader: ModelLoader = (c, s) => {
+      signal = s;
+      return hang ? new Promise<never>(() => {}) : good.loader(c, s);
+    };
+    const e = new ModelEntry(ModelConfig.parse({ ...config, load_timeout_ms: 100 }), { loader });
+    const t0 = performance.now();
+    await expect(e.ensureReady()).rejects.toThrow(/loading took longer than load_timeout_ms \(100 ms\)/);
+    expect(performance.now() - t0).toBeLessThan(1000);
+    expect(signal?.aborted).toBe(true);
+    expect(e.status()).toMatchObject({ state: 'unloaded', last_error: expect.stringMatching(/load_timeout_ms/) });
+    hang = false;
+    await e.ensureReady();
+    expect(e.state).toBe('ready');
+    expect(signal?.aborted).toBe(false);
+  });
 });

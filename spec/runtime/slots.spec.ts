@@ -5,6 +5,7 @@ import { describe, expect, it } from 'vitest';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import type { Job, JobResult, LoadSpec, SlotInfo } from '../../runtime/slot-protocol.js';
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import { until } from '../helpers.js';
 
 const vadPath = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
 const vadSpec = (): LoadSpec => ({ kind: 'vad', model: vadPath });
@@ -82,5 +83,41 @@ describe('SlotPool.start', () => {
     await first;
     expect(log.filter((l) => l.startsWith('run'))).toEqual(['run 0']);
     await pool.close();
+  });
+
+  it('a respawn still loading after its load timeout fails the pool naming load_timeout_ms (the host is abandoned through its signal)', async () => {
+    let n = 0;
+    const exits: ((e: Error) => void)[] = [];
+    const signals: (AbortSignal | undefined)[] = [];
+    const factory = async (_spec: LoadSpec, signal?: AbortSignal): Promise<SlotHost> => {
+      signals.push(signal);
+      // The first host starts; its respawn never finishes loading.
+      if (n++ > 0) return new Promise<never>(() => {});
+      return { info: {}, run: async () => ({}) as JobResult, close: async () => {}, onExit: (cb) => exits.push(cb), residentBytes: () => 0 };
+    };
+    const pool = await SlotPool.start(vadSpec(), 1, factory, { loadTimeoutMs: 150 });
+    const failed = new Promise<Error>((resolve) => pool.onFailure(resolve));
+    exits[0](new Error('slot host was killed by SIGKILL'));
+    const err = await failed;
+    expect(err.message).toMatch(/a slot could not be restarted: it took longer than load_timeout_ms \(150 ms\)/);
+    expect(signals[1]?.aborted).toBe(true);
+    await pool.close();
+  });
+
+  it('close() abandons a respawn in flight: its signal aborts (a process host is killed) and close does not hang on it', async () => {
+    let n = 0;
+    const exits: ((e: Error) => void)[] = [];
+    let respawn: AbortSignal | undefined;
+    const factory = (_spec: LoadSpec, signal?: AbortSignal): Promise<SlotHost> => {
+      if (n++ === 0) return Promise.resolve({ info: {}, run: async () => ({}) as JobResult, close: async () => {}, onExit: (cb) => exits.push(cb), residentBytes: () => 0 });
+      respawn = signal;
+      // A host that never finishes loading.
+      return new Promise<never>(() => {});
+    };
+    const pool = await SlotPool.start(vadSpec(), 1, factory, { loadTimeoutMs: 0 });
+    exits[0](new Error('slot host exited with code 1'));
+    await until(() => respawn !== undefined, 2000);
+    await pool.close();
+    expect(respawn!.aborted).toBe(true);
   });
 });

@@ -4,7 +4,8 @@
  * crashes within a minute unload the model, waiting for a slot is bounded by the busy timeout,
  * and SIGTERM does not wait for a job that never returns. Synthetic models of known run time.
  */
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { monitorEventLoopDelay } from 'node:perf_hooks';
@@ -123,6 +124,43 @@ describe('process isolation', () => {
     expect(second.body.error.type).toBe('server_busy');
     expect(waited).toBeLessThan(1000 + 100);
     expect((await first).status).toBe(200);
+  });
+});
+
+/** Slot-host child processes of this process (the test servers run in it). */
+function slotHosts(): number {
+  let n = 0;
+  for (const pid of readdirSync('/proc').filter((d) => /^\d+$/.test(d))) {
+    try {
+      const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+      if (Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]) === process.pid && readFileSync(`/proc/${pid}/cmdline`, 'utf8').includes('slot-worker')) n++;
+    } catch {
+      // exited meanwhile
+    }
+  }
+  return n;
+}
+
+describe('loads that do not finish', () => {
+  it('a load over load_timeout_ms is abandoned: 500 naming it, its host processes killed, other models serve on; a FIFO as a model path is refused at once', async () => {
+    const fifo = join(dir, 'fifo.onnx');
+    execFileSync('mkfifo', [fifo]);
+    const s = await serve({ models: [{ id: 'sloth', task: 'vad', path: silero, slots: 2, load_timeout_ms: 30 }, { id: 'pipe', task: 'vad', path: fifo }] });
+    expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
+    const before = slotHosts();
+    const t0 = performance.now();
+    const slow = await run(s, 'sloth', fixture('Front_Left.wav'));
+    expect(slow.status).toBe(500);
+    expect(slow.body.error.message).toMatch(/loading took longer than load_timeout_ms \(30 ms\)/);
+    expect(performance.now() - t0).toBeLessThan(1000);
+    expect(await status(s, 'sloth')).toMatchObject({ state: 'unloaded', last_error: expect.stringMatching(/load_timeout_ms/) });
+    await until(() => slotHosts() === before, 3000);
+    expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
+    const t1 = performance.now();
+    const piped = await run(s, 'pipe', fixture('Front_Left.wav'));
+    expect(piped.status).toBe(500);
+    expect(piped.body.error.message).toMatch(/is not a regular file/);
+    expect(performance.now() - t1).toBeLessThan(1000);
   });
 });
 
