@@ -1,5 +1,5 @@
 import { assign, createActor, emit, enqueueActions, fromCallback, setup, stopChild, type Actor, type InspectionEvent } from 'xstate';
-import type { Lease } from '../runtime/admission.js';
+import { effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { decodeWav, resample } from '../runtime/audio.js';
 import type { Limits, ModelConfig } from '../runtime/config.js';
 import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
@@ -93,7 +93,8 @@ async function processFile(
   wav: Buffer,
   options: unknown,
   signal: AbortSignal,
-  m: { inferenceMs: number },
+  m: { queueMs: number; inferenceMs: number },
+  waitMs: number,
 ): Promise<{ body: Record<string, unknown>; audioMs: number }> {
   const session = createTaskSession(config, pool.info, options);
   const audio = decodeWav(wav);
@@ -102,8 +103,9 @@ async function processFile(
   const runJob = async (job: Job): Promise<JobResult> => {
     signal.throwIfAborted();
     // A revoked or abandoned request answers at once; a job already running finishes (or is killed) without it.
-    const r = await untilAborted(pool.run(job, signal), signal);
+    const r = await untilAborted(pool.run(job, signal, waitMs), signal);
     if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
+    m.queueMs += r.waitedMs ?? 0;
     return r;
   };
   await drain(session, runJob, () => {}, FILE_JOB_STEPS);
@@ -145,8 +147,10 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
     figures.queueMs = performance.now() - t0;
     registry.metrics.queueWait.observe({ model: entry.id }, figures.queueMs / 1000);
     const { pool } = await entry.ensureReady(gone.signal);
+    // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
+    const waitMs = effectiveTimeout(request.busyTimeoutMs, entry.busyTimeoutMs, 0);
     if (request.kind === 'run') {
-      const r = await processFile(entry.config, pool, request.files[0], request.options, gone.signal, figures);
+      const r = await processFile(entry.config, pool, request.files[0], request.options, gone.signal, figures, waitMs);
       return send({ type: 'RESPONSE', rid, status: 200, body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) } });
     }
     send({ type: 'SSE_START', rid });
@@ -155,7 +159,7 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
       request.files.map(async (wav, index) => {
         const f0 = performance.now();
         try {
-          const r = await processFile(entry.config, pool, wav, request.options, gone.signal, figures);
+          const r = await processFile(entry.config, pool, wav, request.options, gone.signal, figures, waitMs);
           send({ type: 'SSE_EVENT', rid, name: 'result', data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) } });
         } catch (e) {
           failed++;

@@ -70,8 +70,11 @@ export interface WakewordResult {
 }
 
 export type Job = VadJob | WakewordJob;
-/** A result, with when the slot ran it: [start, end] in ms since the epoch (sub-ms precision). */
-export type JobResult = (VadResult | WakewordResult) & { ran?: [number, number] };
+/**
+ * A result, with when the slot ran it: [start, end] in ms since the epoch (sub-ms precision),
+ * and (set by the pool) how long the job waited for a slot, ms.
+ */
+export type JobResult = (VadResult | WakewordResult) & { ran?: [number, number]; waitedMs?: number };
 
 export type ToSlot =
   | { type: 'load'; spec: LoadSpec }

@@ -259,6 +259,8 @@ export function slotFactory(isolation: 'process' | 'thread', jobTimeoutMs: numbe
 
 interface QueuedRun {
   job: Job;
+  /** Longest wait for a slot, ms (0 = unbounded). */
+  limit: number;
   resolve: (r: JobResult) => void;
   reject: (e: Error) => void;
   signal?: AbortSignal;
@@ -379,15 +381,19 @@ export class SlotPool {
    * Queues a job; it runs when a slot is free and every earlier job has started.
    * An aborted `signal` drops a job that has not started (rejecting with `AbortError`);
    * a started job's result is still delivered, and the caller discards it.
-   * @throws VoxError `server_busy` when it waited for a slot over `waitTimeoutMs` or the slots
-   *   turned stuck; `server_busy` naming `job_timeout_ms` when its host was killed for running
-   *   over it; `server_error` naming the signal or exit code when its host crashed.
+   * @param waitMs the caller's own bound on the wait for a slot, ms (its request's busy timeout;
+   *   0 or absent: the pool's `waitTimeoutMs` alone); the smaller non-zero bound applies.
+   * @returns the result, with `waitedMs`: how long the job waited for a slot, ms.
+   * @throws VoxError `server_busy` when it waited for a slot over its bound or the slots turned
+   *   stuck; `server_busy` naming `job_timeout_ms` when its host was killed for running over it;
+   *   `server_error` naming the signal or exit code when its host crashed.
    */
-  run(job: Job, signal?: AbortSignal): Promise<JobResult> {
+  run(job: Job, signal?: AbortSignal, waitMs = 0): Promise<JobResult> {
     if (this.failure) return Promise.reject(this.failure);
     if (signal?.aborted) return Promise.reject(abortError());
     return new Promise((resolve, reject) => {
-      const q: QueuedRun = { job, resolve, reject, signal, queuedAt: Date.now() };
+      const limit = [waitMs, this.waitTimeoutMs].filter((v) => v > 0);
+      const q: QueuedRun = { job, limit: limit.length ? Math.min(...limit) : 0, resolve, reject, signal, queuedAt: Date.now() };
       if (signal) {
         q.onAbort = () => {
           const i = this.queue.indexOf(q);
@@ -408,13 +414,15 @@ export class SlotPool {
       const slot = this.idle.shift()!;
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
-      this.running.set(slot, Date.now());
+      const startedAt = Date.now();
+      this.running.set(slot, startedAt);
       let lost = false;
       slot
         .run(q.job)
         .then(
           (r) => {
             if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);
+            r.waitedMs = startedAt - q.queuedAt;
             q.resolve(r);
           },
           (e: Error & { slotLost?: boolean }) => {
@@ -433,31 +441,33 @@ export class SlotPool {
     this.armWait();
   }
 
-  /** Arms the slot-wait deadline: the oldest waiter's, or the moment the running jobs turn stuck. */
+  /** Arms the slot-wait deadline: the earliest waiter's, or the moment the running jobs turn stuck. */
   private armWait(): void {
     if (this.waitTimer) clearTimeout(this.waitTimer);
     this.waitTimer = null;
-    const limit = this.waitTimeoutMs;
-    if (limit <= 0 || !this.queue.length || this.failure) return;
-    let at = this.queue[0].queuedAt + limit;
+    if (!this.queue.length || this.failure) return;
+    let at = Infinity;
+    for (const q of this.queue) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
     // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
-    if (this.running.size > 0 && this.running.size >= this.live.length) at = Math.min(at, Math.max(...this.running.values()) + limit);
+    const limit = this.waitTimeoutMs;
+    if (limit > 0 && this.running.size > 0 && this.running.size >= this.live.length) at = Math.min(at, Math.max(...this.running.values()) + limit);
+    if (at === Infinity) return;
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
   }
 
-  /** Answers 503 to every waiter past the slot-wait deadline, or to all of them once the slots are stuck. */
+  /** Answers 503 to every waiter past its slot-wait deadline, or to all of them once the slots are stuck. */
   private expire(): void {
     const limit = this.waitTimeoutMs;
     const now = Date.now();
     const stuck = this.allOverdue(limit, now);
     for (const q of [...this.queue]) {
-      if (!stuck && now - q.queuedAt <= limit) continue;
+      if (!stuck && (q.limit <= 0 || now - q.queuedAt <= q.limit)) continue;
       this.queue.splice(this.queue.indexOf(q), 1);
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
       q.reject(
         stuck
           ? new VoxError('server_busy', `every slot of the model has run one job longer than the busy timeout (${limit} ms): it is stuck`, { retryAfterS: 5 })
-          : new VoxError('server_busy', `waited for a slot longer than the busy timeout (${limit} ms)`, { retryAfterS: 1 }),
+          : new VoxError('server_busy', `waited for a slot longer than the busy timeout (${q.limit} ms)`, { retryAfterS: 1 }),
       );
     }
     this.armWait();

@@ -125,6 +125,26 @@ describe('process isolation', () => {
     expect(waited).toBeLessThan(1000 + 100);
     expect((await first).status).toBe(200);
   });
+
+  it("a request's own busy_timeout_ms bounds its wait for a slot, and queue_ms counts that wait", async () => {
+    const s = await serve({ busy_timeout_ms: 0, job_timeout_ms: 0, models: [{ id: 'plodding', task: 'vad', path: slowModel('plodding', 150), lazy: false, max_batch_size: 1 }] });
+    const first = run(s, 'plodding', wav(0.2)); // ~7 windows x 150 ms in one job
+    await new Promise((r) => setTimeout(r, 100));
+    const t = performance.now();
+    const res = await fetch(`${s.url}/v1/tasks/run?model=plodding&busy_timeout_ms=300`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(0.05)) });
+    const waited = performance.now() - t;
+    expect(res.status).toBe(503);
+    expect((await res.json()).error.message).toMatch(/waited for a slot longer than the busy timeout \(300 ms\)/);
+    expect(waited).toBeLessThan(300 + 150);
+    expect((await first).status).toBe(200);
+    // Unbounded, the same request waits for the slot, and says so in queue_ms.
+    const again = run(s, 'plodding', wav(0.2));
+    await new Promise((r) => setTimeout(r, 100));
+    const patient = await run(s, 'plodding', wav(0.05));
+    expect(patient.status).toBe(200);
+    expect(patient.body.timing.queue_ms).toBeGreaterThan(400);
+    await again;
+  });
 });
 
 /** Slot-host child processes of this process (the test servers run in it). */
