@@ -3,7 +3,7 @@
  * slot-host children after each unload: a leak shows as RSS growing across cycles. Baseline:
  * RSS after the first cycle. Each isolation mode runs on a fresh server, one after the other.
  *
- *   npm run build && node dist/tools/bench-residency.js [--cycles 50] [--size-mib 200] [--isolation thread,process]
+ *   npm run build && node --expose-gc dist/tools/bench-residency.js [--cycles 50] [--size-mib 200] [--isolation thread,process]
  */
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -36,7 +36,11 @@ wav.write('data', 36);
 wav.writeUInt32LE(3200, 40);
 
 const MiB = 1024 * 1024;
-const rssNow = (): number => treeRssBytes(process.pid);
+/** With `node --expose-gc`, a full GC first: what is measured is then memory still held, not garbage not yet collected. */
+const rssNow = (): number => {
+  (globalThis as { gc?: () => void }).gc?.();
+  return treeRssBytes(process.pid);
+};
 for (const isolation of values.isolation.split(',') as ('process' | 'thread')[]) {
   const server = await startServer(ServerConfig.parse({ port: 0, log_level: 'silent', management: { enabled: true }, isolation }));
   const post = async (route: string, body: unknown): Promise<void> => {
