@@ -84,6 +84,20 @@ export const Limits = z.strictObject({
 });
 export type Limits = z.infer<typeof Limits>;
 
+/**
+ * A config file's models: ids are unique, and each model's `options` are valid for its task (else
+ * the server would start and fail every request to the model, blaming the client's options).
+ */
+function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
+  const seen = new Set<string>();
+  models.forEach((m, i) => {
+    if (seen.has(m.id)) ctx.addIssue({ code: 'custom', path: [i, 'id'], message: `'${m.id}' is already the id of another model` });
+    seen.add(m.id);
+    const r = (m.task === 'vad' ? VadOptions : WakewordOptions).safeParse(m.options);
+    for (const issue of r.error?.issues ?? []) ctx.addIssue({ code: 'custom', path: [i, 'options', ...issue.path], message: issue.message });
+  });
+}
+
 export const ServerConfig = z.strictObject({
   host: z.string().min(1).default('127.0.0.1'),
   port: z.number().int().min(0).max(65535).default(8080),
@@ -122,7 +136,7 @@ export const ServerConfig = z.strictObject({
     })
     .default({ inspect: false }),
   /** Models registered at start, in addition to (or replacing, by id) the embedded catalog. */
-  models: z.array(ModelConfig).default([]),
+  models: z.array(ModelConfig).superRefine(checkModels).default([]),
 });
 export type ServerConfig = z.infer<typeof ServerConfig>;
 
