@@ -49,7 +49,7 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
   if (bytes.length === 0) throw invalid('audio: empty body, expected a WAV file');
   const wav = new WaveFile();
   try {
-    wav.fromBuffer(bytes);
+    wav.fromBuffer(audioChunks(bytes));
   } catch (e) {
     throw invalid(`audio: not a readable WAV file (${(e as Error).message})`);
   }
@@ -78,6 +78,32 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
   const frames = Math.floor(interleaved.length / channels);
   if (frames === 0) throw invalid('audio: the WAV file holds no samples');
   return { samples: downmix(interleaved, channels, frames), sampleRate };
+}
+
+/** The chunks {@link decodeWav} reads: the format, the samples, and RF64's sizes. */
+const AUDIO_CHUNKS = new Set(['fmt ', 'data', 'ds64']);
+
+/**
+ * `bytes` (a RIFF, RIFX or RF64 file) with only the {@link AUDIO_CHUNKS}, in their order; other
+ * input is returned as is. wavefile 11 parses every chunk it knows, looping over counts and sizes
+ * it reads from the file before checking them against its length: a 100-byte `cue ` or `smpl`
+ * chunk claiming 4 billion entries, or an `iXML`, `bext` or `_PMX` chunk claiming 4 GiB, blocks
+ * the event loop until the process runs out of memory. Those chunks carry nothing decodeWav needs.
+ */
+function audioChunks(bytes: Uint8Array): Uint8Array {
+  const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.length);
+  const container = buf.toString('latin1', 0, 4);
+  if (buf.length < 12 || !['RIFF', 'RIFX', 'RF64'].includes(container)) return bytes;
+  const parts: Buffer[] = [buf.subarray(0, 12)];
+  let dropped = false;
+  for (let at = 12; at + 8 <= buf.length; ) {
+    const size = container === 'RIFX' ? buf.readUInt32BE(at + 4) : buf.readUInt32LE(at + 4);
+    const end = Math.min(buf.length, at + 8 + size + (size % 2)); // chunks are padded to even sizes
+    if (AUDIO_CHUNKS.has(buf.toString('latin1', at, at + 4))) parts.push(buf.subarray(at, end));
+    else dropped = true;
+    at = end;
+  }
+  return dropped ? Buffer.concat(parts) : bytes;
 }
 
 /**

@@ -107,3 +107,39 @@ describe('PcmStreamDecoder', () => {
     await expect(PcmStreamDecoder.create('s16le', rate, channels)).rejects.toThrow(message);
   });
 });
+
+describe('decodeWav: chunks it does not need (found by spec/fuzz)', () => {
+  /** A 16 kHz mono 16-bit WAV of 32 silent samples with `extra` chunks after its data. */
+  function withChunks(extra: [string, Buffer][]): Buffer {
+    const chunk = (id: string, body: Buffer, size = body.length): Buffer => {
+      const h = Buffer.alloc(8);
+      h.write(id, 0, 'latin1');
+      h.writeUInt32LE(size, 4);
+      return Buffer.concat([h, body]);
+    };
+    const fmt = Buffer.alloc(16);
+    fmt.writeUInt16LE(1, 0); // PCM
+    fmt.writeUInt16LE(1, 2);
+    fmt.writeUInt32LE(16000, 4);
+    fmt.writeUInt32LE(32000, 8);
+    fmt.writeUInt16LE(2, 12);
+    fmt.writeUInt16LE(16, 14);
+    const body = Buffer.concat([Buffer.from('WAVE'), chunk('fmt ', fmt), chunk('data', Buffer.alloc(64)), ...extra.map(([id, b]) => chunk(id, b))]);
+    return Buffer.concat([Buffer.from('RIFF'), Buffer.from(new Uint32Array([body.length]).buffer), body]);
+  }
+  // Counts as the RIFF specs place them: cue's dwCuePoints at 0, smpl's cSampleLoops at 28.
+  const cue = Buffer.alloc(64);
+  cue.writeUInt32LE(2_000_000, 0);
+  const smpl = Buffer.alloc(64);
+  smpl.writeUInt32LE(2_000_000, 28);
+
+  it.each([
+    ['cue ', cue],
+    ['smpl', smpl],
+  ])('a %s chunk claiming 2 million entries in 64 bytes decodes at once (wavefile looped over them: seconds; 4 billion: out of memory)', (id, body) => {
+    const t0 = performance.now();
+    const a = decodeWav(withChunks([[id, body]]));
+    expect(performance.now() - t0).toBeLessThan(500);
+    expect(a.samples.length).toBe(32);
+  });
+});
