@@ -22,7 +22,7 @@ import { parseBatchRequest, parseRunRequest } from '../../transport/http.js';
 import { bindStream } from '../../transport/stream.js';
 import { SUBPROTOCOLS, type Subprotocol } from '../../transport/codec.js';
 import { FakeWs, fakeLoader } from './fakes.js';
-import { base64Wav, edgeInt, expect4xx, fuzz, jsonBodyArb, junkValue, optionsArb, queryArb, queryValue, report, wavArb } from './gen.js';
+import { base64Wav, edgeInt, expect4xx, fuzz, jsonBodyArb, junkValue, optionsArb, queryArb, report, sometimes, wavArb } from './gen.js';
 
 afterAll(() => report('in-process'));
 
@@ -100,7 +100,7 @@ describe('fuzz: query strings', () => {
       if (!r) return false;
       expect(r.model).toBeTruthy();
       return checkDecoded(r.files[0], q);
-    });
+    }, 0.02);
   });
 });
 
@@ -112,8 +112,10 @@ function checkTask(r: { model: string; files: Buffer[]; options?: unknown }, wha
   expect(typeof r.model).toBe('string');
   let ok = true;
   for (const f of r.files) ok = checkDecoded(f, what) && ok;
-  for (const config of [VAD, WAKE]) ok = settle(() => createTaskSession(config, { vadVersion: 'v5', labels: ['x'], headWindow: 16, initialEmbedding: new Float32Array(96) }, r.options), `${what} options`) !== undefined && ok;
-  return ok;
+  // Accepted if the options suit either task (VAD options are refused by a wake-word model).
+  let suits = false;
+  for (const config of [VAD, WAKE]) suits = settle(() => createTaskSession(config, { vadVersion: 'v5', labels: ['x'], headWindow: 16, initialEmbedding: new Float32Array(96) }, r.options), `${what} options`) !== undefined || suits;
+  return ok && suits;
 }
 
 /** A field's value: mostly valid, now and then junk of any kind. */
@@ -155,7 +157,7 @@ describe('fuzz: JSON request bodies', () => {
     await fuzz('json', jsonBodyArb(runBody), 6_000, 500, (body) => {
       const r = settle(() => parseRunRequest(req, new URL('http://localhost/v1/tasks/run'), Buffer.from(body), 0), body);
       return r ? checkTask(r, body) : false;
-    });
+    }, 0.02);
   });
 
   it('batch: a request of 1-256 files that decode, or a 400', async () => {
@@ -164,7 +166,7 @@ describe('fuzz: JSON request bodies', () => {
       if (!r) return false;
       expect(r.files.length).toBeGreaterThanOrEqual(1);
       return checkTask(r, body);
-    });
+    }, 0.005);
   });
 
   it('load and reconfigure: a config a model entry can run, or a 400', async () => {
@@ -252,7 +254,7 @@ describe('fuzz: config files', () => {
   it('loadServerConfig: a config whose every model can run, or a 400 naming the field', async () => {
     // An unknown top-level key now and then.
     const text = fc.oneof({ weight: 8, arbitrary: configArb.map((c) => JSON.stringify(c)) }, { weight: 1, arbitrary: fc.tuple(configArb, fc.string({ maxLength: 8 }), junkValue).map(([c, k, v]) => JSON.stringify({ ...c, [k]: v })) }, { weight: 2, arbitrary: jsonBodyArb(configArb as fc.Arbitrary<Record<string, unknown>>) });
-    await fuzz('config', text, 10_000, 500, (t) => {
+    await fuzz('config', text, 6_000, 500, (t) => {
       writeFileSync(file, t);
       const c = settle(() => loadServerConfig(file), t);
       if (process.env.FUZZ_DIAG && !c) try { loadServerConfig(file) } catch (e) { console.log((e as Error).message.slice(0, 100)) }
@@ -310,7 +312,7 @@ describe('fuzz: WebSocket binary frames and control messages', () => {
     query: fc.oneof({ weight: 4, arbitrary: fc.record({ model: fc.constantFrom('vad', 'vad', 'vad', 'nope'), sample_rate: fc.constantFrom('16000', '16000', '8000', '44100'), encoding: fc.constantFrom('s16le', 'f32le'), channels: fc.constantFrom('1', '1', '2') }).map((q) => new URLSearchParams(q).toString()) }, { weight: 1, arbitrary: streamQuery }),
     protocol: fc.constantFrom(...SUBPROTOCOLS),
     messages: fc.array(message, { maxLength: 12 }),
-    clientClose: fc.option(fc.constantFrom(1000, 1001, 1006), { freq: 5 }),
+    clientClose: sometimes(fc.constantFrom(1000, 1001, 1006), 5),
   });
 
   it('stream sessions (socket actor + transport binding, fake slots): done or a named error, one done, nothing after end, lease released', async () => {
@@ -318,7 +320,7 @@ describe('fuzz: WebSocket binary frames and control messages', () => {
     await sup.start();
     const limits = ServerConfig.parse({}).limits;
     try {
-      await fuzz('ws', session, 3_000, 3000, async (s) => {
+      await fuzz('ws', session, 800, 3000, async (s) => {
         const ws = new FakeWs();
         const handle = createStreamSocket({ url: `/v1/stream?${s.query}`, limits, registry: sup });
         const link = bindStream(ws as never, handle, s.protocol as Subprotocol, limits);
