@@ -157,7 +157,7 @@ describe('fuzz: JSON request bodies', () => {
     await fuzz('json', jsonBodyArb(runBody), 6_000, 500, (body) => {
       const r = settle(() => parseRunRequest(req, new URL('http://localhost/v1/tasks/run'), Buffer.from(body), 0), body);
       return r ? checkTask(r, body) : false;
-    }, 0.02);
+    }, 0.005);
   });
 
   it('batch: a request of 1-256 files that decode, or a 400', async () => {
