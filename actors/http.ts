@@ -21,6 +21,8 @@ export interface TaskRequest {
   busyTimeoutMs?: number;
   /** Task options (`threshold`, ...), validated against the model's task. */
   options?: unknown;
+  /** `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent `Accept: text/event-stream`). */
+  progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
   t0: number;
 }
@@ -82,8 +84,13 @@ function untilAborted<T>(work: Promise<T>, signal: AbortSignal): Promise<T> {
   });
 }
 
+/** Least time between two `progress` events of one request, ms. */
+const PROGRESS_INTERVAL_MS = 100;
+
 /**
  * Decodes one WAV file and runs it through the model's slots, in jobs of {@link FILE_JOB_STEPS}.
+ * `progress` is called with the audio processed so far and the file's duration (ms of 16 kHz
+ * audio): once decoded (0), after each job, and at the end.
  * @returns the task result (segments or detections) and the audio duration, ms.
  * @throws VoxError `invalid_request_error` for bad audio or options; the signal's reason once it aborts.
  */
@@ -95,11 +102,15 @@ async function processFile(
   signal: AbortSignal,
   m: { queueMs: number; inferenceMs: number },
   waitMs: number,
+  progress: (processedMs: number, audioMs: number) => void = () => {},
 ): Promise<{ body: Record<string, unknown>; audioMs: number }> {
   const session = createTaskSession(config, pool.info, options);
   const audio = decodeWav(wav);
   session.push(await resample(audio.samples, audio.sampleRate));
   session.end();
+  const audioMs = (session.receivedSamples * 1000) / 16_000;
+  const processedMs = (): number => Math.min(audioMs, (session.processedSamples * 1000) / 16_000);
+  progress(0, audioMs);
   const runJob = async (job: Job): Promise<JobResult> => {
     signal.throwIfAborted();
     // A revoked or abandoned request answers at once; a job already running finishes (or is killed) without it.
@@ -108,8 +119,8 @@ async function processFile(
     m.queueMs += r.waitedMs ?? 0;
     return r;
   };
-  await drain(session, runJob, () => {}, FILE_JOB_STEPS);
-  return { body: taskResult(session), audioMs: (session.receivedSamples * 1000) / 16_000 };
+  await drain(session, runJob, () => {}, FILE_JOB_STEPS, () => progress(processedMs(), audioMs));
+  return { body: taskResult(session), audioMs };
 }
 
 /**
@@ -128,6 +139,7 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
   let model: string | undefined;
   const figures = { queueMs: 0, inferenceMs: 0 };
   let outcome = 'ok';
+  let sseStarted = false;
   const timing = (t0: number, audioMs: number): Record<string, number> => {
     const wallMs = performance.now() - t0;
     return { wall_ms: round(wallMs), queue_ms: round(figures.queueMs), audio_duration_ms: round(audioMs), rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000 };
@@ -149,11 +161,26 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
     const { pool } = await entry.ensureReady(gone.signal);
     // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
     const waitMs = effectiveTimeout(request.busyTimeoutMs, entry.busyTimeoutMs, 0);
-    if (request.kind === 'run') {
+    if (request.kind === 'run' && !request.progress) {
       const r = await processFile(entry.config, pool, request.files[0], request.options, gone.signal, figures, waitMs);
       return send({ type: 'RESPONSE', rid, status: 200, body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) } });
     }
+    if (request.kind === 'run') {
+      // Server-sent events start once the file is decoded (a bad file still gets its 400).
+      let last = -Infinity;
+      const r = await processFile(entry.config, pool, request.files[0], request.options, gone.signal, figures, waitMs, (processed, total) => {
+        if (!sseStarted) send({ type: 'SSE_START', rid });
+        sseStarted = true;
+        const now = performance.now();
+        if (now - last < PROGRESS_INTERVAL_MS && processed < total) return;
+        last = now;
+        send({ type: 'SSE_EVENT', rid, name: 'progress', data: { processed_ms: round(processed), audio_duration_ms: round(total) } });
+      });
+      send({ type: 'SSE_EVENT', rid, name: 'result', data: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) } });
+      return send({ type: 'SSE_END', rid });
+    }
     send({ type: 'SSE_START', rid });
+    sseStarted = true;
     let failed = 0;
     await Promise.all(
       request.files.map(async (wav, index) => {
@@ -177,7 +204,8 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
     .catch((e) => {
       const why = revoked ?? e;
       outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
-      send({ type: 'FAILED', rid, error: responseError(why) });
+      // Once server-sent events have started, the error is the stream's last event.
+      send(sseStarted ? { type: 'SSE_END', rid, error: responseError(why).body } : { type: 'FAILED', rid, error: responseError(why) });
     })
     .finally(() => {
       if (model) registry.metrics.requests.inc({ model, outcome });

@@ -89,10 +89,18 @@ const BASE64 = /^[A-Za-z0-9+/]*={0,2}$/;
 
 /**
  * Parses `POST /v1/tasks/run`: a WAV body with `?model=ID` (and `busy_timeout_ms`), or JSON
- * `{model, audio: <base64 WAV>, busy_timeout_ms?, options?}`.
+ * `{model, audio: <base64 WAV>, busy_timeout_ms?, options?}`. With `Accept: text/event-stream`
+ * the answer is server-sent events (`progress {processed_ms, audio_duration_ms}` at most every
+ * 100 ms, then `result`, or `error {error}`).
  * @throws VoxError `invalid_request_error` naming the field.
  */
 export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
+  const request = parseRunBody(req, url, body, t0);
+  // Opt-in progress: a client that accepts server-sent events gets `progress` events, then `result`.
+  return /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '') ? { ...request, progress: true } : request;
+}
+
+function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
   const type = (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
   if (type === 'application/json') {
     const json = parseJsonObject(body);

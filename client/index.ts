@@ -1,0 +1,580 @@
+/**
+ * The voxserve client (`voxserve/client`), for Node 20+ and browsers: live streams over
+ * WebSocket (`GET /v1/stream`), files over HTTP (`POST /v1/tasks/run`, `/v1/tasks/batch`), and
+ * model management. It imports nothing from Node: it uses the global `fetch` and a WebSocket
+ * constructor (the global one in browsers; under Node the `voxserve/client` entry passes `ws`'s,
+ * or pass your own as `WebSocket`).
+ *
+ * ```ts
+ * const vox = new VoxClient({ url: 'http://127.0.0.1:8080' });
+ * const stream = await vox.stream({ model: 'silero-vad', sampleRate: 16000 });
+ * stream.on('speech_end', (e) => console.log(e.start_ms, e.end_ms));
+ * for (const frame of frames) await stream.send(frame); // waits while the socket is behind
+ * console.log(await stream.end()); // the `done` event
+ * ```
+ */
+import { createParser, type EventSourceMessage } from 'eventsource-parser';
+import { unpack } from 'msgpackr';
+
+/** Error types of the wire interface (`{"error":{"type","message"}}`, stream `error` events). */
+export type WireErrorType =
+  | 'invalid_request_error'
+  | 'forbidden'
+  | 'not_found'
+  | 'payload_too_large'
+  | 'server_busy'
+  | 'insufficient_memory'
+  | 'shutting_down'
+  | 'server_error';
+
+/** A wire error type, or `connection_error` when the server could not be reached or the connection dropped. */
+export type ClientErrorType = WireErrorType | 'connection_error';
+
+const STATUS_TYPE: Record<number, WireErrorType> = {
+  400: 'invalid_request_error',
+  403: 'forbidden',
+  404: 'not_found',
+  413: 'payload_too_large',
+  415: 'invalid_request_error',
+  500: 'server_error',
+  503: 'server_busy',
+};
+
+/** Close codes of `/v1/stream` and the error type each stands for when no `error` event preceded the close. */
+const CLOSE_TYPE: Record<number, ClientErrorType> = {
+  1001: 'shutting_down',
+  1006: 'connection_error',
+  1007: 'invalid_request_error',
+  1008: 'invalid_request_error',
+  1009: 'payload_too_large',
+  1011: 'server_error',
+  1012: 'server_error',
+  1013: 'server_busy',
+};
+
+/**
+ * Every failure the client reports. `type` is the wire error type (from the error body, the
+ * stream's last `error` event, or else the HTTP status or close code), or `connection_error`.
+ */
+export class VoxClientError extends Error {
+  readonly type: ClientErrorType;
+  /** HTTP status of a refused request. */
+  readonly status?: number;
+  /** WebSocket close code of a failed stream (1008 bad parameters, 1013 busy, ...). */
+  readonly closeCode?: number;
+  /** `Retry-After` of a 503, s. */
+  readonly retryAfterS?: number;
+  /** The system error code of a connection failure (`ECONNREFUSED`, ...) when the platform tells it (Node). */
+  readonly code?: string;
+  constructor(type: ClientErrorType, message: string, extra: { status?: number; closeCode?: number; retryAfterS?: number; code?: string; cause?: unknown } = {}) {
+    super(message, { cause: extra.cause });
+    this.name = 'VoxClientError';
+    this.type = type;
+    this.status = extra.status;
+    this.closeCode = extra.closeCode;
+    this.retryAfterS = extra.retryAfterS;
+    this.code = extra.code;
+  }
+}
+
+/** `timing` of a result: wall and queue time, ms; audio duration, ms; rtf = wall / audio. */
+export interface Timing {
+  wall_ms: number;
+  queue_ms: number;
+  audio_duration_ms: number;
+  rtf: number;
+}
+
+/** A speech segment: ms and samples (16 kHz) from the start of the audio; `confidence` is the mean speech probability. */
+export interface Segment {
+  start_ms: number;
+  end_ms: number;
+  start_sample: number;
+  end_sample: number;
+  confidence: number;
+}
+
+export interface Detection {
+  label: string;
+  score: number;
+  at_ms: number;
+}
+
+/** The result of one file (`run`, or one `result` of `batch`). */
+export type TaskResult =
+  | { model: string; task: 'vad'; sample_rate: number; segments: Segment[]; timing: Timing }
+  | { model: string; task: 'wakeword'; detections: Detection[]; timing: Timing };
+
+/** Events of a live stream, as the server sends them. Times are ms from the stream's start. */
+export type StreamEvent =
+  | { type: 'ready'; session_id: string; model: string; task: string; sample_rate: number }
+  | { type: 'speech_start'; at_ms: number }
+  | { type: 'speech_end'; start_ms: number; end_ms: number; confidence: number }
+  | { type: 'detection'; label: string; score: number; at_ms: number }
+  /** A bad control frame (the stream goes on), or the reason of the close that follows. */
+  | { type: 'error'; error: { type: WireErrorType; message: string } }
+  | { type: 'done'; processed_ms: number; timing: Timing };
+
+export type StreamEventOf<T extends StreamEvent['type']> = Extract<StreamEvent, { type: T }>;
+
+/** How a stream ended: its close code and reason, and the error when it failed. */
+export interface CloseInfo {
+  code: number;
+  reason: string;
+  error?: VoxClientError;
+}
+
+/** Progress of a long file on `run`: audio processed so far and the file's duration, ms. */
+export interface Progress {
+  processed_ms: number;
+  audio_duration_ms: number;
+}
+
+/** Events of `batch`, in the order the files finish. */
+export type BatchEvent =
+  | ({ type: 'result'; index: number } & TaskResult)
+  | { type: 'error'; index: number; error: { type: WireErrorType; message: string } }
+  | { type: 'done'; files: number; failed: number; wall_ms: number; queue_ms: number; inference_ms: number };
+
+/** A model's status (`GET /v1/models`). */
+export interface ModelStatus {
+  id: string;
+  task: string;
+  state: 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
+  loaded: boolean;
+  slots: number;
+  active_slots: number;
+  active_leases: number;
+  max_streams: number;
+  queued_requests: number;
+  oldest_wait_ms: number;
+  resident_bytes: number;
+  last_used_at: number | null;
+  last_error: string | null;
+  [field: string]: unknown;
+}
+
+/** What a WebSocket must offer: the browser's, or `ws`'s (its EventTarget interface). */
+export interface WebSocketLike {
+  readonly readyState: number;
+  readonly bufferedAmount: number;
+  binaryType: string;
+  send(data: string | ArrayBuffer | ArrayBufferView): void;
+  close(code?: number, reason?: string): void;
+  // eslint-disable-next-line @typescript-eslint/no-explicit-any
+  addEventListener(type: 'open' | 'message' | 'close' | 'error', listener: (event: any) => void): void;
+}
+
+/** A WebSocket constructor; the third argument (headers) is used by `ws` and ignored by browsers. */
+export type WebSocketConstructor = new (url: string, protocols: string | string[], options?: { headers?: Record<string, string> }) => WebSocketLike;
+
+/** Audio for `run` and `batch`: the bytes of a file (WAV, or a compressed format the server accepts). */
+export type AudioInput = Uint8Array | ArrayBuffer | Blob;
+
+export interface ClientOptions {
+  /** Server URL, `http(s)://host:port`. Default: the page's origin in a browser, else `http://127.0.0.1:8080`. */
+  url?: string;
+  /** Sent as `Authorization: Bearer <token>` (management token). */
+  token?: string;
+  /** A fetch implementation (default: the global one). */
+  fetch?: typeof fetch;
+  /** A WebSocket constructor (default: the global one; the Node entry passes `ws`). */
+  WebSocket?: WebSocketConstructor;
+}
+
+export interface RunOptions {
+  model: string;
+  /** Task options (`threshold`, ...), checked by the server against the model's task. */
+  options?: Record<string, unknown>;
+  /** The request's own busy timeout, ms. */
+  busyTimeoutMs?: number;
+  /** Content type of the bytes; default: `audio/wav` for a RIFF file, a Blob's own type, else `application/octet-stream`. */
+  contentType?: string;
+  /** Asks for progress (server-sent events) and calls this as the file is processed. */
+  onProgress?: (p: Progress) => void;
+  signal?: AbortSignal;
+}
+
+export interface StreamOptions {
+  model: string;
+  /** Sample rate of the PCM you send, Hz (8000-192000; the server resamples to 16 kHz). Default 16000. */
+  sampleRate?: number;
+  /** `s16le` (default) or `f32le`. */
+  encoding?: 's16le' | 'f32le';
+  /** Interleaved channels (downmixed by the server). Default 1. */
+  channels?: number;
+  /** How events are encoded: `json` (`voxserve.v1.json`, default) or `msgpack` (`voxserve.v1.msgpack`). */
+  protocol?: 'json' | 'msgpack';
+  busyTimeoutMs?: number;
+  /** Bytes the socket may hold unsent before `send` waits. Default 256 KiB (8 s of 16 kHz s16le). */
+  highWaterMark?: number;
+}
+
+const DEFAULT_URL = 'http://127.0.0.1:8080';
+const SUBPROTOCOL = { json: 'voxserve.v1.json', msgpack: 'voxserve.v1.msgpack' } as const;
+
+/** Parses a server URL. @throws TypeError naming what is wrong (and suggesting `http://`). */
+function serverUrl(url: string): string {
+  let u: URL | null = null;
+  try {
+    u = new URL(url);
+  } catch {
+    // below
+  }
+  if (!u || (u.protocol !== 'http:' && u.protocol !== 'https:')) {
+    throw new TypeError(`url: '${url}' is not an http(s) URL${/^[\w.-]+:\d+/.test(url) ? `; did you mean http://${url}?` : ''}`);
+  }
+  return u.origin + u.pathname.replace(/\/+$/, '');
+}
+
+function connectionError(url: string, e: unknown): VoxClientError {
+  const cause = (e as { cause?: { code?: string; message?: string } }).cause;
+  const code = cause?.code ?? (e as { code?: string }).code;
+  const why = code ?? cause?.message ?? (e as Error).message;
+  return new VoxClientError('connection_error', `cannot reach ${url}: ${why}`, { code, cause: e });
+}
+
+/** Turns an error response into a VoxClientError (its wire type and message when the body has them). */
+async function responseError(res: Response): Promise<VoxClientError> {
+  const text = await res.text().catch(() => '');
+  let body: { error?: { type?: string; message?: string } } = {};
+  try {
+    body = JSON.parse(text);
+  } catch {
+    // not JSON
+  }
+  const retry = Number(res.headers.get('retry-after'));
+  return new VoxClientError((body.error?.type as WireErrorType) ?? STATUS_TYPE[res.status] ?? 'server_error', body.error?.message ?? (text || `HTTP ${res.status}`), {
+    status: res.status,
+    retryAfterS: Number.isFinite(retry) && retry > 0 ? retry : undefined,
+  });
+}
+
+async function bytesOf(audio: AudioInput): Promise<Uint8Array> {
+  if (audio instanceof Uint8Array) return audio;
+  if (audio instanceof ArrayBuffer) return new Uint8Array(audio);
+  return new Uint8Array(await audio.arrayBuffer());
+}
+
+function base64(bytes: Uint8Array): string {
+  let s = '';
+  for (let i = 0; i < bytes.length; i += 0x8000) s += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(s);
+}
+
+const isRiff = (b: Uint8Array): boolean => b.length >= 4 && b[0] === 0x52 && b[1] === 0x49 && b[2] === 0x46 && b[3] === 0x46;
+
+/** Server-sent events of a response body, with their data parsed as JSON. */
+async function* sseEvents(res: Response): AsyncGenerator<{ event: string; data: unknown }> {
+  const got: EventSourceMessage[] = [];
+  const parser = createParser({ onEvent: (m) => got.push(m) });
+  const reader = res.body!.getReader();
+  const text = new TextDecoder();
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) return;
+      parser.feed(text.decode(value, { stream: true }));
+      while (got.length) {
+        const m = got.shift()!;
+        yield { event: m.event ?? 'message', data: JSON.parse(m.data) };
+      }
+    }
+  } finally {
+    reader.cancel().catch(() => {});
+  }
+}
+
+/** The error of an SSE `error` event (`{error:{type,message}}`). */
+const sseError = (data: unknown): VoxClientError => {
+  const e = (data as { error?: { type?: WireErrorType; message?: string } }).error;
+  return new VoxClientError(e?.type ?? 'server_error', e?.message ?? 'the server reported an error');
+};
+
+/** A client of one voxserve. All methods throw {@link VoxClientError}. */
+export class VoxClient {
+  /** The server's base URL, `http(s)://host:port`. */
+  readonly url: string;
+  private readonly token?: string;
+  private readonly fetchImpl: typeof fetch;
+  private readonly WS?: WebSocketConstructor;
+
+  /** @throws TypeError for a URL that is not http(s). */
+  constructor(opts: ClientOptions = {}) {
+    const origin = (globalThis as { location?: { origin?: string } }).location?.origin;
+    this.url = serverUrl(opts.url ?? (origin && origin !== 'null' ? origin : DEFAULT_URL));
+    this.token = opts.token;
+    this.fetchImpl = opts.fetch ?? ((...a) => fetch(...a));
+    this.WS = opts.WebSocket ?? (globalThis as { WebSocket?: WebSocketConstructor }).WebSocket;
+  }
+
+  private headers(extra: Record<string, string> = {}): Record<string, string> {
+    return this.token ? { authorization: `Bearer ${this.token}`, ...extra } : extra;
+  }
+
+  /** Fetches `path`; a response that is not 2xx is thrown as its VoxClientError. */
+  private async request(path: string, init: RequestInit = {}): Promise<Response> {
+    let res: Response;
+    try {
+      res = await this.fetchImpl(`${this.url}${path}`, { ...init, headers: this.headers(init.headers as Record<string, string>) });
+    } catch (e) {
+      if ((e as Error).name === 'AbortError') throw e;
+      throw connectionError(this.url, e);
+    }
+    if (!res.ok) throw await responseError(res);
+    return res;
+  }
+
+  private async json<T>(path: string, body?: unknown): Promise<T> {
+    const init: RequestInit = body === undefined ? {} : { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) };
+    return (await (await this.request(path, init)).json()) as T;
+  }
+
+  /** `GET /v1/models`: the registered models and the catalog models not yet used. */
+  async models(): Promise<ModelStatus[]> {
+    return (await this.json<{ models: ModelStatus[] }>('/v1/models')).models;
+  }
+
+  /** `GET /v1/models/{id}`. @throws VoxClientError `not_found`. */
+  model(id: string): Promise<ModelStatus> {
+    return this.json(`/v1/models/${encodeURIComponent(id)}`);
+  }
+
+  /**
+   * `POST /v1/models/load`: registers and loads a model, or reconfigures an existing id with the
+   * given fields. Needs the server's management routes (`forbidden` otherwise).
+   */
+  load(config: { id: string; task?: string; path?: string; [field: string]: unknown }): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+    return this.json('/v1/models/load', config);
+  }
+
+  /** `POST /v1/models/unload`; `force` does not wait for running work (streams close 1012). */
+  unload(id: string, opts: { force?: boolean } = {}): Promise<{ id: string; loaded: false }> {
+    return this.json('/v1/models/unload', { id, ...(opts.force ? { force: true } : {}) });
+  }
+
+  /**
+   * `POST /v1/tasks/run`: one file in, its result out. The bytes are sent as they are (WAV or a
+   * compressed format the server accepts); with `options`, as JSON with the audio in base64.
+   * With `onProgress`, asks for server-sent progress events (`Accept: text/event-stream`).
+   * @throws VoxClientError with the wire type (`not_found`, `invalid_request_error`, `server_busy`, ...).
+   */
+  async run(audio: AudioInput, opts: RunOptions): Promise<TaskResult> {
+    const bytes = await bytesOf(audio);
+    const accept = opts.onProgress ? 'text/event-stream' : 'application/json';
+    let path = '/v1/tasks/run';
+    let init: RequestInit;
+    if (opts.options) {
+      init = { headers: { 'content-type': 'application/json', accept }, body: JSON.stringify({ model: opts.model, audio: base64(bytes), options: opts.options, busy_timeout_ms: opts.busyTimeoutMs }) };
+    } else {
+      const q = new URLSearchParams({ model: opts.model });
+      if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
+      path += `?${q}`;
+      const type = opts.contentType ?? (isRiff(bytes) ? 'audio/wav' : (audio instanceof Blob && audio.type) || 'application/octet-stream');
+      init = { headers: { 'content-type': type, accept }, body: bytes as BodyInit };
+    }
+    const res = await this.request(path, { ...init, method: 'POST', signal: opts.signal });
+    if (!(res.headers.get('content-type') ?? '').startsWith('text/event-stream')) return (await res.json()) as TaskResult;
+    for await (const { event, data } of sseEvents(res)) {
+      if (event === 'progress') opts.onProgress?.(data as Progress);
+      else if (event === 'result') return data as TaskResult;
+      else if (event === 'error') throw sseError(data);
+    }
+    throw new VoxClientError('connection_error', 'the progress stream ended without a result');
+  }
+
+  /**
+   * `POST /v1/tasks/batch`: up to 256 files under one lease; yields each file's `result` (or its
+   * `error`) as it finishes, then `done`.
+   * @throws VoxClientError for a refused request, or when the batch is cut off (e.g. `shutting_down`).
+   */
+  async *batch(files: AudioInput[], opts: { model: string; options?: Record<string, unknown>; busyTimeoutMs?: number; signal?: AbortSignal }): AsyncGenerator<BatchEvent> {
+    const encoded = await Promise.all(files.map(async (f) => base64(await bytesOf(f))));
+    const body = JSON.stringify({ model: opts.model, files: encoded, options: opts.options, busy_timeout_ms: opts.busyTimeoutMs });
+    const res = await this.request('/v1/tasks/batch', { method: 'POST', headers: { 'content-type': 'application/json', accept: 'text/event-stream' }, body, signal: opts.signal });
+    for await (const { event, data } of sseEvents(res)) {
+      const d = data as Record<string, unknown>;
+      if (event === 'error' && typeof d.index !== 'number') throw sseError(d);
+      yield { type: event, ...d } as BatchEvent;
+      if (event === 'done') return;
+    }
+  }
+
+  /**
+   * Opens a live stream (`GET /v1/stream`) and resolves once the server sent `ready` (the stream
+   * holds its lease and the model is loaded).
+   * @throws VoxClientError when the stream is refused (`not_found` for an unknown model,
+   *   `invalid_request_error` for bad parameters, `server_busy`, `connection_error`).
+   */
+  stream(opts: StreamOptions): Promise<VoxStream> {
+    if (!this.WS) throw new TypeError('no WebSocket: pass { WebSocket } (e.g. from the ws package), or import voxserve/client under Node');
+    const q = new URLSearchParams({ model: opts.model, sample_rate: String(opts.sampleRate ?? 16000), encoding: opts.encoding ?? 's16le', channels: String(opts.channels ?? 1) });
+    if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
+    const url = `${this.url.replace(/^http/, 'ws')}/v1/stream?${q}`;
+    const ws = new this.WS(url, SUBPROTOCOL[opts.protocol ?? 'json'], this.token ? { headers: this.headers() } : undefined);
+    const stream = new VoxStream(ws, this.url, opts.highWaterMark ?? 256 * 1024);
+    return stream.opened.then(() => stream);
+  }
+}
+
+type Listener = (e: never) => void;
+
+/**
+ * One live stream. Events come as an async iterator (`for await (const e of stream)`, from
+ * `ready` to `done`; it throws the stream's VoxClientError if the stream fails) and as callbacks
+ * (`on`). Events wait in memory until the iterator reads them.
+ */
+export class VoxStream implements AsyncIterable<StreamEvent> {
+  /** The `ready` event. */
+  ready!: StreamEventOf<'ready'>;
+  /** Resolves once `ready` came; rejects if the stream closed before. */
+  readonly opened: Promise<void>;
+  /** Resolves when the socket closed, with the code and, for a failure, the error. Never rejects. */
+  readonly closed: Promise<CloseInfo>;
+  private readonly queue: StreamEvent[] = [];
+  private wake: (() => void) | null = null;
+  private readonly listeners = new Map<string, Set<Listener>>();
+  private last: StreamEvent | null = null;
+  private doneEvent: StreamEventOf<'done'> | null = null;
+  private info: CloseInfo | null = null;
+  private tail: Promise<void> = Promise.resolve();
+  private waiting = 0;
+  private closedByUs = false;
+  private socketError: { message?: string; error?: { code?: string } } | null = null;
+
+  /** @internal use {@link VoxClient.stream}. */
+  constructor(
+    private readonly ws: WebSocketLike,
+    private readonly url: string,
+    /** Bytes the socket may hold unsent before `send` waits. */
+    readonly highWaterMark: number,
+  ) {
+    ws.binaryType = 'arraybuffer';
+    let opened!: () => void;
+    let refused!: (e: VoxClientError) => void;
+    this.opened = new Promise((resolve, reject) => ((opened = resolve), (refused = reject)));
+    this.opened.catch(() => {});
+    let closed!: (c: CloseInfo) => void;
+    this.closed = new Promise((resolve) => (closed = resolve));
+    ws.addEventListener('message', (m: { data: string | ArrayBuffer }) => {
+      const event = (typeof m.data === 'string' ? JSON.parse(m.data) : unpack(new Uint8Array(m.data))) as StreamEvent;
+      this.last = event;
+      if (event.type === 'ready') {
+        this.ready = event;
+        opened();
+      }
+      if (event.type === 'done') this.doneEvent = event;
+      this.queue.push(event);
+      this.notify(event.type, event);
+    });
+    ws.addEventListener('error', (e: { message?: string; error?: { code?: string } }) => (this.socketError = e));
+    ws.addEventListener('close', (c: { code: number; reason: string }) => {
+      const info: CloseInfo = { code: c.code, reason: c.reason };
+      if (!this.doneEvent && !this.closedByUs) info.error = this.failure(c.code, c.reason);
+      this.info = info;
+      if (info.error) refused(info.error);
+      this.notify('close', info);
+      closed(info);
+    });
+  }
+
+  /** The error a close stands for: the `error` event just before it, else the handshake's HTTP status, else the close code. */
+  private failure(code: number, reason: string): VoxClientError {
+    if (this.last?.type === 'error') return new VoxClientError(this.last.error.type, this.last.error.message, { closeCode: code });
+    const status = /Unexpected server response: (\d+)/.exec(this.socketError?.message ?? '')?.[1];
+    if (status) return new VoxClientError(STATUS_TYPE[Number(status)] ?? 'server_error', `the server refused the stream: HTTP ${status}`, { status: Number(status), closeCode: code });
+    if (code === 1006 && !this.ready) {
+      const sys = this.socketError?.error?.code;
+      return new VoxClientError('connection_error', `cannot reach ${this.url}${sys ? `: ${sys}` : ''}`, { closeCode: code, code: sys });
+    }
+    return new VoxClientError(CLOSE_TYPE[code] ?? 'server_error', reason || `stream closed ${code}`, { closeCode: code });
+  }
+
+  private notify(type: string, payload: unknown): void {
+    for (const fn of this.listeners.get(type) ?? []) (fn as (p: unknown) => void)(payload);
+    this.wake?.();
+  }
+
+  /** Calls `fn` for each event of this type (`close` with {@link CloseInfo} when the socket closes). */
+  on<T extends StreamEvent['type']>(type: T, fn: (e: StreamEventOf<T>) => void): this;
+  on(type: 'close', fn: (c: CloseInfo) => void): this;
+  on(type: string, fn: Listener): this {
+    if (!this.listeners.has(type)) this.listeners.set(type, new Set());
+    this.listeners.get(type)!.add(fn);
+    return this;
+  }
+
+  /** Removes a callback added with `on`. */
+  off(type: string, fn: Listener): this {
+    this.listeners.get(type)?.delete(fn);
+    return this;
+  }
+
+  /** Bytes the socket holds unsent. */
+  get bufferedAmount(): number {
+    return this.ws.bufferedAmount;
+  }
+
+  /**
+   * Sends a frame of PCM in the stream's encoding (a frame may end mid-sample). Resolves at once
+   * while the socket holds less than `highWaterMark` unsent; otherwise it waits until it drains
+   * below (frames keep their order). Await it: that is what bounds memory.
+   * @throws VoxClientError once the stream has closed.
+   */
+  send(pcm: ArrayBuffer | ArrayBufferView): Promise<void> {
+    if (this.info || this.closedByUs) return Promise.reject(this.info?.error ?? new VoxClientError('invalid_request_error', 'send after the stream closed'));
+    if (this.waiting === 0 && this.ws.bufferedAmount < this.highWaterMark) {
+      this.ws.send(pcm);
+      return Promise.resolve();
+    }
+    return this.enqueue(() => this.ws.send(pcm));
+  }
+
+  /** Runs `write` after every earlier waiting send, once the socket is below its high-water mark. */
+  private enqueue(write: () => void): Promise<void> {
+    this.waiting++;
+    const p = this.tail.then(async () => {
+      try {
+        while (!this.info && this.ws.bufferedAmount >= this.highWaterMark) await new Promise((r) => setTimeout(r, 10));
+        if (this.info) throw this.info.error ?? new VoxClientError('invalid_request_error', 'send after the stream closed');
+        write();
+      } finally {
+        this.waiting--;
+      }
+    });
+    this.tail = p.catch(() => {});
+    return p;
+  }
+
+  /**
+   * Sends `{"type":"end"}` after every frame sent so far; resolves with `done` once the server
+   * processed everything. @throws VoxClientError if the stream fails first.
+   */
+  async end(): Promise<StreamEventOf<'done'>> {
+    if (!this.info) await this.enqueue(() => this.ws.send('{"type":"end"}'));
+    const info = this.info ?? (await this.closed);
+    if (this.doneEvent) return this.doneEvent;
+    throw info.error ?? new VoxClientError('connection_error', `stream closed ${info.code} before done`, { closeCode: info.code });
+  }
+
+  /** Closes the stream from this side (no `done`); the iterator ends without an error. */
+  close(code = 1000, reason = 'client closed'): void {
+    this.closedByUs = true;
+    this.ws.close(code, reason);
+  }
+
+  async *[Symbol.asyncIterator](): AsyncGenerator<StreamEvent> {
+    for (;;) {
+      if (this.queue.length) {
+        yield this.queue.shift()!;
+        continue;
+      }
+      if (this.info) {
+        if (this.info.error) throw this.info.error;
+        return;
+      }
+      await new Promise<void>((r) => (this.wake = r));
+      this.wake = null;
+    }
+  }
+}

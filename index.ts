@@ -1,0 +1,8 @@
+/**
+ * The server API of the `voxserve` package (`import { startServer } from 'voxserve'`); the
+ * client is `voxserve/client`.
+ */
+export { startServer, type VoxServer, type ServerOptions } from './transport/server.js';
+export { loadServerConfig, ServerConfig, ModelConfig, type Limits } from './runtime/config.js';
+export { VoxError, type ErrorType } from './runtime/errors.js';
+export { defaultCatalog } from './runtime/catalog.js';
