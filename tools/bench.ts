@@ -17,11 +17,12 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
-import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/catalog.js';
 import type { Job } from '../runtime/slot-protocol.js';
 import { SlotPool, slotFactory } from '../runtime/slots.js';
+import { VoxClient, type VoxStream } from '../client/node.js';
 import { treeCpuSeconds, treeRssBytes } from './proc.js';
+import { progressBar } from './progress.js';
 import { spawnServer } from './spawn-server.js';
 
 export interface BenchOptions {
@@ -94,29 +95,29 @@ interface LiveResult {
   meanBatch: number;
 }
 
-/** N live streams against a fresh server. */
+/** N live streams against a fresh server, through the client; progress on stderr while they run. */
 async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread'): Promise<LiveResult> {
   const { child, url } = await startChild(n, o, isolation);
   const pcm = speechPcm();
   const frameBytes = Math.round((16000 * o.frameMs) / 1000) * 2;
   const totalFrames = Math.round((o.seconds * 1000) / o.frameMs);
-  const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=silero-vad`;
-  interface S { ws: WebSocket; next: number; start: number; done: boolean; lastSentAt: number; doneAt: number; eventLags: number[] }
+  const vox = new VoxClient({ url });
+  interface S { stream: VoxStream; next: number; start: number; done: boolean; lastSentAt: number; doneAt: number; eventLags: number[] }
+  const bar = progressBar(`${isolation} ${n} streams: opening`, 'streams');
+  let opened = 0;
   const streams: S[] = await Promise.all(
-    Array.from({ length: n }, () => new Promise<S>((resolve, reject) => {
-      const s: S = { ws: new WebSocket(wsUrl), next: 0, start: 0, done: false, lastSentAt: 0, doneAt: 0, eventLags: [] };
-      s.ws.on('error', reject);
-      s.ws.on('message', (d) => {
-        const e = JSON.parse(d.toString());
-        if (e.type === 'ready') return resolve(s);
-        if (e.type === 'speech_end') s.eventLags.push(performance.now() - (s.start + e.end_ms - 30 + 100 + 32));
-        if (e.type === 'done') {
-          s.done = true;
-          s.doneAt = performance.now();
-        }
+    Array.from({ length: n }, async () => {
+      const s: S = { stream: await vox.stream({ model: 'silero-vad', highWaterMark: 1024 * 1024 }), next: 0, start: 0, done: false, lastSentAt: 0, doneAt: 0, eventLags: [] };
+      s.stream.on('speech_end', (e) => s.eventLags.push(performance.now() - (s.start + e.end_ms - 30 + 100 + 32)));
+      s.stream.on('done', () => {
+        s.done = true;
+        s.doneAt = performance.now();
       });
-    })),
+      bar.update(++opened, n);
+      return s;
+    }),
   );
+  bar.stop();
   const cpu0 = cpuOf(child.pid!);
   const client0 = process.cpuUsage();
   const batches0 = await metricSum(url, 'voxserve_batch_size_count');
@@ -124,6 +125,7 @@ async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread')
   const t0 = performance.now();
   // Spread stream starts over one frame; then each frame goes when its audio has elapsed.
   streams.forEach((s, i) => (s.start = t0 + (i / n) * o.frameMs));
+  const sending = progressBar(`${isolation} ${n} streams: audio sent`, 's');
   await new Promise<void>((resolve) => {
     const tick = (): void => {
       const now = performance.now();
@@ -131,29 +133,32 @@ async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread')
       for (const s of streams) {
         while (s.next < totalFrames && s.start + (s.next + 1) * o.frameMs <= now) {
           const off = (s.next * frameBytes) % (pcm.length - frameBytes);
-          s.ws.send(pcm.subarray(off, off + frameBytes));
+          // A stream whose socket is behind by more than its high-water mark waits (and falls behind real time).
+          void s.stream.send(pcm.subarray(off, off + frameBytes)).catch(() => {});
           s.next++;
           if (s.next === totalFrames) {
             s.lastSentAt = now;
-            s.ws.send(JSON.stringify({ type: 'end' }));
+            s.stream.end().catch(() => {});
           }
         }
         if (s.next < totalFrames) pending = true;
       }
+      sending.update(Math.min(o.seconds, (now - t0) / 1000), o.seconds);
       if (pending) setTimeout(tick, 2);
       else resolve();
     };
     tick();
   });
+  sending.stop();
   const deadline = performance.now() + 30_000;
   while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));
   const serverCpuS = cpuOf(child.pid!) - cpu0;
   const c = process.cpuUsage(client0);
-  const status = (await (await fetch(`${url}/v1/models/silero-vad`)).json()) as { processing_lag_ms: { p50: number; p99: number } | null };
+  const status = (await vox.model('silero-vad')) as { processing_lag_ms?: { p50: number; p99: number } | null };
   const batches = (await metricSum(url, 'voxserve_batch_size_count')) - batches0;
   const windows = (await metricSum(url, 'voxserve_batch_size_sum')) - windows0;
   const rss = rssOf(child.pid!);
-  for (const s of streams) s.ws.terminate();
+  for (const s of streams) s.stream.close();
   child.kill('SIGTERM');
   await new Promise((r) => child.on('exit', r));
   // Sustained: finished, and done within one second of the last frame (kept up with real time).
@@ -230,12 +235,15 @@ export async function bench(o: BenchOptions): Promise<void> {
   rows.push('');
   rows.push('isolation | streams | sustained | lag p50/p99 ms | event lag p50/p99 ms | server CPU s | client CPU s | server RSS MiB | mean batch | server CPU per stream-s ms | bare batched ms | ratio bare/server | per-client ms | streams/core server vs per-client');
   rows.push('---|---|---|---|---|---|---|---|---|---|---|---|---|---');
+  const say = (line: string): boolean => process.stderr.write(`bench: ${line}\n`);
+  say('per-client baseline: 8 sessions, 20,000 windows unbatched ...');
   const perClient = await bare(1, 8, 20_000);
   const batches = new Map<string, number>();
   for (const n of o.streams) for (const isolation of o.isolation) {
     const r = await live(n, o, isolation);
     batches.set(isolation, Math.max(batches.get(isolation) ?? 1, Math.round(r.meanBatch)));
     const serverPer = r.serverCpuS / r.streamSeconds;
+    say(`bare batched baseline: batches of ${Math.max(1, Math.round(r.meanBatch))} windows ...`);
     const barePer = await bare(Math.max(1, Math.round(r.meanBatch)), 1, 20_000);
     rows.push(
       [
@@ -255,13 +263,14 @@ export async function bench(o: BenchOptions): Promise<void> {
         `${f(1 / serverPer, 0)} vs ${f(1 / perClient, 0)} (${f(perClient / serverPer, 1)}x)`,
       ].join(' | '),
     );
-    process.stderr.write(`progress: ${rows.at(-1)}\n`);
+    say(rows.at(-1)!);
   }
   rows.push('');
   rows.push('isolation | windows per batched job | IPC and dispatch per job µs (round trip - run time, mean of 500)');
   rows.push('---|---|---');
   for (const isolation of o.isolation) {
     const windows = Math.max(1, batches.get(isolation) ?? 32);
+    say(`${isolation}: IPC cost, 500 jobs of ${windows} windows ...`);
     rows.push(`${isolation} | ${windows} | ${f(await ipcCost(isolation, windows), 0)}`);
   }
   process.stdout.write(`${rows.join('\n')}\n`);

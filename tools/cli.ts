@@ -1,16 +1,17 @@
 #!/usr/bin/env node
 /**
  * The voxserve command line: `serve` runs the server; `run` and `stream` are clients of a
- * running server (HTTP `POST /v1/tasks/run` and WebSocket `/v1/stream`).
+ * running server (through `voxserve/client`: HTTP `POST /v1/tasks/run`, WebSocket `/v1/stream`).
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { Command, InvalidArgumentError } from 'commander';
-import WebSocket from 'ws';
+import { VoxClient, VoxClientError, type VoxStream } from '../client/node.js';
 import { loadServerConfig, type ServerConfig } from '../runtime/config.js';
 import { LOG_LEVELS } from '../runtime/telemetry.js';
 import { VoxError } from '../runtime/errors.js';
 import { startServer } from '../transport/server.js';
+import { progressBar } from './progress.js';
 
 const require = createRequire(import.meta.url);
 const { WaveFile } = require('wavefile') as typeof import('wavefile');
@@ -26,14 +27,30 @@ function die(message: string): never {
   process.exit(1);
 }
 
-function unreachable(url: string, e: unknown): never {
-  const code = (e as { cause?: { code?: string }; code?: string }).cause?.code ?? (e as { code?: string }).code;
-  if (code === 'ECONNREFUSED' || code === 'ENOTFOUND' || code === 'EHOSTUNREACH') {
-    die(`no voxserve is running at ${url} (${code}); start one with: voxserve serve`);
+/** A client of the server at `url`; a bad URL ends the command. */
+function client(url: string): VoxClient {
+  try {
+    return new VoxClient({ url });
+  } catch (e) {
+    die((e as Error).message.replace(/^url:/, '--url:'));
   }
-  const cause = (e as { cause?: { message?: string } }).cause?.message;
-  die(`cannot reach ${url}: ${cause ?? (e as Error).message}`);
 }
+
+/**
+ * Ends a client command that failed: a server error is printed as its wire body on stdout
+ * (`{"error":{type,message}}`), a closed stream as its close code on stderr; exit 1.
+ */
+function failed(url: string, e: unknown): never {
+  if (!(e instanceof VoxClientError)) die((e as Error).message);
+  if (e.type === 'connection_error') {
+    if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH') die(`no voxserve is running at ${url} (${e.code}); start one with: voxserve serve`);
+    die(e.message);
+  }
+  if (e.closeCode !== undefined) die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
+  process.stdout.write(`${JSON.stringify({ error: { type: e.type, message: e.message } })}\n`);
+  process.exit(1);
+}
+
 
 interface ServeOptions {
   config?: string;
@@ -112,27 +129,32 @@ program
 
 program
   .command('run')
-  .description('send a WAV file to a running server and print the JSON result')
+  .description('send an audio file to a running server and print the JSON result')
   .argument('<model>', 'model id, e.g. silero-vad or alexa')
-  .argument('<file>', 'WAV file')
+  .argument('<file>', 'audio file (WAV)')
   .option('--url <url>', 'server URL', DEFAULT_URL)
-  .action(async (model: string, file: string, opts: { url: string }) => {
-    let wav: Buffer;
+  .option('--progress', 'draw a progress bar on stderr even when it is not a terminal')
+  .option('--no-progress', 'no progress bar (default: one on stderr when it is a terminal)')
+  .action(async (model: string, file: string, opts: { url: string; progress?: boolean }) => {
+    let audio: Buffer;
     try {
-      wav = readFileSync(file);
+      audio = readFileSync(file);
     } catch (e) {
       die(`cannot read ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
     }
-    const url = `${opts.url.replace(/\/+$/, '')}/v1/tasks/run?model=${encodeURIComponent(model)}`;
-    let res: Response;
+    const show = opts.progress ?? process.stderr.isTTY;
+    const bar = show ? progressBar('processed', 's', true) : null;
     try {
-      res = await fetch(url, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+      const result = await client(opts.url).run(audio, {
+        model,
+        onProgress: bar ? (p) => bar.update(p.processed_ms / 1000, p.audio_duration_ms / 1000) : undefined,
+      });
+      bar?.stop();
+      process.stdout.write(`${JSON.stringify(result)}\n`);
     } catch (e) {
-      unreachable(opts.url, e);
+      bar?.stop();
+      failed(opts.url, e);
     }
-    const text = await res.text();
-    process.stdout.write(`${text}\n`);
-    if (!res.ok) process.exit(1);
   });
 
 program
@@ -141,9 +163,11 @@ program
   .argument('<model>', 'model id')
   .argument('<file>', 'WAV file (PCM or float, any rate and channel count; sent as s16le)')
   .option('--url <url>', 'server URL', DEFAULT_URL)
-  .option('--realtime', 'send each 100 ms frame when its audio has elapsed')
+  .option('--realtime', 'send each frame when its audio has elapsed')
   .option('--frame-ms <ms>', 'frame length, ms', int('--frame-ms'), 100)
-  .action(async (model: string, file: string, opts: { url: string; realtime?: boolean; frameMs: number }) => {
+  .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
+  .action(async (model: string, file: string, opts: { url: string; realtime?: boolean; frameMs: number; protocol: string }) => {
+    if (opts.protocol !== 'json' && opts.protocol !== 'msgpack') die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
     let wav: InstanceType<typeof WaveFile>;
     try {
       wav = new WaveFile(readFileSync(file));
@@ -153,32 +177,36 @@ program
     }
     const fmt = wav.fmt as { sampleRate: number; numChannels: number };
     const pcm = Buffer.from((wav.data as { samples: Uint8Array }).samples);
-    const q = new URLSearchParams({ model, sample_rate: String(fmt.sampleRate), channels: String(fmt.numChannels), encoding: 's16le' });
-    const wsUrl = `${opts.url.replace(/^http/, 'ws').replace(/\/+$/, '')}/v1/stream?${q}`;
-    const ws = new WebSocket(wsUrl, 'voxserve.v1.json');
     const frameBytes = Math.max(2 * fmt.numChannels, Math.round((fmt.sampleRate * opts.frameMs) / 1000) * 2 * fmt.numChannels);
-    let failed = false;
-    ws.on('unexpected-response', (_req, res) => die(`server refused the stream: HTTP ${res.statusCode}`));
-    ws.on('error', (e) => unreachable(opts.url, e));
-    ws.on('message', async (data) => {
-      const event = JSON.parse(data.toString());
-      process.stdout.write(`${JSON.stringify(event)}\n`);
-      if (event.type === 'error') failed = true;
-      if (event.type !== 'ready') return;
-      const start = performance.now();
+    let stream: VoxStream;
+    try {
+      stream = await client(opts.url).stream({ model, sampleRate: fmt.sampleRate, channels: fmt.numChannels, encoding: 's16le', protocol: opts.protocol });
+    } catch (e) {
+      failed(opts.url, e);
+    }
+    let errors = 0;
+    const printing = (async () => {
+      for await (const event of stream) {
+        process.stdout.write(`${JSON.stringify(event)}\n`);
+        if (event.type === 'error') errors++;
+      }
+    })();
+    const start = performance.now();
+    try {
       for (let off = 0, i = 0; off < pcm.length; off += frameBytes, i++) {
         if (opts.realtime) {
           const due = start + i * opts.frameMs - performance.now();
           if (due > 0) await new Promise((r) => setTimeout(r, due));
         }
-        ws.send(pcm.subarray(off, off + frameBytes));
+        await stream.send(pcm.subarray(off, off + frameBytes));
       }
-      ws.send(JSON.stringify({ type: 'end' }));
-    });
-    ws.on('close', (code, reason) => {
-      if (code !== 1000) process.stderr.write(`voxserve: stream closed ${code} ${reason.toString()}\n`);
-      process.exit(code === 1000 && !failed ? 0 : 1);
-    });
+      await stream.end();
+      await printing;
+    } catch (e) {
+      await printing.catch(() => {});
+      failed(opts.url, e);
+    }
+    process.exit(errors ? 1 : 0);
   });
 
 program
