@@ -135,6 +135,8 @@ export const ServerConfig = z.strictObject({
       stately_url: z.string().url().optional(),
     })
     .default({ inspect: false }),
+  /** The browser demo at `/demo`; on by default when `host` is a loopback address. */
+  demo: z.strictObject({ enabled: z.boolean().optional() }).default({}),
   /** Models registered at start, in addition to (or replacing, by id) the embedded catalog. */
   models: z.array(ModelConfig).superRefine(checkModels).default([]),
 });

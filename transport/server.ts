@@ -14,6 +14,7 @@ import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, sendError, sendJson, type HttpLink } from './http.js';
 import { createStreamSocket } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
+import { demoRoute } from './demo.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -85,6 +86,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       ? new VoxError('server_busy', 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work', { retryAfterS: 1 })
       : new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
 
+  const demo = demoRoute(config.demo.enabled ?? isLoopback(config.host));
+
   const route = async (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number): Promise<void> => {
     const url = new URL(req.url ?? '/', 'http://localhost');
     const path = url.pathname.replace(/\/+$/, '') || '/';
@@ -122,6 +125,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       if (path === '/debug/state') return sendJson(res, 200, debugState(supervisor, streams, inspected.log));
       if (path === '/debug/actors') return streamActors(res, inspected.log, sse);
     }
+    if ((method === 'GET' || method === 'HEAD') && (path === '/demo' || path.startsWith('/demo/'))) return demo(path, res);
     const one = /^\/v1\/models\/([^/]+)$/.exec(path);
     if (method === 'GET' && one) {
       let id: string;
@@ -166,7 +170,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(body, t0);
       return link.tell({ type: 'TASK', rid, request });
     }
-    const known = ['/health', '/ready', '/metrics', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
+    const known = ['/health', '/ready', '/metrics', '/demo', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
     throw new VoxError('not_found', `no route ${method} ${path}`);
   };

@@ -1,0 +1,244 @@
+/**
+ * The /demo page: microphone -> AudioWorklet (capture-worklet.js, ~20 ms blocks at the
+ * AudioContext's rate) -> libsamplerate (WASM, SINC_FASTEST) to 16 kHz -> s16le -> one
+ * `voxserve/client` stream per chosen model. A canvas timeline draws the last
+ * {@link WINDOW_MS} of audio: the input level, speech segments and wake-word detections.
+ */
+import { ConverterType, create } from '@alexanderolsen/libsamplerate-js';
+import { VoxClient, VoxClientError, type StreamEvent, type VoxStream } from '../client/index.js';
+import './style.css';
+
+/** Audio shown on the timeline, ms. */
+const WINDOW_MS = 20_000;
+const RATE = 16_000;
+
+interface Lane {
+  model: string;
+  task: string;
+  stream: VoxStream | null;
+  /** Speech segments, ms of stream time; `end` null while open. */
+  segments: { start: number; end: number | null }[];
+  detections: { at: number; label: string; score: number }[];
+  status: string;
+}
+
+const vox = new VoxClient();
+const el = <T extends HTMLElement>(id: string): T => document.getElementById(id) as T;
+const canvas = el<HTMLCanvasElement>('timeline');
+const startButton = el<HTMLButtonElement>('start');
+const stopButton = el<HTMLButtonElement>('stop');
+const status = el<HTMLSpanElement>('status');
+const eventList = el<HTMLOListElement>('events');
+
+let lanes: Lane[] = [];
+/** Input level (RMS) per captured block, with its stream time, ms. */
+let levels: { at: number; rms: number }[] = [];
+/** Audio sent so far, ms: the stream time of "now". */
+let sentMs = 0;
+let stopCapture: (() => Promise<void>) | null = null;
+
+function say(text: string, error = false): void {
+  status.textContent = text;
+  status.className = error ? 'error' : 'muted';
+}
+
+function logEvent(model: string, e: StreamEvent): void {
+  const li = document.createElement('li');
+  li.dataset.model = model;
+  li.dataset.type = e.type;
+  if (e.type === 'detection') li.dataset.label = e.label;
+  const { type, ...rest } = e;
+  li.textContent = `${(sentMs / 1000).toFixed(2).padStart(7)} s  ${model}  ${type} ${JSON.stringify(rest)}`;
+  eventList.prepend(li);
+  while (eventList.children.length > 300) eventList.lastElementChild!.remove();
+}
+
+function onEvent(lane: Lane, e: StreamEvent): void {
+  logEvent(lane.model, e);
+  if (e.type === 'speech_start') lane.segments.push({ start: e.at_ms, end: null });
+  if (e.type === 'speech_end') {
+    const open = lane.segments.at(-1);
+    if (open && open.end === null) Object.assign(open, { start: e.start_ms, end: e.end_ms });
+    else lane.segments.push({ start: e.start_ms, end: e.end_ms });
+  }
+  if (e.type === 'detection') lane.detections.push({ at: e.at_ms, label: e.label, score: e.score });
+}
+
+async function listModels(): Promise<void> {
+  const box = el<HTMLFieldSetElement>('models');
+  try {
+    const models = await vox.models();
+    const wanted = new URLSearchParams(location.search).get('models')?.split(',') ?? ['silero-vad', 'hey-jarvis'];
+    box.replaceChildren(Object.assign(document.createElement('legend'), { textContent: 'models' }));
+    for (const m of models) {
+      const label = document.createElement('label');
+      const input = Object.assign(document.createElement('input'), { type: 'checkbox', value: m.id, checked: wanted.includes(m.id) });
+      input.dataset.task = m.task;
+      label.append(input, ` ${m.id} `, Object.assign(document.createElement('span'), { className: 'muted', textContent: `(${m.task})` }));
+      box.append(label);
+    }
+    startButton.disabled = false;
+  } catch (e) {
+    say(`cannot list models: ${(e as Error).message}`, true);
+  }
+}
+
+async function start(): Promise<void> {
+  const chosen = [...document.querySelectorAll<HTMLInputElement>('#models input:checked')].map((i) => ({ model: i.value, task: i.dataset.task ?? '' }));
+  if (!chosen.length) return say('choose at least one model', true);
+  startButton.disabled = true;
+  say('opening the microphone ...');
+  lanes = chosen.map((c) => ({ ...c, stream: null, segments: [], detections: [], status: 'opening' }));
+  levels = [];
+  sentMs = 0;
+  let mic: MediaStream | null = null;
+  let ctx: AudioContext | null = null;
+  try {
+    mic = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false } });
+    ctx = new AudioContext();
+    await ctx.audioWorklet.addModule(`${import.meta.env.BASE_URL}capture-worklet.js`);
+    const resampler = ctx.sampleRate === RATE ? null : await create(1, ctx.sampleRate, RATE, { converterType: ConverterType.SRC_SINC_FASTEST });
+    say(`connecting ${lanes.length} stream(s) ...`);
+    await Promise.all(
+      lanes.map(async (lane) => {
+        lane.stream = await vox.stream({ model: lane.model, sampleRate: RATE, encoding: 's16le' });
+        lane.status = 'streaming';
+        const stream = lane.stream;
+        void (async () => {
+          try {
+            for await (const e of stream) onEvent(lane, e);
+            lane.status = 'done';
+          } catch (err) {
+            lane.status = err instanceof VoxClientError ? `${err.type}: ${err.message}` : String(err);
+            say(`${lane.model}: ${lane.status}`, true);
+          }
+        })();
+      }),
+    );
+    const source = ctx.createMediaStreamSource(mic);
+    // Blocks of 20 ms.
+    const capture = new AudioWorkletNode(ctx, 'voxserve-capture', { processorOptions: { blockFrames: Math.round(ctx.sampleRate / 50) } });
+    const mute = ctx.createGain();
+    mute.gain.value = 0;
+    source.connect(capture).connect(mute).connect(ctx.destination);
+    capture.port.onmessage = (m: MessageEvent<Float32Array>) => {
+      const samples = resampler ? resampler.full(m.data).slice() : m.data;
+      const pcm = new Int16Array(samples.length);
+      let sum = 0;
+      for (let i = 0; i < samples.length; i++) {
+        const v = Math.max(-1, Math.min(1, samples[i]));
+        pcm[i] = v < 0 ? v * 0x8000 : v * 0x7fff;
+        sum += v * v;
+      }
+      sentMs += (samples.length * 1000) / RATE;
+      levels.push({ at: sentMs, rms: Math.sqrt(sum / Math.max(1, samples.length)) });
+      for (const lane of lanes) lane.stream?.send(pcm).catch(() => {});
+    };
+    const [m, c] = [mic, ctx];
+    stopCapture = async () => {
+      capture.port.onmessage = null;
+      for (const t of m.getTracks()) t.stop();
+      await c.close();
+      resampler?.destroy();
+      await Promise.all(lanes.map((l) => l.stream?.end().catch(() => {})));
+    };
+    stopButton.disabled = false;
+    say(`streaming at 16 kHz (microphone at ${ctx.sampleRate} Hz) to ${lanes.map((l) => l.model).join(', ')}`);
+  } catch (e) {
+    for (const t of mic?.getTracks() ?? []) t.stop();
+    await ctx?.close().catch(() => {});
+    for (const lane of lanes) lane.stream?.close();
+    startButton.disabled = false;
+    say(e instanceof VoxClientError ? `${e.type}: ${e.message}` : `cannot start: ${(e as Error).message}`, true);
+  }
+}
+
+async function stop(): Promise<void> {
+  stopButton.disabled = true;
+  await stopCapture?.();
+  stopCapture = null;
+  startButton.disabled = false;
+  say('stopped');
+}
+
+/** Draws the last WINDOW_MS of stream time: a time grid, the input level, then one row per model. */
+function draw(): void {
+  const dpr = window.devicePixelRatio || 1;
+  const w = canvas.clientWidth;
+  const h = canvas.clientHeight;
+  if (canvas.width !== Math.round(w * dpr) || canvas.height !== Math.round(h * dpr)) {
+    canvas.width = Math.round(w * dpr);
+    canvas.height = Math.round(h * dpr);
+  }
+  const g = canvas.getContext('2d')!;
+  g.setTransform(dpr, 0, 0, dpr, 0, 0);
+  g.clearRect(0, 0, w, h);
+  const left = 120;
+  const end = Math.max(sentMs, WINDOW_MS);
+  const t0 = end - WINDOW_MS;
+  const x = (t: number): number => left + ((t - t0) / WINDOW_MS) * (w - left - 8);
+  const rows = 1 + lanes.length;
+  const rowH = (h - 22) / Math.max(rows, 2);
+  g.font = '12px system-ui, sans-serif';
+  g.textBaseline = 'middle';
+  // Time grid: a line a second, labelled every 5 s.
+  for (let s = Math.ceil(t0 / 1000); s * 1000 <= end; s++) {
+    g.strokeStyle = s % 5 === 0 ? '#c5cbd8' : '#eceff5';
+    g.beginPath();
+    g.moveTo(x(s * 1000), 0);
+    g.lineTo(x(s * 1000), h - 18);
+    g.stroke();
+    if (s % 5 === 0) {
+      g.fillStyle = '#6b7385';
+      g.fillText(`${s} s`, x(s * 1000) - 8, h - 9);
+    }
+  }
+  const label = (row: number, text: string, sub = ''): void => {
+    g.fillStyle = '#1d2330';
+    g.fillText(text, 6, rowH * row + rowH / 2 - (sub ? 7 : 0));
+    if (sub) {
+      g.fillStyle = '#6b7385';
+      g.fillText(sub, 6, rowH * row + rowH / 2 + 8);
+    }
+  };
+  label(0, 'input level');
+  g.fillStyle = '#9aa6c4';
+  for (const l of levels) {
+    if (l.at < t0) continue;
+    const bar = Math.min(1, l.rms * 4) * (rowH - 8);
+    g.fillRect(x(l.at) - 1, rowH / 2 - bar / 2, 2, Math.max(1, bar));
+  }
+  lanes.forEach((lane, i) => {
+    const row = i + 1;
+    const top = rowH * row + 4;
+    g.strokeStyle = '#eceff5';
+    g.beginPath();
+    g.moveTo(0, rowH * row);
+    g.lineTo(w, rowH * row);
+    g.stroke();
+    label(row, lane.model, lane.task === 'wakeword' ? 'wake word' : lane.task);
+    for (const s of lane.segments) {
+      const a = Math.max(t0, s.start);
+      const b = s.end ?? sentMs;
+      if (b < t0) continue;
+      g.fillStyle = s.end === null ? 'rgba(46,139,87,0.55)' : '#2e8b57';
+      g.fillRect(x(a), top, Math.max(2, x(b) - x(a)), rowH - 8);
+    }
+    for (const d of lane.detections) {
+      if (d.at < t0) continue;
+      g.fillStyle = '#e0701b';
+      g.fillRect(x(d.at) - 2, top, 4, rowH - 8);
+      g.fillText(`${d.label} ${d.score.toFixed(2)}`, x(d.at) + 5, top + (rowH - 8) / 2);
+    }
+    if (lane.status !== 'streaming') {
+      g.fillStyle = lane.status.includes(':') ? '#b3261e' : '#6b7385';
+      g.fillText(lane.status, left + 6, top + 10);
+    }
+  });
+  requestAnimationFrame(draw);
+}
+
+startButton.addEventListener('click', () => void start());
+stopButton.addEventListener('click', () => void stop());
+requestAnimationFrame(draw);
+void listModels();
