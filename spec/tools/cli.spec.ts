@@ -1,11 +1,14 @@
 import { execFile } from 'node:child_process';
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { createServer, type AddressInfo } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixturePath } from '../helpers.js';
+import { fixturePath, loopWav } from '../helpers.js';
 
 const exec = promisify(execFile);
 const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
@@ -48,6 +51,31 @@ describe('voxserve CLI', () => {
     const events = r.stdout.trim().split('\n').map((l) => JSON.parse(l));
     expect(events.map((e) => e.type)).toEqual(['ready', 'detection', 'done']);
     expect(events[1]).toMatchObject({ label: 'alexa' });
+  });
+
+  it('stream --protocol msgpack prints the same events as JSON', async () => {
+    const strip = (out: string) => out.trim().split('\n').map((l) => {
+      const { session_id: _s, timing: _t, ...rest } = JSON.parse(l);
+      return rest;
+    });
+    const json = await voxserve('stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url);
+    const msgpack = await voxserve('stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--protocol', 'msgpack');
+    expect(msgpack.code).toBe(0);
+    expect(strip(json.stdout).map((e) => e.type)).toEqual(['ready', 'speech_start', 'speech_end', 'done']);
+    expect(strip(msgpack.stdout)).toEqual(strip(json.stdout));
+  });
+
+  it('run --progress draws a progress bar on stderr up to 100 %, and still prints the result', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'voxserve-cli-'));
+    const file = join(dir, 'long.wav');
+    writeFileSync(file, loopWav('espeak_sentence_16k.wav', 120));
+    const r = await voxserve('run', 'silero-vad', file, '--url', server.url, '--progress');
+    expect(r.code).toBe(0);
+    expect(JSON.parse(r.stdout).timing.audio_duration_ms).toBe(120_000);
+    expect(r.stderr).toMatch(/processed \[.*\] 100% \| 120\/120 s/);
+    // Not a terminal and no --progress: no bar.
+    const quiet = await voxserve('run', 'silero-vad', file, '--url', server.url);
+    expect(quiet.stderr).toBe('');
   });
 
   it('run and stream exit 1 with an error body for an unknown model', async () => {
