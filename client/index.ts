@@ -404,16 +404,18 @@ export class VoxClient {
    * Opens a live stream (`GET /v1/stream`) and resolves once the server sent `ready` (the stream
    * holds its lease and the model is loaded).
    * @throws VoxClientError when the stream is refused (`not_found` for an unknown model,
-   *   `invalid_request_error` for bad parameters, `server_busy`, `connection_error`).
+   *   `invalid_request_error` for bad parameters, `server_busy`, `connection_error`);
+   *   TypeError when there is no WebSocket constructor.
    */
-  stream(opts: StreamOptions): Promise<VoxStream> {
+  async stream(opts: StreamOptions): Promise<VoxStream> {
     if (!this.WS) throw new TypeError('no WebSocket: pass { WebSocket } (e.g. from the ws package), or import voxserve/client under Node');
     const q = new URLSearchParams({ model: opts.model, sample_rate: String(opts.sampleRate ?? 16000), encoding: opts.encoding ?? 's16le', channels: String(opts.channels ?? 1) });
     if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
     const url = `${this.url.replace(/^http/, 'ws')}/v1/stream?${q}`;
     const ws = new this.WS(url, SUBPROTOCOL[opts.protocol ?? 'json'], this.token ? { headers: this.headers() } : undefined);
     const stream = new VoxStream(ws, this.url, opts.highWaterMark ?? 256 * 1024);
-    return stream.opened.then(() => stream);
+    await stream.opened;
+    return stream;
   }
 }
 
