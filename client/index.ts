@@ -459,7 +459,14 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     let closed!: (c: CloseInfo) => void;
     this.closed = new Promise((resolve) => (closed = resolve));
     ws.addEventListener('message', (m: { data: string | ArrayBuffer }) => {
-      const event = (typeof m.data === 'string' ? JSON.parse(m.data) : unpack(new Uint8Array(m.data))) as StreamEvent;
+      let event: StreamEvent;
+      try {
+        event = (typeof m.data === 'string' ? JSON.parse(m.data) : unpack(new Uint8Array(m.data))) as StreamEvent;
+      } catch (e) {
+        // Not an event of this protocol: the stream fails with server_error.
+        this.last = { type: 'error', error: { type: 'server_error', message: `undecodable event frame: ${(e as Error).message}` } };
+        return ws.close(1002, 'undecodable event frame');
+      }
       this.last = event;
       if (event.type === 'ready') {
         this.ready = event;

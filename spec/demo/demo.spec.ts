@@ -33,6 +33,40 @@ function browserWithMic(wav: string): Promise<Browser> {
   });
 }
 
+describe('/demo route', () => {
+  it('is served from the package, with no external script, under a same-origin CSP', async () => {
+    const res = await fetch(`${server.url}/demo`);
+    expect(res.status).toBe(200);
+    expect(res.headers.get('content-security-policy')).toMatch(/default-src 'self'.*connect-src 'self'/);
+    const html = await res.text();
+    const scripts = [...html.matchAll(/src="([^"]+)"/g)].map((m) => m[1]);
+    expect(scripts.length).toBeGreaterThan(0);
+    for (const src of scripts) {
+      expect(src.startsWith('/demo/')).toBe(true);
+      expect((await fetch(`${server.url}${src}`)).status).toBe(200);
+    }
+    expect((await fetch(`${server.url}/demo/capture-worklet.js`)).status).toBe(200);
+    expect((await fetch(`${server.url}/demo/../package.json`)).status).toBe(404);
+  });
+
+  it('is off with demo.enabled false, and by default on a non-loopback address', async () => {
+    const off = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, demo: { enabled: false } }));
+    try {
+      const res = await fetch(`${off.url}/demo`);
+      expect(res.status).toBe(404);
+      expect((await res.json()).error.message).toMatch(/demo\.enabled/);
+    } finally {
+      await off.close();
+    }
+    const wide = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, host: '0.0.0.0' }));
+    try {
+      expect((await fetch(`http://127.0.0.1:${new URL(wide.url).port}/demo`)).status).toBe(404);
+    } finally {
+      await wide.close();
+    }
+  });
+});
+
 describe('/demo in headless Chromium with a fake microphone', () => {
   it('shows a speech segment for the spoken sentence', async () => {
     const browser = await browserWithMic(fixturePath('espeak_sentence_16k.wav'));
