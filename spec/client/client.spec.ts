@@ -252,6 +252,27 @@ describe('errors are typed with the wire type', () => {
     expect(await refusal(gone.stream({ model: 'silero-vad' }))).toMatchObject({ type: 'connection_error', code: 'ECONNREFUSED' });
   });
 
+  it('an undecodable event frame fails the stream (server_error) instead of throwing in the socket listener', async () => {
+    const wss = new WebSocketServer({ port: 0, host: '127.0.0.1', handleProtocols: () => 'voxserve.v1.json' });
+    await new Promise((r) => wss.once('listening', r));
+    wss.on('connection', (ws) => {
+      ws.send(JSON.stringify({ type: 'ready', session_id: 's', model: 'm', task: 'vad', sample_rate: 16000 }));
+      ws.send('{not json');
+    });
+    try {
+      const stream = await new VoxClient({ url: `http://127.0.0.1:${(wss.address() as AddressInfo).port}` }).stream({ model: 'm' });
+      const e = await refusal((async () => {
+        for await (const _ of stream) {
+          // drain
+        }
+      })());
+      expect(e.type).toBe('server_error');
+      expect(e.message).toMatch(/undecodable event frame/);
+    } finally {
+      await new Promise((r) => wss.close(r));
+    }
+  });
+
   it('a URL without a scheme is refused with a hint', () => {
     expect(() => new VoxClient({ url: '127.0.0.1:8080' })).toThrow(/did you mean http:\/\/127\.0\.0\.1:8080/);
   });
