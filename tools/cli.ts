@@ -51,7 +51,6 @@ function failed(url: string, e: unknown): never {
   process.exit(1);
 }
 
-
 interface ServeOptions {
   config?: string;
   host?: string;
