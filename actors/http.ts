@@ -1,6 +1,6 @@
 import { assign, createActor, emit, enqueueActions, fromCallback, setup, stopChild, type Actor, type InspectionEvent } from 'xstate';
 import { effectiveTimeout, type Lease } from '../runtime/admission.js';
-import { decodeWav, resample } from '../runtime/audio.js';
+import { decodeAudio } from '../runtime/decode.js';
 import type { Limits, ModelConfig } from '../runtime/config.js';
 import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
 import type { Job, JobResult } from '../runtime/slot-protocol.js';
@@ -11,12 +11,18 @@ import type { Supervisor } from './supervisor.js';
 /** Windows (VAD, 32 ms) or steps (wake word, 80 ms) per slot job for a file: ~2-5 s of audio, so streams interleave. */
 const FILE_JOB_STEPS = 64;
 
+/** One audio file of a task request, with its declared media type (Content-Type or `data:` prefix) if any. */
+export interface AudioFile {
+  bytes: Buffer;
+  type?: string;
+}
+
 /** One task request on HTTP, parsed by the transport: `POST /v1/tasks/run` (one file) or `/v1/tasks/batch`. */
 export interface TaskRequest {
   kind: 'run' | 'batch';
   model: string;
-  /** WAV files (one for `run`). */
-  files: Buffer[];
+  /** Audio files (one for `run`). */
+  files: AudioFile[];
   /** The request's own busy timeout, ms. */
   busyTimeoutMs?: number;
   /** Task options (`threshold`, ...), validated against the model's task. */
@@ -88,16 +94,16 @@ function untilAborted<T>(work: Promise<T>, signal: AbortSignal): Promise<T> {
 const PROGRESS_INTERVAL_MS = 100;
 
 /**
- * Decodes one WAV file and runs it through the model's slots, in jobs of {@link FILE_JOB_STEPS}.
- * `progress` is called with the audio processed so far and the file's duration (ms of 16 kHz
- * audio): once decoded (0), after each job, and at the end.
+ * Decodes one audio file (in a decode worker) and runs it through the model's slots, in jobs of
+ * {@link FILE_JOB_STEPS}. `progress` is called with the audio processed so far and the file's
+ * duration (ms of 16 kHz audio): once decoded (0), after each job, and at the end.
  * @returns the task result (segments or detections) and the audio duration, ms.
  * @throws VoxError `invalid_request_error` for bad audio or options; the signal's reason once it aborts.
  */
 async function processFile(
   config: ModelConfig,
   pool: SlotPool,
-  wav: Buffer,
+  file: AudioFile,
   options: unknown,
   signal: AbortSignal,
   m: { queueMs: number; inferenceMs: number },
@@ -105,8 +111,7 @@ async function processFile(
   progress: (processedMs: number, audioMs: number) => void = () => {},
 ): Promise<{ body: Record<string, unknown>; audioMs: number }> {
   const session = createTaskSession(config, pool.info, options);
-  const audio = decodeWav(wav);
-  session.push(await resample(audio.samples, audio.sampleRate));
+  session.push(await untilAborted(decodeAudio(file.bytes, file.type), signal));
   session.end();
   const audioMs = (session.receivedSamples * 1000) / 16_000;
   const processedMs = (): number => Math.min(audioMs, (session.processedSamples * 1000) / 16_000);
@@ -183,10 +188,10 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
     sseStarted = true;
     let failed = 0;
     await Promise.all(
-      request.files.map(async (wav, index) => {
+      request.files.map(async (file, index) => {
         const f0 = performance.now();
         try {
-          const r = await processFile(entry.config, pool, wav, request.options, gone.signal, figures, waitMs);
+          const r = await processFile(entry.config, pool, file, request.options, gone.signal, figures, waitMs);
           send({ type: 'SSE_EVENT', rid, name: 'result', data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) } });
         } catch (e) {
           failed++;

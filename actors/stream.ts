@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, type Actor, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
 import { checkFormat, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
-import { MAX_TIMEOUT_MS, type Limits } from '../runtime/config.js';
+import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError } from '../runtime/errors.js';
 import type { Job, VadJob } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
@@ -20,7 +20,12 @@ export interface StreamParams {
   channels: number;
   /** The request's own busy timeout, ms. */
   busyTimeoutMs?: number;
+  /** Task options given as query parameters (`threshold=0.7`), validated against the model's task. */
+  options?: Record<string, unknown>;
 }
+
+/** Query parameters of `/v1/stream` besides task options. */
+export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms'] as const;
 
 function intParam(url: URL, name: string, dflt: number | undefined): number | undefined {
   const raw = url.searchParams.get(name);
@@ -30,10 +35,11 @@ function intParam(url: URL, name: string, dflt: number | undefined): number | un
 }
 
 /**
- * Parses `/v1/stream?model=&sample_rate=&encoding=&channels=&busy_timeout_ms=`.
- * @throws VoxError `invalid_request_error` naming the bad query parameter.
+ * Parses `/v1/stream?model=&sample_rate=&encoding=&channels=&busy_timeout_ms=` and task options.
+ * @throws VoxError `invalid_request_error` naming the bad (or unknown) query parameter.
  */
 export function parseStreamParams(url: URL): StreamParams {
+  const options = queryOptions(url.searchParams, STREAM_QUERY);
   const model = url.searchParams.get('model');
   if (!model) throw invalid('model: required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
@@ -44,6 +50,7 @@ export function parseStreamParams(url: URL): StreamParams {
     sampleRate: intParam(url, 'sample_rate', 16_000)!,
     channels: intParam(url, 'channels', 1)!,
     busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined),
+    options,
   };
   checkFormat(params.sampleRate, params.channels);
   return params;
@@ -307,7 +314,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       const { pool, batcher } = loaded;
       // A VAD stream's ready windows go through the batcher, which runs them with other streams'.
       run = batcher ? (job) => batcher.run(job as VadJob, gone.signal) : (job) => pool.run(job, gone.signal);
-      session = createTaskSession(entry.config, pool.info, undefined);
+      session = createTaskSession(entry.config, pool.info, params.options);
       if (gone.signal.aborted) return;
       send({ type: 'READY', model: entry.id, task: entry.config.task });
       const buffered = early;

@@ -309,7 +309,10 @@ export class Supervisor {
     this.actor = this.root.system.get('supervisor') as ActorRefFrom<typeof supervisorMachine>;
   }
 
-  /** Loads the config's non-lazy models, then accepts work (`STARTED`). Load failures are kept in `last_error`. */
+  /**
+   * Loads the config's non-lazy models, then accepts work (`STARTED`). A load failure is logged at
+   * error level and kept in the model's `last_error` (see {@link failedModels}).
+   */
   async start(): Promise<void> {
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
@@ -318,12 +321,27 @@ export class Supervisor {
         const lease = await entry.admission.acquire({ exclusive: true });
         try {
           await entry.ensureReady();
+        } catch (e) {
+          this.log.error({ model: m.id, path: m.path, err: (e as Error).message }, 'model failed to load at start');
         } finally {
           lease.release();
         }
       }),
     );
     this.root.send({ type: 'STARTED' });
+  }
+
+  /**
+   * The config's eager (`lazy: false`) models that are not loaded because their last load
+   * failed, with that error: `/ready` and `GET /v1/models` list them. A later successful load
+   * (on first use or `POST /v1/models/load`) takes a model off the list.
+   */
+  failedModels(): { id: string; error: string }[] {
+    return this.config.models
+      .filter((m) => !m.lazy)
+      .map((m) => this.entries.get(m.id)?.status())
+      .filter((st): st is ModelStatus => !!st && st.state === 'unloaded' && !!st.last_error)
+      .map((st) => ({ id: st.id, error: st.last_error! }));
   }
 
   /** True when cold loads pass through the supervisor's gate one at a time (C11). */

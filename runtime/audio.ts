@@ -13,7 +13,7 @@ export const MIN_SAMPLE_RATE = 8_000;
 export const MAX_SAMPLE_RATE = 192_000;
 /** Accepted channel counts. */
 export const MAX_CHANNELS = 32;
-/** Longest audio file accepted, s: decoding and resampling run on the main thread. */
+/** Longest audio file accepted (decoded duration), s. */
 export const MAX_AUDIO_SECONDS = 1800;
 
 /**
@@ -164,30 +164,66 @@ export class Resampler {
 }
 
 /**
+ * Resamples a whole mono signal given chunk by chunk (a decoder's output) from `fromHz` to
+ * `toHz` with a {@link Resampler}, keeping only the converted samples: `finish()` flushes the
+ * converter's filter delay and returns exactly round(n x toHz / fromHz) samples for n in.
+ */
+export class WholeResampler {
+  private readonly parts: Float32Array[] = [];
+  private received = 0;
+  private constructor(
+    private readonly r: Resampler,
+    private readonly fromHz: number,
+    private readonly toHz: number,
+  ) {}
+
+  /** @param fromHz input rate, Hz. @param toHz output rate, Hz. */
+  static async create(fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<WholeResampler> {
+    return new WholeResampler(await Resampler.create(fromHz, toHz), fromHz, toHz);
+  }
+
+  /** Converts the next chunk (mono float32 at `fromHz`). */
+  push(chunk: Float32Array): void {
+    this.received += chunk.length;
+    this.parts.push(this.r.push(chunk));
+  }
+
+  /** The whole signal at `toHz` (call once, then `close()`). */
+  finish(): Float32Array {
+    // The converter holds back its filter delay: push silence to flush it, then cut to length.
+    if (this.fromHz !== this.toHz) this.parts.push(this.r.push(new Float32Array(Math.ceil(this.fromHz / 50))));
+    const out = new Float32Array(Math.round((this.received * this.toHz) / this.fromHz));
+    let o = 0;
+    for (const p of this.parts) {
+      if (o >= out.length) break;
+      out.set(p.subarray(0, out.length - o), o);
+      o += p.length;
+    }
+    this.parts.length = 0;
+    return out;
+  }
+
+  /** Frees the converter's WASM memory. */
+  close(): void {
+    this.r.close();
+  }
+}
+
+/**
  * Resamples a whole mono signal from `fromHz` to `toHz` (libsamplerate, streaming API), in
  * chunks of 10 s of input, yielding to the event loop between chunks so that a long file does
  * not stall other clients.
  */
 export async function resample(samples: Float32Array, fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Float32Array> {
   if (fromHz === toHz) return samples;
-  const r = await Resampler.create(fromHz, toHz);
+  const r = await WholeResampler.create(fromHz, toHz);
   try {
     const chunk = fromHz * 10;
-    const parts: Float32Array[] = [];
     for (let at = 0; at < samples.length; at += chunk) {
-      parts.push(r.push(samples.subarray(at, at + chunk)));
+      r.push(samples.subarray(at, at + chunk));
       if (at + chunk < samples.length) await new Promise((resolve) => setImmediate(resolve));
     }
-    // The converter holds back its filter delay: push silence to flush it, then cut to length.
-    parts.push(r.push(new Float32Array(Math.ceil(fromHz / 50))));
-    const out = new Float32Array(Math.round((samples.length * toHz) / fromHz));
-    let o = 0;
-    for (const p of parts) {
-      if (o >= out.length) break;
-      out.set(p.subarray(0, out.length - o), o);
-      o += p.length;
-    }
-    return out;
+    return r.finish();
   } finally {
     r.close();
   }

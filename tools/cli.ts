@@ -5,7 +5,8 @@
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
-import { Command, InvalidArgumentError } from 'commander';
+import { extname } from 'node:path';
+import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type VoxStream } from '../client/node.js';
 import { loadServerConfig, type ServerConfig } from '../runtime/config.js';
 import { LOG_LEVELS } from '../runtime/telemetry.js';
@@ -15,12 +16,33 @@ import { progressBar } from './progress.js';
 
 const require = createRequire(import.meta.url);
 const { WaveFile } = require('wavefile') as typeof import('wavefile');
+const { version } = require('../../package.json') as { version: string };
 const DEFAULT_URL = 'http://127.0.0.1:8080';
 
 const int = (name: string) => (v: string): number => {
   if (!/^\d+$/.test(v)) throw new InvalidArgumentError(`${name} must be a non-negative integer`);
   return Number(v);
 };
+
+/** `--frame-ms`: 1-10,000 ms (0 would send one sample per frame). */
+const frameMs = (v: string): number => {
+  const n = int('--frame-ms')(v);
+  if (n < 1 || n > 10_000) throw new InvalidArgumentError('--frame-ms must be from 1 to 10000 ms');
+  return n;
+};
+
+/**
+ * `--option k=v` (repeatable): a task option, validated by the server with the same schema as a
+ * JSON body's `options`; a numeric value is sent as a number (as the server reads query parameters).
+ */
+const collectOption = (v: string, all: Record<string, unknown>): Record<string, unknown> => {
+  const m = /^([A-Za-z_][A-Za-z0-9_]*)=(.+)$/.exec(v);
+  if (!m) throw new InvalidArgumentError(`'${v}' is not of the form key=value, e.g. threshold=0.7`);
+  return { ...all, [m[1]]: Number.isFinite(Number(m[2])) ? Number(m[2]) : m[2] };
+};
+
+/** Content-Type of an audio file sent by `run`, by its extension (the server also reads its magic bytes). */
+const AUDIO_TYPES: Record<string, string> = { '.wav': 'audio/wav', '.mp3': 'audio/mpeg', '.ogg': 'audio/ogg', '.oga': 'audio/ogg', '.opus': 'audio/ogg', '.flac': 'audio/flac', '.webm': 'audio/webm' };
 
 function die(message: string): never {
   process.stderr.write(`voxserve: ${message}\n`);
@@ -66,14 +88,14 @@ interface ServeOptions {
   statelyInspector?: string;
 }
 
-const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket');
+const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket').version(version, '-V, --version');
 
 program
   .command('serve')
   .description('run the server (with no config: the embedded default models, on 127.0.0.1:8080)')
-  .option('--config <file>', 'JSON config file')
-  .option('--host <host>', 'listen address')
-  .option('--port <port>', 'listen port (0 picks a free one)', int('--port'))
+  .addOption(new Option('--config <file>', 'JSON config file').env('VOXSERVE_CONFIG'))
+  .addOption(new Option('--host <host>', 'listen address').env('VOXSERVE_HOST'))
+  .addOption(new Option('--port <port>', 'listen port (0 picks a free one); else VOXSERVE_PORT, else PORT').argParser(int('--port')).env('VOXSERVE_PORT'))
   .option('--busy-timeout-ms <ms>', 'server ceiling on admission waits, ms (0 = unbounded)', int('--busy-timeout-ms'))
   .option('--management', 'enable the model management routes (load/unload)')
   .option('--max-loaded-models <n>', 'models resident at once; cold loads evict the least recently used idle one (0 = no limit)', int('--max-loaded-models'))
@@ -84,6 +106,10 @@ program
   .option('--inspect', 'record state-chart transitions for /debug and /debug/actors')
   .option('--stately-inspector <url>', 'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090')
   .action(async (opts: ServeOptions) => {
+    if (opts.port === undefined && process.env.PORT) {
+      if (!/^\d+$/.test(process.env.PORT)) die(`PORT must be a non-negative integer, got '${process.env.PORT}'`);
+      opts.port = Number(process.env.PORT);
+    }
     let config: ServerConfig;
     try {
       config = loadServerConfig(opts.config, {
@@ -128,13 +154,14 @@ program
 
 program
   .command('run')
-  .description('send an audio file to a running server and print the JSON result')
+  .description('send an audio file (WAV, MP3, Ogg Vorbis/Opus, FLAC, WebM/Opus) to a running server and print the JSON result')
   .argument('<model>', 'model id, e.g. silero-vad or alexa')
-  .argument('<file>', 'audio file (WAV)')
+  .argument('<file>', 'audio file')
   .option('--url <url>', 'server URL', DEFAULT_URL)
+  .option('--option <key=value>', 'task option (repeatable), e.g. --option threshold=0.7', collectOption, {})
   .option('--progress', 'draw a progress bar on stderr even when it is not a terminal')
   .option('--no-progress', 'no progress bar (default: one on stderr when it is a terminal)')
-  .action(async (model: string, file: string, opts: { url: string; progress?: boolean }) => {
+  .action(async (model: string, file: string, opts: { url: string; option: Record<string, unknown>; progress?: boolean }) => {
     let audio: Buffer;
     try {
       audio = readFileSync(file);
@@ -146,6 +173,8 @@ program
     try {
       const result = await client(opts.url).run(audio, {
         model,
+        options: Object.keys(opts.option).length ? opts.option : undefined,
+        contentType: AUDIO_TYPES[extname(file).toLowerCase()],
         onProgress: bar ? (p) => bar.update(p.processed_ms / 1000, p.audio_duration_ms / 1000) : undefined,
       });
       bar?.stop();
@@ -163,7 +192,7 @@ program
   .argument('<file>', 'WAV file (PCM or float, any rate and channel count; sent as s16le)')
   .option('--url <url>', 'server URL', DEFAULT_URL)
   .option('--realtime', 'send each frame when its audio has elapsed')
-  .option('--frame-ms <ms>', 'frame length, ms', int('--frame-ms'), 100)
+  .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
   .action(async (model: string, file: string, opts: { url: string; realtime?: boolean; frameMs: number; protocol: string }) => {
     if (opts.protocol !== 'json' && opts.protocol !== 'msgpack') die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
@@ -212,7 +241,7 @@ program
   .command('bench')
   .description('live streaming benchmark against a server it starts, with the bare and per-client baselines (one table)')
   .option('--streams <list>', 'comma-separated stream counts', '100,500,1000')
-  .option('--frame-ms <ms>', 'frame length, ms', int('--frame-ms'), 100)
+  .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--seconds <s>', 'audio per stream, s', int('--seconds'), 20)
   .option('--slots <n>', 'server slots for the model', int('--slots'), 1)
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms", int('--batch-delay-ms'), 10)

@@ -1,6 +1,7 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
-import type { HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
-import { MAX_TIMEOUT_MS } from '../runtime/config.js';
+import type { AudioFile, HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
+import { MAX_TIMEOUT_MS, queryOptions } from '../runtime/config.js';
+import { isAudioContentType } from '../runtime/decode.js';
 import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
 
 /** Writes a JSON response. */
@@ -85,14 +86,41 @@ function parseTimeout(v: unknown): number | undefined {
 
 const RUN_FIELDS = ['model', 'audio', 'busy_timeout_ms', 'options'];
 
+/** Query parameters of `/v1/tasks/run` with a raw audio body, besides task options. */
+const RUN_QUERY = ['model', 'busy_timeout_ms'];
+
 const BASE64 = /^[A-Za-z0-9+/]*={0,2}$/;
+/** An RFC 2397 `data:` URL prefix: `data:audio/mpeg;base64,` (parameters allowed). */
+const DATA_URL = /^data:([^;,]*)((?:;[^;,]*)*?);base64,/i;
 
 /**
- * Parses `POST /v1/tasks/run`: a WAV body with `?model=ID` (and `busy_timeout_ms`), or JSON
- * `{model, audio: <base64 WAV>, busy_timeout_ms?, options?}`. With `Accept: text/event-stream`
- * the answer is server-sent events (`progress {processed_ms, audio_duration_ms}` at most every
- * 100 ms, then `result`, or `error {error}`).
- * @throws VoxError `invalid_request_error` naming the field.
+ * Decodes one base64 audio file, with or without a `data:<type>;base64,` prefix (the type then
+ * tells the format, as a Content-Type does).
+ * @throws VoxError `invalid_request_error` naming `field`.
+ */
+export function parseBase64Audio(value: unknown, field: string): AudioFile {
+  if (typeof value !== 'string' || !value) throw invalid(`${field}: required, a base64-encoded audio file`);
+  const prefix = DATA_URL.exec(value.slice(0, 256));
+  if (!prefix && value.startsWith('data:')) throw invalid(`${field}: a data: URL must be base64 (data:<type>;base64,...)`);
+  const b64 = prefix ? value.slice(prefix[0].length) : value;
+  if (!BASE64.test(b64.replace(/\s/g, ''))) throw invalid(`${field}: not valid base64`);
+  const type = prefix?.[1].trim().toLowerCase() || undefined;
+  return { bytes: Buffer.from(b64, 'base64'), type };
+}
+
+/** A JSON task request takes no query parameters. @throws VoxError naming the first. */
+function noQuery(url: URL): void {
+  const first = [...url.searchParams.keys()][0];
+  if (first !== undefined) throw invalid(`${first.slice(0, 64)}: unknown query parameter; with a JSON body every field goes in the body`);
+}
+
+/**
+ * Parses `POST /v1/tasks/run`: a raw audio body (WAV, MP3, Ogg, FLAC, WebM; `Content-Type:
+ * audio/...` or `application/octet-stream`) with `?model=ID`, `busy_timeout_ms` and task options
+ * as query parameters, or JSON `{model, audio: <base64>, busy_timeout_ms?, options?}`. With
+ * `Accept: text/event-stream` the answer is server-sent events (`progress {processed_ms,
+ * audio_duration_ms}` at most every 100 ms, then `result`, or `error {error}`).
+ * @throws VoxError `invalid_request_error` naming the field or query parameter.
  */
 export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
   const request = parseRunBody(req, url, body, t0);
@@ -103,40 +131,39 @@ export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0
 function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
   const type = (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
   if (type === 'application/json') {
+    noQuery(url);
     const json = parseJsonObject(body);
     const unknown = Object.keys(json).filter((k) => !RUN_FIELDS.includes(k));
     if (unknown.length) throw invalid(`${unknown[0]}: unknown field; expected ${RUN_FIELDS.join(', ')}`);
     if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
-    if (typeof json.audio !== 'string' || !json.audio) throw invalid('audio: required, a base64-encoded WAV file');
-    if (!BASE64.test(json.audio.replace(/\s/g, ''))) throw invalid('audio: not valid base64');
-    return { kind: 'run', model: json.model, files: [Buffer.from(json.audio, 'base64')], busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
+    return { kind: 'run', model: json.model, files: [parseBase64Audio(json.audio, 'audio')], busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
   }
-  if (type === 'audio/wav' || type === 'audio/x-wav' || type === 'audio/wave' || type === 'application/octet-stream') {
+  if (isAudioContentType(type)) {
+    const options = queryOptions(url.searchParams, RUN_QUERY);
     const model = url.searchParams.get('model');
-    if (!model) throw invalid('model: required as a query parameter (?model=ID) with a WAV body');
-    return { kind: 'run', model, files: [body], busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined), t0 };
+    if (!model) throw invalid('model: required as a query parameter (?model=ID) with an audio body');
+    return { kind: 'run', model, files: [{ bytes: body, type }], busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined), options, t0 };
   }
-  throw invalid(`content-type: expected audio/wav (with ?model=ID) or application/json, got '${type || 'none'}'`);
+  throw invalid(`content-type: expected an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm; with ?model=ID) or application/json, got '${type || 'none'}'`);
 }
 
 /** Files in one `POST /v1/tasks/batch`. */
 export const MAX_BATCH_FILES = 256;
 
 /**
- * Parses `POST /v1/tasks/batch`: JSON `{model, files: [<base64 WAV>...], options?, busy_timeout_ms?}`.
+ * Parses `POST /v1/tasks/batch`: JSON `{model, files: [<base64 audio>...], options?, busy_timeout_ms?}`.
  * One lease for the whole batch; each result is streamed as a server-sent event as soon as it is
  * ready (`event: result`, data `{index, model, task, ..., timing}`; a bad file gives `event: error`,
  * data `{index, error}`), then `event: done` with `{files, failed, wall_ms}`.
  * @throws VoxError `invalid_request_error` naming the field.
  */
-export function parseBatchRequest(body: Buffer, t0: number): TaskRequest {
+export function parseBatchRequest(url: URL, body: Buffer, t0: number): TaskRequest {
+  noQuery(url);
   const json = parseJsonObject(body);
   if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
   const files = json.files;
-  if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES) throw invalid(`files: required, an array of 1-${MAX_BATCH_FILES} base64-encoded WAV files`);
-  const bad = files.findIndex((f) => typeof f !== 'string' || !BASE64.test(f.replace(/\s/g, '')));
-  if (bad >= 0) throw invalid(`files.${bad}: not a base64 string`);
-  return { kind: 'batch', model: json.model, files: (files as string[]).map((f) => Buffer.from(f, 'base64')), busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
+  if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES) throw invalid(`files: required, an array of 1-${MAX_BATCH_FILES} base64-encoded audio files`);
+  return { kind: 'batch', model: json.model, files: files.map((f, i) => parseBase64Audio(f, `files.${i}`)), busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
 }
 
 /** One connection's HTTP socket actor and the responses it writes to, by request number. */

@@ -6,13 +6,14 @@ import { WebSocketServer } from 'ws';
 import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
 import { createInspection } from '../actors/inspection.js';
 import { drainOnShutdown } from '../actors/system.js';
-import type { ServerConfig } from '../runtime/config.js';
+import { queryOptions, type ServerConfig } from '../runtime/config.js';
+import { startDecoders } from '../runtime/decode.js';
 import { invalid, VoxError } from '../runtime/errors.js';
 import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
 import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, sendError, sendJson, type HttpLink } from './http.js';
-import { createStreamSocket } from '../actors/stream.js';
+import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { demoRoute } from './demo.js';
 
@@ -75,6 +76,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   if (config.management.enabled && !config.management.token && !isLoopback(config.host)) {
     throw new Error(`refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`);
   }
+  startDecoders();
   const inspected = await createInspection(config);
   const supervisor = new Supervisor(config, { ...options, inspect: inspected.inspect });
   const { log, metrics } = supervisor;
@@ -95,9 +97,12 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const timeout = config.busy_timeout_ms;
     if (method === 'GET' && path === '/health') return sendJson(res, 200, { status: 'ok', models: supervisor.statuses().length });
     if (method === 'GET' && path === '/ready') {
-      return supervisor.accepting ? sendJson(res, 200, { status: 'ready' }) : sendJson(res, 503, { status: supervisor.phase });
+      if (!supervisor.accepting) return sendJson(res, 503, { status: supervisor.phase });
+      const failed = supervisor.failedModels();
+      // Still ready (the other models serve), but a configured model that failed to load is named.
+      return sendJson(res, 200, failed.length ? { status: 'ready', failed_models: failed } : { status: 'ready' });
     }
-    if (method === 'GET' && path === '/v1/models') return sendJson(res, 200, { models: supervisor.statuses() });
+    if (method === 'GET' && path === '/v1/models') return sendJson(res, 200, { models: supervisor.statuses(), failed_models: supervisor.failedModels() });
     if (method === 'GET' && path === '/metrics') {
       for (const m of supervisor.statuses()) {
         metrics.queued.set({ model: m.id }, m.queued_requests);
@@ -167,7 +172,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
       const t0 = performance.now();
       const body = await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms);
-      const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(body, t0);
+      const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(url, body, t0);
       return link.tell({ type: 'TASK', rid, request });
     }
     const known = ['/health', '/ready', '/metrics', '/demo', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
@@ -234,7 +239,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     socket.on('error', () => socket.destroy());
     // The connection leaves HTTP: a stream socket actor (or this handler's answer) owns it now.
     if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.tell({ type: 'UPGRADED' });
-    const path = new URL(req.url ?? '/', 'http://localhost').pathname;
+    const target = new URL(req.url ?? '/', 'http://localhost');
+    const path = target.pathname;
     const refuse = (status: number, text: string, message = text): void => {
       const body = JSON.stringify({ error: { type: status === 404 ? 'not_found' : status === 503 ? 'server_busy' : 'invalid_request_error', message } });
       socket.end(`HTTP/1.1 ${status} ${text}\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
@@ -249,6 +255,13 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return handle(req, res);
     }
     if (path.replace(/\/+$/, '') !== '/v1/stream') return refuse(404, 'Not Found', `no WebSocket route ${path}; streams are at /v1/stream`);
+    // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
+    // bad values of known ones are reported on the open stream (error event, close 1008).
+    try {
+      queryOptions(target.searchParams, STREAM_QUERY);
+    } catch (e) {
+      return refuse(400, 'Bad Request', (e as Error).message);
+    }
     if (!supervisor.accepting) return refuse(503, 'Service Unavailable', 'the server is shutting down');
     if (socket.destroyed) return;
     if (streams.size >= config.limits.max_ws_connections) return refuse(503, 'Service Unavailable', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);

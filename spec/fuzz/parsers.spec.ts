@@ -99,7 +99,7 @@ describe('fuzz: query strings', () => {
       const r = settle(() => parseRunRequest(req, new URL(`/v1/tasks/run?${q}`, 'http://localhost'), wav, 0), q);
       if (!r) return false;
       expect(r.model).toBeTruthy();
-      return checkDecoded(r.files[0], q);
+      return checkDecoded(r.files[0].bytes, q);
     }, 0.02);
   });
 });
@@ -108,10 +108,10 @@ const runBody = fc.record({ model: fc.constantFrom('vad', 'wake', 'nope'), audio
 const batchBody = fc.record({ model: fc.constantFrom('vad', 'wake'), files: fc.array(base64Wav, { maxLength: 3 }), busy_timeout_ms: fc.nat(1000), options: optionsArb }, { requiredKeys: ['model', 'files'] });
 
 /** A parsed task request's files and options must each decode and validate, or be a 400. */
-function checkTask(r: { model: string; files: Buffer[]; options?: unknown }, what: string): boolean {
+function checkTask(r: { model: string; files: { bytes: Buffer }[]; options?: unknown }, what: string): boolean {
   expect(typeof r.model).toBe('string');
   let ok = true;
-  for (const f of r.files) ok = checkDecoded(f, what) && ok;
+  for (const f of r.files) ok = checkDecoded(f.bytes, what) && ok;
   // Accepted if the options suit either task (VAD options are refused by a wake-word model).
   let suits = false;
   for (const config of [VAD, WAKE]) suits = settle(() => createTaskSession(config, { vadVersion: 'v5', labels: ['x'], headWindow: 16, initialEmbedding: new Float32Array(96) }, r.options), `${what} options`) !== undefined || suits;
@@ -162,7 +162,7 @@ describe('fuzz: JSON request bodies', () => {
 
   it('batch: a request of 1-256 files that decode, or a 400', async () => {
     await fuzz('json', jsonBodyArb(batchBody), 3_000, 500, (body) => {
-      const r = settle(() => parseBatchRequest(Buffer.from(body), 0), body);
+      const r = settle(() => parseBatchRequest(new URL('http://localhost/v1/tasks/batch'), Buffer.from(body), 0), body);
       if (!r) return false;
       expect(r.files.length).toBeGreaterThanOrEqual(1);
       return checkTask(r, body);

@@ -5,14 +5,14 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
+import { defaultCatalog, OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 const catalog = defaultCatalog();
-const legacyVad = catalog.find((m) => m.id === 'silero-vad')!.path.replace('silero_vad_v5.onnx', 'silero_vad_legacy.onnx');
+const legacyVad = SILERO_V5.replace('silero_vad_v5.onnx', 'silero_vad_legacy.onnx');
 
 beforeAll(async () => {
   server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, limits: { max_body_bytes: 1024 * 1024 } }));

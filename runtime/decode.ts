@@ -1,0 +1,180 @@
+import { existsSync } from 'node:fs';
+import { availableParallelism } from 'node:os';
+import { fileURLToPath } from 'node:url';
+import { Worker } from 'node:worker_threads';
+import { MAX_AUDIO_SECONDS } from './audio.js';
+import { invalid, VoxError, type ErrorType } from './errors.js';
+
+/** Audio containers and codecs accepted by `/v1/tasks/run` and `/v1/tasks/batch`. */
+export const AUDIO_FORMATS = ['wav', 'mp3', 'ogg-vorbis', 'ogg-opus', 'flac', 'webm-opus'] as const;
+export type AudioFormat = (typeof AUDIO_FORMATS)[number];
+
+export const FORMAT_NAMES: Record<AudioFormat, string> = { wav: 'WAV', mp3: 'MP3', 'ogg-vorbis': 'Ogg Vorbis', 'ogg-opus': 'Ogg Opus', flac: 'FLAC', 'webm-opus': 'WebM/Opus' };
+
+/** What the error for an unsupported format lists. */
+export const ACCEPTED_FORMATS =
+  'WAV (audio/wav), MP3 (audio/mpeg), Ogg Vorbis and Ogg Opus (audio/ogg), FLAC (audio/flac), WebM/Opus (audio/webm)';
+
+/** Content types of a raw audio body and the container they name (`ogg` and `webm` are told apart by their content). */
+const CONTENT_TYPES: Record<string, 'wav' | 'mp3' | 'ogg' | 'flac' | 'webm'> = {
+  'audio/wav': 'wav',
+  'audio/x-wav': 'wav',
+  'audio/wave': 'wav',
+  'audio/vnd.wave': 'wav',
+  'audio/mpeg': 'mp3',
+  'audio/mp3': 'mp3',
+  'audio/ogg': 'ogg',
+  'audio/opus': 'ogg',
+  'application/ogg': 'ogg',
+  'audio/flac': 'flac',
+  'audio/x-flac': 'flac',
+  'audio/webm': 'webm',
+  'video/webm': 'webm',
+};
+
+/** True for a content type that a raw audio body may carry (`application/octet-stream`: by its bytes alone). */
+export function isAudioContentType(type: string): boolean {
+  return type.startsWith('audio/') || type in CONTENT_TYPES || type === 'application/octet-stream';
+}
+
+/** True if `b` holds the latin1 string `s` at byte `at`. */
+export const ascii = (b: Uint8Array, at: number, s: string): boolean => b.length >= at + s.length && Buffer.from(b.buffer, b.byteOffset + at, s.length).toString('latin1') === s;
+
+/**
+ * What the first bytes say (magic numbers): a supported format, the name of a recognised but
+ * unsupported one, or null.
+ */
+function sniff(b: Uint8Array): AudioFormat | { unsupported: string } | null {
+  if ((ascii(b, 0, 'RIFF') || ascii(b, 0, 'RIFX') || ascii(b, 0, 'RF64')) && ascii(b, 8, 'WAVE')) return 'wav';
+  if (ascii(b, 0, 'fLaC')) return 'flac';
+  if (ascii(b, 0, 'OggS')) {
+    // The first page holds the codec's identification header (RFC 3533; RFC 7845 for Opus).
+    const body = 27 + (b[26] ?? 0);
+    if (ascii(b, body, 'OpusHead')) return 'ogg-opus';
+    if (ascii(b, body, '\x01vorbis')) return 'ogg-vorbis';
+    if (ascii(b, body, '\x7fFLAC')) return { unsupported: 'Ogg FLAC' };
+    if (ascii(b, body, 'Speex')) return { unsupported: 'Ogg Speex' };
+    return { unsupported: 'Ogg with an unknown codec' };
+  }
+  if (b[0] === 0x1a && b[1] === 0x45 && b[2] === 0xdf && b[3] === 0xa3) return 'webm-opus'; // EBML: the codec is checked when decoding
+  if (ascii(b, 4, 'ftyp')) return { unsupported: 'MP4/M4A (AAC)' };
+  if (ascii(b, 0, 'FORM') && (ascii(b, 8, 'AIFF') || ascii(b, 8, 'AIFC'))) return { unsupported: 'AIFF' };
+  if (ascii(b, 0, 'caff')) return { unsupported: 'CAF' };
+  if (ascii(b, 0, '#!AMR')) return { unsupported: 'AMR' };
+  if (ascii(b, 0, 'ID3')) return 'mp3';
+  // An MPEG audio frame sync: 11 set bits; layer bits 00 with the same sync are AAC's ADTS.
+  if (b[0] === 0xff && (b[1] & 0xe0) === 0xe0) return (b[1] & 0x06) === 0 ? { unsupported: 'AAC (ADTS)' } : 'mp3';
+  return null;
+}
+
+/**
+ * Chooses how to decode an audio file: by its magic bytes, else by its declared content type.
+ * @param contentType the body's media type (lower case, no parameters), or undefined (base64
+ *   with no `data:` prefix).
+ * @throws VoxError `invalid_request_error` naming the format (or content type) when it is not
+ *   one of {@link ACCEPTED_FORMATS}, or when the bytes are empty or unrecognised.
+ */
+export function audioFormat(bytes: Uint8Array, contentType?: string): AudioFormat {
+  if (bytes.length === 0) throw invalid(`audio: empty body (no audio bytes); accepted: ${ACCEPTED_FORMATS}`);
+  const sniffed = sniff(bytes);
+  if (typeof sniffed === 'string') return sniffed;
+  if (sniffed) throw invalid(`audio: ${sniffed.unsupported} is not supported; accepted: ${ACCEPTED_FORMATS}`);
+  const declared = contentType ? CONTENT_TYPES[contentType] : undefined;
+  // A declared format whose bytes do not start as expected goes to its decoder, which says what is wrong.
+  if (declared === 'wav' || declared === 'mp3' || declared === 'flac') return declared;
+  if (declared === 'ogg') throw invalid(`audio: not a readable Ogg file (no Ogg page at the start)`);
+  if (declared === 'webm') throw invalid(`audio: not a readable WebM file (no EBML header at the start)`);
+  if (contentType && contentType !== 'application/octet-stream') throw invalid(`audio: ${contentType} is not supported; accepted: ${ACCEPTED_FORMATS}`);
+  throw invalid(`audio: unrecognised format (first bytes ${Buffer.from(bytes.subarray(0, 4)).toString('hex')}); accepted: ${ACCEPTED_FORMATS}`);
+}
+
+
+/** A decode job's answer from the worker. */
+export type DecodeReply = { id: number; samples: Float32Array } | { id: number; error: { type: ErrorType; message: string } };
+
+/** The compiled worker entry (under vitest, the sources use `dist/`, as slot hosts do: build first). */
+function workerFile(): URL {
+  const sibling = new URL('./decode-worker.js', import.meta.url);
+  if (existsSync(fileURLToPath(sibling))) return sibling;
+  return new URL('../dist/runtime/decode-worker.js', import.meta.url);
+}
+
+/**
+ * Decode workers: one per core (at most 4), all started at once (module loading and WASM
+ * compilation happen before the first request needs them), each running one decode at a time
+ * (more wait in FIFO order). They are unref'd, so they never keep the process alive; a worker
+ * that dies fails its job with a `server_error` and is replaced.
+ */
+class DecodePool {
+  private readonly idle: Worker[] = [];
+  private readonly waiting: ((w: Worker) => void)[] = [];
+  private seq = 0;
+  constructor(size: number) {
+    for (let i = 0; i < size; i++) this.release(this.spawn());
+  }
+
+  private spawn(): Worker {
+    const worker = new Worker(workerFile(), { workerData: { role: 'decode' } });
+    worker.unref();
+    return worker;
+  }
+
+  private acquire(): Promise<Worker> {
+    const w = this.idle.pop();
+    return w ? Promise.resolve(w) : new Promise((resolve) => this.waiting.push(resolve));
+  }
+
+  private release(w: Worker): void {
+    const next = this.waiting.shift();
+    if (next) next(w);
+    else this.idle.push(w);
+  }
+
+  async run(bytes: Uint8Array, format: AudioFormat, maxSeconds: number): Promise<Float32Array> {
+    const worker = await this.acquire();
+    const id = ++this.seq;
+    // The worker gets its own copy of the bytes (the body buffer may be a slice of a shared pool).
+    const copy = new Uint8Array(bytes);
+    return new Promise<Float32Array>((resolve, reject) => {
+      const done = (): void => {
+        worker.off('message', onMessage).off('error', onDied).off('exit', onDied);
+      };
+      const onMessage = (m: DecodeReply): void => {
+        if (m.id !== id) return;
+        done();
+        this.release(worker);
+        if ('samples' in m) resolve(m.samples);
+        else reject(new VoxError(m.error.type, m.error.message));
+      };
+      const onDied = (e: unknown): void => {
+        done();
+        void worker.terminate();
+        this.release(this.spawn());
+        reject(new VoxError('server_error', `audio decoder worker died: ${e instanceof Error ? e.message : `exit ${e}`}`));
+      };
+      worker.on('message', onMessage).on('error', onDied).on('exit', onDied);
+      worker.postMessage({ id, bytes: copy, format, maxSeconds }, [copy.buffer]);
+    });
+  }
+}
+
+let pool: DecodePool | null = null;
+
+/** Starts the decode workers if they are not running yet (the server does at start). */
+export function startDecoders(): void {
+  pool ??= new DecodePool(Math.max(1, Math.min(4, availableParallelism())));
+}
+
+/**
+ * Decodes one audio file to mono float32 samples at 16 kHz in a decode worker thread (the
+ * event loop stays free), after choosing the decoder with {@link audioFormat}.
+ * @param contentType the declared media type, if any.
+ * @param maxSeconds decoded-duration limit, s (default {@link MAX_AUDIO_SECONDS}).
+ * @throws VoxError `invalid_request_error` for an unsupported, corrupt, truncated or too long
+ *   file (the message names the format); `server_error` if the worker dies.
+ */
+export function decodeAudio(bytes: Uint8Array, contentType?: string, maxSeconds = MAX_AUDIO_SECONDS): Promise<Float32Array> {
+  const format = audioFormat(bytes, contentType);
+  startDecoders();
+  return pool!.run(bytes, format, maxSeconds);
+}
