@@ -79,7 +79,7 @@ describe('voxserve CLI: input and rough edges', () => {
     }
   });
 
-  it('run takes an MP3 and --option k=v (sent as query parameters, validated by the server)', async () => {
+  it('run takes an MP3 and --option k=v (validated by the server as a JSON body`s options)', async () => {
     const mp3 = sharedPath('silero_test.mp3');
     const plain = await voxserve(['run', 'silero-vad', mp3, '--url', server.url]);
     expect(plain.code).toBe(0);
@@ -89,7 +89,7 @@ describe('voxserve CLI: input and rough edges', () => {
     expect(JSON.parse(strict.stdout).segments).toEqual([]);
     const typo = await voxserve(['run', 'silero-vad', mp3, '--url', server.url, '--option', 'thresold=0.9']);
     expect(typo.code).toBe(1);
-    expect(JSON.parse(typo.stdout).error.message).toMatch(/^thresold: unknown query parameter/);
+    expect(JSON.parse(typo.stdout).error.message).toMatch(/^options: .*"thresold"/);
     const malformed = await voxserve(['run', 'silero-vad', mp3, '--url', server.url, '--option', 'threshold']);
     expect(malformed.code).not.toBe(0);
     expect(malformed.stderr).toMatch(/not of the form key=value/);
