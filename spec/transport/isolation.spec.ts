@@ -138,7 +138,7 @@ describe('process isolation', () => {
     expect(waited).toBeLessThan(300 + 150);
     expect((await first).status).toBe(200);
     // Unbounded, the same request waits for the slot, and says so in queue_ms.
-    const again = run(s, 'plodding', wav(0.2));
+    const again = run(s, 'plodding', wav(0.5)); // ~16 windows x 150 ms
     await new Promise((r) => setTimeout(r, 100));
     const patient = await run(s, 'plodding', wav(0.05));
     expect(patient.status).toBe(200);
