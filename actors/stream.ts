@@ -1,5 +1,5 @@
 import { randomUUID } from 'node:crypto';
-import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, type Actor, type InspectionEvent } from 'xstate';
+import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, stateIn, type Actor, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
 import { checkFormat, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
@@ -69,31 +69,136 @@ export const MAX_PENDING_SAMPLES = 160_000;
 export type WireEvent = Record<string, unknown> & { type: string };
 
 /**
+ * A token bucket over a client's messages (`limits.ws_max_messages_per_s`): up to a second's
+ * worth at once, refilled at the limit. The server's own pauses (backpressure) are not the
+ * client's: the few messages ws still delivers while reading is paused are not counted, and the
+ * paused time is credited on top of the bucket, so the backlog the client sent meanwhile does not
+ * count as a burst; the credit lapses once the bucket is full again.
+ */
+class MessageBudget {
+  private tokens: number;
+  private credit = 0;
+  private at = performance.now();
+  private pausedAt: number | null = null;
+
+  /** @param perS messages per second. */
+  constructor(private readonly perS: number) {
+    this.tokens = perS;
+  }
+
+  /** One message at `now` (`performance.now()` ms); false past the limit. */
+  take(now: number): boolean {
+    if (this.pausedAt !== null) return true;
+    this.refill(now);
+    if (this.tokens >= 1) this.tokens--;
+    else if (this.credit >= 1) this.credit--;
+    else return false;
+    return true;
+  }
+
+  /** The server stopped (true) or started again (false) reading the socket. */
+  reading(paused: boolean, now: number): void {
+    if (paused && this.pausedAt === null) {
+      this.refill(now);
+      this.pausedAt = now;
+    } else if (!paused && this.pausedAt !== null) {
+      this.credit += ((now - this.pausedAt) * this.perS) / 1000;
+      this.pausedAt = null;
+      this.at = now;
+    }
+  }
+
+  private refill(now: number): void {
+    this.tokens += ((now - this.at) * this.perS) / 1000;
+    this.at = now;
+    if (this.tokens >= this.perS) {
+      this.tokens = this.perS;
+      this.credit = 0;
+    }
+  }
+}
+
+/**
  * A stream's data plane, between the transport and the stream's `work` actor, beside the chart:
  * binary frames in, task events (`speech_start`, `detection`, ...) out. They do not pass through
  * the chart: a chart event costs about 10 µs, a third of a stream's whole main-thread budget at
- * 100 ms frames. The channel also keeps the figures the chart's deadlines ask `work` for: when
- * the client last sent anything, and since when a write has been waiting to flush.
+ * 100 ms frames. Frames are coalesced: those that arrive in one turn of the event loop reach
+ * `work` as one chunk (flushed at the turn's end, or at once before a control message so that
+ * order holds), so the cost per frame is a copy, whatever the frame size. The channel counts
+ * every message against `limits.ws_max_messages_per_s` and keeps the figures the chart's
+ * deadlines ask `work` for: when the client last sent anything, and since when a write has been
+ * waiting to flush.
  */
 export class StreamChannel {
   /** When the client last sent a message, `performance.now()` ms. */
   heardAt = performance.now();
   /** Since when writes have been waiting to flush (the backlog began), `performance.now()` ms; null when all are flushed (kept by the transport). */
   unflushedSince: number | null = null;
-  /** The `work` actor's frame handler while it runs. */
-  sink: ((data: Buffer) => void) | null = null;
+  /** The `work` actor's handler of coalesced audio while it runs: bytes, and when the last of them arrived (`performance.now()` ms). */
+  sink: ((data: Buffer, arrivedAt: number) => void) | null = null;
   /** The transport's writer (set by it). */
   write: (event: WireEvent) => void = () => {};
+  /** Called once when the client goes over `limits.ws_max_messages_per_s` (set by the transport); later messages are dropped. */
+  onFlood: () => void = () => {};
+  private readonly budget: MessageBudget | null;
+  private flooded = false;
+  /** Frames of this turn, not yet flushed. */
+  private frames: Buffer[] = [];
+  private frameBytes = 0;
+  private flushing: NodeJS.Immediate | null = null;
+
+  /** @param maxMessagesPerS `limits.ws_max_messages_per_s` (0: no limit). */
+  constructor(maxMessagesPerS = 0) {
+    this.budget = maxMessagesPerS > 0 ? new MessageBudget(maxMessagesPerS) : null;
+  }
 
   /** A binary frame of PCM in the stream's declared format. */
   push(data: Buffer): void {
-    this.heardAt = performance.now();
-    this.sink?.(data);
+    if (!this.count(true)) return;
+    this.frames.push(data);
+    this.frameBytes += data.length;
+    this.flushing ??= setImmediate(this.flush);
   }
 
-  /** Any other message (a control frame). */
-  heard(): void {
-    this.heardAt = performance.now();
+  /** A text frame (a control message): audio before it is flushed first. */
+  heard(): boolean {
+    if (!this.count(true)) return false;
+    this.flush();
+    return true;
+  }
+
+  /** A ping or pong from the client: counted, not heard (it does not end the idle deadline). */
+  control(): void {
+    this.count(false);
+  }
+
+  /** The server stopped (true) or started again (false) reading the socket (backpressure). */
+  reading(paused: boolean): void {
+    this.budget?.reading(paused, performance.now());
+  }
+
+  /** Hands this turn's frames to `work` as one chunk. */
+  private readonly flush = (): void => {
+    if (this.flushing) clearImmediate(this.flushing);
+    this.flushing = null;
+    if (this.frameBytes === 0) return;
+    const data = this.frames.length === 1 ? this.frames[0] : Buffer.concat(this.frames, this.frameBytes);
+    this.frames = [];
+    this.frameBytes = 0;
+    this.sink?.(data, this.heardAt);
+  };
+
+  /** Counts one message; false (and `onFlood` once) past the limit. */
+  private count(heard: boolean): boolean {
+    if (this.flooded) return false;
+    const now = performance.now();
+    if (heard) this.heardAt = now;
+    if (!this.budget || this.budget.take(now)) return true;
+    this.flooded = true;
+    this.frames = [];
+    this.frameBytes = 0;
+    this.onFlood();
+    return false;
   }
 }
 
@@ -105,6 +210,8 @@ export type StreamInput =
   | { type: 'PONG' }
   /** The client leaves more than `ws_max_buffered_bytes` unread. */
   | { type: 'SEND_BLOCKED' }
+  /** The client sent more than `limits.ws_max_messages_per_s` (its channel counts them). */
+  | { type: 'FLOODED' }
   /** The peer closed (or the socket failed: 1006). */
   | { type: 'PEER_CLOSED'; code: number }
   /** Shutdown phase 2 (the root's `drain`): finish as if the client had sent `end`, close 1001. */
@@ -207,15 +314,25 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   let run: ((job: Job) => Promise<import('../runtime/slot-protocol.js').JobResult>) | null = null;
   let entry: ReturnType<Supervisor['require']> | null = null;
   let queueMs = 0;
-  let early: Buffer[] = [];
+  let early: { data: Buffer; at: number }[] = [];
   let earlyBytes = 0;
   let paused = false;
   let ended = false;
   let pumping = false;
   let repump = false;
-  /** Per received frame: samples received after it (16 kHz) and when it arrived (performance.now()). */
-  const arrivals: { end: number; at: number }[] = [];
+  /**
+   * Per received chunk, oldest first from `head`: samples received after it (16 kHz) and when its
+   * last byte arrived (performance.now()). A queue with a moving head, compacted as it drains:
+   * amortised O(1) per chunk and per window.
+   */
+  const arrivalEnd: number[] = [];
+  const arrivalAt: number[] = [];
+  let head = 0;
   let lagWindows = 0;
+  /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
+  let caughtUpAt = performance.now();
+  /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
+  const behind = (): boolean => !session || pumping || early.length > 0 || session.pendingSamples >= session.step;
 
   const fail = (e: unknown): void => {
     if (gone.signal.aborted) return;
@@ -239,15 +356,22 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     const now = performance.now();
     for (; (lagWindows + 1) * s.step <= s.processedSamples; lagWindows++) {
       const end = (lagWindows + 1) * s.step;
-      while (arrivals.length > 1 && arrivals[0].end < end) arrivals.shift();
-      if (arrivals.length) entry?.recordLag(now - arrivals[0].at);
+      while (head < arrivalEnd.length - 1 && arrivalEnd[head] < end) head++;
+      if (head < arrivalEnd.length) entry?.recordLag(now - arrivalAt[head]);
+    }
+    if (head > 1024 && head * 2 > arrivalEnd.length) {
+      arrivalEnd.splice(0, head);
+      arrivalAt.splice(0, head);
+      head = 0;
     }
   };
 
-  const push = (data: Buffer): void => {
+  /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
+  const push = (data: Buffer, at: number): void => {
     session!.push(decoder!.push(data));
     stats.receivedSamples = session!.receivedSamples;
-    arrivals.push({ end: session!.receivedSamples, at: performance.now() });
+    arrivalEnd.push(session!.receivedSamples);
+    arrivalAt.push(at);
     if (session!.pendingSamples > MAX_PENDING_SAMPLES) pause();
     void pump();
   };
@@ -275,6 +399,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     } finally {
       pumping = false;
     }
+    caughtUpAt = performance.now();
     resume();
     if (ended && session!.finished && !gone.signal.aborted) {
       const wallMs = performance.now() - t0;
@@ -288,6 +413,9 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   };
 
   const finishAudio = (): void => {
+    // The resampler's held-back tail first, so a stream gives the samples a file would.
+    session!.push(decoder!.end());
+    stats.receivedSamples = session!.receivedSamples;
     for (const e of session!.end()) emitTask(e);
     void pump();
   };
@@ -317,10 +445,11 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       session = createTaskSession(entry.config, pool.info, params.options);
       if (gone.signal.aborted) return;
       send({ type: 'READY', model: entry.id, task: entry.config.task });
+      caughtUpAt = performance.now();
       const buffered = early;
       early = [];
       earlyBytes = 0;
-      for (const data of buffered) push(data);
+      for (const { data, at } of buffered) push(data, at);
       if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
       if (ended) finishAudio();
     } catch (e) {
@@ -328,18 +457,19 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     }
   })();
 
-  channel.sink = (data) => {
+  channel.sink = (data, at) => {
     // Audio after `end` is dropped: the stream is finishing what it had.
     if (ended) return;
-    if (session) return push(data);
+    if (session) return push(data, at);
     // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
-    early.push(data);
+    early.push({ data, at });
     earlyBytes += data.length;
     if (earlyBytes > MAX_EARLY_BYTES) pause();
   };
   receive((e) => {
     if (e.type === 'CHECK_IDLE') {
-      send({ type: 'IDLE_REPORT', silentMs: performance.now() - channel.heardAt });
+      // The client's silence counts only from when the server had caught up with what it sent.
+      send({ type: 'IDLE_REPORT', silentMs: behind() ? 0 : performance.now() - Math.max(channel.heardAt, caughtUpAt) });
     } else if (e.type === 'CHECK_SEND') {
       send({ type: 'SEND_REPORT', waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince });
     } else if (e.type === 'END' && !ended) {
@@ -406,6 +536,8 @@ export const streamSocketMachine = setup({
     /** The client has been silent for `limits.idle_ms` (the figure comes with `IDLE_REPORT`). */
     idleExpired: ({ context, event }) => (event as { silentMs: number }).silentMs >= context.limits.idle_ms,
     alive: ({ context }) => context.alive,
+    /** `work` has paused reading the socket (backpressure). */
+    readingPaused: stateIn('#stream.live.intake.paused'),
     endedEarly: ({ context }) => context.ended,
     totalOn: ({ context }) => context.limits.total_ms > 0,
     sendTimeoutOff: ({ context }) => context.limits.send_timeout_ms <= 0,
@@ -421,6 +553,8 @@ export const streamSocketMachine = setup({
     sendLeft: ({ context }) => context.sendLeftMs,
     /** How long `closing` waits for the peer's close frame. */
     closeGrace: 1000,
+    /** A deadline that fell due is judged one turn of the event loop later (a timer turn after an I/O poll). */
+    settle: 1,
   },
 }).createMachine({
   id: 'stream',
@@ -446,10 +580,22 @@ export const streamSocketMachine = setup({
       after: { total: { guard: 'totalOn', actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `stream exceeded limits.total_ms (${context.limits.total_ms} ms)`, notify: true }) as CutEvent) } },
       on: {
         BAD_CONTROL: { actions: emit(({ event }) => ({ type: 'send', event: errorEvent('invalid_request_error', event.message) }) as StreamOutput) },
-        PAUSE: { actions: emit({ type: 'pause' }) },
-        RESUME: { actions: emit({ type: 'resume' }) },
         PONG: { actions: assign({ alive: true }) },
-        SEND_BLOCKED: { actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`, notify: true }) as CutEvent) },
+        SEND_BLOCKED: [
+          // The client may be blocked sending what the server does not read: the server gives up, and says so.
+          {
+            guard: 'readingPaused',
+            actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `server is behind: events unsent over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes}) while it paused reading`, notify: true }) as CutEvent),
+          },
+          { actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`, notify: true }) as CutEvent) },
+        ],
+        // Stop reading a flooding client at once: its close frame is not waited for (closeGrace), its junk not parsed.
+        FLOODED: {
+          actions: [
+            raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `too many messages: over limits.ws_max_messages_per_s (${context.limits.ws_max_messages_per_s})`, notify: true }) as CutEvent),
+            emit({ type: 'pause' }),
+          ],
+        },
         GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason, notify: false }) as CutEvent) },
         CUT: {
           target: 'closing',
@@ -507,16 +653,33 @@ export const streamSocketMachine = setup({
             },
           },
         },
+        // Whether the server reads the socket: `work` pauses it while it holds too much unprocessed audio.
+        intake: {
+          initial: 'reading',
+          states: {
+            reading: { on: { PAUSE: { target: 'paused', actions: emit({ type: 'pause' }) } } },
+            paused: { on: { RESUME: { target: 'reading', actions: emit({ type: 'resume' }) } } },
+          },
+        },
         idle: {
           initial: 'init',
           states: {
             // Transient: off when limits.idle_ms is 0 (no eventless check on every later event).
             init: { always: [{ guard: 'idleOff', target: 'off' }, { target: 'watching' }] },
             watching: {
-              after: { idleLeft: { target: 'checking', actions: sendTo('work', { type: 'CHECK_IDLE' }) } },
+              after: { idleLeft: 'due' },
+              on: { PAUSE: 'suspended' },
             },
+            // One turn of the event loop, so that input the server had not read yet counts.
+            due: {
+              after: { settle: { target: 'checking', actions: sendTo('work', { type: 'CHECK_IDLE' }) } },
+              on: { PAUSE: 'suspended' },
+            },
+            // The server is not reading: the client's silence is not the client's. A full period again once it reads.
+            suspended: { on: { RESUME: { target: 'watching', actions: assign({ idleLeftMs: ({ context }) => context.limits.idle_ms }) } } },
             checking: {
               on: {
+                PAUSE: 'suspended',
                 IDLE_REPORT: [
                   // After `end` the stream waits for the model, not the client: no idle deadline then.
                   { guard: 'endedEarly', target: 'off' },
@@ -536,13 +699,21 @@ export const streamSocketMachine = setup({
           states: {
             init: { always: [{ guard: 'heartbeatOff', target: 'off' }, { target: 'waiting' }] },
             waiting: {
+              after: { heartbeat: 'due' },
+              on: { PAUSE: 'suspended' },
+            },
+            // One turn of the event loop, so that a pong the server had not read yet counts.
+            due: {
               after: {
-                heartbeat: [
-                  { guard: 'alive', target: 'waiting', reenter: true, actions: [assign({ alive: false }), emit({ type: 'ping' })] },
+                settle: [
+                  { guard: 'alive', target: 'waiting', actions: [assign({ alive: false }), emit({ type: 'ping' })] },
                   { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'no pong: peer is gone', notify: false } as CutEvent) },
                 ],
               },
+              on: { PAUSE: 'suspended' },
             },
+            // The server is not reading: pongs cannot be heard. No pings; a full period again once it reads.
+            suspended: { on: { RESUME: { target: 'waiting', actions: assign({ alive: true }) } } },
             off: {},
           },
         },
@@ -550,9 +721,17 @@ export const streamSocketMachine = setup({
           initial: 'init',
           states: {
             init: { always: [{ guard: 'sendTimeoutOff', target: 'off' }, { target: 'watching' }] },
-            watching: { after: { sendLeft: { target: 'checking', actions: sendTo('work', { type: 'CHECK_SEND' }) } } },
+            watching: { after: { sendLeft: 'due' }, on: { PAUSE: 'suspended' } },
+            // One turn of the event loop, so that writes flushed meanwhile count.
+            due: {
+              after: { settle: { target: 'checking', actions: sendTo('work', { type: 'CHECK_SEND' }) } },
+              on: { PAUSE: 'suspended' },
+            },
+            // The server is not reading: a client blocked sending to it may not read either. A full period again once it reads.
+            suspended: { on: { RESUME: { target: 'watching', actions: assign({ sendLeftMs: ({ context }) => context.limits.send_timeout_ms }) } } },
             checking: {
               on: {
+                PAUSE: 'suspended',
                 SEND_REPORT: [
                   {
                     guard: 'sendExpired',
@@ -593,7 +772,7 @@ export interface StreamSocketHandle {
  */
 export function createStreamSocket(input: StreamSocketInput, inspect?: (e: InspectionEvent) => void): StreamSocketHandle {
   const id = randomUUID();
-  const channel = new StreamChannel();
+  const channel = new StreamChannel(input.limits.ws_max_messages_per_s);
   live.set(id, { ...input, channel, stats: { receivedSamples: 0 } });
   const actor = createActor(streamSocketMachine, { input: { id, limits: input.limits }, inspect, id: `socket:${++socketSeq}` });
   const drop = (): void => void live.delete(id);

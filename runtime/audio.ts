@@ -138,23 +138,52 @@ function downmix(interleaved: Float32Array, channels: number, frames: number): F
 
 /**
  * Streaming resampler (libsamplerate's SINC_FASTEST converter, compiled to WASM by
- * `@alexanderolsen/libsamplerate-js`). Keeps filter state across `push` calls. A pass-through
- * when the rates are equal. Call `close()` to free the WASM memory.
+ * `@alexanderolsen/libsamplerate-js`). Keeps filter state across `push` calls; `flush` ends the
+ * signal so that, over the whole stream, exactly round(input samples x toHz / fromHz) samples
+ * come out, the same count as {@link resample} gives for the whole signal at once. A
+ * pass-through when the rates are equal. Call `close()` to free the WASM memory.
  */
 export class Resampler {
-  private constructor(private readonly src: SRC | null) {}
+  /** Samples pushed in, and samples given out, so far. */
+  private inCount = 0;
+  private outCount = 0;
+
+  private constructor(
+    private readonly src: SRC | null,
+    private readonly fromHz: number,
+    private readonly toHz: number,
+  ) {}
 
   /** @param fromHz input rate, Hz. @param toHz output rate, Hz. */
   static async create(fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Resampler> {
-    if (fromHz === toHz) return new Resampler(null);
+    if (fromHz === toHz) return new Resampler(null, fromHz, toHz);
     const src = await LibSampleRate.create(1, fromHz, toHz, { converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST });
-    return new Resampler(src);
+    return new Resampler(src, fromHz, toHz);
   }
 
   /** Resamples the next chunk of a stream (mono float32). */
   push(samples: Float32Array): Float32Array {
+    this.inCount += samples.length;
     if (!this.src || samples.length === 0) return samples;
-    return this.src.full(samples);
+    return this.take(this.src.full(samples));
+  }
+
+  /**
+   * The end of the stream: the samples the converter still holds back (its filter delay), cut so
+   * that the stream's total output is round(input x toHz / fromHz) samples. Call once, last.
+   */
+  flush(): Float32Array {
+    if (!this.src) return new Float32Array(0);
+    // 20 ms of silence pushes out the filter delay (a few ms at SINC_FASTEST).
+    return this.take(this.src.full(new Float32Array(Math.ceil(this.fromHz / 50))));
+  }
+
+  /** Passes `out` on, cut so that the total given out never exceeds the signal's length at `toHz`. */
+  private take(out: Float32Array): Float32Array {
+    const room = Math.max(0, Math.round((this.inCount * this.toHz) / this.fromHz) - this.outCount);
+    const kept = out.length <= room ? out : out.subarray(0, room);
+    this.outCount += kept.length;
+    return kept;
   }
 
   /** Frees the converter. */
@@ -166,7 +195,7 @@ export class Resampler {
 /**
  * Resamples a whole mono signal given chunk by chunk (a decoder's output) from `fromHz` to
  * `toHz` with a {@link Resampler}, keeping only the converted samples: `finish()` flushes the
- * converter's filter delay and returns exactly round(n x toHz / fromHz) samples for n in.
+ * converter ({@link Resampler.flush}) and returns exactly round(n x toHz / fromHz) samples for n in.
  */
 export class WholeResampler {
   private readonly parts: Float32Array[] = [];
@@ -190,8 +219,7 @@ export class WholeResampler {
 
   /** The whole signal at `toHz` (call once, then `close()`). */
   finish(): Float32Array {
-    // The converter holds back its filter delay: push silence to flush it, then cut to length.
-    if (this.fromHz !== this.toHz) this.parts.push(this.r.push(new Float32Array(Math.ceil(this.fromHz / 50))));
+    this.parts.push(this.r.flush());
     const out = new Float32Array(Math.round((this.received * this.toHz) / this.fromHz));
     let o = 0;
     for (const p of this.parts) {
@@ -212,7 +240,7 @@ export class WholeResampler {
 /**
  * Resamples a whole mono signal from `fromHz` to `toHz` (libsamplerate, streaming API), in
  * chunks of 10 s of input, yielding to the event loop between chunks so that a long file does
- * not stall other clients.
+ * not stall other clients. Gives round(samples x toHz / fromHz) samples.
  */
 export async function resample(samples: Float32Array, fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Float32Array> {
   if (fromHz === toHz) return samples;
@@ -277,6 +305,15 @@ export class PcmStreamDecoder {
       sanitize(interleaved);
     }
     return this.resampler.push(downmix(interleaved, this.channels, frames));
+  }
+
+  /**
+   * The end of the stream: the resampler's held-back samples (see {@link Resampler.flush}); bytes
+   * of an incomplete frame are dropped.
+   */
+  end(): Float32Array {
+    this.remainder = Buffer.alloc(0);
+    return this.resampler.flush();
   }
 
   /** Frees the resampler. */

@@ -74,6 +74,12 @@ export const Limits = z.strictObject({
   ws_max_frame_bytes: z.number().int().positive().default(1024 * 1024),
   /** Outbound bytes a client may leave unread before it is cut off (close 1013). */
   ws_max_buffered_bytes: z.number().int().positive().default(4 * 1024 * 1024),
+  /**
+   * Messages (binary, text, ping, pong) one WebSocket client may send per second, with bursts of
+   * a second's worth; past it the stream is closed 1008. 0 = no limit. The default is well above
+   * what real clients send (an AudioWorklet posting every 128-sample quantum at 48 kHz: 375/s).
+   */
+  ws_max_messages_per_s: nonNegInt.default(1000),
   /** No data on a request body, or no message on a stream, for this long cuts it off. */
   idle_ms: nonNegInt.default(30_000),
   /** Longest stream. */

@@ -29,7 +29,8 @@ function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; me
 
 /**
  * Binds a WebSocket to its stream socket actor, bytes to events and back: binary frames go to its
- * channel, text frames become `END` or `BAD_CONTROL`, pongs `PONG`, the close `PEER_CLOSED`; what
+ * channel, text frames become `END` or `BAD_CONTROL`, pongs `PONG`, the close `PEER_CLOSED`, a
+ * client over `limits.ws_max_messages_per_s` (the channel counts every message) `FLOODED`; what
  * the actor emits and what its channel carries out is written (events encoded for the
  * subprotocol; a client holding more than `limits.ws_max_buffered_bytes` unread gets
  * `SEND_BLOCKED` instead). Starts the actor.
@@ -58,8 +59,10 @@ export function bindStream(ws: WebSocket, { actor, channel }: StreamSocketHandle
       case 'close':
         return ws.close(o.code, o.reason);
       case 'pause':
+        channel.reading(true);
         return ws.pause();
       case 'resume':
+        channel.reading(false);
         return ws.resume();
       case 'ping':
         return ws.ping();
@@ -72,12 +75,16 @@ export function bindStream(ws: WebSocket, { actor, channel }: StreamSocketHandle
   // ws emits 'close' after every 'error' (with the code it closed with: 1009, 1007, 1006 ...).
   ws.on('error', () => {});
   ws.on('close', (code) => tell({ type: 'PEER_CLOSED', code }));
-  ws.on('pong', () => tell({ type: 'PONG' }));
+  ws.on('ping', () => channel.control());
+  ws.on('pong', () => {
+    channel.control();
+    tell({ type: 'PONG' });
+  });
   ws.on('message', (data: Buffer, binary: boolean) => {
     if (binary) return channel.push(data);
-    channel.heard();
-    tell(controlEvent(data.toString('utf8')));
+    if (channel.heard()) tell(controlEvent(data.toString('utf8')));
   });
+  channel.onFlood = () => tell({ type: 'FLOODED' });
   actor.subscribe({ error: () => {} });
   actor.start();
   return { actor, ws, released };

@@ -102,7 +102,8 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
 
   it('a client that stops reading its event stream is cut off; lease released; a healthy client is served meanwhile', async () => {
     // No heartbeat and no idle deadline here: the send deadline and the buffer cap must do it.
-    const quiet = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 500, ws_max_buffered_bytes: 64 * 1024 } }));
+    // No message-rate limit either: the junk that makes the server write is 60,000 messages.
+    const quiet = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 500, ws_max_buffered_bytes: 64 * 1024, ws_max_messages_per_s: 0 } }));
     const s = await openStream('model=silero-vad', quiet);
     const conn = [...quiet.streams][0];
     (s.ws as unknown as { _socket: Socket })._socket.pause(); // stop reading
