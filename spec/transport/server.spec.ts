@@ -181,6 +181,23 @@ describe('GET /v1/stream', () => {
     expect(out.events.filter((e) => e.type === 'speech_start')).toHaveLength(1);
   });
 
+  it.each([8000, 22050, 44100])('the stream resampler is flushed at `end`: at %i Hz a stream gives the file route\'s processed_ms and last boundary', async (rate) => {
+    // The sentence cut inside its speech (2.5 s), so the last segment runs to the end of the audio;
+    // converted to the rate by wavefile's own resampler, not the server's.
+    const src = new WaveFile(fixture('espeak_sentence_16k.wav'));
+    const cut = new WaveFile();
+    cut.fromScratch(1, 16000, '16', (src.getSamples(false, Int16Array) as unknown as Int16Array).slice(0, 40_000));
+    cut.toSampleRate(rate);
+    const wav = Buffer.from(cut.toBuffer());
+    const file = await runWav('silero-vad', wav);
+    const out = await streamWav('silero-vad', wav, { frameMs: 20 });
+    expect(out.events.at(-1)).toMatchObject({ type: 'done', processed_ms: 2500 });
+    expect(file.body.timing.audio_duration_ms).toBe(2500);
+    const ends = out.events.filter((e) => e.type === 'speech_end');
+    expect(ends.at(-1).end_ms).toBe(2500);
+    expect(ends.at(-1).end_ms).toBe(file.body.segments.at(-1).end_ms);
+  });
+
   it('delivers events while the client is still sending', async () => {
     const out = await streamWav('silero-vad', fixture('espeak_sentence_16k.wav'), { frameMs: 100, paceMs: 25 });
     expect(out.events.find((e) => e.type === 'speech_start')).toBeDefined();
