@@ -91,30 +91,7 @@ describe('server basics', () => {
 });
 
 describe('POST /v1/tasks/run on real models and real audio', () => {
-  it.each(['Front_Center.wav', 'Front_Left.wav'])('VAD finds speech in the human recording %s (48 kHz)', async (f) => {
-    const r = await runWav('silero-vad', fixture(f));
-    expect(r.status).toBe(200);
-    expect(r.body).toMatchObject({ model: 'silero-vad', task: 'vad', sample_rate: 16000 });
-    expect(r.body.segments.length).toBeGreaterThanOrEqual(1);
-    for (const s of r.body.segments) {
-      expect(s.end_ms).toBeGreaterThan(s.start_ms);
-      expect(s.confidence).toBeGreaterThan(0.5);
-    }
-    expect(r.body.timing.audio_duration_ms).toBeGreaterThan(1000);
-  });
-
-  it('VAD finds no speech in silence', async () => {
-    const r = await runWav('silero-vad', fixture('silence_3s_16k.wav'));
-    expect(r.body.segments).toEqual([]);
-  });
-
-  it('VAD finds one segment covering the spoken sentence', async () => {
-    const r = await runWav('silero-vad', fixture('espeak_sentence_16k.wav'));
-    expect(r.body.segments).toHaveLength(1);
-    expect(r.body.segments[0].start_ms).toBeGreaterThan(300); // 0.5 s of silence before
-    expect(r.body.segments[0].start_ms).toBeLessThan(600);
-  });
-
+  // VAD segments on real audio: spec/transport/vad-reference.spec.ts (against independent reference values).
   const phrases = ['espeak_alexa_16k.wav', 'espeak_hey_jarvis_22k.wav', 'espeak_sentence_16k.wav', 'Front_Center.wav', 'silence_3s_16k.wav'];
   it.each(phrases)('alexa detects only on the "alexa" phrase: %s', async (f) => {
     const r = await runWav('alexa', fixture(f));
