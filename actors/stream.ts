@@ -487,16 +487,23 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
 
 /**
  * A stream socket actor (DESIGN.md section 2): one per WebSocket on `/v1/stream`, each its own
- * root actor sharing the server's inspector. `live` runs four regions side by side:
+ * root actor sharing the server's inspector. `live` runs five regions side by side:
  * - `phase`: `open` (waiting for the lease and the model) -> `streaming` -> `draining` (after
  *   `end` or the root's `drain`: last events, `done`);
+ * - `intake`: `reading` or `paused` (`work` holds too much unprocessed audio: backpressure);
  * - `idle`: no message for `limits.idle_ms` while open or streaming cuts it off (1008);
  * - `heartbeat`: a ping every `limits.heartbeat_ms`; a ping still unanswered at the next one
  *   cuts it off (1001 "no pong: peer is gone");
  * - `send`: a backlog of writes not flushed within `limits.send_timeout_ms` cuts it off (1013).
+ * Deadlines count only the peer's time: while `intake` is `paused` the three deadline regions
+ * are `suspended` (no pings) and start a full period when reading resumes; `work` counts the
+ * client's silence only from when the server caught up with what it sent; and a deadline that
+ * falls due is judged in `due`, one event-loop turn later (`settle`), so input not yet read
+ * counts. Events the server cannot send while it is not reading close 1013 "server is behind".
  * The idle and send deadlines are `after` delays that ask `work` for the figure (`CHECK_IDLE`,
  * `CHECK_SEND`) and decide by a named guard on the answer: frames and task events themselves go
- * by the {@link StreamChannel}, not through the chart.
+ * by the {@link StreamChannel}, not through the chart. A client over
+ * `limits.ws_max_messages_per_s` (`FLOODED`, counted by the channel) is closed 1008 and no longer read.
  * `limits.total_ms` bounds the whole of `live` (1008). Leaving `live` stops the `work` actor, which
  * releases the lease; `closing` waits a second for the peer's close frame, then `terminate`s;
  * `closed` is final. Everything the transport must write comes out as emitted {@link StreamOutput}.
