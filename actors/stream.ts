@@ -596,7 +596,7 @@ export const streamSocketMachine = setup({
           },
           { actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`, notify: true }) as CutEvent) },
         ],
-        // Stop reading a flooding client at once: its close frame is not waited for (closeGrace), its junk not parsed.
+        // Stop reading a flooding client at once: the rest of its flood is not parsed (nor its close frame: `closing` ends at closeGrace).
         FLOODED: {
           actions: [
             raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `too many messages: over limits.ws_max_messages_per_s (${context.limits.ws_max_messages_per_s})`, notify: true }) as CutEvent),

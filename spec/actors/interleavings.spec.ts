@@ -335,7 +335,8 @@ class Stream implements Cmd {
         await w.s.schedule(Promise.resolve(), `frame ${this}#${i}`);
         if (actor.getSnapshot().status === 'active') channel.push(Buffer.alloc(1024));
       }
-      if (this.ending === 'end') tell({ type: 'END' });
+      // As the transport does: a text frame flushes the frames coalesced before it.
+      if (this.ending === 'end' && channel.heard()) tell({ type: 'END' });
       if (this.ending === 'drop') tell({ type: 'PEER_CLOSED', code: 1006 });
       await released;
       const code = actor.getSnapshot().context.code;
