@@ -51,12 +51,7 @@ export async function until(pred: () => boolean | Promise<boolean>, ms = 5000): 
   }
 }
 
-/** A file of the shared fixtures (`../shared/fixtures`, the checkout's sibling; provenance in its README). */
-export function sharedFixture(name: string): Buffer {
-  return readFileSync(fileURLToPath(new URL(`../../shared/fixtures/${name}`, import.meta.url)));
-}
-
-/** One line of `../shared/fixtures/REFERENCE.jsonl`: independent expected values for a fixture. */
+/** One line of `fixtures/REFERENCE.jsonl` (copied from the shared fixtures): independent expected values for a fixture. */
 export interface Reference {
   file: string;
   seconds: number;
@@ -67,14 +62,18 @@ export interface Reference {
   wakeword_max: Record<string, number>;
 }
 
-/** The REFERENCE.jsonl line of `file`. */
-export function reference(file: string): Reference {
-  const line = sharedFixture('REFERENCE.jsonl')
+/** Every line of REFERENCE.jsonl. */
+export function references(): Reference[] {
+  return fixture('REFERENCE.jsonl')
     .toString('utf8')
     .split('\n')
     .filter(Boolean)
-    .map((l) => JSON.parse(l) as Reference)
-    .find((r) => r.file === file);
+    .map((l) => JSON.parse(l) as Reference);
+}
+
+/** The REFERENCE.jsonl line of `file`. */
+export function reference(file: string): Reference {
+  const line = references().find((r) => r.file === file);
   if (!line) throw new Error(`no REFERENCE.jsonl line for ${file}`);
   return line;
 }

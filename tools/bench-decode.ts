@@ -2,7 +2,7 @@
  * What decoding a file costs the event loop: a 60 s 48 kHz WAV (decoded with wavefile and
  * resampled to 16 kHz) decoded on the main thread as the server did before (the baseline, in
  * the same run), against {@link decodeAudio} in a decode worker, and the MP3 of the Silero
- * project (../shared/fixtures) in a worker. Prints wall time and the event loop's longest
+ * project (spec/fixtures) in a worker. Prints wall time and the event loop's longest
  * delay (perf_hooks, 1 ms resolution) while three files decode one after another, each way
  * twice (interleaved, so machine load hits both).
  *
@@ -23,7 +23,7 @@ const tone = new Int16Array(rate * 60).map((_, i) => Math.round(8000 * Math.sin(
 const w = new WaveFile();
 w.fromScratch(1, rate, '16', tone);
 const wav = Buffer.from(w.toBuffer());
-const mp3Path = fileURLToPath(new URL('../../../shared/fixtures/silero_test.mp3', import.meta.url));
+const mp3Path = fileURLToPath(new URL('../../spec/fixtures/silero_test.mp3', import.meta.url));
 const mp3 = existsSync(mp3Path) ? readFileSync(mp3Path) : null;
 
 startDecoders();

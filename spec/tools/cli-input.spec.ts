@@ -14,7 +14,6 @@ import { expectSegments, fixturePath, reference } from '../helpers.js';
 
 const exec = promisify(execFile);
 const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
-const sharedPath = (name: string): string => fileURLToPath(new URL(`../../../shared/fixtures/${name}`, import.meta.url));
 let server: VoxServer;
 const children = new Set<ChildProcess>();
 
@@ -80,7 +79,7 @@ describe('voxserve CLI: input and rough edges', () => {
   });
 
   it('run takes an MP3 and --option k=v (validated by the server as a JSON body`s options)', async () => {
-    const mp3 = sharedPath('silero_test.mp3');
+    const mp3 = fixturePath('silero_test.mp3');
     const plain = await voxserve(['run', 'silero-vad', mp3, '--url', server.url]);
     expect(plain.code).toBe(0);
     expectSegments(JSON.parse(plain.stdout).segments, reference('silero_test.mp3').segments_v6, 300);

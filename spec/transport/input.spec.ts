@@ -3,7 +3,7 @@ import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { audioFormat } from '../../runtime/decode.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { expectSegments, fixture, reference, sharedFixture } from '../helpers.js';
+import { expectSegments, fixture, reference } from '../helpers.js';
 
 /** Server input (issue 13): compressed audio, options as query parameters, unknown parameters, Silero v6/v5. */
 
@@ -49,7 +49,7 @@ describe('compressed input on /v1/tasks/run', () => {
     ['silero_test.opus', 'audio/ogg'],
   ])("the Silero project's %s gives REFERENCE.jsonl's segments within 300 ms, v6 and v5", async (file, type) => {
     const ref = reference(file);
-    const bytes = sharedFixture(file);
+    const bytes = fixture(file);
     const v6 = await run('model=silero-vad', bytes, type);
     expect(v6.status).toBe(200);
     expect(v6.body.timing.audio_duration_ms).toBeGreaterThan(ref.seconds * 1000 - 100);
@@ -70,7 +70,7 @@ describe('compressed input on /v1/tasks/run', () => {
   });
 
   const cut = (name: string, fraction: number): Buffer => {
-    const b = name.startsWith('silero_') ? sharedFixture(name) : fixture(name);
+    const b = fixture(name);
     return b.subarray(0, Math.floor(b.length * fraction));
   };
   const corrupt = (name: string): Buffer => {
@@ -131,10 +131,10 @@ describe('compressed input on /v1/tasks/run', () => {
 describe('format choice', () => {
   it('magic bytes first, then the content type', () => {
     expect(audioFormat(fixture('Front_Center.ogg'), 'application/octet-stream')).toBe('ogg-vorbis');
-    expect(audioFormat(sharedFixture('silero_test.opus'), 'audio/wav')).toBe('ogg-opus');
+    expect(audioFormat(fixture('silero_test.opus'), 'audio/wav')).toBe('ogg-opus');
     expect(audioFormat(fixture('espeak_alexa_16k.flac'))).toBe('flac');
     expect(audioFormat(fixture('espeak_sentence_16k.webm'))).toBe('webm-opus');
-    expect(audioFormat(sharedFixture('silero_test.mp3'))).toBe('mp3');
+    expect(audioFormat(fixture('silero_test.mp3'))).toBe('mp3');
     expect(audioFormat(fixture('Front_Left.wav'), 'audio/mpeg')).toBe('wav');
     expect(audioFormat(Buffer.from('xxxxxxxx'), 'audio/mpeg')).toBe('mp3');
     expect(() => audioFormat(Buffer.from('xxxxxxxx'))).toThrow(/unrecognised format .*accepted: WAV/);
@@ -210,7 +210,7 @@ describe('Silero VAD v6 as silero-vad, v5 as silero-vad-v5', () => {
     ['silero-vad', 'segments_v6'],
     ['silero-vad-v5', 'segments'],
   ] as const)("%s matches REFERENCE.jsonl's %s on silero_test.wav to one window (32 ms)", async (model, key) => {
-    const r = await run(`model=${model}`, sharedFixture('silero_test.wav'), 'audio/wav');
+    const r = await run(`model=${model}`, fixture('silero_test.wav'), 'audio/wav');
     expect(r.status).toBe(200);
     expectSegments(r.body.segments, reference('silero_test.wav')[key], 32);
   });

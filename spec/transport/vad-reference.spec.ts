@@ -5,32 +5,20 @@
  * gives it: each boundary within one window (32 ms) for 16 kHz audio, within 300 ms for audio the
  * server resamples.
  */
-import { readFileSync } from 'node:fs';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, fixturePath, WaveFile } from '../helpers.js';
+import { expectSegments, fixture, references, WaveFile } from '../helpers.js';
 
-/**
- * The model under test and the reference values it must give: Silero VAD v5 (`segments`). When
- * the embedded `silero-vad` becomes v6 (v5 kept as `silero-vad-v5`), switch here: either
- * `{ model: 'silero-vad-v5', segments: 'segments' }` or `{ model: 'silero-vad', segments: 'segments_v6' }`.
- */
-const REFERENCE_VAD = { model: 'silero-vad', segments: 'segments' } as const;
+/** Each embedded Silero VAD and the reference values it must give. */
+const MODELS = [
+  { model: 'silero-vad', segments: 'segments_v6' },
+  { model: 'silero-vad-v5', segments: 'segments' },
+] as const;
 
-interface Reference {
-  file: string;
-  seconds: number;
-  segments: { start_ms: number; end_ms: number }[];
-  segments_v6: { start_ms: number; end_ms: number }[];
-}
-const references: Reference[] = readFileSync(fixturePath('REFERENCE.jsonl'), 'utf8')
-  .split('\n')
-  .filter(Boolean)
-  .map((l) => JSON.parse(l));
-/** The WAV fixtures (the compressed ones need a decoder the server does not have yet). */
-const wavs = references.filter((r) => r.file.endsWith('.wav'));
+/** The WAV fixtures (compressed input is checked in input.spec.ts). */
+const wavs = references().filter((r) => r.file.endsWith('.wav'));
 
 let server: VoxServer;
 beforeAll(async () => {
@@ -42,24 +30,14 @@ afterAll(async () => {
 
 const rateOf = (wav: Buffer): number => (new WaveFile(wav).fmt as { sampleRate: number }).sampleRate;
 
-/** Each boundary within `tolerance` ms of the reference's, same count. */
-function expectSegments(got: { start_ms: number; end_ms: number }[], want: { start_ms: number; end_ms: number }[], tolerance: number): void {
-  const pairs = (s: { start_ms: number; end_ms: number }[]) => s.map(({ start_ms, end_ms }) => [start_ms, end_ms]);
-  expect(got.length, `segments ${JSON.stringify(pairs(got))}, reference ${JSON.stringify(pairs(want))}`).toBe(want.length);
-  got.forEach((g, i) => {
-    expect(Math.abs(g.start_ms - want[i].start_ms), `segment ${i} start: ${g.start_ms}, reference ${want[i].start_ms}`).toBeLessThanOrEqual(tolerance);
-    expect(Math.abs(g.end_ms - want[i].end_ms), `segment ${i} end: ${g.end_ms}, reference ${want[i].end_ms}`).toBeLessThanOrEqual(tolerance);
-  });
-}
-
 /** Streams a WAV's PCM (s16le at its own rate, mono) in 100 ms frames; resolves with its `speech_end` events (the segments). */
-function streamSegments(wav: Buffer): Promise<{ start_ms: number; end_ms: number }[]> {
+function streamSegments(model: string, wav: Buffer): Promise<{ start_ms: number; end_ms: number }[]> {
   const w = new WaveFile(wav);
   const { sampleRate, numChannels } = w.fmt as { sampleRate: number; numChannels: number };
   const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
   const frame = (sampleRate / 10) * 2 * numChannels;
   return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${REFERENCE_VAD.model}&sample_rate=${sampleRate}&channels=${numChannels}`);
+    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${sampleRate}&channels=${numChannels}`);
     const segments: { start_ms: number; end_ms: number }[] = [];
     ws.on('error', reject);
     ws.on('message', (d) => {
@@ -74,19 +52,19 @@ function streamSegments(wav: Buffer): Promise<{ start_ms: number; end_ms: number
   });
 }
 
-describe(`${REFERENCE_VAD.model} against REFERENCE.jsonl (${REFERENCE_VAD.segments})`, () => {
+describe.each(MODELS)('$model against REFERENCE.jsonl ($segments)', ({ model, segments }) => {
   it.each(wavs.map((r) => [r.file, r] as const))('file route: %s', async (_f, ref) => {
     const wav = fixture(ref.file);
-    const res = await fetch(`${server.url}/v1/tasks/run?model=${REFERENCE_VAD.model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+    const res = await fetch(`${server.url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
     expect(res.status).toBe(200);
     const body = await res.json();
-    expect(body).toMatchObject({ model: REFERENCE_VAD.model, task: 'vad', sample_rate: 16000 });
+    expect(body).toMatchObject({ model, task: 'vad', sample_rate: 16000 });
     expect(Math.abs(body.timing.audio_duration_ms - ref.seconds * 1000)).toBeLessThanOrEqual(10);
-    expectSegments(body.segments, ref[REFERENCE_VAD.segments], rateOf(wav) === 16_000 ? 32 : 300);
+    expectSegments(body.segments, ref[segments], rateOf(wav) === 16_000 ? 32 : 300);
   });
 
   it.each(wavs.map((r) => [r.file, r] as const))('stream: %s', async (_f, ref) => {
     const wav = fixture(ref.file);
-    expectSegments(await streamSegments(wav), ref[REFERENCE_VAD.segments], rateOf(wav) === 16_000 ? 32 : 300);
+    expectSegments(await streamSegments(model, wav), ref[segments], rateOf(wav) === 16_000 ? 32 : 300);
   });
 });
