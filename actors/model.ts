@@ -341,6 +341,8 @@ export interface EntryOptions {
   log?: Logger;
   /** Slot job durations, batch sizes, lags and evictions go here. */
   metrics?: Metrics;
+  /** Completes a validated config (a wake-word group's heads get their files); may throw VoxError 400. */
+  resolve?: (config: ModelConfig) => ModelConfig;
   /** Creates the chart's actor; the supervisor spawns it as its child with `systemId` `model:<id>`. */
   spawn?: (logic: typeof modelMachine, id: string) => ModelActor;
 }
@@ -366,6 +368,7 @@ export class ModelEntry {
   private readonly lagMetric?: { observe(v: number): void };
   private lastUsedAt: number | null = null;
   private readonly serverBusyTimeoutMs: number;
+  private readonly resolve: (config: ModelConfig) => ModelConfig;
   /** Evictions accepted since start (LRU, memory or idle). */
   evictions = 0;
 
@@ -374,6 +377,7 @@ export class ModelEntry {
     const onChange = options.onChange ?? (() => {});
     this.log = options.log ?? createLogger('silent');
     this.serverBusyTimeoutMs = options.serverBusyTimeoutMs ?? 0;
+    this.resolve = options.resolve ?? ((c) => c);
     const metrics = options.metrics;
     const inference = metrics?.inference.labels({ model: config.id });
     const batchSize = metrics?.batchSize.labels({ model: config.id });
@@ -622,7 +626,7 @@ export class ModelEntry {
    */
   async configure(fields: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ reconfigured: boolean }> {
     const committed = this.config;
-    const next = validateModelConfig({ ...committed, ...fields, id: this.id });
+    const next = this.resolve(validateModelConfig({ ...committed, ...fields, id: this.id }));
     const changed = stable(next) !== stable(committed);
     const lease = await this.admission.acquire({ exclusive: true, timeoutMs, signal });
     try {

@@ -2,8 +2,8 @@ import { stat } from 'node:fs/promises';
 import { assign, createActor, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
 import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
-import type { ModelConfig, ServerConfig } from '../runtime/config.js';
-import { VoxError } from '../runtime/errors.js';
+import { ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
+import { invalid, VoxError } from '../runtime/errors.js';
 import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
@@ -17,7 +17,7 @@ import { systemMachine } from './system.js';
 
 /** A model's footprint estimated from the sizes of its files (C13). */
 async function estimateFromFiles(config: ModelConfig): Promise<number> {
-  const files = [config.path, ...(config.task === 'wakeword' ? [config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING] : [])];
+  const files = [...modelFiles(config), ...(config.task === 'wakeword' ? [config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING] : [])];
   let bytes = 0;
   for (const f of files) bytes += await stat(f).then((st) => st.size, () => 0);
   return estimateFootprint(config, bytes);
@@ -297,6 +297,8 @@ export class Supervisor {
     this.probe = options.memoryProbe ?? availableMemory;
     this.estimate = options.footprint ?? estimateFromFiles;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
+    // A configured group naming an unknown head stops the server at start, not at first use.
+    for (const m of config.models) this.resolveHeads(m);
     const guarded = this.guarded;
     const supervisor = supervisorMachine.provide({
       actions: { measureRoom: assign({ room: ({ context }) => this.measureRoom(context.current!, context.refused) }) },
@@ -433,13 +435,63 @@ export class Supervisor {
     return this.root.getSnapshot().value as string;
   }
 
-  /** The entry for `id`, registering it from the catalog on first use; undefined if unknown. */
+  /**
+   * The entry for `id`, registering it from the catalog on first use; undefined if unknown. An id
+   * of several wake-word model ids joined by commas (`alexa,hey-jarvis`) is a group of those heads
+   * on one stream, registered on first use under its ids sorted (so any order shares one entry).
+   * @throws VoxError `not_found` / `invalid_request_error` for a group naming an unknown or unfit model.
+   */
   get(id: string): ModelEntry | undefined {
     const found = this.entries.get(id);
     if (found) return found;
+    if (id.includes(',')) return this.group(id);
     const config = this.catalog.get(id);
-    return config ? this.publish(config) : undefined;
+    return config ? this.publish(this.resolveHeads(config)) : undefined;
   }
+
+  /** The entry of an ad-hoc group `a,b,...` (see {@link get}). */
+  private group(id: string): ModelEntry {
+    const names = [...new Set(id.split(',').map((s) => s.trim()))].sort();
+    const canonical = names.join(',');
+    if (canonical !== id) return this.entries.get(canonical) ?? this.group(canonical);
+    const refs = names.map((n) => this.headModel(n, 'model'));
+    const config = ModelConfig.parse({ id: 'group', task: 'wakeword', heads: names, slots: Math.max(...refs.map((r) => r.slots)) });
+    return this.publish(this.resolveHeads({ ...config, id: canonical }));
+  }
+
+  /**
+   * The config of a single wake-word model that a group names as a head.
+   * @throws VoxError `not_found` (unknown), `invalid_request_error` (not a wake-word model, or itself a group).
+   */
+  private headModel(name: string, field: string): ModelConfig {
+    const ref = this.entries.get(name)?.config ?? this.catalog.get(name);
+    if (!ref) throw new VoxError('not_found', `${field}: wake-word model '${name.slice(0, 128)}' does not exist; GET /v1/models lists the models`);
+    if (ref.task !== 'wakeword' || ref.heads) throw invalid(`${field}: '${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`);
+    return ref;
+  }
+
+  /**
+   * Fills in a wake-word group's heads from the models they name: each head's file, and its
+   * threshold and refractory period where the head does not set them (the named model's own
+   * options, else the group's). Paths given by a client are replaced.
+   * @throws VoxError as {@link headModel}, naming `heads.<i>`.
+   */
+  private readonly resolveHeads = (config: ModelConfig): ModelConfig => {
+    if (!config.heads) return config;
+    const heads = config.heads.map((h, i) => {
+      const head = typeof h === 'string' ? { model: h } : h;
+      const ref = this.headModel(head.model, `heads.${i}`);
+      const own = ref.options as { threshold?: unknown; refractory_ms?: unknown };
+      return {
+        model: head.model,
+        path: ref.path!,
+        threshold: head.threshold ?? (typeof own.threshold === 'number' ? own.threshold : undefined),
+        refractory_ms: head.refractory_ms ?? (typeof own.refractory_ms === 'number' ? own.refractory_ms : undefined),
+      };
+    });
+    if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid('heads: a model is named twice');
+    return { ...config, heads };
+  };
 
   /**
    * The entry for `id` or a 404.
@@ -461,6 +513,7 @@ export class Supervisor {
       serverIdleUnloadMs: this.config.idle_unload_ms,
       serverLoadTimeoutMs: this.config.load_timeout_ms,
       onChange: () => this.changed(),
+      resolve: this.resolveHeads,
       log: this.log.child({ model: config.id }),
       metrics: this.metrics,
       spawn: (logic, id) => {
@@ -486,7 +539,7 @@ export class Supervisor {
       const { reconfigured } = await existing.configure(body, timeoutMs, signal);
       return { id: existing.id, loaded: true, reconfigured };
     }
-    const config = validateModelConfig(body);
+    const config = this.resolveHeads(validateModelConfig(body));
     // C7: the new entry's exclusive lease is taken before it is published, so a concurrent
     // registration of the same id finds the entry and queues behind this load.
     let lease!: Lease;

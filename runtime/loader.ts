@@ -1,5 +1,5 @@
 import { readFile, stat } from 'node:fs/promises';
-import type { ModelConfig } from './config.js';
+import { headsOf, modelFiles, type ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
 import { SlotPool, slotFactory, type SlotFactory } from './slots.js';
 import type { LoadSpec } from './slot-protocol.js';
@@ -107,16 +107,15 @@ export interface SlotDefaults {
  */
 export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 }, factory?: SlotFactory): ModelLoader {
   return async (config, signal) => {
-    const model = config.path;
-    await regularFile(model);
+    for (const file of modelFiles(config)) await regularFile(file);
     let spec: LoadSpec;
     let release = (): void => {};
     if (config.task === 'wakeword') {
       const b = await bundles.acquire(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
       release = b.release;
-      spec = { kind: 'wakeword', model, melspectrogram: b.bundle.melspectrogram, embedding: b.bundle.embedding };
+      spec = { kind: 'wakeword', heads: headsOf(config).map((h) => h.path), melspectrogram: b.bundle.melspectrogram, embedding: b.bundle.embedding };
     } else {
-      spec = { kind: 'vad', model };
+      spec = { kind: 'vad', model: config.path! };
     }
     try {
       const hosts = factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);

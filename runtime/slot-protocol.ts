@@ -13,16 +13,19 @@
  */
 export type LoadSpec =
   | { kind: 'vad'; model: string }
-  | { kind: 'wakeword'; model: string; melspectrogram: Uint8Array; embedding: Uint8Array };
+  /** `heads`: the classifier heads' files, run in this order on the same features each step. */
+  | { kind: 'wakeword'; heads: string[]; melspectrogram: Uint8Array; embedding: Uint8Array };
 
 /** What a slot reports after loading. */
 export interface SlotInfo {
   /** vad: 'v5' (input+state+context) or 'v4' (input+h+c). */
   vadVersion?: 'v4' | 'v5';
-  /** wakeword: number of embeddings the head reads (input shape [1, N, 96]). */
-  headWindow?: number;
-  /** wakeword: one label per output column; '' for the "no wake word" column of multi-class heads. */
-  labels?: string[];
+  /**
+   * wakeword, one per head in load order: how many embeddings it reads (input [1, N, 96]) and one
+   * label per output column ('@model' for a single-output head, '' for the "no wake word" column
+   * of a multi-class head).
+   */
+  heads?: { window: number; labels: string[] }[];
   /** wakeword: the embedding of the initial (all-ones) melspectrogram buffer, 96 floats. */
   initialEmbedding?: Float32Array;
 }
@@ -58,12 +61,12 @@ export interface WakewordJob {
   audio: Float32Array;
   /** The last 76 melspectrogram frames x 32 bins, already transformed (x/10 + 2). */
   mel: Float32Array;
-  /** The last N embeddings x 96. */
+  /** The last N embeddings x 96 (N: the longest head window). */
   embeddings: Float32Array;
 }
 export interface WakewordResult {
   kind: 'wakeword';
-  /** k x labels.length head outputs. */
+  /** k steps x (every head's columns, heads in load order) outputs. */
   scores: Float32Array;
   mel: Float32Array;
   embeddings: Float32Array;

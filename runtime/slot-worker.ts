@@ -140,53 +140,70 @@ function headLabels(outputName: string, columns: number): string[] {
   }
 }
 
-async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Promise<SlotInfo> {
-  const mel = await create(spec.melspectrogram);
-  const emb = await create(spec.embedding);
-  const head = await create(spec.model);
+/** One openWakeWord classifier head: its session, input name, embedding window and label columns. */
+async function loadHead(path: string): Promise<{ session: ort.InferenceSession; input: string; output: string; window: number; labels: string[] }> {
+  const head = await create(path);
   // An openWakeWord head: one input [1, N, 96] (N embeddings), one output [1, classes].
-  const headInput = head.inputNames[0];
   const headMeta = head.inputMetadata[0];
   const shape = headMeta?.isTensor ? headMeta.shape : [];
   const outMeta = head.outputMetadata[0];
   const outShape = outMeta?.isTensor ? outMeta.shape : [];
   if (head.inputNames.length !== 1 || shape.length !== 3 || typeof shape[1] !== 'number' || shape[2] !== OWW.EMBEDDING || head.outputNames.length !== 1 || outShape.length !== 2) {
-    throw new Error(`not an openWakeWord head: inputs ${head.inputNames.join(', ')} [${shape.join(', ')}], outputs ${head.outputNames.length} [${outShape.join(', ')}]; expected one input [1, N, 96] and one output [1, classes]`);
+    throw new Error(`not an openWakeWord head (${path}): inputs ${head.inputNames.join(', ')} [${shape.join(', ')}], outputs ${head.outputNames.length} [${outShape.join(', ')}]; expected one input [1, N, 96] and one output [1, classes]`);
   }
-  const window = shape[1];
   const columns = typeof outShape[1] === 'number' ? outShape[1] : 1;
-  const labels = headLabels(head.outputNames[0], columns);
+  return { session: head, input: head.inputNames[0], output: head.outputNames[0], window: shape[1], labels: headLabels(head.outputNames[0], columns) };
+}
+
+/**
+ * The openWakeWord pipeline with several heads: per 80 ms step the melspectrogram and the
+ * embedding run once, and every head reads the last N embeddings of the same buffer.
+ */
+async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Promise<SlotInfo> {
+  const mel = await create(spec.melspectrogram);
+  const emb = await create(spec.embedding);
+  const heads: Awaited<ReturnType<typeof loadHead>>[] = [];
+  for (const path of spec.heads) heads.push(await loadHead(path));
+  const window = Math.max(...heads.map((h) => h.window));
+  const columns = heads.reduce((n, h) => n + h.labels.length, 0);
+  const melIn = mel.inputNames[0];
+  const melOut = mel.outputNames[0];
+  const embIn = emb.inputNames[0];
+  const embOut = emb.outputNames[0];
 
   const embed = async (frames: Float32Array): Promise<Float32Array> => {
-    const out = await emb.run({ [emb.inputNames[0]]: new ort.Tensor('float32', frames, [1, OWW.MEL_FRAMES, OWW.MEL_BINS, 1]) });
-    return Float32Array.from(out[emb.outputNames[0]].data as Float32Array);
+    const out = await emb.run({ [embIn]: new ort.Tensor('float32', frames, [1, OWW.MEL_FRAMES, OWW.MEL_BINS, 1]) });
+    return out[embOut].data as Float32Array;
   };
-  const initialEmbedding = await embed(new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1));
+  const initialEmbedding = Float32Array.from(await embed(new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1)));
 
   runJob = async (job) => {
-    const { audio, mel: melIn, embeddings: embIn } = job as WakewordJob;
+    const { audio, mel: melBuf, embeddings: embBuf } = job as WakewordJob;
+    // The job's buffers are this host's own copies (structured clone or transfer): updated in place and sent back.
     const steps = (audio.length - OWW.LOOKBACK) / OWW.STEP;
     const scores = new Float32Array(steps * columns);
-    const melBuf = melIn.slice();
-    const embBuf = embIn.slice();
     for (let s = 0; s < steps; s++) {
       const x = audio.slice(s * OWW.STEP, s * OWW.STEP + OWW.STEP + OWW.LOOKBACK);
-      const mo = await mel.run({ [mel.inputNames[0]]: new ort.Tensor('float32', x, [1, x.length]) });
-      const spec = mo[mel.outputNames[0]].data as Float32Array;
-      const frames = spec.length / OWW.MEL_BINS;
-      // Shift the mel buffer left by `frames` and append the transformed new frames.
-      melBuf.copyWithin(0, frames * OWW.MEL_BINS);
+      const mo = await mel.run({ [melIn]: new ort.Tensor('float32', x, [1, x.length]) });
+      const spec = mo[melOut].data as Float32Array;
+      // Shift the mel buffer left by the new frames and append them, transformed (x/10 + 2).
+      melBuf.copyWithin(0, spec.length);
       const base = melBuf.length - spec.length;
       for (let j = 0; j < spec.length; j++) melBuf[base + j] = spec[j] / 10 + 2;
       const e = await embed(melBuf.slice());
       embBuf.copyWithin(0, OWW.EMBEDDING);
       embBuf.set(e, embBuf.length - OWW.EMBEDDING);
-      const ho = await head.run({ [headInput]: new ort.Tensor('float32', embBuf.slice(), [1, window, OWW.EMBEDDING]) });
-      scores.set(ho[head.outputNames[0]].data as Float32Array, s * columns);
+      let col = s * columns;
+      for (const h of heads) {
+        const input = embBuf.slice(embBuf.length - h.window * OWW.EMBEDDING);
+        const ho = await h.session.run({ [h.input]: new ort.Tensor('float32', input, [1, h.window, OWW.EMBEDDING]) });
+        scores.set(ho[h.output].data as Float32Array, col);
+        col += h.labels.length;
+      }
     }
     return { kind: 'wakeword', scores, mel: melBuf, embeddings: embBuf };
   };
-  return { headWindow: window, labels, initialEmbedding };
+  return { heads: heads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbedding };
 }
 
 async function release(): Promise<void> {

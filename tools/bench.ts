@@ -182,7 +182,7 @@ async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread')
 /** CPU seconds per stream-second of a bare loop: `sessions` sessions, batches of `batch` windows, one thread. */
 async function bare(batch: number, sessions: number, windows: number): Promise<number> {
   const opts: ort.InferenceSession.SessionOptions = { intraOpNumThreads: 1, interOpNumThreads: 1, executionMode: 'sequential', graphOptimizationLevel: 'all' };
-  const ss = await Promise.all(Array.from({ length: sessions }, () => ort.InferenceSession.create(silero.path, opts)));
+  const ss = await Promise.all(Array.from({ length: sessions }, () => ort.InferenceSession.create(silero.path!, opts)));
   const pcm = speechPcm();
   const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
   const states = ss.map(() => new Float32Array(2 * batch * 128));
@@ -209,7 +209,7 @@ async function bare(batch: number, sessions: number, windows: number): Promise<n
  * run time the host reports, µs, over 500 jobs of `windows` windows one after another.
  */
 async function ipcCost(isolation: 'process' | 'thread', windows: number): Promise<number> {
-  const pool = await SlotPool.start({ kind: 'vad', model: silero.path }, 1, slotFactory(isolation, 0));
+  const pool = await SlotPool.start({ kind: 'vad', model: silero.path! }, 1, slotFactory(isolation, 0));
   try {
     const job = (): Job => ({ kind: 'vad', windows: new Float32Array(windows * WINDOW).map(() => Math.random() * 0.1), state: new Float32Array(256), context: new Float32Array(64) });
     for (let i = 0; i < 50; i++) await pool.run(job());

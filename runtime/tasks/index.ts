@@ -1,4 +1,4 @@
-import { parseTaskOptions, type ModelConfig } from '../config.js';
+import { headsOf, parseTaskOptions, type ModelConfig } from '../config.js';
 import type { SlotInfo } from '../slot-protocol.js';
 import type { TaskSession } from './task.js';
 import { VadSession } from './vad.js';
@@ -18,7 +18,11 @@ export function createTaskSession(config: ModelConfig, info: SlotInfo, options: 
   }
   const merged = { ...config.options, ...(options as object | undefined) };
   if (config.task === 'vad') return new VadSession(info, parseTaskOptions('vad', merged));
-  return new WakewordSession(info, parseTaskOptions('wakeword', merged), config.id);
+  const opts = parseTaskOptions('wakeword', merged);
+  // The request's own fields apply to every head; the model's configured ones only where a head has none.
+  const given = (options ?? {}) as Record<string, unknown>;
+  const override = { threshold: 'threshold' in given ? opts.threshold : undefined, refractory_ms: 'refractory_ms' in given ? opts.refractory_ms : undefined };
+  return new WakewordSession(info, headsOf(config), opts, override);
 }
 
 /** The task-specific part of a `/v1/tasks/run` result. */

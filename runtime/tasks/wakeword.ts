@@ -1,4 +1,4 @@
-import type { WakewordOptions } from '../config.js';
+import type { ResolvedHead, WakewordOptions } from '../config.js';
 import { OWW, type Job, type JobResult, type SlotInfo, type WakewordResult } from '../slot-protocol.js';
 import { WindowedSession, type TaskEvent } from './task.js';
 
@@ -13,34 +13,57 @@ export interface Detection {
   at_ms: number;
 }
 
+/** One output column of a stream's heads: its label and detection settings, and its detection state. */
+interface Column {
+  /** '' for the "no wake word" column of a multi-class head (never reported). */
+  label: string;
+  threshold: number;
+  refractoryMs: number;
+  /** at_ms of its last detection. */
+  lastAt: number;
+}
+
 /**
  * A wake-word request or stream: the openWakeWord streaming pipeline (openwakeword/utils.py
- * AudioFeatures._streaming_features) over 1280-sample steps. Each step computes the
- * melspectrogram of its 1280 samples plus 480 of look-back (8 frames, transformed x/10 + 2),
- * the embedding of the last 76 frames, and the head over the last N embeddings. As in
- * openWakeWord the mel buffer starts as all ones; the embedding history starts as N copies of
+ * AudioFeatures._streaming_features) over 1280-sample steps, with one or more heads. Each step
+ * computes the melspectrogram of its 1280 samples plus 480 of look-back (8 frames, transformed
+ * x/10 + 2), the embedding of the last 76 frames, and every head over its last N embeddings. As
+ * in openWakeWord the mel buffer starts as all ones; the embedding history starts as N copies of
  * the embedding of that buffer (openWakeWord uses random noise there), and the first 5
  * predictions are ignored.
  *
- * A detection is emitted when a label's score reaches `threshold`; that label re-arms once its
- * score falls below the threshold again.
+ * A detection is emitted for each step whose score reaches the label's `threshold`, except within
+ * `refractory_ms` after that label's last detection (as wyoming-openwakeword's refractory
+ * period): one utterance, whose score stays high for several steps, fires once.
  */
 export class WakewordSession extends WindowedSession {
   readonly detections: Detection[] = [];
-  private readonly labels: string[];
-  private readonly armed: boolean[];
+  private readonly columns: Column[];
   private lookback: Float32Array = new Float32Array(OWW.LOOKBACK);
   private mel: Float32Array = new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1);
   private embeddings: Float32Array;
   private steps = 0;
 
-  /** @param modelLabel the label of a single-output head (the model id). */
-  constructor(info: SlotInfo, private readonly options: WakewordOptions, modelLabel: string) {
+  /**
+   * @param info what the slots reported: per head, its window and column labels, in load order.
+   * @param heads the model's heads in the same order (label = model id), with their own settings.
+   * @param options the model's options with the request's on top; `override` fields win over each head's own.
+   * @param override the request's own option fields (they apply to every head).
+   */
+  constructor(info: SlotInfo, heads: ResolvedHead[], options: WakewordOptions, override: { threshold?: number; refractory_ms?: number } = {}) {
     // openWakeWord's models read int16-scaled audio.
     super(OWW.STEP, 32767);
-    const window = info.headWindow ?? 16;
-    this.labels = (info.labels ?? ['@model']).map((l) => (l === '@model' ? modelLabel : l));
-    this.armed = this.labels.map(() => true);
+    const slotHeads = info.heads ?? [{ window: 16, labels: ['@model'] }];
+    if (slotHeads.length !== heads.length) throw new Error(`slots report ${slotHeads.length} heads, the model has ${heads.length}`);
+    this.columns = slotHeads.flatMap((h, i) =>
+      h.labels.map((l) => ({
+        label: l === '@model' ? heads[i].label : l,
+        threshold: override.threshold ?? heads[i].threshold ?? options.threshold,
+        refractoryMs: override.refractory_ms ?? heads[i].refractory_ms ?? options.refractory_ms,
+        lastAt: -Infinity,
+      })),
+    );
+    const window = Math.max(...slotHeads.map((h) => h.window));
     this.embeddings = new Float32Array(window * OWW.EMBEDDING);
     const init = info.initialEmbedding ?? new Float32Array(OWW.EMBEDDING);
     for (let i = 0; i < window; i++) this.embeddings.set(init, i * OWW.EMBEDDING);
@@ -65,19 +88,19 @@ export class WakewordSession extends WindowedSession {
     this.inFlight = false;
     this.mel = r.mel;
     this.embeddings = r.embeddings;
-    const cols = this.labels.length;
+    const cols = this.columns.length;
     const events: TaskEvent[] = [];
     for (let s = 0; s < r.scores.length / cols; s++) {
       const step = this.steps++;
       if (step < WARMUP_STEPS) continue;
+      const at = (step + 1) * STEP_MS;
       for (let c = 0; c < cols; c++) {
-        if (!this.labels[c]) continue; // the "no wake word" column of a multi-class head
+        const col = this.columns[c];
+        if (!col.label) continue;
         const score = r.scores[s * cols + c];
-        if (score < this.options.threshold) {
-          this.armed[c] = true;
-        } else if (this.armed[c]) {
-          this.armed[c] = false;
-          const d: Detection = { label: this.labels[c], score: Math.round(score * 1000) / 1000, at_ms: (step + 1) * STEP_MS };
+        if (score >= col.threshold && at - col.lastAt >= col.refractoryMs) {
+          col.lastAt = at;
+          const d: Detection = { label: col.label, score: Math.round(score * 10_000) / 10_000, at_ms: at };
           this.detections.push(d);
           events.push({ type: 'detection', ...d });
         }
