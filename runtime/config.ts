@@ -218,6 +218,18 @@ export const ServerConfig = z.strictObject({
   /** The browser demo at `/demo`; on by default when `host` is a loopback address. */
   demo: z.strictObject({ enabled: z.boolean().optional() }).default({}),
   /**
+   * The Wyoming wake-word service (Home Assistant's protocol, README "Home Assistant"): a TCP
+   * listener beside HTTP, off unless enabled. Wyoming has no authentication: bind it beyond
+   * loopback only on a trusted network.
+   */
+  wyoming: z
+    .strictObject({
+      enabled: z.boolean().default(false),
+      host: z.string().min(1).default('127.0.0.1'),
+      port: z.number().int().min(0).max(65535).default(10400),
+    })
+    .default({ enabled: false, host: '127.0.0.1', port: 10400 }),
+  /**
    * Models registered at start, in addition to (or replacing, by id) the embedded catalog. A model
    * whose id is in the catalog may omit `task` and `path`: it inherits them.
    */

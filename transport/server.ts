@@ -16,6 +16,7 @@ import { bindHttp, parseBatchRequest, parseJsonObject, parseRunRequest, readBody
 import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { demoRoute } from './demo.js';
+import { startWyoming, type WyomingService } from './wyoming.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -27,6 +28,8 @@ export interface VoxServer {
   readonly streams: ReadonlySet<StreamLink>;
   /** HTTP requests being handled. */
   readonly inflight: ReadonlySet<Promise<void>>;
+  /** The Wyoming listener, when `wyoming.enabled`. */
+  readonly wyoming: WyomingService | null;
   /**
    * Shuts down in phases (C15): stop accepting (`/ready` and new work 503 `shutting_down`);
    * let running requests finish and finish every stream (last events, `done`, close 1001) for
@@ -284,6 +287,18 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
   const addr = http.address() as AddressInfo;
   const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
+  let wyoming: WyomingService | null = null;
+  if (config.wyoming.enabled) {
+    try {
+      wyoming = await startWyoming(config, supervisor, inspected.inspect);
+    } catch (e) {
+      http.close();
+      throw e;
+    }
+    log.info({ uri: wyoming.uri }, 'wyoming listening');
+  }
+  /** Wyoming connections count as streams in the drain. */
+  const wyomingLinks = (): { released: Promise<void>; actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void } }[] => [...(wyoming?.links ?? [])];
   void supervisor.start();
 
   let closing: Promise<void> | null = null;
@@ -295,7 +310,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, requests: inflight.size }, 'shutting down');
     for (const res of sse) res.end();
     // Phase 2 (the root's `drain`, sent by beginShutdown): running work finishes; streams get their last events and `done`.
-    const drained = Promise.all([...[...streams].map((s) => s.released), ...inflight]);
+    const drained = Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);
     let timer: NodeJS.Timeout | undefined;
     await Promise.race([
       drained,
@@ -308,14 +323,17 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Phase 3: what is left is cut off; the listener and every connection close.
     const listenerClosed = new Promise<void>((resolve) => http.close(() => resolve()));
     http.closeIdleConnections();
-    for (const s of streams) s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
+    for (const s of [...streams, ...wyomingLinks()]) s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
     supervisor.revokeAll(shuttingDown());
-    await Promise.all([...[...streams].map((s) => s.released), ...inflight]);
+    const wyomingClosed = wyoming ? new Promise<void>((resolve) => wyoming!.server.close(() => resolve())) : Promise.resolve();
+    await Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);
     http.closeAllConnections();
     for (const c of wss.clients) c.terminate();
+    for (const socket of wyoming?.sockets ?? []) socket.destroy();
     // Phase 4: unload every model.
     await supervisor.stop(0);
     await listenerClosed;
+    await wyomingClosed;
     inspected.stop();
     log.info('stopped');
     log.flush();
@@ -326,6 +344,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     url: `http://${host}:${addr.port}`,
     streams,
     inflight,
+    wyoming,
     close: () => {
       if (closing) {
         skipDrain();

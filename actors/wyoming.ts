@@ -1,0 +1,334 @@
+import { fromCallback, type InspectionEvent } from 'xstate';
+import type { Lease } from '../runtime/admission.js';
+import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
+import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
+import type { Limits, ModelConfig } from '../runtime/config.js';
+import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
+import type { Job, JobResult, VadJob } from '../runtime/slot-protocol.js';
+import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
+import { CLOSE, createStreamSocket, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
+import type { Supervisor } from './supervisor.js';
+
+/**
+ * The Wyoming wake-word service (https://github.com/rhasspy/wyoming, README "Wake Word" and
+ * "Voice Activity Detection"): a connection is a stream socket actor (actors/stream.ts: the same
+ * chart, deadlines, limits and drain as a WebSocket stream) whose `work` actor speaks Wyoming:
+ * `detect {names}` chooses the wake words, `audio-start {rate, width, channels}` starts an audio
+ * stream (resampled to 16 kHz), `audio-chunk` carries PCM, `audio-stop` ends it; the answers are
+ * `detection {name, timestamp}` as they happen, `not-detected` at `audio-stop` when none fired,
+ * and `voice-started` / `voice-stopped` when `detect` also names a VAD model (`silero-vad`).
+ * A connection may carry several audio streams one after another.
+ */
+
+/** A Wyoming event as parsed by the transport: type, data (header `data` merged with the data section) and payload. */
+export interface WyomingEvent {
+  type: string;
+  data: Record<string, unknown>;
+  payload: Buffer | null;
+}
+
+/** Bytes of audio-chunk payload a connection keeps while its lease or model is not ready, before it stops reading. */
+const MAX_EARLY_BYTES = 4 * 1024 * 1024;
+/** Steps per slot job, as for WebSocket streams. */
+const MAX_JOB_WINDOWS = 64;
+
+/** The data plane of a Wyoming connection: parsed events in (beside the chart, like PCM frames on a WebSocket). */
+export class WyomingChannel extends StreamChannel {
+  /** The `work` actor's event handler while it runs. */
+  onEvent: ((e: WyomingEvent) => void) | null = null;
+
+  /** An event other than `describe` / `ping` (which the transport answers itself). */
+  event(e: WyomingEvent): void {
+    this.heardAt = performance.now();
+    this.onEvent?.(e);
+  }
+}
+
+/** `hey_jarvis`, `Hey Jarvis`, `hey_jarvis_v0.1` -> `hey-jarvis` (names as wyoming-openwakeword and Home Assistant spell them). */
+export function normalizeWakeName(name: string): string {
+  return name
+    .trim()
+    .toLowerCase()
+    .replace(/[_\s]+/g, '-')
+    .replace(/-v[0-9.]+$/, '');
+}
+
+/**
+ * The models a `detect` asks for: the wake-word group id (`a,b` sorted, or one id; all wake
+ * models when `names` is empty) and a VAD model when one is named.
+ * @throws VoxError `not_found` naming an unknown name; `invalid_request_error` for a non-array or a second VAD model.
+ */
+export function resolveNames(registry: Supervisor, names: unknown): { wake: string | null; vad: string | null } {
+  if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string'))) throw invalid('detect.names: must be a list of strings');
+  const wanted = (names as string[] | undefined | null) ?? [];
+  const wake = new Set<string>();
+  let vad: string | null = null;
+  for (const raw of wanted) {
+    const id = registry.configOf(raw) ? raw : normalizeWakeName(raw);
+    const config = registry.configOf(id);
+    if (!config) throw new VoxError('not_found', `detect.names: no model '${raw.slice(0, 128)}'; describe lists the wake words`);
+    if (config.task === 'vad') {
+      if (vad && vad !== id) throw invalid('detect.names: at most one VAD model');
+      vad = id;
+    } else if (config.heads) {
+      for (const h of config.heads) wake.add(typeof h === 'string' ? h : h.model);
+    } else wake.add(id);
+  }
+  if (wanted.length === 0 || (wake.size === 0 && !vad)) for (const c of registry.wakeModels()) wake.add(c.id);
+  return { wake: wake.size ? [...wake].sort().join(',') : null, vad };
+}
+
+/** The `info` answer to `describe`: one wake program (voxserve) listing every single wake-word model. */
+export function wyomingInfo(registry: Supervisor, version: string): Record<string, unknown> {
+  const about = (c: ModelConfig): Record<string, unknown> => {
+    const oww = c.path?.startsWith(OWW_MODELS);
+    const phrase = c.phrase ?? c.id.replace(/[-_]+/g, ' ');
+    return {
+      name: c.id,
+      description: `${phrase}${oww ? ` (openWakeWord pre-trained head, licence ${OWW_ABOUT.licence})` : ''}`,
+      phrase,
+      attribution: oww ? OWW_ABOUT.attribution : { name: 'configured in voxserve', url: '' },
+      installed: true,
+      languages: oww ? [...OWW_ABOUT.languages] : [],
+      version: null,
+    };
+  };
+  return {
+    wake: [
+      {
+        name: 'voxserve',
+        description: 'voxserve: openWakeWord heads served from one process (several wake words per stream share their features)',
+        attribution: { name: 'voxserve', url: 'https://github.com/voxserve/voxserve' },
+        installed: true,
+        version,
+        models: registry.wakeModels().map(about),
+      },
+    ],
+  };
+}
+
+/** One model a connection holds a lease on, and its current audio stream's task session. */
+interface Lane {
+  kind: 'wake' | 'vad';
+  id: string;
+  lease: Lease;
+  run: (job: Job) => Promise<JobResult>;
+  config: ModelConfig;
+  info: import('../runtime/slot-protocol.js').SlotInfo;
+  session: TaskSession | null;
+  /** The pump loop while it runs. */
+  pumping: Promise<void> | null;
+  repump: boolean;
+}
+
+/**
+ * The `work` actor of a Wyoming connection (see the module comment). Events are handled one at a
+ * time in arrival order (`queue`); audio is decoded once and pushed to every lane's session, and
+ * each lane pumps its jobs like a WebSocket stream. On `END` (the root's drain) the current audio
+ * stream finishes as if `audio-stop` had come, then `DONE`. Stopping it releases every lease.
+ */
+const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(({ input: { id }, sendBack, receive }) => {
+  const res = streamResources(id)!;
+  const channel = res.channel as WyomingChannel;
+  const { registry, stats } = res;
+  const send = (e: WorkEvent): void => sendBack(e);
+  const gone = new AbortController();
+  const t0 = performance.now();
+  let names: unknown;
+  let lanes: Lane[] = [];
+  let laneKey = '';
+  let decoder: PcmStreamDecoder | null = null;
+  /** The current audio stream: its detections so far and the client's start timestamp, ms. */
+  let audio: { detections: number; base: number } | null = null;
+  let ready = false;
+  let ended = false;
+  let paused = false;
+  let queued = 0;
+  let queue: Promise<void> = Promise.resolve();
+
+  const fail = (e: unknown): void => {
+    if (gone.signal.aborted) return;
+    const err = toVoxError(e);
+    const code = err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
+    gone.abort();
+    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code });
+  };
+  const setPaused = (p: boolean): void => {
+    if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
+    paused = p;
+  };
+  const backlog = (): void => setPaused(queued > MAX_EARLY_BYTES || lanes.some((l) => (l.session?.pendingSamples ?? 0) > MAX_PENDING_SAMPLES));
+
+  const emit = (e: TaskEvent): void => {
+    if (!audio) return;
+    if (e.type === 'detection') {
+      audio.detections++;
+      channel.write({ type: 'detection', name: e.label, timestamp: Math.round(audio.base + e.at_ms) });
+    } else if (e.type === 'speech_start') channel.write({ type: 'voice-started', timestamp: Math.round(audio.base + e.at_ms) });
+    else if (e.type === 'speech_end') channel.write({ type: 'voice-stopped', timestamp: Math.round(audio.base + e.end_ms) });
+  };
+
+  /** Runs the lane's ready jobs; resolves when none is left (a call while it runs makes it look again). */
+  const pump = (lane: Lane): Promise<void> => {
+    if (lane.pumping) {
+      lane.repump = true;
+      return lane.pumping;
+    }
+    const session = lane.session!;
+    lane.pumping = (async () => {
+      do {
+        lane.repump = false;
+        await drain(session, lane.run, emit, MAX_JOB_WINDOWS, backlog);
+      } while (lane.repump);
+    })()
+      .catch(fail)
+      .finally(() => (lane.pumping = null));
+    return lane.pumping;
+  };
+
+  /** Takes the leases for what `names` asks (keeps them when unchanged) and loads the models. */
+  const admit = async (): Promise<void> => {
+    const want = resolveNames(registry, names);
+    const key = `${want.wake}|${want.vad}`;
+    if (key === laneKey) return;
+    for (const l of lanes) l.lease.release();
+    lanes = [];
+    laneKey = '';
+    for (const [kind, mid] of [['wake', want.wake], ['vad', want.vad]] as const) {
+      if (!mid) continue;
+      const entry = registry.require(mid);
+      const lease = await entry.admit({
+        signal: gone.signal,
+        onRevoke: (why) => {
+          const err = toVoxError(why);
+          send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
+        },
+      });
+      if (gone.signal.aborted) return lease.release();
+      const lane: Lane = { kind, id: entry.id, lease, run: () => Promise.reject(new Error('not loaded')), config: entry.config, info: {}, session: null, pumping: null, repump: false };
+      lanes.push(lane);
+      const { pool, batcher } = await entry.ensureReady(gone.signal);
+      lane.run = batcher ? (job) => batcher.run(job as VadJob, gone.signal) : (job) => pool.run(job, gone.signal);
+      lane.config = entry.config;
+      lane.info = pool.info;
+      stats.model = stats.model ?? entry.id;
+    }
+    laneKey = key;
+  };
+
+  /** `audio-start` (or a first `audio-chunk` that carries its format): a new audio stream. */
+  const start = async (data: Record<string, unknown>): Promise<void> => {
+    if (audio) await stop(false);
+    const { rate, width, channels } = data;
+    for (const [k, v] of Object.entries({ rate, width, channels })) {
+      if (typeof v !== 'number' || !Number.isInteger(v)) throw invalid(`audio-start.${k}: required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
+    }
+    if (width !== 2) throw invalid(`audio-start.width: only 2 (16-bit PCM) is supported, got ${width}`);
+    checkFormat(rate as number, channels as number);
+    await admit();
+    if (gone.signal.aborted) return;
+    decoder?.close();
+    decoder = await PcmStreamDecoder.create('s16le', rate as number, channels as number);
+    for (const l of lanes) l.session = createTaskSession(l.config, l.info, undefined);
+    audio = { detections: 0, base: typeof data.timestamp === 'number' ? data.timestamp : 0 };
+    if (!ready) {
+      ready = true;
+      send({ type: 'READY', model: lanes.map((l) => l.id).join('+'), task: lanes[0]?.config.task ?? 'wakeword' });
+    }
+  };
+
+  /** `audio-stop`: the last partial step is processed, then `not-detected` if nothing fired. */
+  const stop = async (answer: boolean): Promise<void> => {
+    if (audio) {
+      const current = audio;
+      await Promise.all(
+        lanes.map((l) => {
+          for (const e of l.session!.end()) emit(e);
+          return pump(l);
+        }),
+      );
+      if (answer && current.detections === 0 && lanes.some((l) => l.kind === 'wake')) channel.write({ type: 'not-detected' });
+    } else if (answer && !lanes.some((l) => l.kind === 'vad')) channel.write({ type: 'not-detected' });
+    audio = null;
+    for (const l of lanes) l.session = null;
+  };
+
+  const chunk = (e: WyomingEvent): void => {
+    if (!audio || !decoder) return;
+    const samples = decoder.push(e.payload ?? Buffer.alloc(0));
+    for (const l of lanes) {
+      l.session!.push(samples);
+      void pump(l);
+    }
+    stats.receivedSamples += samples.length;
+    backlog();
+  };
+
+  const handle = async (e: WyomingEvent): Promise<void> => {
+    if (gone.signal.aborted || ended) return;
+    switch (e.type) {
+      case 'detect':
+        names = e.data.names;
+        resolveNames(registry, names); // a bad name is an error now, not at audio-start
+        return;
+      case 'audio-start':
+        return start(e.data);
+      case 'audio-chunk':
+        // A client that sends chunks without audio-start: the chunk's own format starts the stream.
+        if (!audio) await start(e.data);
+        return chunk(e);
+      case 'audio-stop':
+        return stop(true);
+      default:
+        // Unknown events are ignored, as the Wyoming README asks of peers.
+        return;
+    }
+  };
+
+  channel.onEvent = (e) => {
+    const bytes = e.payload?.length ?? 0;
+    queued += bytes;
+    backlog();
+    queue = queue
+      .then(() => handle(e))
+      .catch(fail)
+      .finally(() => {
+        queued -= bytes;
+        backlog();
+      });
+  };
+  receive((e) => {
+    if (e.type === 'CHECK_IDLE') {
+      send({ type: 'IDLE_REPORT', silentMs: performance.now() - channel.heardAt });
+    } else if (e.type === 'CHECK_SEND') {
+      send({ type: 'SEND_REPORT', waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince });
+    } else if (e.type === 'END' && !ended) {
+      // The root's drain: finish the current audio stream as if audio-stop had come, then `done`.
+      queue = queue.then(async () => {
+        await stop(true).catch(fail);
+        ended = true;
+        if (gone.signal.aborted) return;
+        const audioMs = stats.receivedSamples / 16;
+        send({ type: 'DONE', processed_ms: Math.round(audioMs), timing: { wall_ms: Math.round(performance.now() - t0), queue_ms: 0, audio_duration_ms: Math.round(audioMs), rtf: 0 } });
+      });
+    }
+  });
+  return () => {
+    channel.onEvent = null;
+    gone.abort();
+    decoder?.close();
+    for (const l of lanes) l.lease.release();
+  };
+});
+
+/**
+ * Creates the socket actor of one Wyoming connection (unstarted, as {@link createStreamSocket}).
+ * Heartbeats are off (Wyoming has no ping the peers must answer); the other limits are the server's.
+ */
+export function createWyomingSocket(input: { limits: Limits; registry: Supervisor }, inspect?: (e: InspectionEvent) => void): StreamSocketHandle & { channel: WyomingChannel } {
+  const channel = new WyomingChannel();
+  const handle = createStreamSocket({ url: '', limits: { ...input.limits, heartbeat_ms: 0 }, registry: input.registry, route: 'wyoming' }, inspect, { work: wyomingWork, channel });
+  return { ...handle, channel };
+}
+
+export type { WireEvent };

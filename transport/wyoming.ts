@@ -1,0 +1,238 @@
+import { createRequire } from 'node:module';
+import { createServer, type AddressInfo, type Server, type Socket } from 'node:net';
+import type { InspectionEvent } from 'xstate';
+import { drainOnShutdown } from '../actors/system.js';
+import { CLOSE, type StreamInput, type StreamOutput, type StreamSocket, type WireEvent } from '../actors/stream.js';
+import type { Supervisor } from '../actors/supervisor.js';
+import { createWyomingSocket, wyomingInfo, type WyomingChannel, type WyomingEvent } from '../actors/wyoming.js';
+import type { ServerConfig } from '../runtime/config.js';
+
+const VERSION = (createRequire(import.meta.url)('../../package.json') as { version: string }).version;
+
+/** Malformed Wyoming input: the connection gets an `error` event and is closed. */
+export class WyomingFramingError extends Error {}
+
+const isObject = (v: unknown): v is Record<string, unknown> => typeof v === 'object' && v !== null && !Array.isArray(v);
+
+/**
+ * Splits a byte stream into Wyoming events (https://github.com/rhasspy/wyoming README "Format"):
+ * a JSON header line (`type`, optional `data`, `data_length`, `payload_length`), then exactly
+ * `data_length` bytes of JSON merged over the header's `data`, then `payload_length` bytes of
+ * payload. Blank lines between events are skipped.
+ */
+export class WyomingParser {
+  private buf: Buffer = Buffer.alloc(0);
+  private header: { type: string; data: Record<string, unknown>; dataLength: number; payloadLength: number } | null = null;
+
+  /**
+   * @param maxHeaderBytes longest header line, and the largest data section, bytes.
+   * @param maxPayloadBytes largest payload, bytes.
+   */
+  constructor(
+    private readonly maxHeaderBytes: number,
+    private readonly maxPayloadBytes: number,
+  ) {}
+
+  /**
+   * Takes the next bytes; returns the events they complete, in order.
+   * @throws WyomingFramingError naming what is wrong (bad JSON, a header over the limit, a
+   *   `payload_length` over the frame limit, `data` that is not an object, ...).
+   */
+  push(chunk: Buffer): WyomingEvent[] {
+    this.buf = this.buf.length ? Buffer.concat([this.buf, chunk]) : chunk;
+    const out: WyomingEvent[] = [];
+    for (;;) {
+      if (!this.header) {
+        const nl = this.buf.indexOf(10);
+        if (nl < 0 ? this.buf.length > this.maxHeaderBytes : nl > this.maxHeaderBytes) throw new WyomingFramingError(`header line over ${this.maxHeaderBytes} bytes`);
+        if (nl < 0) break;
+        const line = this.buf.subarray(0, nl).toString('utf8');
+        this.buf = this.buf.subarray(nl + 1);
+        if (!line.trim()) continue;
+        this.header = this.parseHeader(line);
+      }
+      const { dataLength, payloadLength } = this.header;
+      if (this.buf.length < dataLength + payloadLength) break;
+      let data = this.header.data;
+      if (dataLength > 0) {
+        let extra: unknown;
+        try {
+          extra = JSON.parse(this.buf.subarray(0, dataLength).toString('utf8'));
+        } catch {
+          throw new WyomingFramingError(`${this.header.type}: the data section is not valid JSON`);
+        }
+        if (!isObject(extra)) throw new WyomingFramingError(`${this.header.type}: the data section must be a JSON object`);
+        data = { ...data, ...extra };
+      }
+      const payload = payloadLength > 0 ? Buffer.from(this.buf.subarray(dataLength, dataLength + payloadLength)) : null;
+      this.buf = this.buf.subarray(dataLength + payloadLength);
+      out.push({ type: this.header.type, data, payload });
+      this.header = null;
+    }
+    return out;
+  }
+
+  private parseHeader(line: string): NonNullable<WyomingParser['header']> {
+    let h: unknown;
+    try {
+      h = JSON.parse(line);
+    } catch {
+      throw new WyomingFramingError('header line is not valid JSON');
+    }
+    if (!isObject(h)) throw new WyomingFramingError('header line must be a JSON object');
+    if (typeof h.type !== 'string' || !h.type) throw new WyomingFramingError('header.type: required, a string');
+    if (h.data !== undefined && h.data !== null && !isObject(h.data)) throw new WyomingFramingError(`${h.type}: header.data must be a JSON object`);
+    const length = (name: 'data_length' | 'payload_length', max: number): number => {
+      const v = h[name] ?? 0;
+      if (typeof v !== 'number' || !Number.isInteger(v) || v < 0) throw new WyomingFramingError(`${h.type}: header.${name} must be a non-negative integer`);
+      if (v > max) throw new WyomingFramingError(`${h.type}: header.${name} ${v} is over the limit of ${max} bytes`);
+      return v;
+    };
+    return { type: h.type, data: (h.data as Record<string, unknown>) ?? {}, dataLength: length('data_length', this.maxHeaderBytes), payloadLength: length('payload_length', this.maxPayloadBytes) };
+  }
+}
+
+/** One Wyoming event as bytes: the header line, then the data section (as wyoming's Python writer does). */
+export function encodeWyoming(type: string, data?: Record<string, unknown>): Buffer {
+  if (!data || Object.keys(data).length === 0) return Buffer.from(`${JSON.stringify({ type })}\n`);
+  const body = Buffer.from(JSON.stringify(data));
+  return Buffer.concat([Buffer.from(`${JSON.stringify({ type, data_length: body.length, payload_length: 0 })}\n`), body]);
+}
+
+/** A stream event as a Wyoming event; null for events Wyoming has no place for (`ready`, `done`). */
+function toWyoming(event: WireEvent): Buffer | null {
+  const { type, ...rest } = event;
+  if (type === 'ready' || type === 'done') return null;
+  if (type === 'error') {
+    const e = (rest.error ?? {}) as { type?: string; message?: string };
+    return encodeWyoming('error', { text: e.message ?? 'error', code: e.type ?? 'server_error' });
+  }
+  return encodeWyoming(type, rest);
+}
+
+/** A live Wyoming connection as the transport sees it. */
+export interface WyomingLink {
+  readonly actor: StreamSocket;
+  readonly socket: Socket;
+  /** Resolves once its leases are released (the socket may still be closing). */
+  readonly released: Promise<void>;
+}
+
+/**
+ * Binds a TCP connection to its socket actor: bytes become Wyoming events (to the channel;
+ * `describe` and `ping` are answered here), what the actor emits is written as Wyoming events.
+ * Malformed input gets an `error` event and the connection is cut (close code 1008 in the log).
+ * Starts the actor.
+ */
+export function bindWyoming(socket: Socket, { actor, channel }: { actor: StreamSocket; channel: WyomingChannel }, config: ServerConfig, registry: Supervisor): WyomingLink {
+  const limits = config.limits;
+  const tell = (e: StreamInput | { type: 'CUT'; code: number; reason: string; notify: boolean }): void => {
+    if (actor.getSnapshot().status === 'active') actor.send(e as StreamInput);
+  };
+  let release!: () => void;
+  const released = new Promise<void>((r) => (release = r));
+  let unflushed = 0;
+  const write = (bytes: Buffer): void => {
+    if (socket.destroyed || !socket.writable) return;
+    if (socket.writableLength > limits.ws_max_buffered_bytes) return tell({ type: 'SEND_BLOCKED' });
+    if (unflushed++ === 0) channel.unflushedSince = performance.now();
+    socket.write(bytes, () => {
+      if (--unflushed === 0) channel.unflushedSince = null;
+    });
+  };
+  channel.write = (event) => {
+    const bytes = toWyoming(event);
+    if (bytes) write(bytes);
+  };
+  actor.on('*', (o: StreamOutput) => {
+    switch (o.type) {
+      case 'send':
+        return channel.write(o.event);
+      case 'close':
+        return void socket.end();
+      case 'pause':
+        return void socket.pause();
+      case 'resume':
+        return void (parser && socket.resume());
+      case 'terminate':
+        return void socket.destroy();
+      case 'released':
+        return release();
+    }
+  });
+  let parser: WyomingParser | null = new WyomingParser(limits.max_header_bytes, limits.ws_max_frame_bytes);
+  socket.on('data', (chunk: Buffer) => {
+    if (!parser) return;
+    let events: WyomingEvent[];
+    try {
+      events = parser.push(chunk);
+    } catch (e) {
+      // Nothing more is read from a peer that broke the framing: error event, then the close.
+      parser = null;
+      socket.pause();
+      const reason = e instanceof WyomingFramingError ? e.message : String(e);
+      channel.write({ type: 'error', error: { type: 'invalid_request_error', message: reason } });
+      return tell({ type: 'CUT', code: CLOSE.POLICY, reason, notify: false });
+    }
+    for (const e of events) {
+      if (e.type === 'describe') {
+        channel.heard();
+        write(encodeWyoming('info', wyomingInfo(registry, VERSION)));
+      } else if (e.type === 'ping') {
+        channel.heard();
+        write(encodeWyoming('pong', typeof e.data.text === 'string' ? { text: e.data.text } : undefined));
+      } else channel.event(e);
+    }
+  });
+  socket.on('error', () => {});
+  socket.on('close', () => tell({ type: 'PEER_CLOSED', code: 1006 }));
+  socket.setNoDelay(true);
+  socket.setKeepAlive(true, 30_000);
+  actor.subscribe({ error: () => {} });
+  actor.start();
+  return { actor, socket, released };
+}
+
+/** The Wyoming listener of a server: its live connections, and how it stops. */
+export interface WyomingService {
+  readonly server: Server;
+  /** `tcp://host:port` once listening. */
+  readonly uri: string;
+  readonly port: number;
+  readonly links: ReadonlySet<WyomingLink>;
+  /** Every open TCP connection (refused ones and closing ones included): destroyed at the end of shutdown. */
+  readonly sockets: ReadonlySet<Socket>;
+}
+
+/**
+ * Listens for Wyoming connections on `config.wyoming.host:port` (port 0 picks a free one). Over
+ * `limits.max_ws_connections` connections, or while the server is not accepting work, a new
+ * connection gets an `error` event and is closed.
+ */
+export async function startWyoming(config: ServerConfig, registry: Supervisor, inspect?: (e: InspectionEvent) => void): Promise<WyomingService> {
+  const links = new Set<WyomingLink>();
+  const sockets = new Set<Socket>();
+  const server = createServer((socket) => {
+    sockets.add(socket);
+    socket.once('close', () => sockets.delete(socket));
+    socket.on('error', () => socket.destroy());
+    const refuse = (code: string, text: string): void => void socket.end(encodeWyoming('error', { text, code }));
+    if (!registry.accepting) return refuse(registry.phase === 'starting' ? 'server_busy' : 'shutting_down', `the server is ${registry.phase === 'starting' ? 'starting' : 'shutting down'}`);
+    if (links.size >= config.limits.max_ws_connections) return refuse('server_busy', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
+    const handle = createWyomingSocket({ limits: config.limits, registry }, inspect);
+    drainOnShutdown(registry.root, handle.actor);
+    const link = bindWyoming(socket, handle, config, registry);
+    links.add(link);
+    void link.released.then(() => links.delete(link));
+  });
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(config.wyoming.port, config.wyoming.host, () => {
+      server.off('error', reject);
+      resolve();
+    });
+  });
+  const addr = server.address() as AddressInfo;
+  const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
+  return { server, links, sockets, port: addr.port, uri: `tcp://${host}:${addr.port}` };
+}
