@@ -86,6 +86,7 @@ interface ServeOptions {
   logLevel?: string;
   inspect?: boolean;
   statelyInspector?: string;
+  wyoming?: string | true;
 }
 
 const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket').version(version, '-V, --version');
@@ -105,6 +106,7 @@ program
   .option('--log-level <level>', `JSON log level on stdout: ${LOG_LEVELS.join(', ')}`)
   .option('--inspect', 'record state-chart transitions for /debug and /debug/actors')
   .option('--stately-inspector <url>', 'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090')
+  .option('--wyoming [host:port]', 'serve the Wyoming wake-word protocol (Home Assistant), default 127.0.0.1:10400')
   .action(async (opts: ServeOptions) => {
     if (opts.port === undefined && process.env.PORT) {
       if (!/^\d+$/.test(process.env.PORT)) die(`PORT must be a non-negative integer, got '${process.env.PORT}'`);
@@ -128,6 +130,11 @@ program
     if (opts.management) config.management = { ...config.management, enabled: true };
     if (opts.inspect) config.debug = { ...config.debug, inspect: true };
     if (opts.statelyInspector) config.debug = { ...config.debug, stately_url: opts.statelyInspector };
+    if (opts.wyoming) {
+      const m = opts.wyoming === true ? null : /^(.+):(\d{1,5})$/.exec(opts.wyoming);
+      if (opts.wyoming !== true && (!m || Number(m[2]) > 65535)) die(`--wyoming: expected host:port, got '${opts.wyoming}'`);
+      config.wyoming = { enabled: true, host: m?.[1] ?? config.wyoming.host, port: m ? Number(m[2]) : config.wyoming.port };
+    }
     const t0 = performance.now();
     let server;
     try {
@@ -136,6 +143,7 @@ program
       die(`cannot start on ${config.host}:${config.port}: ${(e as Error).message}`);
     }
     process.stderr.write(`voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`);
+    if (server.wyoming) process.stderr.write(`voxserve wyoming on ${server.wyoming.uri}\n`);
     let signals = 0;
     const stop = (sig: string): void => {
       const first = ++signals === 1;

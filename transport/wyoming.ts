@@ -7,7 +7,19 @@ import type { Supervisor } from '../actors/supervisor.js';
 import { createWyomingSocket, wyomingInfo, type WyomingChannel, type WyomingEvent } from '../actors/wyoming.js';
 import type { ServerConfig } from '../runtime/config.js';
 
-const VERSION = (createRequire(import.meta.url)('../../package.json') as { version: string }).version;
+/** voxserve's version, from package.json (one level up from the sources, two from dist/). */
+const VERSION = ((): string => {
+  const require = createRequire(import.meta.url);
+  for (const p of ['../package.json', '../../package.json']) {
+    try {
+      const pkg = require(p) as { name?: string; version?: string };
+      if (pkg.name === 'voxserve' && pkg.version) return pkg.version;
+    } catch {
+      // not there
+    }
+  }
+  return 'unknown';
+})();
 
 /** Malformed Wyoming input: the connection gets an `error` event and is closed. */
 export class WyomingFramingError extends Error {}

@@ -1,0 +1,233 @@
+/**
+ * The Wyoming endpoint on loopback, with a small client written from the Wyoming README
+ * (https://github.com/rhasspy/wyoming: "Format", "Wake Word", "Event Flow"), not from voxserve's parser.
+ */
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { connect, createServer, type Socket } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
+import { defaultCatalog } from '../../runtime/catalog.js';
+import { ServerConfig } from '../../runtime/config.js';
+import { startServer, type VoxServer } from '../../transport/server.js';
+import { spawnServer } from '../../tools/spawn-server.js';
+import { fixture, until, WaveFile } from '../helpers.js';
+
+interface Event {
+  type: string;
+  data: Record<string, any>;
+  payload: Buffer;
+}
+
+/** A Wyoming peer: header line, `data_length` bytes of JSON data, `payload_length` bytes of payload. */
+class Client {
+  readonly events: Event[] = [];
+  readonly closed: Promise<void>;
+  private buf = Buffer.alloc(0);
+  private wake: (() => void) | null = null;
+
+  private constructor(readonly socket: Socket) {
+    socket.on('data', (d: Buffer) => {
+      this.buf = Buffer.concat([this.buf, d]);
+      for (;;) {
+        const nl = this.buf.indexOf('\n');
+        if (nl < 0) break;
+        const header = JSON.parse(this.buf.subarray(0, nl).toString());
+        const dl = header.data_length ?? 0;
+        const pl = header.payload_length ?? 0;
+        if (this.buf.length < nl + 1 + dl + pl) break;
+        const data = { ...(header.data ?? {}), ...(dl ? JSON.parse(this.buf.subarray(nl + 1, nl + 1 + dl).toString()) : {}) };
+        this.events.push({ type: header.type, data, payload: this.buf.subarray(nl + 1 + dl, nl + 1 + dl + pl) });
+        this.buf = this.buf.subarray(nl + 1 + dl + pl);
+      }
+      this.wake?.();
+    });
+    socket.on('error', () => {});
+    this.closed = new Promise((r) => socket.on('close', () => r()));
+  }
+
+  static open(port: number): Promise<Client> {
+    return new Promise((resolve, reject) => {
+      const s = connect(port, '127.0.0.1', () => resolve(new Client(s)));
+      s.once('error', reject);
+    });
+  }
+
+  /** Sends an event with its data in the data section (as wyoming's Python writer does). */
+  send(type: string, data?: Record<string, unknown>, payload?: Buffer): void {
+    const body = data ? Buffer.from(JSON.stringify(data)) : Buffer.alloc(0);
+    const header = { type, data_length: body.length, payload_length: payload?.length ?? 0 };
+    this.socket.write(Buffer.concat([Buffer.from(JSON.stringify(header) + '\n'), body, payload ?? Buffer.alloc(0)]));
+  }
+
+  /** Waits for the first event of `type` not yet taken. */
+  async next(type: string, ms = 20_000): Promise<Event> {
+    const end = Date.now() + ms;
+    for (;;) {
+      const e = this.events.find((x) => x.type === type);
+      if (e) return e;
+      if (Date.now() > end || this.socket.destroyed) throw new Error(`no ${type} event; got ${this.events.map((x) => x.type).join(', ')}`);
+      await new Promise<void>((r) => {
+        this.wake = r;
+        setTimeout(r, 50);
+      });
+    }
+  }
+
+  /** audio-start, the file's PCM in 100 ms audio-chunks, then audio-stop (unless `stop` is false). */
+  sendWav(file: string, stop = true): void {
+    const w = new WaveFile(fixture(file));
+    const { sampleRate: rate, numChannels: channels } = w.fmt as { sampleRate: number; numChannels: number };
+    const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
+    const fmt = { rate, width: 2, channels };
+    this.send('audio-start', { ...fmt, timestamp: 0 });
+    const step = (rate / 10) * 2 * channels;
+    for (let off = 0, t = 0; off < pcm.length; off += step, t += 100) this.send('audio-chunk', { ...fmt, timestamp: t }, pcm.subarray(off, off + step));
+    if (stop) this.send('audio-stop', { timestamp: Math.round((pcm.length / 2 / channels / rate) * 1000) });
+  }
+}
+
+let server: VoxServer;
+let port: number;
+beforeAll(async () => {
+  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0 }, limits: { ws_max_frame_bytes: 64 * 1024, max_header_bytes: 4096 } }));
+  port = server.wyoming!.port;
+  await until(async () => (await fetch(`${server.url}/ready`)).status === 200, 10_000);
+});
+afterAll(async () => {
+  await server?.close();
+});
+
+const leases = async (): Promise<number> => {
+  const { models } = await (await fetch(`${server.url}/v1/models`)).json();
+  return models.reduce((n: number, m: { active_leases: number }) => n + m.active_leases, 0);
+};
+
+describe('Wyoming', () => {
+  it('describe -> info lists every wake word with its phrase, languages, attribution and licence', async () => {
+    const c = await Client.open(port);
+    c.send('describe');
+    const info = await c.next('info');
+    const models = info.data.wake[0].models;
+    expect(models.map((m: { name: string }) => m.name)).toEqual(['alexa', 'hey-jarvis', 'hey-mycroft', 'hey-rhasspy', 'timer', 'weather']);
+    expect(models[1]).toMatchObject({ name: 'hey-jarvis', phrase: 'hey jarvis', languages: ['en'], installed: true, attribution: { url: 'https://github.com/dscripka/openWakeWord' } });
+    expect(models[1].description).toContain('CC BY-NC-SA 4.0');
+    c.socket.end();
+  });
+
+  it('detect + audio: "alexa" at 16 kHz then "hey jarvis" at 22.05 kHz on one connection, each detected with its name', async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['alexa', 'hey_jarvis'] });
+    c.sendWav('espeak_alexa_16k.wav');
+    const a = await c.next('detection');
+    expect(a.data.name).toBe('alexa');
+    // The espeak phrase ends at 1.6 s; openWakeWord fires within about half a second of the end.
+    expect(a.data.timestamp).toBeGreaterThan(1000);
+    expect(a.data.timestamp).toBeLessThan(2600);
+    c.sendWav('espeak_hey_jarvis_22k.wav');
+    await until(() => c.events.filter((e) => e.type === 'detection').length === 2, 20_000);
+    expect(c.events.filter((e) => e.type === 'detection').map((e) => e.data.name)).toEqual(['alexa', 'hey-jarvis']);
+    expect(c.events.some((e) => e.type === 'not-detected')).toBe(false);
+    c.socket.end();
+    await c.closed;
+  });
+
+  it('names omitted: every wake word; silence gets not-detected at audio-stop', async () => {
+    const c = await Client.open(port);
+    c.send('detect');
+    c.sendWav('silence_3s_16k.wav');
+    await c.next('not-detected');
+    expect(c.events.filter((e) => e.type === 'detection')).toEqual([]);
+    c.sendWav('espeak_hey_jarvis_22k.wav');
+    expect((await c.next('detection')).data.name).toBe('hey-jarvis');
+    c.socket.end();
+  });
+
+  it('voice-started / voice-stopped from Silero VAD when detect names it', async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['alexa', 'silero-vad'] });
+    c.sendWav('espeak_alexa_16k.wav');
+    const started = await c.next('voice-started');
+    const stopped = await c.next('voice-stopped');
+    // REFERENCE.jsonl: espeak_alexa_16k.wav speech 962-1598 ms (Silero v5, default parameters).
+    expect(Math.abs(started.data.timestamp - 962)).toBeLessThanOrEqual(40);
+    expect(Math.abs(stopped.data.timestamp - 1598)).toBeLessThanOrEqual(40);
+    expect((await c.next('detection')).data.name).toBe('alexa');
+    c.socket.end();
+  });
+
+  it('20 satellites at once each get their own detection', async () => {
+    const clients = await Promise.all(Array.from({ length: 20 }, () => Client.open(port)));
+    clients.forEach((c, i) => {
+      c.send('detect', { names: ['alexa', 'hey-jarvis'] });
+      c.sendWav(i % 2 ? 'espeak_hey_jarvis_22k.wav' : 'espeak_alexa_16k.wav');
+    });
+    const names = await Promise.all(clients.map(async (c) => (await c.next('detection', 60_000)).data.name));
+    expect(names).toEqual(clients.map((_, i) => (i % 2 ? 'hey-jarvis' : 'alexa')));
+    for (const c of clients) c.socket.end();
+    await Promise.all(clients.map((c) => c.closed));
+    await until(async () => (await leases()) === 0);
+  });
+
+  const malformed: [string, (s: Socket) => void, RegExp][] = [
+    ['a header line that is not JSON', (s) => s.write('{"type": "describe"\n'), /not valid JSON/],
+    ['a header line over the size limit', (s) => s.write(`{"type":"audio-chunk","pad":"${'x'.repeat(5000)}`), /header line over 4096 bytes/],
+    ['payload_length over the frame limit', (s) => s.write(JSON.stringify({ type: 'audio-chunk', payload_length: 65 * 1024 }) + '\n'), /payload_length 66560 is over the limit/],
+    ['data that is not an object (header)', (s) => s.write(JSON.stringify({ type: 'detect', data: [1, 2] }) + '\n'), /data must be a JSON object/],
+    ['data that is not an object (data section)', (s) => s.write(JSON.stringify({ type: 'detect', data_length: 5 }) + '\n"abc"'), /data section must be a JSON object/],
+    ['a negative data_length', (s) => s.write(JSON.stringify({ type: 'detect', data_length: -1 }) + '\n'), /non-negative integer/],
+    ['an unknown wake word', (s) => s.write(JSON.stringify({ type: 'detect', data: { names: ['ok-nabu'] } }) + '\n'), /no model 'ok-nabu'/],
+    ['16-bit only', (s) => s.write(JSON.stringify({ type: 'audio-start', data: { rate: 16000, width: 4, channels: 1 } }) + '\n'), /width: only 2/],
+  ];
+  it.each(malformed)('%s: an error event, then the close; nothing leaks', async (_, write, message) => {
+    const c = await Client.open(port);
+    // Mid-stream, holding a lease: the error must release it.
+    c.send('detect', { names: ['alexa'] });
+    c.send('audio-start', { rate: 16000, width: 2, channels: 1 });
+    c.send('audio-chunk', { rate: 16000, width: 2, channels: 1 }, Buffer.alloc(3200));
+    await until(async () => (await leases()) === 1);
+    write(c.socket);
+    const err = await c.next('error');
+    expect(err.data.text).toMatch(message);
+    await c.closed;
+    await until(async () => (await leases()) === 0);
+    expect(server.wyoming!.links.size).toBe(0);
+    // The server goes on.
+    const d = await Client.open(port);
+    d.send('describe');
+    await d.next('info');
+    d.socket.end();
+  });
+});
+
+describe('Wyoming drain', () => {
+  it('SIGTERM: live audio streams are finished as if audio-stop had come (detection, or not-detected), then closed; exit 0 before the drain deadline', async () => {
+    const wyomingPort = await new Promise<number>((resolve) => {
+      const s = createServer().listen(0, '127.0.0.1', () => {
+        const p = (s.address() as { port: number }).port;
+        s.close(() => resolve(p));
+      });
+    });
+    const dir = mkdtempSync(join(tmpdir(), 'voxserve-wyoming-'));
+    const config = join(dir, 'config.json');
+    const path = defaultCatalog().find((m) => m.id === 'hey-jarvis')!.path;
+    writeFileSync(config, JSON.stringify({ port: 0, drain_timeout_ms: 8000, wyoming: { enabled: true, port: wyomingPort }, models: [{ id: 'hey-jarvis', lazy: false, task: 'wakeword', path }] }));
+    const { child } = await spawnServer(['--config', config]);
+    onTestFinished(() => void child.kill('SIGKILL'));
+    const exited = new Promise<number | null>((r) => child.on('exit', (code) => r(code)));
+    // Neither sends audio-stop: the drain ends their audio streams.
+    const [phrase, silence] = await Promise.all([Client.open(wyomingPort), Client.open(wyomingPort)]);
+    for (const [c, file] of [[phrase, 'espeak_hey_jarvis_22k.wav'], [silence, 'silence_3s_16k.wav']] as const) {
+      c.send('detect', { names: ['hey-jarvis'] });
+      c.sendWav(file, false);
+    }
+    await phrase.next('detection');
+    const t0 = performance.now();
+    child.kill('SIGTERM');
+    await Promise.all([phrase.closed, silence.closed]);
+    expect(phrase.events.map((e) => e.type)).toEqual(['detection']);
+    expect(silence.events.map((e) => e.type)).toEqual(['not-detected']);
+    expect(await exited).toBe(0);
+    expect(performance.now() - t0).toBeLessThan(8000);
+  });
+});
