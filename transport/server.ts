@@ -307,7 +307,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Phase 1: stop accepting work. The listener stays up, so /ready answers 503 and new
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
-    log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, requests: inflight.size }, 'shutting down');
+    log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, wyoming: wyoming?.links.size, requests: inflight.size }, 'shutting down');
     for (const res of sse) res.end();
     // Phase 2 (the root's `drain`, sent by beginShutdown): running work finishes; streams get their last events and `done`.
     const drained = Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);

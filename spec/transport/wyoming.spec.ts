@@ -200,6 +200,27 @@ describe('Wyoming', () => {
   });
 });
 
+describe('Wyoming deadlines and limits (those of WebSocket streams)', () => {
+  it('a silent connection is cut at limits.idle_ms; past limits.max_ws_connections a connection gets an error', async () => {
+    const small = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0 }, limits: { idle_ms: 300, max_ws_connections: 2 } }));
+    onTestFinished(() => small.close());
+    await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
+    const [a, b] = await Promise.all([Client.open(small.wyoming!.port), Client.open(small.wyoming!.port)]);
+    await until(() => small.wyoming!.links.size === 2);
+    const c = await Client.open(small.wyoming!.port);
+    expect((await c.next('error')).data).toMatchObject({ code: 'server_busy', text: expect.stringContaining('max_ws_connections') });
+    await c.closed;
+    // a keeps talking (describe counts as a message), b stays silent.
+    const talk = setInterval(() => a.send('describe'), 100);
+    onTestFinished(() => clearInterval(talk));
+    expect((await b.next('error', 3000)).data.text).toContain('limits.idle_ms (300 ms)');
+    await b.closed;
+    expect(a.socket.destroyed).toBe(false);
+    clearInterval(talk);
+    await a.next('error', 3000);
+  });
+});
+
 describe('Wyoming drain', () => {
   it('SIGTERM: live audio streams are finished as if audio-stop had come (detection, or not-detected), then closed; exit 0 before the drain deadline', async () => {
     const wyomingPort = await new Promise<number>((resolve) => {
