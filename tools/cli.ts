@@ -248,17 +248,27 @@ program
 program
   .command('bench')
   .description('live streaming benchmark against a server it starts, with the bare and per-client baselines (one table)')
-  .option('--streams <list>', 'comma-separated stream counts', '100,500,1000')
+  .option('--task <task>', 'vad (Silero VAD streams) or wakeword (openWakeWord streams: 1, 2 and 6 heads, batching)', 'vad')
+  .option('--streams <list>', 'comma-separated stream counts (default 100,500,1000; wakeword: 40,160)', '100,500,1000')
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--seconds <s>', 'audio per stream, s', int('--seconds'), 20)
-  .option('--slots <n>', 'server slots for the model', int('--slots'), 1)
+  .option('--slots <n>', 'server slots for the model (wakeword: default 2)', int('--slots'), 1)
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms", int('--batch-delay-ms'), 10)
-  .option('--isolation <list>', 'slot host isolation modes to run side by side: process, thread', 'thread,process')
-  .action(async (opts: { streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number; isolation: string }) => {
-    const streams = opts.streams.split(',').map(Number);
+  .option('--isolation <list>', 'slot host isolation modes to run side by side: process, thread (wakeword: one, default process)', 'thread,process')
+  .option('--head-streams <n>', 'wakeword: streams for the 1 / 2 / 6 heads comparison', int('--head-streams'), 40)
+  .action(async (opts: { task: string; streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number; isolation: string; headStreams: number }, cmd: Command) => {
+    const given = (name: string): boolean => cmd.getOptionValueSource(name) !== 'default';
+    if (opts.task !== 'vad' && opts.task !== 'wakeword') die(`--task must be vad or wakeword, got '${opts.task}'`);
+    const wake = opts.task === 'wakeword';
+    const streams = (wake && !given('streams') ? '40,160' : opts.streams).split(',').map(Number);
     if (streams.some((n) => !Number.isInteger(n) || n < 1)) die('--streams must be a comma-separated list of positive integers');
-    const isolation = opts.isolation.split(',');
+    const isolation = (wake && !given('isolation') ? 'process' : opts.isolation).split(',');
     if (!isolation.every((m) => m === 'process' || m === 'thread')) die(`--isolation must be a comma-separated list of process and thread, got '${opts.isolation}'`);
+    if (wake) {
+      if (isolation.length !== 1) die('--task wakeword runs one --isolation mode');
+      const { benchWakeword } = await import('./bench-wakeword.js');
+      return benchWakeword({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: given('slots') ? opts.slots : 2, isolation: isolation[0] as 'process' | 'thread', headStreams: opts.headStreams });
+    }
     const { bench } = await import('./bench.js');
     await bench({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: opts.slots, batchDelayMs: opts.batchDelayMs, isolation: isolation as ('process' | 'thread')[] });
   });
