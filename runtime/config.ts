@@ -48,7 +48,7 @@ export const HeadConfig = z.union([
     threshold: z.number().gt(0).lt(1).optional(),
     refractory_ms: nonNegInt.optional(),
     /** Set by the server from the model `model` (not accepted from clients). */
-    path: z.string().min(1).optional(),
+    path: z.preprocess((v) => (v === '' ? undefined : v), z.string().min(1).optional()),
   }),
 ]);
 export type HeadConfig = z.infer<typeof HeadConfig>;
@@ -61,7 +61,7 @@ export const ModelConfig = z.strictObject({
   id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, 'must be 1-128 characters of A-Z a-z 0-9 . _ -'),
   task: z.enum(TASKS),
   /** The ONNX file: the Silero VAD model, or the openWakeWord classifier head (a group with `heads` needs none). */
-  path: z.string().min(1).optional(),
+  path: z.preprocess((v) => (v === '' ? undefined : v), z.string().min(1).optional()),
   /**
    * Wake word only: a group of several heads on one stream (features computed once per 80 ms step
    * and fed to every head). Each names a wake-word model; its detections carry that model's id.
@@ -88,10 +88,13 @@ export const ModelConfig = z.strictObject({
   /** VAD streams: the longest a window waits for company before its batch is sent, ms. */
   max_batch_delay_ms: z.number().int().min(0).max(1000).default(10),
   options: z.record(z.string(), z.unknown()).default({}),
-}).superRefine((m, ctx) => {
-  if (m.heads && m.task !== 'wakeword') ctx.addIssue({ code: 'custom', path: ['heads'], message: 'only a wakeword model has heads' });
-  if (!m.path && !m.heads) ctx.addIssue({ code: 'custom', path: ['path'], message: m.task === 'wakeword' ? 'required (or heads)' : 'required' });
-});
+})
+  .superRefine((m, ctx) => {
+    if (m.heads && m.task !== 'wakeword') ctx.addIssue({ code: 'custom', path: ['heads'], message: 'only a wakeword model has heads' });
+    if (!m.path && !m.heads) ctx.addIssue({ code: 'custom', path: ['path'], message: m.task === 'wakeword' ? 'required (or heads)' : 'required' });
+  })
+  // A group's files are its heads' (`modelFiles`); its `path` is '' (every other model has one).
+  .transform((m) => ({ ...m, path: m.path ?? '' }));
 export type ModelConfig = z.infer<typeof ModelConfig>;
 
 /** A wake-word head as the slots and sessions see it: its label (model id) and file; thresholds when set. */
@@ -108,7 +111,7 @@ export interface ResolvedHead {
  * @throws Error when a head has no `path` (not resolved: a bug).
  */
 export function headsOf(config: ModelConfig): ResolvedHead[] {
-  if (!config.heads) return [{ label: config.id, path: config.path! }];
+  if (!config.heads) return [{ label: config.id, path: config.path }];
   return config.heads.map((h) => {
     if (typeof h === 'string' || !h.path) throw new Error(`model ${config.id}: head ${typeof h === 'string' ? h : h.model} is not resolved to a file`);
     return { label: h.model, path: h.path, threshold: h.threshold, refractory_ms: h.refractory_ms };
@@ -117,7 +120,7 @@ export function headsOf(config: ModelConfig): ResolvedHead[] {
 
 /** Every ONNX file of a model besides the shared wake-word features (its path, or its heads' files). */
 export function modelFiles(config: ModelConfig): string[] {
-  return config.heads ? headsOf(config).map((h) => h.path) : [config.path!];
+  return config.heads ? headsOf(config).map((h) => h.path) : [config.path];
 }
 
 /** Connection limits and deadlines (ms; 0 = no deadline). */

@@ -12,6 +12,7 @@ beforeAll(async () => {
     ServerConfig.parse({
       log_level: 'silent',
       port: 0,
+      management: { enabled: true },
       models: [{ id: 'house', task: 'wakeword', heads: ['alexa', { model: 'hey-jarvis', threshold: 0.9 }] }],
     }),
   );
@@ -121,6 +122,15 @@ describe('wake-word groups', () => {
     expect(req).toEqual([expect.objectContaining({ label: 'hey-jarvis', at_ms: 1920 })]);
     const status = await (await fetch(`${server.url}/v1/models/house`)).json();
     expect(status).toMatchObject({ id: 'house', task: 'wakeword' });
+  });
+
+  it('a group registered and reconfigured by POST /v1/models/load', async () => {
+    const load = async (body: unknown): Promise<any> => (await fetch(`${server.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) })).json();
+    // A client's head path is not taken: the head's file is that of the model it names.
+    expect(await load({ id: 'pair', task: 'wakeword', heads: ['hey-mycroft', { model: 'alexa', path: '/etc/passwd' }] })).toEqual({ id: 'pair', loaded: true, reconfigured: false });
+    expect((await run('pair', 'espeak_alexa_16k.wav')).map((d) => d.label)).toEqual(['alexa']);
+    expect(await load({ id: 'pair', heads: ['hey-mycroft', { model: 'alexa', refractory_ms: 0 }] })).toEqual({ id: 'pair', loaded: true, reconfigured: true });
+    expect((await run('pair', 'espeak_alexa_16k.wav')).length).toBeGreaterThan(5);
   });
 
   it('a group naming an unknown or non-wake-word model is refused with the name', async () => {
