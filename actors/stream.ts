@@ -296,7 +296,11 @@ interface StreamContext {
 
 /** Close reasons are limited to 123 bytes by the WebSocket protocol. */
 function closeReason(text: string): string {
-  return Buffer.byteLength(text) <= 123 ? text : Buffer.from(text).subarray(0, 120).toString('utf8') + '...';
+  if (Buffer.byteLength(text) <= 123) return text;
+  // Cut by characters, not bytes: a cut inside a multi-byte character would decode as U+FFFD (3 bytes) and overflow.
+  let cut = text.slice(0, 120);
+  while (Buffer.byteLength(cut) > 120) cut = cut.slice(0, -1);
+  return `${cut}...`;
 }
 
 const errorEvent = (type: string, message: string): WireEvent => ({ type: 'error', error: { type, message } });

@@ -98,7 +98,8 @@ export function wyomingInfo(registry: Supervisor, version: string): Record<strin
       {
         name: 'voxserve',
         description: 'voxserve: openWakeWord heads served from one process (several wake words per stream share their features)',
-        attribution: { name: 'voxserve', url: 'https://github.com/voxserve/voxserve' },
+        // The engine whose models it runs (voxserve has no public home to point to).
+        attribution: OWW_ABOUT.attribution,
         installed: true,
         version,
         models: registry.wakeModels().map(about),

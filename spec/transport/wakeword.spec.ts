@@ -133,6 +133,18 @@ describe('wake-word groups', () => {
     expect((await run('pair', 'espeak_alexa_16k.wav')).length).toBeGreaterThan(5);
   });
 
+  it('an unknown model id of multi-byte characters: close 1008 with the reason cut to 123 bytes (no crash)', async () => {
+    for (const model of ['a'.repeat(50) + 'é'.repeat(60), `alexa,${'é'.repeat(80)}`]) {
+      const closed = await new Promise<{ code: number; bytes: number }>((resolve) => {
+        const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${encodeURIComponent(model)}`);
+        ws.on('error', () => {});
+        ws.on('close', (code, reason) => resolve({ code, bytes: reason.length }));
+      });
+      expect(closed.code).toBe(1008);
+      expect(closed.bytes).toBeLessThanOrEqual(123);
+    }
+  });
+
   it('a group naming an unknown or non-wake-word model is refused with the name', async () => {
     const unknown = await fetch(`${server.url}/v1/tasks/run?model=alexa,nope`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('silence_3s_16k.wav')) });
     expect(unknown.status).toBe(404);
