@@ -333,6 +333,8 @@ export interface EntryOptions {
   serverIdleUnloadMs?: number;
   /** The server's `load_timeout_ms`, ms (0 = none). */
   serverLoadTimeoutMs?: number;
+  /** The server's `max_queued`, the default of the model's (0 = unbounded). */
+  serverMaxQueued?: number;
   /** Called after every change of state and of the admission queue. */
   onChange?: () => void;
   /** XState inspection observer, when inspection is on. */
@@ -369,6 +371,7 @@ export class ModelEntry {
   private lastUsedAt: number | null = null;
   private readonly serverBusyTimeoutMs: number;
   private readonly resolve: (config: ModelConfig) => ModelConfig;
+  private readonly maxQueuedOf: (config: ModelConfig) => number;
   /** Evictions accepted since start (LRU, memory or idle). */
   evictions = 0;
 
@@ -387,6 +390,9 @@ export class ModelEntry {
       this.actor?.send({ type: 'LEASES', active: a.activeLeases, queued: a.queued, exclusive: a.exclusive !== null });
       onChange();
     });
+    const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;
+    this.admission.maxQueued = maxQueued(config);
+    this.maxQueuedOf = maxQueued;
     const loader = options.loader;
     const machine = modelMachine.provide({
       actors: {
@@ -635,6 +641,7 @@ export class ModelEntry {
         await waitFor(this.actor, (s) => this.settled(s));
         this.actor.send({ type: 'RECONFIGURE', config: next });
         await waitFor(this.actor, (s) => s.context.config === next);
+        this.admission.maxQueued = this.maxQueuedOf(next);
         this.admission.setPlaces(next.max_streams); // committed
       }
       await this.ensureReady();

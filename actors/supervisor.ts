@@ -512,6 +512,7 @@ export class Supervisor {
       serverBusyTimeoutMs: this.config.busy_timeout_ms,
       serverIdleUnloadMs: this.config.idle_unload_ms,
       serverLoadTimeoutMs: this.config.load_timeout_ms,
+      serverMaxQueued: this.config.max_queued,
       onChange: () => this.changed(),
       resolve: this.resolveHeads,
       log: this.log.child({ model: config.id }),

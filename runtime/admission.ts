@@ -55,6 +55,11 @@ export class Admission {
   private exclusiveLease: Lease | null = null;
   private readonly queue: Waiter[] = [];
   private readonly revokers = new Map<Lease, (reason: Error) => void>();
+  /**
+   * Requests that may wait at once (`max_queued`; 0 = unbounded). A request that would queue
+   * past it is refused at once; management waiters are never refused and do not count.
+   */
+  maxQueued = 0;
 
   /**
    * @param places max concurrent leases (the model's `max_streams`).
@@ -95,8 +100,9 @@ export class Admission {
 
   /**
    * Takes a lease, waiting in FIFO order if needed.
-   * @throws VoxError `server_busy` (Retry-After 1 s) once `timeoutMs` passes while queued;
-   *   an `AbortError` DOMException if `signal` aborts while queued.
+   * @throws VoxError `server_busy` (Retry-After 1 s) at once when `maxQueued` requests already
+   *   wait, or once `timeoutMs` passes while queued; an `AbortError` DOMException if `signal`
+   *   aborts while queued.
    */
   acquire(opts: AcquireOptions = {}): Promise<Lease> {
     const exclusive = opts.exclusive ?? false;
@@ -105,6 +111,9 @@ export class Admission {
       const lease = this.grant(exclusive, opts.onRevoke);
       this.onChange();
       return Promise.resolve(lease);
+    }
+    if (!exclusive && this.maxQueued > 0 && this.queue.filter((w) => !w.exclusive).length >= this.maxQueued) {
+      return Promise.reject(new VoxError('server_busy', `the queue is full: ${this.maxQueued} requests already wait for this model (max_queued); retry later`, { retryAfterS: 1 }));
     }
     return new Promise<Lease>((resolve, reject) => {
       const w: Waiter = {

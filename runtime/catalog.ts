@@ -44,3 +44,8 @@ export function defaultCatalog(): ModelConfig[] {
     head('weather', 'weather_v0.1.onnx', "what's the weather"),
   ];
 }
+
+/** Every model file the embedded catalog uses (heads, Silero VAD, the shared feature models): loadable over the API wherever `models_root` is. */
+export function shippedModelFiles(): string[] {
+  return [...defaultCatalog().map((m) => m.path), OWW_MELSPECTROGRAM, OWW_EMBEDDING];
+}

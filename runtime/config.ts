@@ -1,4 +1,5 @@
 import { readFileSync } from 'node:fs';
+import { dirname, resolve } from 'node:path';
 import { z } from 'zod';
 import { defaultCatalog } from './catalog.js';
 import { invalid } from './errors.js';
@@ -74,6 +75,8 @@ export const ModelConfig = z.strictObject({
   embedding_path: z.string().min(1).optional(),
   slots: z.number().int().min(1).max(16).default(1),
   max_streams: z.number().int().min(1).max(65536).default(256),
+  /** Requests (and streams) that may wait for a lease; past it, 503 at once (default: the server's `max_queued`; 0 = unbounded). */
+  max_queued: z.number().int().min(0).max(1_000_000).optional(),
   busy_timeout_ms: nonNegInt.optional(),
   keep_alive_ms: nonNegInt.optional(),
   /** Where this model's slot hosts run (default: the server's `isolation`). */
@@ -125,8 +128,11 @@ export function modelFiles(config: ModelConfig): string[] {
 
 /** Connection limits and deadlines (ms; 0 = no deadline). */
 export const Limits = z.strictObject({
-  /** HTTP request body, bytes (413 past it). */
-  max_body_bytes: z.number().int().positive().default(50 * 1024 * 1024),
+  /**
+   * HTTP request body, bytes (413 past it). The default admits the longest file accepted
+   * (30 min at 16 kHz mono 16-bit: 57.6 MB as WAV, 76.8 MB as base64 in JSON).
+   */
+  max_body_bytes: z.number().int().positive().default(100 * 1024 * 1024),
   /** HTTP request headers, bytes (431 past it). */
   max_header_bytes: z.number().int().min(1024).default(16 * 1024),
   /** Time to receive a request's headers. */
@@ -207,7 +213,26 @@ export const ServerConfig = z.strictObject({
     .strictObject({ enabled: z.boolean().default(false), token: z.string().min(1).optional() })
     .default({ enabled: false }),
   limits: Limits.default(Limits.parse({})),
-  models_root: z.string().min(1).optional(),
+  /**
+   * Model paths given to `POST /v1/models/load` must resolve inside this folder (default:
+   * `models/` beside the config file, or in the working directory without one); `false` lets
+   * the API load any file the process can read.
+   */
+  models_root: z.union([z.string().min(1), z.literal(false)]).default(() => resolve('models')),
+  /** Requests (and streams) that may wait for a model's lease, per model; past it, 503 at once. 0 = unbounded. */
+  max_queued: z.number().int().min(0).max(1_000_000).default(512),
+  /** Host names (without port) accepted in the `Host` header besides loopback names and `host`; `*` accepts any. */
+  allowed_hosts: z.array(z.string().min(1)).default([]),
+  /** Origins (`scheme://host[:port]`) whose pages may call the server, besides its own. */
+  allowed_origins: z
+    .array(z.string().refine((o) => URL.canParse(o) && new URL(o).origin === o.toLowerCase().replace(/\/$/, ''), 'must be an origin: scheme://host[:port], no path'))
+    .default([]),
+  auth: z
+    .strictObject({
+      /** Bearer keys for the inference routes and streams (none: open). Token characters only, so a browser can send one as a WebSocket subprotocol. */
+      api_keys: z.array(z.string().regex(/^[A-Za-z0-9._~-]{16,}$/, 'must be at least 16 characters of A-Z a-z 0-9 . _ ~ -')).default([]),
+    })
+    .default({ api_keys: [] }),
   /** pino level of the JSON logs on stdout. */
   log_level: z.enum(LOG_LEVELS).default('info'),
   debug: z
@@ -280,6 +305,11 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
     }
   }
   const defined = Object.fromEntries(Object.entries(overrides).filter(([, v]) => v !== undefined));
+  // models_root is taken from the config file's folder (its default: models/ beside the file).
+  if (file && raw && typeof raw === 'object') {
+    const root = raw.models_root ?? 'models';
+    if (typeof root === 'string') raw = { ...raw, models_root: resolve(dirname(resolve(file)), root) };
+  }
   return parseWith(ServerConfig, { ...raw, ...defined });
 }
 

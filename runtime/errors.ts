@@ -4,9 +4,11 @@
  */
 export const ERROR_STATUS = {
   invalid_request_error: 400,
+  unauthorized: 401,
   forbidden: 403,
   not_found: 404,
   payload_too_large: 413,
+  unsupported_media_type: 415,
   server_busy: 503,
   insufficient_memory: 503,
   shutting_down: 503,

@@ -1,21 +1,41 @@
 import { realpath } from 'node:fs/promises';
-import { isAbsolute, resolve, sep } from 'node:path';
+import { basename, dirname, isAbsolute, join, resolve, sep } from 'node:path';
+import { shippedModelFiles } from './catalog.js';
 import { invalid } from './errors.js';
 
 /**
+ * The fully resolved form of `path`: every symlink followed. For a path that does not exist,
+ * its deepest existing ancestor is resolved and the rest appended, so a missing file behind a
+ * symlink is judged where the symlink points (and an error cannot tell missing from existing).
+ */
+async function resolveFully(path: string): Promise<string> {
+  try {
+    return await realpath(path);
+  } catch {
+    const parent = dirname(path);
+    return parent === path ? path : join(await resolveFully(parent), basename(path));
+  }
+}
+
+let shipped: Promise<Set<string>> | null = null;
+
+/**
  * Resolves a model path given over the API inside `root` (`models_root`): relative paths are
- * taken from the root, symlinks are followed, and the result must stay inside the root.
- * With no root configured, the path is only made absolute.
+ * taken from the root, symlinks are followed, and the fully resolved result must lie inside the
+ * root (or be one of the model files the embedded catalog ships). Only names are resolved
+ * (`realpath`): no file is opened. The error is the same whether the file exists or not.
+ * @param root the folder, or `false` (explicit opt-out): the path is only made absolute.
  * @param field the body field, for the error message.
+ * @returns the resolved path, which is what the loader then opens.
  * @throws VoxError `invalid_request_error` if the path escapes the root (`..`, an absolute path
  *   elsewhere, a symlink out).
  */
-export async function confinePath(root: string | undefined, path: string, field: string): Promise<string> {
-  if (!root) return resolve(path);
-  const base = await realpath(root).catch(() => resolve(root));
-  const abs = isAbsolute(path) ? path : resolve(base, path);
-  // A file that does not exist yet cannot be a symlink out; its load fails later with ENOENT.
-  const real = await realpath(abs).catch(() => resolve(abs));
-  if (real !== base && !real.startsWith(base + sep)) throw invalid(`${field}: '${path}' is outside models_root`);
-  return real;
+export async function confinePath(root: string | false, path: string, field: string): Promise<string> {
+  if (root === false) return resolve(path);
+  const base = await resolveFully(resolve(root));
+  const real = await resolveFully(isAbsolute(path) ? path : resolve(base, path));
+  if (real.startsWith(base + sep)) return real;
+  shipped ??= Promise.all(shippedModelFiles().map(resolveFully)).then((files) => new Set(files));
+  if ((await shipped).has(real)) return real;
+  throw invalid(`${field}: '${path}' is outside models_root (${root}); put the model there, or set models_root in the config`);
 }

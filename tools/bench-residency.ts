@@ -7,7 +7,7 @@
  */
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { dirname, join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { ServerConfig } from '../runtime/config.js';
 import { startServer } from '../transport/server.js';
@@ -42,7 +42,7 @@ const rssNow = (): number => {
   return treeRssBytes(process.pid);
 };
 for (const isolation of values.isolation.split(',') as ('process' | 'thread')[]) {
-  const server = await startServer(ServerConfig.parse({ port: 0, log_level: 'silent', management: { enabled: true }, isolation }));
+  const server = await startServer(ServerConfig.parse({ port: 0, log_level: 'silent', management: { enabled: true }, isolation, models_root: dirname(path) }));
   const post = async (route: string, body: unknown): Promise<void> => {
     const res = await fetch(`${server.url}${route}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
     if (!res.ok) throw new Error(`${route}: ${res.status} ${await res.text()}`);

@@ -18,8 +18,41 @@ export function sendError(res: ServerResponse, err: unknown): void {
     res.destroy();
     return;
   }
-  const headers: Record<string, string> = e.status === 503 ? { 'retry-after': String(e.retryAfterS ?? 1) } : {};
-  sendJson(res, e.status, errorBody(e), headers);
+  sendJson(res, e.status, errorBody(e), errorHeaders(e));
+}
+
+/** Headers an error answer carries: `Retry-After` on 503s, `WWW-Authenticate` on 401s. */
+export function errorHeaders(e: VoxError): Record<string, string> {
+  if (e.status === 503) return { 'retry-after': String(e.retryAfterS ?? 1) };
+  if (e.status === 401) return { 'www-authenticate': 'Bearer realm="voxserve"' };
+  return {};
+}
+
+
+/** The request's media type: `Content-Type` without parameters, lower case ('' without one). */
+export const mediaType = (req: IncomingMessage): string => (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
+
+/**
+ * Refuses a request whose `Content-Type` is not one of `accepted`, before its body is read. The
+ * JSON and management routes take `application/json` only, which a browser cannot send across
+ * sites without a CORS preflight.
+ * @throws VoxError `unsupported_media_type` (415).
+ */
+export function requireMediaType(req: IncomingMessage, accepted: string[]): void {
+  const type = mediaType(req);
+  if (!accepted.includes(type)) throw new VoxError('unsupported_media_type', `content-type: expected ${accepted.join(' or ')}, got '${type || 'none'}'`);
+}
+
+/**
+ * `POST /v1/tasks/run` takes JSON (base64 audio) or a raw audio body (an `audio/...` type,
+ * `application/octet-stream`, ...: {@link isAudioContentType}); checked before the body is read.
+ * @throws VoxError `unsupported_media_type` (415).
+ */
+export function requireRunMediaType(req: IncomingMessage): void {
+  const type = mediaType(req);
+  if (type !== 'application/json' && !isAudioContentType(type)) {
+    throw new VoxError('unsupported_media_type', `content-type: expected application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got '${type || 'none'}'`);
+  }
 }
 
 /**
@@ -120,7 +153,8 @@ function noQuery(url: URL): void {
  * as query parameters, or JSON `{model, audio: <base64>, busy_timeout_ms?, options?}`. With
  * `Accept: text/event-stream` the answer is server-sent events (`progress {processed_ms,
  * audio_duration_ms}` at most every 100 ms, then `result`, or `error {error}`).
- * @throws VoxError `invalid_request_error` naming the field or query parameter.
+ * @throws VoxError `invalid_request_error` naming the field or query parameter;
+ *   `unsupported_media_type` for a `Content-Type` that is neither JSON nor audio.
  */
 export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
   const request = parseRunBody(req, url, body, t0);
@@ -129,7 +163,8 @@ export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0
 }
 
 function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
-  const type = (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
+  requireRunMediaType(req);
+  const type = mediaType(req);
   if (type === 'application/json') {
     noQuery(url);
     const json = parseJsonObject(body);
@@ -138,13 +173,10 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number):
     if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
     return { kind: 'run', model: json.model, files: [parseBase64Audio(json.audio, 'audio')], busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
   }
-  if (isAudioContentType(type)) {
-    const options = queryOptions(url.searchParams, RUN_QUERY);
-    const model = url.searchParams.get('model');
-    if (!model) throw invalid('model: required as a query parameter (?model=ID) with an audio body');
-    return { kind: 'run', model, files: [{ bytes: body, type }], busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined), options, t0 };
-  }
-  throw invalid(`content-type: expected an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm; with ?model=ID) or application/json, got '${type || 'none'}'`);
+  const options = queryOptions(url.searchParams, RUN_QUERY);
+  const model = url.searchParams.get('model');
+  if (!model) throw invalid('model: required as a query parameter (?model=ID) with an audio body');
+  return { kind: 'run', model, files: [{ bytes: body, type }], busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined), options, t0 };
 }
 
 /** Files in one `POST /v1/tasks/batch`. */

@@ -1,5 +1,4 @@
-import { createHash, timingSafeEqual } from 'node:crypto';
-import { createServer, ServerResponse, type IncomingMessage, type Server } from 'node:http';
+import { createServer, ServerResponse, STATUS_CODES, type IncomingMessage, type Server } from 'node:http';
 import type { Socket } from 'node:net';
 import type { AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
@@ -8,11 +7,12 @@ import { createInspection } from '../actors/inspection.js';
 import { drainOnShutdown } from '../actors/system.js';
 import { queryOptions, type ServerConfig } from '../runtime/config.js';
 import { startDecoders } from '../runtime/decode.js';
-import { invalid, VoxError } from '../runtime/errors.js';
+import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
 import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
 import { createHttpSocket } from '../actors/http.js';
-import { bindHttp, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, sendError, sendJson, type HttpLink } from './http.js';
+import { bindHttp, errorHeaders, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, requireMediaType, requireRunMediaType, sendError, sendJson, type HttpLink } from './http.js';
+import { createAccess, isLoopback } from './access.js';
 import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { demoRoute } from './demo.js';
@@ -45,30 +45,8 @@ export type ServerOptions = Pick<SupervisorOptions, 'loader' | 'catalog' | 'memo
 
 const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_many', '/v1/models/unload_all'];
 
-const digest = (s: string): Buffer => createHash('sha256').update(s).digest();
-
-/**
- * Management and debug routes need management enabled and, when set, the bearer token.
- * @param page the static `/debug` page itself, which holds no data: it sends the token (from
- *   its `?token=`) on its own requests.
- */
-function managementAllowed(config: ServerConfig, req: IncomingMessage, page = false): void {
-  if (!config.management.enabled) {
-    throw new VoxError('forbidden', 'management and debug routes are disabled; start the server with --management');
-  }
-  const token = config.management.token;
-  if (page) return;
-  // The scheme is case-insensitive (RFC 7235); the token is compared as a fixed-length digest in constant time.
-  const given = /^bearer\s+(.*)$/i.exec(req.headers.authorization ?? '')?.[1] ?? '';
-  if (token && !timingSafeEqual(digest(given), digest(token))) {
-    throw new VoxError('forbidden', 'management routes need Authorization: Bearer <token>');
-  }
-}
-
-/** True for addresses only this machine can reach. */
-export function isLoopback(host: string): boolean {
-  return host === 'localhost' || host === '::1' || /^127\.\d+\.\d+\.\d+$/.test(host);
-}
+/** After an error answered before its request body was read, how long the rest is read and discarded before the connection is cut, ms. */
+const LINGER_MS = 5000;
 
 /**
  * Creates the server, starts listening on `config.host:config.port` (port 0 picks a free one),
@@ -80,6 +58,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     throw new Error(`refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`);
   }
   startDecoders();
+  const access = createAccess(config);
   const inspected = await createInspection(config);
   const supervisor = new Supervisor(config, { ...options, inspect: inspected.inspect });
   const { log, metrics } = supervisor;
@@ -98,6 +77,13 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const path = url.pathname.replace(/\/+$/, '') || '/';
     const method = req.method ?? 'GET';
     const timeout = config.busy_timeout_ms;
+    access.host(req);
+    const preflight = method === 'OPTIONS';
+    for (const [k, v] of Object.entries(access.origin(req, preflight))) res.setHeader(k, v);
+    if (preflight) {
+      res.writeHead(204, { allow: 'GET, POST, OPTIONS' });
+      return void res.end();
+    }
     if (method === 'GET' && path === '/health') return sendJson(res, 200, { status: 'ok', models: supervisor.statuses().length });
     if (method === 'GET' && path === '/ready') {
       if (!supervisor.accepting) return sendJson(res, 503, { status: supervisor.phase });
@@ -120,7 +106,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     }
     if (method === 'GET' && (path === '/debug' || path.startsWith('/debug/'))) {
       // The page and its layout script hold no data.
-      managementAllowed(config, req, path === '/debug' || path === '/debug/elk.js');
+      access.management(req, path === '/debug' || path === '/debug/elk.js');
       if (path === '/debug/elk.js') {
         res.writeHead(200, { 'content-type': 'text/javascript; charset=utf-8', 'cache-control': 'max-age=3600' });
         return void res.end(ELK_SCRIPT);
@@ -147,7 +133,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return sendJson(res, 200, status);
     }
     if (method === 'POST' && MANAGEMENT.includes(path)) {
-      managementAllowed(config, req);
+      access.management(req);
+      requireMediaType(req, ['application/json']);
       if (!supervisor.accepting) throw shuttingDown();
       const body = parseJsonObject(await readBody(req, 1024 * 1024, config.limits.idle_ms));
       // A manager whose client goes away leaves the model's queue.
@@ -171,6 +158,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return sendJson(res, 200, { unloaded });
     }
     if (method === 'POST' && (path === '/v1/tasks/run' || path === '/v1/tasks/batch')) {
+      access.apiKey(req);
+      if (path === '/v1/tasks/run') requireRunMediaType(req);
+      else requireMediaType(req, ['application/json']);
       if (!supervisor.accepting) throw shuttingDown();
       // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
       const t0 = performance.now();
@@ -218,8 +208,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const handled: Promise<void> = route(req, res, link, rid)
       .catch((err) => {
         sendError(res, err);
-        // A body we did not read (e.g. over the size limit) must not be parsed as the next request.
-        if (!req.complete) res.once('finish', () => req.socket?.destroy());
+        // A body we did not read (e.g. over the size limit) is read and discarded after the
+        // answer, for a while: closing with unread data would reset the connection, and the
+        // client could lose the answer while it still uploads.
+        if (!req.complete && !req.destroyed) {
+          req.resume();
+          const cut = setTimeout(() => req.socket?.destroy(), LINGER_MS);
+          req.once('end', () => clearTimeout(cut)).once('close', () => clearTimeout(cut));
+        }
       })
       .then(() => closed)
       .finally(() => inflight.delete(handled));
@@ -244,30 +240,34 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.tell({ type: 'UPGRADED' });
     const target = new URL(req.url ?? '/', 'http://localhost');
     const path = target.pathname;
-    const refuse = (status: number, text: string, message = text): void => {
-      const body = JSON.stringify({ error: { type: status === 404 ? 'not_found' : status === 503 ? 'server_busy' : 'invalid_request_error', message } });
-      socket.end(`HTTP/1.1 ${status} ${text}\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
+    const refuse = (e: VoxError): void => {
+      const body = JSON.stringify(errorBody(e));
+      const headers = Object.entries(errorHeaders(e)).map(([k, v]) => `${k}: ${v}\r\n`).join('');
+      socket.end(`HTTP/1.1 ${e.status} ${STATUS_CODES[e.status]}\r\nContent-Type: application/json\r\n${headers}Connection: close\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
     };
     if ((req.headers.upgrade ?? '').toLowerCase() !== 'websocket') {
       // Another protocol (e.g. curl's h2c offer): answer a body-less request over HTTP/1.1 as usual.
-      if (req.method !== 'GET' && req.method !== 'HEAD') return refuse(400, 'Bad Request', `Upgrade: ${req.headers.upgrade} is not supported`);
+      if (req.method !== 'GET' && req.method !== 'HEAD') return refuse(invalid(`Upgrade: ${req.headers.upgrade} is not supported`));
       const res = new ServerResponse(req);
       res.assignSocket(socket as Socket);
       res.shouldKeepAlive = false;
       res.on('finish', () => socket.end());
       return handle(req, res);
     }
-    if (path.replace(/\/+$/, '') !== '/v1/stream') return refuse(404, 'Not Found', `no WebSocket route ${path}; streams are at /v1/stream`);
-    // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
-    // bad values of known ones are reported on the open stream (error event, close 1008).
     try {
+      access.host(req);
+      access.origin(req);
+      if (path.replace(/\/+$/, '') !== '/v1/stream') throw new VoxError('not_found', `no WebSocket route ${path}; streams are at /v1/stream`);
+      access.apiKey(req, (req.headers['sec-websocket-protocol'] ?? '').split(',').map((p) => p.trim()));
+      // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
+      // bad values of known ones are reported on the open stream (error event, close 1008).
       queryOptions(target.searchParams, STREAM_QUERY);
+      if (!supervisor.accepting) throw shuttingDown();
+      if (streams.size >= config.limits.max_ws_connections) throw new VoxError('server_busy', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
     } catch (e) {
-      return refuse(400, 'Bad Request', (e as Error).message);
+      return refuse(toVoxError(e));
     }
-    if (!supervisor.accepting) return refuse(503, 'Service Unavailable', 'the server is shutting down');
     if (socket.destroyed) return;
-    if (streams.size >= config.limits.max_ws_connections) return refuse(503, 'Service Unavailable', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
     wss.handleUpgrade(req, socket, head, (ws) => {
       const protocol = (ws.protocol || SUBPROTOCOLS[0]) as Subprotocol;
       const socketActor = createStreamSocket({ url: req.url ?? '/', limits: config.limits, registry: supervisor }, inspected.inspect);

@@ -85,7 +85,7 @@ describe('supervisor on the real server', () => {
     const evictionsBefore = s.supervisor.evictions;
     const long = run(s, 'slow', 1); // ~31 windows x 60 ms in one slot job
     await until(async () => (await status(s, 'slow')).active_slots === 1);
-    const unload = fetch(`${s.url}/v1/models/unload`, { method: 'POST', body: JSON.stringify({ id: 'slow', force: true }) });
+    const unload = fetch(`${s.url}/v1/models/unload`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'slow', force: true }) });
     await until(async () => (await status(s, 'slow')).retiring === true);
     expect(await within(10_000, run(s, 'D'))).toBe(200);
     await unload;
@@ -132,7 +132,7 @@ describe('supervisor on the real server', () => {
     const measured = (await status(s, 'big')).resident_bytes;
     expect(measured).toBeGreaterThan(20 * 1024 * 1024); // 20 MiB of weights at least
     expect(await s.supervisor.footprint(config)).toBe(measured);
-    await fetch(`${s.url}/v1/models/unload`, { method: 'POST', body: JSON.stringify({ id: 'big' }) });
+    await fetch(`${s.url}/v1/models/unload`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'big' }) });
     available = 50 * 1024 * 1024;
     const again = await (await fetch(`${s.url}/v1/tasks/run?model=big`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(0.1)) })).json();
     expect(again.error.message).toContain(`needs about ${mib(measured)} plus 100 MiB`);

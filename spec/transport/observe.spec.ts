@@ -121,7 +121,7 @@ describe('observability', () => {
     const port = (relay.address() as { port: number }).port;
     const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, debug: { stately_url: `ws://127.0.0.1:${port}` } }));
     try {
-      await fetch(`${s.url}/v1/models/load`, { method: 'POST', body: JSON.stringify({ id: 'stately', task: 'vad', path: silero }) });
+      await fetch(`${s.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'stately', task: 'vad', path: silero }) });
       const deadline = Date.now() + 5000;
       const values = () => got.filter((g) => g.type === '@xstate.snapshot').map((g) => statePath(g.snapshot?.value));
       while (!values().includes('resident.ready.idle.forever') && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));

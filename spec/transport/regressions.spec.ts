@@ -2,7 +2,7 @@
 import { writeFileSync } from 'node:fs';
 import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { dirname, join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { defaultCatalog, OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';
@@ -15,7 +15,7 @@ const catalog = defaultCatalog();
 const legacyVad = SILERO_V5.replace('silero_vad_v5.onnx', 'silero_vad_legacy.onnx');
 
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, limits: { max_body_bytes: 1024 * 1024 } }));
+  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, models_root: dirname(legacyVad), limits: { max_body_bytes: 1024 * 1024 } }));
 });
 afterAll(async () => {
   await server?.close();
@@ -129,7 +129,7 @@ describe('regressions', () => {
     ['the legacy Silero VAD as a wake-word head', legacyVad],
     ['the melspectrogram model as a wake-word head', OWW_MELSPECTROGRAM],
   ])('refuses to load %s: the load fails with last_error', async (_what, path) => {
-    const r = await fetch(`${server.url}/v1/models/load`, { method: 'POST', body: JSON.stringify({ id: `wrong-${path.length}`, task: 'wakeword', path }) });
+    const r = await fetch(`${server.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: `wrong-${path.length}`, task: 'wakeword', path }) });
     expect(r.status).toBe(500);
     expect((await r.json()).error.message).toMatch(/not an openWakeWord head/);
   });
@@ -144,7 +144,7 @@ describe('regressions', () => {
 
   it('a stream still waiting for its lease stops reading past a cap instead of buffering without bound', async () => {
     const silero = catalog.find((m) => m.id === 'silero-vad')!.path;
-    await fetch(`${server.url}/v1/models/load`, { method: 'POST', body: JSON.stringify({ id: 'one-lease', task: 'vad', path: silero, max_streams: 1 }) });
+    await fetch(`${server.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'one-lease', task: 'vad', path: silero, max_streams: 1 }) });
     const holder = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=one-lease`);
     await new Promise((r) => holder.on('message', r));
     const queued = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=one-lease`);

@@ -13,7 +13,7 @@ let server: VoxServer;
 const MAX_BODY = 4 * 1024 * 1024;
 
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, management: { enabled: true }, limits: { max_body_bytes: MAX_BODY } }));
+  server = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, management: { enabled: true }, models_root: tmpdir(), limits: { max_body_bytes: MAX_BODY } }));
 });
 afterAll(async () => {
   await server?.close();
@@ -318,12 +318,12 @@ describe('bad input: a clear error, and the server keeps serving', () => {
 
   it('invalid load bodies -> 400 naming the field', async () => {
     for (const [body, field] of [
-      [{ id: 'x1', task: 'vad', path: '/a', slots: 0 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: '/a', slots: 17 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: '/a', slots: 1.5 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: '/a', slots: '2' }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: 'a', slots: 0 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: 'a', slots: 17 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: 'a', slots: 1.5 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: 'a', slots: '2' }, 'slots'],
       [{ id: 'x1', task: 'asr', path: '/a' }, 'task'],
-      [{ id: 'x1', task: 'vad', path: '/a', busy_timeout_ms: -1 }, 'busy_timeout_ms'],
+      [{ id: 'x1', task: 'vad', path: 'a', busy_timeout_ms: -1 }, 'busy_timeout_ms'],
     ] as const) {
       const r = await postJson('/v1/models/load', body);
       expect(r.status).toBe(400);
