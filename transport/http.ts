@@ -56,13 +56,17 @@ export function requireRunMediaType(req: IncomingMessage): void {
 }
 
 /**
- * Reads a request body of at most `limit` bytes, with no gap between chunks over `idleMs`.
+ * Reads a request body of at most `limit` bytes, with no gap between chunks over `idleMs`. A
+ * client that sent `Expect: 100-continue` is told to send its body (`100 Continue` on `res`)
+ * only here, once the declared length fits: an answer given before (403, 401, 415, 413) reaches
+ * it before it uploads anything.
  * @throws VoxError `payload_too_large` past the limit; `invalid_request_error` when the body
  *   stalls (the rest is not read either way).
  */
-export function readBody(req: IncomingMessage, limit: number, idleMs: number): Promise<Buffer> {
+export function readBody(req: IncomingMessage, res: ServerResponse, limit: number, idleMs: number): Promise<Buffer> {
   const declared = Number(req.headers['content-length']);
   if (declared > limit) return Promise.reject(new VoxError('payload_too_large', `body of ${declared} bytes exceeds limits.max_body_bytes (${limit})`));
+  if (/^100-continue$/i.test(req.headers.expect ?? '')) res.writeContinue();
   return new Promise((resolve, reject) => {
     const chunks: Buffer[] = [];
     let size = 0;

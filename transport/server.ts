@@ -136,7 +136,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       access.management(req);
       requireMediaType(req, ['application/json']);
       if (!supervisor.accepting) throw shuttingDown();
-      const body = parseJsonObject(await readBody(req, 1024 * 1024, config.limits.idle_ms));
+      const body = parseJsonObject(await readBody(req, res, 1024 * 1024, config.limits.idle_ms));
       // A manager whose client goes away leaves the model's queue.
       const gone = new AbortController();
       res.on('close', () => res.writableFinished || gone.abort());
@@ -164,7 +164,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       if (!supervisor.accepting) throw shuttingDown();
       // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
       const t0 = performance.now();
-      const body = await readBody(req, config.limits.max_body_bytes, config.limits.idle_ms);
+      const body = await readBody(req, res, config.limits.max_body_bytes, config.limits.idle_ms);
       const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(url, body, t0);
       return link.tell({ type: 'TASK', rid, request });
     }
@@ -185,6 +185,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     },
     (req, res) => handle(req, res),
   );
+  // `Expect: 100-continue` is answered by readBody once every check has passed, not at once.
+  http.on('checkContinue', (req, res) => handle(req, res));
   /** Each connection's HTTP socket actor, created with its first request (a WebSocket upgrade never needs one). */
   const links = new WeakMap<object, HttpLink>();
   const linkOf = (socket: Socket): HttpLink => {
