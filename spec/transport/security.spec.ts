@@ -12,11 +12,12 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { loadServerConfig, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
+import { spawnServer } from '../../tools/spawn-server.js';
 import { fixture, until, WaveFile } from '../helpers.js';
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
@@ -346,10 +347,14 @@ describe('limits that agree', () => {
   });
 
   it('a client still uploading when the server answers 413 gets the answer, not a reset', async () => {
-    const small = await serve({ limits: { max_body_bytes: 1024 * 1024 } });
-    const big = silence(600); // 19.2 MB
+    // A server process of its own: in one process the client's writes and the server's close do not race.
+    const config = join(mkdtempSync(join(tmpdir(), 'voxserve-limit-')), 'voxserve.json');
+    writeFileSync(config, JSON.stringify({ port: 0, log_level: 'silent', limits: { max_body_bytes: 1024 * 1024 } }));
+    const { child, url } = await spawnServer(['--config', config]);
+    onTestFinished(() => void child.kill('SIGKILL'));
+    const big = new Uint8Array(silence(600)); // 19.2 MB
     for (let i = 0; i < 10; i++) {
-      const r = await fetch(`${small.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(big) });
+      const r = await fetch(`${url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: big });
       expect(r.status).toBe(413);
       expect((await r.json()).error.type).toBe('payload_too_large');
     }
