@@ -41,7 +41,7 @@ function raw(chunks: (string | Buffer)[]): Promise<string> {
 
 describe('regressions', () => {
   it('an oversized chunked upload gets 413 and the server stays up', async () => {
-    const head = 'POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nTransfer-Encoding: chunked\r\n\r\n';
+    const head = 'POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\nTransfer-Encoding: chunked\r\n\r\n';
     const chunk = Buffer.alloc(256 * 1024);
     const chunks: (string | Buffer)[] = [head];
     for (let i = 0; i < 8; i++) chunks.push(`${chunk.length.toString(16)}\r\n`, chunk, '\r\n');
@@ -120,7 +120,7 @@ describe('regressions', () => {
   });
 
   it('a non-WebSocket Upgrade (h2c) is answered over HTTP/1.1', async () => {
-    const text = await raw(['GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n']);
+    const text = await raw(['GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n']);
     expect(text).toMatch(/^HTTP\/1\.1 200/);
     expect(text).toContain('"status":"ok"');
   });

@@ -322,7 +322,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
       [{ id: 'x1', task: 'vad', path: 'a', slots: 17 }, 'slots'],
       [{ id: 'x1', task: 'vad', path: 'a', slots: 1.5 }, 'slots'],
       [{ id: 'x1', task: 'vad', path: 'a', slots: '2' }, 'slots'],
-      [{ id: 'x1', task: 'asr', path: '/a' }, 'task'],
+      [{ id: 'x1', task: 'asr', path: 'a' }, 'task'],
       [{ id: 'x1', task: 'vad', path: 'a', busy_timeout_ms: -1 }, 'busy_timeout_ms'],
     ] as const) {
       const r = await postJson('/v1/models/load', body);

@@ -5,14 +5,12 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, until } from '../helpers.js';
 
 let server: VoxServer;
 const root = mkdtempSync(join(tmpdir(), 'voxserve-root-'));
-const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
 
 beforeAll(async () => {
   writeFileSync(join(root, 'inside.onnx'), 'x');
@@ -72,7 +70,7 @@ function openStream(query = 'model=silero-vad', srv: VoxServer = server): Promis
 
 describe('deadlines: a stalled client is cut off, its lease released, and others do not notice', () => {
   it('a stalled request header -> 408 at headers_timeout_ms', async () => {
-    const [r, h] = await Promise.all([raw('POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\n'), healthy()]);
+    const [r, h] = await Promise.all([raw('POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\n'), healthy()]);
     expect(r.text).toMatch(/^HTTP\/1\.1 408/);
     expect(r.closedAfterMs).toBeLessThan(2000);
     expect(h.status).toBe(200);
@@ -80,7 +78,7 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
 
   it('a stalled body -> 400 naming limits.idle_ms, connection closed, no lease held', async () => {
     const [r, h] = await Promise.all([
-      raw('POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\nRIFF'),
+      raw('POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\nRIFF'),
       healthy(),
     ]);
     expect(r.text).toMatch(/^HTTP\/1\.1 400/);
@@ -206,7 +204,7 @@ describe('limits and fuzz: clear errors, the server keeps serving', () => {
   });
 
   it('oversized headers -> 431', async () => {
-    const r = await raw(`GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(20_000)}\r\n\r\n`);
+    const r = await raw(`GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: ${'a'.repeat(20_000)}\r\n\r\n`);
     expect(r.text).toMatch(/^HTTP\/1\.1 431/);
   });
 
@@ -287,7 +285,6 @@ describe('management authorisation and models_root', () => {
   it.each([
     ['../../etc/passwd', 'a .. path'],
     ['/etc/passwd', 'an absolute path elsewhere'],
-    [silero, 'a real model outside the root'],
     ['sub/out/passwd', 'a symlink out'],
   ])('refuses %s (%s) with 400 naming the field', async (path) => {
     const r = await load({ id: 'escape', task: 'vad', path }, 'Bearer sesame');
