@@ -13,6 +13,7 @@ import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
+import { chromium } from 'playwright-core';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { loadServerConfig, ServerConfig } from '../../runtime/config.js';
@@ -383,6 +384,48 @@ describe('limits that agree', () => {
       }
     } finally {
       early.close();
+    }
+  });
+});
+
+describe('in a browser (headless Chromium)', () => {
+  it('a page of an allowed origin runs a model (preflight, key) and streams (key as subprotocol); a foreign page can do neither, nor unload', async () => {
+    const key = 'browser-key-0123456789';
+    // One page server, reached under two origins: http://localhost:P is allowed, http://127.0.0.1:P is not.
+    const pages = createServer((_req, res) => res.writeHead(200, { 'content-type': 'text/html' }).end('<!doctype html><title>page</title>'));
+    await new Promise<void>((r) => pages.listen(0, '127.0.0.1', r));
+    const port = (pages.address() as AddressInfo).port;
+    const s = await serve({ management: { enabled: true }, allowed_origins: [`http://localhost:${port}`], auth: { api_keys: [key] } });
+    const browser = await chromium.launch({ executablePath: '/usr/bin/chromium', args: ['--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking'] });
+    try {
+      const page = await browser.newPage();
+      /** In the page (a string: the page has its own WebSocket): a run with the key (a preflight: audio/wav and Authorization), a stream's first event, an unload_all. */
+      const script = `async ({ url, key, audio }) => {
+        const body = Uint8Array.from(atob(audio), (c) => c.charCodeAt(0));
+        const run = await fetch(url + '/v1/tasks/run?model=silero-vad', { method: 'POST', headers: { 'content-type': 'audio/wav', authorization: 'Bearer ' + key }, body }).then(
+          async (r) => r.status + ' ' + (await r.json()).task,
+          (e) => 'refused: ' + e.name,
+        );
+        const stream = await new Promise((done) => {
+          const ws = new WebSocket(url.replace('http', 'ws') + '/v1/stream?model=silero-vad', ['voxserve.v1.json', 'voxserve.key.' + key]);
+          ws.onmessage = (m) => (done(JSON.parse(m.data).type), ws.close());
+          ws.onerror = () => done('refused');
+        });
+        const unload = await fetch(url + '/v1/models/unload_all', { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{}' }).then(
+          (r) => String(r.status),
+          (e) => 'refused: ' + e.name,
+        );
+        return { run, stream, unload };
+      }`;
+      const tryAll = async (origin: string): Promise<unknown> => {
+        await page.goto(origin);
+        return page.evaluate(`(${script})(${JSON.stringify({ url: s.url, key, audio: wav.toString('base64') })})`);
+      };
+      expect(await tryAll(`http://127.0.0.1:${port}/`)).toEqual({ run: 'refused: TypeError', stream: 'refused', unload: 'refused: TypeError' });
+      expect(await tryAll(`http://localhost:${port}/`)).toEqual({ run: '200 vad', stream: 'ready', unload: '200' });
+    } finally {
+      await browser.close();
+      pages.close();
     }
   });
 });
