@@ -481,6 +481,8 @@ async function checkInvariants(setup: Setup, totals: { runs: number; interleavin
             min_free_memory_mb: setup.memoryGuard ? 1 : 0,
             // A hung load is abandoned within the clock moves of a run.
             load_timeout_ms: 200,
+            // Fake paths, and no real I/O (confining a path to models_root resolves it on disk, which would race the scheduler).
+            models_root: false,
           });
           // The footprint estimate is given, not read from files: real I/O would race the scheduler.
           const sup = new Supervisor(config, { loader: fakeLoader(w), catalog, memoryProbe: () => w.memory, footprint: async (c) => c.slots * 1000 });
