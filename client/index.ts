@@ -19,9 +19,11 @@ import { unpack } from 'msgpackr';
 /** Error types of the wire interface (`{"error":{"type","message"}}`, stream `error` events). */
 export type WireErrorType =
   | 'invalid_request_error'
+  | 'unauthorized'
   | 'forbidden'
   | 'not_found'
   | 'payload_too_large'
+  | 'unsupported_media_type'
   | 'server_busy'
   | 'insufficient_memory'
   | 'shutting_down'
@@ -32,10 +34,11 @@ export type ClientErrorType = WireErrorType | 'connection_error';
 
 const STATUS_TYPE: Record<number, WireErrorType> = {
   400: 'invalid_request_error',
+  401: 'unauthorized',
   403: 'forbidden',
   404: 'not_found',
   413: 'payload_too_large',
-  415: 'invalid_request_error',
+  415: 'unsupported_media_type',
   500: 'server_error',
   503: 'server_busy',
 };
@@ -174,8 +177,15 @@ export type AudioInput = Uint8Array | ArrayBuffer | Blob;
 export interface ClientOptions {
   /** Server URL, `http(s)://host:port`. Default: the page's origin in a browser, else `http://127.0.0.1:8080`. */
   url?: string;
-  /** Sent as `Authorization: Bearer <token>` (management token). */
+  /** The management token (`management.token`): sent as `Authorization: Bearer <token>` on status and management calls. */
   token?: string;
+  /**
+   * An API key (one of the server's `auth.api_keys`) for `run`, `batch` and streams: sent as
+   * `Authorization: Bearer <key>` over HTTP; on a stream as that header under Node, and as the
+   * WebSocket subprotocol `voxserve.key.<key>` in browsers, which cannot set headers on a
+   * WebSocket (the server never echoes it back).
+   */
+  apiKey?: string;
   /** A fetch implementation (default: the global one). */
   fetch?: typeof fetch;
   /** A WebSocket constructor (default: the global one; the Node entry passes `ws`). */
@@ -212,6 +222,11 @@ export interface StreamOptions {
 
 const DEFAULT_URL = 'http://127.0.0.1:8080';
 const SUBPROTOCOL = { json: 'voxserve.v1.json', msgpack: 'voxserve.v1.msgpack' } as const;
+/** Subprotocol prefix that carries an API key on a stream (the server's `KEY_PROTOCOL`). */
+const KEY_PROTOCOL = 'voxserve.key.';
+
+/** Which credential a call carries: the management token (status, management) or the API key (inference). */
+type Credential = 'token' | 'apiKey';
 
 /** Parses a server URL. @throws TypeError naming what is wrong (and suggesting `http://`). */
 function serverUrl(url: string): string {
@@ -234,17 +249,21 @@ function connectionError(url: string, e: unknown): VoxClientError {
   return new VoxClientError('connection_error', `cannot reach ${url}: ${why}`, { code, cause: e });
 }
 
+/** The `{"error":{type,message}}` of an error body, or `{}` when it is not one. */
+function wireError(text: string): { type?: WireErrorType; message?: string } {
+  try {
+    return (JSON.parse(text) as { error?: { type?: WireErrorType; message?: string } }).error ?? {};
+  } catch {
+    return {};
+  }
+}
+
 /** Turns an error response into a VoxClientError (its wire type and message when the body has them). */
 async function responseError(res: Response): Promise<VoxClientError> {
   const text = await res.text().catch(() => '');
-  let body: { error?: { type?: string; message?: string } } = {};
-  try {
-    body = JSON.parse(text);
-  } catch {
-    // not JSON
-  }
+  const error = wireError(text);
   const retry = Number(res.headers.get('retry-after'));
-  return new VoxClientError((body.error?.type as WireErrorType) ?? STATUS_TYPE[res.status] ?? 'server_error', body.error?.message ?? (text || `HTTP ${res.status}`), {
+  return new VoxClientError(error.type ?? STATUS_TYPE[res.status] ?? 'server_error', error.message ?? (text || `HTTP ${res.status}`), {
     status: res.status,
     retryAfterS: Number.isFinite(retry) && retry > 0 ? retry : undefined,
   });
@@ -296,27 +315,39 @@ export class VoxClient {
   /** The server's base URL, `http(s)://host:port`. */
   readonly url: string;
   private readonly token?: string;
+  private readonly apiKey?: string;
   private readonly fetchImpl: typeof fetch;
   private readonly WS?: WebSocketConstructor;
 
-  /** @throws TypeError for a URL that is not http(s). */
+  /** @throws TypeError for a URL that is not http(s), or an `apiKey` with characters a key cannot have. */
   constructor(opts: ClientOptions = {}) {
     const origin = (globalThis as { location?: { origin?: string } }).location?.origin;
     this.url = serverUrl(opts.url ?? (origin && origin !== 'null' ? origin : DEFAULT_URL));
+    if (opts.apiKey !== undefined && !/^[A-Za-z0-9._~-]+$/.test(opts.apiKey)) throw new TypeError('apiKey: an API key has only the characters A-Z a-z 0-9 . _ ~ -');
     this.token = opts.token;
+    this.apiKey = opts.apiKey;
     this.fetchImpl = opts.fetch ?? ((...a) => fetch(...a));
     this.WS = opts.WebSocket ?? (globalThis as { WebSocket?: WebSocketConstructor }).WebSocket;
   }
 
-  private headers(extra: Record<string, string> = {}): Record<string, string> {
-    return this.token ? { authorization: `Bearer ${this.token}`, ...extra } : extra;
+  private headers(credential: Credential, extra: Record<string, string> = {}): Record<string, string> {
+    const secret = this[credential];
+    return secret ? { authorization: `Bearer ${secret}`, ...extra } : extra;
   }
 
-  /** Fetches `path`; a response that is not 2xx is thrown as its VoxClientError. */
-  private async request(path: string, init: RequestInit = {}): Promise<Response> {
+  /**
+   * How a stream carries the API key: in browsers, which cannot set WebSocket headers, as the
+   * subprotocol `voxserve.key.<key>` (the Node entry sends the `Authorization` header instead).
+   */
+  protected streamCredentials(apiKey: string): { protocols: string[]; headers?: Record<string, string> } {
+    return { protocols: [`${KEY_PROTOCOL}${apiKey}`] };
+  }
+
+  /** Fetches `path` with the given credential; a response that is not 2xx is thrown as its VoxClientError. */
+  private async request(path: string, init: RequestInit = {}, credential: Credential = 'token'): Promise<Response> {
     let res: Response;
     try {
-      res = await this.fetchImpl(`${this.url}${path}`, { ...init, headers: this.headers(init.headers as Record<string, string>) });
+      res = await this.fetchImpl(`${this.url}${path}`, { ...init, headers: this.headers(credential, init.headers as Record<string, string>) });
     } catch (e) {
       if ((e as Error).name === 'AbortError') throw e;
       throw connectionError(this.url, e);
@@ -353,11 +384,24 @@ export class VoxClient {
     return this.json('/v1/models/unload', { id, ...(opts.force ? { force: true } : {}) });
   }
 
+  /** `POST /v1/models/unload_many`: idle models first; `not_found` lists the ids that do not exist. */
+  unloadMany(ids: string[]): Promise<{ unloaded: string[]; not_found: string[] }> {
+    return this.json('/v1/models/unload_many', { ids });
+  }
+
+  /** `POST /v1/models/unload_all`: every registered model. */
+  unloadAll(): Promise<{ unloaded: string[] }> {
+    return this.json('/v1/models/unload_all', {});
+  }
+
   /**
    * `POST /v1/tasks/run`: one file in, its result out. The bytes are sent as they are (WAV or a
    * compressed format the server accepts); with `options`, as JSON with the audio in base64.
    * With `onProgress`, asks for server-sent progress events (`Accept: text/event-stream`).
-   * @throws VoxClientError with the wire type (`not_found`, `invalid_request_error`, `server_busy`, ...).
+   * A refusal the server gives before it reads the body (413, 401, 415, ...) is thrown as that
+   * answer, not as a connection error: under Node the body waits for the server's `100 Continue`.
+   * @throws VoxClientError with the wire type (`not_found`, `invalid_request_error`,
+   *   `payload_too_large`, `unauthorized`, `server_busy`, ...) and the HTTP `status`.
    */
   async run(audio: AudioInput, opts: RunOptions): Promise<TaskResult> {
     const bytes = await bytesOf(audio);
@@ -373,7 +417,7 @@ export class VoxClient {
       const type = opts.contentType ?? (isRiff(bytes) ? 'audio/wav' : (audio instanceof Blob && audio.type) || 'application/octet-stream');
       init = { headers: { 'content-type': type, accept }, body: bytes as BodyInit };
     }
-    const res = await this.request(path, { ...init, method: 'POST', signal: opts.signal });
+    const res = await this.request(path, { ...init, method: 'POST', signal: opts.signal }, 'apiKey');
     if (!(res.headers.get('content-type') ?? '').startsWith('text/event-stream')) return (await res.json()) as TaskResult;
     for await (const { event, data } of sseEvents(res)) {
       if (event === 'progress') opts.onProgress?.(data as Progress);
@@ -391,7 +435,7 @@ export class VoxClient {
   async *batch(files: AudioInput[], opts: { model: string; options?: Record<string, unknown>; busyTimeoutMs?: number; signal?: AbortSignal }): AsyncGenerator<BatchEvent> {
     const encoded = await Promise.all(files.map(async (f) => base64(await bytesOf(f))));
     const body = JSON.stringify({ model: opts.model, files: encoded, options: opts.options, busy_timeout_ms: opts.busyTimeoutMs });
-    const res = await this.request('/v1/tasks/batch', { method: 'POST', headers: { 'content-type': 'application/json', accept: 'text/event-stream' }, body, signal: opts.signal });
+    const res = await this.request('/v1/tasks/batch', { method: 'POST', headers: { 'content-type': 'application/json', accept: 'text/event-stream' }, body, signal: opts.signal }, 'apiKey');
     for await (const { event, data } of sseEvents(res)) {
       const d = data as Record<string, unknown>;
       if (event === 'error' && typeof d.index !== 'number') throw sseError(d);
@@ -404,7 +448,9 @@ export class VoxClient {
    * Opens a live stream (`GET /v1/stream`) and resolves once the server sent `ready` (the stream
    * holds its lease and the model is loaded).
    * @throws VoxClientError when the stream is refused (`not_found` for an unknown model,
-   *   `invalid_request_error` for bad parameters, `server_busy`, `connection_error`);
+   *   `invalid_request_error` for bad parameters, `unauthorized` without a valid `apiKey`,
+   *   `server_busy`, `connection_error`; a browser is not told the status of a refused
+   *   handshake, so there a 401 or 403 is a `connection_error` too);
    *   TypeError when there is no WebSocket constructor.
    */
   async stream(opts: StreamOptions): Promise<VoxStream> {
@@ -412,7 +458,8 @@ export class VoxClient {
     const q = new URLSearchParams({ model: opts.model, sample_rate: String(opts.sampleRate ?? 16000), encoding: opts.encoding ?? 's16le', channels: String(opts.channels ?? 1) });
     if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
     const url = `${this.url.replace(/^http/, 'ws')}/v1/stream?${q}`;
-    const ws = new this.WS(url, SUBPROTOCOL[opts.protocol ?? 'json'], this.token ? { headers: this.headers() } : undefined);
+    const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };
+    const ws = new this.WS(url, [SUBPROTOCOL[opts.protocol ?? 'json'], ...auth.protocols], auth.headers ? { headers: auth.headers } : undefined);
     const stream = new VoxStream(ws, this.url, opts.highWaterMark ?? 256 * 1024);
     await stream.opened;
     return stream;
@@ -442,7 +489,8 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private tail: Promise<void> = Promise.resolve();
   private waiting = 0;
   private closedByUs = false;
-  private socketError: { message?: string; error?: { code?: string } } | null = null;
+  /** The socket's last `error` event; under Node a refused handshake's answer is in `error.body`. */
+  private socketError: { message?: string; error?: { code?: string; body?: string } } | null = null;
 
   /** @internal use {@link VoxClient.stream}. */
   constructor(
@@ -476,7 +524,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       this.queue.push(event);
       this.notify(event.type, event);
     });
-    ws.addEventListener('error', (e: { message?: string; error?: { code?: string } }) => (this.socketError = e));
+    ws.addEventListener('error', (e: { message?: string; error?: { code?: string; body?: string } }) => (this.socketError = e));
     ws.addEventListener('close', (c: { code: number; reason: string }) => {
       const info: CloseInfo = { code: c.code, reason: c.reason };
       if (!this.doneEvent && !this.closedByUs) info.error = this.failure(c.code, c.reason);
@@ -491,7 +539,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private failure(code: number, reason: string): VoxClientError {
     if (this.last?.type === 'error') return new VoxClientError(this.last.error.type, this.last.error.message, { closeCode: code });
     const status = /Unexpected server response: (\d+)/.exec(this.socketError?.message ?? '')?.[1];
-    if (status) return new VoxClientError(STATUS_TYPE[Number(status)] ?? 'server_error', `the server refused the stream: HTTP ${status}`, { status: Number(status), closeCode: code });
+    if (status) {
+      const error = wireError(this.socketError?.error?.body ?? '');
+      return new VoxClientError(error.type ?? STATUS_TYPE[Number(status)] ?? 'server_error', error.message ?? `the server refused the stream: HTTP ${status}`, { status: Number(status), closeCode: code });
+    }
     if (code === 1006 && !this.ready) {
       const sys = this.socketError?.error?.code;
       return new VoxClientError('connection_error', `cannot reach ${this.url}${sys ? `: ${sys}` : ''}`, { closeCode: code, code: sys });

@@ -49,18 +49,19 @@ function die(message: string): never {
   process.exit(1);
 }
 
-/** A client of the server at `url`; a bad URL ends the command. */
-function client(url: string): VoxClient {
+/** A client of the server at `url`, with an API key if given; a bad URL or key ends the command. */
+function client(url: string, apiKey?: string): VoxClient {
   try {
-    return new VoxClient({ url });
+    return new VoxClient({ url, apiKey });
   } catch (e) {
-    die((e as Error).message.replace(/^url:/, '--url:'));
+    die((e as Error).message.replace(/^url:/, '--url:').replace(/^apiKey:/, '--api-key:'));
   }
 }
 
 /**
- * Ends a client command that failed: a server error is printed as its wire body on stdout
- * (`{"error":{type,message}}`), a closed stream as its close code on stderr; exit 1.
+ * Ends a client command that failed: a server error (an HTTP answer, a refused stream
+ * handshake included) is printed as its wire body on stdout (`{"error":{type,message}}`), a
+ * closed stream as its close code on stderr; exit 1.
  */
 function failed(url: string, e: unknown): never {
   if (!(e instanceof VoxClientError)) die((e as Error).message);
@@ -68,7 +69,7 @@ function failed(url: string, e: unknown): never {
     if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH') die(`no voxserve is running at ${url} (${e.code}); start one with: voxserve serve`);
     die(e.message);
   }
-  if (e.closeCode !== undefined) die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
+  if (e.closeCode !== undefined && e.status === undefined) die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
   process.stdout.write(`${JSON.stringify({ error: { type: e.type, message: e.message } })}\n`);
   process.exit(1);
 }
@@ -166,10 +167,11 @@ program
   .argument('<model>', 'model id, e.g. silero-vad or alexa')
   .argument('<file>', 'audio file')
   .option('--url <url>', 'server URL', DEFAULT_URL)
+  .option('--api-key <key>', "one of the server's auth.api_keys")
   .option('--option <key=value>', 'task option (repeatable), e.g. --option threshold=0.7', collectOption, {})
   .option('--progress', 'draw a progress bar on stderr even when it is not a terminal')
   .option('--no-progress', 'no progress bar (default: one on stderr when it is a terminal)')
-  .action(async (model: string, file: string, opts: { url: string; option: Record<string, unknown>; progress?: boolean }) => {
+  .action(async (model: string, file: string, opts: { url: string; apiKey?: string; option: Record<string, unknown>; progress?: boolean }) => {
     let audio: Buffer;
     try {
       audio = readFileSync(file);
@@ -179,7 +181,7 @@ program
     const show = opts.progress ?? process.stderr.isTTY;
     const bar = show ? progressBar('processed', 's', true) : null;
     try {
-      const result = await client(opts.url).run(audio, {
+      const result = await client(opts.url, opts.apiKey).run(audio, {
         model,
         options: Object.keys(opts.option).length ? opts.option : undefined,
         contentType: AUDIO_TYPES[extname(file).toLowerCase()],
@@ -202,7 +204,8 @@ program
   .option('--realtime', 'send each frame when its audio has elapsed')
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
-  .action(async (model: string, file: string, opts: { url: string; realtime?: boolean; frameMs: number; protocol: string }) => {
+  .option('--api-key <key>', "one of the server's auth.api_keys")
+  .action(async (model: string, file: string, opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string }) => {
     if (opts.protocol !== 'json' && opts.protocol !== 'msgpack') die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
     let wav: InstanceType<typeof WaveFile>;
     try {
@@ -216,7 +219,7 @@ program
     const frameBytes = Math.max(2 * fmt.numChannels, Math.round((fmt.sampleRate * opts.frameMs) / 1000) * 2 * fmt.numChannels);
     let stream: VoxStream;
     try {
-      stream = await client(opts.url).stream({ model, sampleRate: fmt.sampleRate, channels: fmt.numChannels, encoding: 's16le', protocol: opts.protocol });
+      stream = await client(opts.url, opts.apiKey).stream({ model, sampleRate: fmt.sampleRate, channels: fmt.numChannels, encoding: 's16le', protocol: opts.protocol });
     } catch (e) {
       failed(opts.url, e);
     }
