@@ -14,12 +14,14 @@ import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { chromium } from 'playwright-core';
-import WebSocket from 'ws';
+import WebSocket, { WebSocketServer } from 'ws';
+import { VoxClient as BrowserClient, type WebSocketConstructor } from '../../client/index.js';
+import { VoxClient } from '../../client/node.js';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { loadServerConfig, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { spawnServer } from '../../tools/spawn-server.js';
-import { fixture, until, WaveFile } from '../helpers.js';
+import { fixture, fixturePath, until, WaveFile } from '../helpers.js';
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
 const wav = fixture('Front_Left.wav');
@@ -69,6 +71,24 @@ function stream(s: VoxServer, opts: { query?: string; protocols?: string[]; head
   });
 }
 const loaded = async (s: VoxServer, id = 'silero-vad'): Promise<boolean> => (await call(`${s.url}/v1/models/${id}`)).body.loaded;
+/** `seconds` of silence, 16 kHz mono 16-bit. */
+const silence = (seconds: number): Buffer => {
+  const w = new WaveFile();
+  w.fromScratch(1, 16000, '16', new Int16Array(16000 * seconds));
+  return Buffer.from(w.toBuffer());
+};
+/** A server that answers 413 as soon as it has a request's headers and destroys the connection once the answer is written (as a proxy may). */
+async function cutting(): Promise<{ url: string; close: () => void }> {
+  const refuse = (req: IncomingMessage, res: ServerResponse): void => {
+    res.writeHead(413, { 'content-type': 'application/json', connection: 'close' });
+    res.end(JSON.stringify({ error: { type: 'payload_too_large', message: 'too large' } }), () => req.socket.destroy());
+  };
+  const early = createServer(refuse).on('checkContinue', refuse);
+  await new Promise<void>((r) => early.listen(0, '127.0.0.1', r));
+  return { url: `http://127.0.0.1:${(early.address() as AddressInfo).port}`, close: () => early.close() };
+}
+const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
+const runCli = (args: string[]): Promise<{ code?: number; stdout: string; stderr: string }> => promisify(execFile)(process.execPath, [cli, ...args]).catch((e) => e);
 
 describe('Host check (DNS rebinding)', () => {
   let s: VoxServer;
@@ -326,12 +346,6 @@ describe('limits that agree', () => {
   beforeAll(async () => {
     s = await serve({});
   });
-  /** `seconds` of silence, 16 kHz mono 16-bit. */
-  const silence = (seconds: number): Buffer => {
-    const w = new WaveFile();
-    w.fromScratch(1, 16000, '16', new Int16Array(16000 * seconds));
-    return Buffer.from(w.toBuffer());
-  };
 
   it('the documented longest file (30 min, 16 kHz mono 16-bit) fits the default body limit, as WAV and as base64 JSON', async () => {
     const longest = silence(1800);
@@ -364,19 +378,12 @@ describe('limits that agree', () => {
   it('voxserve run prints the 413 of a server that answers on the headers and cuts the connection (voxserve and any other)', async () => {
     const file = join(mkdtempSync(join(tmpdir(), 'voxserve-big-')), 'ten-minutes.wav');
     writeFileSync(file, silence(600)); // 19.2 MB
-    // A server that answers 413 as soon as it has the headers and destroys the connection once the answer is written.
-    const refuse = (req: IncomingMessage, res: ServerResponse): void => {
-      res.writeHead(413, { 'content-type': 'application/json', connection: 'close' });
-      res.end(JSON.stringify({ error: { type: 'payload_too_large', message: 'too large' } }), () => req.socket.destroy());
-    };
-    const early = createServer(refuse).on('checkContinue', refuse);
-    await new Promise<void>((r) => early.listen(0, '127.0.0.1', r));
+    const early = await cutting();
     const small = await serve({ limits: { max_body_bytes: 1024 * 1024 } });
-    const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
     try {
-      for (const url of [`http://127.0.0.1:${(early.address() as AddressInfo).port}`, small.url]) {
+      for (const url of [early.url, small.url]) {
         for (let i = 0; i < 8; i++) {
-          const r = await promisify(execFile)(process.execPath, [cli, 'run', 'silero-vad', file, '--url', url]).catch((e) => e);
+          const r = await runCli(['run', 'silero-vad', file, '--url', url]);
           expect(r.stderr, url).toBe('');
           expect(r.code).toBe(1);
           expect(JSON.parse(r.stdout).error.type).toBe('payload_too_large');
@@ -385,6 +392,103 @@ describe('limits that agree', () => {
     } finally {
       early.close();
     }
+  });
+});
+
+describe('voxserve/client and the CLI with API keys, and early answers', () => {
+  const key = 'client-key-0123456789';
+  const model = 'silero-vad';
+  const drain = async (events: AsyncIterable<unknown>): Promise<void> => {
+    for await (const _ of events) {
+      // read to the end
+    }
+  };
+
+  it('apiKey: run, batch and streams need it (401 unauthorized with the server\'s message), work with it; management takes the token, with JSON on every call', async () => {
+    const s = await serve({ management: { enabled: true, token: 'management-token-0123' }, auth: { api_keys: [key] } });
+    const open = new VoxClient({ url: s.url });
+    for (const attempt of [() => open.run(wav, { model }), () => drain(open.batch([wav], { model })), () => open.stream({ model })]) {
+      expect(await attempt().then(() => 'no error', (e) => e)).toMatchObject({ name: 'VoxClientError', type: 'unauthorized', status: 401, message: expect.stringMatching(/^this server needs an API key/) });
+    }
+    expect(await new VoxClient({ url: s.url, apiKey: 'wrong-key-0123456789' }).stream({ model }).catch((e) => e)).toMatchObject({ type: 'unauthorized', status: 401, message: 'the API key is not valid' });
+    const keyed = new VoxClient({ url: s.url, apiKey: key });
+    expect((await keyed.run(wav, { model })).task).toBe('vad');
+    expect(await keyed.run(wav, { model, contentType: 'text/plain' }).catch((e) => e)).toMatchObject({ type: 'unsupported_media_type', status: 415 });
+    const events = [];
+    for await (const e of keyed.batch([wav], { model })) events.push(e.type);
+    expect(events).toEqual(['result', 'done']);
+    // Streams: the header under Node, the subprotocol from the browser client (here with ws's constructor, which it gives no headers).
+    const browser = new BrowserClient({ url: s.url, apiKey: key, WebSocket: WebSocket as unknown as WebSocketConstructor });
+    for (const client of [keyed, browser]) {
+      const stream = await client.stream({ model });
+      expect(stream.ready.type).toBe('ready');
+      await stream.send(new Uint8Array(3200));
+      expect((await stream.end()).type).toBe('done');
+    }
+    // Management: the token, not the key; unload_all is sent as JSON too (the server answers 415 otherwise).
+    expect(await keyed.unloadAll().catch((e) => e)).toMatchObject({ type: 'forbidden', status: 403 });
+    expect(await new VoxClient({ url: s.url, token: 'management-token-0123' }).unloadAll()).toEqual({ unloaded: expect.arrayContaining([model]) });
+    expect(() => new VoxClient({ apiKey: 'has a space 0123456789' })).toThrow(/^apiKey:/);
+  });
+
+  it('on a stream the Node client sends the key as Authorization, the browser client as the subprotocol voxserve.key.<key>', async () => {
+    const wss = new WebSocketServer({ port: 0, host: '127.0.0.1', handleProtocols: () => 'voxserve.v1.json' });
+    onTestFinished(() => void wss.close());
+    await new Promise((r) => wss.once('listening', r));
+    const seen: unknown[] = [];
+    wss.on('connection', (ws, req) => {
+      seen.push({ authorization: req.headers.authorization, protocols: req.headers['sec-websocket-protocol'] });
+      ws.send(JSON.stringify({ type: 'ready', session_id: 's', model, task: 'vad', sample_rate: 16000 }));
+    });
+    const url = `http://127.0.0.1:${(wss.address() as AddressInfo).port}`;
+    (await new VoxClient({ url, apiKey: key }).stream({ model })).close();
+    (await new BrowserClient({ url, apiKey: key, WebSocket: WebSocket as unknown as WebSocketConstructor }).stream({ model })).close();
+    expect(seen, JSON.stringify(seen)).toEqual([
+      { authorization: `Bearer ${key}`, protocols: 'voxserve.v1.json' },
+      { authorization: undefined, protocols: `voxserve.v1.json,voxserve.key.${key}` },
+    ]);
+  });
+
+  it('run() under Node gets an answer given before the upload ends (401, 413) as a VoxClientError with its status and type, also from a server that then cuts the connection', async () => {
+    // The client in a process of its own (in one process its writes and the server's close do not race).
+    const config = join(mkdtempSync(join(tmpdir(), 'voxserve-early-')), 'voxserve.json');
+    writeFileSync(config, JSON.stringify({ port: 0, log_level: 'silent', limits: { max_body_bytes: 1024 * 1024 }, auth: { api_keys: [key] } }));
+    const { child, url } = await spawnServer(['--config', config]);
+    onTestFinished(() => void child.kill('SIGKILL'));
+    const early = await cutting();
+    onTestFinished(() => early.close());
+    const file = join(mkdtempSync(join(tmpdir(), 'voxserve-big-')), 'ten-minutes.wav');
+    writeFileSync(file, silence(600)); // 19.2 MB
+    const script = `const { VoxClient } = await import('voxserve/client');
+      const { readFileSync } = await import('node:fs');
+      const audio = readFileSync(${JSON.stringify(file)});
+      const out = [];
+      for (const [url, apiKey] of ${JSON.stringify([[early.url], [url], [url, key]])})
+        for (let i = 0; i < 6; i++) out.push(await new VoxClient({ url, apiKey }).run(audio, { model: 'silero-vad' }).then(() => 'ok', (e) => e.name + ' ' + e.type + ' ' + e.status));
+      console.log(JSON.stringify(out));`;
+    const root = fileURLToPath(new URL('../..', import.meta.url));
+    const { stdout } = await promisify(execFile)(process.execPath, ['--input-type=module', '-e', script], { cwd: root });
+    expect(JSON.parse(stdout)).toEqual([
+      ...Array(6).fill('VoxClientError payload_too_large 413'),
+      ...Array(6).fill('VoxClientError unauthorized 401'),
+      ...Array(6).fill('VoxClientError payload_too_large 413'),
+    ]);
+  });
+
+  it('voxserve run and stream --api-key: without it the 401 body on stdout and exit 1; with it the result', async () => {
+    const s = await serve({ auth: { api_keys: [key] } });
+    const file = fixturePath('Front_Left.wav');
+    for (const command of ['run', 'stream']) {
+      const refused = await runCli([command, model, file, '--url', s.url]);
+      expect(refused.code, command).toBe(1);
+      expect(refused.stderr, command).toBe('');
+      expect(JSON.parse(refused.stdout).error, command).toMatchObject({ type: 'unauthorized', message: expect.stringMatching(/^this server needs an API key/) });
+    }
+    const run = await runCli(['run', model, file, '--url', s.url, '--api-key', key]);
+    expect(JSON.parse(run.stdout).task).toBe('vad');
+    const stream = await runCli(['stream', model, file, '--url', s.url, '--api-key', key]);
+    expect(stream.stdout.trim().split('\n').map((l) => JSON.parse(l).type)).toEqual(expect.arrayContaining(['ready', 'done']));
+    expect(stream.code).toBeUndefined();
   });
 });
 
