@@ -3,6 +3,8 @@
  * AudioContext's rate) -> libsamplerate (WASM, SINC_FASTEST) to 16 kHz -> s16le -> one
  * `voxserve/client` stream per chosen model. A canvas timeline draws the last
  * {@link WINDOW_MS} of audio: the input level, speech segments and wake-word detections.
+ * The page is served by the server it calls (same origin, so the Origin check lets it in); the
+ * API key field, when filled, goes on each stream as the subprotocol `voxserve.key.<key>`.
  */
 import { ConverterType, create } from '@alexanderolsen/libsamplerate-js';
 import { VoxClient, VoxClientError, type StreamEvent, type VoxStream } from '../client/index.js';
@@ -22,8 +24,10 @@ interface Lane {
   status: string;
 }
 
+/** Status calls (`GET /v1/models`) need no key. */
 const vox = new VoxClient();
 const el = <T extends HTMLElement>(id: string): T => document.getElementById(id) as T;
+const keyInput = el<HTMLInputElement>('key');
 const canvas = el<HTMLCanvasElement>('timeline');
 const startButton = el<HTMLButtonElement>('start');
 const stopButton = el<HTMLButtonElement>('stop');
@@ -40,6 +44,19 @@ let stopCapture: (() => Promise<void>) | null = null;
 function say(text: string, error = false): void {
   status.textContent = text;
   status.className = error ? 'error' : 'muted';
+}
+
+/**
+ * What to tell the user about a stream that failed. A browser is not told why a WebSocket
+ * handshake was refused: from this page (same origin, the server reachable) that is almost
+ * always a missing or wrong API key.
+ */
+function why(e: unknown): string {
+  if (!(e instanceof VoxClientError)) return `cannot start: ${(e as Error).message}`;
+  if (e.type !== 'connection_error' || e.closeCode !== 1006) return `${e.type}: ${e.message}`;
+  return keyInput.value
+    ? 'the server refused the stream: is the API key one of its auth.api_keys?'
+    : 'the server refused the stream: if it sets auth.api_keys, enter an API key';
 }
 
 function logEvent(model: string, e: StreamEvent): void {
@@ -87,6 +104,13 @@ async function start(): Promise<void> {
   const chosen = [...document.querySelectorAll<HTMLInputElement>('#models input:checked')].map((i) => ({ model: i.value, task: i.dataset.task ?? '' }));
   if (!chosen.length) return say('choose at least one model', true);
   startButton.disabled = true;
+  let client: VoxClient;
+  try {
+    client = keyInput.value.trim() ? new VoxClient({ apiKey: keyInput.value.trim() }) : vox;
+  } catch (e) {
+    startButton.disabled = false;
+    return say((e as Error).message, true);
+  }
   say('opening the microphone ...');
   lanes = chosen.map((c) => ({ ...c, stream: null, segments: [], detections: [], status: 'opening' }));
   levels = [];
@@ -101,7 +125,7 @@ async function start(): Promise<void> {
     say(`connecting ${lanes.length} stream(s) ...`);
     await Promise.all(
       lanes.map(async (lane) => {
-        lane.stream = await vox.stream({ model: lane.model, sampleRate: RATE, encoding: 's16le' });
+        lane.stream = await client.stream({ model: lane.model, sampleRate: RATE, encoding: 's16le' });
         lane.status = 'streaming';
         const stream = lane.stream;
         void (async () => {
@@ -149,7 +173,7 @@ async function start(): Promise<void> {
     await ctx?.close().catch(() => {});
     for (const lane of lanes) lane.stream?.close();
     startButton.disabled = false;
-    say(e instanceof VoxClientError ? `${e.type}: ${e.message}` : `cannot start: ${(e as Error).message}`, true);
+    say(why(e), true);
   }
 }
 

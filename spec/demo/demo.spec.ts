@@ -118,3 +118,30 @@ describe('/demo in headless Chromium with a fake microphone', () => {
     }
   });
 });
+
+describe('/demo on a server with auth.api_keys', () => {
+  it('says to enter an API key when its streams are refused, and streams with one (sent as the subprotocol)', async () => {
+    const key = 'demo-key-0123456789abc';
+    const keyed = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, auth: { api_keys: [key] } }));
+    const browser = await browserWithMic(fixturePath('espeak_sentence_16k.wav'));
+    try {
+      const page = await browser.newPage();
+      await page.goto(`${keyed.url}/demo?models=silero-vad`);
+      await page.waitForSelector('#models input[value="silero-vad"]:checked');
+      const status = (): Promise<string | null> => page.textContent('#status');
+      await page.click('#start');
+      await expect.poll(status, { timeout: 10_000 }).toBe('the server refused the stream: if it sets auth.api_keys, enter an API key');
+      await page.fill('#key', 'wrong-key-0123456789');
+      await page.click('#start');
+      await expect.poll(status, { timeout: 10_000 }).toBe('the server refused the stream: is the API key one of its auth.api_keys?');
+      await page.fill('#key', key);
+      await page.click('#start');
+      await page.waitForSelector('#events li[data-model="silero-vad"][data-type="ready"]', { timeout: 10_000 });
+      await page.click('#stop');
+      await page.waitForSelector('#events li[data-model="silero-vad"][data-type="done"]', { timeout: 10_000 });
+    } finally {
+      await browser.close();
+      await keyed.close();
+    }
+  });
+});
