@@ -54,7 +54,7 @@ function say(text: string, error = false): void {
 function why(e: unknown): string {
   if (!(e instanceof VoxClientError)) return `cannot start: ${(e as Error).message}`;
   if (e.type !== 'connection_error' || e.closeCode !== 1006) return `${e.type}: ${e.message}`;
-  return keyInput.value
+  return keyInput.value.trim()
     ? 'the server refused the stream: is the API key one of its auth.api_keys?'
     : 'the server refused the stream: if it sets auth.api_keys, enter an API key';
 }
