@@ -100,7 +100,7 @@ describe('fuzz: query strings', () => {
       if (!r) return false;
       expect(r.model).toBeTruthy();
       return checkDecoded(r.files[0].bytes, q);
-    }, 0.02);
+    }, 0.01); // most inputs fail several checks at once (query, content type, WAV): ~2 % pass
   });
 });
 
