@@ -15,6 +15,9 @@
  */
 import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { unpack } from 'msgpackr';
+// Type-only: erased from the emitted JavaScript, so the browser path imports no server code.
+import type { ModelStatus } from '../actors/model.js';
+import type { Segment } from '../runtime/tasks/vad.js';
 
 /** Error types of the wire interface (`{"error":{"type","message"}}`, stream `error` events). */
 export type WireErrorType =
@@ -89,13 +92,7 @@ export interface Timing {
 }
 
 /** A speech segment: ms and samples (16 kHz) from the start of the audio; `confidence` is the mean speech probability. */
-export interface Segment {
-  start_ms: number;
-  end_ms: number;
-  start_sample: number;
-  end_sample: number;
-  confidence: number;
-}
+export type { Segment };
 
 export interface Detection {
   label: string;
@@ -139,23 +136,8 @@ export type BatchEvent =
   | { type: 'error'; index: number; error: { type: WireErrorType; message: string } }
   | { type: 'done'; files: number; failed: number; wall_ms: number; queue_ms: number; inference_ms: number };
 
-/** A model's status (`GET /v1/models`). */
-export interface ModelStatus {
-  id: string;
-  task: string;
-  state: 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
-  loaded: boolean;
-  slots: number;
-  active_slots: number;
-  active_leases: number;
-  max_streams: number;
-  queued_requests: number;
-  oldest_wait_ms: number;
-  resident_bytes: number;
-  last_used_at: number | null;
-  last_error: string | null;
-  [field: string]: unknown;
-}
+/** A model's status (`GET /v1/models`), as the server's model entry reports it. */
+export type { ModelStatus };
 
 /** What a WebSocket must offer: the browser's, or `ws`'s (its EventTarget interface). */
 export interface WebSocketLike {
