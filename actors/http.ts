@@ -236,7 +236,8 @@ interface HttpContext {
  * An HTTP socket actor (DESIGN.md section 2): one per accepted TCP connection, each its own root
  * actor sharing the server's inspector. `open` (keep-alive, no request in flight) <-> `streaming`
  * (requests in flight; each task request runs in an `exchange` child that holds its lease) ->
- * `draining` (the root's `drain`: in-flight responses finish, then the connection closes) ->
+ * `draining` (the root's `drain`: in-flight responses finish, then the connection closes; an idle
+ * connection lingers until the drain ends, answering what arrives) ->
  * `closed`. An idle keep-alive connection is closed after `limits.idle_ms` (`after`). When the
  * peer goes, every exchange is stopped: pending inference dropped, leases released.
  * (The request-headers deadline is node's own parser deadline, `limits.headers_timeout_ms`, answered 408.)
@@ -286,7 +287,15 @@ export const httpSocketMachine = setup({
   states: {
     open: {
       always: { guard: 'busy', target: 'streaming' },
-      on: { DRAIN: { target: 'closed', actions: emit({ type: 'close' }) } },
+      on: { DRAIN: 'lingering' },
+      after: { keepAlive: { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) } },
+    },
+    // Idle while the server drains. Closing now could cut a request the peer has already sent
+    // (its bytes unread while the server handles SIGTERM): the peer would see a reset, not an
+    // answer. So a request that arrives is answered (503 shutting_down, `Connection: close`),
+    // and the connection otherwise stays until the drain ends (the server closes idle ones).
+    lingering: {
+      always: { guard: 'busy', target: 'draining' },
       after: { keepAlive: { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) } },
     },
     streaming: {

@@ -227,6 +227,8 @@ export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: Htt
     if (o.type === 'close') return void (socket.destroyed || socket.end());
     const res = responses.get(o.rid);
     if (!res || res.writableEnded) return;
+    // The last response of a draining connection says so: the peer opens a new connection next time.
+    if (!res.headersSent && actor.getSnapshot().matches('draining')) res.shouldKeepAlive = false;
     switch (o.type) {
       case 'respond':
         return sendJson(res, o.status, o.body);
