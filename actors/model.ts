@@ -1,11 +1,12 @@
 import { and, assign, createActor, enqueueActions, fromCallback, not, raise, sendTo, setup, waitFor, type ActorRefFrom, type AnyActorRef, type InspectionEvent, type SnapshotFrom } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
-import { VadBatcher } from '../runtime/batcher.js';
+import { Batcher, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
 import { VoxError } from '../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
 import { createLogger, type Metrics } from '../runtime/telemetry.js';
 import type { Logger } from 'pino';
+import type { Job, JobResult } from '../runtime/slot-protocol.js';
 
 /** Why a model entry is asked to give up its slots without a manager asking (DESIGN.md C12-C14). */
 export type EvictReason = 'lru' | 'idle' | 'memory';
@@ -443,8 +444,9 @@ export class ModelEntry {
               m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
               m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
               if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
-              if (input.config.task === 'vad' && input.config.max_batch_size > 1) {
-                m.batcher = new VadBatcher(m.pool, input.config.max_batch_size, input.config.max_batch_delay_ms, (n) => batchSize?.observe(n));
+              if (input.config.max_batch_size > 1) {
+                const packing = (input.config.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
+                m.batcher = new Batcher(m.pool, packing, input.config.max_batch_size, input.config.max_batch_delay_ms, (n) => batchSize?.observe(n));
               }
               this.loaded = m;
               this.touch();

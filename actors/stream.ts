@@ -4,7 +4,7 @@ import type { Lease } from '../runtime/admission.js';
 import { checkFormat, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError } from '../runtime/errors.js';
-import type { Job, VadJob } from '../runtime/slot-protocol.js';
+import type { Job } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
 
@@ -452,7 +452,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       const loaded = await entry.ensureReady(gone.signal);
       const { pool, batcher } = loaded;
       // A VAD stream's ready windows go through the batcher, which runs them with other streams'.
-      run = batcher ? (job) => batcher.run(job as VadJob, gone.signal) : (job) => pool.run(job, gone.signal);
+      run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
       session = createTaskSession(entry.config, pool.info, params.options);
       if (gone.signal.aborted) return;
       send({ type: 'READY', model: entry.id, task: entry.config.task });

@@ -4,7 +4,7 @@ import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
 import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
 import type { Limits, ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
-import type { Job, JobResult, VadJob } from '../runtime/slot-protocol.js';
+import type { Job, JobResult } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import { CLOSE, createStreamSocket, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
 import type { Supervisor } from './supervisor.js';
@@ -209,7 +209,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       const lane: Lane = { kind, id: entry.id, lease, run: () => Promise.reject(new Error('not loaded')), config: entry.config, info: {}, session: null, pumping: null, repump: false };
       lanes.push(lane);
       const { pool, batcher } = await entry.ensureReady(gone.signal);
-      lane.run = batcher ? (job) => batcher.run(job as VadJob, gone.signal) : (job) => pool.run(job, gone.signal);
+      lane.run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
       lane.config = entry.config;
       lane.info = pool.info;
       stats.model = stats.model ?? entry.id;

@@ -1,35 +1,106 @@
-import { SILERO, type VadJob, type VadResult } from './slot-protocol.js';
+import { OWW, SILERO, type Job, type JobResult, type VadJob, type VadResult, type WakewordJob, type WakewordResult } from './slot-protocol.js';
 import type { SlotPool } from './slots.js';
 
-interface Item {
-  windows: Float32Array;
-  state: Float32Array;
-  context: Float32Array;
+/**
+ * How one task's stream jobs become one batched job (a row per stream) and its result becomes
+ * one result per row again. Each row keeps its own state; the slot runs the rows together.
+ */
+export interface Packing<J extends Job, R extends JobResult> {
+  pack(rows: J[]): J;
+  unpack(result: R, rows: J[]): R[];
+}
+
+/** Concatenates equally typed arrays. */
+function concat(parts: Float32Array[]): Float32Array {
+  const out = new Float32Array(parts.reduce((n, p) => n + p.length, 0));
+  let at = 0;
+  for (const p of parts) {
+    out.set(p, at);
+    at += p.length;
+  }
+  return out;
+}
+
+/** Silero VAD: windows row after row with `counts`, state and context row by row (a ragged batch). */
+export const vadPacking: Packing<VadJob, VadResult> = {
+  pack: (rows) => ({
+    kind: 'vad',
+    counts: rows.map((r) => r.windows.length / SILERO.WINDOW),
+    windows: concat(rows.map((r) => r.windows)),
+    state: concat(rows.map((r) => r.state)),
+    context: concat(rows.map((r) => r.context)),
+  }),
+  unpack: (res, rows) => {
+    let at = 0;
+    return rows.map((row, r) => {
+      const n = row.windows.length / SILERO.WINDOW;
+      at += n;
+      return {
+        kind: 'vad',
+        probs: res.probs.slice(at - n, at),
+        state: res.state.slice(r * SILERO.STATE, (r + 1) * SILERO.STATE),
+        context: res.context.slice(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT),
+      };
+    });
+  },
+};
+
+/** openWakeWord: each row's audio (look-back + steps), mel buffer and embedding history in turn, with `counts` (steps per row). */
+export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
+  pack: (rows) => ({
+    kind: 'wakeword',
+    counts: rows.map((r) => (r.audio.length - OWW.LOOKBACK) / OWW.STEP),
+    audio: concat(rows.map((r) => r.audio)),
+    mel: concat(rows.map((r) => r.mel)),
+    embeddings: concat(rows.map((r) => r.embeddings)),
+  }),
+  unpack: (res, rows) => {
+    const steps = rows.reduce((n, r) => n + (r.audio.length - OWW.LOOKBACK) / OWW.STEP, 0);
+    const columns = res.scores.length / steps;
+    const history = res.embeddings.length / rows.length;
+    let at = 0;
+    return rows.map((row, r) => {
+      const n = (row.audio.length - OWW.LOOKBACK) / OWW.STEP;
+      at += n;
+      return {
+        kind: 'wakeword',
+        scores: res.scores.slice((at - n) * columns, at * columns),
+        mel: res.mel.slice(r * OWW.MEL_FRAMES * OWW.MEL_BINS, (r + 1) * OWW.MEL_FRAMES * OWW.MEL_BINS),
+        embeddings: res.embeddings.slice(r * history, (r + 1) * history),
+      };
+    });
+  },
+};
+
+interface Item<J, R> {
+  job: J;
   at: number;
-  resolve: (r: VadResult) => void;
+  resolve: (r: R) => void;
   reject: (e: unknown) => void;
   signal?: AbortSignal;
 }
 
 /**
- * Dynamic batching for Silero VAD streams: the jobs of many streams (each its stream's ready
- * windows) are collected and run as one ragged batch (a row per stream) on a free slot, and
- * each row's probabilities, state and context go back to its stream. A batch is sent when it
- * holds `maxBatch` streams, when its oldest job has waited `maxDelayMs` for company, or as soon
- * as a slot frees up while jobs wait (under load, jobs gather while every slot is busy). A batch
- * holds its slot for its run only.
+ * Dynamic batching for streams: the jobs of many streams (each its stream's ready windows or
+ * steps) are collected and run as one batched job (a row per stream, see {@link Packing}) on a
+ * free slot, and each row's result goes back to its stream. A batch is sent when it holds
+ * `maxBatch` streams, when its oldest job has waited `maxDelayMs` for company, or as soon as a
+ * slot frees up while jobs wait (under load, jobs gather while every slot is busy). A batch
+ * holds its slot for its run only. One message per batch instead of one per stream is what
+ * makes many streams cheap on process hosts.
  */
-export class VadBatcher {
-  private pending: Item[] = [];
+export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
+  private pending: Item<J, R>[] = [];
   private inFlight = 0;
   private timer: NodeJS.Timeout | null = null;
 
   /**
-   * @param maxBatch streams (rows) per batch (1-512). @param maxDelayMs longest wait for company, ms.
-   * @param onBatch called with each batch's size (for metrics).
+   * @param packing how rows become a batch and back. @param maxBatch streams (rows) per batch (1-512).
+   * @param maxDelayMs longest wait for company, ms. @param onBatch called with each batch's size (for metrics).
    */
   constructor(
     private readonly pool: SlotPool,
+    private readonly packing: Packing<J, R>,
     private readonly maxBatch: number,
     private readonly maxDelayMs: number,
     private readonly onBatch: (size: number) => void = () => {},
@@ -41,10 +112,10 @@ export class VadBatcher {
    * listener is added to the signal: a stream sends thousands of jobs, and EventTarget
    * listeners are costly.
    */
-  run(job: VadJob, signal?: AbortSignal): Promise<VadResult> {
+  run(job: J, signal?: AbortSignal): Promise<R> {
     if (signal?.aborted) return Promise.reject(signal.reason);
     return new Promise((resolve, reject) => {
-      this.pending.push({ windows: job.windows, state: job.state, context: job.context, at: Date.now(), resolve, reject, signal });
+      this.pending.push({ job, at: Date.now(), resolve, reject, signal });
       this.schedule();
     });
   }
@@ -62,44 +133,19 @@ export class VadBatcher {
   private dispatch(): void {
     if (this.timer) clearTimeout(this.timer);
     this.timer = null;
-    const batch: Item[] = [];
+    const batch: Item<J, R>[] = [];
     while (batch.length < this.maxBatch && this.pending.length) {
       const item = this.pending.shift()!;
       if (item.signal?.aborted) item.reject(item.signal.reason);
       else batch.push(item);
     }
-    const rows = batch.length;
-    if (!rows) return;
-    const counts = batch.map((b) => b.windows.length / SILERO.WINDOW);
-    const total = counts.reduce((a, b) => a + b, 0);
-    const job: VadJob = {
-      kind: 'vad',
-      counts,
-      windows: new Float32Array(total * SILERO.WINDOW),
-      state: new Float32Array(rows * SILERO.STATE),
-      context: new Float32Array(rows * SILERO.CONTEXT),
-    };
-    const starts: number[] = [];
-    batch.forEach((b, r) => {
-      starts.push(r ? starts[r - 1] + counts[r - 1] : 0);
-      job.windows.set(b.windows, starts[r] * SILERO.WINDOW);
-      job.state.set(b.state, r * SILERO.STATE);
-      job.context.set(b.context, r * SILERO.CONTEXT);
-    });
+    if (!batch.length) return;
+    const rows = batch.map((b) => b.job);
     this.inFlight++;
-    this.onBatch(rows);
-    (this.pool.run(job) as Promise<VadResult>)
+    this.onBatch(rows.length);
+    (this.pool.run(this.packing.pack(rows)) as Promise<R>)
       .then(
-        (res) =>
-          batch.forEach((b, r) =>
-            b.resolve({
-              kind: 'vad',
-              probs: res.probs.slice(starts[r], starts[r] + counts[r]),
-              state: res.state.slice(r * SILERO.STATE, (r + 1) * SILERO.STATE),
-              context: res.context.slice(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT),
-              ran: (res as { ran?: [number, number] }).ran,
-            } as VadResult),
-          ),
+        (res) => this.packing.unpack(res, rows).forEach((r, i) => batch[i].resolve(Object.assign(r, { ran: res.ran, waitedMs: res.waitedMs }))),
         (err) => batch.forEach((b) => b.reject(err)),
       )
       .finally(() => {

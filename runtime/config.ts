@@ -86,9 +86,9 @@ export const ModelConfig = z.strictObject({
   /** Longest a load (all slots) or a slot's respawn may take before it is abandoned, ms; 0 = none (default: the server's `load_timeout_ms`). */
   load_timeout_ms: nonNegInt.optional(),
   lazy: z.boolean().default(true),
-  /** VAD streams: windows from different streams run together, up to this many per batch (1 = no batching). */
+  /** Streams: jobs from different streams run together, up to this many streams per batch (1 = no batching). */
   max_batch_size: z.number().int().min(1).max(512).default(32),
-  /** VAD streams: the longest a window waits for company before its batch is sent, ms. */
+  /** Streams: the longest a job waits for company before its batch is sent, ms. */
   max_batch_delay_ms: z.number().int().min(0).max(1000).default(10),
   options: z.record(z.string(), z.unknown()).default({}),
 })

@@ -3,13 +3,13 @@ import { headsOf, modelFiles, type ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
 import { SlotPool, slotFactory, type SlotFactory } from './slots.js';
 import type { LoadSpec } from './slot-protocol.js';
-import type { VadBatcher } from './batcher.js';
+import type { Batcher } from './batcher.js';
 
 /** A model's loaded slots plus what they hold. `close()` stops clones, the primary, then drops shared weights. */
 export interface LoadedModel {
   pool: SlotPool;
-  /** VAD with `max_batch_size` > 1: batches stream windows across streams (set by the model entry). */
-  batcher?: VadBatcher;
+  /** With `max_batch_size` > 1: batches stream jobs across streams (set by the model entry). */
+  batcher?: Batcher;
   /** Measured footprint: process RSS growth over the load, bytes (set by the supervisor). */
   residentBytes: number;
   close(): Promise<void>;

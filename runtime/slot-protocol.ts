@@ -54,19 +54,25 @@ export interface VadResult {
   context: Float32Array;
 }
 
-/** openWakeWord over consecutive 1280-sample (80 ms) steps of one stream. */
+/**
+ * openWakeWord over consecutive 1280-sample (80 ms) steps of one or more streams (rows). Row r has
+ * `counts[r]` steps; each field holds the rows' parts in turn. The slot runs the rows one after
+ * the other (the heads take batch 1).
+ */
 export interface WakewordJob {
   kind: 'wakeword';
-  /** 480 samples of look-back then k x 1280 new samples, 16 kHz, int16 scale (+-32767) as float32. */
+  /** Per row: 480 samples of look-back then k x 1280 new samples, 16 kHz, int16 scale (+-32767) as float32. */
   audio: Float32Array;
-  /** The last 76 melspectrogram frames x 32 bins, already transformed (x/10 + 2). */
+  /** Per row: the last 76 melspectrogram frames x 32 bins, already transformed (x/10 + 2). */
   mel: Float32Array;
-  /** The last N embeddings x 96 (N: the longest head window). */
+  /** Per row: the last N embeddings x 96 (N: the longest head window). */
   embeddings: Float32Array;
+  /** Steps per row; absent: one row. */
+  counts?: number[];
 }
 export interface WakewordResult {
   kind: 'wakeword';
-  /** k steps x (every head's columns, heads in load order) outputs. */
+  /** Every row's steps in turn x (every head's columns, heads in load order) outputs. */
   scores: Float32Array;
   mel: Float32Array;
   embeddings: Float32Array;

@@ -178,30 +178,38 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
   const initialEmbedding = Float32Array.from(await embed(new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1)));
 
   runJob = async (job) => {
-    const { audio, mel: melBuf, embeddings: embBuf } = job as WakewordJob;
-    // The job's buffers are this host's own copies (structured clone or transfer): updated in place and sent back.
-    const steps = (audio.length - OWW.LOOKBACK) / OWW.STEP;
-    const scores = new Float32Array(steps * columns);
-    for (let s = 0; s < steps; s++) {
-      const x = audio.slice(s * OWW.STEP, s * OWW.STEP + OWW.STEP + OWW.LOOKBACK);
-      const mo = await mel.run({ [melIn]: new ort.Tensor('float32', x, [1, x.length]) });
-      const spec = mo[melOut].data as Float32Array;
-      // Shift the mel buffer left by the new frames and append them, transformed (x/10 + 2).
-      melBuf.copyWithin(0, spec.length);
-      const base = melBuf.length - spec.length;
-      for (let j = 0; j < spec.length; j++) melBuf[base + j] = spec[j] / 10 + 2;
-      const e = await embed(melBuf.slice());
-      embBuf.copyWithin(0, OWW.EMBEDDING);
-      embBuf.set(e, embBuf.length - OWW.EMBEDDING);
-      let col = s * columns;
-      for (const h of heads) {
-        const input = embBuf.slice(embBuf.length - h.window * OWW.EMBEDDING);
-        const ho = await h.session.run({ [h.input]: new ort.Tensor('float32', input, [1, h.window, OWW.EMBEDDING]) });
-        scores.set(ho[h.output].data as Float32Array, col);
-        col += h.labels.length;
+    const { audio, mel: mels, embeddings: embs } = job as WakewordJob;
+    const counts = (job as WakewordJob).counts ?? [(audio.length - OWW.LOOKBACK) / OWW.STEP];
+    // The job's buffers are this host's own copies (structured clone, transfer or a frame): updated in place and sent back.
+    const melSize = OWW.MEL_FRAMES * OWW.MEL_BINS;
+    const history = embs.length / counts.length;
+    const scores = new Float32Array(counts.reduce((n, c) => n + c, 0) * columns);
+    let col = 0;
+    let at = 0;
+    for (let r = 0; r < counts.length; r++) {
+      const melBuf = mels.subarray(r * melSize, (r + 1) * melSize);
+      const embBuf = embs.subarray(r * history, (r + 1) * history);
+      for (let s = 0; s < counts[r]; s++) {
+        const x = audio.slice(at + s * OWW.STEP, at + s * OWW.STEP + OWW.STEP + OWW.LOOKBACK);
+        const mo = await mel.run({ [melIn]: new ort.Tensor('float32', x, [1, x.length]) });
+        const spec = mo[melOut].data as Float32Array;
+        // Shift the mel buffer left by the new frames and append them, transformed (x/10 + 2).
+        melBuf.copyWithin(0, spec.length);
+        const base = melBuf.length - spec.length;
+        for (let j = 0; j < spec.length; j++) melBuf[base + j] = spec[j] / 10 + 2;
+        const e = await embed(melBuf.slice());
+        embBuf.copyWithin(0, OWW.EMBEDDING);
+        embBuf.set(e, embBuf.length - OWW.EMBEDDING);
+        for (const h of heads) {
+          const input = embBuf.slice(embBuf.length - h.window * OWW.EMBEDDING);
+          const ho = await h.session.run({ [h.input]: new ort.Tensor('float32', input, [1, h.window, OWW.EMBEDDING]) });
+          scores.set(ho[h.output].data as Float32Array, col);
+          col += h.labels.length;
+        }
       }
+      at += OWW.LOOKBACK + counts[r] * OWW.STEP;
     }
-    return { kind: 'wakeword', scores, mel: melBuf, embeddings: embBuf };
+    return { kind: 'wakeword', scores, mel: mels, embeddings: embs };
   };
   return { heads: heads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbedding };
 }

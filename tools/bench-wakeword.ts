@@ -207,6 +207,8 @@ export async function benchWakeword(o: WakeBenchOptions): Promise<void> {
   };
   say(`voxserve bench --task wakeword: ${o.frameMs} ms frames, ${o.seconds} s per stream, ${o.slots} slot(s), isolation ${o.isolation}, on ${cpus().length} cores`);
   const bare1 = await bare(['hey-jarvis'], 1, 1000);
+  // What the machine can do at all: every core running the bare pipeline and nothing else.
+  say(`bare hey-jarvis pipeline: ${f(bare1, 2)} ms of CPU per stream-second, so ${cpus().length} cores hold at most ${Math.floor((cpus().length * 1000) / bare1)} live streams`);
   say('');
   say('model | streams | sustained | lag p50/p99 ms | server CPU per stream-s ms (main process + slot hosts) | bare pipeline ms | server / bare');
   say('---|---|---|---|---|---|---');

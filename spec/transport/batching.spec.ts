@@ -7,6 +7,7 @@ import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, WaveFile } from '../helpers.js';
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
+const jarvis = defaultCatalog().find((m) => m.id === 'hey-jarvis')!;
 let server: VoxServer;
 
 beforeAll(async () => {
@@ -17,6 +18,8 @@ beforeAll(async () => {
       models: [
         { id: 'unbatched', task: 'vad', path: silero, max_batch_size: 1 },
         { id: 'batched', task: 'vad', path: silero, max_batch_size: 32, max_batch_delay_ms: 5 },
+        { ...jarvis, id: 'wake-unbatched', max_batch_size: 1 },
+        { ...jarvis, id: 'wake-batched', max_batch_size: 32, max_batch_delay_ms: 5 },
       ],
     }),
   );
@@ -65,6 +68,20 @@ describe('dynamic batching', () => {
     const windows = await metric('voxserve_batch_size_sum', 'batched');
     expect(batches).toBeGreaterThan(0);
     expect(windows / batches).toBeGreaterThan(1.5); // on average, windows of several streams per run
+  });
+
+  it('is invisible in wake-word results: 8 concurrent streams give the detections of unbatched runs, and steps really share jobs', async () => {
+    const files = ['espeak_hey_jarvis_22k.wav', 'espeak_alexa_16k.wav', 'espeak_sentence_16k.wav', 'Front_Center.wav'].map(fixture);
+    const expected = await Promise.all(files.map((f) => stream('wake-unbatched', f, 0)));
+    expect(expected[0].some((e) => e.type === 'detection')).toBe(true);
+    const got = await Promise.all(Array.from({ length: 8 }, (_, i) => stream('wake-batched', files[i % files.length], 1)));
+    // A detection's label is its model id: the two models differ only there.
+    const relabel = (events: any[]) => events.map((e) => ({ ...e, label: 'hey-jarvis' }));
+    got.forEach((events, i) => expect(relabel(events), `stream ${i}`).toEqual(relabel(expected[i % files.length])));
+    const batches = await metric('voxserve_batch_size_count', 'wake-batched');
+    const rows = await metric('voxserve_batch_size_sum', 'wake-batched');
+    expect(batches).toBeGreaterThan(0);
+    expect(rows / batches).toBeGreaterThan(1.5); // on average, steps of several streams per job
   });
 
   it('reports processing lag per window in status and metrics', async () => {
