@@ -4,8 +4,10 @@
  * state and context, wake-word feature buffers) travels in the job and comes back in the result.
  * To a worker thread every message goes over its port, Float32Arrays transferred, not copied. To
  * a child process `load` and `release` go over the IPC channel, and `run` with its answer as
- * binary frames ({@link encodeFrame}) over a pipe of their own.
+ * binary frames ({@link encodeFrame}) through shared files ({@link FrameChannel}).
  */
+import { readSync, writevSync } from 'node:fs';
+import type { Socket } from 'node:net';
 
 /**
  * The model files a slot loads: the model by path (onnxruntime reads it), the wake-word
@@ -118,14 +120,14 @@ export const OWW = {
 export const SILERO = { WINDOW: 512, CONTEXT: 64, STATE: 256 } as const;
 
 /**
- * Encodes one message as a binary frame for a byte stream (a pipe to a child-process slot host):
+ * Encodes one message as a binary frame (for a child-process slot host, see {@link FrameChannel}):
  *
  *     u32le n (bytes after this field) | u32le h | h bytes of JSON | 0-3 zero bytes | arrays
  *
  * The JSON is the message with each Float32Array replaced by `{"$f32": [offset, length]}`: its
  * byte offset into the arrays region (which starts 4-aligned) and its length in floats. The
  * arrays' bytes follow one after another, not copied here (the buffers are handed to the
- * stream as they are, so the caller must not change them until they are written).
+ * writer as they are).
  * Costs one JSON of the small fields; 0.5 MB of audio goes as 0.5 MB.
  * @returns the buffers to write, in order (write them corked, as one frame).
  */
@@ -147,45 +149,63 @@ export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
 }
 
 /**
- * Reassembles the frames of {@link encodeFrame} from a byte stream cut anywhere, and hands each
- * decoded message to `onMessage`. Each frame is copied once, into an ArrayBuffer of its own,
- * and its Float32Arrays are views into it.
+ * A process slot host's job channel, one end of it: each frame ({@link encodeFrame}) is written
+ * whole into a file shared with the other end (on tmpfs, `/dev/shm`), with one `pwritev`, and
+ * announced by a doorbell on a socket pair: the frame's length, u32le. The reader copies the
+ * frame out with one `pread` into an ArrayBuffer of its own; its Float32Arrays are views into
+ * it. Each direction has its own file, and holds one frame at a time: a slot runs one job at a
+ * time and answers it with one frame, so a file is written again only after its last frame was
+ * read.
+ *
+ * Why not the socket itself: a job of a few hundred KB does not fit a socket pair's buffer, so
+ * writing it there takes several turns of the server's event loop, and while the loop is busy
+ * with stream traffic the job sits half-sent (measured: nearly every job, at 450 live streams).
  */
-export class FrameReader<M extends ToSlot | FromSlot> {
-  private frame: Uint8Array | null = null;
-  private filled = 0;
-  private readonly length = Buffer.alloc(4);
-  private lengthHave = 0;
+export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | FromSlot> {
+  private bell: Buffer = Buffer.alloc(0);
 
-  constructor(private readonly onMessage: (msg: M) => void) {}
+  /**
+   * @param socket carries the doorbells both ways. @param outFd the file this end writes frames to.
+   * @param inFd the file the other end writes frames to. @param onMessage each decoded frame.
+   * @param onError a frame could not be read (the channel is unusable).
+   */
+  constructor(
+    private readonly socket: Socket,
+    private readonly outFd: number,
+    private readonly inFd: number,
+    onMessage: (msg: In) => void,
+    onError: (e: Error) => void,
+  ) {
+    socket.on('data', (chunk: Buffer) => {
+      this.bell = this.bell.length ? Buffer.concat([this.bell, chunk]) : chunk;
+      let at = 0;
+      for (; at + 4 <= this.bell.length; at += 4) {
+        const frame = new Uint8Array(this.bell.readUInt32LE(at));
+        try {
+          if (readSync(this.inFd, frame, 0, frame.length, 0) !== frame.length) throw new Error('job channel: short read');
+        } catch (e) {
+          return onError(e as Error);
+        }
+        onMessage(decodeFrame(frame) as In);
+      }
+      this.bell = this.bell.subarray(at);
+    });
+  }
 
-  /** Takes the next bytes of the stream. */
-  push(chunk: Buffer): void {
-    let i = 0;
-    while (i < chunk.length) {
-      if (!this.frame) {
-        const n = Math.min(4 - this.lengthHave, chunk.length - i);
-        chunk.copy(this.length, this.lengthHave, i, i + n);
-        this.lengthHave += n;
-        i += n;
-        if (this.lengthHave < 4) return;
-        this.lengthHave = 0;
-        this.frame = new Uint8Array(4 + this.length.readUInt32LE(0));
-        this.filled = 4;
-      }
-      const n = Math.min(this.frame.length - this.filled, chunk.length - i);
-      this.frame.set(chunk.subarray(i, i + n), this.filled);
-      this.filled += n;
-      i += n;
-      if (this.filled === this.frame.length) {
-        const frame = this.frame;
-        this.frame = null;
-        this.onMessage(decodeFrame(frame) as M);
-      }
-    }
+  /**
+   * Writes `msg` into the shared file and rings. Nothing is sent once the socket is closed.
+   * @throws Error when the file cannot be written (tmpfs full: ENOSPC).
+   */
+  send(msg: Out): void {
+    if (!this.socket.writable) return;
+    const n = writevSync(this.outFd, encodeFrame(msg), 0);
+    const bell = Buffer.alloc(4);
+    bell.writeUInt32LE(n, 0);
+    this.socket.write(bell);
   }
 }
 
+/** Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer). */
 function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);
   const base = 8 + h + ((4 - (h % 4)) % 4);

@@ -1,7 +1,7 @@
 /**
  * A slot host's body: one ONNX session set for one model, in a child process (`isolation:
- * "process"`: `load` and `release` over the IPC channel, `run` and its answer as binary frames on
- * fd 4, see `encodeFrame`) or a worker thread (`isolation: "thread"`, messages over its port). It runs
+ * "process"`: `load` and `release` over the IPC channel, `run` and its answer as binary frames
+ * through shared files, see `FrameChannel`) or a worker thread (`isolation: "thread"`, messages over its port). It runs
  * what it is sent and keeps nothing between `run` messages (see slot-protocol.ts).
  * onnxruntime-node blocks its thread for the whole of `create` and `run`, which is why sessions
  * only ever live here.
@@ -13,8 +13,7 @@ import { Socket } from 'node:net';
 import { parentPort } from 'node:worker_threads';
 import ort from 'onnxruntime-node';
 import {
-  encodeFrame,
-  FrameReader,
+  FrameChannel,
   OWW,
   SILERO,
   transferList,
@@ -30,8 +29,11 @@ import {
 
 /** The worker thread's port, or null in a child process (then `process.send` / `process.on`). */
 const port = parentPort;
-/** A child process's job pipe (fd 4): `run` in, `result` and job errors out, as binary frames. */
-const jobs = port ? null : new Socket({ fd: 4, readable: true, writable: true }).unref();
+/**
+ * A child process's job channel: doorbells on fd 4, frames in the shared files fd 5 (`run` in)
+ * and fd 6 (`result` and job errors out). Set up at the end of this file.
+ */
+let jobs: FrameChannel<ToSlot, FromSlot> | null = null;
 const ABORT_AT = process.env.VOXSERVE_TEST_ABORT_AT === undefined ? null : Number(process.env.VOXSERVE_TEST_ABORT_AT);
 const OPTIONS: ort.InferenceSession.SessionOptions = {
   intraOpNumThreads: 1,
@@ -45,12 +47,7 @@ let runJob: ((job: Job) => Promise<JobResult>) | null = null;
 
 function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
   if (port) port.postMessage(msg, transfer);
-  else if (jobs && 'seq' in msg && msg.seq !== undefined) {
-    if (!jobs.writable) return;
-    jobs.cork();
-    for (const b of encodeFrame(msg)) jobs.write(b);
-    jobs.uncork();
-  }
+  else if (jobs && 'seq' in msg && msg.seq !== undefined) jobs.send(msg);
   // After `release` (or the server's exit) the channel is closed: a late answer has no one to go to.
   else if (process.connected) process.send!(msg);
 }
@@ -246,10 +243,10 @@ const onMessage = async (msg: ToSlot): Promise<void> => {
 if (port) port.on('message', onMessage);
 else {
   process.on('message', onMessage);
-  const reader = new FrameReader<ToSlot>((m) => void onMessage(m));
-  jobs!.on('data', (chunk: Buffer) => reader.push(chunk));
-  // The server is gone or has closed the pipe: 'disconnect' below ends the host.
-  jobs!.on('error', () => {});
+  const socket = new Socket({ fd: 4, readable: true, writable: true }).unref();
+  // The server is gone or has closed the socket: 'disconnect' below ends the host.
+  socket.on('error', () => {});
+  jobs = new FrameChannel<ToSlot, FromSlot>(socket, 6, 5, (m) => void onMessage(m), () => process.exit(1));
   // The server is gone (even killed with SIGKILL): no orphan host is left running.
   process.on('disconnect', () => process.exit(0));
 }

@@ -1,10 +1,12 @@
 import { fork, type ChildProcess } from 'node:child_process';
-import { existsSync, readFileSync } from 'node:fs';
+import { closeSync, existsSync, openSync, readFileSync, unlinkSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import type { Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
 import { VoxError } from './errors.js';
-import { encodeFrame, FrameReader, transferList, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
+import { FrameChannel, transferList, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
 
 /**
  * The compiled slot host entry. Under the TypeScript sources (vitest) hosts still run the
@@ -215,19 +217,37 @@ export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> 
 export function processSlots(jobTimeoutMs: number): SlotFactory {
   return async (spec, signal) => {
     signal?.throwIfAborted();
-    const child: ChildProcess = fork(fileURLToPath(slotHostFile()), [], { serialization: 'advanced', stdio: ['ignore', 'ignore', 'inherit', 'ipc', 'pipe'] });
+    // The job channel's two shared files (jobs in, results out), inherited by the child as fds 5
+    // and 6 and unlinked at once: nothing is left behind, even if the server is killed.
+    const files = [sharedFile(), sharedFile()];
+    let child: ChildProcess;
+    try {
+      child = fork(fileURLToPath(slotHostFile()), [], { serialization: 'advanced', stdio: ['ignore', 'ignore', 'inherit', 'ipc', 'pipe', files[0].fd, files[1].fd] });
+    } catch (e) {
+      for (const f of files) closeSync(f.fd);
+      throw e;
+    } finally {
+      for (const f of files) unlinkSync(f.path);
+    }
     const abandon = (): void => void child.kill('SIGKILL');
     signal?.addEventListener('abort', abandon, { once: true });
-    const jobs = child.stdio[4] as Socket;
+    const socket = child.stdio[4] as Socket;
+    // A dead host's socket breaks (EPIPE, ECONNRESET); its 'exit' says why.
+    socket.on('error', () => {});
+    socket.once('close', () => files.forEach((f) => closeSync(f.fd)));
+    let channel: FrameChannel<FromSlot, ToSlot> | null = null;
     const slot = new MessageSlot(
       {
         send: (m) => {
           if (m.type === 'run') {
-            if (!jobs.writable) return;
-            jobs.cork();
-            for (const b of encodeFrame(m)) jobs.write(b);
-            jobs.uncork();
-          } else if (child.connected) {
+            try {
+              channel!.send(m);
+            } catch (e) {
+              // The shared file cannot be written (tmpfs full): this slot cannot run jobs.
+              slot.fail(e as Error);
+            }
+          }
+          else if (child.connected) {
             // Shared memory does not cross processes: the wake-word feature models go as plain bytes.
             child.send(m.type === 'load' && m.spec.kind === 'wakeword' ? { ...m, spec: { ...m.spec, melspectrogram: new Uint8Array(m.spec.melspectrogram), embedding: new Uint8Array(m.spec.embedding) } } : m);
           }
@@ -237,10 +257,7 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       },
       jobTimeoutMs,
     );
-    const reader = new FrameReader<FromSlot>((m) => slot.onMessage(m));
-    jobs.on('data', (chunk: Buffer) => reader.push(chunk));
-    // A dead host's pipe breaks (EPIPE, ECONNRESET); its 'exit' says why.
-    jobs.on('error', () => {});
+    channel = new FrameChannel<FromSlot, ToSlot>(socket, files[0].fd, files[1].fd, (m) => slot.onMessage(m), (e) => slot.fail(e));
     child.on('message', (m: FromSlot) => slot.onMessage(m));
     child.on('error', (e) => slot.fail(e));
     child.on('exit', (code, signal) => slot.gone(signal ? `slot host was killed by ${signal}` : `slot host exited with code ${code}`));
@@ -250,6 +267,16 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       signal?.removeEventListener('abort', abandon);
     }
   };
+}
+
+/** The directory for the job channels' shared files: tmpfs where there is one. */
+const SHARED_DIR = existsSync('/dev/shm') ? '/dev/shm' : tmpdir();
+let sharedSeq = 0;
+
+/** Creates a new file for a job channel (owner-only), open for reading and writing. */
+function sharedFile(): { path: string; fd: number } {
+  const path = join(SHARED_DIR, `voxserve-${process.pid}-${++sharedSeq}-${Math.random().toString(36).slice(2)}`);
+  return { path, fd: openSync(path, 'wx+', 0o600) };
 }
 
 /** The slot factory for an isolation mode. */

@@ -11,7 +11,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import fc from 'fast-check';
 import { pack, unpack } from 'msgpackr';
-import { afterAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it, onTestFinished } from 'vitest';
 import { validateModelConfig } from '../../actors/model.js';
 import { createStreamSocket, parseStreamParams } from '../../actors/stream.js';
 import { Supervisor } from '../../actors/supervisor.js';
@@ -247,10 +247,11 @@ const configArb = fc.record(
 );
 
 describe('fuzz: config files', () => {
-  // /dev/shm where there is one: a write to /tmp costs milliseconds on some file systems.
-  const dir = mkdtempSync(join(existsSync('/dev/shm') ? '/dev/shm' : tmpdir(), 'voxserve-fuzz-'));
-  const file = join(dir, 'config.json');
   it('loadServerConfig: a config whose every model can run, or a 400 naming the field', async () => {
+    // /dev/shm where there is one: a write to /tmp costs milliseconds on some file systems.
+    const dir = mkdtempSync(join(existsSync('/dev/shm') ? '/dev/shm' : tmpdir(), 'voxserve-fuzz-'));
+    onTestFinished(() => rmSync(dir, { recursive: true }));
+    const file = join(dir, 'config.json');
     // An unknown top-level key now and then.
     const text = fc.oneof({ weight: 8, arbitrary: configArb.map((c) => JSON.stringify(c)) }, { weight: 1, arbitrary: fc.tuple(configArb, fc.string({ maxLength: 8 }), junkValue).map(([c, k, v]) => JSON.stringify({ ...c, [k]: v })) }, { weight: 2, arbitrary: jsonBodyArb(configArb as fc.Arbitrary<Record<string, unknown>>) });
     await fuzz('config', text, 6_000, 500, (t) => {
@@ -263,7 +264,6 @@ describe('fuzz: config files', () => {
       for (const m of c.models) checkModelConfig(m);
       return true;
     });
-    rmSync(dir, { recursive: true });
   });
 });
 
