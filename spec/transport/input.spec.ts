@@ -79,6 +79,8 @@ describe('compressed input on /v1/tasks/run', () => {
     return b;
   };
   it.each([
+    ['a WAV cut to 50 bytes (inside its data chunk)', fixture('silero_test.wav').subarray(0, 50), 'audio/wav', /truncated WAV file \(its 'data' chunk declares 1920000 bytes, 6 present\)/],
+    ['a WAV cut to 30 bytes (inside its fmt chunk)', fixture('silero_test.wav').subarray(0, 30), 'audio/wav', /truncated WAV file \(its 'fmt' chunk declares 16 bytes, 10 present\)/],
     ['a truncated FLAC', cut('espeak_alexa_16k.flac', 0.5), 'audio/flac', /truncated FLAC/],
     ['a truncated Ogg Vorbis', cut('Front_Center.ogg', 0.7), 'audio/ogg', /truncated Ogg Vorbis/],
     ['a truncated Ogg Opus', cut('silero_test.opus', 0.7), 'audio/ogg', /truncated Ogg Opus/],
