@@ -187,6 +187,16 @@ describe('task options as query parameters', () => {
     const plain = await streamEvents('model=silero-vad', sentence);
     expect(plain.map((e) => e.type)).toEqual(['ready', 'speech_start', 'speech_end', 'done']);
   });
+
+  it.each([
+    ['sample_rate=-1', /^sample_rate: must be an integer from 8000 to 192000, got '-1'$/],
+    ['sample_rate=200000', /^sample_rate: must be an integer from 8000 to 192000, got '200000'$/],
+    ['channels=0', /^channels: must be an integer from 1 to 32, got '0'$/],
+    ['busy_timeout_ms=-5', /^busy_timeout_ms: must be an integer from 0 to 2147483647, got '-5'$/],
+  ])('a stream with %s -> an error event naming the field and its accepted range', async (query, message) => {
+    const events = await streamEvents(`model=silero-vad&${query}`, sentence);
+    expect(events).toEqual([{ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(message) } }]);
+  });
 });
 
 /** Streams a 16 kHz mono s16 WAV's samples at once and collects the events. */
