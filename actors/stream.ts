@@ -29,7 +29,8 @@ export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'bu
 
 /**
  * An integer query parameter, or `dflt` when absent or empty.
- * @param min,max the accepted range, inclusive.
+ * @param min the smallest accepted value.
+ * @param max the largest accepted value.
  * @throws VoxError `invalid_request_error` naming the parameter and its range.
  */
 function intParam(url: URL, name: string, dflt: number | undefined, min: number, max: number): number | undefined {
