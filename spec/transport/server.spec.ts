@@ -353,13 +353,14 @@ describe('bad input: a clear error, and the server keeps serving', () => {
   });
 
   it('invalid load bodies -> 400 naming the field', async () => {
+    const a = defaultCatalog().find((m) => m.id === 'silero-vad')!.path; // a model file that exists: only the named field is wrong
     for (const [body, field] of [
-      [{ id: 'x1', task: 'vad', path: 'a', slots: 0 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: 'a', slots: 17 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: 'a', slots: 1.5 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: 'a', slots: '2' }, 'slots'],
-      [{ id: 'x1', task: 'asr', path: 'a' }, 'task'],
-      [{ id: 'x1', task: 'vad', path: 'a', busy_timeout_ms: -1 }, 'busy_timeout_ms'],
+      [{ id: 'x1', task: 'vad', path: a, slots: 0 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: a, slots: 17 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: a, slots: 1.5 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: a, slots: '2' }, 'slots'],
+      [{ id: 'x1', task: 'asr', path: a }, 'task'],
+      [{ id: 'x1', task: 'vad', path: a, busy_timeout_ms: -1 }, 'busy_timeout_ms'],
     ] as const) {
       const r = await postJson('/v1/models/load', body);
       expect(r.status).toBe(400);
