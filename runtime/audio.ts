@@ -87,12 +87,12 @@ const AUDIO_CHUNKS = new Set(['fmt ', 'data', 'ds64']);
 
 /**
  * `bytes` (a RIFF, RIFX or RF64 file) with only the {@link AUDIO_CHUNKS}, in their order; other
- * input is returned as is.
- * @throws VoxError `invalid_request_error` "truncated WAV file" when a `fmt ` or `data` chunk
- *   declares more bytes than the file holds (a declared 0xFFFFFFFF means "unknown": read to the end). wavefile 11 parses every chunk it knows, looping over counts and sizes
+ * input is returned as is. wavefile 11 parses every chunk it knows, looping over counts and sizes
  * it reads from the file before checking them against its length: a 100-byte `cue ` or `smpl`
  * chunk claiming 4 billion entries, or an `iXML`, `bext` or `_PMX` chunk claiming 4 GiB, blocks
  * the event loop until the process runs out of memory. Those chunks carry nothing decodeWav needs.
+ * @throws VoxError `invalid_request_error` "truncated WAV file" when a `fmt ` or `data` chunk
+ *   declares more bytes than the file holds (a declared 0xFFFFFFFF means "unknown": read to the end).
  */
 function audioChunks(bytes: Uint8Array): Uint8Array {
   const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.length);
