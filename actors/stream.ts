@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, stateIn, type Actor, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
-import { checkFormat, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
+import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError } from '../runtime/errors.js';
 import type { Job } from '../runtime/slot-protocol.js';
@@ -27,11 +27,18 @@ export interface StreamParams {
 /** Query parameters of `/v1/stream` besides task options. */
 export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms'] as const;
 
-function intParam(url: URL, name: string, dflt: number | undefined): number | undefined {
+/**
+ * An integer query parameter, or `dflt` when absent or empty.
+ * @param min the smallest accepted value.
+ * @param max the largest accepted value.
+ * @throws VoxError `invalid_request_error` naming the parameter and its range.
+ */
+function intParam(url: URL, name: string, dflt: number | undefined, min: number, max: number): number | undefined {
   const raw = url.searchParams.get(name);
   if (raw === null || raw === '') return dflt;
-  if (!/^\d{1,10}$/.test(raw) || Number(raw) > MAX_TIMEOUT_MS) throw invalid(`${name}: must be an integer from 0 to ${MAX_TIMEOUT_MS}, got '${raw.slice(0, 32)}'`);
-  return Number(raw);
+  const n = Number(raw);
+  if (!/^\d{1,10}$/.test(raw) || n < min || n > max) throw invalid(`${name}: must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
+  return n;
 }
 
 /**
@@ -44,16 +51,14 @@ export function parseStreamParams(url: URL): StreamParams {
   if (!model) throw invalid('model: required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
   if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid(`encoding: must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
-  const params = {
+  return {
     model,
     encoding: encoding as PcmEncoding,
-    sampleRate: intParam(url, 'sample_rate', 16_000)!,
-    channels: intParam(url, 'channels', 1)!,
-    busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined),
+    sampleRate: intParam(url, 'sample_rate', 16_000, MIN_SAMPLE_RATE, MAX_SAMPLE_RATE)!,
+    channels: intParam(url, 'channels', 1, 1, MAX_CHANNELS)!,
+    busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined, 0, MAX_TIMEOUT_MS),
     options,
   };
-  checkFormat(params.sampleRate, params.channels);
-  return params;
 }
 
 /** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */

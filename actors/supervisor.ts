@@ -436,6 +436,17 @@ export class Supervisor {
   }
 
   /**
+   * The refusal of new work while not {@link accepting} (HTTP routes, stream upgrades, Wyoming
+   * connections): `server_busy` (503, Retry-After 1 s) while `starting` (the eager models
+   * load), else `shutting_down` (503, Retry-After 5 s).
+   */
+  notAccepting(): VoxError {
+    return this.phase === 'starting'
+      ? new VoxError('server_busy', 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work', { retryAfterS: 1 })
+      : new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
+  }
+
+  /**
    * The entry for `id`, registering it from the catalog on first use; undefined if unknown. An id
    * of several wake-word model ids joined by commas (`alexa,hey-jarvis`) is a group of those heads
    * on one stream, registered on first use under its ids sorted (so any order shares one entry).

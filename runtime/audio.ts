@@ -42,14 +42,16 @@ const WAV_FORMATS: Record<number, string> = { 1: 'PCM', 3: 'IEEE float', 65534: 
  * `wavefile` library and downmixes it to mono by averaging channels.
  * @param bytes the whole file.
  * @returns mono float32 samples in [-1, 1] at the file's own sample rate.
- * @throws VoxError `invalid_request_error` if the bytes are not a WAV file, use a compressed
- *   encoding, have no samples, or declare a sample rate or channel count out of range.
+ * @throws VoxError `invalid_request_error` if the bytes are not a WAV file, are truncated (a
+ *   `fmt ` or `data` chunk declares more bytes than present), use a compressed encoding, have no
+ *   samples, or declare a sample rate or channel count out of range.
  */
 export function decodeWav(bytes: Uint8Array): MonoAudio {
   if (bytes.length === 0) throw invalid('audio: empty body, expected a WAV file');
+  const chunks = audioChunks(bytes);
   const wav = new WaveFile();
   try {
-    wav.fromBuffer(audioChunks(bytes));
+    wav.fromBuffer(chunks);
   } catch (e) {
     throw invalid(`audio: not a readable WAV file (${(e as Error).message})`);
   }
@@ -89,6 +91,8 @@ const AUDIO_CHUNKS = new Set(['fmt ', 'data', 'ds64']);
  * it reads from the file before checking them against its length: a 100-byte `cue ` or `smpl`
  * chunk claiming 4 billion entries, or an `iXML`, `bext` or `_PMX` chunk claiming 4 GiB, blocks
  * the event loop until the process runs out of memory. Those chunks carry nothing decodeWav needs.
+ * @throws VoxError `invalid_request_error` "truncated WAV file" when a `fmt ` or `data` chunk
+ *   declares more bytes than the file holds (a declared 0xFFFFFFFF means "unknown": read to the end).
  */
 function audioChunks(bytes: Uint8Array): Uint8Array {
   const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.length);
@@ -97,9 +101,14 @@ function audioChunks(bytes: Uint8Array): Uint8Array {
   const parts: Buffer[] = [buf.subarray(0, 12)];
   let dropped = false;
   for (let at = 12; at + 8 <= buf.length; ) {
+    const id = buf.toString('latin1', at, at + 4);
     const size = container === 'RIFX' ? buf.readUInt32BE(at + 4) : buf.readUInt32LE(at + 4);
+    // 0xFFFFFFFF is "size unknown" (a WAV streamed as it was written, or RF64's placeholder): read to the end.
+    if ((id === 'fmt ' || id === 'data') && size !== 0xffffffff && at + 8 + size > buf.length) {
+      throw invalid(`audio: truncated WAV file (its '${id.trim()}' chunk declares ${size} bytes, ${buf.length - at - 8} present)`);
+    }
     const end = Math.min(buf.length, at + 8 + size + (size % 2)); // chunks are padded to even sizes
-    if (AUDIO_CHUNKS.has(buf.toString('latin1', at, at + 4))) parts.push(buf.subarray(at, end));
+    if (AUDIO_CHUNKS.has(id)) parts.push(buf.subarray(at, end));
     else dropped = true;
     at = end;
   }

@@ -1,12 +1,14 @@
 /**
  * Measures the main job's figures on this machine: time from `voxserve serve` to `/ready`,
  * real-time factor of `POST /v1/tasks/run` with silero-vad on a 60 s file (cold: includes the
- * model load; warm: loaded), and the server's resident memory (VmRSS) with every default model
+ * model load; warm: loaded), and the resident memory (VmRSS) of the server and its slot-host
+ * processes (where the models live under the default process isolation) with every default model
  * loaded. Run: `npm run build && node dist/tools/measure.js`.
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
+import { treeRssBytes } from './proc.js';
 import { spawnServer } from './spawn-server.js';
 
 const require = createRequire(import.meta.url);
@@ -40,10 +42,12 @@ const cold = await run('silero-vad');
 const warm = await run('silero-vad');
 const { models } = (await (await fetch(`${url}/v1/models`)).json()) as { models: { id: string }[] };
 for (const m of models) await run(m.id);
-const rss = /VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${child.pid}/status`, 'utf8'))![1];
+const server = Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${child.pid}/status`, 'utf8'))![1]) * 1024;
+const total = treeRssBytes(child.pid!);
 child.kill('SIGTERM');
 
 console.log(`serve start -> /ready         ${readyMs.toFixed(0)} ms`);
 console.log(`silero-vad, 60 s file, cold  ${cold.wall.toFixed(0)} ms, RTF ${cold.rtf.toFixed(4)} (includes the model load)`);
 console.log(`silero-vad, 60 s file, warm  ${warm.wall.toFixed(0)} ms, RTF ${warm.rtf.toFixed(4)}`);
-console.log(`RSS, all ${models.length} default models loaded  ${(Number(rss) / 1024).toFixed(0)} MiB`);
+const mib = (b: number): string => (b / 2 ** 20).toFixed(0);
+console.log(`RSS, all ${models.length} default models loaded  ${mib(total)} MiB (server ${mib(server)} MiB + slot hosts ${mib(total - server)} MiB)`);

@@ -65,10 +65,6 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
-  const shuttingDown = (): VoxError =>
-    supervisor.phase === 'starting'
-      ? new VoxError('server_busy', 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work', { retryAfterS: 1 })
-      : new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
 
   const demo = demoRoute(config.demo.enabled ?? isLoopback(config.host));
 
@@ -135,7 +131,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     if (method === 'POST' && MANAGEMENT.includes(path)) {
       access.management(req);
       requireMediaType(req, ['application/json']);
-      if (!supervisor.accepting) throw shuttingDown();
+      if (!supervisor.accepting) throw supervisor.notAccepting();
       const body = parseJsonObject(await readBody(req, res, 1024 * 1024, config.limits.idle_ms));
       // A manager whose client goes away leaves the model's queue.
       const gone = new AbortController();
@@ -161,7 +157,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       access.apiKey(req);
       if (path === '/v1/tasks/run') requireRunMediaType(req);
       else requireMediaType(req, ['application/json']);
-      if (!supervisor.accepting) throw shuttingDown();
+      if (!supervisor.accepting) throw supervisor.notAccepting();
       // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
       const t0 = performance.now();
       const body = await readBody(req, res, config.limits.max_body_bytes, config.limits.idle_ms);
@@ -264,7 +260,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
       // bad values of known ones are reported on the open stream (error event, close 1008).
       queryOptions(target.searchParams, STREAM_QUERY);
-      if (!supervisor.accepting) throw shuttingDown();
+      if (!supervisor.accepting) throw supervisor.notAccepting();
       if (streams.size >= config.limits.max_ws_connections) throw new VoxError('server_busy', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
     } catch (e) {
       return refuse(toVoxError(e));
@@ -326,7 +322,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const listenerClosed = new Promise<void>((resolve) => http.close(() => resolve()));
     http.closeIdleConnections();
     for (const s of [...streams, ...wyomingLinks()]) s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
-    supervisor.revokeAll(shuttingDown());
+    supervisor.revokeAll(supervisor.notAccepting());
     const wyomingClosed = wyoming ? new Promise<void>((resolve) => wyoming!.server.close(() => resolve())) : Promise.resolve();
     await Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);
     http.closeAllConnections();

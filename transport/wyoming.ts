@@ -229,7 +229,10 @@ export async function startWyoming(config: ServerConfig, registry: Supervisor, i
     socket.once('close', () => sockets.delete(socket));
     socket.on('error', () => socket.destroy());
     const refuse = (code: string, text: string): void => void socket.end(encodeWyoming('error', { text, code }));
-    if (!registry.accepting) return refuse(registry.phase === 'starting' ? 'server_busy' : 'shutting_down', `the server is ${registry.phase === 'starting' ? 'starting' : 'shutting down'}`);
+    if (!registry.accepting) {
+      const e = registry.notAccepting();
+      return refuse(e.type, e.message);
+    }
     if (links.size >= config.limits.max_ws_connections) return refuse('server_busy', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
     const handle = createWyomingSocket({ limits: config.limits, registry }, inspect);
     drainOnShutdown(registry.root, handle.actor);

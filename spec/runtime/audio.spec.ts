@@ -47,6 +47,13 @@ describe('decodeWav', () => {
     expect(() => decodeWav(w)).toThrow(/no samples/);
   });
 
+  it('reads a WAV streamed with unknown sizes (RIFF and data sizes 0xFFFFFFFF, as ffmpeg writes to a pipe) to its end', () => {
+    const w = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: 1600 });
+    w.writeUInt32LE(0xffffffff, 4);
+    w.writeUInt32LE(0xffffffff, 40); // the data chunk's size
+    expect(decodeWav(w).samples.length).toBe(1600);
+  });
+
   it('rejects a compressed encoding (mu-law) by its format code', () => {
     const w = toneWav({ rate: 8000, channels: 1, bitDepth: '16', frames: 800 });
     w.writeUInt16LE(7, 20); // fmt audioFormat = 7 (mu-law)

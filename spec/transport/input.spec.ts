@@ -79,6 +79,8 @@ describe('compressed input on /v1/tasks/run', () => {
     return b;
   };
   it.each([
+    ['a WAV cut to 50 bytes (inside its data chunk)', fixture('silero_test.wav').subarray(0, 50), 'audio/wav', /truncated WAV file \(its 'data' chunk declares 1920000 bytes, 6 present\)/],
+    ['a WAV cut to 30 bytes (inside its fmt chunk)', fixture('silero_test.wav').subarray(0, 30), 'audio/wav', /truncated WAV file \(its 'fmt' chunk declares 16 bytes, 10 present\)/],
     ['a truncated FLAC', cut('espeak_alexa_16k.flac', 0.5), 'audio/flac', /truncated FLAC/],
     ['a truncated Ogg Vorbis', cut('Front_Center.ogg', 0.7), 'audio/ogg', /truncated Ogg Vorbis/],
     ['a truncated Ogg Opus', cut('silero_test.opus', 0.7), 'audio/ogg', /truncated Ogg Opus/],
@@ -184,6 +186,16 @@ describe('task options as query parameters', () => {
     expect(events.map((e) => e.type)).toEqual(['ready', 'done']);
     const plain = await streamEvents('model=silero-vad', sentence);
     expect(plain.map((e) => e.type)).toEqual(['ready', 'speech_start', 'speech_end', 'done']);
+  });
+
+  it.each([
+    ['sample_rate=-1', /^sample_rate: must be an integer from 8000 to 192000, got '-1'$/],
+    ['sample_rate=200000', /^sample_rate: must be an integer from 8000 to 192000, got '200000'$/],
+    ['channels=0', /^channels: must be an integer from 1 to 32, got '0'$/],
+    ['busy_timeout_ms=-5', /^busy_timeout_ms: must be an integer from 0 to 2147483647, got '-5'$/],
+  ])('a stream with %s -> an error event naming the field and its accepted range', async (query, message) => {
+    const events = await streamEvents(`model=silero-vad&${query}`, sentence);
+    expect(events).toEqual([{ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(message) } }]);
   });
 });
 

@@ -247,6 +247,16 @@ describe('models_root by default', () => {
     expect(jarvis.body.detections).toEqual([expect.objectContaining({ label: 'hey-jarvis' })]);
   });
 
+  it('a path inside the root that does not exist, or is a folder -> 400 naming path (was a 500 from the loader)', async () => {
+    const missing = await load({ id: 'missing', path: 'no-such-model.onnx' });
+    expect(missing.status).toBe(400);
+    expect(missing.body.error).toEqual({ type: 'invalid_request_error', message: `path: 'no-such-model.onnx' does not exist in models_root (${join(dir, 'models')})` });
+    mkdirSync(join(dir, 'models', 'folder'));
+    const folder = await load({ id: 'folder', path: 'folder' });
+    expect(folder.body.error).toEqual({ type: 'invalid_request_error', message: "path: 'folder' is not a regular file" });
+    expect((await call(`${s.url}/v1/models/missing`)).status).toBe(404);
+  });
+
   it('models_root: false opts out: any readable path loads', async () => {
     const open = await serve({ management: { enabled: true }, models_root: false });
     const r = await call(`${open.url}/v1/models/load`, { method: 'POST', headers: json, body: JSON.stringify({ id: 'anywhere', task: 'vad', path: join(outside, 'real.onnx') }) });

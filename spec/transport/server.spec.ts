@@ -6,7 +6,9 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
+import type { ModelLoader } from '../../runtime/loader.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
+import { fakeLoader } from '../fuzz/fakes.js';
 import { fixture, toneWav, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
@@ -87,6 +89,40 @@ describe('server basics', () => {
     expect(Object.keys(one).sort()).toEqual(
       ['active_leases', 'active_slots', 'id', 'last_error', 'last_eviction', 'last_used_at', 'loaded', 'max_streams', 'oldest_wait_ms', 'processing_lag_ms', 'queued_requests', 'resident_bytes', 'retiring', 'slots', 'state', 'task'].sort(),
     );
+  });
+});
+
+describe('while starting (an eager model still loading)', () => {
+  it('a run and a stream upgrade both answer 503 server_busy "the server is starting", not "shutting down"', async () => {
+    let release!: () => void;
+    const gate = new Promise<void>((resolve) => (release = resolve));
+    const loader: ModelLoader = async (config, signal) => {
+      await Promise.race([gate, new Promise((_, reject) => signal?.addEventListener('abort', () => reject(new Error('aborted'))))]);
+      return fakeLoader(config, signal);
+    };
+    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, models: [{ id: 'eager', task: 'vad', path: 'eager.onnx', lazy: false }] }), { loader });
+    try {
+      expect(s.supervisor.phase).toBe('starting');
+      const starting = { type: 'server_busy', message: 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work' };
+      const run = await fetch(`${s.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('silero_test.wav')) });
+      expect(run.status).toBe(503);
+      expect((await run.json()).error).toEqual(starting);
+      const upgrade = await new Promise<{ status: number; body: string }>((resolve) => {
+        const ws = new WebSocket(`${s.url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
+        ws.on('error', () => {});
+        ws.on('unexpected-response', (_req, res) => {
+          let body = '';
+          res.on('data', (d: Buffer) => (body += d));
+          res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
+        });
+        ws.on('open', () => resolve({ status: 101, body: '' }));
+      });
+      expect(upgrade.status).toBe(503);
+      expect(JSON.parse(upgrade.body).error).toEqual(starting);
+    } finally {
+      release();
+      await s.close();
+    }
   });
 });
 
@@ -317,13 +353,14 @@ describe('bad input: a clear error, and the server keeps serving', () => {
   });
 
   it('invalid load bodies -> 400 naming the field', async () => {
+    const a = defaultCatalog().find((m) => m.id === 'silero-vad')!.path; // a model file that exists: only the named field is wrong
     for (const [body, field] of [
-      [{ id: 'x1', task: 'vad', path: 'a', slots: 0 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: 'a', slots: 17 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: 'a', slots: 1.5 }, 'slots'],
-      [{ id: 'x1', task: 'vad', path: 'a', slots: '2' }, 'slots'],
-      [{ id: 'x1', task: 'asr', path: 'a' }, 'task'],
-      [{ id: 'x1', task: 'vad', path: 'a', busy_timeout_ms: -1 }, 'busy_timeout_ms'],
+      [{ id: 'x1', task: 'vad', path: a, slots: 0 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: a, slots: 17 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: a, slots: 1.5 }, 'slots'],
+      [{ id: 'x1', task: 'vad', path: a, slots: '2' }, 'slots'],
+      [{ id: 'x1', task: 'asr', path: a }, 'task'],
+      [{ id: 'x1', task: 'vad', path: a, busy_timeout_ms: -1 }, 'busy_timeout_ms'],
     ] as const) {
       const r = await postJson('/v1/models/load', body);
       expect(r.status).toBe(400);
