@@ -129,7 +129,7 @@ export const SILERO = { WINDOW: 512, CONTEXT: 64, STATE: 256 } as const;
  * arrays' bytes follow one after another, not copied here (the buffers are handed to the
  * writer as they are).
  * Costs one JSON of the small fields; 0.5 MB of audio goes as 0.5 MB.
- * @returns the buffers to write, in order (write them corked, as one frame).
+ * @returns the buffers of one frame, in order (written with one `pwritev`).
  */
 export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
   const arrays: Buffer[] = [];
