@@ -61,6 +61,40 @@ export function parseStreamParams(url: URL): StreamParams {
   };
 }
 
+/**
+ * A stream's processing lag: for each window (or step) finished, the time since the last of its
+ * samples arrived, ms. Arrivals queue with a moving head, compacted as it drains: amortised O(1)
+ * per chunk and per window.
+ */
+export class LagClock {
+  /** Per received chunk, oldest first from `head`: samples received after it (16 kHz), and when it arrived. */
+  private readonly ends: number[] = [];
+  private readonly ats: number[] = [];
+  private head = 0;
+  private windows = 0;
+
+  /** A chunk arrived at `at` (performance.now(), ms); `received`: samples received so far, after it. */
+  arrived(received: number, at: number): void {
+    this.ends.push(received);
+    this.ats.push(at);
+  }
+
+  /** Calls `record(lag_ms)` for each window of `step` samples finished since the last call (`processed` samples in all). */
+  finished(processed: number, step: number, record: (ms: number) => void): void {
+    const now = performance.now();
+    for (; (this.windows + 1) * step <= processed; this.windows++) {
+      const end = (this.windows + 1) * step;
+      while (this.head < this.ends.length - 1 && this.ends[this.head] < end) this.head++;
+      if (this.head < this.ends.length) record(now - this.ats[this.head]);
+    }
+    if (this.head > 1024 && this.head * 2 > this.ends.length) {
+      this.ends.splice(0, this.head);
+      this.ats.splice(0, this.head);
+      this.head = 0;
+    }
+  }
+}
+
 /** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */
 const MAX_JOB_WINDOWS = 64;
 
@@ -336,15 +370,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   let ended = false;
   let pumping = false;
   let repump = false;
-  /**
-   * Per received chunk, oldest first from `head`: samples received after it (16 kHz) and when its
-   * last byte arrived (performance.now()). A queue with a moving head, compacted as it drains:
-   * amortised O(1) per chunk and per window.
-   */
-  const arrivalEnd: number[] = [];
-  const arrivalAt: number[] = [];
-  let head = 0;
-  let lagWindows = 0;
+  const lag = new LagClock();
   /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
   let caughtUpAt = performance.now();
   /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
@@ -366,28 +392,14 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   };
   const emitTask = (e: TaskEvent): void => channel.write({ ...e });
 
-  /** Processing lag of each window finished since the last call: now - arrival of its last sample. */
-  const recordLag = (): void => {
-    const s = session!;
-    const now = performance.now();
-    for (; (lagWindows + 1) * s.step <= s.processedSamples; lagWindows++) {
-      const end = (lagWindows + 1) * s.step;
-      while (head < arrivalEnd.length - 1 && arrivalEnd[head] < end) head++;
-      if (head < arrivalEnd.length) entry?.recordLag(now - arrivalAt[head]);
-    }
-    if (head > 1024 && head * 2 > arrivalEnd.length) {
-      arrivalEnd.splice(0, head);
-      arrivalAt.splice(0, head);
-      head = 0;
-    }
-  };
+  /** Processing lag of each window finished since the last call. */
+  const recordLag = (): void => lag.finished(session!.processedSamples, session!.step, (ms) => entry?.recordLag(ms));
 
   /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
   const push = (data: Buffer, at: number): void => {
     session!.push(decoder!.push(data));
     stats.receivedSamples = session!.receivedSamples;
-    arrivalEnd.push(session!.receivedSamples);
-    arrivalAt.push(at);
+    lag.arrived(session!.receivedSamples, at);
     if (session!.pendingSamples > MAX_PENDING_SAMPLES) pause();
     void pump();
   };

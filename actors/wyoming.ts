@@ -6,7 +6,7 @@ import type { Limits, ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import type { Job, JobResult } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
-import { CLOSE, createStreamSocket, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
+import { CLOSE, createStreamSocket, LagClock, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
 import type { Supervisor } from './supervisor.js';
 
 /**
@@ -117,6 +117,10 @@ interface Lane {
   config: ModelConfig;
   info: import('../runtime/slot-protocol.js').SlotInfo;
   session: TaskSession | null;
+  /** Processing lag of the current audio stream, fed to the model's `processing_lag_ms`. */
+  lag: LagClock;
+  /** Records one window's lag on the model entry. */
+  recordLag: (ms: number) => void;
   /** The pump loop while it runs. */
   pumping: Promise<void> | null;
   repump: boolean;
@@ -176,10 +180,15 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       return lane.pumping;
     }
     const session = lane.session!;
+    const lag = lane.lag;
+    const accepted = (): void => {
+      lag.finished(session.processedSamples, session.step, lane.recordLag);
+      backlog();
+    };
     lane.pumping = (async () => {
       do {
         lane.repump = false;
-        await drain(session, lane.run, emit, MAX_JOB_WINDOWS, backlog);
+        await drain(session, lane.run, emit, MAX_JOB_WINDOWS, accepted);
       } while (lane.repump);
     })()
       .catch(fail)
@@ -206,7 +215,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
         },
       });
       if (gone.signal.aborted) return lease.release();
-      const lane: Lane = { kind, id: entry.id, lease, run: () => Promise.reject(new Error('not loaded')), config: entry.config, info: {}, session: null, pumping: null, repump: false };
+      const lane: Lane = { kind, id: entry.id, lease, run: () => Promise.reject(new Error('not loaded')), config: entry.config, info: {}, session: null, lag: new LagClock(), recordLag: (ms) => entry.recordLag(ms), pumping: null, repump: false };
       lanes.push(lane);
       const { pool, batcher } = await entry.ensureReady(gone.signal);
       lane.run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
@@ -230,7 +239,10 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     if (gone.signal.aborted) return;
     decoder?.close();
     decoder = await PcmStreamDecoder.create('s16le', rate as number, channels as number);
-    for (const l of lanes) l.session = createTaskSession(l.config, l.info, undefined);
+    for (const l of lanes) {
+      l.session = createTaskSession(l.config, l.info, undefined);
+      l.lag = new LagClock();
+    }
     audio = { detections: 0, base: typeof data.timestamp === 'number' ? data.timestamp : 0 };
     if (!ready) {
       ready = true;
@@ -257,8 +269,10 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
   const chunk = (e: WyomingEvent): void => {
     if (!audio || !decoder) return;
     const samples = decoder.push(e.payload ?? Buffer.alloc(0));
+    const at = performance.now();
     for (const l of lanes) {
       l.session!.push(samples);
+      l.lag.arrived(l.session!.receivedSamples, at);
       void pump(l);
     }
     stats.receivedSamples += samples.length;

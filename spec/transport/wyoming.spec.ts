@@ -143,6 +143,19 @@ describe('Wyoming', () => {
     c.socket.end();
   });
 
+  it("a connection's steps count in the model's processing_lag_ms, as a WebSocket stream's do", async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['hey-mycroft'] });
+    c.sendWav('silence_3s_16k.wav');
+    await c.next('not-detected');
+    c.socket.end();
+    const status = await (await fetch(`${server.url}/v1/models/hey-mycroft`)).json();
+    // 3 s of audio: 37 whole 80 ms steps (the last, partial one, padded at audio-stop, is not
+    // counted, as on a WebSocket stream: its audio never fully arrived).
+    expect(status.processing_lag_ms.windows).toBe(37);
+    expect(status.processing_lag_ms.p99).toBeGreaterThanOrEqual(0);
+  });
+
   it('voice-started / voice-stopped from Silero VAD when detect names it', async () => {
     const c = await Client.open(port);
     c.send('detect', { names: ['alexa', 'silero-vad'] });
