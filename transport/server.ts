@@ -1,6 +1,6 @@
 import { createServer, ServerResponse, STATUS_CODES, type IncomingMessage, type Server } from 'node:http';
 import type { Socket } from 'node:net';
-import type { AddressInfo } from 'node:net';
+import { Server as NetServer, type AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
 import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
 import { createInspection } from '../actors/inspection.js';
@@ -47,6 +47,12 @@ const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_m
 
 /** After an error answered before its request body was read, how long the rest is read and discarded before the connection is cut, ms. */
 const LINGER_MS = 5000;
+
+/**
+ * At shutdown, once the drain is done, how long idle keep-alive connections are left for their
+ * clients' next request (answered 503 with `Connection: close`) before they are closed, ms.
+ */
+const IDLE_LINGER_MS = 1000;
 
 /**
  * Creates the server, starts listening on `config.host:config.port` (port 0 picks a free one),
@@ -183,6 +189,12 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   );
   // `Expect: 100-continue` is answered by readBody once every check has passed, not at once.
   http.on('checkContinue', (req, res) => handle(req, res));
+  /** Open HTTP connections (upgraded ones leave): at shutdown, idle ones are given time to close by themselves. */
+  const connections = new Set<Socket>();
+  http.on('connection', (socket: Socket) => {
+    connections.add(socket);
+    socket.once('close', () => connections.delete(socket));
+  });
   /** Each connection's HTTP socket actor, created with its first request (a WebSocket upgrade never needs one). */
   const links = new WeakMap<object, HttpLink>();
   const linkOf = (socket: Socket): HttpLink => {
@@ -234,6 +246,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
   http.on('upgrade', (req, socket, head) => {
     socket.on('error', () => socket.destroy());
+    connections.delete(socket as Socket);
     // The connection leaves HTTP: a stream socket actor (or this handler's answer) owns it now.
     if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.tell({ type: 'UPGRADED' });
     const target = new URL(req.url ?? '/', 'http://localhost');
@@ -307,19 +320,30 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     supervisor.beginShutdown();
     log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, wyoming: wyoming?.links.size, requests: inflight.size }, 'shutting down');
     for (const res of sse) res.end();
+    const deadline = performance.now() + config.drain_timeout_ms;
+    let skipped = false;
     // Phase 2 (the root's `drain`, sent by beginShutdown): running work finishes; streams get their last events and `done`.
     const drained = Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);
     let timer: NodeJS.Timeout | undefined;
     await Promise.race([
       drained,
       new Promise<void>((resolve) => {
-        skipDrain = resolve;
+        skipDrain = () => {
+          skipped = true;
+          resolve();
+        };
         timer = setTimeout(resolve, config.drain_timeout_ms);
       }),
     ]);
     clearTimeout(timer);
-    // Phase 3: what is left is cut off; the listener and every connection close.
-    const listenerClosed = new Promise<void>((resolve) => http.close(() => resolve()));
+    // Phase 3: the listener closes (new connections are refused). An idle keep-alive connection
+    // is closed only after its client had a chance to send its next request and get the 503
+    // with `Connection: close` (up to IDLE_LINGER_MS, within the drain deadline): closing it
+    // while a request is on its way resets that request. Then what is left is cut off.
+    // (net.Server's close: http.Server's would close the idle connections at once.)
+    const listenerClosed = new Promise<void>((resolve) => NetServer.prototype.close.call(http, () => resolve()));
+    const lingerEnd = Math.min(deadline, performance.now() + IDLE_LINGER_MS);
+    while (connections.size > 0 && !skipped && performance.now() < lingerEnd) await new Promise((r) => setTimeout(r, 20));
     http.closeIdleConnections();
     for (const s of [...streams, ...wyomingLinks()]) s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
     supervisor.revokeAll(supervisor.notAccepting());

@@ -194,6 +194,29 @@ describe('deadlines and limits, each alone (the test fails with the feature off)
   });
 });
 
+describe('shutdown and keep-alive', () => {
+  it('an idle keep-alive connection outlives the drain a little: a request sent on it just after gets 503 with Connection: close, not a reset', async () => {
+    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, drain_timeout_ms: 5000, limits: { idle_ms: 0 } }));
+    const { port } = new URL(s.url);
+    const socket = connect(Number(port), '127.0.0.1');
+    let got = '';
+    socket.on('data', (d) => (got += d.toString()));
+    const ended = new Promise<void>((r) => socket.on('close', () => r()));
+    socket.write('GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n');
+    await until(() => got.includes('\r\n\r\n'), 5000);
+    expect(got).toMatch(/^HTTP\/1\.1 200/);
+    got = '';
+    // Nothing runs: the drain is over at once. The client's next request comes 200 ms later.
+    const closed = s.close();
+    await new Promise((r) => setTimeout(r, 200));
+    socket.write('GET /ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n');
+    await ended;
+    expect(got).toMatch(/^HTTP\/1\.1 503/);
+    expect(got.toLowerCase()).toContain('connection: close');
+    await closed;
+  });
+});
+
 describe('limits and fuzz: clear errors, the server keeps serving', () => {
   it('garbage HTTP request lines -> 400 and the connection closed', async () => {
     for (const junk of ['GARBAGE\r\n\r\n', '\x00\x01\x02\x03\r\n\r\n', 'GET / HTTP/9.9\r\n\r\n', 'POST /v1/tasks/run HTTP/1.1\r\nContent-Length: -5\r\n\r\n']) {
