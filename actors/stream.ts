@@ -28,14 +28,14 @@ export interface StreamParams {
 export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms'] as const;
 
 /**
- * An integer query parameter, or `dflt` when absent or empty.
+ * An integer query parameter, or `dflt` when absent (an empty value is a bad value, as for task options).
  * @param min the smallest accepted value.
  * @param max the largest accepted value.
  * @throws VoxError `invalid_request_error` naming the parameter and its range.
  */
 function intParam(url: URL, name: string, dflt: number | undefined, min: number, max: number): number | undefined {
   const raw = url.searchParams.get(name);
-  if (raw === null || raw === '') return dflt;
+  if (raw === null) return dflt;
   const n = Number(raw);
   if (!/^\d{1,10}$/.test(raw) || n < min || n > max) throw invalid(`${name}: must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
   return n;

@@ -29,10 +29,11 @@ let shipped: Promise<Set<string>> | null = null;
  *   a missing file is then the loader's error).
  * @param field the body field, for the error message.
  * @returns the resolved path, which is what the loader then opens.
- * @throws VoxError `invalid_request_error` if the path escapes the root (`..`, an absolute path
+ * @throws VoxError `invalid_request_error` if the path is empty, escapes the root (`..`, an absolute path
  *   elsewhere, a symlink out), or, inside it, does not exist or is not a regular file.
  */
 export async function confinePath(root: string | false, path: string, field: string): Promise<string> {
+  if (path.trim() === '') throw invalid(`${field}: must name a model file, got '${path}'`);
   if (root === false) return resolve(path);
   const base = await resolveFully(resolve(root));
   const real = await resolveFully(isAbsolute(path) ? path : resolve(base, path));

@@ -192,6 +192,7 @@ describe('task options as query parameters', () => {
     ['sample_rate=-1', /^sample_rate: must be an integer from 8000 to 192000, got '-1'$/],
     ['sample_rate=200000', /^sample_rate: must be an integer from 8000 to 192000, got '200000'$/],
     ['channels=0', /^channels: must be an integer from 1 to 32, got '0'$/],
+    ['sample_rate=', /^sample_rate: must be an integer from 8000 to 192000, got ''$/],
     ['busy_timeout_ms=-5', /^busy_timeout_ms: must be an integer from 0 to 2147483647, got '-5'$/],
   ])('a stream with %s -> an error event naming the field and its accepted range', async (query, message) => {
     const events = await streamEvents(`model=silero-vad&${query}`, sentence);

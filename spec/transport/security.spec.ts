@@ -254,6 +254,9 @@ describe('models_root by default', () => {
     mkdirSync(join(dir, 'models', 'folder'));
     const folder = await load({ id: 'folder', path: 'folder' });
     expect(folder.body.error).toEqual({ type: 'invalid_request_error', message: "path: 'folder' is not a regular file" });
+    // An empty path names the root itself: it is not "outside" it, it names no file.
+    const empty = await load({ id: 'empty', path: '' });
+    expect(empty.body.error).toEqual({ type: 'invalid_request_error', message: "path: must name a model file, got ''" });
     expect((await call(`${s.url}/v1/models/missing`)).status).toBe(404);
   });
 
