@@ -19,6 +19,7 @@ import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
 import WebSocket from 'ws';
 import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
+import { paceFrames } from './pace.js';
 import { treeCpuSeconds } from './proc.js';
 import { spawnServer } from './spawn-server.js';
 
@@ -45,7 +46,6 @@ function speechPcm(): Buffer {
   return Buffer.concat([pcm('espeak_alexa_16k.wav'), pcm('espeak_sentence_16k.wav')]);
 }
 
-const pct = (xs: number[], q: number): number => [...xs].sort((a, b) => a - b)[Math.min(xs.length - 1, Math.floor(q * xs.length))];
 
 async function startChild(n: number, o: WakeBenchOptions, model: string): Promise<{ child: ChildProcess; url: string }> {
   const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-wake-'));
@@ -105,25 +105,13 @@ async function live(n: number, o: WakeBenchOptions, model: string): Promise<Live
     const main0 = ownCpuSeconds(child.pid!);
     const t0 = performance.now();
     streams.forEach((s, i) => (s.start = t0 + (i / n) * o.frameMs));
-    await new Promise<void>((resolve) => {
-      const tick = (): void => {
-        const now = performance.now();
-        let pending = false;
-        for (const s of streams) {
-          while (s.next < totalFrames && s.start + (s.next + 1) * o.frameMs <= now) {
-            const off = (s.next * frameBytes) % (pcm.length - frameBytes);
-            s.ws.send(pcm.subarray(off, off + frameBytes));
-            if (++s.next === totalFrames) {
-              s.lastSentAt = now;
-              s.ws.send(JSON.stringify({ type: 'end' }));
-            }
-          }
-          if (s.next < totalFrames) pending = true;
-        }
-        if (pending) setTimeout(tick, 2);
-        else resolve();
-      };
-      tick();
+    await paceFrames(streams, totalFrames, o.frameMs, (s, k) => {
+      const off = (k * frameBytes) % (pcm.length - frameBytes);
+      s.ws.send(pcm.subarray(off, off + frameBytes));
+      if (k === totalFrames - 1) {
+        s.lastSentAt = performance.now();
+        s.ws.send(JSON.stringify({ type: 'end' }));
+      }
     });
     const deadline = performance.now() + 30_000;
     while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));

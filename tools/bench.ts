@@ -21,6 +21,7 @@ import { defaultCatalog } from '../runtime/catalog.js';
 import type { Job } from '../runtime/slot-protocol.js';
 import { SlotPool, slotFactory } from '../runtime/slots.js';
 import { VoxClient, type VoxStream } from '../client/node.js';
+import { paceFrames } from './pace.js';
 import { treeCpuSeconds, treeRssBytes } from './proc.js';
 import { progressBar } from './progress.js';
 import { spawnServer } from './spawn-server.js';
@@ -126,29 +127,21 @@ async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread')
   // Spread stream starts over one frame; then each frame goes when its audio has elapsed.
   streams.forEach((s, i) => (s.start = t0 + (i / n) * o.frameMs));
   const sending = progressBar(`${isolation} ${n} streams: audio sent`, 's');
-  await new Promise<void>((resolve) => {
-    const tick = (): void => {
-      const now = performance.now();
-      let pending = false;
-      for (const s of streams) {
-        while (s.next < totalFrames && s.start + (s.next + 1) * o.frameMs <= now) {
-          const off = (s.next * frameBytes) % (pcm.length - frameBytes);
-          // A stream whose socket is behind by more than its high-water mark waits (and falls behind real time).
-          void s.stream.send(pcm.subarray(off, off + frameBytes)).catch(() => {});
-          s.next++;
-          if (s.next === totalFrames) {
-            s.lastSentAt = now;
-            s.stream.end().catch(() => {});
-          }
-        }
-        if (s.next < totalFrames) pending = true;
+  await paceFrames(
+    streams,
+    totalFrames,
+    o.frameMs,
+    (s, k) => {
+      const off = (k * frameBytes) % (pcm.length - frameBytes);
+      // A stream whose socket is behind by more than its high-water mark waits (and falls behind real time).
+      void s.stream.send(pcm.subarray(off, off + frameBytes)).catch(() => {});
+      if (k === totalFrames - 1) {
+        s.lastSentAt = performance.now();
+        s.stream.end().catch(() => {});
       }
-      sending.update(Math.min(o.seconds, (now - t0) / 1000), o.seconds);
-      if (pending) setTimeout(tick, 2);
-      else resolve();
-    };
-    tick();
-  });
+    },
+    (now) => sending.update(Math.min(o.seconds, (now - t0) / 1000), o.seconds),
+  );
   sending.stop();
   const deadline = performance.now() + 30_000;
   while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));
