@@ -1,6 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { createRequire } from 'node:module';
+import WebSocket from 'ws';
 
 const require = createRequire(import.meta.url);
 export const { WaveFile } = require('wavefile') as typeof import('wavefile');
@@ -83,4 +84,24 @@ export function expectSegments(got: { start_ms: number; end_ms: number }[], want
   const far = (a: number, b: number): boolean => Math.abs(a - b) > toleranceMs;
   const bad = got.length !== want.length || got.some((g, i) => far(g.start_ms, want[i].start_ms) || far(g.end_ms, want[i].end_ms));
   if (bad) throw new Error(`segments differ from the reference by more than ${toleranceMs} ms:\n got  ${JSON.stringify(got.map((s) => [s.start_ms, s.end_ms]))}\n want ${JSON.stringify(want.map((s) => [s.start_ms, s.end_ms]))}`);
+}
+
+/**
+ * Opens a WebSocket to `url` (ws://...): the status and body of a handshake the server answers
+ * without upgrading, or status 101 (then the socket is closed) when it upgrades.
+ */
+export function handshake(url: string): Promise<{ status: number; body: string }> {
+  return new Promise((resolve) => {
+    const ws = new WebSocket(url);
+    ws.on('error', () => {});
+    ws.on('unexpected-response', (_req, res) => {
+      let body = '';
+      res.on('data', (d: Buffer) => (body += d));
+      res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
+    });
+    ws.on('open', () => {
+      ws.close();
+      resolve({ status: 101, body: '' });
+    });
+  });
 }

@@ -3,7 +3,7 @@ import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { audioFormat } from '../../runtime/decode.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { expectSegments, fixture, reference } from '../helpers.js';
+import { expectSegments, fixture, handshake, reference } from '../helpers.js';
 
 /** Server input (issue 13): compressed audio, options as query parameters, unknown parameters, Silero v6/v5. */
 
@@ -26,22 +26,6 @@ async function postJson(path: string, body: unknown): Promise<{ status: number; 
   return { status: res.status, text: await res.text() };
 }
 
-/** The status and body of a WebSocket handshake that the server answers without upgrading. */
-function handshake(query: string): Promise<{ status: number; body: string }> {
-  return new Promise((resolve) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?${query}`);
-    ws.on('error', () => {});
-    ws.on('unexpected-response', (_req, res) => {
-      let body = '';
-      res.on('data', (d: Buffer) => (body += d));
-      res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
-    });
-    ws.on('open', () => {
-      ws.close();
-      resolve({ status: 101, body: '' });
-    });
-  });
-}
 
 describe('compressed input on /v1/tasks/run', () => {
   it.each([
@@ -178,10 +162,10 @@ describe('task options as query parameters', () => {
   });
 
   it('the WebSocket handshake: an unknown parameter -> 400 naming it; options apply to the stream', async () => {
-    const typo = await handshake('model=silero-vad&samplerate=8000');
+    const typo = await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&samplerate=8000`);
     expect(typo.status).toBe(400);
     expect(JSON.parse(typo.body).error.message).toMatch(/^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, threshold/);
-    expect((await handshake('model=silero-vad&sample_rate=16000&threshold=0.7')).status).toBe(101);
+    expect((await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&sample_rate=16000&threshold=0.7`)).status).toBe(101);
     const events = await streamEvents('model=silero-vad&threshold=0.99&min_speech_duration_ms=5000', sentence);
     expect(events.map((e) => e.type)).toEqual(['ready', 'done']);
     const plain = await streamEvents('model=silero-vad', sentence);

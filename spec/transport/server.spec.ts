@@ -9,7 +9,7 @@ import { ServerConfig } from '../../runtime/config.js';
 import type { ModelLoader } from '../../runtime/loader.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fakeLoader } from '../fuzz/fakes.js';
-import { fixture, toneWav, WaveFile } from '../helpers.js';
+import { fixture, handshake, toneWav, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 const MAX_BODY = 4 * 1024 * 1024;
@@ -107,16 +107,7 @@ describe('while starting (an eager model still loading)', () => {
       const run = await fetch(`${s.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('silero_test.wav')) });
       expect(run.status).toBe(503);
       expect((await run.json()).error).toEqual(starting);
-      const upgrade = await new Promise<{ status: number; body: string }>((resolve) => {
-        const ws = new WebSocket(`${s.url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
-        ws.on('error', () => {});
-        ws.on('unexpected-response', (_req, res) => {
-          let body = '';
-          res.on('data', (d: Buffer) => (body += d));
-          res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
-        });
-        ws.on('open', () => resolve({ status: 101, body: '' }));
-      });
+      const upgrade = await handshake(`${s.url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
       expect(upgrade.status).toBe(503);
       expect(JSON.parse(upgrade.body).error).toEqual(starting);
     } finally {

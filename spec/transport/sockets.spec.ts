@@ -7,7 +7,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, until } from '../helpers.js';
+import { fixture, handshake, until } from '../helpers.js';
 
 let server: VoxServer;
 const root = mkdtempSync(join(tmpdir(), 'voxserve-root-'));
@@ -171,16 +171,7 @@ describe('deadlines and limits, each alone (the test fails with the feature off)
     try {
       const a = await openStream('model=silero-vad', srv);
       const b = await openStream('model=silero-vad', srv);
-      const refused = await new Promise<{ status: number; body: string }>((resolve) => {
-        const ws = new WebSocket(`${srv.url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
-        ws.on('error', () => {});
-        ws.on('unexpected-response', (_req, res) => {
-          let body = '';
-          res.on('data', (d: Buffer) => (body += d));
-          res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
-        });
-        ws.on('open', () => resolve({ status: 101, body: '' }));
-      });
+      const refused = await handshake(`${srv.url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
       expect(refused.status).toBe(503);
       expect(JSON.parse(refused.body).error.message).toMatch(/limits\.max_ws_connections \(2\) reached/);
       a.ws.close();
