@@ -3,13 +3,18 @@ import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo,
 import type { Lease } from '../runtime/admission.js';
 import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
-import { invalid, toVoxError } from '../runtime/errors.js';
+import { invalid, toVoxError, type VoxError } from '../runtime/errors.js';
 import type { Job } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
 
 /** WebSocket close codes (DESIGN.md section 4). */
 export const CLOSE = { NORMAL: 1000, GOING_AWAY: 1001, POLICY: 1008, TOO_LARGE: 1009, INTERNAL: 1011, FORCE_UNLOAD: 1012, BUSY: 1013 } as const;
+
+/** The close code for a stream that fails with `err`: the client's mistake 1008, busy 1013, else 1011. */
+export function closeCodeFor(err: VoxError): number {
+  return err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
+}
 
 /** What a stream asks for in its query string. */
 export interface StreamParams {
@@ -379,8 +384,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   const fail = (e: unknown): void => {
     if (gone.signal.aborted) return;
     const err = toVoxError(e);
-    const code = err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
-    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code });
+    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
   };
   const pause = (): void => {
     if (!paused) send({ type: 'PAUSE' });

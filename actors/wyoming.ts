@@ -6,7 +6,7 @@ import type { Limits, ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
 import type { Job, JobResult } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
-import { CLOSE, createStreamSocket, LagClock, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
+import { CLOSE, closeCodeFor, createStreamSocket, LagClock, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
 import type { Supervisor } from './supervisor.js';
 
 /**
@@ -154,9 +154,8 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
   const fail = (e: unknown): void => {
     if (gone.signal.aborted) return;
     const err = toVoxError(e);
-    const code = err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
     gone.abort();
-    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code });
+    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
   };
   const setPaused = (p: boolean): void => {
     if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
