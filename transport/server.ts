@@ -48,6 +48,13 @@ const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_m
 /** After an error answered before its request body was read, how long the rest is read and discarded before the connection is cut, ms. */
 const LINGER_MS = 5000;
 
+/** Answers on a raw socket that is not (or no longer) an HTTP response: a JSON body, then the connection closes. */
+function endWithJson(socket: { end(data: string): void }, status: number, body: unknown, headers: Record<string, string> = {}): void {
+  const text = JSON.stringify(body);
+  const extra = Object.entries(headers).map(([k, v]) => `${k}: ${v}\r\n`).join('');
+  socket.end(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json\r\n${extra}Connection: close\r\nContent-Length: ${Buffer.byteLength(text)}\r\n\r\n${text}`);
+}
+
 /**
  * At shutdown, once the drain is done, how long idle keep-alive connections are left for their
  * clients' next request (answered 503 with `Connection: close`) before they are closed, ms.
@@ -234,9 +241,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   http.on('clientError', (err: NodeJS.ErrnoException, socket) => {
     // Garbage request lines, oversized headers, header timeouts: answer if the socket can still take it.
     if (!socket.writable) return socket.destroy();
-    const status = err.code === 'HPE_HEADER_OVERFLOW' ? '431 Request Header Fields Too Large' : err.code === 'ERR_HTTP_REQUEST_TIMEOUT' ? '408 Request Timeout' : '400 Bad Request';
-    const body = JSON.stringify({ error: { type: 'invalid_request_error', message: `malformed request: ${err.code ?? err.message}` } });
-    socket.end(`HTTP/1.1 ${status}\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`);
+    const status = err.code === 'HPE_HEADER_OVERFLOW' ? 431 : err.code === 'ERR_HTTP_REQUEST_TIMEOUT' ? 408 : 400;
+    endWithJson(socket, status, { error: { type: 'invalid_request_error', message: `malformed request: ${err.code ?? err.message}` } });
   });
 
   const wss = new WebSocketServer({
@@ -251,11 +257,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.tell({ type: 'UPGRADED' });
     const target = new URL(req.url ?? '/', 'http://localhost');
     const path = target.pathname;
-    const refuse = (e: VoxError): void => {
-      const body = JSON.stringify(errorBody(e));
-      const headers = Object.entries(errorHeaders(e)).map(([k, v]) => `${k}: ${v}\r\n`).join('');
-      socket.end(`HTTP/1.1 ${e.status} ${STATUS_CODES[e.status]}\r\nContent-Type: application/json\r\n${headers}Connection: close\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
-    };
+    const refuse = (e: VoxError): void => endWithJson(socket, e.status, errorBody(e), errorHeaders(e));
     if ((req.headers.upgrade ?? '').toLowerCase() !== 'websocket') {
       // Another protocol (e.g. curl's h2c offer): answer a body-less request over HTTP/1.1 as usual.
       if (req.method !== 'GET' && req.method !== 'HEAD') return refuse(invalid(`Upgrade: ${req.headers.upgrade} is not supported`));
