@@ -90,6 +90,13 @@ interface ServeOptions {
   wyoming?: string | true;
 }
 
+// A reader that stops early (`voxserve stream ... | head -2`) closes our stdout: stop quietly, as
+// Unix tools do, instead of crashing on EPIPE.
+process.stdout.on('error', (e: NodeJS.ErrnoException) => {
+  if (e.code === 'EPIPE') process.exit(0);
+  throw e;
+});
+
 const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket').version(version, '-V, --version');
 
 program

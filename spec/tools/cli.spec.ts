@@ -53,6 +53,19 @@ describe('voxserve CLI', () => {
     expect(events[1]).toMatchObject({ label: 'alexa' });
   });
 
+  it('stream piped into a reader that stops after one line (| head -1) exits 0, no EPIPE crash', async () => {
+    const { spawn } = await import('node:child_process');
+    const child = spawn(process.execPath, [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let stderr = '';
+    child.stderr.on('data', (d) => (stderr += d));
+    // Read the first line, then close the pipe while events are still to come.
+    await new Promise<void>((resolve) => child.stdout.once('data', () => resolve()));
+    child.stdout.destroy();
+    const code = await new Promise<number | null>((resolve) => child.on('exit', (c) => resolve(c)));
+    expect(stderr).not.toContain('EPIPE');
+    expect(code).toBe(0);
+  });
+
   it('stream --protocol msgpack prints the same events as JSON', async () => {
     const strip = (out: string) => out.trim().split('\n').map((l) => {
       const { session_id: _s, timing: _t, ...rest } = JSON.parse(l);
