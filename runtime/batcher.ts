@@ -64,9 +64,10 @@ export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
       at += n;
       return {
         kind: 'wakeword',
-        scores: res.scores.slice((at - n) * columns, at * columns),
-        mel: res.mel.slice(r * OWW.MEL_FRAMES * OWW.MEL_BINS, (r + 1) * OWW.MEL_FRAMES * OWW.MEL_BINS),
-        embeddings: res.embeddings.slice(r * history, (r + 1) * history),
+        // Views, not copies: a wake-word session copies what it keeps (see WakewordSession.accept).
+        scores: res.scores.subarray((at - n) * columns, at * columns),
+        mel: res.mel.subarray(r * OWW.MEL_FRAMES * OWW.MEL_BINS, (r + 1) * OWW.MEL_FRAMES * OWW.MEL_BINS),
+        embeddings: res.embeddings.subarray(r * history, (r + 1) * history),
       };
     });
   },

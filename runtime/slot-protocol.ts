@@ -28,8 +28,11 @@ export interface SlotInfo {
    * of a multi-class head).
    */
   heads?: { window: number; labels: string[] }[];
-  /** wakeword: the embedding of the initial (all-ones) melspectrogram buffer, 96 floats. */
-  initialEmbedding?: Float32Array;
+  /**
+   * wakeword: a stream's initial embedding history, the longest head window (N) x 96 floats: the
+   * embeddings of 4 s of noise, as openWakeWord's AudioFeatures starts (see `noiseEmbeddings`).
+   */
+  initialEmbeddings?: Float32Array;
 }
 
 /**

@@ -153,6 +153,34 @@ async function loadHead(path: string): Promise<{ session: ort.InferenceSession; 
 }
 
 /**
+ * openWakeWord's initial embedding history (openwakeword/utils.py, AudioFeatures.__init__:
+ * `_get_embeddings(np.random.randint(-1000, 1000, 16000*4))`): 4 s of uniform integer noise in
+ * [-1000, 1000), its melspectrogram (x/10 + 2), and an embedding of every 76 frames at a stride of
+ * 8. openWakeWord draws new noise for every stream; here the noise comes from a fixed-seed
+ * generator (Numerical Recipes' 32-bit LCG), so a stream's scores do not depend on chance.
+ * Without it (N copies of the embedding of the all-ones buffer, as before) the "alexa" head
+ * scored 0.14 on 3 s of silence in its first steps; openWakeWord scores 0.
+ * @returns the last `window` embeddings, window x 96 floats.
+ */
+async function noiseEmbeddings(melspectrogram: (audio: Float32Array) => Promise<Float32Array>, embed: (frames: Float32Array) => Promise<Float32Array>, window: number): Promise<Float32Array> {
+  const noise = new Float32Array(4 * 16_000);
+  let state = 1;
+  for (let i = 0; i < noise.length; i++) {
+    state = (Math.imul(state, 1_664_525) + 1_013_904_223) >>> 0;
+    noise[i] = Math.floor((state / 2 ** 32) * 2000) - 1000;
+  }
+  const spec = (await melspectrogram(noise)).map((x) => x / 10 + 2);
+  const frames = spec.length / OWW.MEL_BINS;
+  const size = OWW.MEL_FRAMES * OWW.MEL_BINS;
+  const all: Float32Array[] = [];
+  for (let f = 0; f + OWW.MEL_FRAMES <= frames; f += 8) all.push(Float32Array.from(await embed(spec.slice(f * OWW.MEL_BINS, f * OWW.MEL_BINS + size))));
+  if (all.length < window) throw new Error(`4 s of audio gives ${all.length} embeddings, fewer than a head's window of ${window}`);
+  const out = new Float32Array(window * OWW.EMBEDDING);
+  all.slice(-window).forEach((e, i) => out.set(e, i * OWW.EMBEDDING));
+  return out;
+}
+
+/**
  * The openWakeWord pipeline with several heads: per 80 ms step the melspectrogram and the
  * embedding run once, and every head reads the last N embeddings of the same buffer.
  */
@@ -172,12 +200,16 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
     const out = await emb.run({ [embIn]: new ort.Tensor('float32', frames, [1, OWW.MEL_FRAMES, OWW.MEL_BINS, 1]) });
     return out[embOut].data as Float32Array;
   };
-  const initialEmbedding = Float32Array.from(await embed(new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1)));
+  const initialEmbeddings = await noiseEmbeddings(
+    async (audio) => (await mel.run({ [melIn]: new ort.Tensor('float32', audio, [1, audio.length]) }))[melOut].data as Float32Array,
+    embed,
+    window,
+  );
 
   runJob = async (job) => {
     const { audio, mel: mels, embeddings: embs } = job as WakewordJob;
     const counts = (job as WakewordJob).counts ?? [(audio.length - OWW.LOOKBACK) / OWW.STEP];
-    // The job's buffers are this host's own copies (structured clone, transfer or a frame): updated in place and sent back.
+    // The job's buffers are this host's own copies (a structured clone or a frame): updated in place and sent back.
     const melSize = OWW.MEL_FRAMES * OWW.MEL_BINS;
     const history = embs.length / counts.length;
     const scores = new Float32Array(counts.reduce((n, c) => n + c, 0) * columns);
@@ -208,7 +240,7 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
     }
     return { kind: 'wakeword', scores, mel: mels, embeddings: embs };
   };
-  return { heads: heads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbedding };
+  return { heads: heads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbeddings };
 }
 
 async function release(): Promise<void> {

@@ -6,7 +6,7 @@ import type { Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
 import { VoxError } from './errors.js';
-import { FrameChannel, transferList, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
+import { FrameChannel, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
 
 /**
  * The compiled slot host entry. Under the TypeScript sources (vitest) hosts still run the
@@ -42,7 +42,11 @@ const CLOSE_GRACE_MS = 500;
 
 /** The two ends a slot host can be reached by: a worker thread's port, or a child process's IPC channel. */
 interface Endpoint {
-  send(msg: ToSlot, transfer: ArrayBuffer[]): void;
+  /**
+   * Sends a message. A job's arrays are never transferred (a thread gets copies): a session may
+   * lend its own state buffers to its job, as it changes them only once the result is back.
+   */
+  send(msg: ToSlot): void;
   /** SIGKILL (process) or null (a thread cannot be stopped inside onnxruntime without aborting the server). */
   kill: (() => void) | null;
   pid: number | null;
@@ -125,8 +129,8 @@ class MessageSlot implements SlotHost {
     });
   }
 
-  private send(msg: ToSlot, transfer: ArrayBuffer[] = []): void {
-    if (!this.exited) this.endpoint.send(msg, transfer);
+  private send(msg: ToSlot): void {
+    if (!this.exited) this.endpoint.send(msg);
   }
 
   run(job: Job): Promise<JobResult> {
@@ -149,7 +153,7 @@ class MessageSlot implements SlotHost {
         }, this.jobTimeoutMs);
       }
       this.pending.set(seq, entry);
-      this.send({ type: 'run', seq, job }, transferList(job));
+      this.send({ type: 'run', seq, job });
     });
   }
 
@@ -200,7 +204,7 @@ export const startWorkerSlot: SlotFactory = (spec) => slotOnWorker(new Worker(sl
 
 /** A slot host on a worker thread already started (tests start their own), with `spec` loaded. */
 export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> {
-  const slot = new MessageSlot({ send: (m, t) => worker.postMessage(m, t), kill: null, pid: null }, 0);
+  const slot = new MessageSlot({ send: (m) => worker.postMessage(m), kill: null, pid: null }, 0);
   worker.on('message', (m: FromSlot) => slot.onMessage(m));
   worker.on('error', (e) => slot.fail(e));
   worker.on('exit', (code) => slot.gone(`slot worker exited with code ${code}`));

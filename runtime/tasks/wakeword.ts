@@ -28,9 +28,8 @@ interface Column {
  * AudioFeatures._streaming_features) over 1280-sample steps, with one or more heads. Each step
  * computes the melspectrogram of its 1280 samples plus 480 of look-back (8 frames, transformed
  * x/10 + 2), the embedding of the last 76 frames, and every head over its last N embeddings. As
- * in openWakeWord the mel buffer starts as all ones; the embedding history starts as N copies of
- * the embedding of that buffer (openWakeWord uses random noise there), and the first 5
- * predictions are ignored.
+ * in openWakeWord the mel buffer starts as all ones, the embedding history as the embeddings of
+ * 4 s of noise (here always the same noise), and the first 5 predictions are ignored.
  *
  * A detection is emitted for each step whose score reaches the label's `threshold`, except within
  * `refractory_ms` after that label's last detection (as wyoming-openwakeword's refractory
@@ -39,9 +38,17 @@ interface Column {
 export class WakewordSession extends WindowedSession {
   readonly detections: Detection[] = [];
   private readonly columns: Column[];
-  private lookback: Float32Array = new Float32Array(OWW.LOOKBACK);
-  private mel: Float32Array = new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1);
-  private embeddings: Float32Array;
+  /**
+   * The next job's audio: 480 samples of look-back, then its steps. Reused from job to job, as
+   * are `mel` and `embeddings`: the job borrows them (a slot gets copies, see `Endpoint.send`)
+   * and they change only in `accept`, once its result is back. Fewer large allocations on the
+   * server's main thread mean fewer garbage collections there.
+   */
+  private audio: Float32Array = new Float32Array(OWW.LOOKBACK + OWW.STEP);
+  /** Samples in the last job's audio: its last 480 are the next job's look-back (zeros at first). */
+  private audioLength: number = OWW.LOOKBACK;
+  private readonly mel: Float32Array = new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1);
+  private readonly embeddings: Float32Array;
   private steps = 0;
 
   /**
@@ -65,8 +72,7 @@ export class WakewordSession extends WindowedSession {
     );
     const window = Math.max(...slotHeads.map((h) => h.window));
     this.embeddings = new Float32Array(window * OWW.EMBEDDING);
-    const init = info.initialEmbedding ?? new Float32Array(OWW.EMBEDDING);
-    for (let i = 0; i < window; i++) this.embeddings.set(init, i * OWW.EMBEDDING);
+    if (info.initialEmbeddings) this.embeddings.set(info.initialEmbeddings.subarray(info.initialEmbeddings.length - this.embeddings.length));
   }
 
   get processedSamples(): number {
@@ -76,18 +82,23 @@ export class WakewordSession extends WindowedSession {
   nextJob(maxSteps: number): Job | null {
     const w = this.takeWindows(maxSteps);
     if (!w) return null;
-    const audio = new Float32Array(OWW.LOOKBACK + w.samples.length);
-    audio.set(this.lookback, 0);
-    audio.set(w.samples, OWW.LOOKBACK);
-    this.lookback = audio.slice(audio.length - OWW.LOOKBACK);
-    return { kind: 'wakeword', audio, mel: this.mel, embeddings: this.embeddings };
+    const length = OWW.LOOKBACK + w.samples.length;
+    const lookback = this.audio.subarray(this.audioLength - OWW.LOOKBACK, this.audioLength);
+    if (length > this.audio.length) {
+      const grown = new Float32Array(length);
+      grown.set(lookback, 0);
+      this.audio = grown;
+    } else this.audio.copyWithin(0, this.audioLength - OWW.LOOKBACK, this.audioLength);
+    this.audio.set(w.samples, OWW.LOOKBACK);
+    this.audioLength = length;
+    return { kind: 'wakeword', audio: this.audio.subarray(0, length), mel: this.mel, embeddings: this.embeddings };
   }
 
   accept(result: JobResult): TaskEvent[] {
     const r = result as WakewordResult;
     this.inFlight = false;
-    this.mel = r.mel;
-    this.embeddings = r.embeddings;
+    this.mel.set(r.mel);
+    this.embeddings.set(r.embeddings);
     const cols = this.columns.length;
     const events: TaskEvent[] = [];
     for (let s = 0; s < r.scores.length / cols; s++) {
