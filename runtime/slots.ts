@@ -320,6 +320,12 @@ const RESPAWN_BACKOFF_MS = 100;
 export class SlotPool {
   /** Slots the pool keeps (a respawning one included). */
   readonly size: number;
+  /**
+   * What the primary reported at load (heads, initial embedding history). Kept here, not read off
+   * a live slot: while every slot respawns there is none, and a session made then must still
+   * start from the model's own state. A respawn loads the same spec, so it reports the same.
+   */
+  readonly info: SlotInfo;
   private readonly live: SlotHost[];
   private readonly idle: SlotHost[];
   /** Slots running a job, with when the job started (ms since the epoch). */
@@ -349,6 +355,7 @@ export class SlotPool {
     private readonly loadTimeoutMs: number,
   ) {
     this.size = slots.length;
+    this.info = slots[0].info;
     this.live = [...slots];
     this.idle = [...slots];
     for (const s of slots) this.watch(s);
@@ -376,11 +383,6 @@ export class SlotPool {
   /** The slots alive now (a respawning one is missing). */
   get slots(): readonly SlotHost[] {
     return this.live;
-  }
-
-  /** What the primary reported at load. */
-  get info(): SlotInfo {
-    return this.live[0]?.info ?? {};
   }
 
   /** Slots running a job now. */

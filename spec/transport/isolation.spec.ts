@@ -5,7 +5,7 @@
  * and SIGTERM does not wait for a job that never returns. Synthetic models of known run time.
  */
 import { execFileSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { monitorEventLoopDelay } from 'node:perf_hooks';
@@ -15,7 +15,7 @@ import { ServerConfig } from '../../runtime/config.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { calibrate, syntheticModel } from '../../tools/synth-model.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, until, WaveFile } from '../helpers.js';
+import { fixture, references, until, WaveFile } from '../helpers.js';
 
 /** The first sample of a job that makes a host call process.abort() (the slot host's test hook; s16 12345). */
 const ABORT_AT = 12345 / 32768;
@@ -147,19 +147,44 @@ describe('process isolation', () => {
   });
 });
 
-/** Slot-host child processes of this process (the test servers run in it). */
-function slotHosts(): number {
-  let n = 0;
+/** Pids of the slot-host child processes of this process (the test servers run in it). */
+function slotHosts(): number[] {
+  const pids: number[] = [];
   for (const pid of readdirSync('/proc').filter((d) => /^\d+$/.test(d))) {
     try {
       const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-      if (Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]) === process.pid && readFileSync(`/proc/${pid}/cmdline`, 'utf8').includes('slot-worker')) n++;
+      if (Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]) === process.pid && readFileSync(`/proc/${pid}/cmdline`, 'utf8').includes('slot-worker')) pids.push(Number(pid));
     } catch {
       // exited meanwhile
     }
   }
-  return n;
+  return pids;
 }
+
+describe('a wake-word slot host killed with SIGKILL', () => {
+  it('a file sent while the only slot respawns starts from the model\'s state: silence scores as in REFERENCE.jsonl, and a group of two heads is served (regression)', async () => {
+    const s = await serve({});
+    const want = references().find((r) => r.file === 'silence_3s_16k.wav')!.wakeword_max!;
+    // Every step after the warm-up is reported, so each head's highest score can be read off.
+    const every = '&threshold=0.000001&refractory_ms=0';
+    for (const model of ['alexa', 'alexa,hey-jarvis']) {
+      const before = slotHosts();
+      expect((await run(s, model + every, fixture('silence_3s_16k.wav'))).status).toBe(200);
+      const [host] = slotHosts().filter((p) => !before.includes(p));
+      process.kill(host, 'SIGKILL');
+      // Reaped: the pool has seen the exit; its respawn waits 100 ms, then loads.
+      await until(() => !existsSync(`/proc/${host}`), 3000);
+      const res = await run(s, model + every, fixture('silence_3s_16k.wav'));
+      // Before the fix the session took its heads and initial embedding history from a live slot,
+      // and there was none: "alexa" scored 0.79 on silence, the group answered 500.
+      expect(res.status, JSON.stringify(res.body)).toBe(200);
+      for (const head of model.split(',')) {
+        const highest = Math.max(0, ...res.body.detections.filter((d: { label: string }) => d.label === head).map((d: { score: number }) => d.score));
+        expect(Math.abs(highest - want[head.replace(/-/g, '_')]), `${model}: ${head} ${highest}`).toBeLessThan(0.02);
+      }
+    }
+  });
+});
 
 describe('loads that do not finish', () => {
   it('a load over load_timeout_ms is abandoned: 500 naming it, its host processes killed, other models serve on; a FIFO as a model path is refused at once', async () => {
@@ -167,14 +192,14 @@ describe('loads that do not finish', () => {
     execFileSync('mkfifo', [fifo]);
     const s = await serve({ models: [{ id: 'sloth', task: 'vad', path: silero, slots: 2, load_timeout_ms: 30 }, { id: 'pipe', task: 'vad', path: fifo }] });
     expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
-    const before = slotHosts();
+    const before = slotHosts().length;
     const t0 = performance.now();
     const slow = await run(s, 'sloth', fixture('Front_Left.wav'));
     expect(slow.status).toBe(500);
     expect(slow.body.error.message).toMatch(/loading took longer than load_timeout_ms \(30 ms\)/);
     expect(performance.now() - t0).toBeLessThan(1000);
     expect(await status(s, 'sloth')).toMatchObject({ state: 'unloaded', last_error: expect.stringMatching(/load_timeout_ms/) });
-    await until(() => slotHosts() === before, 3000);
+    await until(() => slotHosts().length === before, 3000);
     expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
     const t1 = performance.now();
     const piped = await run(s, 'pipe', fixture('Front_Left.wav'));
