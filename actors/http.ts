@@ -110,7 +110,7 @@ async function processFile(
   waitMs: number,
   progress: (processedMs: number, audioMs: number) => void = () => {},
 ): Promise<{ body: Record<string, unknown>; audioMs: number }> {
-  const session = createTaskSession(config, pool.info, options);
+  const session = createTaskSession(config, pool.info, options, true);
   session.push(await untilAborted(decodeAudio(file.bytes, file.type), signal));
   session.end();
   const audioMs = (session.receivedSamples * 1000) / 16_000;

@@ -474,7 +474,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       const { pool, batcher } = loaded;
       // A VAD stream's ready windows go through the batcher, which runs them with other streams'.
       run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
-      session = createTaskSession(entry.config, pool.info, params.options);
+      session = createTaskSession(entry.config, pool.info, params.options, false);
       if (gone.signal.aborted) return;
       send({ type: 'READY', model: entry.id, task: entry.config.task });
       caughtUpAt = performance.now();

@@ -239,7 +239,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     decoder?.close();
     decoder = await PcmStreamDecoder.create('s16le', rate as number, channels as number);
     for (const l of lanes) {
-      l.session = createTaskSession(l.config, l.info, undefined);
+      l.session = createTaskSession(l.config, l.info, undefined, false);
       l.lag = new LagClock();
     }
     audio = { detections: 0, base: typeof data.timestamp === 'number' ? data.timestamp : 0 };

@@ -10,19 +10,22 @@ export { drain } from './task.js';
 /**
  * Creates the task session for one request or stream of a model. Request `options` override the
  * model's configured ones field by field.
+ * @param keepResults a file's session keeps its segments or detections for {@link taskResult}; a
+ *   stream's sends them as events and keeps none (they would grow with the stream: an hour at
+ *   `threshold` 1e-6 with six heads is 270,000 detections, about 20 MiB).
  * @throws VoxError `invalid_request_error` naming the bad `options.*` field.
  */
-export function createTaskSession(config: ModelConfig, info: SlotInfo, options: unknown): TaskSession {
+export function createTaskSession(config: ModelConfig, info: SlotInfo, options: unknown, keepResults: boolean): TaskSession {
   if (options !== undefined && (typeof options !== 'object' || options === null || Array.isArray(options))) {
     parseTaskOptions(config.task, options); // throws the schema's message for a non-object
   }
   const merged = { ...config.options, ...(options as object | undefined) };
-  if (config.task === 'vad') return new VadSession(info, parseTaskOptions('vad', merged));
+  if (config.task === 'vad') return new VadSession(info, parseTaskOptions('vad', merged), keepResults);
   const opts = parseTaskOptions('wakeword', merged);
   // The request's own fields apply to every head; the model's configured ones only where a head has none.
   const given = (options ?? {}) as Record<string, unknown>;
   const override = { threshold: 'threshold' in given ? opts.threshold : undefined, refractory_ms: 'refractory_ms' in given ? opts.refractory_ms : undefined };
-  return new WakewordSession(info, headsOf(config), opts, override);
+  return new WakewordSession(info, headsOf(config), opts, override, keepResults);
 }
 
 /** The task-specific part of a `/v1/tasks/run` result. */

@@ -26,6 +26,7 @@ export interface Segment {
  * With min_silence_duration_ms >= 2 x speech_pad_ms (the defaults) the result is Silero's exactly.
  */
 export class VadSegmenter {
+  /** The segments closed so far, when kept (see the constructor). */
   readonly segments: Segment[] = [];
   private readonly thr: number;
   private readonly neg: number;
@@ -40,7 +41,11 @@ export class VadSegmenter {
   private prevEnd = 0;
   private index = 0;
 
-  constructor(o: VadOptions) {
+  /** @param keep whether `segments` keeps each closed segment (a file's result), or stays empty (a stream). */
+  constructor(
+    o: VadOptions,
+    private readonly keep = true,
+  ) {
     this.thr = o.threshold;
     this.neg = o.neg_threshold ?? Math.max(o.threshold - 0.15, 0.01);
     this.minSpeech = (RATE * o.min_speech_duration_ms) / 1000;
@@ -104,7 +109,7 @@ export class VadSegmenter {
     seg.start_ms = msOf(seg.start_sample);
     seg.end_ms = msOf(seg.end_sample);
     this.prevEnd = seg.end_sample;
-    this.segments.push(seg);
+    if (this.keep) this.segments.push(seg);
     return [{ type: 'speech_end', start_ms: seg.start_ms, end_ms: seg.end_ms, confidence }];
   }
 }
@@ -116,9 +121,10 @@ export class VadSession extends WindowedSession {
   private context: Float32Array = new Float32Array(SILERO.CONTEXT);
   private processed = 0;
 
-  constructor(_info: SlotInfo, options: VadOptions) {
+  /** @param keepResults whether the segmenter keeps its segments (see {@link VadSegmenter}). */
+  constructor(_info: SlotInfo, options: VadOptions, keepResults = true) {
     super(SILERO.WINDOW);
-    this.segmenter = new VadSegmenter(options);
+    this.segmenter = new VadSegmenter(options, keepResults);
   }
 
   get processedSamples(): number {

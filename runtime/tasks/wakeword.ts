@@ -36,6 +36,7 @@ interface Column {
  * period): one utterance, whose score stays high for several steps, fires once.
  */
 export class WakewordSession extends WindowedSession {
+  /** The detections so far, when kept (`keepResults`: a file's result; a stream keeps none). */
   readonly detections: Detection[] = [];
   private readonly columns: Column[];
   /**
@@ -56,8 +57,15 @@ export class WakewordSession extends WindowedSession {
    * @param heads the model's heads in the same order (label = model id), with their own settings.
    * @param options the model's options with the request's on top; `override` fields win over each head's own.
    * @param override the request's own option fields (they apply to every head).
+   * @param keepResults whether `detections` keeps each detection (a file), or stays empty (a stream: its events carry them).
    */
-  constructor(info: SlotInfo, heads: ResolvedHead[], options: WakewordOptions, override: { threshold?: number; refractory_ms?: number } = {}) {
+  constructor(
+    info: SlotInfo,
+    heads: ResolvedHead[],
+    options: WakewordOptions,
+    override: { threshold?: number; refractory_ms?: number } = {},
+    private readonly keepResults = true,
+  ) {
     // openWakeWord's models read int16-scaled audio.
     super(OWW.STEP, 32767);
     const slotHeads = info.heads ?? [{ window: 16, labels: ['@model'] }];
@@ -112,7 +120,7 @@ export class WakewordSession extends WindowedSession {
         if (score >= col.threshold && at - col.lastAt >= col.refractoryMs) {
           col.lastAt = at;
           const d: Detection = { label: col.label, score: Math.round(score * 10_000) / 10_000, at_ms: at };
-          this.detections.push(d);
+          if (this.keepResults) this.detections.push(d);
           events.push({ type: 'detection', ...d });
         }
       }

@@ -114,7 +114,7 @@ function checkTask(r: { model: string; files: { bytes: Buffer }[]; options?: unk
   for (const f of r.files) ok = checkDecoded(f.bytes, what) && ok;
   // Accepted if the options suit either task (VAD options are refused by a wake-word model).
   let suits = false;
-  for (const config of [VAD, WAKE]) suits = settle(() => createTaskSession(config, { vadVersion: 'v5', heads: [{ window: 16, labels: ['x'] }], initialEmbeddings: new Float32Array(16 * 96) }, r.options), `${what} options`) !== undefined || suits;
+  for (const config of [VAD, WAKE]) suits = settle(() => createTaskSession(config, { vadVersion: 'v5', heads: [{ window: 16, labels: ['x'] }], initialEmbeddings: new Float32Array(16 * 96) }, r.options, true), `${what} options`) !== undefined || suits;
   return ok && suits;
 }
 
