@@ -204,7 +204,10 @@ export const startWorkerSlot: SlotFactory = (spec) => slotOnWorker(new Worker(sl
 
 /** A slot host on a worker thread already started (tests start their own), with `spec` loaded. */
 export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> {
-  const slot = new MessageSlot({ send: (m) => worker.postMessage(m), kill: null, pid: null }, 0);
+  // A structured clone copies a view's whole buffer: a job's views (a session's reused buffers)
+  // go as copies of their own bytes.
+  const own = (job: Job): Job => Object.fromEntries(Object.entries(job).map(([k, v]) => [k, v instanceof Float32Array && v.byteLength < v.buffer.byteLength ? v.slice() : v])) as unknown as Job;
+  const slot = new MessageSlot({ send: (m) => worker.postMessage(m.type === 'run' ? { ...m, job: own(m.job) } : m), kill: null, pid: null }, 0);
   worker.on('message', (m: FromSlot) => slot.onMessage(m));
   worker.on('error', (e) => slot.fail(e));
   worker.on('exit', (code) => slot.gone(`slot worker exited with code ${code}`));
