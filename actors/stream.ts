@@ -472,7 +472,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
       const loaded = await entry.ensureReady(gone.signal);
       const { pool, batcher } = loaded;
-      // A VAD stream's ready windows go through the batcher, which runs them with other streams'.
+      // A stream's ready windows (or steps) go through the batcher, which runs them with other streams'.
       run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
       session = createTaskSession(entry.config, pool.info, params.options, false);
       if (gone.signal.aborted) return;
