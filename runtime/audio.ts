@@ -266,6 +266,8 @@ export async function resample(samples: Float32Array, fromHz: number, toHz: numb
   }
 }
 
+const EMPTY = Buffer.alloc(0);
+
 /** Raw PCM encodings accepted on `/v1/stream`. */
 export const PCM_ENCODINGS = ['s16le', 'f32le'] as const;
 export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
@@ -277,6 +279,8 @@ export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
 export class PcmStreamDecoder {
   private remainder: Buffer = Buffer.alloc(0);
   private readonly frameBytes: number;
+  /** The decoded samples of the last chunk, reused from chunk to chunk (grown to the largest). */
+  private scratch = new Float32Array(0);
 
   private constructor(
     private readonly encoding: PcmEncoding,
@@ -295,13 +299,20 @@ export class PcmStreamDecoder {
     return new PcmStreamDecoder(encoding, channels, await Resampler.create(sampleRate));
   }
 
-  /** Decodes one chunk; bytes of an incomplete frame are kept for the next call. */
+  /**
+   * Decodes one chunk; bytes of an incomplete frame are kept for the next call.
+   * @returns mono samples at 16 kHz, valid until the next call (a view of a buffer reused from
+   *   chunk to chunk: a new array per chunk costs the server more in garbage collection than the
+   *   decoding): copy what you keep.
+   */
   push(chunk: Buffer): Float32Array {
     const buf = this.remainder.length ? Buffer.concat([this.remainder, chunk]) : chunk;
     const frames = Math.floor(buf.length / this.frameBytes);
-    this.remainder = Buffer.from(buf.subarray(frames * this.frameBytes));
+    const rest = buf.length - frames * this.frameBytes;
+    this.remainder = rest ? Buffer.from(buf.subarray(frames * this.frameBytes)) : EMPTY;
     const n = frames * this.channels;
-    const interleaved = new Float32Array(n);
+    if (this.scratch.length < n) this.scratch = new Float32Array(Math.max(n, 2 * this.scratch.length));
+    const interleaved = this.scratch.subarray(0, n);
     // Aligned little-endian views (this machine and every Node target is little-endian); a
     // frame that starts at an odd offset inside ws's receive buffer is copied once.
     const bytes = this.encoding === 's16le' ? 2 : 4;
