@@ -312,7 +312,7 @@ const RESPAWN_BACKOFF_MS = 100;
 
 /**
  * A model's slots: the primary and its clones. Jobs from every leased request run in arrival
- * order on a free slot (one job per slot at a time; the one that finished last, so that below full load one host stays warm).
+ * order on the first free slot (one job per slot at a time).
  *
  * A slot whose host dies (a crash, or a kill for a job over `job_timeout_ms`) is respawned, one
  * for one, after a backoff; three crashes within a minute, or a respawn that fails, fail the
@@ -447,9 +447,7 @@ export class SlotPool {
 
   private dispatch(): void {
     while (this.idle.length && this.queue.length) {
-      // The slot that finished last (LIFO): below full load one host does the work and stays
-      // warm (caches, no wake-up of a host that slept), instead of the hosts taking turns.
-      const slot = this.idle.pop()!;
+      const slot = this.idle.shift()!;
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
       const startedAt = Date.now();
