@@ -348,7 +348,16 @@ export interface EntryOptions {
   resolve?: (config: ModelConfig) => ModelConfig;
   /** Creates the chart's actor; the supervisor spawns it as its child with `systemId` `model:<id>`. */
   spawn?: (logic: typeof modelMachine, id: string) => ModelActor;
+  /** Cluster placement (cluster/node.ts): decides where a cold load goes; `local` loads on this node. */
+  place?: PlaceHook;
 }
+
+/**
+ * Where a model's cold load goes (cluster mode): `local()` loads it on this node (through the
+ * cold-load gate); else the hook returns a pool whose jobs run on the nodes holding the model.
+ * An aborted `signal` abandons the placement.
+ */
+export type PlaceHook = (config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>) => Promise<LoadedModel>;
 
 /**
  * One registered model: its state-chart actor plus its admission queue (the FIFO of leases).
@@ -418,21 +427,25 @@ export class ModelEntry {
           })());
           void (async () => {
             try {
-              if (gate) {
-                const needed_bytes = (await options.footprint?.(input.config)) ?? 0;
-                if (stopped) return;
-                const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
-                atGate = true;
-                gate.send({ type: 'LOAD_REQUESTED', id: input.config.id, needed_bytes, timeout_ms: this.busyTimeoutMs, replyTo: self });
-                await granted;
-              }
-              sendBack({ type: 'LOAD_GRANTED' });
-              let m: LoadedModel;
-              try {
-                m = await loader(input.config, abandon.signal);
-              } finally {
-                leaveGate();
-              }
+              /** Loads here: through the cold-load gate, then the loader. */
+              const local = async (): Promise<LoadedModel> => {
+                if (gate) {
+                  const needed_bytes = (await options.footprint?.(input.config)) ?? 0;
+                  if (stopped) throw new VoxError('shutting_down', 'the model entry stopped');
+                  const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
+                  atGate = true;
+                  gate.send({ type: 'LOAD_REQUESTED', id: input.config.id, needed_bytes, timeout_ms: this.busyTimeoutMs, replyTo: self });
+                  await granted;
+                }
+                sendBack({ type: 'LOAD_GRANTED' });
+                try {
+                  return await loader(input.config, abandon.signal);
+                } finally {
+                  leaveGate();
+                }
+              };
+              // In a cluster, placement decides: here (`local`), or a pool whose jobs go to the holders.
+              const m = options.place ? await options.place(input.config, abandon.signal, local) : await local();
               if (!m?.pool?.slots.length) {
                 await m?.close?.();
                 throw new Error('the loader yielded no session');

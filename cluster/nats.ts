@@ -1,0 +1,120 @@
+/**
+ * The cluster's NATS side (docs/cluster.md): the connection with NATS's own auth and TLS options,
+ * the two key-value buckets (the node registry and the cold-load locks), and the wire form of
+ * jobs and results. Nothing here knows the model entries: cluster/node.ts does.
+ */
+import { readFileSync } from 'node:fs';
+import { hostname } from 'node:os';
+import { connect, credsAuthenticator, nkeyAuthenticator, type NatsConnection, type NodeConnectionOptions } from '@nats-io/transport-node';
+import { Kvm, type KV } from '@nats-io/kv';
+import type { ClusterConfig } from '../runtime/config.js';
+import { decodeFrame, encodeFrame, type FromSlot, type ToSlot } from '../runtime/slot-protocol.js';
+
+/** The settings of a cluster node with every default applied. */
+export interface ClusterSettings extends ClusterConfig {
+  node: string;
+}
+
+/** Fills in the node name: the config's, else the host name and process id (subject-safe). */
+export function clusterSettings(config: ClusterConfig): ClusterSettings {
+  const node = config.node ?? `${hostname().replace(/[^A-Za-z0-9_-]/g, '-').slice(0, 48)}-${process.pid}`;
+  return { ...config, node };
+}
+
+/** The NATS URLs of `nats` (comma-separated; a bare host:port gets `nats://`). */
+export function natsServers(nats: string): string[] {
+  return nats.split(',').map((u) => u.trim()).filter(Boolean).map((u) => (u.includes('://') ? u : `nats://${u}`));
+}
+
+/**
+ * nats.js connection options from the cluster config: user/pass, token, nkey seed file, creds
+ * file, TLS CA/cert/key files. The client reconnects by itself for as long as the node runs.
+ */
+export function natsOptions(s: ClusterSettings): NodeConnectionOptions {
+  const opts: NodeConnectionOptions = {
+    servers: natsServers(s.nats),
+    name: `voxserve ${s.node}`,
+    timeout: s.connect_timeout_ms,
+    maxReconnectAttempts: -1,
+    reconnectTimeWait: 500,
+  };
+  if (s.user) opts.user = s.user;
+  if (s.pass) opts.pass = s.pass;
+  if (s.token) opts.token = s.token;
+  if (s.creds_file) opts.authenticator = credsAuthenticator(readFileSync(s.creds_file));
+  else if (s.nkey_seed_file) opts.authenticator = nkeyAuthenticator(new TextEncoder().encode(readFileSync(s.nkey_seed_file, 'utf8').trim()));
+  if (s.tls) opts.tls = { caFile: s.tls.ca_file, certFile: s.tls.cert_file, keyFile: s.tls.key_file };
+  return opts;
+}
+
+/** A connected node's NATS handles. */
+export interface NatsLink {
+  nc: NatsConnection;
+  /** The registry: one key per node (`node.<name>`), its last heartbeat. */
+  nodes: KV;
+  /** Cold-load locks: one key per model being placed. */
+  locks: KV;
+}
+
+/** How long a registry entry outlives its last heartbeat in the bucket, ms (liveness is judged by heartbeats, not by this). */
+const NODES_MAX_AGE_MS = 60_000;
+/** How long a lock entry outlives its last renewal in the bucket, ms (a lock's own deadline decides; this only sweeps). */
+const LOCKS_MAX_AGE_MS = 600_000;
+
+/**
+ * Connects to NATS and opens (creating if needed) the registry and lock buckets.
+ * @throws Error naming the URL when NATS cannot be reached or refuses the credentials.
+ */
+export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
+  let nc: NatsConnection;
+  try {
+    nc = await connect(natsOptions(s));
+  } catch (e) {
+    throw new Error(`cluster.nats: cannot connect to NATS at ${s.nats}: ${(e as Error).message}`, { cause: e });
+  }
+  try {
+    const kvm = new Kvm(nc);
+    const nodes = await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS });
+    const locks = await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS });
+    return { nc, nodes, locks };
+  } catch (e) {
+    await nc.close().catch(() => {});
+    throw new Error(`cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`, { cause: e });
+  }
+}
+
+/** A message of the cluster's job subjects: the slot-host protocol's `run` plus what a holder needs. */
+export interface RemoteJob {
+  type: 'job';
+  /** `<ingress node>:<seq>`: names the job in logs; a re-sent job keeps it. */
+  id: string;
+  model: string;
+  /** How long the job may wait at the holder for a lease and a slot, ms (0 = unbounded). */
+  wait_ms: number;
+  job: Extract<ToSlot, { type: 'run' }>['job'];
+}
+
+/** A holder's answer to a job or an info request. */
+export type RemoteReply =
+  | { type: 'result'; result: Extract<FromSlot, { type: 'result' }>['result']; ran_ms: number }
+  | { type: 'info'; info: Extract<FromSlot, { type: 'loaded' }>['info'] }
+  /** `not_held`: the node does not hold the model ready (any more). Else a VoxError's type. */
+  | { type: 'error'; error: string; message: string; retry_after_s?: number };
+
+/** Encodes a job or reply as one binary frame (the slot-host frame: JSON head, Float32Arrays as raw bytes). */
+export function encodeMessage(msg: RemoteJob | RemoteReply): Uint8Array {
+  return Buffer.concat(encodeFrame(msg as unknown as ToSlot));
+}
+
+/** Decodes {@link encodeMessage}'s frame (copied once so its arrays are aligned views of their own buffer). */
+export function decodeMessage<T extends RemoteJob | RemoteReply>(data: Uint8Array): T {
+  const own = new Uint8Array(data.length);
+  own.set(data);
+  return decodeFrame(own) as T;
+}
+
+/** The registry key of a node. */
+export const nodeKey = (node: string): string => `node.${node}`;
+
+/** A lock key for a model id (ids may hold commas, which keys may not): base64url. */
+export const lockKey = (model: string): string => `load.${Buffer.from(model).toString('base64url')}`;
