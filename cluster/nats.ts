@@ -72,14 +72,22 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
   } catch (e) {
     throw new Error(`cluster.nats: cannot connect to NATS at ${s.nats}: ${(e as Error).message}`, { cause: e });
   }
-  try {
-    const kvm = new Kvm(nc);
-    const nodes = await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS });
-    const locks = await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS });
-    return { nc, nodes, locks };
-  } catch (e) {
-    await nc.close().catch(() => {});
-    throw new Error(`cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`, { cause: e });
+  // A NATS cluster that has just started elects its JetStream leader after a moment: retried until the connect timeout.
+  const end = Date.now() + s.connect_timeout_ms;
+  for (;;) {
+    try {
+      const kvm = new Kvm(nc);
+      const nodes = await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS });
+      const locks = await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS });
+      return { nc, nodes, locks };
+    } catch (e) {
+      if (Date.now() < end) {
+        await new Promise((r) => setTimeout(r, 250));
+        continue;
+      }
+      await nc.close().catch(() => {});
+      throw new Error(`cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`, { cause: e });
+    }
   }
 }
 

@@ -300,11 +300,13 @@ export class ClusterNode {
    */
   readonly place = async (config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>): Promise<LoadedModel> => {
     const id = config.id;
-    if (this.pinned.delete(id) || !this.connected || !this.supervisor) return local();
+    if (!this.connected || !this.supervisor) return local();
     const timeout = this.busyTimeout(config);
     const end = timeout > 0 ? Date.now() + timeout : Infinity;
     for (;;) {
       signal.throwIfAborted();
+      // Asked to hold it (by a placement elsewhere, or a load naming this node), also while waiting here.
+      if (this.pinned.has(id)) return local();
       if (this.holders(id).length) return this.remotePool(config);
       const lock = await this.takeLock(id);
       if (lock) {
@@ -330,6 +332,7 @@ export class ClusterNode {
     const id = config.id;
     const here = this.record();
     const candidates = [here, ...this.nodes().filter((r) => r.node !== this.name && !r.draining)].sort((a, b) => b.free_bytes - a.free_bytes);
+    this.log.debug({ model: id, candidates: candidates.map((c) => [c.node, c.free_bytes]) }, 'cluster: placing');
     const refusals: string[] = [];
     let memory = true;
     for (const n of candidates) {
@@ -342,6 +345,7 @@ export class ClusterNode {
           if (!is503(e)) throw e;
           memory &&= (e as VoxError).type === 'insufficient_memory';
           refusals.push(`${n.node}: ${(e as Error).message}`);
+          this.log.info({ model: id, on: n.node, why: (e as Error).message }, 'cluster: this node refused the load');
           continue;
         }
       }
@@ -351,6 +355,7 @@ export class ClusterNode {
         if (!is503(reply) && !(reply instanceof VoxError && reply.type === 'not_found')) throw reply;
         memory &&= (reply as VoxError).type === 'insufficient_memory';
         refusals.push(`${n.node}: ${reply.message}`);
+        this.log.info({ model: id, on: n.node, why: reply.message }, 'cluster: a node refused the load');
         continue;
       }
       await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
@@ -440,7 +445,7 @@ export class ClusterNode {
   private remoteSlot(config: ModelConfig, info: SlotInfo): SlotHost {
     return {
       info,
-      run: (job) => this.sendJob(config, job),
+      run: (job, waitUntil) => this.sendJob(config, job, waitUntil),
       close: async () => {},
       onExit: () => {},
       residentBytes: () => 0,
@@ -449,22 +454,24 @@ export class ClusterNode {
 
   /**
    * Sends one job to a holder, least loaded first. A holder that answers busy is skipped; when
-   * all are busy the job waits and asks again, up to the model's busy timeout. A holder that no
-   * longer holds the model, or that nobody answers for (gone), is skipped too.
+   * all are busy (or none is live) the job waits and asks again, up to the model's busy timeout.
+   * A holder that no longer holds the model, or that nobody answers for (gone), is skipped too.
+   * @param waitUntil the job's own end of waiting (its request's busy timeout), ms since the epoch.
    * @throws VoxError `server_busy` (Retry-After 1 s) when no holder took the job within the busy
-   *   timeout or none is left; the holder's error otherwise (e.g. `server_error` for a failed run).
+   *   timeout; the holder's error otherwise (e.g. `server_error` for a failed run).
    */
-  private async sendJob(config: ModelConfig, job: Job): Promise<JobResult> {
+  private async sendJob(config: ModelConfig, job: Job, waitUntil?: number): Promise<JobResult> {
     const id = config.id;
     const timeout = this.busyTimeout(config);
-    const end = timeout > 0 ? Date.now() + timeout : Infinity;
+    const end = Math.min(waitUntil ?? Infinity, timeout > 0 ? Date.now() + timeout : Infinity);
     const jobId = `${this.name}:${++this.seq}`;
     const skip = new Set<string>();
     let lastBusy = '';
     for (;;) {
       const holder = this.holders(id).find((h) => !skip.has(h.node));
       if (!holder) {
-        if (Date.now() >= end || !this.holders(id).length) {
+        // Every holder busy, or none live just now (a late heartbeat): ask again until the busy timeout.
+        if (Date.now() >= end) {
           throw new VoxError('server_busy', lastBusy ? `every node holding ${id} is busy: ${lastBusy}` : `no node of the cluster holds ${id} ready`, { retryAfterS: 1 });
         }
         skip.clear();
@@ -598,8 +605,19 @@ export class ClusterNode {
     if (!entry) throw new VoxError('not_found', `model '${id}' does not exist on ${this.name}`);
     if (this.remote.has(id)) await entry.unload(timeout);
     this.pinned.add(id);
+    // A placement of this model waiting here (for the lock another node holds) loads it now.
+    for (const f of this.viewChanged.splice(0)) f();
     try {
-      return await sup.load({ ...fields, id }, timeout);
+      if (Object.keys(fields).some((k) => k !== 'id')) return await sup.load({ ...fields, id }, timeout);
+      // Nothing to reconfigure: a plain lease (not the exclusive one, which would wait for this
+      // node's own requests waiting for the same load).
+      const lease = await entry.admit({});
+      try {
+        await entry.ensureReady();
+      } finally {
+        lease.release();
+      }
+      return { id, loaded: true, reconfigured: false };
     } finally {
       this.pinned.delete(id);
       this.beat();
