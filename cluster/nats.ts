@@ -8,7 +8,7 @@ import { hostname } from 'node:os';
 import { connect, credsAuthenticator, nkeyAuthenticator, type NatsConnection, type NodeConnectionOptions } from '@nats-io/transport-node';
 import { Kvm, type KV } from '@nats-io/kv';
 import type { ClusterConfig } from '../runtime/config.js';
-import { decodeFrame, encodeFrame, type FromSlot, type ToSlot } from '../runtime/slot-protocol.js';
+import { decodeFrame, encodeFrame, OWW, SILERO, type FromSlot, type Job, type JobResult, type ToSlot } from '../runtime/slot-protocol.js';
 
 /** The settings of a cluster node with every default applied. */
 export interface ClusterSettings extends ClusterConfig {
@@ -126,3 +126,48 @@ export const nodeKey = (node: string): string => `node.${node}`;
 
 /** A lock key for a model id (ids may hold commas, which keys may not): base64url. */
 export const lockKey = (model: string): string => `load.${Buffer.from(model).toString('base64url')}`;
+
+/**
+ * Splits a job of several rows (a batch of streams, `counts`) into two jobs of about half the
+ * rows each, for a frame over NATS's `max_payload`. Rows are independent and laid out row after
+ * row in every field (slot-protocol.ts), so each half is a valid job and the halves' results,
+ * concatenated field by field ({@link joinResults}), are the whole job's result.
+ * @returns the two halves, or null for a single row (it cannot be split).
+ */
+export function splitJob(job: Job): [Job, Job] | null {
+  const counts = job.counts;
+  if (!counts || counts.length < 2) return null;
+  const k = Math.floor(counts.length / 2);
+  const [c1, c2] = [counts.slice(0, k), counts.slice(k)];
+  const sum = (c: number[]): number => c.reduce((a, b) => a + b, 0);
+  if (job.kind === 'vad') {
+    const w = sum(c1) * SILERO.WINDOW;
+    const s = k * SILERO.STATE;
+    const c = k * SILERO.CONTEXT;
+    return [
+      { kind: 'vad', counts: c1, windows: job.windows.subarray(0, w), state: job.state.subarray(0, s), context: job.context.subarray(0, c) },
+      { kind: 'vad', counts: c2, windows: job.windows.subarray(w), state: job.state.subarray(s), context: job.context.subarray(c) },
+    ];
+  }
+  const a = c1.length * OWW.LOOKBACK + sum(c1) * OWW.STEP;
+  const m = (job.mel.length / counts.length) * k;
+  const e = (job.embeddings.length / counts.length) * k;
+  return [
+    { kind: 'wakeword', counts: c1, audio: job.audio.subarray(0, a), mel: job.mel.subarray(0, m), embeddings: job.embeddings.subarray(0, e) },
+    { kind: 'wakeword', counts: c2, audio: job.audio.subarray(a), mel: job.mel.subarray(m), embeddings: job.embeddings.subarray(e) },
+  ];
+}
+
+/** The result of a job split by {@link splitJob}: its halves' results, each field concatenated. */
+export function joinResults(a: JobResult, b: JobResult): JobResult {
+  const cat = (x: Float32Array, y: Float32Array): Float32Array => {
+    const out = new Float32Array(x.length + y.length);
+    out.set(x);
+    out.set(y, x.length);
+    return out;
+  };
+  const ran: [number, number] | undefined = a.ran && b.ran ? [Math.min(a.ran[0], b.ran[0]), Math.max(a.ran[1], b.ran[1])] : undefined;
+  if (a.kind === 'vad' && b.kind === 'vad') return { kind: 'vad', probs: cat(a.probs, b.probs), state: cat(a.state, b.state), context: cat(a.context, b.context), ran };
+  if (a.kind === 'wakeword' && b.kind === 'wakeword') return { kind: 'wakeword', scores: cat(a.scores, b.scores), mel: cat(a.mel, b.mel), embeddings: cat(a.embeddings, b.embeddings), ran };
+  throw new Error('joinResults: results of different kinds');
+}

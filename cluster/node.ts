@@ -20,7 +20,7 @@ import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
 import { SlotPool, type SlotHost } from '../runtime/slots.js';
 import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
-import { clusterSettings, connectNats, decodeMessage, encodeMessage, lockKey, nodeKey, type ClusterSettings, type NatsLink, type RemoteJob, type RemoteReply } from './nats.js';
+import { clusterSettings, connectNats, decodeMessage, encodeMessage, joinResults, lockKey, nodeKey, splitJob, type ClusterSettings, type NatsLink, type RemoteJob, type RemoteReply } from './nats.js';
 
 /** One model as a node reports it in its heartbeat. */
 export interface HeldModel {
@@ -465,6 +465,15 @@ export class ClusterNode {
     const timeout = this.busyTimeout(config);
     const end = Math.min(waitUntil ?? Infinity, timeout > 0 ? Date.now() + timeout : Infinity);
     const jobId = `${this.name}:${++this.seq}`;
+    const payload = encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: 0, job });
+    const maxPayload = this.link.nc.info?.max_payload ?? 1024 * 1024;
+    if (payload.length > maxPayload) {
+      // A batch of many streams over NATS's max_payload goes as two jobs of half the streams each.
+      const halves = splitJob(job);
+      if (!halves) throw new VoxError('server_error', `a job for ${id} is ${payload.length} bytes, over NATS's max_payload (${maxPayload}); raise max_payload in nats-server's config`);
+      const [a, b] = await Promise.all(halves.map((h) => this.sendJob(config, h, waitUntil)));
+      return joinResults(a, b);
+    }
     const skip = new Set<string>();
     let lastBusy = '';
     for (;;) {
@@ -485,7 +494,8 @@ export class ClusterNode {
       const t0 = performance.now();
       let reply: RemoteReply;
       try {
-        const m = await this.link.nc.request(this.subject(node, 'job'), encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: remaining, job }), {
+        // The frame's JSON head carries the wait: re-encoded only when it changed (the arrays are the same bytes).
+        const m = await this.link.nc.request(this.subject(node, 'job'), remaining ? encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: remaining, job }) : payload, {
           timeout: (remaining || 3_600_000) + (jobTimeout || 60_000),
         });
         reply = decodeMessage<RemoteReply>(m.data);
