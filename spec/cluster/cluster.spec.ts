@@ -8,6 +8,7 @@ import { connect } from 'node:net';
 import { unpack } from 'msgpackr';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
+import { VoxClient } from '../../client/node.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, until, WaveFile } from '../helpers.js';
@@ -143,6 +144,14 @@ describe('three nodes and one NATS server', () => {
       expect(body.nodes.map((n: { free_bytes: number }) => n.free_bytes)).toEqual([free.A, free.B, free.C]);
     }
     expect((await json(`${A.url}/ready`)).body).toMatchObject({ status: 'ready', cluster: { node: 'A', nats: 'connected' } });
+  });
+
+  it('VoxClient given several node URLs uses the first that answers /ready', async () => {
+    const dead = `http://127.0.0.1:${await freePort()}`;
+    const vox = new VoxClient({ urls: [dead, B.url, C.url] });
+    const models = await vox.models();
+    expect(models.some((m) => m.id === 'silero-vad')).toBe(true);
+    expect(vox.url).toBe(B.url);
   });
 
   it('a first request on A for a model nobody holds loads it on C (most free memory); A runs it there', async () => {
