@@ -1,4 +1,4 @@
-import { and, assign, createActor, enqueueActions, fromCallback, not, raise, sendTo, setup, waitFor, type ActorRefFrom, type AnyActorRef, type InspectionEvent, type SnapshotFrom } from 'xstate';
+import { and, assign, createActor, emit, enqueueActions, fromCallback, not, raise, sendTo, setup, type ActorRefFrom, type AnyActorRef, type InspectionEvent } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { Batcher, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
@@ -59,6 +59,9 @@ export interface ModelInput {
   serverLoadTimeoutMs?: number;
 }
 
+/** What a model chart emits: it has settled `ready` (the pool is live) or `unloaded` (after a failed load, `failure` says why). */
+export type ModelEmitted = { type: 'ready' } | { type: 'unloaded' };
+
 /** Replies to `EVICT`, sent to its `replyTo`. */
 export type EvictReply = { type: 'EVICTED'; id: string; reason: EvictReason } | { type: 'EVICT_REFUSED'; id: string; reason: EvictReason; state: string };
 
@@ -98,6 +101,7 @@ export const modelMachine = setup({
     context: {} as ModelContext,
     events: {} as ModelEvent,
     input: {} as ModelInput,
+    emitted: {} as ModelEmitted,
   },
   actors: {
     residency: fromCallback<ResidencyEvent, ResidencyInput>(({ sendBack }) => {
@@ -155,6 +159,7 @@ export const modelMachine = setup({
   },
   states: {
     unloaded: {
+      entry: emit({ type: 'unloaded' }),
       on: {
         LOAD: 'resident',
         RECONFIGURE: { actions: assign({ config: ({ event }) => event.config }) },
@@ -199,6 +204,7 @@ export const modelMachine = setup({
           },
         },
         ready: {
+          entry: emit({ type: 'ready' }),
           initial: 'idle',
           on: {
             UNLOAD: 'unloading',
@@ -593,32 +599,69 @@ export class ModelEntry {
   }
 
   /**
-   * Waits until the model is ready, sending `LOAD` if it is unloaded (concurrent callers share
-   * one load: the chart ignores `LOAD` outside `unloaded`). Call it holding a lease, with the
-   * signal that aborts when the lease is revoked or the client goes away: an aborted caller never
-   * starts a load.
+   * Has the model made ready, sending `LOAD` if it is unloaded (concurrent callers share one load:
+   * the chart ignores `LOAD` outside `unloaded`), and answers when the chart emits `ready` (or
+   * `unloaded` after the load this caller asked for failed). Call it holding a lease, with the
+   * signal that aborts when the lease ends or the client goes away: an aborted caller never starts a load.
    * @returns the live pool (and batcher) to run jobs on.
    * @throws VoxError `server_error` with the load error if loading fails; the 503 the supervisor
    *   answered if it refused the load; the signal's reason (an `AbortError`) once it aborts.
    */
-  async ensureReady(signal?: AbortSignal): Promise<LoadedModel> {
-    let asked = false;
-    for (;;) {
-      signal?.throwIfAborted();
-      const s = this.actor.getSnapshot();
-      const state = stateName(s.value);
-      if (state === 'ready' && this.loaded) return this.loaded;
-      if (state === 'unloaded') {
+  ensureReady(signal?: AbortSignal): Promise<LoadedModel> {
+    return new Promise<LoadedModel>((resolve, reject) => {
+      let asked = false;
+      const step = (): void => {
+        const s = this.actor.getSnapshot();
+        const state = stateName(s.value);
+        if (state === 'ready' && this.loaded) return finish(() => resolve(this.loaded!));
+        if (state !== 'unloaded') return; // loading, unloading or reconfiguring: the next `ready` / `unloaded` answers
         if (asked) {
           const f = s.context.failure;
-          throw refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`);
+          return finish(() => reject(refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`)));
         }
         asked = true;
         this.actor.send({ type: 'LOAD' });
-        continue;
-      }
-      await waitFor(this.actor, (n) => stateName(n.value) !== state);
-    }
+      };
+      const onAbort = (): void => finish(() => reject(signal!.reason));
+      const stop = this.listen(step, (e) => finish(() => reject(e)));
+      const finish = (answer: () => void): void => {
+        signal?.removeEventListener('abort', onAbort);
+        stop(answer);
+      };
+      if (signal?.aborted) return onAbort();
+      signal?.addEventListener('abort', onAbort, { once: true });
+      step();
+    });
+  }
+
+  /** Resolves once the chart has settled in one of `states` (now, or at its next `ready` / `unloaded`); rejects if the chart stops first. */
+  private settledIn(...states: ('ready' | 'unloaded')[]): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      const step = (): void => {
+        if ((states as ModelState[]).includes(this.state)) done(resolve);
+      };
+      const done = this.listen(step, (e) => done(() => reject(e)));
+      step();
+    });
+  }
+
+  /**
+   * Calls `step` at each `ready` and `unloaded` the chart emits, and `stopped` (with a 503
+   * `shutting_down`) if the chart stops. Returns `done(answer)`: stops listening, then answers (once).
+   */
+  private listen(step: () => void, stopped: (e: VoxError) => void): (answer: () => void) => void {
+    let over = false;
+    const subs = [this.actor.on('ready', step), this.actor.on('unloaded', step)];
+    const done = (answer: () => void): void => {
+      if (over) return;
+      over = true;
+      for (const s of subs) s.unsubscribe();
+      answer();
+    };
+    const gone = (): void => stopped(new VoxError('shutting_down', `model ${this.id} stopped`, { retryAfterS: 5 }));
+    if (this.actor.getSnapshot().status !== 'active') queueMicrotask(gone);
+    else subs.push(this.actor.subscribe({ complete: gone, error: gone }));
+    return done;
   }
 
   /**
@@ -640,23 +683,17 @@ export class ModelEntry {
     try {
       if (changed) {
         // Under the exclusive lease nothing else moves the chart but a load or a slot failure.
-        await waitFor(this.actor, (s) => this.settled(s));
+        await this.settledIn('ready', 'unloaded');
+        // Committed at once when unloaded, else once the old pool has closed (before the new load).
         this.actor.send({ type: 'RECONFIGURE', config: next });
-        await waitFor(this.actor, (s) => s.context.config === next);
         this.admission.maxQueued = this.maxQueuedOf(next);
-        this.admission.setPlaces(next.max_streams); // committed
+        this.admission.setPlaces(next.max_streams);
       }
       await this.ensureReady();
       return { reconfigured: changed };
     } finally {
       lease.release();
     }
-  }
-
-  /** Ready or unloaded: no load or close in flight. */
-  private settled(s: SnapshotFrom<typeof modelMachine>): boolean {
-    const state = stateName(s.value);
-    return state === 'ready' || state === 'unloaded';
   }
 
   /**
@@ -675,9 +712,9 @@ export class ModelEntry {
   unloadUnder(barrier: Promise<Lease>): Promise<void> {
     return barrier.then(async (lease) => {
       try {
-        await waitFor(this.actor, (s) => this.settled(s));
+        await this.settledIn('ready', 'unloaded');
         if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
-        await waitFor(this.actor, (s) => stateName(s.value) === 'unloaded');
+        await this.settledIn('unloaded');
       } finally {
         lease.release();
       }
