@@ -69,8 +69,8 @@ export type SupervisorEvent =
 export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
 
 export interface SupervisorContext {
-  /** Registered model ids, in registration order. */
-  models: string[];
+  /** The live dependencies it was created with. */
+  deps: Required<SupervisorInput>;
   /** The model entry actors, by id (each spawned with `systemId` `model:<id>`). */
   entries: Record<string, AnyActorRef>;
   /** Cold loads waiting for the gate, FIFO. */
@@ -86,9 +86,17 @@ export interface SupervisorContext {
   waitingFor: 'release' | 'memory' | null;
 }
 
-/** Functions the chart's guards read: the live measurements of room. */
-export interface RoomProbe {
-  measure(target: PendingLoad, refused: string[]): RoomFigures;
+/** A supervisor chart's input: its live dependencies (the chart closes over nothing else). */
+export interface SupervisorInput {
+  /** True when cold loads pass the gate one at a time (`max_loaded_models` or `min_free_memory_mb` set). */
+  guarded: boolean;
+  /**
+   * Measures room for `target`: what is resident, retiring and evictable now (least recently used
+   * first, minus `refused`), and the free memory from the memory probe.
+   */
+  measure: (target: PendingLoad, refused: string[]) => RoomFigures;
+  /** The clock, ms since the epoch (default `Date.now`). */
+  now?: () => number;
 }
 
 const need = (r: RoomFigures): number => (r.max_loaded > 0 ? r.resident.length + 1 - r.max_loaded : 0);
@@ -116,11 +124,11 @@ export const supervisorMachine = setup({
   types: {
     context: {} as SupervisorContext,
     events: {} as SupervisorEvent,
-    input: {} as { guarded: boolean },
+    input: {} as SupervisorInput,
   },
   actions: {
-    /** Measures room for `current` into `context.room` (provided by {@link Supervisor}). */
-    measureRoom: assign({ room: () => null as RoomFigures | null }),
+    /** Measures room for `current` into `context.room`. */
+    measureRoom: assign({ room: ({ context }) => context.deps.measure(context.current!, context.refused) }),
     /** Answers the current load `LOAD_REFUSED` with the figures: no room (`server_busy`) or no memory (`insufficient_memory`). */
     refuse: sendTo(
       ({ context }) => context.current!.replyTo,
@@ -143,7 +151,7 @@ export const supervisorMachine = setup({
     ),
   },
   guards: {
-    guarded: () => false,
+    guarded: ({ context }) => context.deps.guarded,
     hasPending: ({ context }) => context.pending.length > 0,
     hasRoom: ({ context }) => roomFree(context.room!) && memoryFree(context.room!),
     /** Over `max_loaded_models`, fewer models retiring than needed, and an idle one to ask. */
@@ -166,16 +174,15 @@ export const supervisorMachine = setup({
     isCurrent: ({ context, event }) => event.type === 'LOAD_FINISHED' && context.current?.id === event.id,
   },
   delays: {
-    untilDeadline: ({ context }) => Math.max(0, Math.min(2 ** 31 - 1, context.current!.since + context.current!.timeout_ms - Date.now())),
+    untilDeadline: ({ context }) => Math.max(0, Math.min(2 ** 31 - 1, context.current!.since + context.current!.timeout_ms - context.deps.now())),
     memoryPoll: 250,
   },
 }).createMachine({
   id: 'supervisor',
-  context: { models: [], entries: {}, pending: [], current: null, refused: [], room: null, victim: null, waitingFor: null },
+  context: ({ input }) => ({ deps: { now: Date.now, ...input }, entries: {}, pending: [], current: null, refused: [], room: null, victim: null, waitingFor: null }),
   on: {
     REGISTER: {
       actions: assign({
-        models: ({ context, event }) => [...context.models, event.id],
         entries: ({ context, event, spawn }) => ({
           ...context.entries,
           // Each entry's logic comes with its event: the entry provides its own residency actor.
@@ -186,7 +193,7 @@ export const supervisorMachine = setup({
     LOAD_REQUESTED: [
       {
         guard: 'guarded',
-        actions: assign({ pending: ({ context, event }) => [...context.pending, { id: event.id, needed_bytes: event.needed_bytes, timeout_ms: event.timeout_ms, replyTo: event.replyTo, since: Date.now() }] }),
+        actions: assign({ pending: ({ context, event }) => [...context.pending, { id: event.id, needed_bytes: event.needed_bytes, timeout_ms: event.timeout_ms, replyTo: event.replyTo, since: context.deps.now() }] }),
       },
       { actions: sendTo(({ event }) => (event as { replyTo: AnyActorRef }).replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply) },
     ],
@@ -299,12 +306,8 @@ export class Supervisor {
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     // A configured group naming an unknown head stops the server at start, not at first use.
     for (const m of config.models) this.resolveHeads(m);
-    const guarded = this.guarded;
-    const supervisor = supervisorMachine.provide({
-      actions: { measureRoom: assign({ room: ({ context }) => this.measureRoom(context.current!, context.refused) }) },
-      guards: { guarded: () => guarded },
-    });
-    this.root = createActor(systemMachine.provide({ actors: { supervisor } }), { inspect: options.inspect, id: 'system' });
+    const supervisor: SupervisorInput = { guarded: this.guarded, measure: (target, refused) => this.measureRoom(target, refused) };
+    this.root = createActor(systemMachine.provide({ actors: { supervisor: supervisorMachine } }), { input: { supervisor }, inspect: options.inspect, id: 'system' });
     // Every chart handles its own errors; the error observer keeps one from crashing the process.
     this.root.subscribe({ error: (e) => this.log.error({ err: e }, 'actor system error') });
     this.root.start();
