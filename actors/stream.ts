@@ -96,8 +96,8 @@ class MessageBudget {
     return true;
   }
 
-  /** The server stopped (true) or started again (false) reading the socket. */
-  reading(paused: boolean, now: number): void {
+  /** The server stopped (`paused` true) or started again (false) reading the socket. */
+  readingPaused(paused: boolean, now: number): void {
     if (paused && this.pausedAt === null) {
       this.refill(now);
       this.pausedAt = now;
@@ -172,9 +172,9 @@ export class StreamChannel {
     this.count(false);
   }
 
-  /** The server stopped (true) or started again (false) reading the socket (backpressure). */
-  reading(paused: boolean): void {
-    this.budget?.reading(paused, performance.now());
+  /** The server stopped (`paused` true) or started again (false) reading the socket (backpressure). */
+  readingPaused(paused: boolean): void {
+    this.budget?.readingPaused(paused, performance.now());
   }
 
   /** Hands this turn's frames to `work` as one chunk. */

@@ -185,7 +185,7 @@ export const supervisorMachine = setup({
       actions: assign({
         entries: ({ context, event, spawn }) => ({
           ...context.entries,
-          // Each entry's logic comes with its event: the entry provides its own residency actor.
+          // The logic comes with the event (the model chart; a test gives fakes), its live dependencies with its input.
           [event.id]: (spawn as (logic: AnyActorLogic, options: object) => AnyActorRef)(event.logic, { id: `model:${event.id}`, systemId: `model:${event.id}`, input: event.input }),
         }),
       }),
@@ -322,7 +322,7 @@ export class Supervisor {
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
       eager.map(async (m) => {
-        const entry = this.get(m.id)!;
+        const entry = this.getOrRegister(m.id)!;
         const lease = await entry.admission.acquire({ exclusive: true });
         try {
           await entry.ensureReady();
@@ -455,7 +455,7 @@ export class Supervisor {
    * on one stream, registered on first use under its ids sorted (so any order shares one entry).
    * @throws VoxError `not_found` / `invalid_request_error` for a group naming an unknown or unfit model.
    */
-  get(id: string): ModelEntry | undefined {
+  getOrRegister(id: string): ModelEntry | undefined {
     const found = this.entries.get(id);
     if (found) return found;
     if (id.includes(',')) return this.group(id);
@@ -463,7 +463,7 @@ export class Supervisor {
     return config ? this.publish(this.resolveHeads(config)) : undefined;
   }
 
-  /** The entry of an ad-hoc group `a,b,...` (see {@link get}). */
+  /** The entry of an ad-hoc group `a,b,...` (see {@link getOrRegister}). */
   private group(id: string): ModelEntry {
     const names = [...new Set(id.split(',').map((s) => s.trim()))].sort();
     const canonical = names.join(',');
@@ -512,7 +512,7 @@ export class Supervisor {
    * @throws VoxError `not_found`.
    */
   require(id: string): ModelEntry {
-    const e = this.get(id);
+    const e = this.getOrRegister(id);
     if (!e) throw new VoxError('not_found', `model '${id.length > 128 ? `${id.slice(0, 128)}...` : id}' does not exist; GET /v1/models lists the models`);
     return e;
   }
@@ -531,9 +531,9 @@ export class Supervisor {
       resolve: this.resolveHeads,
       log: this.log.child({ model: config.id }),
       metrics: this.metrics,
-      spawn: (logic, id) => {
-        this.actor.send({ type: 'REGISTER', id, logic, input: { config, serverIdleUnloadMs: this.config.idle_unload_ms, serverLoadTimeoutMs: this.config.load_timeout_ms } });
-        return this.actor.getSnapshot().context.entries[id] as ModelActor;
+      spawn: (input) => {
+        this.actor.send({ type: 'REGISTER', id: config.id, logic: modelMachine, input });
+        return this.actor.getSnapshot().context.entries[config.id] as ModelActor;
       },
     });
     before?.(entry);
@@ -549,7 +549,7 @@ export class Supervisor {
   async load(body: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
     for (const f of PATH_FIELDS) if (typeof body[f] === 'string') body[f] = await confinePath(this.config.models_root, body[f] as string, f);
     const id = typeof body.id === 'string' ? body.id : undefined;
-    const existing = id !== undefined ? this.get(id) : undefined;
+    const existing = id !== undefined ? this.getOrRegister(id) : undefined;
     if (existing) {
       const { reconfigured } = await existing.configure(body, timeoutMs, signal);
       return { id: existing.id, loaded: true, reconfigured };

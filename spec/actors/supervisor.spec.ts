@@ -123,7 +123,7 @@ describe('supervisor on the real server', () => {
   it('(5) memory guard: estimate over the headroom -> 503 with the figures; a model loaded before uses its measured size', async () => {
     let available = 150 * 1024 * 1024;
     const s = await serve({ min_free_memory_mb: 100 }, ['big'], { memoryProbe: () => available });
-    const config = s.supervisor.get('big')!.config;
+    const config = s.supervisor.getOrRegister('big')!.config;
     // The documented estimate (README, memory guard): slots x (32 MiB + 1.5 x the file's bytes).
     const estimate = config.slots * (32 * 1024 * 1024 + 1.5 * statSync(paths.big).size);
     expect(await s.supervisor.footprint(config)).toBe(estimate);
