@@ -532,7 +532,7 @@ export class ClusterNode {
 
   /** The entry of a model held here ready (a local pool), else a `not_held` error. */
   private held(model: string): ModelEntry {
-    const entry = this.supervisor?.get(model);
+    const entry = this.supervisor?.getOrRegister(model);
     if (!entry || entry.state !== 'ready' || this.remote.has(model)) throw Object.assign(new Error(`${this.name} does not hold ${model}`), { notHeld: true });
     return entry;
   }
@@ -601,7 +601,7 @@ export class ClusterNode {
   async loadHere(id: string, fields: Record<string, unknown>, registration?: Record<string, unknown>): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
     const sup = this.supervisor!;
     const timeout = this.config.busy_timeout_ms;
-    const entry = sup.get(id);
+    const entry = sup.getOrRegister(id);
     if (!entry && registration) {
       // A model registered on another node: its config comes along (model files are the same paths on every node).
       this.pinned.add(id);
@@ -644,7 +644,7 @@ export class ClusterNode {
   async unloadHere(ids?: string[], force = false): Promise<{ unloaded: string[]; not_found: string[] }> {
     const sup = this.supervisor!;
     if (force && ids) {
-      for (const id of ids) await sup.get(id)?.forceUnload();
+      for (const id of ids) await sup.getOrRegister(id)?.forceUnload();
       return { unloaded: ids.filter((id) => sup.configOf(id)), not_found: ids.filter((id) => !sup.configOf(id)) };
     }
     const r = await sup.unloadMany(ids ?? sup.registeredIds, this.config.busy_timeout_ms);

@@ -112,7 +112,7 @@ try {
   const holder = await serve('C', { models: [{ id: 'silero-vad', lazy: false }], cluster: { nats, node: 'C', heartbeat_ms: 500 } });
   const ingress = await startServer(ServerConfig.parse({ port: 0, log_level: 'warn', cluster: { nats, node: 'A', heartbeat_ms: 500 } }));
   while (!ingress.cluster!.holders('silero-vad').length) await new Promise((r) => setTimeout(r, 50));
-  const entry = ingress.supervisor.get('silero-vad')!;
+  const entry = ingress.supervisor.getOrRegister('silero-vad')!;
   const lease = await entry.admit({});
   const remote = (await entry.ensureReady()).pool;
   const local = await SlotPool.start({ kind: 'vad', model: silero.path }, 1, processSlots(0));

@@ -230,7 +230,7 @@ describe('three nodes and one NATS server', () => {
   it('busy holder: with max_queued reached on C, A answers 503 with Retry-After within the busy timeout, then uses B once B holds it too', async () => {
     let r = await post(`${A.url}/v1/models/load`, { id: 'alexa', node: 'C', max_streams: 1, max_queued: 1 });
     expect(r.status, JSON.stringify(r.body)).toBe(200);
-    const entry = C.supervisor.get('alexa')!;
+    const entry = C.supervisor.getOrRegister('alexa')!;
     // One lease held and one waiting: C's queue for alexa is full.
     const held = await entry.admission.acquire({});
     const waiting = entry.admission.acquire({});
