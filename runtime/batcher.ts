@@ -6,8 +6,8 @@ import type { SlotPool } from './slots.js';
  * one result per row again. Each row keeps its own state; the slot runs the rows together.
  */
 export interface Packing<J extends Job, R extends JobResult> {
-  /** Packs `rows` into one job whose arrays come from `arena` (valid until the job's result is back). */
-  pack(rows: J[], arena: Arena): J;
+  /** Packs `rows` into one job whose arrays come from `arena` (reset it only once the job's result is back; default: a new one). */
+  pack(rows: J[], arena?: Arena): J;
   /** One result per row: views into `result`'s arrays (a session copies what it keeps, or keeps the view). */
   unpack(result: R, rows: J[]): R[];
 }
@@ -49,7 +49,7 @@ export class Arena {
 
 /** Silero VAD: windows row after row with `counts`, state and context row by row (a ragged batch). */
 export const vadPacking: Packing<VadJob, VadResult> = {
-  pack: (rows, arena) => ({
+  pack: (rows, arena = new Arena()) => ({
     kind: 'vad',
     counts: rows.map((r) => r.windows.length / SILERO.WINDOW),
     windows: arena.concat(rows.map((r) => r.windows)),
@@ -74,7 +74,7 @@ export const vadPacking: Packing<VadJob, VadResult> = {
 
 /** openWakeWord: each row's audio (look-back + steps), mel buffer and embedding history in turn, with `counts` (steps per row). */
 export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
-  pack: (rows, arena) => ({
+  pack: (rows, arena = new Arena()) => ({
     kind: 'wakeword',
     counts: rows.map((r) => (r.audio.length - OWW.LOOKBACK) / OWW.STEP),
     audio: arena.concat(rows.map((r) => r.audio)),
