@@ -3,6 +3,11 @@ import { Batcher, vadPacking } from '../../runtime/batcher.js';
 import type { JobResult, VadJob, VadResult } from '../../runtime/slot-protocol.js';
 import type { SlotPool } from '../../runtime/slots.js';
 
+/** Waits (in 1 ms steps) until `done()`. */
+const until = async (done: () => boolean): Promise<void> => {
+  while (!done()) await new Promise((r) => setTimeout(r, 1));
+};
+
 /** A stream's VAD job of `windows` windows whose every sample is `value`. */
 const row = (value: number, windows = 2): VadJob => ({ kind: 'vad', windows: new Float32Array(windows * 512).fill(value), state: new Float32Array(256).fill(value), context: new Float32Array(64).fill(value) });
 
@@ -31,16 +36,14 @@ describe('Batcher', () => {
     const { pool, held } = heldPool(2);
     const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 2, 1);
     const first = [batcher.run(row(1)), batcher.run(row(2))];
-    await new Promise((r) => setTimeout(r, 5));
+    expect(held).toHaveLength(1);
     const second = batcher.run(row(3));
-    await new Promise((r) => setTimeout(r, 5));
-    expect(held).toHaveLength(2);
+    await until(() => held.length === 2);
     // The second batch is answered first; its buffers go to the third batch, packed while the first is still out.
     held[1].answer();
     expect((await second).probs[0]).toBe(3);
     const third = batcher.run(row(9, 4));
-    await new Promise((r) => setTimeout(r, 5));
-    expect(held).toHaveLength(3);
+    await until(() => held.length === 3);
     expect(held[2].job.windows.every((v) => v === 9)).toBe(true);
     // The first batch's job still holds its own rows' samples and state.
     const job = held[0].job;
