@@ -31,7 +31,7 @@ interface Params {
 /** Silero's OnnxWrapper.__call__ at 16 kHz over the whole audio (the last window zero-padded), as get_speech_timestamps runs it. */
 async function sileroProbs(audio: Float32Array): Promise<number[]> {
   const session = await ort.InferenceSession.create(SILERO_V6);
-  let state = new ort.Tensor('float32', new Float32Array(2 * 128), [2, 1, 128]);
+  let state: ort.Tensor = new ort.Tensor('float32', new Float32Array(2 * 128), [2, 1, 128]);
   let context = new Float32Array(64);
   const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
   const probs: number[] = [];
