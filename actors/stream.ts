@@ -5,7 +5,7 @@ import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStrea
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, type VoxError } from '../runtime/errors.js';
 import type { Job } from '../runtime/slot-protocol.js';
-import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
+import { createTaskSession, drain, type ProbabilityStream, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
 
 /** WebSocket close codes (DESIGN.md section 4). */
@@ -27,10 +27,12 @@ export interface StreamParams {
   busyTimeoutMs?: number;
   /** Task options given as query parameters (`threshold=0.7`), validated against the model's task. */
   options?: Record<string, unknown>;
+  /** `probabilities=true` / `probability_interval_ms=N` (VAD): stream speech probabilities (docs/vad.md). */
+  probabilities?: ProbabilityStream;
 }
 
 /** Query parameters of `/v1/stream` besides task options. */
-export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms'] as const;
+export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms', 'probabilities', 'probability_interval_ms'] as const;
 
 /**
  * An integer query parameter, or `dflt` when absent (an empty value is a bad value, as for task options).
@@ -56,6 +58,10 @@ export function parseStreamParams(url: URL): StreamParams {
   if (!model) throw invalid('model: required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
   if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid(`encoding: must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
+  const probabilities = url.searchParams.get('probabilities');
+  if (probabilities !== null && probabilities !== 'true' && probabilities !== 'false') throw invalid(`probabilities: must be true or false, got '${probabilities.slice(0, 32)}'`);
+  // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
+  const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
   return {
     model,
     encoding: encoding as PcmEncoding,
@@ -63,6 +69,7 @@ export function parseStreamParams(url: URL): StreamParams {
     channels: intParam(url, 'channels', 1, 1, MAX_CHANNELS)!,
     busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined, 0, MAX_TIMEOUT_MS),
     options,
+    probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
   };
 }
 
@@ -474,7 +481,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       const { pool, batcher } = loaded;
       // A stream's ready windows (or steps) go through the batcher, which runs them with other streams'.
       run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
-      session = createTaskSession(entry.config, pool.info, params.options, false);
+      session = createTaskSession(entry.config, pool.info, params.options, false, params.probabilities);
       if (gone.signal.aborted) return;
       send({ type: 'READY', model: entry.id, task: entry.config.task });
       caughtUpAt = performance.now();

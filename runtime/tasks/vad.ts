@@ -199,6 +199,17 @@ export class VadSegmenter {
   }
 }
 
+/**
+ * A stream's opt-in speech probabilities: one `probability` event per 32 ms window
+ * (`intervalMs` 0), or one per `intervalMs` span of stream time carrying the windows that start
+ * in it (`p` a list). Values are the model's, rounded to 1e-6.
+ */
+export interface ProbabilityStream {
+  intervalMs: number;
+}
+
+const WINDOW_MS = (SILERO.WINDOW * 1000) / RATE;
+
 /** A VAD request or stream: 512-sample windows through Silero, segmented by {@link VadSegmenter}. */
 export class VadSession extends WindowedSession {
   readonly segmenter: VadSegmenter;
@@ -206,8 +217,22 @@ export class VadSession extends WindowedSession {
   private context: Float32Array = new Float32Array(SILERO.CONTEXT);
   private processed = 0;
 
-  /** @param keepResults whether the segmenter keeps its segments (see {@link VadSegmenter}). */
-  constructor(_info: SlotInfo, options: VadOptions, keepResults = true) {
+  /** Windows whose probabilities have been accepted. */
+  private windows = 0;
+  /** The current span's probabilities (with `probabilities.intervalMs`), and its first window. */
+  private span: number[] = [];
+  private spanStart = 0;
+
+  /**
+   * @param keepResults whether the segmenter keeps its segments (see {@link VadSegmenter}).
+   * @param probabilities whether (and how) `probability` events are emitted; absent: never.
+   */
+  constructor(
+    _info: SlotInfo,
+    options: VadOptions,
+    keepResults = true,
+    private readonly probabilities?: ProbabilityStream,
+  ) {
     super(SILERO.WINDOW);
     this.segmenter = new VadSegmenter(options, keepResults);
   }
@@ -217,7 +242,26 @@ export class VadSession extends WindowedSession {
   }
 
   protected override closing(): TaskEvent[] {
-    return this.segmenter.finish(this.received);
+    return [...this.flushSpan(), ...this.segmenter.finish(this.received)];
+  }
+
+  /** The `probability` events due for the window just accepted, whose probability is `p`. */
+  private probability(p: number): TaskEvent[] {
+    const at = this.windows * WINDOW_MS;
+    const value = Math.round(p * 1e6) / 1e6;
+    if (!this.probabilities!.intervalMs) return [{ type: 'probability', at_ms: at, p: value }];
+    if (!this.span.length) this.spanStart = at;
+    this.span.push(value);
+    // The span is complete once the next window starts in the next one.
+    const interval = this.probabilities!.intervalMs;
+    return Math.floor((at + WINDOW_MS) / interval) > Math.floor(at / interval) ? this.flushSpan() : [];
+  }
+
+  private flushSpan(): TaskEvent[] {
+    if (!this.span.length) return [];
+    const e: TaskEvent = { type: 'probability', at_ms: this.spanStart, p: this.span };
+    this.span = [];
+    return [e];
   }
 
   nextJob(maxSteps: number): Job | null {
@@ -233,6 +277,8 @@ export class VadSession extends WindowedSession {
     const events: TaskEvent[] = [];
     for (const p of r.probs) {
       this.processed = Math.min(this.processed + SILERO.WINDOW, this.received);
+      if (this.probabilities) events.push(...this.probability(p));
+      this.windows++;
       events.push(...this.segmenter.push(p, this.processed));
     }
     if (this.finished) events.push(...this.closing());

@@ -4,16 +4,13 @@
  * (spec/fixtures/espeak_long_speech_16k.wav), the server's segments, on the file route and over a
  * stream, equal those of `get_speech_timestamps` (silero-vad src/silero_vad/utils_vad.py, commit
  * 806dcba) written out below, fed with window probabilities that onnxruntime-node computes here,
- * in the test, with Silero's own ONNX wrapper (OnnxWrapper in utils_vad.py: 64 samples of context
- * before each 512-sample window, the state carried from window to window).
+ * in the test ({@link sileroWindowProbs}: Silero's own ONNX wrapper).
  */
-import * as ort from 'onnxruntime-node';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { SILERO_V6 } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, WaveFile } from '../helpers.js';
+import { fixture, sileroWindowProbs, WaveFile } from '../helpers.js';
 
 const FILE = 'espeak_long_speech_16k.wav';
 const SR = 16_000;
@@ -26,26 +23,6 @@ interface Params {
   speech_pad_ms?: number;
   min_silence_at_max_speech?: number;
   use_max_poss_sil_at_max_speech?: boolean;
-}
-
-/** Silero's OnnxWrapper.__call__ at 16 kHz over the whole audio (the last window zero-padded), as get_speech_timestamps runs it. */
-async function sileroProbs(audio: Float32Array): Promise<number[]> {
-  const session = await ort.InferenceSession.create(SILERO_V6);
-  let state: ort.Tensor = new ort.Tensor('float32', new Float32Array(2 * 128), [2, 1, 128]);
-  let context = new Float32Array(64);
-  const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
-  const probs: number[] = [];
-  for (let at = 0; at < audio.length; at += 512) {
-    const x = new Float32Array(64 + 512);
-    x.set(context, 0);
-    x.set(audio.subarray(at, at + 512), 64);
-    const out = await session.run({ input: new ort.Tensor('float32', x, [1, 576]), state, sr });
-    probs.push((out.output.data as Float32Array)[0]);
-    state = out.stateN as ort.Tensor;
-    context = x.slice(-64);
-  }
-  await session.release();
-  return probs;
 }
 
 /** get_speech_timestamps (utils_vad.py) after its probability loop, at 16 kHz, in samples. */
@@ -174,7 +151,7 @@ beforeAll(async () => {
   const s16 = w.getSamples(false, Int16Array) as unknown as Int16Array;
   audio = Float32Array.from(s16, (v) => v / 32768);
   pcm = Buffer.from(s16.buffer, s16.byteOffset, s16.byteLength);
-  probs = await sileroProbs(audio);
+  probs = await sileroWindowProbs(audio);
   server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
 });
 afterAll(async () => {
