@@ -58,6 +58,8 @@ export interface BenchOptions {
   batchDelayMs?: number;
   /** Fixed stream counts instead of the held search (for profiling). */
   streams?: number[];
+  /** VAD streams ask for `probabilities=true` (a probability event per window). */
+  probabilities?: boolean;
 }
 
 const root = fileURLToPath(new URL('../..', import.meta.url));
@@ -232,7 +234,7 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
   try {
     const frameBytes = Math.round((16000 * w.frameMs) / 1000) * 2;
     const totalFrames = Math.round((o.seconds * 1000) / w.frameMs);
-    const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=${w.id}`;
+    const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=${w.id}${o.probabilities && w.id === 'silero-vad' ? '&probabilities=true' : ''}`;
     interface S { ws: WebSocket; next: number; start: number; done: boolean; lastSentAt: number; doneAt: number; events: string[] }
     const streams = await Promise.all(
       Array.from(

@@ -277,7 +277,8 @@ program
   .option('--batch-size <n>', "the model's max_batch_size (default: the server's)", int('--batch-size'))
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms (default: the server's)", int('--batch-delay-ms'))
   .option('--isolation <mode>', 'slot hosts: process or thread', 'process')
-  .action(async (opts: { task: string; quick?: boolean; rounds: number; seconds?: number; streams?: string; slots: number; batchSize?: number; batchDelayMs?: number; isolation: string }) => {
+  .option('--probabilities', 'VAD streams ask for probabilities=true (a probability event per window)')
+  .action(async (opts: { task: string; quick?: boolean; rounds: number; seconds?: number; streams?: string; slots: number; batchSize?: number; batchDelayMs?: number; isolation: string; probabilities?: boolean }) => {
     const workloads = opts.task.split(',').flatMap((t) => (t === 'vad' ? ['vad100', 'vad20'] : [t]));
     const known = ['vad100', 'vad20', 'wakeword'];
     if (!workloads.every((t) => known.includes(t))) die(`--task must be a comma-separated list of ${known.join(', ')} (or vad), got '${opts.task}'`);
@@ -295,6 +296,7 @@ program
       batchSize: opts.batchSize,
       batchDelayMs: opts.batchDelayMs,
       isolation: opts.isolation,
+      probabilities: opts.probabilities,
     });
   });
 
