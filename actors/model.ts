@@ -2,7 +2,7 @@ import { and, assign, createActor, enqueueActions, fromCallback, not, raise, sen
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { Batcher, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
-import { VoxError } from '../runtime/errors.js';
+import { fromWire, voxError, VoxError, type WireError } from '../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
 import { createLogger, type Metrics } from '../runtime/telemetry.js';
 import type { Logger } from 'pino';
@@ -67,7 +67,7 @@ const errorMessage = (e: unknown): string => (e instanceof Error ? e.message : S
 const refused = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
 /** What the `residency` actor receives: `CLOSE` from the chart, the gate's answer from the supervisor. */
-export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
+export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: WireError };
 
 /** Input of the `residency` actor: the config to load. */
 export interface ResidencyInput {
@@ -180,7 +180,7 @@ export const modelMachine = setup({
                   guard: 'loadTimeoutOn',
                   target: '#model.unloaded',
                   actions: assign(({ context }) => {
-                    const error = new VoxError('server_error', `loading took longer than load_timeout_ms (${context.config.load_timeout_ms ?? context.serverLoadTimeoutMs} ms); the load was abandoned`);
+                    const error = voxError('load_timeout', { ms: context.config.load_timeout_ms ?? context.serverLoadTimeoutMs });
                     return { failure: error, lastError: error.message };
                   }),
                 },
@@ -460,7 +460,7 @@ export class ModelEntry {
             if (e.type === 'LOAD_GRANTED') return answer?.granted();
             if (e.type === 'LOAD_REFUSED') {
               atGate = false;
-              return answer?.refused(new VoxError(e.error.type, e.error.message, { retryAfterS: e.error.type === 'server_busy' ? 1 : 5 }));
+              return answer?.refused(fromWire(e.error));
             }
             close().then(
               () => sendBack({ type: 'CLOSED' }),
@@ -471,7 +471,7 @@ export class ModelEntry {
             stopped = true;
             abandon.abort();
             leaveGate();
-            answer?.refused(new VoxError('shutting_down', 'the model entry stopped'));
+            answer?.refused(voxError('model_stopped'));
             void close().catch(() => {});
           };
         }),
@@ -585,7 +585,7 @@ export class ModelEntry {
   async admit(opts: { requestTimeoutMs?: number; signal?: AbortSignal; onRevoke?: (reason: Error) => void }): Promise<Lease> {
     const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
     if (this.stuck()) {
-      throw new VoxError('server_busy', `model ${this.id} is stuck: its work has run longer than the busy timeout of ${this.busyTimeoutMs} ms`, { retryAfterS: 5 });
+      throw voxError('model_stuck', { id: this.id, ms: this.busyTimeoutMs });
     }
     const lease = await this.admission.acquire({ timeoutMs, signal: opts.signal, onRevoke: opts.onRevoke });
     this.touch();
@@ -611,7 +611,7 @@ export class ModelEntry {
       if (state === 'unloaded') {
         if (asked) {
           const f = s.context.failure;
-          throw refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`);
+          throw refused(f) ? f : voxError('load_failed', { id: this.id, reason: errorMessage(f) });
         }
         asked = true;
         this.actor.send({ type: 'LOAD' });
@@ -690,7 +690,7 @@ export class ModelEntry {
    * model unloads; running inferences are abandoned with their slots.
    */
   async forceUnload(): Promise<void> {
-    this.admission.revokeAll(new VoxError('server_busy', `model ${this.id} was unloaded (force)`, { retryAfterS: 1 }));
+    this.admission.revokeAll(voxError('model_unloaded', { id: this.id }));
     await this.unload(0);
   }
 

@@ -3,18 +3,13 @@ import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo,
 import type { Lease } from '../runtime/admission.js';
 import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
-import { invalid, toVoxError, type VoxError } from '../runtime/errors.js';
+import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
+import { CLOSE } from '../runtime/wire.js';
 import type { Job } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
 
-/** WebSocket close codes (DESIGN.md section 4). */
-export const CLOSE = { NORMAL: 1000, GOING_AWAY: 1001, POLICY: 1008, TOO_LARGE: 1009, INTERNAL: 1011, FORCE_UNLOAD: 1012, BUSY: 1013 } as const;
-
-/** The close code for a stream that fails with `err`: the client's mistake 1008, busy 1013, else 1011. */
-export function closeCodeFor(err: VoxError): number {
-  return err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
-}
+export { CLOSE } from '../runtime/wire.js';
 
 /** What a stream asks for in its query string. */
 export interface StreamParams {
@@ -42,7 +37,7 @@ function intParam(url: URL, name: string, dflt: number | undefined, min: number,
   const raw = url.searchParams.get(name);
   if (raw === null) return dflt;
   const n = Number(raw);
-  if (!/^\d{1,10}$/.test(raw) || n < min || n > max) throw invalid(`${name}: must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
+  if (!/^\d{1,10}$/.test(raw) || n < min || n > max) throw invalid(name, `must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
   return n;
 }
 
@@ -53,9 +48,9 @@ function intParam(url: URL, name: string, dflt: number | undefined, min: number,
 export function parseStreamParams(url: URL): StreamParams {
   const options = queryOptions(url.searchParams, STREAM_QUERY);
   const model = url.searchParams.get('model');
-  if (!model) throw invalid('model: required query parameter');
+  if (!model) throw invalid('model', 'required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
-  if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid(`encoding: must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
+  if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid('encoding', `must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
   return {
     model,
     encoding: encoding as PcmEncoding,
@@ -250,7 +245,7 @@ export class StreamChannel {
 export type StreamInput =
   | { type: 'END' }
   /** A text frame that is not `{"type":"end"}`: answered with an `error` event, the stream goes on. */
-  | { type: 'BAD_CONTROL'; message: string }
+  | { type: 'BAD_CONTROL'; error: WireError }
   | { type: 'PONG' }
   /** The client leaves more than `ws_max_buffered_bytes` unread. */
   | { type: 'SEND_BLOCKED' }
@@ -273,9 +268,13 @@ export type WorkEvent =
   | { type: 'PAUSE' }
   | { type: 'RESUME' }
   | { type: 'DONE'; processed_ms: number; timing: Record<string, number> }
-  | { type: 'FAILED'; error: { type: string; message: string }; code: number };
+  | { type: 'FAILED'; error: WireError; code: number };
 
-type CutEvent = { type: 'CUT'; code: number; reason: string; notify: boolean };
+/** Closes the stream with `code` and `reason`; with `error`, an `error` event first tells the client why. */
+type CutEvent = { type: 'CUT'; code: number; reason: string; error?: WireError };
+
+/** A cut that tells the client why: the error's event, then its close code. */
+const cutFor = (e: VoxError): CutEvent => ({ type: 'CUT', code: e.closeCode, reason: e.message, error: e.toWire() });
 
 /** What a stream socket actor emits for the transport to write: events into bytes. */
 export type StreamOutput =
@@ -347,7 +346,7 @@ function closeReason(text: string): string {
   return `${cut}...`;
 }
 
-const errorEvent = (type: string, message: string): WireEvent => ({ type: 'error', error: { type, message } });
+const errorEvent = (error: WireError): WireEvent => ({ type: 'error', error });
 
 /**
  * The `work` actor of a stream: it owns the live resources (the lease, the PCM decoder, the task
@@ -384,7 +383,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   const fail = (e: unknown): void => {
     if (gone.signal.aborted) return;
     const err = toVoxError(e);
-    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
+    send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
   };
   const pause = (): void => {
     if (!paused) send({ type: 'PAUSE' });
@@ -463,7 +462,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
         signal: gone.signal,
         onRevoke: (why) => {
           const err = toVoxError(why);
-          send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
+          send({ type: 'FAILED', error: err.toWire(), code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
         },
       });
       if (gone.signal.aborted) return lease.release();
@@ -616,32 +615,32 @@ export const streamSocketMachine = setup({
       invoke: { id: 'work', src: 'work', input: ({ context }) => ({ id: context.id }) },
       // The lease is released as `work` stops; the transport hears `released`.
       exit: ['log', emit({ type: 'released' })],
-      after: { total: { guard: 'totalOn', actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `stream exceeded limits.total_ms (${context.limits.total_ms} ms)`, notify: true }) as CutEvent) } },
+      after: { total: { guard: 'totalOn', actions: raise(({ context }) => cutFor(voxError('stream_too_long', { totalMs: context.limits.total_ms }))) } },
       on: {
-        BAD_CONTROL: { actions: emit(({ event }) => ({ type: 'send', event: errorEvent('invalid_request_error', event.message) }) as StreamOutput) },
+        BAD_CONTROL: { actions: emit(({ event }) => ({ type: 'send', event: errorEvent(event.error) }) as StreamOutput) },
         PONG: { actions: assign({ alive: true }) },
         SEND_BLOCKED: [
           // The client may be blocked sending what the server does not read: the server gives up, and says so.
           {
             guard: 'readingPaused',
-            actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `server is behind: events unsent over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes}) while it paused reading`, notify: true }) as CutEvent),
+            actions: raise(({ context }) => cutFor(voxError('server_behind', { maxBytes: context.limits.ws_max_buffered_bytes }))),
           },
-          { actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`, notify: true }) as CutEvent) },
+          { actions: raise(({ context }) => cutFor(voxError('client_not_reading', { detail: `over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})` }))) },
         ],
         // Stop reading a flooding client at once: the rest of its flood is not parsed (nor its close frame: `closing` ends at closeGrace).
         FLOODED: {
           actions: [
-            raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `too many messages: over limits.ws_max_messages_per_s (${context.limits.ws_max_messages_per_s})`, notify: true }) as CutEvent),
+            raise(({ context }) => cutFor(voxError('stream_flooded', { perS: context.limits.ws_max_messages_per_s }))),
             emit({ type: 'pause' }),
           ],
         },
-        GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason, notify: false }) as CutEvent) },
+        GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason }) as CutEvent) },
         CUT: {
           target: 'closing',
           actions: [
             assign({ code: ({ event }) => event.code, cutReason: ({ event }) => event.reason }),
             enqueueActions(({ enqueue, event }) => {
-              if (event.notify) enqueue.emit({ type: 'send', event: errorEvent(event.code === CLOSE.BUSY ? 'server_busy' : 'invalid_request_error', event.reason) });
+              if (event.error) enqueue.emit({ type: 'send', event: errorEvent(event.error) });
               enqueue.emit({ type: 'close', code: event.code, reason: closeReason(event.reason) });
             }),
           ],
@@ -650,7 +649,7 @@ export const streamSocketMachine = setup({
           target: 'closing',
           actions: [
             assign({ code: ({ event }) => event.code }),
-            emit(({ event }) => ({ type: 'send', event: errorEvent(event.error.type, event.error.message) }) as StreamOutput),
+            emit(({ event }) => ({ type: 'send', event: errorEvent(event.error) }) as StreamOutput),
             emit(({ event }) => ({ type: 'close', code: event.code, reason: closeReason(event.error.message) }) as StreamOutput),
           ],
         },
@@ -668,7 +667,7 @@ export const streamSocketMachine = setup({
                 ],
                 // The client may end before it is ready; `work` keeps it for later.
                 END: { actions: [assign({ ended: true }), sendTo('work', { type: 'END' })] },
-                DRAIN: { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'server shutting down', notify: false } as CutEvent) },
+                DRAIN: { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'server shutting down' } as CutEvent) },
               },
             },
             streaming: {
@@ -724,7 +723,7 @@ export const streamSocketMachine = setup({
                   { guard: 'endedEarly', target: 'off' },
                   {
                     guard: 'idleExpired',
-                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `no message for limits.idle_ms (${context.limits.idle_ms} ms)`, notify: true }) as CutEvent),
+                    actions: raise(({ context }) => cutFor(voxError('stream_idle', { idleMs: context.limits.idle_ms }))),
                   },
                   { target: 'watching', actions: assign({ idleLeftMs: ({ context, event }) => Math.max(1, context.limits.idle_ms - event.silentMs) }) },
                 ],
@@ -746,7 +745,7 @@ export const streamSocketMachine = setup({
               after: {
                 settle: [
                   { guard: 'alive', target: 'waiting', actions: [assign({ alive: false }), emit({ type: 'ping' })] },
-                  { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'no pong: peer is gone', notify: false } as CutEvent) },
+                  { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'no pong: peer is gone' } as CutEvent) },
                 ],
               },
               on: { PAUSE: 'suspended' },
@@ -774,7 +773,7 @@ export const streamSocketMachine = setup({
                 SEND_REPORT: [
                   {
                     guard: 'sendExpired',
-                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)`, notify: false }) as CutEvent),
+                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)` }) as CutEvent),
                   },
                   { target: 'watching', actions: assign({ sendLeftMs: ({ context, event }) => Math.max(1, context.limits.send_timeout_ms - event.waitingMs) }) },
                 ],

@@ -3,10 +3,10 @@ import type { Lease } from '../runtime/admission.js';
 import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
 import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
 import type { Limits, ModelConfig } from '../runtime/config.js';
-import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
+import { invalid, toVoxError, voxError } from '../runtime/errors.js';
 import type { Job, JobResult } from '../runtime/slot-protocol.js';
 import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
-import { CLOSE, closeCodeFor, createStreamSocket, LagClock, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
+import { CLOSE, createStreamSocket, LagClock, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
 import type { Supervisor } from './supervisor.js';
 
 /**
@@ -59,16 +59,16 @@ export function normalizeWakeName(name: string): string {
  * @throws VoxError `not_found` naming an unknown name; `invalid_request_error` for a non-array or a second VAD model.
  */
 export function resolveNames(registry: Supervisor, names: unknown): { wake: string | null; vad: string | null } {
-  if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string'))) throw invalid('detect.names: must be a list of strings');
+  if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string'))) throw invalid('detect.names', 'must be a list of strings');
   const wanted = (names as string[] | undefined | null) ?? [];
   const wake = new Set<string>();
   let vad: string | null = null;
   for (const raw of wanted) {
     const id = registry.configOf(raw) ? raw : normalizeWakeName(raw);
     const config = registry.configOf(id);
-    if (!config) throw new VoxError('not_found', `detect.names: no model '${raw.slice(0, 128)}'; describe lists the wake words`);
+    if (!config) throw voxError('model_not_found', { id: raw, field: 'detect.names', hint: 'describe lists the wake words' });
     if (config.task === 'vad') {
-      if (vad && vad !== id) throw invalid('detect.names: at most one VAD model');
+      if (vad && vad !== id) throw invalid('detect.names', 'at most one VAD model');
       vad = id;
     } else if (config.heads) {
       for (const h of config.heads) wake.add(typeof h === 'string' ? h : h.model);
@@ -155,7 +155,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     if (gone.signal.aborted) return;
     const err = toVoxError(e);
     gone.abort();
-    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
+    send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
   };
   const setPaused = (p: boolean): void => {
     if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
@@ -210,7 +210,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
         signal: gone.signal,
         onRevoke: (why) => {
           const err = toVoxError(why);
-          send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
+          send({ type: 'FAILED', error: err.toWire(), code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
         },
       });
       if (gone.signal.aborted) return lease.release();
@@ -230,9 +230,9 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     if (audio) await stop(false);
     const { rate, width, channels } = data;
     for (const [k, v] of Object.entries({ rate, width, channels })) {
-      if (typeof v !== 'number' || !Number.isInteger(v)) throw invalid(`audio-start.${k}: required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
+      if (typeof v !== 'number' || !Number.isInteger(v)) throw invalid(`audio-start.${k}`, `required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
     }
-    if (width !== 2) throw invalid(`audio-start.width: only 2 (16-bit PCM) is supported, got ${width}`);
+    if (width !== 2) throw invalid('audio-start.width', `only 2 (16-bit PCM) is supported, got ${width}`);
     checkFormat(rate as number, channels as number);
     await admit();
     if (gone.signal.aborted) return;

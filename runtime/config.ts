@@ -2,7 +2,7 @@ import { readFileSync } from 'node:fs';
 import { dirname, resolve } from 'node:path';
 import { z } from 'zod';
 import { defaultCatalog } from './catalog.js';
-import { invalid } from './errors.js';
+import { invalid, voxError } from './errors.js';
 import { LOG_LEVELS } from './telemetry.js';
 
 /**
@@ -281,7 +281,7 @@ export function formatIssues(err: z.ZodError, prefix = ''): string {
  */
 export function parseWith<S extends z.ZodType>(schema: S, value: unknown, prefix = ''): z.infer<S> {
   const r = schema.safeParse(value);
-  if (!r.success) throw invalid(formatIssues(r.error, prefix));
+  if (!r.success) throw voxError('invalid_fields', { issues: formatIssues(r.error, prefix) });
   return r.data;
 }
 
@@ -296,12 +296,12 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
     try {
       text = readFileSync(file, 'utf8');
     } catch (e) {
-      throw invalid(`cannot read config file ${file}: ${(e as Error).message}`);
+      throw voxError('invalid_config', { file, problem: `cannot be read: ${(e as Error).message}` });
     }
     try {
       raw = JSON.parse(text);
     } catch (e) {
-      throw invalid(`config file ${file} is not valid JSON: ${(e as Error).message}`);
+      throw voxError('invalid_config', { file, problem: `is not valid JSON: ${(e as Error).message}` });
     }
   }
   const defined = Object.fromEntries(Object.entries(overrides).filter(([, v]) => v !== undefined));
@@ -327,10 +327,10 @@ export function queryOptions(params: URLSearchParams, fields: readonly string[])
   const options: Record<string, unknown> = {};
   const seen = new Set<string>();
   for (const [k, v] of params) {
-    if (seen.has(k)) throw invalid(`${k}: query parameter given more than once`);
+    if (seen.has(k)) throw invalid(k, 'query parameter given more than once');
     seen.add(k);
     if (fields.includes(k)) continue;
-    if (!OPTION_NAMES.includes(k)) throw invalid(`${k.slice(0, 64)}: unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}`);
+    if (!OPTION_NAMES.includes(k)) throw voxError('unknown_field', { field: k, problem: `unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}` });
     options[k] = v.trim() !== '' && Number.isFinite(Number(v)) ? Number(v) : v;
   }
   return Object.keys(options).length ? options : undefined;

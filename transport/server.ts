@@ -7,9 +7,9 @@ import { createInspection } from '../actors/inspection.js';
 import { drainOnShutdown } from '../actors/system.js';
 import { queryOptions, type ServerConfig } from '../runtime/config.js';
 import { startDecoders } from '../runtime/decode.js';
-import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
+import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
-import { SUBPROTOCOLS, type Subprotocol } from './codec.js';
+import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, errorHeaders, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, requireMediaType, requireRunMediaType, sendError, sendJson, type HttpLink } from './http.js';
 import { createAccess, isLoopback } from './access.js';
@@ -135,10 +135,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       try {
         id = decodeURIComponent(one[1]);
       } catch {
-        throw invalid(`model id in the path is not valid percent-encoding: ${one[1].slice(0, 64)}`);
+        throw invalid('id', `not valid percent-encoding in the path: ${one[1].slice(0, 64)}`);
       }
       const status = supervisor.status(id);
-      if (!status) throw new VoxError('not_found', `model '${id}' does not exist`);
+      if (!status) throw voxError('model_not_found', { id });
       return sendJson(res, 200, status);
     }
     if (method === 'POST' && MANAGEMENT.includes(path)) {
@@ -153,14 +153,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
         return sendJson(res, 200, await supervisor.load(body, timeout, gone.signal));
       }
       if (path === '/v1/models/unload') {
-        if (typeof body.id !== 'string' || !body.id) throw invalid('id: required, a model id string');
-        if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force: must be a boolean');
+        if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
+        if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
         const entry = supervisor.require(body.id);
         await (body.force ? entry.forceUnload() : entry.unload(timeout, gone.signal));
         return sendJson(res, 200, { id: body.id, loaded: false });
       }
       if (path === '/v1/models/unload_many') {
-        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids: required, an array of model id strings');
+        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids', 'required, an array of model id strings');
         return sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout, gone.signal));
       }
       const { unloaded } = await supervisor.unloadMany(supervisor.registeredIds, timeout, gone.signal);
@@ -178,8 +178,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return link.tell({ type: 'TASK', rid, request });
     }
     const known = ['/health', '/ready', '/metrics', '/demo', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
-    if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
-    throw new VoxError('not_found', `no route ${method} ${path}`);
+    if (known.includes(path) || one) throw voxError('method_not_allowed', { method, path });
+    throw voxError('route_not_found', { route: `${method} ${path}` });
   };
 
   const headersTimeout = config.limits.headers_timeout_ms;
@@ -242,7 +242,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Garbage request lines, oversized headers, header timeouts: answer if the socket can still take it.
     if (!socket.writable) return socket.destroy();
     const status = err.code === 'HPE_HEADER_OVERFLOW' ? 431 : err.code === 'ERR_HTTP_REQUEST_TIMEOUT' ? 408 : 400;
-    endWithJson(socket, status, { error: { type: 'invalid_request_error', message: `malformed request: ${err.code ?? err.message}` } });
+    const reason = err.code ?? err.message;
+    const e = voxError(status === 431 ? 'headers_too_large' : status === 408 ? 'headers_timeout' : 'malformed_request', { reason });
+    endWithJson(socket, e.status, errorBody(e));
   });
 
   const wss = new WebSocketServer({
@@ -260,7 +262,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const refuse = (e: VoxError): void => endWithJson(socket, e.status, errorBody(e), errorHeaders(e));
     if ((req.headers.upgrade ?? '').toLowerCase() !== 'websocket') {
       // Another protocol (e.g. curl's h2c offer): answer a body-less request over HTTP/1.1 as usual.
-      if (req.method !== 'GET' && req.method !== 'HEAD') return refuse(invalid(`Upgrade: ${req.headers.upgrade} is not supported`));
+      if (req.method !== 'GET' && req.method !== 'HEAD') return refuse(voxError('upgrade_not_supported', { upgrade: String(req.headers.upgrade) }));
       const res = new ServerResponse(req);
       res.assignSocket(socket as Socket);
       res.shouldKeepAlive = false;
@@ -270,13 +272,13 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     try {
       access.host(req);
       access.origin(req);
-      if (path.replace(/\/+$/, '') !== '/v1/stream') throw new VoxError('not_found', `no WebSocket route ${path}; streams are at /v1/stream`);
+      if (path.replace(/\/+$/, '') !== '/v1/stream') throw voxError('route_not_found', { route: `WebSocket ${path}`, hint: 'streams are at /v1/stream' });
       access.apiKey(req, (req.headers['sec-websocket-protocol'] ?? '').split(',').map((p) => p.trim()));
       // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
       // bad values of known ones are reported on the open stream (error event, close 1008).
       queryOptions(target.searchParams, STREAM_QUERY);
       if (!supervisor.accepting) throw supervisor.notAccepting();
-      if (streams.size >= config.limits.max_ws_connections) throw new VoxError('server_busy', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
+      if (streams.size >= config.limits.max_ws_connections) throw voxError('too_many_streams', { max: config.limits.max_ws_connections });
     } catch (e) {
       return refuse(toVoxError(e));
     }

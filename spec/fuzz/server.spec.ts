@@ -15,7 +15,7 @@ import { defaultCatalog } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { ERROR_STATUS } from '../../runtime/errors.js';
 import { createLoader, WeightBundles, type ModelLoader } from '../../runtime/loader.js';
-import { SUBPROTOCOLS } from '../../transport/codec.js';
+import { SUBPROTOCOLS } from '../../runtime/wire.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fakeLoader } from './fakes.js';
 import { base64Wav, edgeInt, fuzz, jsonBodyArb, junkValue, optionsArb, queryArb, queryValue, report, sometimes, wavArb } from './gen.js';
