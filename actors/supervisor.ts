@@ -1,8 +1,8 @@
 import { stat } from 'node:fs/promises';
 import { assign, createActor, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
-import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
-import { ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
+import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
+import { defaultCatalog, ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
 import { invalid, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';

@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { dirname, resolve } from 'node:path';
 import { z } from 'zod';
-import { defaultCatalog } from './catalog.js';
+import { CATALOG } from './catalog.js';
 import { invalid, voxError } from './errors.js';
 import { LOG_LEVELS } from './telemetry.js';
 
@@ -100,6 +100,11 @@ export const ModelConfig = z.strictObject({
   .transform((m) => ({ ...m, path: m.path ?? '' }));
 export type ModelConfig = z.infer<typeof ModelConfig>;
 
+/** The embedded default catalog (runtime/catalog.ts) as model configs: the models registered lazily, on first use. */
+export function defaultCatalog(): ModelConfig[] {
+  return CATALOG.map((entry) => ModelConfig.parse(entry));
+}
+
 /** A wake-word head as the slots and sessions see it: its label (model id) and file; thresholds when set. */
 export interface ResolvedHead {
   label: string;
@@ -181,7 +186,7 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
 function inheritFromCatalog(value: unknown): unknown {
   if (!value || typeof value !== 'object' || Array.isArray(value)) return value;
   const m = value as Record<string, unknown>;
-  const base = typeof m.id === 'string' ? defaultCatalog().find((c) => c.id === m.id) : undefined;
+  const base = typeof m.id === 'string' ? CATALOG.find((c) => c.id === m.id) : undefined;
   if (!base) return value;
   const task = m.task ?? base.task;
   return { ...m, task, path: m.path ?? (task === base.task ? base.path : undefined) };

@@ -17,7 +17,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
-import { defaultCatalog } from '../runtime/catalog.js';
+import { defaultCatalog } from '../runtime/config.js';
 import type { Job } from '../runtime/slot-protocol.js';
 import { SlotPool, slotFactory } from '../runtime/slots.js';
 import { VoxClient, type VoxStream } from '../client/node.js';

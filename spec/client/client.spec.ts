@@ -6,8 +6,7 @@ import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket, { WebSocketServer } from 'ws';
 import { VoxClient, VoxClientError, type StreamEvent } from '../../client/node.js';
-import { defaultCatalog } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
+import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, loopWav, WaveFile } from '../helpers.js';
 

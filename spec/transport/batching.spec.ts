@@ -1,8 +1,7 @@
 /** Dynamic batching across streams, processing lag, and POST /v1/tasks/batch, on real models and audio. */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
+import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, WaveFile } from '../helpers.js';
 

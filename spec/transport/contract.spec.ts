@@ -1,8 +1,7 @@
 /** Named regression tests of the lifecycle contract on the real server with real models. */
 import { Worker } from 'node:worker_threads';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defaultCatalog } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
+import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { createLoader, WeightBundles, type ModelLoader } from '../../runtime/loader.js';
 import { slotHostFile, slotOnWorker, type SlotFactory } from '../../runtime/slots.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
