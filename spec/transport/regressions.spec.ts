@@ -1,8 +1,5 @@
 /** Regressions from trying to break the server (each one a failure seen on an earlier build). */
-import { writeFileSync } from 'node:fs';
 import { connect } from 'node:net';
-import { tmpdir } from 'node:os';
-import { dirname, join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';
