@@ -46,6 +46,7 @@ export const ERRORS = {
   stream_too_long: { type: 'invalid_request_error', message: (p: { totalMs: number }) => `stream exceeded limits.total_ms (${p.totalMs} ms)` },
   stream_flooded: { type: 'invalid_request_error', message: (p: { perS: number }) => `too many messages: over limits.ws_max_messages_per_s (${p.perS})` },
   method_not_allowed: { type: 'invalid_request_error', status: 405, message: (p: { method: string; path: string }) => `method ${clip(p.method, 32)} is not allowed on ${clip(p.path)}` },
+  websocket_required: { type: 'invalid_request_error', status: 426, message: (p: { path: string }) => `${p.path} is a WebSocket route: open a WebSocket (Upgrade: websocket)` },
   upgrade_not_supported: { type: 'invalid_request_error', message: (p: { upgrade: string }) => `Upgrade: ${clip(p.upgrade, 64)} is not supported` },
   malformed_request: { type: 'invalid_request_error', message: (p: { reason: string }) => `malformed request: ${p.reason}` },
   headers_too_large: { type: 'invalid_request_error', status: 431, message: (p: { reason: string }) => `malformed request: ${p.reason}` },

@@ -7,15 +7,15 @@ import { createInspection } from '../actors/inspection.js';
 import { drainOnShutdown } from '../actors/system.js';
 import { queryOptions, type ServerConfig } from '../runtime/config.js';
 import { startDecoders } from '../runtime/decode.js';
-import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
-import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
+import { errorBody, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
-import { bindHttp, errorHeaders, parseBatchRequest, parseJsonObject, parseRunRequest, readBody, requireMediaType, requireRunMediaType, sendError, sendJson, type HttpLink } from './http.js';
+import { bindHttp, errorHeaders, sendError, type HttpLink } from './http.js';
 import { createAccess, isLoopback } from './access.js';
 import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { demoRoute } from './demo.js';
+import { createDispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
@@ -42,8 +42,6 @@ export interface VoxServer {
 
 /** Test seams: a loader (fake slots), the catalog of lazily registered models, the memory probe, a logger. */
 export type ServerOptions = Pick<SupervisorOptions, 'loader' | 'catalog' | 'memoryProbe' | 'log'>;
-
-const MANAGEMENT = ['/v1/models/load', '/v1/models/unload', '/v1/models/unload_many', '/v1/models/unload_all'];
 
 /** After an error answered before its request body was read, how long the rest is read and discarded before the connection is cut, ms. */
 const LINGER_MS = 5000;
@@ -74,113 +72,11 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const access = createAccess(config);
   const inspected = await createInspection(config);
   const supervisor = new Supervisor(config, { ...options, inspect: inspected.inspect });
-  const { log, metrics } = supervisor;
+  const { log } = supervisor;
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
-
-  const demo = demoRoute(config.demo.enabled ?? isLoopback(config.host));
-
-  const route = async (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number): Promise<void> => {
-    const url = new URL(req.url ?? '/', 'http://localhost');
-    const path = url.pathname.replace(/\/+$/, '') || '/';
-    const method = req.method ?? 'GET';
-    const timeout = config.busy_timeout_ms;
-    access.host(req);
-    const preflight = method === 'OPTIONS';
-    for (const [k, v] of Object.entries(access.origin(req, preflight))) res.setHeader(k, v);
-    if (preflight) {
-      res.writeHead(204, { allow: 'GET, POST, OPTIONS' });
-      return void res.end();
-    }
-    if (method === 'GET' && path === '/health') return sendJson(res, 200, { status: 'ok', models: supervisor.statuses().length });
-    if (method === 'GET' && path === '/ready') {
-      if (!supervisor.accepting) return sendJson(res, 503, { status: supervisor.phase });
-      const failed = supervisor.failedModels();
-      // Still ready (the other models serve), but a configured model that failed to load is named.
-      return sendJson(res, 200, failed.length ? { status: 'ready', failed_models: failed } : { status: 'ready' });
-    }
-    if (method === 'GET' && path === '/v1/models') return sendJson(res, 200, { models: supervisor.statuses(), failed_models: supervisor.failedModels() });
-    if (method === 'GET' && path === '/metrics') {
-      for (const m of supervisor.statuses()) {
-        metrics.queued.set({ model: m.id }, m.queued_requests);
-        metrics.activeSlots.set({ model: m.id }, m.active_slots);
-        metrics.resident.set({ model: m.id }, m.resident_bytes);
-      }
-      metrics.wsConnections.set(streams.size);
-      metrics.wsBuffered.set([...streams].reduce((n, s) => n + s.ws.bufferedAmount, 0));
-      const text = await metrics.registry.metrics();
-      res.writeHead(200, { 'content-type': metrics.registry.contentType });
-      return void res.end(text);
-    }
-    if (method === 'GET' && (path === '/debug' || path.startsWith('/debug/'))) {
-      // The page and its layout script hold no data.
-      access.management(req, path === '/debug' || path === '/debug/elk.js');
-      if (path === '/debug/elk.js') {
-        res.writeHead(200, { 'content-type': 'text/javascript; charset=utf-8', 'cache-control': 'max-age=3600' });
-        return void res.end(ELK_SCRIPT);
-      }
-      if (path === '/debug/charts') return sendJson(res, 200, CHARTS);
-      if (path === '/debug') {
-        res.writeHead(200, { 'content-type': 'text/html; charset=utf-8', 'cache-control': 'no-store' });
-        return void res.end(DEBUG_PAGE);
-      }
-      if (path === '/debug/state') return sendJson(res, 200, debugState(supervisor, streams, inspected.log));
-      if (path === '/debug/actors') return streamActors(res, inspected.log, sse);
-    }
-    if ((method === 'GET' || method === 'HEAD') && (path === '/demo' || path.startsWith('/demo/'))) return demo(path, res);
-    const one = /^\/v1\/models\/([^/]+)$/.exec(path);
-    if (method === 'GET' && one) {
-      let id: string;
-      try {
-        id = decodeURIComponent(one[1]);
-      } catch {
-        throw invalid('id', `not valid percent-encoding in the path: ${one[1].slice(0, 64)}`);
-      }
-      const status = supervisor.status(id);
-      if (!status) throw voxError('model_not_found', { id });
-      return sendJson(res, 200, status);
-    }
-    if (method === 'POST' && MANAGEMENT.includes(path)) {
-      access.management(req);
-      requireMediaType(req, ['application/json']);
-      if (!supervisor.accepting) throw supervisor.notAccepting();
-      const body = parseJsonObject(await readBody(req, res, 1024 * 1024, config.limits.idle_ms));
-      // A manager whose client goes away leaves the model's queue.
-      const gone = new AbortController();
-      res.on('close', () => res.writableFinished || gone.abort());
-      if (path === '/v1/models/load') {
-        return sendJson(res, 200, await supervisor.load(body, timeout, gone.signal));
-      }
-      if (path === '/v1/models/unload') {
-        if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
-        if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
-        const entry = supervisor.require(body.id);
-        await (body.force ? entry.forceUnload() : entry.unload(timeout, gone.signal));
-        return sendJson(res, 200, { id: body.id, loaded: false });
-      }
-      if (path === '/v1/models/unload_many') {
-        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids', 'required, an array of model id strings');
-        return sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout, gone.signal));
-      }
-      const { unloaded } = await supervisor.unloadMany(supervisor.registeredIds, timeout, gone.signal);
-      return sendJson(res, 200, { unloaded });
-    }
-    if (method === 'POST' && (path === '/v1/tasks/run' || path === '/v1/tasks/batch')) {
-      access.apiKey(req);
-      if (path === '/v1/tasks/run') requireRunMediaType(req);
-      else requireMediaType(req, ['application/json']);
-      if (!supervisor.accepting) throw supervisor.notAccepting();
-      // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
-      const t0 = performance.now();
-      const body = await readBody(req, res, config.limits.max_body_bytes, config.limits.idle_ms);
-      const request = path === '/v1/tasks/run' ? parseRunRequest(req, url, body, t0) : parseBatchRequest(url, body, t0);
-      return link.tell({ type: 'TASK', rid, request });
-    }
-    const known = ['/health', '/ready', '/metrics', '/demo', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
-    if (known.includes(path) || one) throw voxError('method_not_allowed', { method, path });
-    throw voxError('route_not_found', { route: `${method} ${path}` });
-  };
+  const dispatch = createDispatch({ config, supervisor, access, streams, sse, inspected, demo: demoRoute(config.demo.enabled ?? isLoopback(config.host)) });
 
   const headersTimeout = config.limits.headers_timeout_ms;
   const http = createServer(
@@ -222,7 +118,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const rid = link.begin(res);
     // In flight until the response has closed (task responses are written after `route` returns).
     const closed = new Promise<void>((resolve) => res.once('close', resolve));
-    const handled: Promise<void> = route(req, res, link, rid)
+    const handled: Promise<void> = dispatch(req, res, link, rid)
       .catch((err) => {
         sendError(res, err);
         // A body we did not read (e.g. over the size limit) is read and discarded after the

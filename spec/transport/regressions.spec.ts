@@ -1,5 +1,6 @@
 /** Regressions from trying to break the server (each one a failure seen on an earlier build). */
 import { connect } from 'node:net';
+import { dirname } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';

@@ -89,6 +89,22 @@ describe('server basics', () => {
       ['active_leases', 'active_slots', 'id', 'last_error', 'last_eviction', 'last_used_at', 'loaded', 'max_streams', 'oldest_wait_ms', 'processing_lag_ms', 'queued_requests', 'resident_bytes', 'retiring', 'slots', 'state', 'task'].sort(),
     );
   });
+
+  it('routes: 404 for a path no route has, 405 with Allow for a method the path does not take, 426 for a plain GET of the stream route', async () => {
+    const call = async (method: string, path: string) => {
+      const r = await fetch(`${server.url}${path}`, { method });
+      return { status: r.status, allow: r.headers.get('allow'), error: (await r.json()).error };
+    };
+    expect(await call('GET', '/no/such/route')).toMatchObject({ status: 404, error: { type: 'not_found', code: 'route_not_found', message: 'no route GET /no/such/route' } });
+    expect(await call('PUT', '/health')).toMatchObject({ status: 405, allow: 'GET', error: { type: 'invalid_request_error', code: 'method_not_allowed' } });
+    expect(await call('GET', '/v1/tasks/run')).toMatchObject({ status: 405, allow: 'POST', error: { code: 'method_not_allowed' } });
+    expect(await call('DELETE', '/v1/models/silero-vad/')).toMatchObject({ status: 405, allow: 'GET', error: { code: 'method_not_allowed' } });
+    expect(await call('POST', '/demo/x.js')).toMatchObject({ status: 405, allow: 'GET, HEAD' });
+    expect(await call('GET', '/v1/models/%ZZ')).toMatchObject({ status: 400, error: { code: 'invalid_field', message: expect.stringMatching(/^id: /) } });
+    expect(await call('GET', '/v1/stream')).toMatchObject({ status: 426, error: { code: 'websocket_required' } });
+    // A route's own path with a trailing slash is the route.
+    expect((await fetch(`${server.url}/health/`)).status).toBe(200);
+  });
 });
 
 describe('while starting (an eager model still loading)', () => {
