@@ -264,7 +264,7 @@ export interface SupervisorOptions {
  * runs. Its methods send events to the charts and wait for their answers.
  */
 export class Supervisor {
-  /** The system root: `starting -> running -> draining -> stopped`; emits `drain`. */
+  /** The system root: `starting -> running -> draining -> closing -> stopped`; emits `drain`, `linger`, `cut`. */
   readonly root: Actor<typeof systemMachine>;
   /** The supervisor chart (the root's child, `systemId` `supervisor`). */
   readonly actor: ActorRefFrom<typeof supervisorMachine>;
@@ -298,7 +298,7 @@ export class Supervisor {
       actions: { measureRoom: assign({ room: ({ context }) => this.measureRoom(context.current!, context.refused) }) },
       guards: { guarded: () => guarded },
     });
-    this.root = createActor(systemMachine.provide({ actors: { supervisor } }), { inspect: options.inspect, id: 'system' });
+    this.root = createActor(systemMachine.provide({ actors: { supervisor }, delays: { drainTimeout: config.drain_timeout_ms } }), { inspect: options.inspect, id: 'system' });
     // Every chart handles its own errors; the error observer keeps one from crashing the process.
     this.root.subscribe({ error: (e) => this.log.error({ err: e }, 'actor system error') });
     this.root.start();
@@ -424,9 +424,10 @@ export class Supervisor {
     return this.root.getSnapshot().value === 'running';
   }
 
-  /** The root's state: `starting`, `running`, `draining` or `stopped`. */
+  /** The root's state: `starting`, `running`, `draining`, `closing` or `stopped`. */
   get phase(): string {
-    return this.root.getSnapshot().value as string;
+    const value = this.root.getSnapshot().value;
+    return typeof value === 'string' ? value : Object.keys(value)[0];
   }
 
   /**

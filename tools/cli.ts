@@ -156,8 +156,8 @@ program
     const stop = (sig: string): void => {
       const first = ++signals === 1;
       process.stderr.write(first ? `voxserve: ${sig}, draining (up to ${config.drain_timeout_ms} ms; again to skip)\n` : `voxserve: ${sig}, skipping the drain\n`);
-      // A second call skips what is left of the drain.
-      server.close().then(
+      // A second signal cuts what is left of the drain.
+      (first ? server.close() : server.destroy()).then(
         () => {
           if (first) process.exit(0);
         },

@@ -4,7 +4,7 @@ import { Server as NetServer, type AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
 import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
 import { createInspection } from '../actors/inspection.js';
-import { drainOnShutdown } from '../actors/system.js';
+import { drainOnShutdown, type SystemEvent } from '../actors/system.js';
 import { queryOptions, type ServerConfig } from '../runtime/config.js';
 import { startDecoders } from '../runtime/decode.js';
 import { errorBody, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
@@ -31,13 +31,20 @@ export interface VoxServer {
   /** The Wyoming listener, when `wyoming.enabled`. */
   readonly wyoming: WyomingService | null;
   /**
-   * Shuts down in phases (C15): stop accepting (`/ready` and new work 503 `shutting_down`);
-   * let running requests finish and finish every stream (last events, `done`, close 1001) for
-   * up to `drain_timeout_ms`; then close what is left (streams 1001 with a reason, queued and
-   * running HTTP requests 503) and every connection; then unload every model. Resolves when no
-   * handler or callback runs any more. A second call skips what is left of the drain.
+   * Shuts down in phases (C15), as the system chart (actors/system.ts) says: stop accepting
+   * (`/ready` and new work 503 `shutting_down`); let running requests finish and finish every
+   * stream (last events, `done`, close 1001) for up to `drain_timeout_ms`; then close what is
+   * left (streams 1001 with a reason, queued and running HTTP requests 503) and every
+   * connection; then unload every model. Resolves when no handler or callback runs any more.
+   * Calling it again returns the same promise.
    */
   close(): Promise<void>;
+  /**
+   * Shuts down at once: what runs is cut off as at the drain deadline (streams 1001, requests
+   * 503), then connections close and models unload. During a `close()` it cuts the drain short.
+   * Resolves when `close()` would.
+   */
+  destroy(): Promise<void>;
 }
 
 /** Test seams: a loader (fake slots), the catalog of lazily registered models, the memory probe, a logger. */
@@ -54,12 +61,6 @@ function endWithJson(socket: { end(data: string): void }, status: number, body: 
 }
 
 /**
- * At shutdown, once the drain is done, how long idle keep-alive connections are left for their
- * clients' next request (answered 503 with `Connection: close`) before they are closed, ms.
- */
-const IDLE_LINGER_MS = 1000;
-
-/**
  * Creates the server, starts listening on `config.host:config.port` (port 0 picks a free one),
  * and loads the config's non-lazy models. Resolves once listening; `/ready` turns 200 when the
  * eager loads are done.
@@ -72,7 +73,11 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const access = createAccess(config);
   const inspected = await createInspection(config);
   const supervisor = new Supervisor(config, { ...options, inspect: inspected.inspect });
-  const { log } = supervisor;
+  const { log, root } = supervisor;
+  /** Tells the system root an event, unless it has stopped. */
+  const tell = (event: SystemEvent): void => {
+    if (root.getSnapshot().status === 'active') root.send(event);
+  };
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
@@ -96,7 +101,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const connections = new Set<Socket>();
   http.on('connection', (socket: Socket) => {
     connections.add(socket);
-    socket.once('close', () => connections.delete(socket));
+    socket.once('close', () => {
+      // The last one gone while the root lingers for them: the drain is over.
+      if (connections.delete(socket) && connections.size === 0) tell({ type: 'IDLE' });
+    });
   });
   /** Each connection's HTTP socket actor, created with its first request (a WebSocket upgrade never needs one). */
   const links = new WeakMap<object, HttpLink>();
@@ -212,38 +220,31 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const wyomingLinks = (): { released: Promise<void>; actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void } }[] => [...(wyoming?.links ?? [])];
   void supervisor.start();
 
+  /** Phase 2 is over: the listener closes (new connections are refused); the idle ones linger (the chart's `lingering`). */
+  let listenerClosed: Promise<void> | null = null;
+  const closeListener = (): Promise<void> =>
+    // net.Server's close: http.Server's would close the idle connections at once.
+    (listenerClosed ??= new Promise<void>((resolve) => NetServer.prototype.close.call(http, () => resolve())));
+  root.on('linger', () => {
+    void closeListener();
+    if (connections.size === 0) tell({ type: 'IDLE' });
+  });
+  const cut = new Promise<void>((resolve) => root.on('cut', () => resolve()));
+
   let closing: Promise<void> | null = null;
-  let skipDrain = (): void => {};
-  const close = async (): Promise<void> => {
+  const shutDown = async (): Promise<void> => {
     // Phase 1: stop accepting work. The listener stays up, so /ready answers 503 and new
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
     log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, wyoming: wyoming?.links.size, requests: inflight.size }, 'shutting down');
     for (const res of sse) res.end();
-    const deadline = performance.now() + config.drain_timeout_ms;
-    let skipped = false;
-    // Phase 2 (the root's `drain`, sent by beginShutdown): running work finishes; streams get their last events and `done`.
-    const drained = Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);
-    let timer: NodeJS.Timeout | undefined;
-    await Promise.race([
-      drained,
-      new Promise<void>((resolve) => {
-        skipDrain = () => {
-          skipped = true;
-          resolve();
-        };
-        timer = setTimeout(resolve, config.drain_timeout_ms);
-      }),
-    ]);
-    clearTimeout(timer);
-    // Phase 3: the listener closes (new connections are refused). An idle keep-alive connection
-    // is closed only after its client had a chance to send its next request and get the 503
-    // with `Connection: close` (up to IDLE_LINGER_MS, within the drain deadline): closing it
-    // while a request is on its way resets that request. Then what is left is cut off.
-    // (net.Server's close: http.Server's would close the idle connections at once.)
-    const listenerClosed = new Promise<void>((resolve) => NetServer.prototype.close.call(http, () => resolve()));
-    const lingerEnd = Math.min(deadline, performance.now() + IDLE_LINGER_MS);
-    while (connections.size > 0 && !skipped && performance.now() < lingerEnd) await new Promise((r) => setTimeout(r, 20));
+    // Phase 2 (the root's `draining`, which emitted `drain`): running work finishes; streams get
+    // their last events and `done`. The chart moves on when it has (`DRAINED`, then a linger for
+    // idle keep-alive connections), at the drain deadline, or on `destroy()`: it emits `cut`.
+    void Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]).then(() => tell({ type: 'DRAINED' }));
+    await cut;
+    // Phase 3: what is left is cut off.
+    void closeListener();
     http.closeIdleConnections();
     for (const s of [...streams, ...wyomingLinks()]) s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
     supervisor.revokeAll(supervisor.notAccepting());
@@ -254,12 +255,13 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     for (const socket of wyoming?.sockets ?? []) socket.destroy();
     // Phase 4: unload every model.
     await supervisor.stop(0);
-    await listenerClosed;
+    await closeListener();
     await wyomingClosed;
     inspected.stop();
     log.info('stopped');
     log.flush();
   };
+  const close = (): Promise<void> => (closing ??= shutDown());
   return {
     supervisor,
     http,
@@ -267,12 +269,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     streams,
     inflight,
     wyoming,
-    close: () => {
-      if (closing) {
-        skipDrain();
-        return closing;
-      }
-      return (closing = close());
+    close,
+    destroy: () => {
+      tell({ type: 'DESTROY' });
+      return close();
     },
   };
 }
