@@ -31,7 +31,7 @@ export type SystemEmitted = { type: 'drain' } | { type: 'linger' } | { type: 'cu
  * root actors of their own that share the inspector and listen to `drain`.
  */
 export const systemMachine = setup({
-  types: { events: {} as SystemEvent, emitted: {} as SystemEmitted },
+  types: { events: {} as SystemEvent, emitted: {} as SystemEmitted, input: {} as { supervisor?: unknown } | undefined, context: {} as { supervisor?: unknown } },
   actors: { supervisor: {} as AnyActorLogic },
   delays: {
     /** `drain_timeout_ms` (the supervisor provides the configured value). */
@@ -41,7 +41,9 @@ export const systemMachine = setup({
   },
 }).createMachine({
   id: 'system',
-  invoke: { id: 'supervisor', systemId: 'supervisor', src: 'supervisor' },
+  context: ({ input }) => ({ supervisor: input?.supervisor }),
+  // The supervisor's input (its live dependencies) passes through.
+  invoke: { id: 'supervisor', systemId: 'supervisor', src: 'supervisor', input: ({ context }: { context: { supervisor?: unknown } }) => context.supervisor },
   initial: 'starting',
   states: {
     starting: { on: { STARTED: 'running', SHUTDOWN: 'draining', DESTROY: 'closing' } },

@@ -68,6 +68,7 @@ export const ERRORS = {
       `${p.field ? `${p.field}: ` : ''}${p.kind ? `${p.kind} ` : ''}model '${clip(p.id)}' does not exist; ${p.hint ?? 'GET /v1/models lists the models'}`,
   },
   route_not_found: { type: 'not_found', message: (p: { route: string; hint?: string }) => `no route ${clip(p.route)}${p.hint ? `; ${p.hint}` : ''}` },
+  not_clustered: { type: 'not_found', message: () => 'this server is not part of a cluster (start it with --cluster <nats-url>)' },
   demo_disabled: { type: 'not_found', message: () => 'the demo is off: set demo.enabled in the config (it is on by default on a loopback address)' },
   demo_not_built: { type: 'not_found', message: () => 'the demo is not built: run npm run build' },
   // 413, 415
@@ -79,7 +80,7 @@ export const ERRORS = {
   // 503: retry later (after Retry-After).
   server_starting: { type: 'server_busy', retryAfterS: 1, message: () => 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work' },
   shutting_down: { type: 'shutting_down', retryAfterS: 5, message: () => 'the server is shutting down' },
-  model_stopped: { type: 'shutting_down', retryAfterS: 5, message: () => 'the model entry stopped' },
+  model_stopped: { type: 'shutting_down', retryAfterS: 5, message: (p: { id?: string }) => (p.id ? `model ${p.id} stopped` : 'the model entry stopped') },
   queue_full: { type: 'server_busy', retryAfterS: 1, message: (p: { max: number }) => `the queue is full: ${p.max} requests already wait for this model (max_queued); retry later` },
   busy_timeout: {
     type: 'server_busy',
@@ -118,6 +119,22 @@ export const ERRORS = {
     type: 'server_busy',
     retryAfterS: 1,
     message: (p: { maxBytes: number }) => `server is behind: events unsent over limits.ws_max_buffered_bytes (${p.maxBytes}) while it paused reading`,
+  },
+  // Cluster (docs/cluster.md).
+  cluster_load_timeout: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: (p: { id: string; ms: number }) => `model ${p.id} is being loaded by another node of the cluster and was not ready within the busy timeout (${p.ms} ms)`,
+  },
+  cluster_full: { type: 'server_busy', retryAfterS: 5, message: (p: { id: string; why: string }) => `no node of the cluster could load ${p.id}${p.why}` },
+  cluster_insufficient_memory: { type: 'insufficient_memory', retryAfterS: 5, message: (p: { id: string; why: string }) => `no node of the cluster could load ${p.id}${p.why}` },
+  no_holder: { type: 'server_busy', retryAfterS: 1, message: (p: { message: string }) => p.message },
+  node_unreachable: { type: 'server_busy', retryAfterS: 1, message: (p: { node: string; reason: string }) => `node ${p.node} did not answer (${p.reason})` },
+  node_not_found: { type: 'not_found', message: (p: { node: string }) => `node '${p.node}' is not in the cluster; GET /v1/cluster lists the nodes` },
+  node_failed: { type: 'server_error', message: (p: { message: string }) => p.message },
+  job_too_large: {
+    type: 'server_error',
+    message: (p: { id: string; bytes: number; max: number }) => `a job for ${p.id} is ${p.bytes} bytes, over NATS's max_payload (${p.max}); raise max_payload in nats-server's config`,
   },
   // 500: the server failed; report it if it repeats.
   load_failed: { type: 'server_error', message: (p: { id: string; reason: string }) => `model ${p.id} failed to load: ${p.reason}` },

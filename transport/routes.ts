@@ -2,6 +2,8 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { TaskRequest } from '../actors/http.js';
 import type { Inspection } from '../actors/inspection.js';
 import type { Supervisor } from '../actors/supervisor.js';
+import { validateModelConfig } from '../actors/model.js';
+import type { ClusterNode } from '../cluster/node.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { invalid, voxError } from '../runtime/errors.js';
 import type { Access } from './access.js';
@@ -114,6 +116,8 @@ export interface RouteDeps {
   readonly sse: Set<ServerResponse>;
   readonly inspected: Inspection;
   readonly demo: (path: string, res: ServerResponse) => void;
+  /** This node of a cluster, or null. */
+  readonly cluster: ClusterNode | null;
 }
 
 /**
@@ -122,8 +126,41 @@ export interface RouteDeps {
  * accepting work, body, handler. Throws the error to answer (the caller writes it).
  */
 export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number) => Promise<void> {
-  const { config, supervisor, access, streams, sse, inspected, demo } = deps;
+  const { config, supervisor, access, streams, sse, inspected, demo, cluster } = deps;
   const { metrics } = supervisor;
+
+  /** In a cluster, each model's status gains the nodes holding it; models held only elsewhere are listed too. */
+  const withNodes = <T extends { id: string }>(list: T[]): (T & { nodes?: unknown[] })[] => {
+    if (!cluster) return list;
+    const held = cluster.holdersByModel();
+    const out: (T & { nodes?: unknown[] })[] = list.map((m) => ({ ...m, nodes: held.get(m.id) ?? [] }));
+    for (const [id, nodes] of held) if (!list.some((m) => m.id === id)) out.push({ id, task: nodes[0].task, state: 'unloaded', loaded: false, nodes } as unknown as T & { nodes: unknown[] });
+    return out;
+  };
+
+  /** Management routes in a cluster: load by placement (`node`, `replicas`), unloads on every node unless `node`. */
+  const manageCluster = async (c: ClusterNode, path: string, body: Record<string, unknown>): Promise<unknown> => {
+    if (path === '/v1/models/load') {
+      return c.manageLoad(body, (fields) => {
+        const known = typeof fields.id === 'string' ? supervisor.configOf(fields.id) : undefined;
+        return validateModelConfig(known ? { ...known, ...fields } : fields);
+      });
+    }
+    if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
+    if (path === '/v1/models/unload') {
+      if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
+      const r = await c.manageUnload([body.id], body.node, body.force === true);
+      if (r.not_found.includes(body.id)) throw voxError('model_not_found', { id: body.id });
+      return { id: body.id, loaded: false, nodes: r.nodes };
+    }
+    if (path === '/v1/models/unload_many') {
+      if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids', 'required, an array of model id strings');
+      return c.manageUnload(body.ids as string[], body.node);
+    }
+    const { unloaded, nodes } = await c.manageUnload(undefined, body.node);
+    return { unloaded, nodes };
+  };
+
   const timeout = config.busy_timeout_ms;
   /** A management body: a JSON object of at most 1 MiB. */
   const jsonBody = async (req: IncomingMessage, res: ServerResponse): Promise<Record<string, unknown>> =>
@@ -156,10 +193,20 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
         if (!supervisor.accepting) return sendJson(res, 503, { status: supervisor.phase });
         const failed = supervisor.failedModels();
         // Still ready (the other models serve), but a configured model that failed to load is named.
-        sendJson(res, 200, failed.length ? { status: 'ready', failed_models: failed } : { status: 'ready' });
+        const clustered = cluster ? { cluster: { node: cluster.name, nats: cluster.connected ? 'connected' : 'disconnected' } } : {};
+        sendJson(res, 200, failed.length ? { status: 'ready', failed_models: failed, ...clustered } : { status: 'ready', ...clustered });
       },
     }),
-    route({ method: 'GET', path: '/v1/models', auth: 'none', handle: ({ res }) => sendJson(res, 200, { models: supervisor.statuses(), failed_models: supervisor.failedModels() }) }),
+    route({ method: 'GET', path: '/v1/models', auth: 'none', handle: ({ res }) => sendJson(res, 200, { models: withNodes(supervisor.statuses()), failed_models: supervisor.failedModels() }) }),
+    route({
+      method: 'GET',
+      path: '/v1/cluster',
+      auth: 'none',
+      handle: ({ res }) => {
+        if (!cluster) throw voxError('not_clustered');
+        sendJson(res, 200, cluster.status());
+      },
+    }),
     route({
       method: 'GET',
       path: '/v1/models/:id',
@@ -167,7 +214,7 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       handle: ({ res, params }) => {
         const status = supervisor.status(params.id);
         if (!status) throw voxError('model_not_found', { id: params.id });
-        sendJson(res, 200, status);
+        sendJson(res, 200, cluster ? withNodes([status])[0] : status);
       },
     }),
     route({
@@ -194,12 +241,18 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
     route({ method: 'GET', path: '/debug/state', auth: 'management', handle: ({ res }) => sendJson(res, 200, debugState(supervisor, streams, inspected.log)) }),
     route({ method: 'GET', path: '/debug/actors', auth: 'management', handle: ({ res }) => streamActors(res, inspected.log, sse) }),
     ...(['GET', 'HEAD'] as const).flatMap((method) => ['/demo', '/demo/*'].map((path) => route({ method, path, auth: 'none', handle: (r) => demo(r.path, r.res) }))),
-    route({ ...management, method: 'POST', path: '/v1/models/load', handle: async ({ res, body }) => sendJson(res, 200, await supervisor.load(body, timeout, goneSignal(res))) }),
+    route({
+      ...management,
+      method: 'POST',
+      path: '/v1/models/load',
+      handle: async ({ res, path, body }) => sendJson(res, 200, cluster ? await manageCluster(cluster, path, body) : await supervisor.load(body, timeout, goneSignal(res))),
+    }),
     route({
       ...management,
       method: 'POST',
       path: '/v1/models/unload',
-      handle: async ({ res, body }) => {
+      handle: async ({ res, path, body }) => {
+        if (cluster) return sendJson(res, 200, await manageCluster(cluster, path, body));
         if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
         if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
         const entry = supervisor.require(body.id);
@@ -211,7 +264,8 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       ...management,
       method: 'POST',
       path: '/v1/models/unload_many',
-      handle: async ({ res, body }) => {
+      handle: async ({ res, path, body }) => {
+        if (cluster) return sendJson(res, 200, await manageCluster(cluster, path, body));
         if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids', 'required, an array of model id strings');
         sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout, goneSignal(res)));
       },
@@ -220,7 +274,8 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       ...management,
       method: 'POST',
       path: '/v1/models/unload_all',
-      handle: async ({ res }) => sendJson(res, 200, { unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, goneSignal(res))).unloaded }),
+      handle: async ({ res, path, body }) =>
+        sendJson(res, 200, cluster ? await manageCluster(cluster, path, body) : { unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, goneSignal(res))).unloaded }),
     }),
     // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
     route({ method: 'POST', path: '/v1/tasks/run', auth: 'apiKey', accepts: requireRunMediaType, work: true, body: taskBody(parseRunRequest), handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }) }),

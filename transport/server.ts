@@ -17,6 +17,10 @@ import { bindStream, type StreamLink } from './stream.js';
 import { demoRoute } from './demo.js';
 import { createDispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
+import { ClusterNode } from '../cluster/node.js';
+import { clusterSettings } from '../cluster/nats.js';
+import { createLogger } from '../runtime/telemetry.js';
+import { availableMemory } from '../runtime/memory.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -30,6 +34,8 @@ export interface VoxServer {
   readonly inflight: ReadonlySet<Promise<void>>;
   /** The Wyoming listener, when `wyoming.enabled`. */
   readonly wyoming: WyomingService | null;
+  /** This node's cluster membership, when `cluster` is configured. */
+  readonly cluster: ClusterNode | null;
   /**
    * Shuts down in phases (C15), as the system chart (actors/system.ts) says: stop accepting
    * (`/ready` and new work 503 `shutting_down`); let running requests finish and finish every
@@ -72,7 +78,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
-  const supervisor = new Supervisor(config, { ...options, inspect: inspected.inspect });
+  // Cluster mode: NATS first (a node that cannot reach it fails here, naming the URL); logs carry the node name.
+  const baseLog = config.cluster ? (options.log ?? createLogger(config.log_level)).child({ node: clusterSettings(config.cluster).node }) : options.log;
+  const cluster = config.cluster ? await ClusterNode.connect(config, { log: baseLog!, memoryProbe: options.memoryProbe ?? availableMemory }) : null;
+  const supervisor = new Supervisor(config, { ...options, log: baseLog, inspect: inspected.inspect, place: cluster?.place });
   const { log, root } = supervisor;
   /** Tells the system root an event, unless it has stopped. */
   const tell = (event: SystemEvent): void => {
@@ -81,7 +90,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
-  const dispatch = createDispatch({ config, supervisor, access, streams, sse, inspected, demo: demoRoute(config.demo.enabled ?? isLoopback(config.host)) });
+  const dispatch = createDispatch({ config, supervisor, access, streams, sse, inspected, cluster, demo: demoRoute(config.demo.enabled ?? isLoopback(config.host)) });
 
   const headersTimeout = config.limits.headers_timeout_ms;
   const http = createServer(
@@ -203,6 +212,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       http.off('error', reject);
       resolve();
     });
+  }).catch(async (e) => {
+    await cluster?.close();
+    throw e;
   });
   const addr = http.address() as AddressInfo;
   const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
@@ -218,6 +230,15 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   }
   /** Wyoming connections count as streams in the drain. */
   const wyomingLinks = (): { released: Promise<void>; actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void } }[] => [...(wyoming?.links ?? [])];
+  if (cluster) {
+    try {
+      await cluster.attach(supervisor, `http://${host}:${addr.port}`);
+    } catch (e) {
+      http.close();
+      await cluster.close();
+      throw e;
+    }
+  }
   void supervisor.start();
 
   /** Phase 2 is over: the listener closes (new connections are refused); the idle ones linger (the chart's `lingering`). */
@@ -236,6 +257,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Phase 1: stop accepting work. The listener stays up, so /ready answers 503 and new
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
+    cluster?.drain();
     log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, wyoming: wyoming?.links.size, requests: inflight.size }, 'shutting down');
     for (const res of sse) res.end();
     // Phase 2 (the root's `draining`, which emitted `drain`): running work finishes; streams get
@@ -255,6 +277,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     for (const socket of wyoming?.sockets ?? []) socket.destroy();
     // Phase 4: unload every model.
     await supervisor.stop(0);
+    await cluster?.close();
     await closeListener();
     await wyomingClosed;
     inspected.stop();
@@ -269,6 +292,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     streams,
     inflight,
     wyoming,
+    cluster,
     close,
     destroy: () => {
       tell({ type: 'DESTROY' });

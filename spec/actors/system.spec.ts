@@ -10,7 +10,7 @@ const LINGER_MS = 1000;
 function root() {
   const clock = new SimulatedClock();
   const machine = systemMachine.provide({ actors: { supervisor: fromCallback(() => {}) }, delays: { drainTimeout: DRAIN_MS, idleLinger: LINGER_MS } });
-  const actor = createActor(machine, { clock });
+  const actor = createActor(machine, { clock, input: {} });
   const emitted: string[] = [];
   for (const type of ['drain', 'linger', 'cut'] as const) actor.on(type, () => emitted.push(type));
   actor.start();

@@ -22,7 +22,7 @@ function sources(): string[] {
       else if (name.endsWith('.ts') && !name.endsWith('.d.ts')) out.push(path);
     }
   };
-  for (const dir of ['actors', 'runtime', 'transport', 'tools', 'client']) walk(join(root, dir));
+  for (const dir of ['actors', 'cluster', 'runtime', 'transport', 'tools', 'client']) walk(join(root, dir));
   return out.filter((p) => !p.endsWith(join('runtime', 'errors.ts')));
 }
 

@@ -20,7 +20,7 @@ function importGraph(): Map<string, string[]> {
       }
     }
   };
-  for (const dir of ['actors', 'runtime', 'transport', 'tools', 'client']) walk(join(root, dir));
+  for (const dir of ['actors', 'cluster', 'runtime', 'transport', 'tools', 'client']) walk(join(root, dir));
   return graph;
 }
 

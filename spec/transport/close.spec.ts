@@ -75,7 +75,7 @@ describe('close() and destroy()', () => {
     const { server, release } = await serve();
     const stream = await openStream(server);
     const running = runHeld(server);
-    await until(() => server.supervisor.get('held')!.status().active_leases === 1);
+    await until(() => server.supervisor.getOrRegister('held')!.status().active_leases === 1);
     let closed = false;
     const closing = server.close().then(() => (closed = true));
     expect(server.close()).toBe(server.close()); // one shutdown, however often asked
@@ -99,7 +99,7 @@ describe('close() and destroy()', () => {
     const { server } = await serve();
     const stream = await openStream(server);
     const running = runHeld(server);
-    await until(() => server.supervisor.get('held')!.status().active_leases === 1);
+    await until(() => server.supervisor.getOrRegister('held')!.status().active_leases === 1);
     const t0 = performance.now();
     await server.destroy();
     expect(performance.now() - t0).toBeLessThan(DRAIN_MS / 2);
@@ -113,7 +113,7 @@ describe('close() and destroy()', () => {
   it('destroy() during a close() cuts the drain short', async () => {
     const { server } = await serve();
     const running = runHeld(server);
-    await until(() => server.supervisor.get('held')!.status().active_leases === 1);
+    await until(() => server.supervisor.getOrRegister('held')!.status().active_leases === 1);
     const closing = server.close();
     await new Promise((r) => setTimeout(r, 200));
     expect(server.supervisor.phase).toBe('draining');
