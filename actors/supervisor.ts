@@ -1,9 +1,9 @@
 import { stat } from 'node:fs/promises';
 import { assign, createActor, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
-import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
-import { ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
-import { invalid, VoxError } from '../runtime/errors.js';
+import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
+import { defaultCatalog, ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
+import { invalid, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
@@ -66,7 +66,7 @@ export type SupervisorEvent =
   | EvictReply;
 
 /** Replies of the gate to a `LOAD_REQUESTED`. */
-export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
+export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: WireError };
 
 export interface SupervisorContext {
   /** The live dependencies it was created with. */
@@ -136,16 +136,10 @@ export const supervisorMachine = setup({
         const { current, room } = context;
         return {
           type: 'LOAD_REFUSED',
-          error:
-            params.why === 'room'
-              ? {
-                  type: 'server_busy',
-                  message: `cannot load ${current!.id}: max_loaded_models (${room?.max_loaded}) reached and no model became idle to evict within the busy timeout (${current!.timeout_ms} ms); resident: ${room?.resident.join(', ') || 'none'}`,
-                }
-              : {
-                  type: 'insufficient_memory',
-                  message: `cannot load ${current!.id}: needs about ${mib(room!.needed_bytes)} plus ${mib(room!.headroom_bytes)} of headroom (min_free_memory_mb), but only ${mib(room!.free_bytes ?? 0)} is available`,
-                },
+          error: (params.why === 'room'
+            ? voxError('no_room', { id: current!.id, maxLoaded: room?.max_loaded, timeoutMs: current!.timeout_ms, resident: room?.resident ?? [] })
+            : voxError('insufficient_memory', { id: current!.id, needed: mib(room!.needed_bytes), headroom: mib(room!.headroom_bytes), free: mib(room!.free_bytes ?? 0) })
+          ).toWire(),
         };
       },
     ),
@@ -279,7 +273,7 @@ export interface SupervisorOptions {
  * runs. Its methods send events to the charts and wait for their answers.
  */
 export class Supervisor {
-  /** The system root: `starting -> running -> draining -> stopped`; emits `drain`. */
+  /** The system root: `starting -> running -> draining -> closing -> stopped`; emits `drain`, `linger`, `cut`. */
   readonly root: Actor<typeof systemMachine>;
   /** The supervisor chart (the root's child, `systemId` `supervisor`). */
   readonly actor: ActorRefFrom<typeof supervisorMachine>;
@@ -311,7 +305,7 @@ export class Supervisor {
     // A configured group naming an unknown head stops the server at start, not at first use.
     for (const m of config.models) this.resolveHeads(m);
     const supervisor: SupervisorInput = { guarded: this.guarded, measure: (target, refused) => this.measureRoom(target, refused) };
-    this.root = createActor(systemMachine.provide({ actors: { supervisor: supervisorMachine } }), { input: { supervisor }, inspect: options.inspect, id: 'system' });
+    this.root = createActor(systemMachine.provide({ actors: { supervisor: supervisorMachine }, delays: { drainTimeout: config.drain_timeout_ms } }), { input: { supervisor }, inspect: options.inspect, id: 'system' });
     // Every chart handles its own errors; the error observer keeps one from crashing the process.
     this.root.subscribe({ error: (e) => this.log.error({ err: e }, 'actor system error') });
     this.root.start();
@@ -437,9 +431,10 @@ export class Supervisor {
     return this.root.getSnapshot().value === 'running';
   }
 
-  /** The root's state: `starting`, `running`, `draining` or `stopped`. */
+  /** The root's state: `starting`, `running`, `draining`, `closing` or `stopped`. */
   get phase(): string {
-    return this.root.getSnapshot().value as string;
+    const value = this.root.getSnapshot().value;
+    return typeof value === 'string' ? value : Object.keys(value)[0];
   }
 
   /**
@@ -449,8 +444,8 @@ export class Supervisor {
    */
   notAccepting(): VoxError {
     return this.phase === 'starting'
-      ? new VoxError('server_busy', 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work', { retryAfterS: 1 })
-      : new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
+      ? voxError('server_starting')
+      : voxError('shutting_down');
   }
 
   /**
@@ -483,8 +478,8 @@ export class Supervisor {
    */
   private headModel(name: string, field: string): ModelConfig {
     const ref = this.entries.get(name)?.config ?? this.catalog.get(name);
-    if (!ref) throw new VoxError('not_found', `${field}: wake-word model '${name.slice(0, 128)}' does not exist; GET /v1/models lists the models`);
-    if (ref.task !== 'wakeword' || ref.heads) throw invalid(`${field}: '${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`);
+    if (!ref) throw voxError('model_not_found', { id: name, field, kind: 'wake-word' });
+    if (ref.task !== 'wakeword' || ref.heads) throw invalid(field, `'${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`);
     return ref;
   }
 
@@ -507,7 +502,7 @@ export class Supervisor {
         refractory_ms: head.refractory_ms ?? (typeof own.refractory_ms === 'number' ? own.refractory_ms : undefined),
       };
     });
-    if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid('heads: a model is named twice');
+    if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid('heads', 'a model is named twice');
     return { ...config, heads };
   };
 
@@ -517,7 +512,7 @@ export class Supervisor {
    */
   require(id: string): ModelEntry {
     const e = this.getOrRegister(id);
-    if (!e) throw new VoxError('not_found', `model '${id.length > 128 ? `${id.slice(0, 128)}...` : id}' does not exist; GET /v1/models lists the models`);
+    if (!e) throw voxError('model_not_found', { id });
     return e;
   }
 
@@ -591,7 +586,7 @@ export class Supervisor {
     const busy = entries.filter((_, i) => results[i].status === 'rejected').map((e) => e.id);
     const unloaded = unique.filter((id) => !not_found.includes(id) && !busy.includes(id));
     if (busy.length) {
-      throw new VoxError('server_busy', `could not unload ${busy.join(', ')} within the busy timeout; unloaded: ${unloaded.join(', ') || 'none'}`, { retryAfterS: 1 });
+      throw voxError('unload_timeout', { busy, unloaded });
     }
     return { unloaded, not_found };
   }

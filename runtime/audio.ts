@@ -1,5 +1,5 @@
 import { createRequire } from 'node:module';
-import { invalid } from './errors.js';
+import { invalid, voxError } from './errors.js';
 
 const require = createRequire(import.meta.url);
 // Both packages ship CommonJS/UMD bundles; require keeps their types usable under NodeNext.
@@ -47,27 +47,27 @@ const WAV_FORMATS: Record<number, string> = { 1: 'PCM', 3: 'IEEE float', 65534: 
  *   samples, or declare a sample rate or channel count out of range.
  */
 export function decodeWav(bytes: Uint8Array): MonoAudio {
-  if (bytes.length === 0) throw invalid('audio: empty body, expected a WAV file');
+  if (bytes.length === 0) throw voxError('invalid_audio', { problem: 'empty body, expected a WAV file' });
   const chunks = audioChunks(bytes);
   const wav = new WaveFile();
   try {
     wav.fromBuffer(chunks);
   } catch (e) {
-    throw invalid(`audio: not a readable WAV file (${(e as Error).message})`);
+    throw voxError('invalid_audio', { problem: `not a readable WAV file (${(e as Error).message})` });
   }
   const fmt = wav.fmt as { audioFormat: number; numChannels: number; sampleRate: number; bitsPerSample: number };
   if (!(fmt.audioFormat in WAV_FORMATS)) {
-    throw invalid(`audio: unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM or float`);
+    throw voxError('unsupported_audio', { problem: `unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM or float` });
   }
   const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && isFloatExtensible(wav));
   if (float ? ![32, 64].includes(fmt.bitsPerSample) : ![8, 16, 24, 32].includes(fmt.bitsPerSample)) {
-    throw invalid(`audio: unsupported bit depth ${fmt.bitsPerSample} for ${float ? 'float' : 'PCM'} samples; expected ${float ? '32 or 64' : '8, 16, 24 or 32'}`);
+    throw voxError('unsupported_audio', { problem: `unsupported bit depth ${fmt.bitsPerSample} for ${float ? 'float' : 'PCM'} samples; expected ${float ? '32 or 64' : '8, 16, 24 or 32'}` });
   }
   const { numChannels: channels, sampleRate } = fmt;
   checkFormat(sampleRate, channels);
   const dataBytes = (wav.data as { samples: Uint8Array }).samples.length;
   const seconds = dataBytes / ((fmt.bitsPerSample / 8) * channels) / sampleRate;
-  if (seconds > MAX_AUDIO_SECONDS) throw invalid(`audio: ${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`);
+  if (seconds > MAX_AUDIO_SECONDS) throw voxError('audio_too_long', { problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file` });
   // wavefile unpacks the samples as stored (integers for PCM); scale them to [-1, 1].
   const interleaved = wav.getSamples(true, Float32Array) as unknown as Float32Array;
   if (float) sanitize(interleaved);
@@ -78,7 +78,7 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
     for (let i = 0; i < interleaved.length; i++) interleaved[i] = (interleaved[i] - offset) * scale;
   }
   const frames = Math.floor(interleaved.length / channels);
-  if (frames === 0) throw invalid('audio: the WAV file holds no samples');
+  if (frames === 0) throw voxError('invalid_audio', { problem: 'the WAV file holds no samples' });
   return { samples: downmix(interleaved, channels, frames), sampleRate };
 }
 
@@ -105,7 +105,7 @@ function audioChunks(bytes: Uint8Array): Uint8Array {
     const size = container === 'RIFX' ? buf.readUInt32BE(at + 4) : buf.readUInt32LE(at + 4);
     // 0xFFFFFFFF is "size unknown" (a WAV streamed as it was written, or RF64's placeholder): read to the end.
     if ((id === 'fmt ' || id === 'data') && size !== 0xffffffff && at + 8 + size > buf.length) {
-      throw invalid(`audio: truncated WAV file (its '${id.trim()}' chunk declares ${size} bytes, ${buf.length - at - 8} present)`);
+      throw voxError('invalid_audio', { problem: `truncated WAV file (its '${id.trim()}' chunk declares ${size} bytes, ${buf.length - at - 8} present)` });
     }
     const end = Math.min(buf.length, at + 8 + size + (size % 2)); // chunks are padded to even sizes
     if (AUDIO_CHUNKS.has(id)) parts.push(buf.subarray(at, end));
@@ -121,10 +121,10 @@ function audioChunks(bytes: Uint8Array): Uint8Array {
  */
 export function checkFormat(sampleRate: number, channels: number): void {
   if (!Number.isInteger(sampleRate) || sampleRate < MIN_SAMPLE_RATE || sampleRate > MAX_SAMPLE_RATE) {
-    throw invalid(`sample_rate: ${sampleRate} Hz is out of range ${MIN_SAMPLE_RATE}-${MAX_SAMPLE_RATE}`);
+    throw invalid('sample_rate', `${sampleRate} Hz is out of range ${MIN_SAMPLE_RATE}-${MAX_SAMPLE_RATE}`);
   }
   if (!Number.isInteger(channels) || channels < 1 || channels > MAX_CHANNELS) {
-    throw invalid(`channels: ${channels} is out of range 1-${MAX_CHANNELS}`);
+    throw invalid('channels', `${channels} is out of range 1-${MAX_CHANNELS}`);
   }
 }
 

@@ -7,7 +7,8 @@ import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
-import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
+import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
+import { defaultCatalog } from '../runtime/config.js';
 
 const root = fileURLToPath(new URL('../..', import.meta.url));
 const STEP = 1280;

@@ -33,7 +33,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../runtime/catalog.js';
+import { defaultCatalog } from '../runtime/config.js';
 import { bareWakeword } from './bench-wakeword.js';
 import { paceFrames } from './pace.js';
 import { cpuApart } from './proc.js';

@@ -60,7 +60,7 @@ function client(url: string, apiKey?: string): VoxClient {
 
 /**
  * Ends a client command that failed: a server error (an HTTP answer, a refused stream
- * handshake included) is printed as its wire body on stdout (`{"error":{type,message}}`), a
+ * handshake included) is printed as its wire body on stdout (`{"error":{type,code,message}}`), a
  * closed stream as its close code on stderr; exit 1.
  */
 function failed(url: string, e: unknown): never {
@@ -70,7 +70,7 @@ function failed(url: string, e: unknown): never {
     die(e.message);
   }
   if (e.closeCode !== undefined && e.status === undefined) die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
-  process.stdout.write(`${JSON.stringify({ error: { type: e.type, message: e.message } })}\n`);
+  process.stdout.write(`${JSON.stringify({ error: { type: e.type, code: e.code, message: e.message } })}\n`);
   process.exit(1);
 }
 
@@ -166,8 +166,8 @@ program
     const stop = (sig: string): void => {
       const first = ++signals === 1;
       process.stderr.write(first ? `voxserve: ${sig}, draining (up to ${config.drain_timeout_ms} ms; again to skip)\n` : `voxserve: ${sig}, skipping the drain\n`);
-      // A second call skips what is left of the drain.
-      server.close().then(
+      // A second signal cuts what is left of the drain.
+      (first ? server.close() : server.destroy()).then(
         () => {
           if (first) process.exit(0);
         },

@@ -4,7 +4,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../../runtime/catalog.js';
+import { defaultCatalog } from '../../runtime/config.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { fixture } from '../helpers.js';
 
