@@ -232,7 +232,7 @@ export class ClusterNode {
       at: Date.now(),
       heartbeat_ms: this.settings.heartbeat_ms,
       free_bytes: this.options.memoryProbe(),
-      draining: this.draining || !sup.accepting,
+      draining: this.draining || (sup.phase !== 'starting' && sup.phase !== 'running'), // a starting node is not draining
       max_loaded_models: this.config.max_loaded_models,
       min_free_memory_mb: this.config.min_free_memory_mb,
       models,
