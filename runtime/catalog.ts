@@ -32,7 +32,12 @@ export interface CatalogEntry {
   readonly phrase?: string;
 }
 
-const head = (id: string, file: string, phrase: string): CatalogEntry => ({ id, task: 'wakeword', path: join(OWW_MODELS, file), phrase });
+const head = (id: string, file: string, phrase: string): CatalogEntry => ({
+  id,
+  task: 'wakeword',
+  path: join(OWW_MODELS, file),
+  phrase,
+});
 
 /** Who made the openWakeWord heads, and their licence (README "Embedded models"). */
 export const OWW_ABOUT = {

@@ -68,7 +68,11 @@ export class WeightBundles {
     const key = `${melPath}\n${embPath}`;
     let p = this.bundles.get(key);
     if (!p) {
-      p = Promise.all([readModelFile(melPath), readModelFile(embPath)]).then(([melspectrogram, embedding]) => ({ melspectrogram, embedding, refs: 0 }));
+      p = Promise.all([readModelFile(melPath), readModelFile(embPath)]).then(([melspectrogram, embedding]) => ({
+        melspectrogram,
+        embedding,
+        refs: 0,
+      }));
       this.bundles.set(key, p);
       p.catch(() => this.bundles.delete(key));
     }
@@ -105,21 +109,37 @@ export interface SlotDefaults {
  * processes or worker threads as the model's (else the server's) `isolation` says.
  * @param factory a fixed slot factory instead (tests).
  */
-export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 }, factory?: SlotFactory): ModelLoader {
+export function createLoader(
+  bundles: WeightBundles,
+  defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 },
+  factory?: SlotFactory,
+): ModelLoader {
   return async (config, signal) => {
     for (const file of modelFiles(config)) await regularFile(file);
     let spec: LoadSpec;
     let release = (): void => {};
     if (config.task === 'wakeword') {
-      const b = await bundles.acquire(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
+      const b = await bundles.acquire(
+        config.melspectrogram_path ?? OWW_MELSPECTROGRAM,
+        config.embedding_path ?? OWW_EMBEDDING,
+      );
       release = b.release;
-      spec = { kind: 'wakeword', heads: headsOf(config).map((h) => h.path), melspectrogram: b.bundle.melspectrogram, embedding: b.bundle.embedding };
+      spec = {
+        kind: 'wakeword',
+        heads: headsOf(config).map((h) => h.path),
+        melspectrogram: b.bundle.melspectrogram,
+        embedding: b.bundle.embedding,
+      };
     } else {
       spec = { kind: 'vad', model: config.path! };
     }
     try {
-      const hosts = factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);
-      const pool = await SlotPool.start(spec, config.slots, hosts, { signal, loadTimeoutMs: config.load_timeout_ms ?? defaults.loadTimeoutMs });
+      const hosts =
+        factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);
+      const pool = await SlotPool.start(spec, config.slots, hosts, {
+        signal,
+        loadTimeoutMs: config.load_timeout_ms ?? defaults.loadTimeoutMs,
+      });
       return {
         pool,
         residentBytes: 0,
