@@ -1,0 +1,238 @@
+/**
+ * Cluster faults (issue 20, docs/cluster.md "What survives what"): real `voxserve serve --cluster`
+ * processes and one nats-server on loopback; a holder is killed (SIGKILL) or paused (SIGSTOP)
+ * mid-work, NATS is stopped and started again. Expected events come from a single node without a
+ * cluster (this process) running the same recordings, and the VAD segments also from
+ * spec/fixtures/REFERENCE.jsonl.
+ */
+import type { ChildProcess } from 'node:child_process';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import WebSocket from 'ws';
+import { ServerConfig } from '../../runtime/config.js';
+import { spawnServer } from '../../tools/spawn-server.js';
+import { startServer, type VoxServer } from '../../transport/server.js';
+import { expectSegments, fixture, reference, until, WaveFile } from '../helpers.js';
+import { startNats, type NatsServer } from './nats-server.js';
+
+const HEARTBEAT_MS = 500;
+const VAD_FILE = 'silero_test.wav';
+const WAKE_FILE = 'espeak_hey_jarvis_22k.wav';
+
+type Event = Record<string, unknown>;
+interface Node {
+  name: string;
+  url: string;
+  child: ChildProcess;
+}
+
+const dir = mkdtempSync(join(tmpdir(), 'voxserve-faults-'));
+const children: ChildProcess[] = [];
+
+/** `voxserve serve --cluster` as a child process named `name` (threads for slots: a killed node leaves no orphan). */
+async function startNode(nats: string, name: string, extra: Record<string, unknown> = {}): Promise<Node> {
+  const file = join(dir, `${name}.json`);
+  writeFileSync(
+    file,
+    JSON.stringify({
+      port: 0,
+      log_level: process.env.CLUSTER_LOG ?? 'warn',
+      isolation: 'thread',
+      management: { enabled: true },
+      limits: { max_ws_connections: 100 },
+      cluster: { nats, node: name, heartbeat_ms: HEARTBEAT_MS, job_deadline_ms: 3000 },
+      ...extra,
+    }),
+  );
+  const { child, url } = await spawnServer(['--config', file]);
+  children.push(child);
+  if (process.env.CLUSTER_LOG) child.stderr!.on('data', (d) => process.stderr.write(`[${name}] ${d}`));
+  return { name, url, child };
+}
+
+async function json(url: string, init?: RequestInit): Promise<{ status: number; body: any }> {
+  const res = await fetch(url, init);
+  return { status: res.status, body: await res.json() };
+}
+
+const post = (url: string, body: unknown): Promise<{ status: number; body: any }> =>
+  json(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+
+/** `POST /v1/tasks/run` of a fixture. */
+const runFile = (url: string, model: string, file: string): Promise<{ status: number; body: any }> =>
+  json(`${url}/v1/tasks/run?model=${model}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(fixture(file)),
+  });
+
+/** Frames sent by the streams of this file, for waiting until they are under way. */
+let framesSent = 0;
+
+/**
+ * Streams a fixture in 100 ms frames, one every `gapMs` (faster than real time), then `end`.
+ * Resolves with every event but `ready` and `done` (ids and timings differ) and how it closed.
+ */
+function stream(
+  url: string,
+  model: string,
+  file: string,
+  gapMs: number,
+): Promise<{ events: Event[]; done: boolean; code: number }> {
+  const w = new WaveFile(fixture(file));
+  const { sampleRate } = w.fmt as { sampleRate: number };
+  const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
+  const frame = (sampleRate / 10) * 2;
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${sampleRate}`);
+    const events: Event[] = [];
+    let done = false;
+    let timer: NodeJS.Timeout | undefined;
+    ws.on('error', reject);
+    ws.on('message', (d: Buffer) => {
+      const e = JSON.parse(d.toString());
+      if (e.type === 'ready') {
+        let o = 0;
+        const next = (): void => {
+          if (ws.readyState !== WebSocket.OPEN) return;
+          if (o >= pcm.length) return void ws.send(JSON.stringify({ type: 'end' }));
+          ws.send(pcm.subarray(o, o + frame));
+          o += frame;
+          framesSent++;
+          timer = setTimeout(next, gapMs);
+        };
+        next();
+      } else if (e.type === 'done') done = true;
+      else events.push(e);
+    });
+    ws.on('close', (code) => {
+      clearTimeout(timer);
+      resolve({ events, done, code });
+    });
+  });
+}
+
+/** The nodes holding `model` ready as `GET /v1/models` on `url` reports them. */
+async function holders(url: string, model: string): Promise<string[]> {
+  const { body } = await json(`${url}/v1/models`);
+  return (body.models.find((m: { id: string }) => m.id === model)?.nodes ?? [])
+    .filter((n: { state: string }) => n.state === 'ready')
+    .map((n: { node: string }) => n.node)
+    .sort();
+}
+
+/** A metric's value in a node's `/metrics`, summed over the series matching every label given. */
+async function metric(url: string, name: string, labels: Record<string, string> = {}): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  let sum = 0;
+  for (const line of text.split('\n')) {
+    if (!line.startsWith(`${name}{`) && !line.startsWith(`${name} `)) continue;
+    if (Object.entries(labels).every(([k, v]) => line.includes(`${k}="${v}"`))) sum += Number(line.split(' ').pop());
+  }
+  return sum;
+}
+
+const speechEnds = (events: Event[]): { start_ms: unknown; end_ms: unknown }[] =>
+  events.filter((e) => e.type === 'speech_end').map((e) => ({ start_ms: e.start_ms, end_ms: e.end_ms }));
+
+let single: VoxServer;
+/** The single node's stream events and file results: what every stream and request must give. */
+const want: { vad: Event[]; wake: Event[]; vadFile: unknown; wakeFile: unknown } = {
+  vad: [],
+  wake: [],
+  vadFile: null,
+  wakeFile: null,
+};
+
+beforeAll(async () => {
+  single = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, isolation: 'thread' }));
+  const [vad, wake, vadFile, wakeFile] = await Promise.all([
+    stream(single.url, 'silero-vad', VAD_FILE, 0),
+    stream(single.url, 'hey-jarvis', WAKE_FILE, 0),
+    runFile(single.url, 'silero-vad', VAD_FILE),
+    runFile(single.url, 'hey-jarvis', WAKE_FILE),
+  ]);
+  want.vad = vad.events;
+  want.wake = wake.events;
+  want.vadFile = vadFile.body.segments;
+  want.wakeFile = wakeFile.body.detections;
+  // The single node itself agrees with the independent reference (REFERENCE.jsonl).
+  expectSegments(vadFile.body.segments, reference(VAD_FILE).segments_v6, 40);
+  expect(speechEnds(want.vad)).toEqual(
+    vadFile.body.segments.map((x: { start_ms: number; end_ms: number }) => ({
+      start_ms: x.start_ms,
+      end_ms: x.end_ms,
+    })),
+  );
+  expect(wakeFile.body.detections.length).toBeGreaterThan(0);
+}, 120_000);
+
+afterAll(async () => {
+  await single?.close();
+  for (const c of children) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
+  rmSync(dir, { recursive: true, force: true });
+});
+
+describe('a holder dies (SIGKILL) mid-work', () => {
+  let nats: NatsServer;
+  let A: Node;
+  let B: Node;
+  let C: Node;
+
+  beforeAll(async () => {
+    nats = await startNats();
+    [A, B, C] = await Promise.all(['A', 'B', 'C'].map((n) => startNode(nats.url, n)));
+    for (const model of ['silero-vad', 'hey-jarvis']) {
+      const r = await post(`${A.url}/v1/models/load`, { id: model, node: 'C' });
+      expect(r.status, JSON.stringify(r.body)).toBe(200);
+    }
+    for (const n of [A, B]) await until(async () => (await holders(n.url, 'hey-jarvis')).join() === 'C', 5000);
+  }, 120_000);
+  afterAll(async () => {
+    for (const n of [A, B, C]) n?.child.kill('SIGKILL');
+    await nats?.stop();
+  });
+
+  it('streams on A and B through C and file requests in flight give the single node results when C is killed', async () => {
+    // Warm: each ingress has its remote pool to C.
+    for (const n of [A, B]) {
+      expect((await runFile(n.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+      expect((await runFile(n.url, 'hey-jarvis', 'Front_Center.wav')).status).toBe(200);
+    }
+    framesSent = 0;
+    const vad = Array.from({ length: 16 }, (_, i) => stream([A, B][i % 2].url, 'silero-vad', VAD_FILE, 12));
+    const wake = Array.from({ length: 4 }, (_, i) => stream([A, B][i % 2].url, 'hey-jarvis', WAKE_FILE, 40));
+    // The streams are under way (about a fifth of their audio sent) and their jobs run on C.
+    await until(() => framesSent > 20 * 120, 30_000);
+    expect(await metric(C.url, 'voxserve_remote_jobs_served_total', { model: 'silero-vad' })).toBeGreaterThan(0);
+    const files = Array.from({ length: 10 }, (_, i) =>
+      i % 2 ? runFile(B.url, 'silero-vad', VAD_FILE) : runFile(A.url, 'hey-jarvis', WAKE_FILE),
+    );
+    await new Promise((r) => setTimeout(r, 100));
+    C.child.kill('SIGKILL');
+    const [v, k, f] = await Promise.all([Promise.all(vad), Promise.all(wake), Promise.all(files)]);
+    for (const s of [...v, ...k]) {
+      expect(s.code).toBe(1000);
+      expect(s.done).toBe(true);
+    }
+    for (const s of v) expect(s.events).toEqual(want.vad);
+    for (const s of k) expect(s.events).toEqual(want.wake);
+    f.forEach((r, i) => {
+      expect(r.status, JSON.stringify(r.body)).toBe(200);
+      expect(i % 2 ? r.body.segments : r.body.detections).toEqual(i % 2 ? want.vadFile : want.wakeFile);
+    });
+    // The jobs C had were sent again (C taken for gone), and one surviving node holds each model now.
+    const failovers =
+      (await metric(A.url, 'voxserve_remote_failovers_total')) +
+      (await metric(B.url, 'voxserve_remote_failovers_total'));
+    expect(failovers).toBeGreaterThan(0);
+    for (const model of ['silero-vad', 'hey-jarvis']) {
+      const h = await holders(A.url, model);
+      expect(h.length).toBe(1);
+      expect(['A', 'B']).toContain(h[0]);
+      expect(await holders(B.url, model)).toEqual(h);
+    }
+  }, 120_000);
+});
