@@ -236,3 +236,104 @@ describe('a holder dies (SIGKILL) mid-work', () => {
     }
   }, 120_000);
 });
+
+describe('no node can take the model when its holder dies', () => {
+  let nats: NatsServer;
+  let A: Node;
+  let C: Node;
+
+  beforeAll(async () => {
+    nats = await startNats();
+    // A's memory guard refuses any load (1 TB of headroom): when C dies, nobody can hold silero-vad.
+    [A, C] = await Promise.all([
+      startNode(nats.url, 'A', { min_free_memory_mb: 1_000_000, busy_timeout_ms: 3000 }),
+      startNode(nats.url, 'C'),
+    ]);
+    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'C' });
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    await until(async () => (await holders(A.url, 'silero-vad')).join() === 'C', 5000);
+  }, 120_000);
+  afterAll(async () => {
+    for (const n of [A, C]) n?.child.kill('SIGKILL');
+    await nats?.stop();
+  });
+
+  it('streams get an error event and close 1013, file requests 503, within the busy timeout', async () => {
+    expect((await runFile(A.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+    framesSent = 0;
+    const streams = Array.from({ length: 4 }, () => stream(A.url, 'silero-vad', VAD_FILE, 12));
+    await until(() => framesSent > 4 * 60, 30_000);
+    C.child.kill('SIGKILL');
+    const t0 = Date.now();
+    const [s, f] = await Promise.all([Promise.all(streams), runFile(A.url, 'silero-vad', VAD_FILE)]);
+    // The busy timeout (3 s) plus the time to learn C is gone and to try A: never the old ~300 s hang.
+    expect(Date.now() - t0).toBeLessThan(15_000);
+    for (const x of s) {
+      expect(x.code).toBe(1013);
+      const err = x.events.find((e) => e.type === 'error') as { error: { type: string; message: string } } | undefined;
+      expect(err, JSON.stringify(x.events.slice(-2))).toBeDefined();
+      expect(err!.error.type).toBe('server_busy');
+      expect(err!.error.message).toMatch(/silero-vad/);
+    }
+    expect(f.status, JSON.stringify(f.body)).toBe(503);
+    expect(f.body.error.message).toMatch(/silero-vad/);
+    // Nothing is left behind: no lease held on A.
+    await until(async () => {
+      const { body } = await json(`${A.url}/v1/models`);
+      return body.models.find((m: { id: string }) => m.id === 'silero-vad').active_leases === 0;
+    }, 5000);
+  }, 120_000);
+});
+
+describe('a holder paused (SIGSTOP) past its heartbeats, then resumed (SIGCONT)', () => {
+  let nats: NatsServer;
+  let A: Node;
+  let B: Node;
+  let D: Node;
+
+  beforeAll(async () => {
+    nats = await startNats();
+    [A, B, D] = await Promise.all(['A', 'B', 'D'].map((n) => startNode(nats.url, n)));
+    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'D' });
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    for (const n of [A, B]) await until(async () => (await holders(n.url, 'silero-vad')).join() === 'D', 5000);
+  }, 120_000);
+  afterAll(async () => {
+    for (const n of [A, B, D]) {
+      n?.child.kill('SIGCONT');
+      n?.child.kill('SIGKILL');
+    }
+    await nats?.stop();
+  });
+
+  it("the streams go on elsewhere with the single node's events; D's late replies are dropped; the registry converges", async () => {
+    for (const n of [A, B]) expect((await runFile(n.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+    framesSent = 0;
+    const streams = Array.from({ length: 8 }, (_, i) => stream([A, B][i % 2].url, 'silero-vad', VAD_FILE, 12));
+    await until(() => framesSent > 8 * 120, 30_000);
+    D.child.kill('SIGSTOP');
+    // Past D's 3 heartbeats (1.5 s): its jobs are sent again and the model is held by A or B.
+    await until(async () => (await holders(A.url, 'silero-vad')).some((n) => n !== 'D'), 15_000);
+    await new Promise((r) => setTimeout(r, 500));
+    D.child.kill('SIGCONT');
+    const s = await Promise.all(streams);
+    for (const x of s) {
+      expect(x.code).toBe(1000);
+      expect(x.done).toBe(true);
+      expect(x.events).toEqual(want.vad);
+    }
+    // D answered the jobs it had when it stopped; nobody was waiting for them any more.
+    await until(
+      async () =>
+        (await metric(A.url, 'voxserve_remote_late_replies_total')) +
+          (await metric(B.url, 'voxserve_remote_late_replies_total')) >
+        0,
+      10_000,
+    );
+    // Every node sees the same holders (D back, and the node that took over) within a heartbeat or two.
+    await until(async () => {
+      const views = await Promise.all([A, B, D].map((n) => holders(n.url, 'silero-vad')));
+      return views.every((v) => v.join() === views[0].join()) && views[0].includes('D');
+    }, 5000);
+  }, 120_000);
+});
