@@ -510,18 +510,20 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
 
 /**
  * Creates the socket actor of one Wyoming connection (unstarted, as {@link createStreamSocket}).
- * Heartbeats are off (Wyoming has no ping the peers must answer); the other limits are the server's.
+ * Heartbeats are off (Wyoming has no ping the peers must answer) and the idle deadline is
+ * `idleMs` (`wyoming.idle_ms`, default 0: none; a satellite may rightly be quiet for minutes);
+ * the other limits are the server's.
  */
 export function createWyomingSocket(
-  input: { limits: Limits; registry: Supervisor },
+  input: { limits: Limits; registry: Supervisor; idleMs: number },
   inspect?: (e: InspectionEvent) => void,
 ): StreamSocketHandle & { channel: WyomingChannel } {
   const channel = new WyomingChannel();
-  const handle = createStreamSocket(
-    { url: '', limits: { ...input.limits, heartbeat_ms: 0 }, registry: input.registry, route: 'wyoming' },
-    inspect,
-    { work: wyomingWork, channel },
-  );
+  const limits = { ...input.limits, heartbeat_ms: 0, idle_ms: input.idleMs };
+  const handle = createStreamSocket({ url: '', limits, registry: input.registry, route: 'wyoming' }, inspect, {
+    work: wyomingWork,
+    channel,
+  });
   return { ...handle, channel };
 }
 

@@ -402,8 +402,8 @@ describe('Wyoming', () => {
   });
 });
 
-describe('Wyoming deadlines and limits (those of WebSocket streams)', () => {
-  it('a silent connection is cut at limits.idle_ms; past limits.max_ws_connections a connection gets an error', async () => {
+describe('Wyoming deadlines and limits', () => {
+  it('item 4 (#25): a quiet connection is not cut at limits.idle_ms (wyoming-openwakeword does not cut): mid-stream, quiet for 5 x idle_ms, it is still heard; past limits.max_ws_connections a connection gets an error', async () => {
     const small = await startServer(
       ServerConfig.parse({
         log_level: 'silent',
@@ -422,10 +422,34 @@ describe('Wyoming deadlines and limits (those of WebSocket streams)', () => {
       text: expect.stringContaining('max_ws_connections'),
     });
     await c.closed;
+    // b starts an audio stream, then says nothing for 1.5 s (as a satellite whose pipeline runs).
+    b.send('detect', { names: ['alexa'] });
+    b.send('audio-start', { rate: 16000, width: 2, channels: 1, timestamp: 0 });
+    b.send('audio-chunk', { rate: 16000, width: 2, channels: 1, timestamp: 0 }, Buffer.alloc(3200));
+    await new Promise((r) => setTimeout(r, 1500));
+    expect(b.socket.destroyed).toBe(false);
+    expect(b.events).toEqual([]);
+    b.sendWav('espeak_alexa_16k.wav');
+    expect((await b.next('detection')).data.name).toBe('alexa');
+    // a, silent from the start, is still there too.
+    expect(a.socket.destroyed).toBe(false);
+    a.send('describe');
+    await a.next('info');
+    a.socket.end();
+    b.socket.end();
+  });
+
+  it('item 4 (#25): wyoming.idle_ms, when set, cuts a silent connection (its own setting, named in the error)', async () => {
+    const small = await startServer(
+      ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0, idle_ms: 300 } }),
+    );
+    onTestFinished(() => small.close());
+    await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
+    const [a, b] = await Promise.all([Client.open(small.wyoming!.port), Client.open(small.wyoming!.port)]);
     // a keeps talking (describe counts as a message), b stays silent.
     const talk = setInterval(() => a.send('describe'), 100);
     onTestFinished(() => clearInterval(talk));
-    expect((await b.next('error', 3000)).data.text).toContain('limits.idle_ms (300 ms)');
+    expect((await b.next('error', 3000)).data.text).toContain('wyoming.idle_ms (300 ms)');
     await b.closed;
     expect(a.socket.destroyed).toBe(false);
     clearInterval(talk);
