@@ -1084,8 +1084,8 @@ export class ClusterNode {
 
   /**
    * Unloads models on this node (`ids` absent: every registered one).
-   * @param remoteOnly only the models this node runs on a remote pool (the first phase of a
-   *   cluster-wide unload: they wait for this node's own streams on them).
+   * @param remoteOnly only the models this node runs on a remote pool and does not hold behind it
+   *   (the first phase of a cluster-wide unload: they wait for this node's own streams on them).
    * @param except ids left alone.
    * @throws VoxError `unload_timeout` naming the models still busy after the busy timeout.
    */
@@ -1099,7 +1099,8 @@ export class ClusterNode {
     let which = (ids ?? sup.registeredIds).filter((id) => !except.includes(id));
     if (remoteOnly) {
       // Each barrier placed in this same step (as unloadMany does); the ones still busy are named.
-      which = which.filter((id) => this.remote.has(id));
+      // A model held here behind its remote pool is a holder: it unloads with the holders.
+      which = which.filter((id) => this.remote.has(id) && !this.backing.has(id));
       const results = await Promise.allSettled(
         which.map((id) =>
           force ? sup.getOrRegister(id)!.forceUnload() : sup.unloadMany([id], this.config.busy_timeout_ms),

@@ -336,4 +336,46 @@ describe('a holder paused (SIGSTOP) past its heartbeats, then resumed (SIGCONT)'
       return views.every((v) => v.join() === views[0].join()) && views[0].includes('D');
     }, 5000);
   }, 120_000);
+
+  it('a cluster-wide unload waits for a stream still open on another node, then nothing holds the model', async () => {
+    // D alone holds silero-vad again.
+    let r = await post(`${A.url}/v1/models/unload`, { id: 'silero-vad' });
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'D' });
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    for (const n of [A, B]) await until(async () => (await holders(n.url, 'silero-vad')).join() === 'D', 5000);
+    const pcm = Buffer.from((new WaveFile(fixture('Front_Center.wav')).data as { samples: Uint8Array }).samples);
+    const ws = new WebSocket(`${B.url.replace('http', 'ws')}/v1/stream?model=silero-vad&sample_rate=48000`);
+    const events: Event[] = [];
+    const closed = new Promise<number>((r) => ws.on('close', (c) => r(c)));
+    ws.on('message', (d: Buffer) => events.push(JSON.parse(d.toString())));
+    await until(() => events.some((e) => e.type === 'ready'), 10_000);
+    ws.send(pcm.subarray(0, pcm.length / 2));
+    const loads = async (): Promise<number> =>
+      (await Promise.all([A, B, D].map((n) => metric(n.url, 'voxserve_loads_total', { model: 'silero-vad' })))).reduce(
+        (a, b) => a + b,
+      );
+    const before = await loads();
+    let answered = false;
+    const unload = post(`${A.url}/v1/models/unload`, { id: 'silero-vad' }).finally(() => (answered = true));
+    // The stream on B still runs on the holders, which wait for it as a single node's unload does.
+    await new Promise((r) => setTimeout(r, 3 * HEARTBEAT_MS));
+    expect(answered).toBe(false);
+    expect(await holders(A.url, 'silero-vad')).toEqual(['D']);
+    ws.send(pcm.subarray(pcm.length / 2));
+    ws.send(JSON.stringify({ type: 'end' }));
+    expect(await closed).toBe(1000);
+    // Front_Center.wav's two segments (REFERENCE.jsonl).
+    expectSegments(
+      speechEnds(events) as { start_ms: number; end_ms: number }[],
+      reference('Front_Center.wav').segments_v6,
+      40,
+    );
+    r = await unload;
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    // Not placed again by anyone: nothing holds it, and no load happened meanwhile.
+    await new Promise((res) => setTimeout(res, 3 * HEARTBEAT_MS));
+    for (const n of [A, B, D]) expect(await holders(n.url, 'silero-vad')).toEqual([]);
+    expect(await loads()).toBe(before);
+  }, 60_000);
 });
