@@ -4,7 +4,7 @@ import type { Lease } from '../runtime/admission.js';
 import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
 import { ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
 import { invalid, VoxError } from '../runtime/errors.js';
-import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
+import { createLoader, modelFileProblem, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
 import { confinePath } from '../runtime/paths.js';
@@ -283,6 +283,8 @@ export class Supervisor {
   private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
   private readonly measuredPerSlot = new Map<string, number>();
+  /** Lazy config models whose files failed the check at start (see {@link start}), with the problem. */
+  private readonly fileProblems = new Map<string, string>();
 
   readonly metrics: Metrics;
   readonly log: Logger;
@@ -298,7 +300,15 @@ export class Supervisor {
     this.estimate = options.footprint ?? estimateFromFiles;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     // A configured group naming an unknown head stops the server at start, not at first use.
-    for (const m of config.models) this.resolveHeads(m);
+    for (const [i, m] of config.models.entries()) {
+      try {
+        this.resolveHeads(m);
+      } catch (e) {
+        // Said before the server listens: name the config field and the models it knows, not a route.
+        const known = [...this.catalog.values()].filter((c) => c.task === 'wakeword' && !c.heads).map((c) => c.id);
+        throw new VoxError((e as VoxError).type ?? 'invalid_request_error', `models.${i}.${(e as Error).message.replace(/; GET \/v1\/models lists the models$/, '')}; the wake-word models this server knows: ${known.join(', ')}`);
+      }
+    }
     const guarded = this.guarded;
     const supervisor = supervisorMachine.provide({
       actions: { measureRoom: assign({ room: ({ context }) => this.measureRoom(context.current!, context.refused) }) },
@@ -316,6 +326,18 @@ export class Supervisor {
    * error level and kept in the model's `last_error` (see {@link failedModels}).
    */
   async start(): Promise<void> {
+    // A lazy model's files are checked now (not found as a failed first request): a problem is a
+    // warning and a `failed_models` entry until the model loads.
+    await Promise.all(
+      this.config.models
+        .filter((m) => m.lazy)
+        .map(async (m) => {
+          const problem = await modelFileProblem(this.resolveHeads(m));
+          if (!problem) return;
+          this.fileProblems.set(m.id, problem);
+          this.log.warn({ model: m.id, err: problem }, 'model file problem: the model will fail to load');
+        }),
+    );
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
       eager.map(async (m) => {
@@ -339,11 +361,15 @@ export class Supervisor {
    * (on first use or `POST /v1/models/load`) takes a model off the list.
    */
   failedModels(): { id: string; error: string }[] {
-    return this.config.models
-      .filter((m) => !m.lazy)
-      .map((m) => this.entries.get(m.id)?.status())
-      .filter((st): st is ModelStatus => !!st && st.state === 'unloaded' && !!st.last_error)
-      .map((st) => ({ id: st.id, error: st.last_error! }));
+    const failed: { id: string; error: string }[] = [];
+    for (const m of this.config.models) {
+      const st = this.entries.get(m.id)?.status();
+      const problem = this.fileProblems.get(m.id);
+      if (st && st.state === 'unloaded' && st.last_error) failed.push({ id: m.id, error: st.last_error });
+      // A lazy model whose files failed the start check: listed until it has been used without error.
+      else if (problem && (!st || (st.state === 'unloaded' && st.last_used_at === null))) failed.push({ id: m.id, error: problem });
+    }
+    return failed;
   }
 
   /** True when cold loads pass through the supervisor's gate one at a time (C11). */

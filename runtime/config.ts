@@ -305,12 +305,26 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
     }
   }
   const defined = Object.fromEntries(Object.entries(overrides).filter(([, v]) => v !== undefined));
-  // models_root is taken from the config file's folder (its default: models/ beside the file).
+  // models_root and relative model paths are taken from the config file's folder (models_root's
+  // default: models/ beside the file), so a config and its models can move together.
   if (file && raw && typeof raw === 'object') {
+    const dir = dirname(resolve(file));
     const root = raw.models_root ?? 'models';
-    if (typeof root === 'string') raw = { ...raw, models_root: resolve(dirname(resolve(file)), root) };
+    if (typeof root === 'string') raw = { ...raw, models_root: resolve(dir, root) };
+    if (Array.isArray(raw.models)) raw = { ...raw, models: raw.models.map((m: unknown) => fromFolder(dir, m)) };
   }
   return parseWith(ServerConfig, { ...raw, ...defined });
+}
+
+/** The model file fields of a config file's `models[]` entry that are paths. */
+const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
+
+/** A config file's model entry with its relative file paths made absolute from `dir` (the file's folder); anything else unchanged (the schema judges it). */
+function fromFolder(dir: string, model: unknown): unknown {
+  if (!model || typeof model !== 'object' || Array.isArray(model)) return model;
+  const m = { ...(model as Record<string, unknown>) };
+  for (const f of PATH_FIELDS) if (typeof m[f] === 'string' && m[f] !== '') m[f] = resolve(dir, m[f] as string);
+  return m;
 }
 
 /** Every task option name (vad and wakeword): what a query string may carry besides its own fields. */
