@@ -327,17 +327,13 @@ export class Supervisor {
    */
   async start(): Promise<void> {
     // A lazy model's files are checked now (not found as a failed first request): a problem is a
-    // warning and a `failed_models` entry until the model loads.
-    await Promise.all(
-      this.config.models
-        .filter((m) => m.lazy)
-        .map(async (m) => {
-          const problem = await modelFileProblem(this.resolveHeads(m));
-          if (!problem) return;
-          this.fileProblems.set(m.id, problem);
-          this.log.warn({ model: m.id, err: problem }, 'model file problem: the model will fail to load');
-        }),
-    );
+    // warning and a `failed_models` entry until the model loads. Synchronous: work waits for it.
+    for (const m of this.config.models.filter((c) => c.lazy)) {
+      const problem = modelFileProblem(this.resolveHeads(m));
+      if (!problem) continue;
+      this.fileProblems.set(m.id, problem);
+      this.log.warn({ model: m.id, err: problem }, 'model file problem: the model will fail to load');
+    }
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
       eager.map(async (m) => {

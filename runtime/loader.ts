@@ -1,4 +1,5 @@
-import { open, readFile, stat } from 'node:fs/promises';
+import { closeSync, openSync, readSync, statSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
 import { headsOf, modelFiles, type ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
 import { SlotPool, slotFactory, type SlotFactory } from './slots.js';
@@ -46,16 +47,17 @@ export function looksLikeOnnx(head: Uint8Array): boolean {
 
 /**
  * Checks a model file before anything loads it: it exists, is a regular file (a FIFO or a device
- * would block the reader, a thread of libuv's pool or a slot host, forever) and starts like an
- * ONNX model ({@link looksLikeOnnx}). Reads at most 16 bytes.
+ * would block the reader, a thread of libuv's pool or a slot host, forever; it is not opened) and
+ * starts like an ONNX model ({@link looksLikeOnnx}). Synchronous (a stat and a read of 16 bytes),
+ * so the server's start can check every configured model before it accepts work.
  * @param path an absolute path (the message shows it as given).
- * @throws Error `cannot read model file <path>: <code>` (ENOENT, EACCES...), `... it is not a
- *   regular file`, or `model file <path> is not an ONNX model (...)`.
+ * @throws Error `cannot read model file <path>: it does not exist` (or the errno code: EACCES...),
+ *   `... it is not a regular file`, or `model file <path> is not an ONNX model (...)`.
  */
-export async function checkModelFile(path: string): Promise<void> {
+export function checkModelFile(path: string): void {
   let isFile: boolean;
   try {
-    isFile = (await stat(path)).isFile();
+    isFile = statSync(path).isFile();
   } catch (e) {
     const code = (e as NodeJS.ErrnoException).code;
     throw new Error(`cannot read model file ${path}: ${code === 'ENOENT' ? 'it does not exist' : (code ?? (e as Error).message)}`);
@@ -64,11 +66,11 @@ export async function checkModelFile(path: string): Promise<void> {
   const head = new Uint8Array(16);
   let n = 0;
   try {
-    const fh = await open(path, 'r');
+    const fd = openSync(path, 'r');
     try {
-      n = (await fh.read(head, 0, head.length, 0)).bytesRead;
+      n = readSync(fd, head, 0, head.length, 0);
     } finally {
-      await fh.close();
+      closeSync(fd);
     }
   } catch (e) {
     throw new Error(`cannot read model file ${path}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
@@ -81,12 +83,12 @@ export async function checkModelFile(path: string): Promise<void> {
  * names), checked as {@link checkModelFile} does.
  * @returns the first problem's message, or null when every file looks loadable.
  */
-export async function modelFileProblem(config: ModelConfig): Promise<string | null> {
+export function modelFileProblem(config: ModelConfig): string | null {
   const files = [...modelFiles(config)];
   if (config.task === 'wakeword') files.push(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
   for (const file of files) {
     try {
-      await checkModelFile(file);
+      checkModelFile(file);
     } catch (e) {
       return (e as Error).message;
     }
@@ -95,7 +97,7 @@ export async function modelFileProblem(config: ModelConfig): Promise<string | nu
 }
 
 async function readModelFile(path: string): Promise<Uint8Array> {
-  await checkModelFile(path);
+  checkModelFile(path);
   let bytes: Buffer;
   try {
     bytes = await readFile(path);
@@ -165,7 +167,7 @@ export interface SlotDefaults {
  */
 export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 }, factory?: SlotFactory): ModelLoader {
   return async (config, signal) => {
-    for (const file of modelFiles(config)) await checkModelFile(file);
+    for (const file of modelFiles(config)) checkModelFile(file);
     let spec: LoadSpec;
     let release = (): void => {};
     if (config.task === 'wakeword') {

@@ -28,17 +28,17 @@ describe('relative model paths in a config file', () => {
 });
 
 describe('an ONNX file is recognised by its first bytes (onnx.proto ModelProto)', () => {
-  it('accepts every model file the catalog ships and refuses other files', async () => {
+  it('accepts every model file the catalog ships and refuses other files', () => {
     for (const f of shippedModelFiles()) expect(looksLikeOnnx(readFileSync(f).subarray(0, 16)), f).toBe(true);
     // The same package ships TFLite builds of the same models: flatbuffers, not ONNX.
     expect(looksLikeOnnx(readFileSync(join(OWW_MODELS, 'alexa_v0.1.tflite')).subarray(0, 16))).toBe(false);
     expect(looksLikeOnnx(fixture('Front_Center.wav').subarray(0, 16))).toBe(false);
     expect(looksLikeOnnx(Buffer.from('{"not": "a model"}'))).toBe(false);
     expect(looksLikeOnnx(new Uint8Array(0))).toBe(false);
-    await expect(checkModelFile(fixturePath('Front_Center.wav'))).rejects.toThrow(`model file ${fixturePath('Front_Center.wav')} is not an ONNX model`);
-    await expect(checkModelFile(join(dir, 'nope.onnx'))).rejects.toThrow(`cannot read model file ${dir}/nope.onnx: it does not exist`);
-    await expect(checkModelFile(dir)).rejects.toThrow('it is not a regular file');
-    await expect(checkModelFile(SILERO_V6)).resolves.toBeUndefined();
+    expect(() => checkModelFile(fixturePath('Front_Center.wav'))).toThrow(`model file ${fixturePath('Front_Center.wav')} is not an ONNX model`);
+    expect(() => checkModelFile(join(dir, 'nope.onnx'))).toThrow(`cannot read model file ${dir}/nope.onnx: it does not exist`);
+    expect(() => checkModelFile(dir)).toThrow('it is not a regular file');
+    expect(() => checkModelFile(SILERO_V6)).not.toThrow();
   });
 });
 
