@@ -7,6 +7,7 @@ import { invalid, VoxError } from '../runtime/errors.js';
 import { createLoader, modelFileProblem, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
+import { similarIds } from '../runtime/names.js';
 import { confinePath } from '../runtime/paths.js';
 
 /** Config fields that name model files. */
@@ -498,7 +499,7 @@ export class Supervisor {
    */
   private headModel(name: string, field: string): ModelConfig {
     const ref = this.entries.get(name)?.config ?? this.catalog.get(name);
-    if (!ref) throw new VoxError('not_found', `${field}: wake-word model '${name.slice(0, 128)}' does not exist; GET /v1/models lists the models`);
+    if (!ref) throw new VoxError('not_found', `${field}: wake-word model '${name.slice(0, 128)}' does not exist${this.didYouMean(name, 'wakeword')}; GET /v1/models lists the models`);
     if (ref.task !== 'wakeword' || ref.heads) throw invalid(`${field}: '${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`);
     return ref;
   }
@@ -523,7 +524,8 @@ export class Supervisor {
       };
     });
     if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid('heads: a model is named twice');
-    return { ...config, heads };
+    const licences = [...new Set(heads.map((h) => this.headModel(h.model, 'heads').licence ?? 'not given'))];
+    return { ...config, heads, licence: config.licence ?? licences.join('; ') };
   };
 
   /**
@@ -532,8 +534,20 @@ export class Supervisor {
    */
   require(id: string): ModelEntry {
     const e = this.get(id);
-    if (!e) throw new VoxError('not_found', `model '${id.length > 128 ? `${id.slice(0, 128)}...` : id}' does not exist; GET /v1/models lists the models`);
+    if (!e) throw this.unknownModel(id);
     return e;
+  }
+
+  /** The 404 for a model id this server does not know, with the ids it probably meant ({@link similarIds}). */
+  unknownModel(id: string): VoxError {
+    return new VoxError('not_found', `model '${id.length > 128 ? `${id.slice(0, 128)}...` : id}' does not exist${this.didYouMean(id)}; GET /v1/models lists the models`);
+  }
+
+  /** ` (did you mean 'a' or 'b'?)` for the known model ids (of `task`, if given) close to `id`, else ''. */
+  private didYouMean(id: string, task?: string): string {
+    const known = [...new Set([...this.catalog.values(), ...[...this.entries.values()].map((e) => e.config)].filter((c) => !task || (c.task === task && !c.heads)).map((c) => c.id))];
+    const similar = similarIds(id, known);
+    return similar.length ? ` (did you mean ${similar.map((s) => `'${s}'`).join(' or ')}?)` : '';
   }
 
   /** Registers `config` (`REGISTER`: the supervisor spawns its chart as `model:<id>`) and publishes the entry. */
@@ -685,6 +699,7 @@ function unregisteredStatus(c: ModelConfig): ModelStatus {
     retiring: false,
     last_eviction: null,
     processing_lag_ms: null,
+    licence: c.licence ?? null,
   };
 }
 

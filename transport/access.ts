@@ -125,7 +125,8 @@ export function createAccess(config: ServerConfig): Access {
       let ok = false;
       for (const k of keys) ok = timingSafeEqual(d, k) || ok;
       if (ok) return;
-      throw new VoxError('unauthorized', given ? 'the API key is not valid' : `this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol ${KEY_PROTOCOL}<key>`);
+      const cli = 'voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY';
+      throw new VoxError('unauthorized', given ? `the API key is not valid: it is not one of the server's auth.api_keys (${cli})` : `this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol ${KEY_PROTOCOL}<key> (${cli})`);
     },
     management(req, page = false) {
       if (!config.management.enabled) {

@@ -16,6 +16,7 @@ import { createAccess, isLoopback } from './access.js';
 import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { demoRoute } from './demo.js';
+import { DEBUG_OFF_PAGE, homePage, sendHtml } from './home.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
@@ -79,7 +80,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
 
-  const demo = demoRoute(config.demo.enabled ?? isLoopback(config.host));
+  const demoOn = config.demo.enabled ?? isLoopback(config.host);
+  const demo = demoRoute(demoOn);
 
   const route = async (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number): Promise<void> => {
     const url = new URL(req.url ?? '/', 'http://localhost');
@@ -93,6 +95,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       res.writeHead(204, { allow: 'GET, POST, OPTIONS' });
       return void res.end();
     }
+    if (method === 'GET' && path === '/') return sendHtml(res, 200, homePage(demoOn, config.management.enabled));
+    if (method === 'GET' && path === '/debug' && !config.management.enabled) return sendHtml(res, 403, DEBUG_OFF_PAGE);
     if (method === 'GET' && path === '/health') return sendJson(res, 200, { status: 'ok', models: supervisor.statuses().length });
     if (method === 'GET' && path === '/ready') {
       if (!supervisor.accepting) return sendJson(res, 503, { status: supervisor.phase });
@@ -138,7 +142,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
         throw invalid(`model id in the path is not valid percent-encoding: ${one[1].slice(0, 64)}`);
       }
       const status = supervisor.status(id);
-      if (!status) throw new VoxError('not_found', `model '${id}' does not exist`);
+      if (!status) throw supervisor.unknownModel(id);
       return sendJson(res, 200, status);
     }
     if (method === 'POST' && MANAGEMENT.includes(path)) {

@@ -88,6 +88,6 @@ describe('lazy models with a bad file, found at start', () => {
 describe('an unknown wake-word head in a config file', () => {
   it('names the config field and the known wake words, without pointing at a server that is not running', async () => {
     const err = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, models: [{ id: 'house', task: 'wakeword', heads: ['alexa', 'hey-jarvus'] }] })).catch((e: Error) => e);
-    expect((err as Error).message).toMatch(/^models\.0\.heads\.1: wake-word model 'hey-jarvus' does not exist; the wake-word models this server knows: alexa, hey-jarvis, hey-mycroft, hey-rhasspy, timer, weather$/);
+    expect((err as Error).message).toMatch(/^models\.0\.heads\.1: wake-word model 'hey-jarvus' does not exist \(did you mean 'hey-jarvis'\?\); the wake-word models this server knows: alexa, hey-jarvis, hey-mycroft, hey-rhasspy, timer, weather$/);
   });
 });
