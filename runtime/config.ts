@@ -177,8 +177,8 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
 
 /**
  * Fills `task` and `path` of a config model whose id is in the embedded catalog from the
- * catalog's entry when they are omitted (`{"id":"silero-vad","slots":2}`); `path` is inherited
- * only when the task is the catalog's. Anything else is left for the schema to judge.
+ * catalog's entry when they are omitted (`{"id":"silero-vad","slots":2}`); `path` (with the
+ * catalog's `licence` and `phrase`, unless given) is inherited only when the task is the catalog's. Anything else is left for the schema to judge.
  */
 function inheritFromCatalog(value: unknown): unknown {
   if (!value || typeof value !== 'object' || Array.isArray(value)) return value;
@@ -186,7 +186,9 @@ function inheritFromCatalog(value: unknown): unknown {
   const base = typeof m.id === 'string' ? defaultCatalog().find((c) => c.id === m.id) : undefined;
   if (!base) return value;
   const task = m.task ?? base.task;
-  return { ...m, task, path: m.path ?? (task === base.task ? base.path : undefined) };
+  // The catalog's file, with what is said about that file (its licence, a wake word's phrase).
+  const same = m.path === undefined && task === base.task;
+  return same ? { licence: base.licence, phrase: base.phrase, ...m, task, path: base.path } : { ...m, task };
 }
 
 export const ServerConfig = z.strictObject({
