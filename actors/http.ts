@@ -1,11 +1,11 @@
 import { assign, createActor, emit, enqueueActions, fromCallback, setup, stopChild, type Actor, type InspectionEvent } from 'xstate';
-import { effectiveTimeout, type Lease } from '../runtime/admission.js';
+import { effectiveTimeout } from '../runtime/admission.js';
 import { decodeAudio } from '../runtime/decode.js';
-import type { Limits, ModelConfig } from '../runtime/config.js';
+import type { Limits } from '../runtime/config.js';
 import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
 import type { Job, JobResult } from '../runtime/slot-protocol.js';
-import type { SlotPool } from '../runtime/slots.js';
 import { createTaskSession, drain, taskResult } from '../runtime/tasks/index.js';
+import { leaseGranted, type Granted, type LeaseHandle } from './lease.js';
 import type { Supervisor } from './supervisor.js';
 
 /** Windows (VAD, 32 ms) or steps (wake word, 80 ms) per slot job for a file: ~2-5 s of audio, so streams interleave. */
@@ -101,8 +101,7 @@ const PROGRESS_INTERVAL_MS = 100;
  * @throws VoxError `invalid_request_error` for bad audio or options; the signal's reason once it aborts.
  */
 async function processFile(
-  config: ModelConfig,
-  pool: SlotPool,
+  granted: Granted,
   file: AudioFile,
   options: unknown,
   signal: AbortSignal,
@@ -110,7 +109,7 @@ async function processFile(
   waitMs: number,
   progress: (processedMs: number, audioMs: number) => void = () => {},
 ): Promise<{ body: Record<string, unknown>; audioMs: number }> {
-  const session = createTaskSession(config, pool.info, options, true);
+  const session = createTaskSession(granted.config, granted.info, options, true);
   session.push(await untilAborted(decodeAudio(file.bytes, file.type), signal));
   session.end();
   const audioMs = (session.receivedSamples * 1000) / 16_000;
@@ -119,7 +118,7 @@ async function processFile(
   const runJob = async (job: Job): Promise<JobResult> => {
     signal.throwIfAborted();
     // A revoked or abandoned request answers at once; a job already running finishes (or is killed) without it.
-    const r = await untilAborted(pool.run(job, signal, waitMs), signal);
+    const r = await untilAborted(granted.run(job, waitMs), signal);
     if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
     m.queueMs += r.waitedMs ?? 0;
     return r;
@@ -138,8 +137,7 @@ async function processFile(
  */
 const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequest; registry: Supervisor }>(({ input: { rid, request, registry }, sendBack }) => {
   const send = (e: ExchangeEvent): void => sendBack(e);
-  const gone = new AbortController();
-  let lease: Lease | null = null;
+  let lease: LeaseHandle | null = null;
   let revoked: Error | null = null;
   let model: string | undefined;
   const figures = { queueMs: 0, inferenceMs: 0 };
@@ -153,27 +151,21 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
     const { t0 } = request;
     const entry = registry.require(request.model);
     model = entry.id;
-    lease = await entry.admit({
-      requestTimeoutMs: request.busyTimeoutMs,
-      signal: gone.signal,
-      onRevoke: (why) => {
-        revoked = why;
-        gone.abort();
-      },
-    });
-    figures.queueMs = performance.now() - t0;
-    registry.metrics.queueWait.observe({ model: entry.id }, figures.queueMs / 1000);
-    const { pool } = await entry.ensureReady(gone.signal);
+    const asked = leaseGranted(entry, { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics }, (e) => (revoked = e.error));
+    lease = asked.handle;
+    const { signal } = lease;
+    const granted = await asked.granted;
+    figures.queueMs = granted.queueMs;
     // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
-    const waitMs = effectiveTimeout(request.busyTimeoutMs, entry.busyTimeoutMs, 0);
+    const waitMs = effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0);
     if (request.kind === 'run' && !request.progress) {
-      const r = await processFile(entry.config, pool, request.files[0], request.options, gone.signal, figures, waitMs);
+      const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs);
       return send({ type: 'RESPONSE', rid, status: 200, body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) } });
     }
     if (request.kind === 'run') {
       // Server-sent events start once the file is decoded (a bad file still gets its 400).
       let last = -Infinity;
-      const r = await processFile(entry.config, pool, request.files[0], request.options, gone.signal, figures, waitMs, (processed, total) => {
+      const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs, (processed, total) => {
         if (!sseStarted) send({ type: 'SSE_START', rid });
         sseStarted = true;
         const now = performance.now();
@@ -191,15 +183,15 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
       request.files.map(async (file, index) => {
         const f0 = performance.now();
         try {
-          const r = await processFile(entry.config, pool, file, request.options, gone.signal, figures, waitMs);
+          const r = await processFile(granted, file, request.options, signal, figures, waitMs);
           send({ type: 'SSE_EVENT', rid, name: 'result', data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) } });
         } catch (e) {
           failed++;
-          if (!gone.signal.aborted) send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
+          if (!signal.aborted) send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
         }
       }),
     );
-    if (gone.signal.aborted) {
+    if (signal.aborted) {
       outcome = revoked ? toVoxError(revoked).type : 'cancelled';
       return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
     }
@@ -216,13 +208,7 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
       if (model) registry.metrics.requests.inc({ model, outcome });
       registry.log.info({ route: request.kind, model, outcome, queue_ms: round(figures.queueMs), inference_ms: round(figures.inferenceMs), wall_ms: round(performance.now() - request.t0) }, 'request');
     });
-  return () => {
-    gone.abort();
-    if (lease) {
-      registry.get(request.model)?.touch();
-      lease.release();
-    }
-  };
+  return () => lease?.release();
 });
 
 interface HttpContext {

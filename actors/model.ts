@@ -1,4 +1,4 @@
-import { and, assign, createActor, enqueueActions, fromCallback, not, raise, sendTo, setup, waitFor, type ActorRefFrom, type AnyActorRef, type InspectionEvent, type SnapshotFrom } from 'xstate';
+import { and, assign, createActor, emit, enqueueActions, fromCallback, not, raise, sendTo, setup, type ActorRefFrom, type AnyActorRef, type InspectionEvent } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { Batcher, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
@@ -17,6 +17,10 @@ export type EvictReason = 'lru' | 'idle' | 'memory';
  */
 export interface ModelContext {
   config: ModelConfig;
+  /** The live dependencies it was created with. */
+  deps: ModelDeps;
+  /** The exclusive lease an accepted eviction holds until the pool is closed. */
+  evictionLease: Lease | null;
   /** The config a reconfiguration commits once the old pool is gone. */
   next: ModelConfig | null;
   lastError: string | null;
@@ -50,14 +54,39 @@ export type ModelEvent =
   /** From the `residency` actor: the pool is closed (`error` if closing failed). */
   | { type: 'CLOSED'; error?: string };
 
-/** A model chart's input: its config and the server-wide defaults it falls back on, ms. */
+/**
+ * A model chart's live dependencies, given as input (the chart closes over nothing else). Tests
+ * give fakes; {@link ModelEntry} gives the real ones.
+ */
+export interface ModelDeps {
+  /** Builds the pool for a config (aborted when the entry leaves `resident` while loading). */
+  loader: ModelLoader;
+  /** Estimated footprint of a config, bytes, sent to the supervisor's cold-load gate (0 when the memory guard is off). */
+  footprint: (config: ModelConfig) => Promise<number>;
+  /** The model's admission queue: an accepted eviction holds its exclusive lease until the pool is closed. */
+  admission: Pick<Admission, 'tryAcquire'>;
+  /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
+  busyTimeoutMs: () => number;
+  /** The pool is live (`model`), or is being closed (null): not resident from that moment (C9). */
+  resident: (model: LoadedModel | null) => void;
+  /** An eviction was accepted (counted and logged by the entry). */
+  evicted: (reason: EvictReason) => void;
+  /** The clock, ms since the epoch (default `Date.now`). */
+  now?: () => number;
+}
+
+/** A model chart's input: its config, its live dependencies and the server-wide defaults it falls back on, ms. */
 export interface ModelInput {
   config: ModelConfig;
+  deps: ModelDeps;
   /** `idle_unload_ms` (0 = off). */
   serverIdleUnloadMs?: number;
   /** `load_timeout_ms` (0 = none). */
   serverLoadTimeoutMs?: number;
 }
+
+/** What a model chart emits: it has settled `ready` (the pool is live) or `unloaded` (after a failed load, `failure` says why). */
+export type ModelEmitted = { type: 'ready' } | { type: 'unloaded' };
 
 /** Replies to `EVICT`, sent to its `replyTo`. */
 export type EvictReply = { type: 'EVICTED'; id: string; reason: EvictReason } | { type: 'EVICT_REFUSED'; id: string; reason: EvictReason; state: string };
@@ -69,10 +98,88 @@ const refused = (e: unknown): boolean => e instanceof VoxError && e.status === 5
 /** What the `residency` actor receives: `CLOSE` from the chart, the gate's answer from the supervisor. */
 export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
 
-/** Input of the `residency` actor: the config to load. */
+/** Input of the `residency` actor: the config to load and the chart's dependencies. */
 export interface ResidencyInput {
   config: ModelConfig;
+  deps: ModelDeps;
 }
+
+/**
+ * The `residency` actor, invoked for as long as the entry is `resident`: it asks the supervisor's
+ * cold-load gate (when the entry runs under one), loads the pool, holds it, and closes it on
+ * `CLOSE` or when stopped. It answers `LOAD_GRANTED`, `LOADED`, `LOAD_FAILED`, `CLOSED` and, when
+ * a slot dies, `SLOT_FAILED`.
+ */
+const residency = fromCallback<ResidencyEvent, ResidencyInput>(({ input: { config, deps }, sendBack, receive, self, system }) => {
+  let model: LoadedModel | null = null;
+  let stopped = false;
+  /** Aborted when the entry leaves `resident` (an unload, or the load timeout) while loading. */
+  const abandon = new AbortController();
+  let closing: Promise<void> | null = null;
+  /** The supervisor's cold-load gate, when the entry runs under one. */
+  const gate = system.get('supervisor') as AnyActorRef | undefined;
+  let atGate = false;
+  let answer: { granted: () => void; refused: (e: VoxError) => void } | null = null;
+  const leaveGate = (): void => {
+    if (atGate) gate?.send({ type: 'LOAD_FINISHED', id: config.id });
+    atGate = false;
+  };
+  const close = (): Promise<void> =>
+    (closing ??= (async () => {
+      // Marked not resident first (C9), then the slots close.
+      deps.resident(null);
+      await model?.close();
+    })());
+  void (async () => {
+    try {
+      if (gate) {
+        const needed_bytes = await deps.footprint(config);
+        if (stopped) return;
+        const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
+        atGate = true;
+        gate.send({ type: 'LOAD_REQUESTED', id: config.id, needed_bytes, timeout_ms: deps.busyTimeoutMs(), replyTo: self });
+        await granted;
+      }
+      sendBack({ type: 'LOAD_GRANTED' });
+      let m: LoadedModel;
+      try {
+        m = await deps.loader(config, abandon.signal);
+      } finally {
+        leaveGate();
+      }
+      if (!m?.pool?.slots.length) {
+        await m?.close?.();
+        throw new Error('the loader yielded no session');
+      }
+      if (stopped) return void (await m.close());
+      model = m;
+      m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
+      deps.resident(m);
+      sendBack({ type: 'LOADED', residentBytes: m.residentBytes });
+    } catch (error) {
+      leaveGate();
+      if (!stopped) sendBack({ type: 'LOAD_FAILED', error });
+    }
+  })();
+  receive((e) => {
+    if (e.type === 'LOAD_GRANTED') return answer?.granted();
+    if (e.type === 'LOAD_REFUSED') {
+      atGate = false;
+      return answer?.refused(new VoxError(e.error.type, e.error.message, { retryAfterS: e.error.type === 'server_busy' ? 1 : 5 }));
+    }
+    close().then(
+      () => sendBack({ type: 'CLOSED' }),
+      (err) => sendBack({ type: 'CLOSED', error: errorMessage(err) }),
+    );
+  });
+  return () => {
+    stopped = true;
+    abandon.abort();
+    leaveGate();
+    answer?.refused(new VoxError('shutting_down', 'the model entry stopped'));
+    void close().catch(() => {});
+  };
+});
 
 /**
  * The model entry state chart (DESIGN.md section 2):
@@ -91,26 +198,28 @@ export interface ResidencyInput {
  *   (`keep_alive_ms`, else the server's `idle_unload_ms`; never when 0).
  * - A failed load returns to `unloaded` with `lastError` (not for a 503 refusal) and can be
  *   retried; so does a load still building after `loadTimeout` ms (`load_timeout_ms`); a slot that dies in `ready` unloads the model with `lastError` set.
- * The actors and actions that touch live resources are provided by {@link ModelEntry}.
+ * Live resources come as input ({@link ModelDeps}); {@link ModelEntry} gives the real ones.
  */
 export const modelMachine = setup({
   types: {
     context: {} as ModelContext,
     events: {} as ModelEvent,
     input: {} as ModelInput,
+    emitted: {} as ModelEmitted,
   },
-  actors: {
-    residency: fromCallback<ResidencyEvent, ResidencyInput>(({ sendBack }) => {
-      sendBack({ type: 'LOAD_FAILED', error: new Error('no residency provided') });
-    }),
-  },
+  actors: { residency },
   actions: {
     /** Takes the exclusive lease for an accepted eviction (released once closed). */
-    holdForEviction: () => {},
-    /** Gives the eviction's exclusive lease back. */
-    releaseEviction: () => {},
+    holdForEviction: assign({ evictionLease: ({ context }) => context.deps.admission.tryAcquire(true) }),
+    /** Gives the eviction's exclusive lease back, after the chart has settled in `unloaded` (requests queued behind it load again). */
+    releaseEviction: enqueueActions(({ context, enqueue }) => {
+      const lease = context.evictionLease;
+      if (!lease) return;
+      enqueue.assign({ evictionLease: null });
+      enqueue(() => queueMicrotask(() => lease.release()));
+    }),
     /** Counts and logs an accepted eviction. */
-    recordEviction: (_, _params: { reason: EvictReason }) => {},
+    recordEviction: ({ context }, params: { reason: EvictReason }) => context.deps.evicted(params.reason),
   },
   guards: {
     /** Leases held or waiting: the model is in use. */
@@ -131,6 +240,8 @@ export const modelMachine = setup({
   id: 'model',
   context: ({ input }) => ({
     config: input.config,
+    deps: input.deps,
+    evictionLease: null,
     next: null,
     lastError: null,
     failure: null,
@@ -155,13 +266,14 @@ export const modelMachine = setup({
   },
   states: {
     unloaded: {
+      entry: emit({ type: 'unloaded' }),
       on: {
         LOAD: 'resident',
         RECONFIGURE: { actions: assign({ config: ({ event }) => event.config }) },
       },
     },
     resident: {
-      invoke: { id: 'residency', src: 'residency', input: ({ context }) => ({ config: context.config }) },
+      invoke: { id: 'residency', src: 'residency', input: ({ context }) => ({ config: context.config, deps: context.deps }) },
       initial: 'loading',
       states: {
         loading: {
@@ -199,6 +311,7 @@ export const modelMachine = setup({
           },
         },
         ready: {
+          entry: emit({ type: 'ready' }),
           initial: 'idle',
           on: {
             UNLOAD: 'unloading',
@@ -208,12 +321,12 @@ export const modelMachine = setup({
           states: {
             idle: {
               always: { guard: 'inUse', target: 'busy' },
-              // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; off, no timer at all.
+              // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; `keepAliveOff`: no timer at all.
               initial: 'init',
               states: {
-                init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'forever' }] },
+                init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'keepAliveOff' }] },
                 waiting: { after: { keepAlive: { actions: raise({ type: 'EVICT', reason: 'idle' }) } } },
-                forever: {},
+                keepAliveOff: {},
               },
               on: {
                 EVICT: {
@@ -221,7 +334,7 @@ export const modelMachine = setup({
                   target: '#model.resident.unloading',
                   actions: [
                     'holdForEviction',
-                    assign({ evicted: ({ event }) => ({ reason: event.reason, at: Date.now() }) }),
+                    assign({ evicted: ({ context, event }) => ({ reason: event.reason, at: (context.deps.now ?? Date.now)() }) }),
                     { type: 'recordEviction', params: ({ event }) => ({ reason: event.reason }) },
                     enqueueActions(({ enqueue, event, context }) => {
                       if (event.replyTo) enqueue.sendTo(event.replyTo, { type: 'EVICTED', id: context.config.id, reason: event.reason } satisfies EvictReply);
@@ -348,8 +461,8 @@ export interface EntryOptions {
   metrics?: Metrics;
   /** Completes a validated config (a wake-word group's heads get their files); may throw VoxError 400. */
   resolve?: (config: ModelConfig) => ModelConfig;
-  /** Creates the chart's actor; the supervisor spawns it as its child with `systemId` `model:<id>`. */
-  spawn?: (logic: typeof modelMachine, id: string) => ModelActor;
+  /** Creates the chart's actor from its input; the supervisor spawns it as its child with `systemId` `model:<id>`. */
+  spawn?: (input: ModelInput) => ModelActor;
 }
 
 /**
@@ -364,8 +477,6 @@ export class ModelEntry {
   readonly log: Logger;
   /** The live pool, held by the chart's `residency` actor while it is resident; null otherwise. */
   private loaded: LoadedModel | null = null;
-  /** The exclusive lease an accepted eviction holds until the pool is closed. */
-  private evictionLease: Lease | null = null;
   /** The last 4,096 stream windows' processing lag, ms (a ring). */
   private readonly lags = new Float64Array(4096);
   private lagNext = 0;
@@ -396,108 +507,36 @@ export class ModelEntry {
     const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;
     this.admission.maxQueued = maxQueued(config);
     this.maxQueuedOf = maxQueued;
-    const loader = options.loader;
-    const machine = modelMachine.provide({
-      actors: {
-        residency: fromCallback<ResidencyEvent, ResidencyInput>(({ input, sendBack, receive, self, system }) => {
-          let model: LoadedModel | null = null;
-          let stopped = false;
-          /** Aborted when the entry leaves `resident` (an unload, or the load timeout) while loading. */
-          const abandon = new AbortController();
-          let closing: Promise<void> | null = null;
-          /** The supervisor's cold-load gate, when the entry runs under one. */
-          const gate = system.get('supervisor') as AnyActorRef | undefined;
-          let atGate = false;
-          let answer: { granted: () => void; refused: (e: VoxError) => void } | null = null;
-          const leaveGate = (): void => {
-            if (atGate) gate?.send({ type: 'LOAD_FINISHED', id: input.config.id });
-            atGate = false;
-          };
-          const close = (): Promise<void> => (closing ??= (async () => {
-            // Marked not resident first (C9), then the slots close.
-            this.loaded = null;
-            await model?.close();
-          })());
-          void (async () => {
-            try {
-              if (gate) {
-                const needed_bytes = (await options.footprint?.(input.config)) ?? 0;
-                if (stopped) return;
-                const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
-                atGate = true;
-                gate.send({ type: 'LOAD_REQUESTED', id: input.config.id, needed_bytes, timeout_ms: this.busyTimeoutMs, replyTo: self });
-                await granted;
-              }
-              sendBack({ type: 'LOAD_GRANTED' });
-              let m: LoadedModel;
-              try {
-                m = await loader(input.config, abandon.signal);
-              } finally {
-                leaveGate();
-              }
-              if (!m?.pool?.slots.length) {
-                await m?.close?.();
-                throw new Error('the loader yielded no session');
-              }
-              if (stopped) return void (await m.close());
-              model = m;
-              // A job waiting for a slot is bounded by the busy timeout too (0 = unbounded).
-              m.pool.waitTimeoutMs = this.busyTimeoutMs;
-              m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
-              m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
-              if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
-              if (input.config.max_batch_size > 1) {
-                const packing = (input.config.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
-                m.batcher = new Batcher(m.pool, packing, input.config.max_batch_size, input.config.max_batch_delay_ms, (n) => batchSize?.observe(n));
-              }
-              this.loaded = m;
-              this.touch();
-              sendBack({ type: 'LOADED', residentBytes: m.residentBytes });
-            } catch (error) {
-              leaveGate();
-              if (!stopped) sendBack({ type: 'LOAD_FAILED', error });
-            }
-          })();
-          receive((e) => {
-            if (e.type === 'LOAD_GRANTED') return answer?.granted();
-            if (e.type === 'LOAD_REFUSED') {
-              atGate = false;
-              return answer?.refused(new VoxError(e.error.type, e.error.message, { retryAfterS: e.error.type === 'server_busy' ? 1 : 5 }));
-            }
-            close().then(
-              () => sendBack({ type: 'CLOSED' }),
-              (err) => sendBack({ type: 'CLOSED', error: errorMessage(err) }),
-            );
-          });
-          return () => {
-            stopped = true;
-            abandon.abort();
-            leaveGate();
-            answer?.refused(new VoxError('shutting_down', 'the model entry stopped'));
-            void close().catch(() => {});
-          };
-        }),
+    const deps: ModelDeps = {
+      // The pool's settings that belong to the entry: slot waits bounded by the busy timeout, host exits logged, run times and batches measured.
+      loader: async (c, signal) => {
+        const m = await options.loader(c, signal);
+        if (m?.pool) {
+          m.pool.waitTimeoutMs = this.busyTimeoutMs;
+          m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
+          if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
+          if (c.max_batch_size > 1) {
+            const packing = (c.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
+            m.batcher = new Batcher(m.pool, packing, c.max_batch_size, c.max_batch_delay_ms, (n) => batchSize?.observe(n));
+          }
+        }
+        return m;
       },
-      actions: {
-        holdForEviction: () => {
-          this.evictionLease = this.admission.tryAcquire(true);
-        },
-        releaseEviction: () => {
-          const lease = this.evictionLease;
-          this.evictionLease = null;
-          // After the chart has settled in `unloaded`: requests queued behind it load again.
-          if (lease) queueMicrotask(() => lease.release());
-        },
-        recordEviction: (_, { reason }) => {
-          this.evictions++;
-          metrics?.evictions.inc({ model: config.id, reason });
-          this.log.info({ reason, idle_ms: this.lastUsedAt ? Date.now() - this.lastUsedAt : undefined }, 'evict');
-        },
+      footprint: async (c) => (await options.footprint?.(c)) ?? 0,
+      admission: this.admission,
+      busyTimeoutMs: () => this.busyTimeoutMs,
+      resident: (m) => {
+        this.loaded = m;
+        if (m) this.touch();
       },
-    });
-    this.actor = options.spawn
-      ? options.spawn(machine, config.id)
-      : createActor(machine, { input: { config, serverIdleUnloadMs: options.serverIdleUnloadMs, serverLoadTimeoutMs: options.serverLoadTimeoutMs }, inspect: options.inspect, id: `model:${config.id}`, systemId: `model:${config.id}` });
+      evicted: (reason) => {
+        this.evictions++;
+        metrics?.evictions.inc({ model: config.id, reason });
+        this.log.info({ reason, idle_ms: this.lastUsedAt ? Date.now() - this.lastUsedAt : undefined }, 'evict');
+      },
+    };
+    const input: ModelInput = { config, deps, serverIdleUnloadMs: options.serverIdleUnloadMs, serverLoadTimeoutMs: options.serverLoadTimeoutMs };
+    this.actor = options.spawn ? options.spawn(input) : createActor(modelMachine, { input, inspect: options.inspect, id: `model:${config.id}`, systemId: `model:${config.id}` });
     let previous: ModelState = 'unloaded';
     let previousValue = '';
     this.actor.subscribe({
@@ -595,32 +634,69 @@ export class ModelEntry {
   }
 
   /**
-   * Waits until the model is ready, sending `LOAD` if it is unloaded (concurrent callers share
-   * one load: the chart ignores `LOAD` outside `unloaded`). Call it holding a lease, with the
-   * signal that aborts when the lease is revoked or the client goes away: an aborted caller never
-   * starts a load.
+   * Has the model made ready, sending `LOAD` if it is unloaded (concurrent callers share one load:
+   * the chart ignores `LOAD` outside `unloaded`), and answers when the chart emits `ready` (or
+   * `unloaded` after the load this caller asked for failed). Call it holding a lease, with the
+   * signal that aborts when the lease ends or the client goes away: an aborted caller never starts a load.
    * @returns the live pool (and batcher) to run jobs on.
    * @throws VoxError `server_error` with the load error if loading fails; the 503 the supervisor
    *   answered if it refused the load; the signal's reason (an `AbortError`) once it aborts.
    */
-  async ensureReady(signal?: AbortSignal): Promise<LoadedModel> {
-    let asked = false;
-    for (;;) {
-      signal?.throwIfAborted();
-      const s = this.actor.getSnapshot();
-      const state = stateName(s.value);
-      if (state === 'ready' && this.loaded) return this.loaded;
-      if (state === 'unloaded') {
+  ensureReady(signal?: AbortSignal): Promise<LoadedModel> {
+    return new Promise<LoadedModel>((resolve, reject) => {
+      let asked = false;
+      const step = (): void => {
+        const s = this.actor.getSnapshot();
+        const state = stateName(s.value);
+        if (state === 'ready' && this.loaded) return finish(() => resolve(this.loaded!));
+        if (state !== 'unloaded') return; // loading, unloading or reconfiguring: the next `ready` / `unloaded` answers
         if (asked) {
           const f = s.context.failure;
-          throw refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`);
+          return finish(() => reject(refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`)));
         }
         asked = true;
         this.actor.send({ type: 'LOAD' });
-        continue;
-      }
-      await waitFor(this.actor, (n) => stateName(n.value) !== state);
-    }
+      };
+      const onAbort = (): void => finish(() => reject(signal!.reason));
+      const stop = this.listen(step, (e) => finish(() => reject(e)));
+      const finish = (answer: () => void): void => {
+        signal?.removeEventListener('abort', onAbort);
+        stop(answer);
+      };
+      if (signal?.aborted) return onAbort();
+      signal?.addEventListener('abort', onAbort, { once: true });
+      step();
+    });
+  }
+
+  /** Resolves once the chart has settled in one of `states` (now, or at its next `ready` / `unloaded`); rejects if the chart stops first. */
+  private settledIn(...states: ('ready' | 'unloaded')[]): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      const step = (): void => {
+        if ((states as ModelState[]).includes(this.state)) done(resolve);
+      };
+      const done = this.listen(step, (e) => done(() => reject(e)));
+      step();
+    });
+  }
+
+  /**
+   * Calls `step` at each `ready` and `unloaded` the chart emits, and `stopped` (with a 503
+   * `shutting_down`) if the chart stops. Returns `done(answer)`: stops listening, then answers (once).
+   */
+  private listen(step: () => void, stopped: (e: VoxError) => void): (answer: () => void) => void {
+    let over = false;
+    const subs = [this.actor.on('ready', step), this.actor.on('unloaded', step)];
+    const done = (answer: () => void): void => {
+      if (over) return;
+      over = true;
+      for (const s of subs) s.unsubscribe();
+      answer();
+    };
+    const gone = (): void => stopped(new VoxError('shutting_down', `model ${this.id} stopped`, { retryAfterS: 5 }));
+    if (this.actor.getSnapshot().status !== 'active') queueMicrotask(gone);
+    else subs.push(this.actor.subscribe({ complete: gone, error: gone }));
+    return done;
   }
 
   /**
@@ -642,23 +718,17 @@ export class ModelEntry {
     try {
       if (changed) {
         // Under the exclusive lease nothing else moves the chart but a load or a slot failure.
-        await waitFor(this.actor, (s) => this.settled(s));
+        await this.settledIn('ready', 'unloaded');
+        // Committed at once when unloaded, else once the old pool has closed (before the new load).
         this.actor.send({ type: 'RECONFIGURE', config: next });
-        await waitFor(this.actor, (s) => s.context.config === next);
         this.admission.maxQueued = this.maxQueuedOf(next);
-        this.admission.setPlaces(next.max_streams); // committed
+        this.admission.setPlaces(next.max_streams);
       }
       await this.ensureReady();
       return { reconfigured: changed };
     } finally {
       lease.release();
     }
-  }
-
-  /** Ready or unloaded: no load or close in flight. */
-  private settled(s: SnapshotFrom<typeof modelMachine>): boolean {
-    const state = stateName(s.value);
-    return state === 'ready' || state === 'unloaded';
   }
 
   /**
@@ -677,9 +747,9 @@ export class ModelEntry {
   unloadUnder(barrier: Promise<Lease>): Promise<void> {
     return barrier.then(async (lease) => {
       try {
-        await waitFor(this.actor, (s) => this.settled(s));
+        await this.settledIn('ready', 'unloaded');
         if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
-        await waitFor(this.actor, (s) => stateName(s.value) === 'unloaded');
+        await this.settledIn('unloaded');
       } finally {
         lease.release();
       }

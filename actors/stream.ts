@@ -1,20 +1,13 @@
 import { randomUUID } from 'node:crypto';
 import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, stateIn, type Actor, type InspectionEvent } from 'xstate';
-import type { Lease } from '../runtime/admission.js';
 import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, type VoxError } from '../runtime/errors.js';
-import type { Job } from '../runtime/slot-protocol.js';
-import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
+import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
+import { CLOSE, closeCodeFor, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
 
-/** WebSocket close codes (DESIGN.md section 4). */
-export const CLOSE = { NORMAL: 1000, GOING_AWAY: 1001, POLICY: 1008, TOO_LARGE: 1009, INTERNAL: 1011, FORCE_UNLOAD: 1012, BUSY: 1013 } as const;
-
-/** The close code for a stream that fails with `err`: the client's mistake 1008, busy 1013, else 1011. */
-export function closeCodeFor(err: VoxError): number {
-  return err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
-}
+export { CLOSE, closeCodeFor } from './lease.js';
 
 /** What a stream asks for in its query string. */
 export interface StreamParams {
@@ -66,43 +59,6 @@ export function parseStreamParams(url: URL): StreamParams {
   };
 }
 
-/**
- * A stream's processing lag: for each window (or step) finished, the time since the last of its
- * samples arrived, ms. Arrivals queue with a moving head, compacted as it drains: amortised O(1)
- * per chunk and per window.
- */
-export class LagClock {
-  /** Per received chunk, oldest first from `head`: samples received after it (16 kHz), and when it arrived. */
-  private readonly ends: number[] = [];
-  private readonly ats: number[] = [];
-  private head = 0;
-  private windows = 0;
-
-  /** A chunk arrived at `at` (performance.now(), ms); `received`: samples received so far, after it. */
-  arrived(received: number, at: number): void {
-    this.ends.push(received);
-    this.ats.push(at);
-  }
-
-  /** Calls `record(lag_ms)` for each window of `step` samples finished since the last call (`processed` samples in all). */
-  finished(processed: number, step: number, record: (ms: number) => void): void {
-    const now = performance.now();
-    for (; (this.windows + 1) * step <= processed; this.windows++) {
-      const end = (this.windows + 1) * step;
-      while (this.head < this.ends.length - 1 && this.ends[this.head] < end) this.head++;
-      if (this.head < this.ends.length) record(now - this.ats[this.head]);
-    }
-    if (this.head > 1024 && this.head * 2 > this.ends.length) {
-      this.ends.splice(0, this.head);
-      this.ats.splice(0, this.head);
-      this.head = 0;
-    }
-  }
-}
-
-/** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */
-const MAX_JOB_WINDOWS = 64;
-
 /** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
 const MAX_EARLY_BYTES = 4 * 1024 * 1024;
 
@@ -140,8 +96,8 @@ class MessageBudget {
     return true;
   }
 
-  /** The server stopped (true) or started again (false) reading the socket. */
-  reading(paused: boolean, now: number): void {
+  /** The server stopped (`paused` true) or started again (false) reading the socket. */
+  readingPaused(paused: boolean, now: number): void {
     if (paused && this.pausedAt === null) {
       this.refill(now);
       this.pausedAt = now;
@@ -216,9 +172,9 @@ export class StreamChannel {
     this.count(false);
   }
 
-  /** The server stopped (true) or started again (false) reading the socket (backpressure). */
-  reading(paused: boolean): void {
-    this.budget?.reading(paused, performance.now());
+  /** The server stopped (`paused` true) or started again (false) reading the socket (backpressure). */
+  readingPaused(paused: boolean): void {
+    this.budget?.readingPaused(paused, performance.now());
   }
 
   /** Hands this turn's frames to `work` as one chunk. */
@@ -351,38 +307,35 @@ const errorEvent = (type: string, message: string): WireEvent => ({ type: 'error
 
 /**
  * The `work` actor of a stream: it owns the live resources (the lease, the PCM decoder, the task
- * session and the model's pool) from the stream's first moment to its last. It takes the lease
- * before preparing anything, loads the model if needed, then sends `READY`; audio (`FRAME`) is
- * decoded, windowed and sent to the model's slots as it arrives, one job at a time, and task
- * events go straight to the transport by the stream's channel. `END` flushes; `DONE` follows the last result. Stopping it (the socket
- * actor leaving `live`) drops pending inference and releases the lease, on every path.
+ * session) from the stream's first moment to its last. It asks for the lease before preparing
+ * anything ({@link requestLease}: the model is loaded if needed), then sends `READY`; coalesced
+ * audio from the {@link StreamChannel} is decoded, windowed and pumped to the model's slots as it
+ * arrives ({@link JobPump}), and task events go straight to the transport by the channel. `END`
+ * flushes; `DONE` follows the last result. Stopping it (the socket actor leaving `live`) drops
+ * pending inference and releases the lease, on every path.
  */
 const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(({ input: { id }, sendBack, receive }) => {
   const input = live.get(id)!;
   const { stats, channel } = input;
   const send = (e: WorkEvent): void => sendBack(e);
-  const gone = new AbortController();
   const t0 = performance.now();
-  let lease: Lease | null = null;
+  let lease: LeaseHandle | null = null;
+  let stopped = false;
   let decoder: PcmStreamDecoder | null = null;
-  let session: TaskSession | null = null;
-  let run: ((job: Job) => Promise<import('../runtime/slot-protocol.js').JobResult>) | null = null;
-  let entry: ReturnType<Supervisor['require']> | null = null;
+  let pump: JobPump | null = null;
   let queueMs = 0;
   let early: { data: Buffer; at: number }[] = [];
   let earlyBytes = 0;
   let paused = false;
   let ended = false;
-  let pumping = false;
-  let repump = false;
-  const lag = new LagClock();
   /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
   let caughtUpAt = performance.now();
   /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
-  const behind = (): boolean => !session || pumping || early.length > 0 || session.pendingSamples >= session.step;
+  const behind = (): boolean => !pump || pump.running || early.length > 0 || pump.session.pendingSamples >= pump.session.step;
+  const gone = (): boolean => stopped || (lease?.signal.aborted ?? false);
 
   const fail = (e: unknown): void => {
-    if (gone.signal.aborted) return;
+    if (gone()) return;
     const err = toVoxError(e);
     send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
   };
@@ -396,46 +349,24 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   };
   const emitTask = (e: TaskEvent): void => channel.write({ ...e });
 
-  /** Processing lag of each window finished since the last call. */
-  const recordLag = (): void => lag.finished(session!.processedSamples, session!.step, (ms) => entry?.recordLag(ms));
-
   /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
   const push = (data: Buffer, at: number): void => {
-    session!.push(decoder!.push(data));
-    stats.receivedSamples = session!.receivedSamples;
-    lag.arrived(session!.receivedSamples, at);
-    if (session!.pendingSamples > MAX_PENDING_SAMPLES) pause();
-    void pump();
+    const session = pump!.session;
+    session.push(decoder!.push(data));
+    stats.receivedSamples = session.receivedSamples;
+    pump!.arrived(at);
+    if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
+    void pump!.pump();
   };
 
-  /**
-   * Runs every ready job, one at a time, in order; after `END`, sends `DONE`. A call made while it
-   * runs (more audio, or `END`) makes it look for work once more before it stops.
-   */
-  const pump = async (): Promise<void> => {
-    if (pumping) {
-      repump = true;
-      return;
-    }
-    pumping = true;
-    try {
-      do {
-        repump = false;
-        await drain(session!, run!, emitTask, MAX_JOB_WINDOWS, () => {
-          recordLag();
-          if (paused && session!.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
-        });
-      } while (repump);
-    } catch (e) {
-      return fail(e);
-    } finally {
-      pumping = false;
-    }
+  /** No job left: the server has caught up; after `END`, `DONE`. */
+  const idle = (): void => {
+    const session = pump!.session;
     caughtUpAt = performance.now();
     resume();
-    if (ended && session!.finished && !gone.signal.aborted) {
+    if (ended && session.finished && !gone()) {
       const wallMs = performance.now() - t0;
-      const audioMs = session!.receivedSamples / 16;
+      const audioMs = session.receivedSamples / 16;
       send({
         type: 'DONE',
         processed_ms: Math.round(audioMs),
@@ -445,54 +376,56 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   };
 
   const finishAudio = (): void => {
+    const session = pump!.session;
     // The resampler's held-back tail first, so a stream gives the samples a file would.
-    session!.push(decoder!.end());
-    stats.receivedSamples = session!.receivedSamples;
-    for (const e of session!.end()) emitTask(e);
-    void pump();
+    session.push(decoder!.end());
+    stats.receivedSamples = session.receivedSamples;
+    for (const e of session.end()) emitTask(e);
+    void pump!.pump();
   };
 
-  void (async () => {
-    try {
-      const { registry } = input;
-      const params = parseStreamParams(new URL(input.url, 'http://localhost'));
-      entry = registry.require(params.model);
-      stats.model = entry.id;
-      lease = await entry.admit({
-        requestTimeoutMs: params.busyTimeoutMs,
-        signal: gone.signal,
-        onRevoke: (why) => {
-          const err = toVoxError(why);
-          send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
-        },
-      });
-      if (gone.signal.aborted) return lease.release();
-      queueMs = performance.now() - t0;
-      registry.metrics.queueWait.observe({ model: entry.id }, queueMs / 1000);
-      decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
-      const loaded = await entry.ensureReady(gone.signal);
-      const { pool, batcher } = loaded;
-      // A stream's ready windows (or steps) go through the batcher, which runs them with other streams'.
-      run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
-      session = createTaskSession(entry.config, pool.info, params.options, false);
-      if (gone.signal.aborted) return;
-      send({ type: 'READY', model: entry.id, task: entry.config.task });
-      caughtUpAt = performance.now();
-      const buffered = early;
-      early = [];
-      earlyBytes = 0;
-      for (const { data, at } of buffered) push(data, at);
-      if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
-      if (ended) finishAudio();
-    } catch (e) {
-      fail(e);
-    }
-  })();
+  /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */
+  const start = async (params: StreamParams, granted: Granted): Promise<void> => {
+    queueMs = granted.queueMs;
+    decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
+    if (gone()) return;
+    const session = createTaskSession(granted.config, granted.info, params.options, false);
+    pump = new JobPump(session, granted, {
+      emit: emitTask,
+      accepted: () => {
+        if (paused && session.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
+      },
+      idle,
+      fail,
+    });
+    send({ type: 'READY', model: granted.model, task: granted.config.task });
+    caughtUpAt = performance.now();
+    const buffered = early;
+    early = [];
+    earlyBytes = 0;
+    for (const { data, at } of buffered) push(data, at);
+    if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
+    if (ended) finishAudio();
+  };
+
+  try {
+    const params = parseStreamParams(new URL(input.url, 'http://localhost'));
+    const entry = input.registry.require(params.model);
+    stats.model = entry.id;
+    lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
+      if (e.type === 'LEASE_GRANTED') start(params, e.granted).catch(fail);
+      else if (e.type === 'LEASE_REFUSED') fail(e.error);
+      else if (!stopped) send({ type: 'FAILED', error: { type: e.error.type, message: e.error.message }, code: e.code });
+    });
+  } catch (e) {
+    // Answered after the chart has started (a bad query or an unknown model).
+    queueMicrotask(() => fail(e));
+  }
 
   channel.sink = (data, at) => {
     // Audio after `end` is dropped: the stream is finishing what it had.
     if (ended) return;
-    if (session) return push(data, at);
+    if (pump) return push(data, at);
     // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
     early.push({ data, at });
     earlyBytes += data.length;
@@ -506,12 +439,12 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       send({ type: 'SEND_REPORT', waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince });
     } else if (e.type === 'END' && !ended) {
       ended = true;
-      if (session) finishAudio();
+      if (pump) finishAudio();
     }
   });
   return () => {
+    stopped = true;
     channel.sink = null;
-    gone.abort();
     decoder?.close();
     lease?.release();
   };

@@ -70,8 +70,8 @@ export type SupervisorEvent =
 export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
 
 export interface SupervisorContext {
-  /** Registered model ids, in registration order. */
-  models: string[];
+  /** The live dependencies it was created with. */
+  deps: Required<SupervisorInput>;
   /** The model entry actors, by id (each spawned with `systemId` `model:<id>`). */
   entries: Record<string, AnyActorRef>;
   /** Cold loads waiting for the gate, FIFO. */
@@ -87,9 +87,17 @@ export interface SupervisorContext {
   waitingFor: 'release' | 'memory' | null;
 }
 
-/** Functions the chart's guards read: the live measurements of room. */
-export interface RoomProbe {
-  measure(target: PendingLoad, refused: string[]): RoomFigures;
+/** A supervisor chart's input: its live dependencies (the chart closes over nothing else). */
+export interface SupervisorInput {
+  /** True when cold loads pass the gate one at a time (`max_loaded_models` or `min_free_memory_mb` set). */
+  guarded: boolean;
+  /**
+   * Measures room for `target`: what is resident, retiring and evictable now (least recently used
+   * first, minus `refused`), and the free memory from the memory probe.
+   */
+  measure: (target: PendingLoad, refused: string[]) => RoomFigures;
+  /** The clock, ms since the epoch (default `Date.now`). */
+  now?: () => number;
 }
 
 const need = (r: RoomFigures): number => (r.max_loaded > 0 ? r.resident.length + 1 - r.max_loaded : 0);
@@ -117,11 +125,11 @@ export const supervisorMachine = setup({
   types: {
     context: {} as SupervisorContext,
     events: {} as SupervisorEvent,
-    input: {} as { guarded: boolean },
+    input: {} as SupervisorInput,
   },
   actions: {
-    /** Measures room for `current` into `context.room` (provided by {@link Supervisor}). */
-    measureRoom: assign({ room: () => null as RoomFigures | null }),
+    /** Measures room for `current` into `context.room`. */
+    measureRoom: assign({ room: ({ context }) => context.deps.measure(context.current!, context.refused) }),
     /** Answers the current load `LOAD_REFUSED` with the figures: no room (`server_busy`) or no memory (`insufficient_memory`). */
     refuse: sendTo(
       ({ context }) => context.current!.replyTo,
@@ -144,7 +152,7 @@ export const supervisorMachine = setup({
     ),
   },
   guards: {
-    guarded: () => false,
+    guarded: ({ context }) => context.deps.guarded,
     hasPending: ({ context }) => context.pending.length > 0,
     hasRoom: ({ context }) => roomFree(context.room!) && memoryFree(context.room!),
     /** Over `max_loaded_models`, fewer models retiring than needed, and an idle one to ask. */
@@ -167,19 +175,18 @@ export const supervisorMachine = setup({
     isCurrent: ({ context, event }) => event.type === 'LOAD_FINISHED' && context.current?.id === event.id,
   },
   delays: {
-    untilDeadline: ({ context }) => Math.max(0, Math.min(2 ** 31 - 1, context.current!.since + context.current!.timeout_ms - Date.now())),
+    untilDeadline: ({ context }) => Math.max(0, Math.min(2 ** 31 - 1, context.current!.since + context.current!.timeout_ms - context.deps.now())),
     memoryPoll: 250,
   },
 }).createMachine({
   id: 'supervisor',
-  context: { models: [], entries: {}, pending: [], current: null, refused: [], room: null, victim: null, waitingFor: null },
+  context: ({ input }) => ({ deps: { now: Date.now, ...input }, entries: {}, pending: [], current: null, refused: [], room: null, victim: null, waitingFor: null }),
   on: {
     REGISTER: {
       actions: assign({
-        models: ({ context, event }) => [...context.models, event.id],
         entries: ({ context, event, spawn }) => ({
           ...context.entries,
-          // Each entry's logic comes with its event: the entry provides its own residency actor.
+          // The logic comes with the event (the model chart; a test gives fakes), its live dependencies with its input.
           [event.id]: (spawn as (logic: AnyActorLogic, options: object) => AnyActorRef)(event.logic, { id: `model:${event.id}`, systemId: `model:${event.id}`, input: event.input }),
         }),
       }),
@@ -187,7 +194,7 @@ export const supervisorMachine = setup({
     LOAD_REQUESTED: [
       {
         guard: 'guarded',
-        actions: assign({ pending: ({ context, event }) => [...context.pending, { id: event.id, needed_bytes: event.needed_bytes, timeout_ms: event.timeout_ms, replyTo: event.replyTo, since: Date.now() }] }),
+        actions: assign({ pending: ({ context, event }) => [...context.pending, { id: event.id, needed_bytes: event.needed_bytes, timeout_ms: event.timeout_ms, replyTo: event.replyTo, since: context.deps.now() }] }),
       },
       { actions: sendTo(({ event }) => (event as { replyTo: AnyActorRef }).replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply) },
     ],
@@ -310,12 +317,8 @@ export class Supervisor {
         throw new VoxError((e as VoxError).type ?? 'invalid_request_error', `models.${i}.${(e as Error).message.replace(/; GET \/v1\/models lists the models$/, '')}; the wake-word models this server knows: ${known.join(', ')}`);
       }
     }
-    const guarded = this.guarded;
-    const supervisor = supervisorMachine.provide({
-      actions: { measureRoom: assign({ room: ({ context }) => this.measureRoom(context.current!, context.refused) }) },
-      guards: { guarded: () => guarded },
-    });
-    this.root = createActor(systemMachine.provide({ actors: { supervisor } }), { inspect: options.inspect, id: 'system' });
+    const supervisor: SupervisorInput = { guarded: this.guarded, measure: (target, refused) => this.measureRoom(target, refused) };
+    this.root = createActor(systemMachine.provide({ actors: { supervisor: supervisorMachine } }), { input: { supervisor }, inspect: options.inspect, id: 'system' });
     // Every chart handles its own errors; the error observer keeps one from crashing the process.
     this.root.subscribe({ error: (e) => this.log.error({ err: e }, 'actor system error') });
     this.root.start();
@@ -338,7 +341,7 @@ export class Supervisor {
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
       eager.map(async (m) => {
-        const entry = this.get(m.id)!;
+        const entry = this.getOrRegister(m.id)!;
         const lease = await entry.admission.acquire({ exclusive: true });
         try {
           await entry.ensureReady();
@@ -475,7 +478,7 @@ export class Supervisor {
    * on one stream, registered on first use under its ids sorted (so any order shares one entry).
    * @throws VoxError `not_found` / `invalid_request_error` for a group naming an unknown or unfit model.
    */
-  get(id: string): ModelEntry | undefined {
+  getOrRegister(id: string): ModelEntry | undefined {
     const found = this.entries.get(id);
     if (found) return found;
     if (id.includes(',')) return this.group(id);
@@ -483,7 +486,7 @@ export class Supervisor {
     return config ? this.publish(this.resolveHeads(config)) : undefined;
   }
 
-  /** The entry of an ad-hoc group `a,b,...` (see {@link get}). */
+  /** The entry of an ad-hoc group `a,b,...` (see {@link getOrRegister}). */
   private group(id: string): ModelEntry {
     const names = [...new Set(id.split(',').map((s) => s.trim()))].sort();
     const canonical = names.join(',');
@@ -533,7 +536,7 @@ export class Supervisor {
    * @throws VoxError `not_found`.
    */
   require(id: string): ModelEntry {
-    const e = this.get(id);
+    const e = this.getOrRegister(id);
     if (!e) throw this.unknownModel(id);
     return e;
   }
@@ -564,9 +567,9 @@ export class Supervisor {
       resolve: this.resolveHeads,
       log: this.log.child({ model: config.id }),
       metrics: this.metrics,
-      spawn: (logic, id) => {
-        this.actor.send({ type: 'REGISTER', id, logic, input: { config, serverIdleUnloadMs: this.config.idle_unload_ms, serverLoadTimeoutMs: this.config.load_timeout_ms } });
-        return this.actor.getSnapshot().context.entries[id] as ModelActor;
+      spawn: (input) => {
+        this.actor.send({ type: 'REGISTER', id: config.id, logic: modelMachine, input });
+        return this.actor.getSnapshot().context.entries[config.id] as ModelActor;
       },
     });
     before?.(entry);
@@ -582,7 +585,7 @@ export class Supervisor {
   async load(body: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
     for (const f of PATH_FIELDS) if (typeof body[f] === 'string') body[f] = await confinePath(this.config.models_root, body[f] as string, f);
     const id = typeof body.id === 'string' ? body.id : undefined;
-    const existing = id !== undefined ? this.get(id) : undefined;
+    const existing = id !== undefined ? this.getOrRegister(id) : undefined;
     if (existing) {
       const { reconfigured } = await existing.configure(body, timeoutMs, signal);
       return { id: existing.id, loaded: true, reconfigured };

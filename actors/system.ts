@@ -14,11 +14,13 @@ export type SystemEmitted = { type: 'drain' };
  * root actors of their own that share the inspector and listen to `drain`.
  */
 export const systemMachine = setup({
-  types: { events: {} as SystemEvent, emitted: {} as SystemEmitted },
+  types: { events: {} as SystemEvent, emitted: {} as SystemEmitted, input: {} as { supervisor?: unknown } | undefined, context: {} as { supervisor?: unknown } },
   actors: { supervisor: {} as AnyActorLogic },
 }).createMachine({
   id: 'system',
-  invoke: { id: 'supervisor', systemId: 'supervisor', src: 'supervisor' },
+  context: ({ input }) => ({ supervisor: input?.supervisor }),
+  // The supervisor's input (its live dependencies) passes through.
+  invoke: { id: 'supervisor', systemId: 'supervisor', src: 'supervisor', input: ({ context }: { context: { supervisor?: unknown } }) => context.supervisor },
   initial: 'starting',
   states: {
     starting: { on: { STARTED: 'running', SHUTDOWN: 'draining' } },

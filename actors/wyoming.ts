@@ -1,12 +1,11 @@
 import { fromCallback, type InspectionEvent } from 'xstate';
-import type { Lease } from '../runtime/admission.js';
 import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
 import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
 import type { Limits, ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
-import type { Job, JobResult } from '../runtime/slot-protocol.js';
-import { createTaskSession, drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
-import { CLOSE, closeCodeFor, createStreamSocket, LagClock, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
+import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
+import { closeCodeFor, JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
+import { createStreamSocket, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
 import type { Supervisor } from './supervisor.js';
 
 /**
@@ -29,8 +28,6 @@ export interface WyomingEvent {
 
 /** Bytes of audio-chunk payload a connection keeps while its lease or model is not ready, before it stops reading. */
 const MAX_EARLY_BYTES = 4 * 1024 * 1024;
-/** Steps per slot job, as for WebSocket streams. */
-const MAX_JOB_WINDOWS = 64;
 
 /** The data plane of a Wyoming connection: parsed events in (beside the chart, like PCM frames on a WebSocket). */
 export class WyomingChannel extends StreamChannel {
@@ -108,22 +105,13 @@ export function wyomingInfo(registry: Supervisor, version: string): Record<strin
   };
 }
 
-/** One model a connection holds a lease on, and its current audio stream's task session. */
+/** One model a connection holds a lease on, and its current audio stream's job pump. */
 interface Lane {
   kind: 'wake' | 'vad';
-  id: string;
-  lease: Lease;
-  run: (job: Job) => Promise<JobResult>;
-  config: ModelConfig;
-  info: import('../runtime/slot-protocol.js').SlotInfo;
-  session: TaskSession | null;
-  /** Processing lag of the current audio stream, fed to the model's `processing_lag_ms`. */
-  lag: LagClock;
-  /** Records one window's lag on the model entry. */
-  recordLag: (ms: number) => void;
-  /** The pump loop while it runs. */
-  pumping: Promise<void> | null;
-  repump: boolean;
+  lease: LeaseHandle;
+  granted: Granted;
+  /** The current audio stream's session and pump (processing lag fed to the model's `processing_lag_ms`). */
+  pump: JobPump | null;
 }
 
 /**
@@ -137,7 +125,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
   const channel = res.channel as WyomingChannel;
   const { registry, stats } = res;
   const send = (e: WorkEvent): void => sendBack(e);
-  const gone = new AbortController();
+  let stopped = false;
   const t0 = performance.now();
   let names: unknown;
   let lanes: Lane[] = [];
@@ -152,16 +140,16 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
   let queue: Promise<void> = Promise.resolve();
 
   const fail = (e: unknown): void => {
-    if (gone.signal.aborted) return;
+    if (stopped) return;
     const err = toVoxError(e);
-    gone.abort();
+    stopped = true;
     send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
   };
   const setPaused = (p: boolean): void => {
     if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
     paused = p;
   };
-  const backlog = (): void => setPaused(queued > MAX_EARLY_BYTES || lanes.some((l) => (l.session?.pendingSamples ?? 0) > MAX_PENDING_SAMPLES));
+  const backlog = (): void => setPaused(queued > MAX_EARLY_BYTES || lanes.some((l) => (l.pump?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES));
 
   const emit = (e: TaskEvent): void => {
     if (!audio) return;
@@ -172,30 +160,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     else if (e.type === 'speech_end') channel.write({ type: 'voice-stopped', timestamp: Math.round(audio.base + e.end_ms) });
   };
 
-  /** Runs the lane's ready jobs; resolves when none is left (a call while it runs makes it look again). */
-  const pump = (lane: Lane): Promise<void> => {
-    if (lane.pumping) {
-      lane.repump = true;
-      return lane.pumping;
-    }
-    const session = lane.session!;
-    const lag = lane.lag;
-    const accepted = (): void => {
-      lag.finished(session.processedSamples, session.step, lane.recordLag);
-      backlog();
-    };
-    lane.pumping = (async () => {
-      do {
-        lane.repump = false;
-        await drain(session, lane.run, emit, MAX_JOB_WINDOWS, accepted);
-      } while (lane.repump);
-    })()
-      .catch(fail)
-      .finally(() => (lane.pumping = null));
-    return lane.pumping;
-  };
-
-  /** Takes the leases for what `names` asks (keeps them when unchanged) and loads the models. */
+  /** Takes the leases for what `names` asks (keeps them when unchanged); the models are loaded. */
   const admit = async (): Promise<void> => {
     const want = resolveNames(registry, names);
     const key = `${want.wake}|${want.vad}`;
@@ -205,22 +170,15 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     laneKey = '';
     for (const [kind, mid] of [['wake', want.wake], ['vad', want.vad]] as const) {
       if (!mid) continue;
-      const entry = registry.require(mid);
-      const lease = await entry.admit({
-        signal: gone.signal,
-        onRevoke: (why) => {
-          const err = toVoxError(why);
-          send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD });
-        },
+      const { handle, granted } = leaseGranted(registry.require(mid), { metrics: registry.metrics }, (e) => {
+        if (stopped) return;
+        stopped = true;
+        send({ type: 'FAILED', error: { type: e.error.type, message: e.error.message }, code: e.code });
       });
-      if (gone.signal.aborted) return lease.release();
-      const lane: Lane = { kind, id: entry.id, lease, run: () => Promise.reject(new Error('not loaded')), config: entry.config, info: {}, session: null, lag: new LagClock(), recordLag: (ms) => entry.recordLag(ms), pumping: null, repump: false };
+      const lane = { kind, lease: handle } as Lane;
       lanes.push(lane);
-      const { pool, batcher } = await entry.ensureReady(gone.signal);
-      lane.run = batcher ? (job) => batcher.run(job, gone.signal) : (job) => pool.run(job, gone.signal);
-      lane.config = entry.config;
-      lane.info = pool.info;
-      stats.model = stats.model ?? entry.id;
+      lane.granted = await granted;
+      stats.model = stats.model ?? lane.granted.model;
     }
     laneKey = key;
   };
@@ -235,17 +193,14 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     if (width !== 2) throw invalid(`audio-start.width: only 2 (16-bit PCM) is supported, got ${width}`);
     checkFormat(rate as number, channels as number);
     await admit();
-    if (gone.signal.aborted) return;
+    if (stopped) return;
     decoder?.close();
     decoder = await PcmStreamDecoder.create('s16le', rate as number, channels as number);
-    for (const l of lanes) {
-      l.session = createTaskSession(l.config, l.info, undefined, false);
-      l.lag = new LagClock();
-    }
+    for (const l of lanes) l.pump = new JobPump(createTaskSession(l.granted.config, l.granted.info, undefined, false), l.granted, { emit, accepted: backlog, fail });
     audio = { detections: 0, base: typeof data.timestamp === 'number' ? data.timestamp : 0 };
     if (!ready) {
       ready = true;
-      send({ type: 'READY', model: lanes.map((l) => l.id).join('+'), task: lanes[0]?.config.task ?? 'wakeword' });
+      send({ type: 'READY', model: lanes.map((l) => l.granted.model).join('+'), task: lanes[0]?.granted.config.task ?? 'wakeword' });
     }
   };
 
@@ -255,14 +210,14 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       const current = audio;
       await Promise.all(
         lanes.map((l) => {
-          for (const e of l.session!.end()) emit(e);
-          return pump(l);
+          for (const e of l.pump!.session.end()) emit(e);
+          return l.pump!.pump();
         }),
       );
       if (answer && current.detections === 0 && lanes.some((l) => l.kind === 'wake')) channel.write({ type: 'not-detected' });
     } else if (answer && !lanes.some((l) => l.kind === 'vad')) channel.write({ type: 'not-detected' });
     audio = null;
-    for (const l of lanes) l.session = null;
+    for (const l of lanes) l.pump = null;
   };
 
   const chunk = (e: WyomingEvent): void => {
@@ -270,16 +225,16 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     const samples = decoder.push(e.payload ?? Buffer.alloc(0));
     const at = performance.now();
     for (const l of lanes) {
-      l.session!.push(samples);
-      l.lag.arrived(l.session!.receivedSamples, at);
-      void pump(l);
+      l.pump!.session.push(samples);
+      l.pump!.arrived(at);
+      void l.pump!.pump();
     }
     stats.receivedSamples += samples.length;
     backlog();
   };
 
   const handle = async (e: WyomingEvent): Promise<void> => {
-    if (gone.signal.aborted || ended) return;
+    if (stopped || ended) return;
     switch (e.type) {
       case 'detect':
         names = e.data.names;
@@ -321,7 +276,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       queue = queue.then(async () => {
         await stop(true).catch(fail);
         ended = true;
-        if (gone.signal.aborted) return;
+        if (stopped) return;
         const audioMs = stats.receivedSamples / 16;
         send({ type: 'DONE', processed_ms: Math.round(audioMs), timing: { wall_ms: Math.round(performance.now() - t0), queue_ms: 0, audio_duration_ms: Math.round(audioMs), rtf: 0 } });
       });
@@ -329,7 +284,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
   });
   return () => {
     channel.onEvent = null;
-    gone.abort();
+    stopped = true;
     decoder?.close();
     for (const l of lanes) l.lease.release();
   };

@@ -64,7 +64,7 @@ export interface InspectionRecord {
 }
 
 /** Events too frequent to keep: mirrors of counters, per-request and per-frame bookkeeping. */
-const QUIET_EVENTS = new Set(['LEASES', 'xstate.init', 'REQUEST_STARTED', 'RESPONSE_CLOSED', 'FRAME', 'FLUSHED', 'PONG']);
+const QUIET_EVENTS = new Set(['LEASES', 'xstate.init', 'REQUEST_STARTED', 'RESPONSE_CLOSED', 'PONG']);
 
 /** A state value as a dotted path; parallel regions joined with `, `. */
 export function statePath(value: unknown): string {

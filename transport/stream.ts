@@ -59,10 +59,10 @@ export function bindStream(ws: WebSocket, { actor, channel }: StreamSocketHandle
       case 'close':
         return ws.close(o.code, o.reason);
       case 'pause':
-        channel.reading(true);
+        channel.readingPaused(true);
         return ws.pause();
       case 'resume':
-        channel.reading(false);
+        channel.readingPaused(false);
         return ws.resume();
       case 'ping':
         return ws.ping();

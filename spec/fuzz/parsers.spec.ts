@@ -325,7 +325,7 @@ describe('fuzz: WebSocket binary frames and control messages', () => {
         let params: ReturnType<typeof parseStreamParams> | null = null;
         try {
           params = parseStreamParams(new URL(`/v1/stream?${s.query}`, 'http://localhost'));
-          if (!sup.get(params.model)) params = null;
+          if (!sup.getOrRegister(params.model)) params = null;
         } catch {
           params = null;
         }

@@ -1,16 +1,24 @@
 /** Dynamic batching across streams, processing lag, and POST /v1/tasks/batch, on real models and audio. */
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
+import { calibrate, syntheticModel } from '../../tools/synth-model.js';
 import { fixture, WaveFile } from '../helpers.js';
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
 const jarvis = defaultCatalog().find((m) => m.id === 'hey-jarvis')!;
 let server: VoxServer;
+/** Run time of one window of the synthetic `slow` model, ms (calibrated on this machine). */
+const SLOW_MS = 40;
 
 beforeAll(async () => {
+  const slow = join(mkdtempSync(join(tmpdir(), 'voxserve-lag-')), 'slow.onnx');
+  writeFileSync(slow, syntheticModel(1, Math.max(1, Math.round(SLOW_MS / (await calibrate())))));
   server = await startServer(
     ServerConfig.parse({
       log_level: 'silent',
@@ -20,6 +28,7 @@ beforeAll(async () => {
         { id: 'batched', task: 'vad', path: silero, max_batch_size: 32, max_batch_delay_ms: 5 },
         { ...jarvis, id: 'wake-unbatched', max_batch_size: 1 },
         { ...jarvis, id: 'wake-batched', max_batch_size: 32, max_batch_delay_ms: 5 },
+        { id: 'slow', task: 'vad', path: slow, max_batch_size: 1 },
       ],
     }),
   );
@@ -91,6 +100,22 @@ describe('dynamic batching', () => {
     expect(s.processing_lag_ms.p99).toBeGreaterThanOrEqual(s.processing_lag_ms.p50);
     expect(s.processing_lag_ms.windows).toBeGreaterThan(0);
     expect(await metric('voxserve_processing_lag_seconds_count', 'batched')).toBe(s.processing_lag_ms.windows);
+  });
+
+  it('processing lag is at least the inference: a model that runs about 40 ms per window lags about that much, one entry per window', async () => {
+    const wav = fixture('espeak_sentence_16k.wav');
+    const samples = (new WaveFile(wav).data as { samples: Uint8Array }).samples.length / 2;
+    // Real time: each window's last sample arrives while the slot is free, so its lag is its job.
+    await stream('slow', wav, 20);
+    const s = await (await fetch(`${server.url}/v1/models/slow`)).json();
+    expect(s.processing_lag_ms.windows).toBeGreaterThanOrEqual(Math.floor(samples / 512));
+    // Half the calibrated run time: calibration is approximate on a shared machine.
+    expect(s.processing_lag_ms.p50).toBeGreaterThanOrEqual(SLOW_MS / 2);
+    expect(s.processing_lag_ms.p99).toBeGreaterThanOrEqual(s.processing_lag_ms.p50);
+    expect(s.processing_lag_ms.p99).toBeLessThan(10_000);
+    expect(await metric('voxserve_processing_lag_seconds_count', 'slow')).toBe(s.processing_lag_ms.windows);
+    const sum = await metric('voxserve_processing_lag_seconds_sum', 'slow');
+    expect(sum / s.processing_lag_ms.windows).toBeGreaterThanOrEqual(SLOW_MS / 2 / 1000);
   });
 });
 

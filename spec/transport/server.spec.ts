@@ -238,7 +238,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
     const r = await runWav('silero-vad', fixture('Front_Left.wav'));
     expect(r.status).toBe(200);
     expect(r.body.segments.length).toBeGreaterThan(0);
-    expect(server.supervisor.get('silero-vad')!.status().active_leases).toBe(0);
+    expect(server.supervisor.getOrRegister('silero-vad')!.status().active_leases).toBe(0);
   };
 
   it('unknown model -> 404 not_found', async () => {

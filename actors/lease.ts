@@ -1,0 +1,213 @@
+import { toVoxError, type VoxError } from '../runtime/errors.js';
+import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
+import type { ModelConfig } from '../runtime/config.js';
+import type { Metrics } from '../runtime/telemetry.js';
+import { drain, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
+import type { ModelEntry } from './model.js';
+
+/**
+ * The request path every work actor shares (a WebSocket stream, a Wyoming connection, an HTTP
+ * exchange): ask a model entry for a lease, have the model made ready, be told by events how it
+ * went, and pump a task session's jobs through the slots. The work actors keep only what differs:
+ * their framing and the events they send out.
+ */
+
+/** WebSocket close codes (DESIGN.md section 4). */
+export const CLOSE = { NORMAL: 1000, GOING_AWAY: 1001, POLICY: 1008, TOO_LARGE: 1009, INTERNAL: 1011, FORCE_UNLOAD: 1012, BUSY: 1013 } as const;
+
+/** The close code for a stream that fails with `err`: the client's mistake 1008, busy 1013, else 1011. */
+export function closeCodeFor(err: VoxError): number {
+  return err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
+}
+
+/** The close code for a stream whose lease was revoked: 1001 at shutdown, else 1012 (a forced unload). */
+export function revokeCloseCode(err: VoxError): number {
+  return err.type === 'shutting_down' ? CLOSE.GOING_AWAY : CLOSE.FORCE_UNLOAD;
+}
+
+/** What a granted lease carries: the ready model and how to submit jobs to its slots. */
+export interface Granted {
+  model: string;
+  config: ModelConfig;
+  /** What the model's slots reported at load (task sessions are made from it). */
+  info: SlotInfo;
+  /**
+   * Submits one job. Stream jobs go through the model's batcher when it has one; `waitMs` (files)
+   * bounds the wait for a slot and runs it unbatched. Aborted when the lease ends.
+   */
+  run: (job: Job, waitMs?: number) => Promise<JobResult>;
+  /** Time from the request to the grant of its lease (before any load), ms. */
+  queueMs: number;
+  /** Records one stream window's processing lag on the model entry, ms. */
+  recordLag: (ms: number) => void;
+  /** The model's busy-timeout ceiling, ms (0 = unbounded). */
+  busyTimeoutMs: number;
+}
+
+/**
+ * The answers to a lease request, each delivered at most once and in this order:
+ * `LEASE_GRANTED` (lease held and the model ready) or `LEASE_REFUSED` (the wire error: busy,
+ * stuck, a failed load; an `AbortError` once the holder released it before the grant); after a
+ * grant, `LEASE_REVOKED` (forced unload, shutdown) with the error and the close code a stream
+ * closes with. Nothing follows a refusal or a revocation.
+ */
+export type LeaseEvent =
+  | { type: 'LEASE_GRANTED'; granted: Granted }
+  | { type: 'LEASE_REFUSED'; error: unknown }
+  | { type: 'LEASE_REVOKED'; error: VoxError; code: number };
+
+/** A lease request in flight or held. */
+export interface LeaseHandle {
+  /** Aborted when the lease is released or revoked: pending jobs and waits end with it. */
+  readonly signal: AbortSignal;
+  /** Leaves the queue or gives the lease back (marks the model used). Idempotent. */
+  release(): void;
+}
+
+/**
+ * Asks `entry` for a lease (FIFO, within the busy timeout min(request, model, server)), loads the
+ * model if needed, and answers by `deliver` (see {@link LeaseEvent}). The time queued is counted
+ * in `voxserve_queue_wait_seconds`.
+ * @param opts.requestTimeoutMs the request's own `busy_timeout_ms`, if it gave one.
+ */
+export function requestLease(entry: ModelEntry, opts: { requestTimeoutMs?: number; metrics?: Metrics }, deliver: (e: LeaseEvent) => void): LeaseHandle {
+  const t0 = performance.now();
+  const ended = new AbortController();
+  let answered: 'granted' | 'done' | null = null;
+  let release: (() => void) | null = null;
+  const answer = (e: LeaseEvent): void => {
+    if (answered === 'done') return;
+    answered = e.type === 'LEASE_GRANTED' ? 'granted' : 'done';
+    deliver(e);
+  };
+  void (async () => {
+    const lease = await entry.admit({
+      requestTimeoutMs: opts.requestTimeoutMs,
+      signal: ended.signal,
+      onRevoke: (why) => {
+        const error = toVoxError(why);
+        answer({ type: 'LEASE_REVOKED', error, code: revokeCloseCode(error) });
+        ended.abort();
+      },
+    });
+    release = () => {
+      entry.touch();
+      lease.release();
+    };
+    if (ended.signal.aborted) return release();
+    const queueMs = performance.now() - t0;
+    opts.metrics?.queueWait.observe({ model: entry.id }, queueMs / 1000);
+    const { pool, batcher } = await entry.ensureReady(ended.signal);
+    const signal = ended.signal;
+    const run = (job: Job, waitMs?: number): Promise<JobResult> => (batcher && waitMs === undefined ? batcher.run(job, signal) : pool.run(job, signal, waitMs));
+    answer({ type: 'LEASE_GRANTED', granted: { model: entry.id, config: entry.config, info: pool.info, run, queueMs, recordLag: (ms) => entry.recordLag(ms), busyTimeoutMs: entry.busyTimeoutMs } });
+  })().catch((error) => answer({ type: 'LEASE_REFUSED', error }));
+  return {
+    signal: ended.signal,
+    release: () => {
+      ended.abort();
+      release?.();
+      release = null;
+    },
+  };
+}
+
+/**
+ * The promise form of {@link requestLease}: `granted` resolves on the grant and rejects on the
+ * refusal, or with the revocation's error when the lease is revoked before the model was ready;
+ * `onRevoke` hears every revocation.
+ */
+export function leaseGranted(entry: ModelEntry, opts: { requestTimeoutMs?: number; metrics?: Metrics }, onRevoke: (e: Extract<LeaseEvent, { type: 'LEASE_REVOKED' }>) => void): { handle: LeaseHandle; granted: Promise<Granted> } {
+  let handle!: LeaseHandle;
+  const granted = new Promise<Granted>((resolve, reject) => {
+    handle = requestLease(entry, opts, (e) => {
+      if (e.type === 'LEASE_GRANTED') return resolve(e.granted);
+      if (e.type === 'LEASE_REFUSED') return reject(e.error);
+      onRevoke(e);
+      reject(e.error);
+    });
+  });
+  granted.catch(() => {});
+  return { handle, granted };
+}
+
+/** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */
+export const MAX_JOB_WINDOWS = 64;
+
+/**
+ * Runs a stream's task session through its lease, one job at a time and in order, and measures
+ * the processing lag of each window (last sample arrival to result) on the model entry.
+ */
+export class JobPump {
+  /** True while a job is in flight. */
+  running = false;
+  private again = false;
+  private current: Promise<void> | null = null;
+  /** Per received chunk, oldest first from `head`: samples received after it, and when it arrived. */
+  private readonly ends: number[] = [];
+  private readonly ats: number[] = [];
+  private head = 0;
+  private windows = 0;
+
+  /**
+   * @param hooks.emit each task event; `accepted` after each result; `idle` when no job is left
+   *   (not after a failure); `fail` with the error of a failed job (the pump stops).
+   */
+  constructor(
+    readonly session: TaskSession,
+    private readonly granted: Pick<Granted, 'run' | 'recordLag'>,
+    private readonly hooks: { emit: (e: TaskEvent) => void; accepted?: () => void; idle?: () => void; fail: (e: unknown) => void },
+  ) {}
+
+  /** Samples arrived at `at` (performance.now(), ms), already pushed into the session. */
+  arrived(at: number): void {
+    this.ends.push(this.session.receivedSamples);
+    this.ats.push(at);
+  }
+
+  /** Runs every ready job; resolves when none is left. A call while it runs makes it look once more. */
+  pump(): Promise<void> {
+    if (this.current) {
+      this.again = true;
+      return this.current;
+    }
+    this.running = true;
+    this.current = (async () => {
+      try {
+        do {
+          this.again = false;
+          await drain(this.session, this.granted.run, this.hooks.emit, MAX_JOB_WINDOWS, this.accepted);
+        } while (this.again);
+      } catch (e) {
+        this.running = false;
+        return this.hooks.fail(e);
+      } finally {
+        this.running = false;
+        this.current = null;
+      }
+      this.hooks.idle?.();
+    })();
+    return this.current;
+  }
+
+  private readonly accepted = (): void => {
+    this.lagFinished();
+    this.hooks.accepted?.();
+  };
+
+  /** Records the lag of each window finished since the last call. */
+  private lagFinished(): void {
+    const now = performance.now();
+    const { processedSamples: processed, step } = this.session;
+    for (; (this.windows + 1) * step <= processed; this.windows++) {
+      const end = (this.windows + 1) * step;
+      while (this.head < this.ends.length - 1 && this.ends[this.head] < end) this.head++;
+      if (this.head < this.ends.length) this.granted.recordLag(now - this.ats[this.head]);
+    }
+    if (this.head > 1024 && this.head * 2 > this.ends.length) {
+      this.ends.splice(0, this.head);
+      this.ats.splice(0, this.head);
+      this.head = 0;
+    }
+  }
+}

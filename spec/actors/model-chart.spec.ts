@@ -1,0 +1,301 @@
+/**
+ * The model entry chart on its own (no ModelEntry class): created with `createActor`, its live
+ * dependencies given as input (a fake loader and admission, XState's SimulatedClock), every
+ * transition of DESIGN.md section 2's chart.
+ */
+import { describe, expect, it } from 'vitest';
+import { createActor, fromCallback, SimulatedClock, type AnyActorRef } from 'xstate';
+import { modelMachine, stateName, type EvictReason, type EvictReply, type ModelDeps } from '../../actors/model.js';
+import { ModelConfig } from '../../runtime/config.js';
+import { VoxError } from '../../runtime/errors.js';
+import type { LoadedModel } from '../../runtime/loader.js';
+
+const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
+
+function chart(fields: Record<string, unknown> = {}, server: { idle?: number; loadTimeout?: number } = {}) {
+  const clock = new SimulatedClock();
+  const loads: { config: ModelConfig; signal: AbortSignal; resolve: (m: LoadedModel) => void; reject: (e: unknown) => void }[] = [];
+  const closed: string[] = [];
+  let failSlot: ((e: Error) => void) | null = null;
+  const pool = (id: string, closeError?: Error): LoadedModel =>
+    ({
+      pool: { slots: [{}], info: {}, onFailure: (cb: (e: Error) => void) => (failSlot = cb) },
+      residentBytes: 1234,
+      close: async () => {
+        closed.push(id);
+        if (closeError) throw closeError;
+      },
+    }) as unknown as LoadedModel;
+  const leases: { exclusive: boolean; released: boolean }[] = [];
+  const evictions: EvictReason[] = [];
+  const resident: (LoadedModel | null)[] = [];
+  const deps: ModelDeps = {
+    loader: (config, signal) => new Promise((resolve, reject) => loads.push({ config: config as ModelConfig, signal: signal!, resolve, reject })),
+    footprint: async () => 0,
+    admission: {
+      tryAcquire: (exclusive = false) => {
+        const l = { exclusive, released: false };
+        leases.push(l);
+        return { exclusive, grantedAt: 0, release: () => void (l.released = true) };
+      },
+    },
+    busyTimeoutMs: () => 0,
+    resident: (m) => void resident.push(m),
+    evicted: (reason) => void evictions.push(reason),
+    now: () => clock.now(),
+  };
+  const config = ModelConfig.parse({ id: 'm', task: 'vad', path: '/m.onnx', ...fields });
+  const actor = createActor(modelMachine, { clock, input: { config, deps, serverIdleUnloadMs: server.idle ?? 0, serverLoadTimeoutMs: server.loadTimeout ?? 0 } });
+  actor.start();
+  const emitted: string[] = [];
+  actor.on('*', (e) => void emitted.push(e.type));
+  const replies: EvictReply[] = [];
+  const inbox = createActor(fromCallback(({ receive }) => receive((e: EvictReply) => void replies.push(e))));
+  inbox.start();
+  const value = (): unknown => actor.getSnapshot().value;
+  /** Loads and answers the load with a pool (after the residency actor asked for it). */
+  const load = async (id = 'm'): Promise<void> => {
+    actor.send({ type: 'LOAD' });
+    await flush();
+    loads.at(-1)!.resolve(pool(id));
+    await flush();
+  };
+  return { actor, clock, loads, closed, leases, evictions, resident, emitted, replies, inbox: inbox as AnyActorRef, value, load, pool, failSlot: (e: Error) => failSlot!(e) };
+}
+
+describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () => {
+  it('unloaded -LOAD-> loading.building (no gate) -LOADED-> ready.idle; the pool is resident and `ready` is emitted', async () => {
+    const c = chart();
+    expect(c.value()).toBe('unloaded');
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(c.loads).toHaveLength(1);
+    c.loads[0].resolve(c.pool('m'));
+    await flush();
+    expect(c.value()).toEqual({ resident: { ready: { idle: 'keepAliveOff' } } });
+    expect(c.actor.getSnapshot().context.residentBytes).toBe(1234);
+    expect(c.resident).toHaveLength(1);
+    expect(c.emitted).toEqual(['ready']);
+  });
+
+  it('LOAD outside unloaded is ignored: concurrent loads share one', async () => {
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    expect(c.loads).toHaveLength(1);
+  });
+
+  it('LOAD_FAILED -> unloaded with lastError; a 503 refusal is not the model\'s fault (lastError kept)', async () => {
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.loads[0].reject(new Error('bad weights'));
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(c.actor.getSnapshot().context.lastError).toBe('bad weights');
+    expect(c.emitted).toEqual(['unloaded']);
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.loads[1].reject(new VoxError('insufficient_memory', 'no room'));
+    await flush();
+    expect(c.actor.getSnapshot().context).toMatchObject({ lastError: 'bad weights', failure: expect.objectContaining({ type: 'insufficient_memory' }) });
+  });
+
+  it('a loader that yields no session fails the load', async () => {
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.loads[0].resolve({ pool: { slots: [] }, residentBytes: 0, close: async () => {} } as unknown as LoadedModel);
+    await flush();
+    expect(c.actor.getSnapshot().context.lastError).toBe('the loader yielded no session');
+  });
+
+  it('past load_timeout_ms the load is abandoned (its signal aborts): unloaded with lastError naming it; not before', async () => {
+    const c = chart({ load_timeout_ms: 100 });
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.clock.increment(99);
+    expect(stateName(c.value())).toBe('loading');
+    c.clock.increment(1);
+    expect(c.value()).toBe('unloaded');
+    expect(c.loads[0].signal.aborted).toBe(true);
+    expect(c.actor.getSnapshot().context.lastError).toMatch(/load_timeout_ms \(100 ms\)/);
+  });
+
+  it('the server load timeout applies when the model sets none; 0 = none', async () => {
+    const on = chart({}, { loadTimeout: 50 });
+    on.actor.send({ type: 'LOAD' });
+    on.clock.increment(50);
+    expect(on.value()).toBe('unloaded');
+    const off = chart();
+    off.actor.send({ type: 'LOAD' });
+    off.clock.increment(3_600_000);
+    expect(stateName(off.value())).toBe('loading');
+  });
+
+  it('ready.idle <-LEASES-> ready.busy follows the admission mirror (held or queued)', async () => {
+    const c = chart();
+    await c.load();
+    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    expect(c.value()).toEqual({ resident: { ready: 'busy' } });
+    c.actor.send({ type: 'LEASES', active: 0, queued: 1, exclusive: false });
+    expect(c.value()).toEqual({ resident: { ready: 'busy' } });
+    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: false });
+    expect(stateName(c.value())).toBe('ready');
+    expect((c.value() as { resident: { ready: unknown } }).resident.ready).toEqual({ idle: 'keepAliveOff' });
+  });
+
+  it('EVICT in ready.idle: the exclusive lease is held until the pool closed, EVICTED answered, counted; -> unloaded', async () => {
+    const c = chart();
+    await c.load();
+    c.actor.send({ type: 'EVICT', reason: 'lru', replyTo: c.inbox });
+    expect(stateName(c.value())).toBe('unloading');
+    expect(c.replies).toEqual([{ type: 'EVICTED', id: 'm', reason: 'lru' }]);
+    expect(c.evictions).toEqual(['lru']);
+    expect(c.leases).toEqual([{ exclusive: true, released: false }]);
+    expect(c.actor.getSnapshot().context.evicted).toEqual({ reason: 'lru', at: c.clock.now() });
+    await flush();
+    expect(c.closed).toEqual(['m']);
+    expect(c.value()).toBe('unloaded');
+    expect(c.resident.at(-1)).toBeNull();
+    await flush();
+    expect(c.leases[0].released).toBe(true);
+  });
+
+  it('EVICT anywhere else (busy, an exclusive holder, unloaded, loading) is refused with the state', async () => {
+    const c = chart();
+    c.actor.send({ type: 'EVICT', reason: 'memory', replyTo: c.inbox });
+    await c.load();
+    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    c.actor.send({ type: 'EVICT', reason: 'lru', replyTo: c.inbox });
+    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: true });
+    c.actor.send({ type: 'EVICT', reason: 'lru', replyTo: c.inbox });
+    expect(c.replies).toEqual([
+      { type: 'EVICT_REFUSED', id: 'm', reason: 'memory', state: 'unloaded' },
+      { type: 'EVICT_REFUSED', id: 'm', reason: 'lru', state: 'ready' },
+      { type: 'EVICT_REFUSED', id: 'm', reason: 'lru', state: 'ready' },
+    ]);
+    expect(c.evictions).toEqual([]);
+    expect(stateName(c.value())).toBe('ready');
+  });
+
+  it('keep-alive: idle for keep_alive_ms raises EVICT idle (not before); busy time does not count; 0 = off', async () => {
+    const c = chart({ keep_alive_ms: 1000 });
+    await c.load();
+    c.clock.increment(600);
+    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    c.clock.increment(5000);
+    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: false });
+    c.clock.increment(999);
+    expect(stateName(c.value())).toBe('ready');
+    c.clock.increment(1);
+    expect(c.evictions).toEqual(['idle']);
+    expect(stateName(c.value())).toBe('unloading');
+    // The server's idle_unload_ms when the model sets none.
+    const s = chart({}, { idle: 300 });
+    await s.load();
+    s.clock.increment(300);
+    expect(s.evictions).toEqual(['idle']);
+    const off = chart({ keep_alive_ms: 0 }, { idle: 300 });
+    await off.load();
+    off.clock.increment(3_600_000);
+    expect(off.evictions).toEqual([]);
+  });
+
+  it('UNLOAD in ready -> unloading -> CLOSED -> unloaded (`unloaded` emitted); a close error is kept as lastError', async () => {
+    const c = chart();
+    await c.load();
+    c.actor.send({ type: 'UNLOAD' });
+    expect(stateName(c.value())).toBe('unloading');
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(c.emitted).toEqual(['ready', 'unloaded']);
+    expect(c.actor.getSnapshot().context.residentBytes).toBe(0);
+    const e = chart();
+    e.actor.send({ type: 'LOAD' });
+    await flush();
+    e.loads[0].resolve(e.pool('m', new Error('close failed')));
+    await flush();
+    e.actor.send({ type: 'UNLOAD' });
+    await flush();
+    expect(e.actor.getSnapshot().context.lastError).toBe('close failed');
+  });
+
+  it('SLOT_FAILED in ready unloads the model with lastError', async () => {
+    const c = chart();
+    await c.load();
+    c.failSlot(new Error('slot host exited (SIGKILL)'));
+    expect(stateName(c.value())).toBe('unloading');
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(c.actor.getSnapshot().context.lastError).toBe('slot host exited (SIGKILL)');
+  });
+
+  it('RECONFIGURE in unloaded commits at once; in ready closes the old pool, commits, loads the new config', async () => {
+    const c = chart();
+    c.actor.send({ type: 'RECONFIGURE', config: ModelConfig.parse({ id: 'm', task: 'vad', path: '/a.onnx' }) });
+    expect(c.actor.getSnapshot().context.config.path).toBe('/a.onnx');
+    await c.load('old');
+    const next = ModelConfig.parse({ id: 'm', task: 'vad', path: '/b.onnx', slots: 2 });
+    c.actor.send({ type: 'RECONFIGURE', config: next });
+    expect(stateName(c.value())).toBe('reconfiguring');
+    expect(c.actor.getSnapshot().context.config.path).toBe('/a.onnx');
+    await flush();
+    expect(c.closed).toEqual(['old']);
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(c.actor.getSnapshot().context).toMatchObject({ config: next, next: null });
+    expect(c.loads.at(-1)!.config).toBe(next);
+  });
+
+  it('RECONFIGURE whose old pool fails to close: the new config is committed, unloaded, with the error', async () => {
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.loads[0].resolve(c.pool('old', new Error('close failed')));
+    await flush();
+    const next = ModelConfig.parse({ id: 'm', task: 'vad', path: '/b.onnx' });
+    c.actor.send({ type: 'RECONFIGURE', config: next });
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(c.actor.getSnapshot().context).toMatchObject({ config: next, lastError: 'close failed' });
+  });
+
+  it('under a supervisor gate the load waits in loading.queued (asking with its footprint and busy timeout) until LOAD_GRANTED', async () => {
+    const { setup } = await import('xstate');
+    const requests: { replyTo: AnyActorRef; timeout_ms: number }[] = [];
+    const clock = new SimulatedClock();
+    const gate = fromCallback(({ receive }) => receive((e: { type: string; replyTo: AnyActorRef; timeout_ms: number }) => void (e.type === 'LOAD_REQUESTED' && requests.push(e))));
+    const parent = setup({ actors: { gate, model: modelMachine } }).createMachine({
+      invoke: [
+        { src: 'gate', systemId: 'supervisor' },
+        { id: 'model', src: 'model', input: () => ({ config: ModelConfig.parse({ id: 'm', task: 'vad', path: '/m.onnx', busy_timeout_ms: 700 }), deps: chartDeps() }) },
+      ],
+    });
+    const loads: unknown[] = [];
+    const chartDeps = (): ModelDeps => ({
+      loader: () => new Promise(() => void loads.push(1)),
+      footprint: async () => 5,
+      admission: { tryAcquire: () => null },
+      busyTimeoutMs: () => 700,
+      resident: () => {},
+      evicted: () => {},
+    });
+    const root = createActor(parent, { clock });
+    root.start();
+    const model = root.getSnapshot().children.model as unknown as ReturnType<typeof createActor<typeof modelMachine>>;
+    model.send({ type: 'LOAD' });
+    await flush();
+    expect(model.getSnapshot().value).toEqual({ resident: { loading: 'queued' } });
+    expect(requests).toHaveLength(1);
+    expect(requests[0].timeout_ms).toBe(700);
+    expect(loads).toHaveLength(0);
+    requests[0].replyTo.send({ type: 'LOAD_GRANTED' });
+    await flush();
+    expect(model.getSnapshot().value).toEqual({ resident: { loading: 'building' } });
+    expect(loads).toHaveLength(1);
+    model.send({ type: 'UNLOAD' }); // ignored while loading
+    expect(stateName(model.getSnapshot().value)).toBe('loading');
+  });
+});
