@@ -73,7 +73,16 @@ export interface ModelDeps {
   evicted: (reason: EvictReason) => void;
   /** The clock, ms since the epoch (default `Date.now`). */
   now?: () => number;
+  /** Cluster placement (cluster/node.ts): decides where a cold load goes; absent, every load is local. */
+  place?: PlaceHook;
 }
+
+/**
+ * Where a model's cold load goes (cluster mode): `local()` loads it on this node (through the
+ * cold-load gate and the loader); else the hook returns a pool whose jobs run on the nodes
+ * holding the model. An aborted `signal` abandons the placement.
+ */
+export type PlaceHook = (config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>) => Promise<LoadedModel>;
 
 /** A model chart's input: its config, its live dependencies and the server-wide defaults it falls back on, ms. */
 export interface ModelInput {
@@ -130,23 +139,27 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(({ input: { confi
       deps.resident(null);
       await model?.close();
     })());
+  /** Loads here: through the cold-load gate, then the loader. */
+  const local = async (): Promise<LoadedModel> => {
+    if (gate) {
+      const needed_bytes = await deps.footprint(config);
+      if (stopped) throw new VoxError('shutting_down', 'the model entry stopped');
+      const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
+      atGate = true;
+      gate.send({ type: 'LOAD_REQUESTED', id: config.id, needed_bytes, timeout_ms: deps.busyTimeoutMs(), replyTo: self });
+      await granted;
+    }
+    sendBack({ type: 'LOAD_GRANTED' });
+    try {
+      return await deps.loader(config, abandon.signal);
+    } finally {
+      leaveGate();
+    }
+  };
   void (async () => {
     try {
-      if (gate) {
-        const needed_bytes = await deps.footprint(config);
-        if (stopped) return;
-        const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
-        atGate = true;
-        gate.send({ type: 'LOAD_REQUESTED', id: config.id, needed_bytes, timeout_ms: deps.busyTimeoutMs(), replyTo: self });
-        await granted;
-      }
-      sendBack({ type: 'LOAD_GRANTED' });
-      let m: LoadedModel;
-      try {
-        m = await deps.loader(config, abandon.signal);
-      } finally {
-        leaveGate();
-      }
+      // In a cluster, placement decides: here (`local`), or a pool whose jobs go to the holders.
+      const m = deps.place ? await deps.place(config, abandon.signal, local) : await local();
       if (!m?.pool?.slots.length) {
         await m?.close?.();
         throw new Error('the loader yielded no session');
@@ -463,6 +476,8 @@ export interface EntryOptions {
   resolve?: (config: ModelConfig) => ModelConfig;
   /** Creates the chart's actor from its input; the supervisor spawns it as its child with `systemId` `model:<id>`. */
   spawn?: (input: ModelInput) => ModelActor;
+  /** Cluster placement (cluster/node.ts): decides where a cold load goes; `local` loads on this node. */
+  place?: PlaceHook;
 }
 
 /**
@@ -507,21 +522,25 @@ export class ModelEntry {
     const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;
     this.admission.maxQueued = maxQueued(config);
     this.maxQueuedOf = maxQueued;
+    // The pool's settings that belong to the entry: slot waits bounded by the busy timeout, host
+    // exits logged, run times and batches measured. Set once per pool, local or remote (a cluster's).
+    const settled = new WeakSet<LoadedModel>();
+    const settle = (m: LoadedModel, c: ModelConfig): LoadedModel => {
+      if (!m?.pool || settled.has(m)) return m;
+      settled.add(m);
+      m.pool.waitTimeoutMs = this.busyTimeoutMs;
+      m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
+      if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
+      if (c.max_batch_size > 1) {
+        const packing = (c.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
+        m.batcher = new Batcher(m.pool, packing, c.max_batch_size, c.max_batch_delay_ms, (n) => batchSize?.observe(n));
+      }
+      return m;
+    };
+    const place = options.place;
     const deps: ModelDeps = {
-      // The pool's settings that belong to the entry: slot waits bounded by the busy timeout, host exits logged, run times and batches measured.
-      loader: async (c, signal) => {
-        const m = await options.loader(c, signal);
-        if (m?.pool) {
-          m.pool.waitTimeoutMs = this.busyTimeoutMs;
-          m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
-          if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
-          if (c.max_batch_size > 1) {
-            const packing = (c.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
-            m.batcher = new Batcher(m.pool, packing, c.max_batch_size, c.max_batch_delay_ms, (n) => batchSize?.observe(n));
-          }
-        }
-        return m;
-      },
+      loader: async (c, signal) => settle(await options.loader(c, signal), c),
+      place: place && (async (c, signal, local) => settle(await place(c, signal, local), c)),
       footprint: async (c) => (await options.footprint?.(c)) ?? 0,
       admission: this.admission,
       busyTimeoutMs: () => this.busyTimeoutMs,

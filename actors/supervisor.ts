@@ -13,7 +13,7 @@ import { confinePath } from '../runtime/paths.js';
 /** Config fields that name model files. */
 const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
 import type { Logger } from 'pino';
-import { ModelEntry, modelMachine, type ModelActor, type ModelInput, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus } from './model.js';
+import { ModelEntry, modelMachine, type ModelActor, type ModelInput, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus, type PlaceHook } from './model.js';
 import { systemMachine } from './system.js';
 
 /** A model's footprint estimated from the sizes of its files (C13). */
@@ -269,6 +269,8 @@ export interface SupervisorOptions {
   metrics?: Metrics;
   /** Default: a pino logger at the config's `log_level`. */
   log?: Logger;
+  /** Cluster placement of cold loads (cluster/node.ts); absent: every load is local. */
+  place?: PlaceHook;
 }
 
 /**
@@ -287,6 +289,7 @@ export class Supervisor {
   private readonly baseLoader: ModelLoader;
   private readonly probe: MemoryProbe;
   private readonly estimate: (config: ModelConfig) => Promise<number>;
+  private readonly place?: PlaceHook;
   /** Models whose slots exist: from the end of their load until their pool has closed (retiring included). */
   private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
@@ -306,6 +309,7 @@ export class Supervisor {
     this.baseLoader = options.loader ?? createLoader(new WeightBundles(), { isolation: config.isolation, jobTimeoutMs: config.job_timeout_ms, loadTimeoutMs: config.load_timeout_ms });
     this.probe = options.memoryProbe ?? availableMemory;
     this.estimate = options.footprint ?? estimateFromFiles;
+    this.place = options.place;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     // A configured group naming an unknown head stops the server at start, not at first use.
     for (const [i, m] of config.models.entries()) {
@@ -559,6 +563,7 @@ export class Supervisor {
     const entry = new ModelEntry(config, {
       loader: this.loadPool,
       footprint: (c) => (headroom ? this.footprint(c) : Promise.resolve(0)),
+      place: this.place,
       serverBusyTimeoutMs: this.config.busy_timeout_ms,
       serverIdleUnloadMs: this.config.idle_unload_ms,
       serverLoadTimeoutMs: this.config.load_timeout_ms,

@@ -159,6 +159,11 @@ export type AudioInput = Uint8Array | ArrayBuffer | Blob;
 export interface ClientOptions {
   /** Server URL, `http(s)://host:port`. Default: the page's origin in a browser, else `http://127.0.0.1:8080`. */
   url?: string;
+  /**
+   * Several nodes of one cluster (docs/cluster.md), instead of `url`: the client uses the first
+   * that answers `GET /ready` with 200 (asked in this order) and asks again after a connection error.
+   */
+  urls?: string[];
   /** The management token (`management.token`): sent as `Authorization: Bearer <token>` on status and management calls. */
   token?: string;
   /**
@@ -294,8 +299,11 @@ const sseError = (data: unknown): VoxClientError => {
 
 /** A client of one voxserve. All methods throw {@link VoxClientError}. */
 export class VoxClient {
-  /** The server's base URL, `http(s)://host:port`. */
-  readonly url: string;
+  /** The server's base URL, `http(s)://host:port` (with `urls`: the node in use). */
+  url: string;
+  private readonly urls: string[];
+  /** With `urls`: the node picked, until a connection error. */
+  private picked: Promise<string> | null = null;
   private readonly token?: string;
   private readonly apiKey?: string;
   private readonly fetchImpl: typeof fetch;
@@ -304,7 +312,8 @@ export class VoxClient {
   /** @throws TypeError for a URL that is not http(s), or an `apiKey` with characters a key cannot have. */
   constructor(opts: ClientOptions = {}) {
     const origin = (globalThis as { location?: { origin?: string } }).location?.origin;
-    this.url = serverUrl(opts.url ?? (origin && origin !== 'null' ? origin : DEFAULT_URL));
+    this.urls = (opts.urls ?? []).map(serverUrl);
+    this.url = this.urls[0] ?? serverUrl(opts.url ?? (origin && origin !== 'null' ? origin : DEFAULT_URL));
     if (opts.apiKey !== undefined && !/^[A-Za-z0-9._~-]+$/.test(opts.apiKey)) throw new TypeError('apiKey: an API key has only the characters A-Z a-z 0-9 . _ ~ -');
     this.token = opts.token;
     this.apiKey = opts.apiKey;
@@ -325,14 +334,37 @@ export class VoxClient {
     return { protocols: [`${KEY_PROTOCOL}${apiKey}`] };
   }
 
+  /**
+   * The base URL to use: `url`, or with several `urls` the first node answering `GET /ready` 200.
+   * @throws VoxClientError `connection_error` when none does.
+   */
+  private node(): Promise<string> {
+    if (this.urls.length < 2) return Promise.resolve(this.url);
+    this.picked ??= (async () => {
+      for (const u of this.urls) {
+        try {
+          if ((await this.fetchImpl(`${u}/ready`)).ok) return (this.url = u);
+        } catch {
+          // not reachable: the next one
+        }
+      }
+      this.picked = null;
+      throw new VoxClientError('connection_error', `none of ${this.urls.join(', ')} answers GET /ready with 200`);
+    })();
+    return this.picked;
+  }
+
   /** Fetches `path` with the given credential; a response that is not 2xx is thrown as its VoxClientError. */
   private async request(path: string, init: RequestInit = {}, credential: Credential = 'token'): Promise<Response> {
     let res: Response;
+    const base = await this.node();
     try {
-      res = await this.fetchImpl(`${this.url}${path}`, { ...init, headers: this.headers(credential, init.headers as Record<string, string>) });
+      res = await this.fetchImpl(`${base}${path}`, { ...init, headers: this.headers(credential, init.headers as Record<string, string>) });
     } catch (e) {
       if ((e as Error).name === 'AbortError') throw e;
-      throw connectionError(this.url, e);
+      // With several nodes, the next call picks again.
+      this.picked = null;
+      throw connectionError(base, e);
     }
     if (!res.ok) throw await responseError(res);
     return res;
@@ -444,11 +476,17 @@ export class VoxClient {
     if (!this.WS) throw new TypeError('no WebSocket: pass { WebSocket } (e.g. from the ws package), or import voxserve/client under Node');
     const q = new URLSearchParams({ model: opts.model, sample_rate: String(opts.sampleRate ?? 16000), encoding: opts.encoding ?? 's16le', channels: String(opts.channels ?? 1) });
     if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
-    const url = `${this.url.replace(/^http/, 'ws')}/v1/stream?${q}`;
+    const base = await this.node();
+    const url = `${base.replace(/^http/, 'ws')}/v1/stream?${q}`;
     const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };
     const ws = new this.WS(url, [SUBPROTOCOL[opts.protocol ?? 'json'], ...auth.protocols], auth.headers ? { headers: auth.headers } : undefined);
-    const stream = new VoxStream(ws, this.url, opts.highWaterMark ?? 256 * 1024);
-    await stream.opened;
+    const stream = new VoxStream(ws, base, opts.highWaterMark ?? 256 * 1024);
+    try {
+      await stream.opened;
+    } catch (e) {
+      if (e instanceof VoxClientError && e.type === 'connection_error') this.picked = null;
+      throw e;
+    }
     return stream;
   }
 }

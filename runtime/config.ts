@@ -191,6 +191,38 @@ function inheritFromCatalog(value: unknown): unknown {
   return same ? { licence: base.licence, phrase: base.phrase, ...m, task, path: base.path } : { ...m, task };
 }
 
+/** A NATS subject token: a node name or subject prefix (no dots, spaces or wildcards). */
+const subjectToken = z.string().regex(/^[A-Za-z0-9_-]{1,64}$/, 'must be 1-64 characters of A-Z a-z 0-9 _ -');
+
+/**
+ * Several voxserve nodes acting as one (docs/cluster.md): they meet on NATS (core request/reply
+ * and a JetStream key-value bucket). Absent: a single node. The auth and TLS fields are NATS's own
+ * options, passed through to the client (nats.js `ConnectionOptions`).
+ */
+export const ClusterConfig = z.strictObject({
+  /** NATS server URL(s), comma-separated: `nats://127.0.0.1:4222`. */
+  nats: z.string().min(1).refine((v) => v.split(',').every((u) => URL.canParse(u.trim().includes('://') ? u.trim() : `nats://${u.trim()}`)), 'must be NATS URLs (nats://host:port), comma-separated'),
+  /** This node's name, unique in the cluster (default: host name and process id). */
+  node: subjectToken.optional(),
+  /** Prefix of every subject and bucket name this cluster uses; clusters sharing a NATS differ by it. */
+  subject_prefix: subjectToken.default('voxserve'),
+  /** How often a node publishes what it holds, ms; a node silent for 3 heartbeats is gone. */
+  heartbeat_ms: z.number().int().min(50).max(60_000).default(1000),
+  /** How long a node waits for NATS at start before it fails, ms. */
+  connect_timeout_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(5000),
+  /** A cold-load lock's deadline, ms: its holder renews it; past it another node takes it over. */
+  lock_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(10_000),
+  user: z.string().min(1).optional(),
+  pass: z.string().min(1).optional(),
+  token: z.string().min(1).optional(),
+  /** A file holding an nkey seed (`SU...`). */
+  nkey_seed_file: z.string().min(1).optional(),
+  /** A NATS credentials file (JWT + nkey seed). */
+  creds_file: z.string().min(1).optional(),
+  tls: z.strictObject({ ca_file: z.string().min(1).optional(), cert_file: z.string().min(1).optional(), key_file: z.string().min(1).optional() }).optional(),
+});
+export type ClusterConfig = z.infer<typeof ClusterConfig>;
+
 export const ServerConfig = z.strictObject({
   host: z.string().min(1).default('127.0.0.1'),
   port: z.number().int().min(0).max(65535).default(8080),
@@ -266,6 +298,8 @@ export const ServerConfig = z.strictObject({
    * whose id is in the catalog may omit `task` and `path`: it inherits them.
    */
   models: z.array(z.preprocess(inheritFromCatalog, ModelConfig)).superRefine(checkModels).default([]),
+  /** Cluster mode (off when absent): see {@link ClusterConfig}. */
+  cluster: ClusterConfig.optional(),
 });
 export type ServerConfig = z.infer<typeof ServerConfig>;
 

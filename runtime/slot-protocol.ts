@@ -209,7 +209,7 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
 }
 
 /** Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer). */
-function decodeFrame(frame: Uint8Array): unknown {
+export function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);
   const base = 8 + h + ((4 - (h % 4)) % 4);
   return JSON.parse(Buffer.from(frame.buffer, 8, h).toString(), (_key, v: unknown) =>

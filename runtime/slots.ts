@@ -21,8 +21,12 @@ export function slotHostFile(): URL {
 /** What the pool needs of one slot; the real ones are child processes or worker threads, tests may use fakes. */
 export interface SlotHost {
   readonly info: SlotInfo;
-  /** Runs one job. Rejects if the job fails, runs over its timeout, or the slot dies. */
-  run(job: Job): Promise<JobResult>;
+  /**
+   * Runs one job. Rejects if the job fails, runs over its timeout, or the slot dies.
+   * @param waitUntil when the job's wait for a slot ends, ms since the epoch (absent: unbounded);
+   *   a local slot starts at once and ignores it, a remote one (cluster) waits for a holder up to it.
+   */
+  run(job: Job, waitUntil?: number): Promise<JobResult>;
   /** Frees the sessions and stops the slot (a process that does not exit in time is killed). Idempotent. */
   close(): Promise<void>;
   /** Called once if the slot dies on its own (not through close); `timedOut` when it was killed for a job over its timeout. */
@@ -454,7 +458,7 @@ export class SlotPool {
       this.running.set(slot, startedAt);
       let lost = false;
       slot
-        .run(q.job)
+        .run(q.job, q.limit > 0 ? q.queuedAt + q.limit : undefined)
         .then(
           (r) => {
             if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);

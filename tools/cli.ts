@@ -8,7 +8,7 @@ import { createRequire } from 'node:module';
 import { extname } from 'node:path';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
-import { loadServerConfig, type ServerConfig } from '../runtime/config.js';
+import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
 import { LOG_LEVELS } from '../runtime/telemetry.js';
 import { VoxError } from '../runtime/errors.js';
 import { startServer } from '../transport/server.js';
@@ -106,6 +106,8 @@ interface ServeOptions {
   inspect?: boolean;
   statelyInspector?: string;
   wyoming?: string | true;
+  cluster?: string;
+  node?: string;
 }
 
 // A reader that stops early (`voxserve stream ... | head -2`) closes our stdout: stop quietly, as
@@ -133,6 +135,8 @@ program
   .option('--inspect', 'record state-chart transitions for /debug and /debug/actors')
   .option('--stately-inspector <url>', 'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090')
   .option('--wyoming [host:port]', 'serve the Wyoming wake-word protocol (Home Assistant), default 127.0.0.1:10400')
+  .addOption(new Option('--cluster <nats-url>', 'join a cluster of voxserve nodes over NATS, e.g. nats://127.0.0.1:4222 (docs/cluster.md)').env('VOXSERVE_CLUSTER'))
+  .addOption(new Option('--node <name>', "this node's name in the cluster (default: host name and process id)").env('VOXSERVE_NODE'))
   .action(async (opts: ServeOptions) => {
     if (opts.port === undefined && process.env.PORT) {
       if (!/^\d+$/.test(process.env.PORT)) die(`PORT must be a non-negative integer, got '${process.env.PORT}'`);
@@ -160,6 +164,12 @@ program
       const m = opts.wyoming === true ? null : /^(.+):(\d{1,5})$/.exec(opts.wyoming);
       if (opts.wyoming !== true && (!m || Number(m[2]) > 65535)) die(`--wyoming: expected host:port, got '${opts.wyoming}'`);
       config.wyoming = { enabled: true, host: m?.[1] ?? config.wyoming.host, port: m ? Number(m[2]) : config.wyoming.port };
+    }
+    if (opts.cluster || opts.node) {
+      if (!opts.cluster && !config.cluster) die('--node: needs --cluster <nats-url> (or cluster.nats in the config file)');
+      const r = ClusterConfig.safeParse({ ...config.cluster, ...(opts.cluster ? { nats: opts.cluster } : {}), ...(opts.node ? { node: opts.node } : {}) });
+      if (!r.success) die(`invalid configuration: ${formatIssues(r.error, 'cluster')}`);
+      config.cluster = r.data;
     }
     const t0 = performance.now();
     let server;

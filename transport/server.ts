@@ -18,6 +18,11 @@ import { bindStream, type StreamLink } from './stream.js';
 import { demoRoute } from './demo.js';
 import { DEBUG_OFF_PAGE, homePage, sendHtml } from './home.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
+import { ClusterNode } from '../cluster/node.js';
+import { clusterSettings } from '../cluster/nats.js';
+import { createLogger } from '../runtime/telemetry.js';
+import { availableMemory } from '../runtime/memory.js';
+import { validateModelConfig } from '../actors/model.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -31,6 +36,8 @@ export interface VoxServer {
   readonly inflight: ReadonlySet<Promise<void>>;
   /** The Wyoming listener, when `wyoming.enabled`. */
   readonly wyoming: WyomingService | null;
+  /** This node's cluster membership, when `cluster` is configured. */
+  readonly cluster: ClusterNode | null;
   /**
    * Shuts down in phases (C15): stop accepting (`/ready` and new work 503 `shutting_down`);
    * let running requests finish and finish every stream (last events, `done`, close 1001) for
@@ -74,7 +81,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
-  const supervisor = new Supervisor(config, { ...options, inspect: inspected.inspect });
+  // Cluster mode: NATS first (a node that cannot reach it fails here, naming the URL); logs carry the node name.
+  const baseLog = config.cluster ? (options.log ?? createLogger(config.log_level)).child({ node: clusterSettings(config.cluster).node }) : options.log;
+  const cluster = config.cluster ? await ClusterNode.connect(config, { log: baseLog!, memoryProbe: options.memoryProbe ?? availableMemory }) : null;
+  const supervisor = new Supervisor(config, { ...options, log: baseLog, inspect: inspected.inspect, place: cluster?.place });
   const { log, metrics } = supervisor;
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
@@ -102,9 +112,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       if (!supervisor.accepting) return sendJson(res, 503, { status: supervisor.phase });
       const failed = supervisor.failedModels();
       // Still ready (the other models serve), but a configured model that failed to load is named.
-      return sendJson(res, 200, failed.length ? { status: 'ready', failed_models: failed } : { status: 'ready' });
+      const clustered = cluster ? { cluster: { node: cluster.name, nats: cluster.connected ? 'connected' : 'disconnected' } } : {};
+      return sendJson(res, 200, failed.length ? { status: 'ready', failed_models: failed, ...clustered } : { status: 'ready', ...clustered });
     }
-    if (method === 'GET' && path === '/v1/models') return sendJson(res, 200, { models: supervisor.statuses(), failed_models: supervisor.failedModels() });
+    if (method === 'GET' && path === '/v1/models') return sendJson(res, 200, { models: withNodes(supervisor.statuses()), failed_models: supervisor.failedModels() });
+    if (method === 'GET' && path === '/v1/cluster') {
+      if (!cluster) throw new VoxError('not_found', 'this server is not part of a cluster (start it with --cluster <nats-url>)');
+      return sendJson(res, 200, cluster.status());
+    }
     if (method === 'GET' && path === '/metrics') {
       for (const m of supervisor.statuses()) {
         metrics.queued.set({ model: m.id }, m.queued_requests);
@@ -143,7 +158,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       }
       const status = supervisor.status(id);
       if (!status) throw supervisor.unknownModel(id);
-      return sendJson(res, 200, status);
+      return sendJson(res, 200, cluster ? withNodes([status])[0] : status);
     }
     if (method === 'POST' && MANAGEMENT.includes(path)) {
       access.management(req);
@@ -153,6 +168,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       // A manager whose client goes away leaves the model's queue.
       const gone = new AbortController();
       res.on('close', () => res.writableFinished || gone.abort());
+      if (cluster) return sendJson(res, 200, await manageCluster(cluster, path, body));
       if (path === '/v1/models/load') {
         return sendJson(res, 200, await supervisor.load(body, timeout, gone.signal));
       }
@@ -184,6 +200,38 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const known = ['/health', '/ready', '/metrics', '/demo', '/debug', '/debug/state', '/debug/actors', '/debug/charts', '/debug/elk.js', '/v1/models', ...MANAGEMENT, '/v1/tasks/run', '/v1/tasks/batch', '/v1/stream'];
     if (known.includes(path) || one) throw new VoxError('invalid_request_error', `method ${method} is not allowed on ${path}`);
     throw new VoxError('not_found', `no route ${method} ${path}`);
+  };
+
+  /** In a cluster, each model's status gains the nodes holding it; models held only elsewhere are listed too. */
+  const withNodes = <T extends { id: string }>(list: T[]): (T & { nodes?: unknown[] })[] => {
+    if (!cluster) return list;
+    const held = cluster.holdersByModel();
+    const out: (T & { nodes?: unknown[] })[] = list.map((m) => ({ ...m, nodes: held.get(m.id) ?? [] }));
+    for (const [id, nodes] of held) if (!list.some((m) => m.id === id)) out.push({ id, task: nodes[0].task, state: 'unloaded', loaded: false, nodes } as unknown as T & { nodes: unknown[] });
+    return out;
+  };
+
+  /** Management routes in a cluster: load by placement (`node`, `replicas`), unloads on every node unless `node`. */
+  const manageCluster = async (c: ClusterNode, path: string, body: Record<string, unknown>): Promise<unknown> => {
+    if (path === '/v1/models/load') {
+      return c.manageLoad(body, (fields) => {
+        const known = typeof fields.id === 'string' ? supervisor.configOf(fields.id) : undefined;
+        return validateModelConfig(known ? { ...known, ...fields } : fields);
+      });
+    }
+    if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force: must be a boolean');
+    if (path === '/v1/models/unload') {
+      if (typeof body.id !== 'string' || !body.id) throw invalid('id: required, a model id string');
+      const r = await c.manageUnload([body.id], body.node, body.force === true);
+      if (r.not_found.includes(body.id)) throw new VoxError('not_found', `model '${body.id}' does not exist`);
+      return { id: body.id, loaded: false, nodes: r.nodes };
+    }
+    if (path === '/v1/models/unload_many') {
+      if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids: required, an array of model id strings');
+      return c.manageUnload(body.ids as string[], body.node);
+    }
+    const { unloaded, nodes } = await c.manageUnload(undefined, body.node);
+    return { unloaded, nodes };
   };
 
   const headersTimeout = config.limits.headers_timeout_ms;
@@ -301,6 +349,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       http.off('error', reject);
       resolve();
     });
+  }).catch(async (e) => {
+    await cluster?.close();
+    throw e;
   });
   const addr = http.address() as AddressInfo;
   const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
@@ -316,6 +367,15 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   }
   /** Wyoming connections count as streams in the drain. */
   const wyomingLinks = (): { released: Promise<void>; actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void } }[] => [...(wyoming?.links ?? [])];
+  if (cluster) {
+    try {
+      await cluster.attach(supervisor, `http://${host}:${addr.port}`);
+    } catch (e) {
+      http.close();
+      await cluster.close();
+      throw e;
+    }
+  }
   void supervisor.start();
 
   let closing: Promise<void> | null = null;
@@ -324,6 +384,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Phase 1: stop accepting work. The listener stays up, so /ready answers 503 and new
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
+    cluster?.drain();
     log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, wyoming: wyoming?.links.size, requests: inflight.size }, 'shutting down');
     for (const res of sse) res.end();
     const deadline = performance.now() + config.drain_timeout_ms;
@@ -360,6 +421,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     for (const socket of wyoming?.sockets ?? []) socket.destroy();
     // Phase 4: unload every model.
     await supervisor.stop(0);
+    await cluster?.close();
     await listenerClosed;
     await wyomingClosed;
     inspected.stop();
@@ -373,6 +435,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     streams,
     inflight,
     wyoming,
+    cluster,
     close: () => {
       if (closing) {
         skipDrain();

@@ -1,0 +1,173 @@
+/**
+ * The cluster's NATS side (docs/cluster.md): the connection with NATS's own auth and TLS options,
+ * the two key-value buckets (the node registry and the cold-load locks), and the wire form of
+ * jobs and results. Nothing here knows the model entries: cluster/node.ts does.
+ */
+import { readFileSync } from 'node:fs';
+import { hostname } from 'node:os';
+import { connect, credsAuthenticator, nkeyAuthenticator, type NatsConnection, type NodeConnectionOptions } from '@nats-io/transport-node';
+import { Kvm, type KV } from '@nats-io/kv';
+import type { ClusterConfig } from '../runtime/config.js';
+import { decodeFrame, encodeFrame, OWW, SILERO, type FromSlot, type Job, type JobResult, type ToSlot } from '../runtime/slot-protocol.js';
+
+/** The settings of a cluster node with every default applied. */
+export interface ClusterSettings extends ClusterConfig {
+  node: string;
+}
+
+/** Fills in the node name: the config's, else the host name and process id (subject-safe). */
+export function clusterSettings(config: ClusterConfig): ClusterSettings {
+  const node = config.node ?? `${hostname().replace(/[^A-Za-z0-9_-]/g, '-').slice(0, 48)}-${process.pid}`;
+  return { ...config, node };
+}
+
+/** The NATS URLs of `nats` (comma-separated; a bare host:port gets `nats://`). */
+export function natsServers(nats: string): string[] {
+  return nats.split(',').map((u) => u.trim()).filter(Boolean).map((u) => (u.includes('://') ? u : `nats://${u}`));
+}
+
+/**
+ * nats.js connection options from the cluster config: user/pass, token, nkey seed file, creds
+ * file, TLS CA/cert/key files. The client reconnects by itself for as long as the node runs.
+ */
+export function natsOptions(s: ClusterSettings): NodeConnectionOptions {
+  const opts: NodeConnectionOptions = {
+    servers: natsServers(s.nats),
+    name: `voxserve ${s.node}`,
+    timeout: s.connect_timeout_ms,
+    maxReconnectAttempts: -1,
+    reconnectTimeWait: 500,
+  };
+  if (s.user) opts.user = s.user;
+  if (s.pass) opts.pass = s.pass;
+  if (s.token) opts.token = s.token;
+  if (s.creds_file) opts.authenticator = credsAuthenticator(readFileSync(s.creds_file));
+  else if (s.nkey_seed_file) opts.authenticator = nkeyAuthenticator(new TextEncoder().encode(readFileSync(s.nkey_seed_file, 'utf8').trim()));
+  if (s.tls) opts.tls = { caFile: s.tls.ca_file, certFile: s.tls.cert_file, keyFile: s.tls.key_file };
+  return opts;
+}
+
+/** A connected node's NATS handles. */
+export interface NatsLink {
+  nc: NatsConnection;
+  /** The registry: one key per node (`node.<name>`), its last heartbeat. */
+  nodes: KV;
+  /** Cold-load locks: one key per model being placed. */
+  locks: KV;
+}
+
+/** How long a registry entry outlives its last heartbeat in the bucket, ms (liveness is judged by heartbeats, not by this). */
+const NODES_MAX_AGE_MS = 60_000;
+/** How long a lock entry outlives its last renewal in the bucket, ms (a lock's own deadline decides; this only sweeps). */
+const LOCKS_MAX_AGE_MS = 600_000;
+
+/**
+ * Connects to NATS and opens (creating if needed) the registry and lock buckets.
+ * @throws Error naming the URL when NATS cannot be reached or refuses the credentials.
+ */
+export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
+  let nc: NatsConnection;
+  try {
+    nc = await connect(natsOptions(s));
+  } catch (e) {
+    throw new Error(`cluster.nats: cannot connect to NATS at ${s.nats}: ${(e as Error).message}`, { cause: e });
+  }
+  // A NATS cluster that has just started elects its JetStream leader after a moment: retried until the connect timeout.
+  const end = Date.now() + s.connect_timeout_ms;
+  for (;;) {
+    try {
+      const kvm = new Kvm(nc);
+      const nodes = await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS });
+      const locks = await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS });
+      return { nc, nodes, locks };
+    } catch (e) {
+      if (Date.now() < end) {
+        await new Promise((r) => setTimeout(r, 250));
+        continue;
+      }
+      await nc.close().catch(() => {});
+      throw new Error(`cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`, { cause: e });
+    }
+  }
+}
+
+/** A message of the cluster's job subjects: the slot-host protocol's `run` plus what a holder needs. */
+export interface RemoteJob {
+  type: 'job';
+  /** `<ingress node>:<seq>`: names the job in logs; a re-sent job keeps it. */
+  id: string;
+  model: string;
+  /** How long the job may wait at the holder for a lease and a slot, ms (0 = unbounded). */
+  wait_ms: number;
+  job: Extract<ToSlot, { type: 'run' }>['job'];
+}
+
+/** A holder's answer to a job or an info request. */
+export type RemoteReply =
+  | { type: 'result'; result: Extract<FromSlot, { type: 'result' }>['result']; ran_ms: number }
+  | { type: 'info'; info: Extract<FromSlot, { type: 'loaded' }>['info'] }
+  /** `not_held`: the node does not hold the model ready (any more). Else a VoxError's type. */
+  | { type: 'error'; error: string; message: string; retry_after_s?: number };
+
+/** Encodes a job or reply as one binary frame (the slot-host frame: JSON head, Float32Arrays as raw bytes). */
+export function encodeMessage(msg: RemoteJob | RemoteReply): Uint8Array {
+  return Buffer.concat(encodeFrame(msg as unknown as ToSlot));
+}
+
+/** Decodes {@link encodeMessage}'s frame (copied once so its arrays are aligned views of their own buffer). */
+export function decodeMessage<T extends RemoteJob | RemoteReply>(data: Uint8Array): T {
+  const own = new Uint8Array(data.length);
+  own.set(data);
+  return decodeFrame(own) as T;
+}
+
+/** The registry key of a node. */
+export const nodeKey = (node: string): string => `node.${node}`;
+
+/** A lock key for a model id (ids may hold commas, which keys may not): base64url. */
+export const lockKey = (model: string): string => `load.${Buffer.from(model).toString('base64url')}`;
+
+/**
+ * Splits a job of several rows (a batch of streams, `counts`) into two jobs of about half the
+ * rows each, for a frame over NATS's `max_payload`. Rows are independent and laid out row after
+ * row in every field (slot-protocol.ts), so each half is a valid job and the halves' results,
+ * concatenated field by field ({@link joinResults}), are the whole job's result.
+ * @returns the two halves, or null for a single row (it cannot be split).
+ */
+export function splitJob(job: Job): [Job, Job] | null {
+  const counts = job.counts;
+  if (!counts || counts.length < 2) return null;
+  const k = Math.floor(counts.length / 2);
+  const [c1, c2] = [counts.slice(0, k), counts.slice(k)];
+  const sum = (c: number[]): number => c.reduce((a, b) => a + b, 0);
+  if (job.kind === 'vad') {
+    const w = sum(c1) * SILERO.WINDOW;
+    const s = k * SILERO.STATE;
+    const c = k * SILERO.CONTEXT;
+    return [
+      { kind: 'vad', counts: c1, windows: job.windows.subarray(0, w), state: job.state.subarray(0, s), context: job.context.subarray(0, c) },
+      { kind: 'vad', counts: c2, windows: job.windows.subarray(w), state: job.state.subarray(s), context: job.context.subarray(c) },
+    ];
+  }
+  const a = c1.length * OWW.LOOKBACK + sum(c1) * OWW.STEP;
+  const m = (job.mel.length / counts.length) * k;
+  const e = (job.embeddings.length / counts.length) * k;
+  return [
+    { kind: 'wakeword', counts: c1, audio: job.audio.subarray(0, a), mel: job.mel.subarray(0, m), embeddings: job.embeddings.subarray(0, e) },
+    { kind: 'wakeword', counts: c2, audio: job.audio.subarray(a), mel: job.mel.subarray(m), embeddings: job.embeddings.subarray(e) },
+  ];
+}
+
+/** The result of a job split by {@link splitJob}: its halves' results, each field concatenated. */
+export function joinResults(a: JobResult, b: JobResult): JobResult {
+  const cat = (x: Float32Array, y: Float32Array): Float32Array => {
+    const out = new Float32Array(x.length + y.length);
+    out.set(x);
+    out.set(y, x.length);
+    return out;
+  };
+  const ran: [number, number] | undefined = a.ran && b.ran ? [Math.min(a.ran[0], b.ran[0]), Math.max(a.ran[1], b.ran[1])] : undefined;
+  if (a.kind === 'vad' && b.kind === 'vad') return { kind: 'vad', probs: cat(a.probs, b.probs), state: cat(a.state, b.state), context: cat(a.context, b.context), ran };
+  if (a.kind === 'wakeword' && b.kind === 'wakeword') return { kind: 'wakeword', scores: cat(a.scores, b.scores), mel: cat(a.mel, b.mel), embeddings: cat(a.embeddings, b.embeddings), ran };
+  throw new Error('joinResults: results of different kinds');
+}

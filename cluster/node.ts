@@ -1,0 +1,802 @@
+/**
+ * One voxserve node of a cluster (docs/cluster.md, DESIGN.md section 8): every node is an ingress
+ * and may hold models. This module
+ * - publishes the node's heartbeat into the registry bucket and keeps the view of the others;
+ * - answers the node's subjects: jobs for the models it holds (admitted through the same model
+ *   entry as local requests), slot info, load and unload;
+ * - places cold loads (the model entry's `place` hook): here, or on the node with the most free
+ *   memory, under a cluster-wide compare-and-set lock, and otherwise gives the entry a pool whose
+ *   jobs go to the holders (the ingress keeps the socket actor, the lease and the stream's state).
+ */
+import { type Msg, type Subscription } from '@nats-io/transport-node';
+import type { KvEntry } from '@nats-io/kv';
+import { Counter, Gauge, Histogram } from 'prom-client';
+import type { Logger } from 'pino';
+import type { Supervisor } from '../actors/supervisor.js';
+import type { ModelEntry } from '../actors/model.js';
+import type { ModelConfig, ServerConfig } from '../runtime/config.js';
+import { VoxError, toVoxError, type ErrorType } from '../runtime/errors.js';
+import type { LoadedModel } from '../runtime/loader.js';
+import type { MemoryProbe } from '../runtime/memory.js';
+import { SlotPool, type SlotHost } from '../runtime/slots.js';
+import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
+import { clusterSettings, connectNats, decodeMessage, encodeMessage, joinResults, lockKey, nodeKey, splitJob, type ClusterSettings, type NatsLink, type RemoteJob, type RemoteReply } from './nats.js';
+
+/** One model as a node reports it in its heartbeat. */
+export interface HeldModel {
+  task: string;
+  /** `loading`, `ready`, `unloading`, `reconfiguring` (models held remotely or unloaded are not listed). */
+  state: string;
+  slots: number;
+  free_slots: number;
+  /** Requests waiting for a lease. */
+  queued: number;
+  active_leases: number;
+  resident_bytes: number;
+}
+
+/** A node's registry entry, written at every heartbeat. Times in ms since the epoch. */
+export interface NodeRecord {
+  node: string;
+  /** The node's HTTP URL. */
+  url: string | null;
+  at: number;
+  heartbeat_ms: number;
+  /** Available memory (the node's memory probe), bytes. */
+  free_bytes: number;
+  draining: boolean;
+  max_loaded_models: number;
+  min_free_memory_mb: number;
+  /** Models held here (a local pool), by id. */
+  models: Record<string, HeldModel>;
+}
+
+/** A registry entry plus when this node last heard of it (ms since the epoch, local clock). */
+interface Seen {
+  record: NodeRecord;
+  seen: number;
+}
+
+/** The most concurrent jobs one ingress sends to the holders of a model (its remote pool's size). */
+const MAX_REMOTE_WINDOW = 32;
+/** Pause before asking busy holders again, ms. */
+const BUSY_RETRY_MS = 25;
+
+const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
+const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
+const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
+
+/** What a cluster node needs from the server that runs it. */
+export interface ClusterNodeOptions {
+  log: Logger;
+  /** Available memory, bytes (the server's probe; tests give fakes). */
+  memoryProbe: MemoryProbe;
+}
+
+/**
+ * A node's membership in the cluster. Create it with {@link ClusterNode.connect} before the
+ * supervisor (whose entries get {@link place}), then {@link attach} the supervisor.
+ */
+export class ClusterNode {
+  readonly settings: ClusterSettings;
+  private supervisor: Supervisor | null = null;
+  private url: string | null = null;
+  private readonly view = new Map<string, Seen>();
+  private readonly subs: Subscription[] = [];
+  private heartbeat: NodeJS.Timeout | null = null;
+  private soon: NodeJS.Timeout | null = null;
+  private draining = false;
+  private closed = false;
+  /** True while NATS is reachable. */
+  connected = true;
+  /** Models this node was asked to hold itself (a placement or a `node` load): their next cold load is local. */
+  private readonly pinned = new Set<string>();
+  /** Models whose entry here runs on a remote pool (not held here), with that pool's holders' job counts. */
+  private readonly remote = new Map<string, true>();
+  /** Jobs in flight from here to each node (spreads jobs between heartbeats). */
+  private readonly inflight = new Map<string, number>();
+  private seq = 0;
+  private viewChanged: (() => void)[] = [];
+  private metrics: { sent: Counter<'model' | 'node' | 'outcome'>; served: Counter<'model' | 'outcome'>; hop: Histogram<'model'>; nats: Gauge } | null = null;
+
+  private constructor(
+    private readonly link: NatsLink,
+    readonly config: ServerConfig,
+    private readonly options: ClusterNodeOptions,
+  ) {
+    this.settings = clusterSettings(config.cluster!);
+  }
+
+  /**
+   * Connects to NATS (failing at once, naming the URL, when it cannot) and starts watching the
+   * registry.
+   * @throws Error `cluster.nats: cannot connect to NATS at <url>: <why>`.
+   */
+  static async connect(config: ServerConfig, options: ClusterNodeOptions): Promise<ClusterNode> {
+    const link = await connectNats(clusterSettings(config.cluster!));
+    const node = new ClusterNode(link, config, options);
+    await node.watch();
+    void node.watchStatus();
+    return node;
+  }
+
+  get name(): string {
+    return this.settings.node;
+  }
+
+  private get log(): Logger {
+    return this.options.log;
+  }
+
+  private subject(node: string, what: 'job' | 'info' | 'load' | 'unload'): string {
+    return `${this.settings.subject_prefix}.node.${node}.${what}`;
+  }
+
+  /** Follows the registry bucket: every node's last heartbeat. */
+  private async watch(): Promise<void> {
+    const started = Date.now();
+    const it = await this.link.nodes.watch({ key: 'node.>' });
+    void (async () => {
+      for await (const e of it) this.onRecord(e, started);
+    })().catch((e) => this.closed || this.log.warn({ err: (e as Error).message }, 'cluster registry watch ended'));
+  }
+
+  private onRecord(e: KvEntry, started: number): void {
+    const name = e.key.slice('node.'.length);
+    if (e.operation !== 'PUT') this.view.delete(name);
+    else {
+      const created = e.created.getTime();
+      this.view.set(name, { record: e.json<NodeRecord>(), seen: created < started ? created : Date.now() });
+    }
+    for (const f of this.viewChanged.splice(0)) f();
+  }
+
+  /** Logs and tracks losing and regaining NATS (the client reconnects by itself). */
+  private async watchStatus(): Promise<void> {
+    for await (const s of this.link.nc.status()) {
+      if (s.type === 'disconnect' || s.type === 'reconnecting') {
+        if (this.connected) this.log.warn({ nats: this.settings.nats }, 'cluster: lost NATS; serving the models held here, remote models wait');
+        this.connected = false;
+      } else if (s.type === 'reconnect') {
+        this.connected = true;
+        this.log.info({ server: s.server }, 'cluster: NATS reconnected');
+        this.beat();
+      }
+      this.metrics?.nats.set(this.connected ? 1 : 0);
+    }
+  }
+
+  /**
+   * Starts serving: subscribes to this node's subjects and publishes heartbeats.
+   * @param url this node's HTTP URL (published for clients and `/v1/cluster`).
+   */
+  async attach(supervisor: Supervisor, url: string): Promise<void> {
+    this.supervisor = supervisor;
+    this.url = url;
+    const reg = supervisor.metrics.registry;
+    this.metrics = {
+      sent: new Counter({ name: 'voxserve_remote_jobs_sent_total', help: 'Jobs this ingress sent to other nodes, by model, holder and outcome', labelNames: ['model', 'node', 'outcome'], registers: [reg] }),
+      served: new Counter({ name: 'voxserve_remote_jobs_served_total', help: 'Jobs other nodes sent here, by model and outcome', labelNames: ['model', 'outcome'], registers: [reg] }),
+      hop: new Histogram({ name: 'voxserve_remote_hop_seconds', help: 'A remote job round trip less its run time at the holder', labelNames: ['model'], buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1], registers: [reg] }),
+      nats: new Gauge({ name: 'voxserve_nats_connected', help: '1 while NATS is reachable', registers: [reg] }),
+    };
+    this.metrics.nats.set(this.connected ? 1 : 0);
+    const nc = this.link.nc;
+    const on = (what: 'job' | 'info' | 'load' | 'unload', handler: (m: Msg) => Promise<Uint8Array>): void => {
+      this.subs.push(
+        nc.subscribe(this.subject(this.name, what), {
+          callback: (err, m) => {
+            if (err) return;
+            void handler(m).then(
+              (reply) => m.respond(reply),
+              (e) => {
+                const v = toVoxError(e);
+                m.respond(encodeMessage({ type: 'error', error: v.type, message: v.message, retry_after_s: v.retryAfterS }));
+              },
+            );
+          },
+        }),
+      );
+    };
+    on('job', (m) => this.serveJob(m));
+    on('info', (m) => this.serveInfo(m));
+    on('load', (m) => this.serveLoad(m));
+    on('unload', (m) => this.serveUnload(m));
+    await nc.flush();
+    await this.publish();
+    this.heartbeat = setInterval(() => void this.publish(), this.settings.heartbeat_ms);
+    this.heartbeat.unref();
+    this.log.info({ nats: this.settings.nats, heartbeat_ms: this.settings.heartbeat_ms }, 'cluster: joined');
+  }
+
+  /** Publishes a heartbeat soon (after a model's state changed), at most one per 20 ms. */
+  beat(): void {
+    if (this.soon || !this.supervisor || this.closed) return;
+    this.soon = setTimeout(() => {
+      this.soon = null;
+      void this.publish();
+    }, 20);
+  }
+
+  /** This node's registry entry now. */
+  record(): NodeRecord {
+    const sup = this.supervisor!;
+    const models: Record<string, HeldModel> = {};
+    for (const s of sup.statuses()) {
+      if (s.state === 'unloaded' || this.remote.has(s.id)) continue;
+      models[s.id] = { task: s.task, state: s.state, slots: s.slots, free_slots: Math.max(0, s.slots - s.active_slots), queued: s.queued_requests, active_leases: s.active_leases, resident_bytes: s.resident_bytes };
+    }
+    return {
+      node: this.name,
+      url: this.url,
+      at: Date.now(),
+      heartbeat_ms: this.settings.heartbeat_ms,
+      free_bytes: this.options.memoryProbe(),
+      draining: this.draining || !sup.accepting,
+      max_loaded_models: this.config.max_loaded_models,
+      min_free_memory_mb: this.config.min_free_memory_mb,
+      models,
+    };
+  }
+
+  private async publish(): Promise<void> {
+    if (!this.supervisor || this.closed || !this.connected) return;
+    try {
+      await this.link.nodes.put(nodeKey(this.name), encodeJson(this.record()));
+    } catch (e) {
+      this.log.debug({ err: (e as Error).message }, 'cluster: heartbeat not written');
+    }
+  }
+
+  /** Live nodes: heard of within 3 of their heartbeats. */
+  nodes(now = Date.now()): NodeRecord[] {
+    return [...this.view.values()].filter((s) => now - s.seen <= 3 * s.record.heartbeat_ms).map((s) => s.record);
+  }
+
+  /** Live nodes other than this one that hold `model` ready, least loaded first (draining ones last). */
+  holders(model: string): NodeRecord[] {
+    const load = (r: NodeRecord): number => {
+      const m = r.models[model];
+      return (m.slots - m.free_slots + m.queued + (this.inflight.get(r.node) ?? 0)) / m.slots;
+    };
+    // A draining node still finishes work; it is asked only when no other node holds the model.
+    return this.nodes()
+      .filter((r) => r.node !== this.name && r.models[model]?.state === 'ready')
+      .sort((a, b) => Number(a.draining) - Number(b.draining) || load(a) - load(b));
+  }
+
+  /** Resolves at the next registry change or after `ms`. */
+  private changed(ms: number): Promise<void> {
+    return new Promise((resolve) => {
+      const t = setTimeout(done, ms);
+      function done(): void {
+        clearTimeout(t);
+        resolve();
+      }
+      this.viewChanged.push(done);
+    });
+  }
+
+  /** Waits up to `ms` for `pred` over the registry view. */
+  private async until(pred: () => boolean, ms: number): Promise<boolean> {
+    const end = Date.now() + ms;
+    while (!pred()) {
+      if (Date.now() >= end) return false;
+      await this.changed(Math.min(100, end - Date.now()));
+    }
+    return true;
+  }
+
+  // ---- placement ---------------------------------------------------------------------------
+
+  /**
+   * The model entry's `place` hook. Local when NATS is unreachable or this node was asked to hold
+   * the model; a remote pool when another node holds it ready; else a placement under the
+   * model's cluster lock: the live nodes by most free memory first, each deciding by its own
+   * guards (memory, `max_loaded_models`, LRU eviction), this node through `local`. Waiting for
+   * another node's placement is bounded by the model's busy timeout.
+   * @throws VoxError `insufficient_memory` (503) naming the cluster when every node refused;
+   *   `server_busy` when another node's placement did not finish within the busy timeout.
+   */
+  readonly place = async (config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>): Promise<LoadedModel> => {
+    const id = config.id;
+    if (!this.connected || !this.supervisor) return local();
+    const timeout = this.busyTimeout(config);
+    const end = timeout > 0 ? Date.now() + timeout : Infinity;
+    for (;;) {
+      signal.throwIfAborted();
+      // Asked to hold it (by a placement elsewhere, or a load naming this node), also while waiting here.
+      if (this.pinned.has(id)) return local();
+      if (this.holders(id).length) return this.remotePool(config);
+      const lock = await this.takeLock(id);
+      if (lock) {
+        try {
+          // A placement that finished just before the lock was ours.
+          if (this.holders(id).length) return this.remotePool(config);
+          return await this.placeUnderLock(config, signal, local);
+        } finally {
+          await lock.release();
+        }
+      }
+      if (Date.now() >= end) throw new VoxError('server_busy', `model ${id} is being loaded by another node of the cluster and was not ready within the busy timeout (${timeout} ms)`, { retryAfterS: 1 });
+      await this.changed(Math.min(this.settings.heartbeat_ms, end - Date.now()));
+    }
+  };
+
+  private busyTimeout(config: ModelConfig): number {
+    const values = [config.busy_timeout_ms ?? 0, this.config.busy_timeout_ms].filter((v) => v > 0);
+    return values.length ? Math.min(...values) : 0;
+  }
+
+  private async placeUnderLock(config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>): Promise<LoadedModel> {
+    const id = config.id;
+    const here = this.record();
+    const candidates = [here, ...this.nodes().filter((r) => r.node !== this.name && !r.draining)].sort((a, b) => b.free_bytes - a.free_bytes);
+    this.log.debug({ model: id, candidates: candidates.map((c) => [c.node, c.free_bytes]) }, 'cluster: placing');
+    const refusals: string[] = [];
+    let memory = true;
+    for (const n of candidates) {
+      signal.throwIfAborted();
+      if (n.node === this.name) {
+        try {
+          this.log.info({ model: id, free_bytes: n.free_bytes }, 'cluster: placing here');
+          return await local();
+        } catch (e) {
+          if (!is503(e)) throw e;
+          memory &&= (e as VoxError).type === 'insufficient_memory';
+          refusals.push(`${n.node}: ${(e as Error).message}`);
+          this.log.info({ model: id, on: n.node, why: (e as Error).message }, 'cluster: this node refused the load');
+          continue;
+        }
+      }
+      this.log.info({ model: id, on: n.node, free_bytes: n.free_bytes }, 'cluster: placing on another node');
+      const reply = await this.ask<{ ok: true }>(n.node, 'load', { id, config: this.registrationOf(config) }, this.settings.lock_ms * 100).catch((e: unknown) => e as Error);
+      if (reply instanceof Error) {
+        if (!is503(reply) && !(reply instanceof VoxError && reply.type === 'not_found')) throw reply;
+        memory &&= (reply as VoxError).type === 'insufficient_memory';
+        refusals.push(`${n.node}: ${reply.message}`);
+        this.log.info({ model: id, on: n.node, why: reply.message }, 'cluster: a node refused the load');
+        continue;
+      }
+      await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
+      return this.remotePool(config);
+    }
+    throw new VoxError(memory ? 'insufficient_memory' : 'server_busy', `no node of the cluster could load ${id} (${candidates.length} asked): ${refusals.join('; ')}`, { retryAfterS: 5 });
+  }
+
+  /** The fields another node needs to register a model it does not know (its config minus server-filled paths of a group's heads). */
+  private registrationOf(config: ModelConfig): Record<string, unknown> {
+    return { ...config, heads: config.heads?.map((h) => (typeof h === 'string' ? h : { model: h.model, threshold: h.threshold, refractory_ms: h.refractory_ms })) };
+  }
+
+  /**
+   * Takes the model's cold-load lock: created if absent, taken over if its holder's deadline has
+   * passed (compare-and-set on the revision both ways). The holder renews it every third of
+   * `lock_ms` until released.
+   * @returns the lock, or null when another node holds it.
+   */
+  private async takeLock(model: string): Promise<{ release: () => Promise<void> } | null> {
+    const kv = this.link.locks;
+    const key = lockKey(model);
+    const value = (): Uint8Array => encodeJson({ owner: this.name, model, deadline: Date.now() + this.settings.lock_ms });
+    let rev: number;
+    try {
+      rev = await kv.create(key, value());
+    } catch {
+      const e = await kv.get(key).catch(() => null);
+      if (e && e.operation === 'PUT' && e.json<{ deadline: number }>().deadline > Date.now()) return null;
+      try {
+        rev = e ? await kv.update(key, value(), e.revision) : await kv.create(key, value());
+        if (e?.operation === 'PUT') this.log.warn({ model, from: e.json<{ owner: string }>().owner }, 'cluster: took over an expired load lock');
+      } catch {
+        return null;
+      }
+    }
+    const renew = setInterval(() => {
+      kv.update(key, value(), rev).then(
+        (r) => (rev = r),
+        () => {},
+      );
+    }, Math.max(50, this.settings.lock_ms / 3));
+    return {
+      release: async () => {
+        clearInterval(renew);
+        await kv.delete(key, { previousSeq: rev }).catch(() => {});
+      },
+    };
+  }
+
+  /**
+   * A pool whose jobs run on the holders of `config.id`: a {@link SlotPool} of remote slots (a
+   * window of jobs in flight), so FIFO order, the slot wait's busy timeout, stuck detection and
+   * the batcher work as for local slots. Its `info` comes from a holder.
+   */
+  private async remotePool(config: ModelConfig): Promise<LoadedModel> {
+    const id = config.id;
+    const holders = this.holders(id);
+    let info: SlotInfo | null = null;
+    const why: string[] = [];
+    for (const h of holders) {
+      try {
+        info = (await this.ask<{ info: SlotInfo }>(h.node, 'info', { model: id }, 10_000)).info;
+        break;
+      } catch (e) {
+        why.push(`${h.node}: ${(e as Error).message}`);
+      }
+    }
+    if (!info) throw new VoxError('server_busy', `no holder of ${id} answered: ${why.join('; ') || 'none left'}`, { retryAfterS: 1 });
+    const window = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * holders.reduce((n, h) => n + h.models[id].slots, 0)));
+    const slotInfo = info;
+    const pool = await SlotPool.start({ kind: 'vad', model: '' }, window, async () => this.remoteSlot(config, slotInfo));
+    this.remote.set(id, true);
+    this.log.info({ model: id, holders: holders.map((h) => h.node), window }, 'cluster: model served by other nodes');
+    this.beat();
+    return {
+      pool,
+      residentBytes: 0,
+      close: async () => {
+        this.remote.delete(id);
+        await pool.close();
+      },
+    };
+  }
+
+  /** One place in a remote pool's window: runs each job on the least loaded holder. */
+  private remoteSlot(config: ModelConfig, info: SlotInfo): SlotHost {
+    return {
+      info,
+      run: (job, waitUntil) => this.sendJob(config, job, waitUntil),
+      close: async () => {},
+      onExit: () => {},
+      residentBytes: () => 0,
+    };
+  }
+
+  /**
+   * Sends one job to a holder, least loaded first. A holder that answers busy is skipped; when
+   * all are busy (or none is live) the job waits and asks again, up to the model's busy timeout.
+   * A holder that no longer holds the model, or that nobody answers for (gone), is skipped too.
+   * @param waitUntil the job's own end of waiting (its request's busy timeout), ms since the epoch.
+   * @throws VoxError `server_busy` (Retry-After 1 s) when no holder took the job within the busy
+   *   timeout; the holder's error otherwise (e.g. `server_error` for a failed run).
+   */
+  private async sendJob(config: ModelConfig, job: Job, waitUntil?: number): Promise<JobResult> {
+    const id = config.id;
+    const timeout = this.busyTimeout(config);
+    const end = Math.min(waitUntil ?? Infinity, timeout > 0 ? Date.now() + timeout : Infinity);
+    const jobId = `${this.name}:${++this.seq}`;
+    const payload = encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: 0, job });
+    const maxPayload = this.link.nc.info?.max_payload ?? 1024 * 1024;
+    if (payload.length > maxPayload) {
+      // A batch of many streams over NATS's max_payload goes as two jobs of half the streams each.
+      const halves = splitJob(job);
+      if (!halves) throw new VoxError('server_error', `a job for ${id} is ${payload.length} bytes, over NATS's max_payload (${maxPayload}); raise max_payload in nats-server's config`);
+      const [a, b] = await Promise.all(halves.map((h) => this.sendJob(config, h, waitUntil)));
+      return joinResults(a, b);
+    }
+    const skip = new Set<string>();
+    let lastBusy = '';
+    for (;;) {
+      const holder = this.holders(id).find((h) => !skip.has(h.node));
+      if (!holder) {
+        // Every holder busy, or none live just now (a late heartbeat): ask again until the busy timeout.
+        if (Date.now() >= end) {
+          throw new VoxError('server_busy', lastBusy ? `every node holding ${id} is busy: ${lastBusy}` : `no node of the cluster holds ${id} ready`, { retryAfterS: 1 });
+        }
+        skip.clear();
+        await sleep(BUSY_RETRY_MS);
+        continue;
+      }
+      const node = holder.node;
+      const remaining = end === Infinity ? 0 : Math.max(1, end - Date.now());
+      const jobTimeout = config.job_timeout_ms ?? this.config.job_timeout_ms;
+      this.inflight.set(node, (this.inflight.get(node) ?? 0) + 1);
+      const t0 = performance.now();
+      let reply: RemoteReply;
+      try {
+        // The frame's JSON head carries the wait: re-encoded only when it changed (the arrays are the same bytes).
+        const m = await this.link.nc.request(this.subject(node, 'job'), remaining ? encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: remaining, job }) : payload, {
+          timeout: (remaining || 3_600_000) + (jobTimeout || 60_000),
+        });
+        reply = decodeMessage<RemoteReply>(m.data);
+      } catch (e) {
+        const name = (e as Error).name;
+        const gone = name === 'NoRespondersError' || (e as { isNoResponders?: () => boolean }).isNoResponders?.() === true;
+        this.metrics?.sent.inc({ model: id, node, outcome: gone ? 'no_responders' : 'failed' });
+        if (gone) {
+          skip.add(node);
+          continue;
+        }
+        throw new VoxError('server_error', `node ${node} did not answer job ${jobId} for ${id}: ${(e as Error).message}`, { cause: e });
+      } finally {
+        this.inflight.set(node, (this.inflight.get(node) ?? 1) - 1);
+      }
+      if (reply.type === 'result') {
+        const rtt = performance.now() - t0;
+        this.metrics?.sent.inc({ model: id, node, outcome: 'ok' });
+        this.metrics?.hop.observe({ model: id }, Math.max(0, rtt - reply.ran_ms) / 1000);
+        return reply.result;
+      }
+      if (reply.type !== 'error') throw new VoxError('server_error', `node ${node} answered a job with ${reply.type}`);
+      this.metrics?.sent.inc({ model: id, node, outcome: reply.error });
+      if (reply.error === 'not_held' || reply.error === 'server_busy' || reply.error === 'shutting_down') {
+        if (reply.error === 'server_busy') lastBusy = `${node}: ${reply.message}`;
+        skip.add(node);
+        continue;
+      }
+      throw new VoxError(reply.error as ErrorType, `node ${node}: ${reply.message}`, { retryAfterS: reply.retry_after_s });
+    }
+  }
+
+  // ---- serving other nodes --------------------------------------------------------------------
+
+  /** The entry of a model held here ready (a local pool), else a `not_held` error. */
+  private held(model: string): ModelEntry {
+    const entry = this.supervisor?.getOrRegister(model);
+    if (!entry || entry.state !== 'ready' || this.remote.has(model)) throw Object.assign(new Error(`${this.name} does not hold ${model}`), { notHeld: true });
+    return entry;
+  }
+
+  /**
+   * A job from another node: admitted through the model entry like a local request (a lease in
+   * FIFO order within the job's wait and the model's busy timeout, `max_queued`, stuck
+   * detection), run on the model's slots, answered with its result.
+   */
+  private async serveJob(m: Msg): Promise<Uint8Array> {
+    const msg = decodeMessage<RemoteJob>(m.data);
+    let outcome = 'ok';
+    try {
+      let entry;
+      try {
+        entry = this.held(msg.model);
+      } catch (e) {
+        outcome = 'not_held';
+        return encodeMessage({ type: 'error', error: 'not_held', message: (e as Error).message });
+      }
+      const lease = await entry.admit({ requestTimeoutMs: msg.wait_ms });
+      try {
+        const { pool } = await entry.ensureReady();
+        const result = await pool.run(msg.job, undefined, msg.wait_ms);
+        return encodeMessage({ type: 'result', result, ran_ms: result.ran ? result.ran[1] - result.ran[0] : 0 });
+      } finally {
+        lease.release();
+      }
+    } catch (e) {
+      const v = toVoxError(e);
+      outcome = v.type;
+      return encodeMessage({ type: 'error', error: v.type, message: v.message, retry_after_s: v.retryAfterS });
+    } finally {
+      this.metrics?.served.inc({ model: msg.model, outcome });
+    }
+  }
+
+  /** What a holder's slots reported at load (heads, a stream's initial embedding history). */
+  private async serveInfo(m: Msg): Promise<Uint8Array> {
+    const { model } = JSON.parse(new TextDecoder().decode(m.data)) as { model: string };
+    try {
+      const entry = this.held(model);
+      const { pool } = await entry.ensureReady();
+      return encodeMessage({ type: 'info', info: pool.info });
+    } catch (e) {
+      if ((e as { notHeld?: boolean }).notHeld) return encodeMessage({ type: 'error', error: 'not_held', message: (e as Error).message });
+      throw e;
+    }
+  }
+
+  /**
+   * Load a model here (a placement or a management load naming this node): registered from the
+   * catalog, or from the config sent along; an entry that runs on a remote pool gives it up first.
+   */
+  private async serveLoad(m: Msg): Promise<Uint8Array> {
+    const body = JSON.parse(new TextDecoder().decode(m.data)) as { id: string; config?: Record<string, unknown>; fields?: Record<string, unknown> };
+    await this.loadHere(body.id, body.fields ?? {}, body.config);
+    return encodeMessage({ type: 'info', info: {} });
+  }
+
+  /**
+   * Loads (or reconfigures) `id` on this node with a local pool.
+   * @param fields management fields (`POST /v1/models/load` minus `node`, `replicas`).
+   * @param registration a config to register the model with if this node does not know it.
+   */
+  async loadHere(id: string, fields: Record<string, unknown>, registration?: Record<string, unknown>): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+    const sup = this.supervisor!;
+    const timeout = this.config.busy_timeout_ms;
+    const entry = sup.getOrRegister(id);
+    if (!entry && registration) {
+      // A model registered on another node: its config comes along (model files are the same paths on every node).
+      this.pinned.add(id);
+      try {
+        return await sup.load({ ...registration, ...fields, id }, timeout);
+      } finally {
+        this.pinned.delete(id);
+        this.beat();
+      }
+    }
+    if (!entry) throw new VoxError('not_found', `model '${id}' does not exist on ${this.name}`);
+    if (this.remote.has(id)) await entry.unload(timeout);
+    this.pinned.add(id);
+    // A placement of this model waiting here (for the lock another node holds) loads it now.
+    for (const f of this.viewChanged.splice(0)) f();
+    try {
+      if (Object.keys(fields).some((k) => k !== 'id')) return await sup.load({ ...fields, id }, timeout);
+      // Nothing to reconfigure: a plain lease (not the exclusive one, which would wait for this
+      // node's own requests waiting for the same load).
+      const lease = await entry.admit({});
+      try {
+        await entry.ensureReady();
+      } finally {
+        lease.release();
+      }
+      return { id, loaded: true, reconfigured: false };
+    } finally {
+      this.pinned.delete(id);
+      this.beat();
+    }
+  }
+
+  private async serveUnload(m: Msg): Promise<Uint8Array> {
+    const body = JSON.parse(new TextDecoder().decode(m.data)) as { ids?: string[]; force?: boolean };
+    const r = await this.unloadHere(body.ids, body.force);
+    return encodeJson(r);
+  }
+
+  /** Unloads models on this node (`ids` absent: every registered one). */
+  async unloadHere(ids?: string[], force = false): Promise<{ unloaded: string[]; not_found: string[] }> {
+    const sup = this.supervisor!;
+    if (force && ids) {
+      for (const id of ids) await sup.getOrRegister(id)?.forceUnload();
+      return { unloaded: ids.filter((id) => sup.configOf(id)), not_found: ids.filter((id) => !sup.configOf(id)) };
+    }
+    const r = await sup.unloadMany(ids ?? sup.registeredIds, this.config.busy_timeout_ms);
+    this.beat();
+    return r;
+  }
+
+  /**
+   * Sends a request to a node's subject and decodes its answer.
+   * @throws VoxError the node's error (with its type), `server_busy` when nobody answers for it.
+   */
+  private async ask<T>(node: string, what: 'info' | 'load' | 'unload', body: unknown, timeoutMs: number): Promise<T> {
+    let m: Msg;
+    try {
+      m = await this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+    } catch (e) {
+      throw new VoxError('server_busy', `node ${node} did not answer (${(e as Error).message})`, { retryAfterS: 1, cause: e });
+    }
+    if (what === 'unload') {
+      const text = new TextDecoder().decode(m.data);
+      if (text.startsWith('{')) return JSON.parse(text) as T;
+    }
+    const r = decodeMessage<RemoteReply>(m.data);
+    if (r.type === 'error') throw new VoxError(r.error === 'not_held' ? 'server_busy' : (r.error as ErrorType), `node ${node}: ${r.message}`, { retryAfterS: r.retry_after_s });
+    return r as T;
+  }
+
+  // ---- management and status ------------------------------------------------------------------
+
+  /**
+   * `POST /v1/models/load` in a cluster. With `node`: that node loads it (this one, or another
+   * over NATS). Else `replicas` (default 1) nodes must hold it: nodes already holding it are
+   * reconfigured with the fields given; missing replicas are placed on the nodes with the most
+   * free memory that do not hold it (each by its own guards).
+   * @throws VoxError `invalid_request_error` (bad `node` or `replicas`, or the config: nothing is
+   *   changed anywhere), `not_found` (unknown node), 503 when no node could load it.
+   */
+  async manageLoad(body: Record<string, unknown>, validate: (fields: Record<string, unknown>) => ModelConfig): Promise<Record<string, unknown>> {
+    const { node, replicas, ...fields } = body;
+    if (node !== undefined && (typeof node !== 'string' || !node)) throw new VoxError('invalid_request_error', 'node: must be a node name (GET /v1/cluster lists them)');
+    if (replicas !== undefined && (!Number.isInteger(replicas) || (replicas as number) < 1 || (replicas as number) > 64)) throw new VoxError('invalid_request_error', 'replicas: must be an integer from 1 to 64');
+    if (typeof fields.id !== 'string' || !fields.id) throw new VoxError('invalid_request_error', 'id: required, a model id string');
+    const id = fields.id;
+    // Validated here first: an invalid config changes nothing on any node.
+    const config = validate(fields);
+    if (node !== undefined) {
+      if (node === this.name) return { ...(await this.loadHere(id, fields, this.registrationOf(config))), nodes: [node] };
+      if (!this.nodes().some((r) => r.node === node)) throw new VoxError('not_found', `node '${node}' is not in the cluster; GET /v1/cluster lists the nodes`);
+      await this.ask(node, 'load', { id, fields, config: this.registrationOf(config) }, 3_600_000);
+      await this.until(() => this.nodes().some((r) => r.node === node && r.models[id]?.state === 'ready'), 3 * this.settings.heartbeat_ms);
+      return { id, loaded: true, reconfigured: false, nodes: [node] };
+    }
+    const want = (replicas as number | undefined) ?? 1;
+    const holding = (): string[] => this.nodes().filter((r) => !r.draining && r.models[id] && r.models[id].state !== 'unloading').map((r) => r.node);
+    const done: string[] = [];
+    const refusals: string[] = [];
+    for (const n of holding().slice(0, want)) {
+      // Already held: reconfigured where fields change, else nothing happens there.
+      if (n === this.name) await this.loadHere(id, fields, this.registrationOf(config));
+      else await this.ask(n, 'load', { id, fields, config: this.registrationOf(config) }, 3_600_000);
+      done.push(n);
+    }
+    const others = this.nodes().filter((r) => !r.draining && !done.includes(r.node)).sort((a, b) => b.free_bytes - a.free_bytes);
+    for (const r of others) {
+      if (done.length >= want) break;
+      try {
+        if (r.node === this.name) await this.loadHere(id, fields, this.registrationOf(config));
+        else await this.ask(r.node, 'load', { id, fields, config: this.registrationOf(config) }, 3_600_000);
+        done.push(r.node);
+      } catch (e) {
+        if (!is503(e)) throw e;
+        refusals.push(`${r.node}: ${(e as Error).message}`);
+      }
+    }
+    if (done.length === 0) throw new VoxError('insufficient_memory', `no node of the cluster could load ${id}: ${refusals.join('; ')}`, { retryAfterS: 5 });
+    await this.until(() => done.every((n) => this.nodes().some((r) => r.node === n && r.models[id]?.state === 'ready')), 3 * this.settings.heartbeat_ms);
+    return { id, loaded: true, reconfigured: false, nodes: done, ...(done.length < want ? { replicas: done.length, refused: refusals } : {}) };
+  }
+
+  /**
+   * Unload in a cluster: on `node` only when given, else on every live node (this one included).
+   * @returns per node what it unloaded; `unloaded` / `not_found` merged.
+   */
+  async manageUnload(ids: string[] | undefined, node: unknown, force = false): Promise<{ unloaded: string[]; not_found: string[]; nodes: Record<string, unknown> }> {
+    if (node !== undefined && (typeof node !== 'string' || !node)) throw new VoxError('invalid_request_error', 'node: must be a node name (GET /v1/cluster lists them)');
+    const targets = node !== undefined ? [node as string] : [...new Set([this.name, ...this.nodes().map((r) => r.node)])];
+    if (node !== undefined && node !== this.name && !this.nodes().some((r) => r.node === node)) throw new VoxError('not_found', `node '${node}' is not in the cluster; GET /v1/cluster lists the nodes`);
+    const per: Record<string, unknown> = {};
+    const unloaded = new Set<string>();
+    let notFound: Set<string> | null = null;
+    await Promise.all(
+      targets.map(async (n) => {
+        try {
+          const r = n === this.name ? await this.unloadHere(ids, force) : await this.ask<{ unloaded: string[]; not_found: string[] }>(n, 'unload', { ids, force }, 3_600_000);
+          per[n] = r;
+          r.unloaded.forEach((id) => unloaded.add(id));
+          const nf = new Set(r.not_found);
+          notFound = notFound ? new Set([...notFound].filter((id) => nf.has(id))) : nf;
+        } catch (e) {
+          per[n] = { error: toVoxError(e).message };
+        }
+      }),
+    );
+    return { unloaded: [...unloaded], not_found: [...(notFound ?? [])].filter((id) => !unloaded.has(id)), nodes: per };
+  }
+
+  /** `GET /v1/cluster`: this node, NATS, and every live node with its free memory, models and draining flag. */
+  status(): Record<string, unknown> {
+    const now = Date.now();
+    const live = new Map(this.nodes(now).map((r) => [r.node, r]));
+    if (this.supervisor) live.set(this.name, this.record());
+    return {
+      node: this.name,
+      nats: { url: this.settings.nats, connected: this.connected },
+      heartbeat_ms: this.settings.heartbeat_ms,
+      nodes: [...live.values()]
+        .sort((a, b) => a.node.localeCompare(b.node))
+        .map((r) => ({ node: r.node, url: r.url, free_bytes: r.free_bytes, draining: r.draining, last_seen_ms: now - (this.view.get(r.node)?.seen ?? now), models: Object.keys(r.models).sort(), max_loaded_models: r.max_loaded_models })),
+    };
+  }
+
+  /** Per model id, the live nodes holding it and their figures (for `GET /v1/models`). */
+  holdersByModel(): Map<string, ({ node: string } & HeldModel)[]> {
+    const out = new Map<string, ({ node: string } & HeldModel)[]>();
+    const live = new Map(this.nodes().map((r) => [r.node, r]));
+    if (this.supervisor) live.set(this.name, this.record());
+    for (const r of [...live.values()].sort((a, b) => a.node.localeCompare(b.node))) {
+      for (const [id, m] of Object.entries(r.models)) {
+        if (!out.has(id)) out.set(id, []);
+        out.get(id)!.push({ node: r.node, ...m });
+      }
+    }
+    return out;
+  }
+
+  /** Marks this node draining at once (others stop sending it work). */
+  drain(): void {
+    this.draining = true;
+    void this.publish();
+  }
+
+  /** Leaves the cluster: stops the heartbeat, removes this node's entry, closes the connection. */
+  async close(): Promise<void> {
+    if (this.closed) return;
+    if (this.heartbeat) clearInterval(this.heartbeat);
+    if (this.soon) clearTimeout(this.soon);
+    try {
+      if (this.connected) await this.link.nodes.delete(nodeKey(this.name)).catch(() => {});
+    } finally {
+      this.closed = true;
+      for (const s of this.subs) s.unsubscribe();
+      await this.link.nc.close().catch(() => {});
+    }
+  }
+}

@@ -1,0 +1,79 @@
+/**
+ * The cluster's wire form of jobs: a frame round-trips a job exactly, and a batch split in two
+ * for NATS's max_payload gives, joined, the result the whole batch gives on a real slot host.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { decodeMessage, encodeMessage, joinResults, splitJob, type RemoteJob } from '../../cluster/nats.js';
+import { vadPacking, wakewordPacking } from '../../runtime/batcher.js';
+import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
+import { OWW, SILERO, type Job, type VadJob, type WakewordJob } from '../../runtime/slot-protocol.js';
+import { startWorkerSlot, type SlotHost } from '../../runtime/slots.js';
+import { readFileSync } from 'node:fs';
+
+/** Deterministic noise in [-amp, amp] (a linear congruential generator). */
+function noise(n: number, amp: number, seed: number): Float32Array {
+  const out = new Float32Array(n);
+  let x = seed;
+  for (let i = 0; i < n; i++) {
+    x = (x * 1103515245 + 12345) % 2 ** 31;
+    out[i] = ((x / 2 ** 31) * 2 - 1) * amp;
+  }
+  return out;
+}
+
+const path = (id: string): string => defaultCatalog().find((c) => c.id === id)!.path;
+
+describe('remote job frames', () => {
+  let vad: SlotHost;
+  let ww: SlotHost;
+  beforeAll(async () => {
+    vad = await startWorkerSlot({ kind: 'vad', model: path('silero-vad') });
+    ww = await startWorkerSlot({ kind: 'wakeword', heads: [path('hey-jarvis')], melspectrogram: readFileSync(OWW_MELSPECTROGRAM), embedding: readFileSync(OWW_EMBEDDING) });
+  });
+  afterAll(async () => {
+    await vad?.close();
+    await ww?.close();
+  });
+
+  it('a job survives the frame byte for byte', () => {
+    const job: VadJob = { kind: 'vad', windows: noise(3 * SILERO.WINDOW, 0.3, 1), state: noise(SILERO.STATE, 0.1, 2), context: noise(SILERO.CONTEXT, 0.1, 3) };
+    const back = decodeMessage<RemoteJob>(encodeMessage({ type: 'job', id: 'A:1', model: 'm', wait_ms: 5, job }));
+    expect(back).toMatchObject({ type: 'job', id: 'A:1', model: 'm', wait_ms: 5 });
+    expect(back.job).toEqual(job);
+  });
+
+  it('a VAD batch of 5 streams, split in two and joined, gives the whole batch\'s result', async () => {
+    const rows: VadJob[] = [1, 3, 2, 4, 1].map((n, r) => ({ kind: 'vad', windows: noise(n * SILERO.WINDOW, 0.5, 10 + r), state: new Float32Array(SILERO.STATE), context: new Float32Array(SILERO.CONTEXT) }));
+    const batch = vadPacking.pack(rows);
+    const whole = await vad.run(batch);
+    const halves = splitJob(batch)!;
+    expect((halves[0] as VadJob).counts).toEqual([1, 3]);
+    const joined = joinResults(await vad.run(halves[0]), await vad.run(halves[1]));
+    if (joined.kind !== 'vad' || whole.kind !== 'vad') throw new Error('not vad');
+    expect(Array.from(joined.probs)).toEqual(Array.from(whole.probs));
+    expect(Array.from(joined.state)).toEqual(Array.from(whole.state));
+    expect(Array.from(joined.context)).toEqual(Array.from(whole.context));
+  });
+
+  it('a wake-word batch of 3 streams, split in two and joined, gives the whole batch\'s result', async () => {
+    const history = ww.info.initialEmbeddings!;
+    const rows: WakewordJob[] = [2, 1, 3].map((n, r) => ({
+      kind: 'wakeword',
+      audio: noise(OWW.LOOKBACK + n * OWW.STEP, 3000, 20 + r),
+      mel: new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS).fill(1),
+      embeddings: history.slice(),
+    }));
+    const batch = wakewordPacking.pack(rows);
+    const whole = await ww.run(batch);
+    const joined = joinResults(await ww.run(splitJob(batch)![0]), await ww.run(splitJob(batch)![1]));
+    if (joined.kind !== 'wakeword' || whole.kind !== 'wakeword') throw new Error('not wakeword');
+    expect(Array.from(joined.scores)).toEqual(Array.from(whole.scores));
+    expect(Array.from(joined.mel)).toEqual(Array.from(whole.mel));
+    expect(Array.from(joined.embeddings)).toEqual(Array.from(whole.embeddings));
+  });
+
+  it('a single row cannot be split', () => {
+    const job: Job = { kind: 'vad', windows: new Float32Array(SILERO.WINDOW), state: new Float32Array(SILERO.STATE), context: new Float32Array(SILERO.CONTEXT) };
+    expect(splitJob(job)).toBeNull();
+  });
+});

@@ -1,0 +1,198 @@
+/**
+ * Cluster benchmark (docs/cluster.md), two parts in one run on this machine, against baselines
+ * measured in the same run:
+ *
+ * 1. The cost of a remote job against a local one: Silero VAD jobs of 1 and of 64 windows, run
+ *    one after another on a local process slot host (the baseline), and through an ingress
+ *    node's remote pool (this process, node A) to a holder (a `voxserve serve --cluster` child
+ *    process, node C) over NATS. Prints µs per job and per window, and the ratio.
+ * 2. Live VAD streams at 100 ms frames paced in real time: held by 1 node (a `voxserve serve`
+ *    child) against 2 nodes on the same cores (an ingress child A, a holder child C): the
+ *    processing lag (last sample of a window to its result, p50/p99) and the CPU time the
+ *    server processes spent per second of audio. The ratio shows the hop's cost, not throughput.
+ *
+ *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10]
+ *
+ * Needs Debian's nats-server at /usr/sbin/nats-server. Other processes load the CPU: say so next
+ * to any figure.
+ */
+import { spawn, type ChildProcess } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseArgs } from 'node:util';
+import WebSocket from 'ws';
+import { defaultCatalog } from '../runtime/catalog.js';
+import { ServerConfig } from '../runtime/config.js';
+import { SILERO, type VadJob } from '../runtime/slot-protocol.js';
+import { processSlots, SlotPool } from '../runtime/slots.js';
+import { startServer } from '../transport/server.js';
+import { paceFrames } from './pace.js';
+import { spawnServer } from './spawn-server.js';
+
+const { values } = parseArgs({ options: { jobs: { type: 'string', default: '300' }, streams: { type: 'string', default: '50' }, seconds: { type: 'string', default: '10' } } });
+const JOBS = Number(values.jobs);
+const STREAMS = Number(values.streams);
+const SECONDS = Number(values.seconds);
+const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
+const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-cluster-'));
+const children: ChildProcess[] = [];
+
+function freePort(): Promise<number> {
+  return new Promise((resolve) => {
+    const s = createServer().listen(0, '127.0.0.1', () => {
+      const { port } = s.address() as { port: number };
+      s.close(() => resolve(port));
+    });
+  });
+}
+
+/** nats-server -js on a free port; resolves with its URL once ready. */
+async function startNats(): Promise<string> {
+  const port = await freePort();
+  const proc = spawn('/usr/sbin/nats-server', ['-js', '-a', '127.0.0.1', '-p', String(port), '-sd', join(dir, 'nats')], { stdio: ['ignore', 'pipe', 'pipe'] });
+  children.push(proc);
+  await new Promise<void>((resolve) => {
+    let out = '';
+    const on = (d: Buffer): void => {
+      out += d.toString();
+      if (out.includes('Server is ready')) resolve();
+    };
+    proc.stdout!.on('data', on);
+    proc.stderr!.on('data', on);
+  });
+  return `nats://127.0.0.1:${port}`;
+}
+
+/** `voxserve serve` with a config holding silero-vad (loaded at start) and `extra` fields. */
+async function serve(name: string, extra: Record<string, unknown>, args: string[] = []): Promise<{ child: ChildProcess; url: string }> {
+  const file = join(dir, `${name}.json`);
+  writeFileSync(file, JSON.stringify({ port: 0, log_level: 'warn', limits: { max_ws_connections: STREAMS + 10 }, ...extra }));
+  const s = await spawnServer(['--config', file, ...args]);
+  children.push(s.child);
+  return s;
+}
+
+/** CPU time (user + system) of a process and its children that have exited, ms. */
+function cpuMs(pid: number): number {
+  const f = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1].split(' ');
+  // utime, stime, cutime, cstime (fields 14-17), in clock ticks (100 per second on Linux).
+  return (Number(f[11]) + Number(f[12]) + Number(f[13]) + Number(f[14])) * 10;
+}
+
+/** CPU ms of a process and its live children (its slot hosts). */
+function treeCpuMs(pid: number): number {
+  let total = cpuMs(pid);
+  try {
+    for (const c of readFileSync(`/proc/${pid}/task/${pid}/children`, 'utf8').trim().split(/\s+/).filter(Boolean)) total += cpuMs(Number(c));
+  } catch {
+    // no children file
+  }
+  return total;
+}
+
+const vadJob = (windows: number): VadJob => {
+  const w = new Float32Array(windows * SILERO.WINDOW);
+  for (let i = 0; i < w.length; i++) w[i] = Math.sin(i / 7) * 0.3;
+  return { kind: 'vad', windows: w, state: new Float32Array(SILERO.STATE), context: new Float32Array(SILERO.CONTEXT) };
+};
+
+/** Runs `n` jobs one after another; µs per job. */
+async function perJob(run: (j: VadJob) => Promise<unknown>, windows: number, n: number): Promise<number> {
+  for (let i = 0; i < 10; i++) await run(vadJob(windows));
+  const t0 = performance.now();
+  for (let i = 0; i < n; i++) await run(vadJob(windows));
+  return ((performance.now() - t0) * 1000) / n;
+}
+
+const nats = await startNats();
+try {
+  // ---- 1. remote job against local job ---------------------------------------------------------
+  const holder = await serve('C', { models: [{ id: 'silero-vad', lazy: false }], cluster: { nats, node: 'C', heartbeat_ms: 500 } });
+  const ingress = await startServer(ServerConfig.parse({ port: 0, log_level: 'warn', cluster: { nats, node: 'A', heartbeat_ms: 500 } }));
+  while (!ingress.cluster!.holders('silero-vad').length) await new Promise((r) => setTimeout(r, 50));
+  const entry = ingress.supervisor.getOrRegister('silero-vad')!;
+  const lease = await entry.admit({});
+  const remote = (await entry.ensureReady()).pool;
+  const local = await SlotPool.start({ kind: 'vad', model: silero.path }, 1, processSlots(0));
+  console.log(`remote job vs local job (Silero VAD, jobs one after another, ${JOBS} per figure; other agents load this machine's 2 cores)`);
+  console.log('windows/job | local µs/job | remote µs/job | local µs/window | remote µs/window | remote/local');
+  for (const windows of [1, 64]) {
+    const n = windows === 1 ? JOBS : Math.max(20, Math.round(JOBS / 8));
+    const l = await perJob((j) => local.run(j), windows, n);
+    const r = await perJob((j) => remote.run(j), windows, n);
+    console.log(`${String(windows).padStart(11)} | ${l.toFixed(0).padStart(12)} | ${r.toFixed(0).padStart(13)} | ${(l / windows).toFixed(1).padStart(15)} | ${(r / windows).toFixed(1).padStart(16)} | ${(r / l).toFixed(2)}`);
+  }
+  lease.release();
+  await local.close();
+  await ingress.close();
+  holder.child.kill('SIGTERM');
+
+  // ---- 2. live VAD streams: 1 node against 2 nodes ---------------------------------------------
+  const frameMs = 100;
+  const frames = (SECONDS * 1000) / frameMs;
+  const pcm = Buffer.alloc((16000 * frameMs) / 1000 * 2);
+  for (let i = 0; i < pcm.length / 2; i++) pcm.writeInt16LE(Math.round(Math.sin(i / 5) * 8000 * (i % 3200 < 1600 ? 1 : 0.01)), i * 2);
+
+  /** Runs the streams against `url`; resolves with the model's lag figures at `statusUrl` and the CPU of `pids`. */
+  const streams = async (url: string, statusUrl: string, pids: number[]): Promise<{ p50: number; p99: number; cpuPerAudioS: number }> => {
+    const cpu0 = pids.reduce((n, p) => n + treeCpuMs(p), 0);
+    const socks = await Promise.all(
+      Array.from({ length: STREAMS }, () => new Promise<{ ws: WebSocket; start: number; next: number; closed: Promise<void> }>((resolve, reject) => {
+        const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
+        const closed = new Promise<void>((r) => ws.on('close', () => r()));
+        ws.once('message', () => resolve({ ws, start: 0, next: 0, closed }));
+        ws.on('error', reject);
+      })),
+    );
+    const t0 = performance.now();
+    socks.forEach((s, i) => (s.start = t0 + (i * frameMs) / STREAMS));
+    await paceFrames(socks, frames, frameMs, (s, k) => {
+      s.ws.send(pcm);
+      if (k === frames - 1) s.ws.send(JSON.stringify({ type: 'end' }));
+    });
+    await Promise.all(socks.map((s) => s.closed));
+    const cpu = pids.reduce((n, p) => n + treeCpuMs(p), 0) - cpu0;
+    const { models } = (await (await fetch(`${statusUrl}/v1/models`)).json()) as { models: { id: string; processing_lag_ms: { p50: number; p99: number } }[] };
+    const lag = models.find((m) => m.id === 'silero-vad')!.processing_lag_ms;
+    return { p50: lag.p50, p99: lag.p99, cpuPerAudioS: cpu / (STREAMS * SECONDS) };
+  };
+
+  const one = await serve('single', { models: [{ id: 'silero-vad', lazy: false }] });
+  const r1 = await streams(one.url, one.url, [one.child.pid!]);
+  one.child.kill('SIGTERM');
+  const c = await serve('C2', { models: [{ id: 'silero-vad', lazy: false }], cluster: { nats, node: 'C2', heartbeat_ms: 500 } });
+  const a = await serve('A2', { cluster: { nats, node: 'A2', heartbeat_ms: 500 } });
+  // A's entry runs on a remote pool once one request has placed it.
+  await fetch(`${a.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(pcm)) });
+  const r2 = await streams(a.url, a.url, [a.child.pid!, c.child.pid!]);
+  console.log(`\nlive VAD streams (${STREAMS} streams x ${SECONDS} s, ${frameMs} ms frames; processing lag = last sample of a window to its result)`);
+  console.log('setup                | lag p50 ms | lag p99 ms | server CPU ms per audio s');
+  console.log(`1 node               | ${String(r1.p50).padStart(10)} | ${String(r1.p99).padStart(10)} | ${r1.cpuPerAudioS.toFixed(2)}`);
+  console.log(`2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2)}`);
+  console.log(`ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2)}`);
+} finally {
+  for (const ch of children) ch.kill('SIGTERM');
+  await new Promise((r) => setTimeout(r, 500));
+  for (const ch of children) if (ch.exitCode === null) ch.kill('SIGKILL');
+  rmSync(dir, { recursive: true, force: true });
+}
+
+/** A 16 kHz mono s16 WAV of `pcm`. */
+function wav(pcm: Buffer): Buffer {
+  const h = Buffer.alloc(44);
+  h.write('RIFF', 0);
+  h.writeUInt32LE(36 + pcm.length, 4);
+  h.write('WAVEfmt ', 8);
+  h.writeUInt32LE(16, 16);
+  h.writeUInt16LE(1, 20);
+  h.writeUInt16LE(1, 22);
+  h.writeUInt32LE(16000, 24);
+  h.writeUInt32LE(32000, 28);
+  h.writeUInt16LE(2, 32);
+  h.writeUInt16LE(16, 34);
+  h.write('data', 36);
+  h.writeUInt32LE(pcm.length, 40);
+  return Buffer.concat([h, pcm]);
+}
