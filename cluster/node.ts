@@ -476,9 +476,16 @@ export class ClusterNode {
     }
     const skip = new Set<string>();
     let lastBusy = '';
+    let replaced = 0;
     for (;;) {
       const holder = this.holders(id).find((h) => !skip.has(h.node));
       if (!holder) {
+        // No node holds it any more (unloaded there): placed again on another node, once a few heartbeats.
+        if (!this.holders(id).length && Date.now() - replaced > 3 * this.settings.heartbeat_ms) {
+          replaced = Date.now();
+          await this.replace(config).catch((e: Error) => this.log.warn({ model: id, err: e.message }, 'cluster: could not place the model again'));
+          continue;
+        }
         // Every holder busy, or none live just now (a late heartbeat): ask again until the busy timeout.
         if (Date.now() >= end) {
           throw new VoxError('server_busy', lastBusy ? `every node holding ${id} is busy: ${lastBusy}` : `no node of the cluster holds ${id} ready`, { retryAfterS: 1 });
@@ -525,6 +532,35 @@ export class ClusterNode {
         continue;
       }
       throw new VoxError(reply.error as ErrorType, `node ${node}: ${reply.message}`, { retryAfterS: reply.retry_after_s });
+    }
+  }
+
+  /**
+   * Places a model again for this node's remote pool when no node holds it any more: under the
+   * model's lock, on the other live nodes by most free memory (this node runs the model on a
+   * remote pool, so it is not a candidate until that pool is gone).
+   * @throws VoxError when every node refused.
+   */
+  private async replace(config: ModelConfig): Promise<void> {
+    const id = config.id;
+    const lock = await this.takeLock(id);
+    if (!lock) return;
+    try {
+      if (this.holders(id).length) return;
+      const refusals: string[] = [];
+      for (const n of this.nodes().filter((r) => r.node !== this.name && !r.draining).sort((a, b) => b.free_bytes - a.free_bytes)) {
+        try {
+          this.log.info({ model: id, on: n.node }, 'cluster: no node holds the model any more; placing it again');
+          await this.ask(n.node, 'load', { id, config: this.registrationOf(config) }, 3_600_000);
+          await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
+          return;
+        } catch (e) {
+          refusals.push(`${n.node}: ${(e as Error).message}`);
+        }
+      }
+      throw new VoxError('insufficient_memory', `no other node of the cluster could load ${id}: ${refusals.join('; ') || 'none is live'}`, { retryAfterS: 5 });
+    } finally {
+      await lock.release();
     }
   }
 

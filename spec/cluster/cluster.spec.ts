@@ -254,6 +254,19 @@ describe('three nodes and one NATS server', () => {
     }
   });
 
+  it('a model unloaded on every holder while A still runs it remotely is placed again on the next request', async () => {
+    for (const n of ['B', 'C']) {
+      const u = await post(`${A.url}/v1/models/unload`, { id: 'alexa', node: n });
+      expect(u.status, JSON.stringify(u.body)).toBe(200);
+    }
+    expect(A.supervisor.status('alexa')!.state).toBe('ready');
+    await until(async () => (await holders(A, 'alexa')).length === 0, 3000);
+    const r = await runFile(A, 'alexa', 'espeak_alexa_16k.wav', '&busy_timeout_ms=20000');
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    expect(r.body.detections).toEqual((await runFile(single, 'alexa', 'espeak_alexa_16k.wav')).body.detections);
+    expect((await holders(A, 'alexa')).length).toBe(1);
+  });
+
   describe('placement by free memory and each node\'s own guards', () => {
     it('B reports the most free memory: B loads', async () => {
       Object.assign(free, { A: 1 * GB, B: 8 * GB, C: 2 * GB });
