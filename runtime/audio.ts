@@ -63,8 +63,15 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
   if (fmt.audioFormat === 6 || fmt.audioFormat === 7) {
     if (fmt.bitsPerSample !== 8) throw invalid(`audio: unsupported bit depth ${fmt.bitsPerSample} for ${WAV_FORMATS[fmt.audioFormat]} samples; expected 8`);
     checkFormat(fmt.sampleRate, fmt.numChannels);
-    if (fmt.audioFormat === 7) wav.fromMuLaw();
-    else wav.fromALaw();
+    // Judged before the expansion doubles the samples' size.
+    const seconds = (wav.data as { samples: Uint8Array }).samples.length / fmt.numChannels / fmt.sampleRate;
+    if (seconds > MAX_AUDIO_SECONDS) throw invalid(`audio: ${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`);
+    try {
+      if (fmt.audioFormat === 7) wav.fromMuLaw();
+      else wav.fromALaw();
+    } catch (e) {
+      throw invalid(`audio: not a readable ${WAV_FORMATS[fmt.audioFormat]} WAV file (${(e as Error).message})`);
+    }
     fmt = wav.fmt as typeof fmt;
   }
   const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && isFloatExtensible(wav));

@@ -87,7 +87,7 @@ describe('server basics', () => {
     expect(models.map((m: { id: string }) => m.id).sort()).toEqual(['alexa', 'hey-jarvis', 'hey-mycroft', 'hey-rhasspy', 'silero-vad', 'silero-vad-v5', 'timer', 'weather']);
     const one = await (await fetch(`${server.url}/v1/models/silero-vad`)).json();
     expect(Object.keys(one).sort()).toEqual(
-      ['active_leases', 'active_slots', 'id', 'last_error', 'last_eviction', 'last_used_at', 'loaded', 'max_streams', 'oldest_wait_ms', 'processing_lag_ms', 'queued_requests', 'resident_bytes', 'retiring', 'slots', 'state', 'task'].sort(),
+      ['active_leases', 'active_slots', 'id', 'last_error', 'last_eviction', 'last_used_at', 'licence', 'loaded', 'max_streams', 'oldest_wait_ms', 'processing_lag_ms', 'queued_requests', 'resident_bytes', 'retiring', 'slots', 'state', 'task'].sort(),
     );
   });
 });
