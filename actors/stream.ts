@@ -3,7 +3,7 @@ import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo,
 import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, type VoxError } from '../runtime/errors.js';
-import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
+import { createTaskSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
 import { CLOSE, closeCodeFor, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
 
@@ -20,10 +20,12 @@ export interface StreamParams {
   busyTimeoutMs?: number;
   /** Task options given as query parameters (`threshold=0.7`), validated against the model's task. */
   options?: Record<string, unknown>;
+  /** `probabilities=true` / `probability_interval_ms=N` (VAD): stream speech probabilities (docs/vad.md). */
+  probabilities?: ProbabilityStream;
 }
 
 /** Query parameters of `/v1/stream` besides task options. */
-export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms'] as const;
+export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms', 'probabilities', 'probability_interval_ms'] as const;
 
 /**
  * An integer query parameter, or `dflt` when absent (an empty value is a bad value, as for task options).
@@ -49,6 +51,10 @@ export function parseStreamParams(url: URL): StreamParams {
   if (!model) throw invalid('model: required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
   if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid(`encoding: must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
+  const probabilities = url.searchParams.get('probabilities');
+  if (probabilities !== null && probabilities !== 'true' && probabilities !== 'false') throw invalid(`probabilities: must be true or false, got '${probabilities.slice(0, 32)}'`);
+  // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
+  const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
   return {
     model,
     encoding: encoding as PcmEncoding,
@@ -56,6 +62,7 @@ export function parseStreamParams(url: URL): StreamParams {
     channels: intParam(url, 'channels', 1, 1, MAX_CHANNELS)!,
     busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined, 0, MAX_TIMEOUT_MS),
     options,
+    probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
   };
 }
 
@@ -389,7 +396,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     queueMs = granted.queueMs;
     decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
     if (gone()) return;
-    const session = createTaskSession(granted.config, granted.info, params.options, false);
+    const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
     pump = new JobPump(session, granted, {
       emit: emitTask,
       accepted: () => {

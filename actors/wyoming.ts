@@ -51,14 +51,38 @@ export function normalizeWakeName(name: string): string {
 }
 
 /**
- * The models a `detect` asks for: the wake-word group id (`a,b` sorted, or one id; all wake
- * models when `names` is empty) and a VAD model when one is named.
+ * A wake-word model id as wyoming-openwakeword names its models (its `Model` values and custom
+ * file stems, which Home Assistant stores and sends back in `detect`): `hey-jarvis` -> `hey_jarvis`.
+ */
+export function wyomingName(id: string): string {
+  return id.replace(/-/g, '_');
+}
+
+/** wyoming-openwakeword's `_get_phrase` (handler.py): `hey_jarvis` -> `Hey Jarvis`. */
+function wyomingPhrase(name: string): string {
+  return name
+    .toLowerCase()
+    .trim()
+    .replace(/_/g, ' ')
+    .split(/\s+/)
+    .filter(Boolean)
+    .map((w) => w[0].toUpperCase() + w.slice(1))
+    .join(' ');
+}
+
+/**
+ * The models a `detect` asks for: the wake-word model id (one id; a configured group asked for
+ * alone is that group; else the heads of every name, `a,b` sorted; all wake models when `names`
+ * is empty), a VAD model when one is named, and the name each head was asked by (a detection
+ * carries it back, as wyoming-openwakeword's does).
  * @throws VoxError `not_found` naming an unknown name; `invalid_request_error` for a non-array or a second VAD model.
  */
-export function resolveNames(registry: Supervisor, names: unknown): { wake: string | null; vad: string | null } {
+export function resolveNames(registry: Supervisor, names: unknown): { wake: string | null; vad: string | null; asked: Map<string, string> } {
   if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string'))) throw invalid('detect.names: must be a list of strings');
   const wanted = (names as string[] | undefined | null) ?? [];
   const wake = new Set<string>();
+  const asked = new Map<string, string>();
+  const wakeIds = new Set<string>();
   let vad: string | null = null;
   for (const raw of wanted) {
     const id = registry.configOf(raw) ? raw : normalizeWakeName(raw);
@@ -67,27 +91,40 @@ export function resolveNames(registry: Supervisor, names: unknown): { wake: stri
     if (config.task === 'vad') {
       if (vad && vad !== id) throw invalid('detect.names: at most one VAD model');
       vad = id;
-    } else if (config.heads) {
-      for (const h of config.heads) wake.add(typeof h === 'string' ? h : h.model);
-    } else wake.add(id);
+      continue;
+    }
+    wakeIds.add(id);
+    if (config.heads) for (const h of config.heads) wake.add(typeof h === 'string' ? h : h.model);
+    else {
+      wake.add(id);
+      asked.set(id, raw);
+    }
   }
   if (wanted.length === 0 || (wake.size === 0 && !vad)) for (const c of registry.wakeModels()) wake.add(c.id);
-  return { wake: wake.size ? [...wake].sort().join(',') : null, vad };
+  // A configured group asked for alone is that model, not a new combination of its heads.
+  const [only] = wakeIds;
+  if (wakeIds.size === 1 && registry.configOf(only)?.heads) return { wake: only, vad, asked };
+  return { wake: wake.size ? [...wake].sort().join(',') : null, vad, asked };
 }
 
-/** The `info` answer to `describe`: one wake program (voxserve) listing every single wake-word model. */
+/**
+ * The `info` answer to `describe`: one wake program (voxserve) listing every single wake-word
+ * model, named and phrased as wyoming-openwakeword lists its own (`hey_jarvis`, "Hey Jarvis").
+ */
 export function wyomingInfo(registry: Supervisor, version: string): Record<string, unknown> {
   const about = (c: ModelConfig): Record<string, unknown> => {
     const oww = c.path?.startsWith(OWW_MODELS);
-    const phrase = c.phrase ?? c.id.replace(/[-_]+/g, ' ');
+    const name = wyomingName(c.id);
+    const phrase = wyomingPhrase(name);
     return {
-      name: c.id,
-      description: `${phrase}${oww ? ` (openWakeWord pre-trained head, licence ${OWW_ABOUT.licence})` : ''}`,
+      name,
+      description: `${c.phrase ?? phrase}${oww ? ` (openWakeWord pre-trained head, licence ${OWW_ABOUT.licence})` : ''}`,
       phrase,
       attribution: oww ? OWW_ABOUT.attribution : { name: 'configured in voxserve', url: '' },
       installed: true,
       languages: oww ? [...OWW_ABOUT.languages] : [],
-      version: null,
+      // The head file's version suffix (alexa_v0.1.onnx: "v0.1"), as wyoming-openwakeword gives its own.
+      version: /_(v[0-9.]+)\.onnx$/.exec(c.path ?? '')?.[1] ?? null,
     };
   };
   return {
@@ -130,6 +167,8 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
   let names: unknown;
   let lanes: Lane[] = [];
   let laneKey = '';
+  /** The name each head was asked by in the last `detect` (detections carry it back). */
+  let asked = new Map<string, string>();
   let decoder: PcmStreamDecoder | null = null;
   /** The current audio stream: its detections so far and the client's start timestamp, ms. */
   let audio: { detections: number; base: number } | null = null;
@@ -155,7 +194,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     if (!audio) return;
     if (e.type === 'detection') {
       audio.detections++;
-      channel.write({ type: 'detection', name: e.label, timestamp: Math.round(audio.base + e.at_ms) });
+      channel.write({ type: 'detection', name: asked.get(e.label) ?? wyomingName(e.label), timestamp: Math.round(audio.base + e.at_ms) });
     } else if (e.type === 'speech_start') channel.write({ type: 'voice-started', timestamp: Math.round(audio.base + e.at_ms) });
     else if (e.type === 'speech_end') channel.write({ type: 'voice-stopped', timestamp: Math.round(audio.base + e.end_ms) });
   };
@@ -163,6 +202,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
   /** Takes the leases for what `names` asks (keeps them when unchanged); the models are loaded. */
   const admit = async (): Promise<void> => {
     const want = resolveNames(registry, names);
+    asked = want.asked;
     const key = `${want.wake}|${want.vad}`;
     if (key === laneKey) return;
     for (const l of lanes) l.lease.release();

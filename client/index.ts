@@ -111,6 +111,12 @@ export type StreamEvent =
   | { type: 'speech_start'; at_ms: number }
   | { type: 'speech_end'; start_ms: number; end_ms: number; confidence: number }
   | { type: 'detection'; label: string; score: number; at_ms: number }
+  /**
+   * VAD streams opened with `probabilities` (docs/vad.md): the speech probability of the 32 ms
+   * window starting at `at_ms`; with `probabilityIntervalMs`, those of the windows starting in one
+   * span, in order from `at_ms`.
+   */
+  | { type: 'probability'; at_ms: number; p: number | number[] }
   /** A bad control frame (the stream goes on), or the reason of the close that follows. */
   | { type: 'error'; error: { type: WireErrorType; message: string } }
   | { type: 'done'; processed_ms: number; timing: Timing };
@@ -203,6 +209,10 @@ export interface StreamOptions {
   /** How events are encoded: `json` (`voxserve.v1.json`, default) or `msgpack` (`voxserve.v1.msgpack`). */
   protocol?: 'json' | 'msgpack';
   busyTimeoutMs?: number;
+  /** Task options (`threshold`, `max_speech_duration_s`, ...), sent as query parameters. */
+  options?: Record<string, string | number | boolean>;
+  /** VAD: send a `probability` event per 32 ms window (`true`), or one per this many ms carrying that span's windows (32-60000). */
+  probabilities?: boolean | number;
   /** Bytes the socket may hold unsent before `send` waits. Default 256 KiB (8 s of 16 kHz s16le). */
   highWaterMark?: number;
 }
@@ -476,6 +486,9 @@ export class VoxClient {
     if (!this.WS) throw new TypeError('no WebSocket: pass { WebSocket } (e.g. from the ws package), or import voxserve/client under Node');
     const q = new URLSearchParams({ model: opts.model, sample_rate: String(opts.sampleRate ?? 16000), encoding: opts.encoding ?? 's16le', channels: String(opts.channels ?? 1) });
     if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
+    for (const [k, v] of Object.entries(opts.options ?? {})) q.set(k, String(v));
+    if (typeof opts.probabilities === 'number') q.set('probability_interval_ms', String(opts.probabilities));
+    else if (opts.probabilities) q.set('probabilities', 'true');
     const base = await this.node();
     const url = `${base.replace(/^http/, 'ws')}/v1/stream?${q}`;
     const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };

@@ -2,7 +2,8 @@
  * The /demo page: microphone -> AudioWorklet (capture-worklet.js, ~20 ms blocks at the
  * AudioContext's rate) -> libsamplerate (WASM, SINC_FASTEST) to 16 kHz -> s16le -> one
  * `voxserve/client` stream per chosen model. A canvas timeline draws the last
- * {@link WINDOW_MS} of audio: the input level, speech segments and wake-word detections.
+ * {@link WINDOW_MS} of audio: for each VAD model its speech-probability curve (the stream's
+ * `probability` events) over its speech segments, and wake-word detections.
  * The page is served by the server it calls (same origin, so the Origin check lets it in); the
  * API key field, when filled, goes on each stream as the subprotocol `voxserve.key.<key>`.
  */
@@ -21,6 +22,8 @@ interface Lane {
   /** Speech segments, ms of stream time; `end` null while open. */
   segments: { start: number; end: number | null }[];
   detections: { at: number; label: string; score: number }[];
+  /** VAD: the speech probability of each 32 ms window, by its start, ms. */
+  probs: { at: number; p: number }[];
   status: string;
 }
 
@@ -35,8 +38,6 @@ const status = el<HTMLSpanElement>('status');
 const eventList = el<HTMLOListElement>('events');
 
 let lanes: Lane[] = [];
-/** Input level (RMS) per captured block, with its stream time, ms. */
-let levels: { at: number; rms: number }[] = [];
 /** Audio sent so far, ms: the stream time of "now". */
 let sentMs = 0;
 let stopCapture: (() => Promise<void>) | null = null;
@@ -71,6 +72,15 @@ function logEvent(model: string, e: StreamEvent): void {
 }
 
 function onEvent(lane: Lane, e: StreamEvent): void {
+  if (e.type === 'probability') {
+    if (typeof e.p === 'number') lane.probs.push({ at: e.at_ms, p: e.p });
+    else e.p.forEach((p, i) => lane.probs.push({ at: e.at_ms + i * 32, p }));
+    // Keep what the timeline shows.
+    if (lane.probs.length > 2 * (WINDOW_MS / 32)) lane.probs.splice(0, WINDOW_MS / 32);
+    // For the page's test: windows drawn so far.
+    canvas.dataset.probabilityWindows = String(Number(canvas.dataset.probabilityWindows ?? 0) + (typeof e.p === 'number' ? 1 : e.p.length));
+    return;
+  }
   logEvent(lane.model, e);
   if (e.type === 'speech_start') lane.segments.push({ start: e.at_ms, end: null });
   if (e.type === 'speech_end') {
@@ -112,8 +122,7 @@ async function start(): Promise<void> {
     return say((e as Error).message, true);
   }
   say('opening the microphone ...');
-  lanes = chosen.map((c) => ({ ...c, stream: null, segments: [], detections: [], status: 'opening' }));
-  levels = [];
+  lanes = chosen.map((c) => ({ ...c, stream: null, segments: [], detections: [], probs: [], status: 'opening' }));
   sentMs = 0;
   let mic: MediaStream | null = null;
   let ctx: AudioContext | null = null;
@@ -125,7 +134,8 @@ async function start(): Promise<void> {
     say(`connecting ${lanes.length} stream(s) ...`);
     await Promise.all(
       lanes.map(async (lane) => {
-        lane.stream = await client.stream({ model: lane.model, sampleRate: RATE, encoding: 's16le' });
+        // VAD streams send their speech probabilities, 100 ms of windows per event.
+        lane.stream = await client.stream({ model: lane.model, sampleRate: RATE, encoding: 's16le', probabilities: lane.task === 'vad' ? 100 : undefined });
         lane.status = 'streaming';
         const stream = lane.stream;
         void (async () => {
@@ -148,14 +158,11 @@ async function start(): Promise<void> {
     capture.port.onmessage = (m: MessageEvent<Float32Array>) => {
       const samples = resampler ? resampler.full(m.data).slice() : m.data;
       const pcm = new Int16Array(samples.length);
-      let sum = 0;
       for (let i = 0; i < samples.length; i++) {
         const v = Math.max(-1, Math.min(1, samples[i]));
         pcm[i] = v < 0 ? v * 0x8000 : v * 0x7fff;
-        sum += v * v;
       }
       sentMs += (samples.length * 1000) / RATE;
-      levels.push({ at: sentMs, rms: Math.sqrt(sum / Math.max(1, samples.length)) });
       for (const lane of lanes) lane.stream?.send(pcm).catch(() => {});
     };
     const [m, c] = [mic, ctx];
@@ -185,7 +192,7 @@ async function stop(): Promise<void> {
   say('stopped');
 }
 
-/** Draws the last WINDOW_MS of stream time: a time grid, the input level, then one row per model. */
+/** Draws the last WINDOW_MS of stream time: a time grid, then one row per model. */
 function draw(): void {
   const dpr = window.devicePixelRatio || 1;
   const w = canvas.clientWidth;
@@ -201,7 +208,7 @@ function draw(): void {
   const end = Math.max(sentMs, WINDOW_MS);
   const t0 = end - WINDOW_MS;
   const x = (t: number): number => left + ((t - t0) / WINDOW_MS) * (w - left - 8);
-  const rows = 1 + lanes.length;
+  const rows = lanes.length;
   const rowH = (h - 22) / Math.max(rows, 2);
   g.font = '12px system-ui, sans-serif';
   g.textBaseline = 'middle';
@@ -225,28 +232,37 @@ function draw(): void {
       g.fillText(sub, 6, rowH * row + rowH / 2 + 8);
     }
   };
-  label(0, 'input level');
-  g.fillStyle = '#9aa6c4';
-  for (const l of levels) {
-    if (l.at < t0) continue;
-    const bar = Math.min(1, l.rms * 4) * (rowH - 8);
-    g.fillRect(x(l.at) - 1, rowH / 2 - bar / 2, 2, Math.max(1, bar));
-  }
-  lanes.forEach((lane, i) => {
-    const row = i + 1;
+  lanes.forEach((lane, row) => {
     const top = rowH * row + 4;
     g.strokeStyle = '#eceff5';
     g.beginPath();
     g.moveTo(0, rowH * row);
     g.lineTo(w, rowH * row);
     g.stroke();
-    label(row, lane.model, lane.task === 'wakeword' ? 'wake word' : lane.task);
+    label(row, lane.model, lane.task === 'wakeword' ? 'wake word' : lane.task === 'vad' ? 'speech probability' : lane.task);
     for (const s of lane.segments) {
       const a = Math.max(t0, s.start);
       const b = s.end ?? sentMs;
       if (b < t0) continue;
-      g.fillStyle = s.end === null ? 'rgba(46,139,87,0.55)' : '#2e8b57';
+      g.fillStyle = s.end === null ? 'rgba(46,139,87,0.3)' : 'rgba(46,139,87,0.45)';
       g.fillRect(x(a), top, Math.max(2, x(b) - x(a)), rowH - 8);
+    }
+    // The speech probability, 0 at the bottom of the row and 1 at its top.
+    if (lane.probs.length) {
+      g.strokeStyle = '#1d4f91';
+      g.lineWidth = 1.5;
+      g.beginPath();
+      let first = true;
+      for (const p of lane.probs) {
+        if (p.at + 32 < t0) continue;
+        const px = x(Math.max(t0, p.at + 16));
+        const py = top + (1 - p.p) * (rowH - 8);
+        if (first) g.moveTo(px, py);
+        else g.lineTo(px, py);
+        first = false;
+      }
+      g.stroke();
+      g.lineWidth = 1;
     }
     for (const d of lane.detections) {
       if (d.at < t0) continue;

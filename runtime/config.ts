@@ -22,6 +22,12 @@ export const VadOptions = z.strictObject({
   min_speech_duration_ms: nonNegInt.default(250),
   min_silence_duration_ms: nonNegInt.default(100),
   speech_pad_ms: nonNegInt.default(30),
+  /** Longest segment, seconds; longer ones are split (see VadSegmenter). Omitted = no limit (Silero's inf). */
+  max_speech_duration_s: z.number().gt(0).max(MAX_TIMEOUT_MS / 1000).optional(),
+  /** Shortest silence, ms, at which a segment over max_speech_duration_s may be split. */
+  min_silence_at_max_speech: nonNegInt.default(98),
+  /** Split an over-long segment at its longest such silence (true) or its last (false). */
+  use_max_poss_sil_at_max_speech: z.boolean().default(true),
 });
 export type VadOptions = z.infer<typeof VadOptions>;
 
@@ -370,7 +376,7 @@ export const OPTION_NAMES: readonly string[] = [...new Set([...Object.keys(VadOp
 
 /**
  * Reads task options from a query string (`?threshold=0.7`): every parameter that is not one of
- * `fields` must be a task option name; numeric values become numbers, so the task's schema
+ * `fields` must be a task option name; numeric values become numbers and `true`/`false` booleans, so the task's schema
  * validates them as it validates a JSON body's `options`.
  * @returns the options, or undefined when there are none.
  * @throws VoxError `invalid_request_error` naming an unknown or repeated parameter.
@@ -383,7 +389,7 @@ export function queryOptions(params: URLSearchParams, fields: readonly string[])
     seen.add(k);
     if (fields.includes(k)) continue;
     if (!OPTION_NAMES.includes(k)) throw invalid(`${k.slice(0, 64)}: unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}`);
-    options[k] = v.trim() !== '' && Number.isFinite(Number(v)) ? Number(v) : v;
+    options[k] = v === 'true' || v === 'false' ? v === 'true' : v.trim() !== '' && Number.isFinite(Number(v)) ? Number(v) : v;
   }
   return Object.keys(options).length ? options : undefined;
 }

@@ -1,7 +1,9 @@
 import { readFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { createRequire } from 'node:module';
+import type { Tensor } from 'onnxruntime-node';
 import WebSocket from 'ws';
+import { SILERO_V6 } from '../runtime/catalog.js';
 
 const require = createRequire(import.meta.url);
 export const { WaveFile } = require('wavefile') as typeof import('wavefile');
@@ -104,4 +106,32 @@ export function handshake(url: string): Promise<{ status: number; body: string }
       resolve({ status: 101, body: '' });
     });
   });
+}
+
+/**
+ * Silero VAD v6's speech probability for each 512-sample window of 16 kHz `audio` (the last
+ * window zero-padded), computed here with onnxruntime-node as Silero's own wrapper computes it
+ * (OnnxWrapper.__call__ in silero-vad's utils_vad.py, as get_speech_timestamps calls it): each
+ * window preceded by the last 64 samples of the one before (zeros at first), the state [2, 1, 128]
+ * carried from window to window. An independent reference for the server's VAD.
+ */
+export async function sileroWindowProbs(audio: Float32Array): Promise<number[]> {
+  // Loaded here, not at the top: most suites that import these helpers never run a model.
+  const { default: ort } = await import('onnxruntime-node');
+  const session = await ort.InferenceSession.create(SILERO_V6);
+  let state: Tensor = new ort.Tensor('float32', new Float32Array(2 * 128), [2, 1, 128]);
+  let context = new Float32Array(64);
+  const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
+  const probs: number[] = [];
+  for (let at = 0; at < audio.length; at += 512) {
+    const x = new Float32Array(64 + 512);
+    x.set(context, 0);
+    x.set(audio.subarray(at, at + 512), 64);
+    const out = await session.run({ input: new ort.Tensor('float32', x, [1, 576]), state, sr });
+    probs.push((out.output.data as Float32Array)[0]);
+    state = out.stateN as Tensor;
+    context = x.slice(-64);
+  }
+  await session.release();
+  return probs;
 }

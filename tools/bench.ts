@@ -39,6 +39,8 @@ export interface BenchOptions {
   batchDelayMs: number;
   /** Slot host isolation modes to run, side by side. */
   isolation: ('process' | 'thread')[];
+  /** Also run each count with `probabilities=true` (a probability event per window) and print its cost against the run without. */
+  probabilities?: boolean;
 }
 
 const root = fileURLToPath(new URL('../..', import.meta.url));
@@ -97,7 +99,7 @@ interface LiveResult {
 }
 
 /** N live streams against a fresh server, through the client; progress on stderr while they run. */
-async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread'): Promise<LiveResult> {
+async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread', probabilities = false): Promise<LiveResult> {
   const { child, url } = await startChild(n, o, isolation);
   const pcm = speechPcm();
   const frameBytes = Math.round((16000 * o.frameMs) / 1000) * 2;
@@ -108,7 +110,7 @@ async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread')
   let opened = 0;
   const streams: S[] = await Promise.all(
     Array.from({ length: n }, async () => {
-      const s: S = { stream: await vox.stream({ model: 'silero-vad', highWaterMark: 1024 * 1024 }), next: 0, start: 0, done: false, lastSentAt: 0, doneAt: 0, eventLags: [] };
+      const s: S = { stream: await vox.stream({ model: 'silero-vad', highWaterMark: 1024 * 1024, probabilities }), next: 0, start: 0, done: false, lastSentAt: 0, doneAt: 0, eventLags: [] };
       s.stream.on('speech_end', (e) => s.eventLags.push(performance.now() - (s.start + e.end_ms - 30 + 100 + 32)));
       s.stream.on('done', () => {
         s.done = true;
@@ -232,15 +234,19 @@ export async function bench(o: BenchOptions): Promise<void> {
   say('per-client baseline: 8 sessions, 20,000 windows unbatched ...');
   const perClient = await bare(1, 8, 20_000);
   const batches = new Map<string, number>();
-  for (const n of o.streams) for (const isolation of o.isolation) {
-    const r = await live(n, o, isolation);
+  const probabilityCost: string[] = [];
+  let offPer = NaN;
+  for (const n of o.streams) for (const isolation of o.isolation) for (const probabilities of o.probabilities ? [false, true] : [false]) {
+    const r = await live(n, o, isolation, probabilities);
     batches.set(isolation, Math.max(batches.get(isolation) ?? 1, Math.round(r.meanBatch)));
     const serverPer = r.serverCpuS / r.streamSeconds;
     say(`bare batched baseline: batches of ${Math.max(1, Math.round(r.meanBatch))} windows ...`);
     const barePer = await bare(Math.max(1, Math.round(r.meanBatch)), 1, 20_000);
+    if (!probabilities) offPer = serverPer;
+    else probabilityCost.push(`${isolation} | ${n} | ${f(offPer * 1000, 3)} | ${f(serverPer * 1000, 3)} | ${f(serverPer / offPer, 2)}`);
     rows.push(
       [
-        isolation,
+        `${isolation}${probabilities ? ' +probabilities' : ''}`,
         r.streams,
         r.sustained,
         `${f(r.lagP50)} / ${f(r.lagP99)}`,
@@ -257,6 +263,12 @@ export async function bench(o: BenchOptions): Promise<void> {
       ].join(' | '),
     );
     say(rows.at(-1)!);
+  }
+  if (probabilityCost.length) {
+    rows.push('');
+    rows.push('isolation | streams | server CPU per stream-s ms, off | with probabilities=true | ratio on/off');
+    rows.push('---|---|---|---|---');
+    rows.push(...probabilityCost);
   }
   rows.push('');
   rows.push('isolation | windows per batched job | IPC and dispatch per job µs (round trip - run time, mean of 500)');

@@ -313,7 +313,8 @@ program
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms", int('--batch-delay-ms'), 10)
   .option('--isolation <list>', 'slot host isolation modes to run side by side: process, thread (wakeword: one, default process)', 'thread,process')
   .option('--head-streams <n>', 'wakeword: streams for the 1 / 2 / 6 heads comparison', int('--head-streams'), 40)
-  .action(async (opts: { task: string; streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number; isolation: string; headStreams: number }, cmd: Command) => {
+  .option('--probabilities', 'vad: run each count twice, without and with probabilities=true, and print the cost of the probability events')
+  .action(async (opts: { task: string; streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number; isolation: string; headStreams: number; probabilities?: boolean }, cmd: Command) => {
     const given = (name: string): boolean => cmd.getOptionValueSource(name) !== 'default';
     if (opts.task !== 'vad' && opts.task !== 'wakeword') die(`--task must be vad or wakeword, got '${opts.task}'`);
     const wake = opts.task === 'wakeword';
@@ -327,7 +328,7 @@ program
       return benchWakeword({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: given('slots') ? opts.slots : 2, isolation: isolation[0] as 'process' | 'thread', headStreams: opts.headStreams });
     }
     const { bench } = await import('./bench.js');
-    await bench({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: opts.slots, batchDelayMs: opts.batchDelayMs, isolation: isolation as ('process' | 'thread')[] });
+    await bench({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: opts.slots, batchDelayMs: opts.batchDelayMs, isolation: isolation as ('process' | 'thread')[], probabilities: opts.probabilities });
   });
 
 program.parseAsync().catch((e) => die((e as Error).message));

@@ -1,10 +1,12 @@
 import { headsOf, parseTaskOptions, type ModelConfig } from '../config.js';
+import { invalid } from '../errors.js';
 import type { SlotInfo } from '../slot-protocol.js';
 import type { TaskSession } from './task.js';
-import { VadSession } from './vad.js';
+import { VadSession, type ProbabilityStream } from './vad.js';
 import { WakewordSession } from './wakeword.js';
 
 export type { TaskEvent, TaskSession } from './task.js';
+export type { ProbabilityStream } from './vad.js';
 export { drain } from './task.js';
 
 /**
@@ -13,14 +15,16 @@ export { drain } from './task.js';
  * @param keepResults a file's session keeps its segments or detections for {@link taskResult}; a
  *   stream's sends them as events and keeps none (they would grow with the stream: an hour at
  *   `threshold` 1e-6 with six heads is 270,000 detections, about 20 MiB).
- * @throws VoxError `invalid_request_error` naming the bad `options.*` field.
+ * @param probabilities a VAD stream's `probability` events (see {@link ProbabilityStream}); absent: none.
+ * @throws VoxError `invalid_request_error` naming the bad `options.*` field, or `probabilities` asked of a model that is not VAD.
  */
-export function createTaskSession(config: ModelConfig, info: SlotInfo, options: unknown, keepResults: boolean): TaskSession {
+export function createTaskSession(config: ModelConfig, info: SlotInfo, options: unknown, keepResults: boolean, probabilities?: ProbabilityStream): TaskSession {
+  if (probabilities && config.task !== 'vad') throw invalid(`probabilities: only VAD models stream speech probabilities; '${config.id}' is a ${config.task} model`);
   if (options !== undefined && (typeof options !== 'object' || options === null || Array.isArray(options))) {
     parseTaskOptions(config.task, options); // throws the schema's message for a non-object
   }
   const merged = { ...config.options, ...(options as object | undefined) };
-  if (config.task === 'vad') return new VadSession(info, parseTaskOptions('vad', merged), keepResults);
+  if (config.task === 'vad') return new VadSession(info, parseTaskOptions('vad', merged), keepResults, probabilities);
   const opts = parseTaskOptions('wakeword', merged);
   // The request's own fields apply to every head; the model's configured ones only where a head has none.
   const given = (options ?? {}) as Record<string, unknown>;

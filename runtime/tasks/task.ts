@@ -4,7 +4,13 @@ import type { Job, JobResult, SlotInfo } from '../slot-protocol.js';
 export type TaskEvent =
   | { type: 'speech_start'; at_ms: number }
   | { type: 'speech_end'; start_ms: number; end_ms: number; confidence: number }
-  | { type: 'detection'; label: string; score: number; at_ms: number };
+  | { type: 'detection'; label: string; score: number; at_ms: number }
+  /**
+   * VAD streams that ask for them (`probabilities=true`): the speech probability of the 32 ms
+   * window starting at `at_ms`, or (`probability_interval_ms`) of each window starting in one
+   * span, `at_ms` being the first one's start.
+   */
+  | { type: 'probability'; at_ms: number; p: number | number[] };
 
 /**
  * One request's or stream's task state on the main thread: it buffers 16 kHz mono audio, cuts it

@@ -14,34 +14,64 @@ export interface Segment {
   confidence: number;
 }
 
+/** A kept segment whose end padding waits for the start of the next kept segment. */
+interface Closed {
+  start_sample: number;
+  end: number;
+  confidence: number;
+}
+
 /**
  * Silero VAD segmentation, streaming: the state machine of `get_speech_timestamps` in
  * silero-vad's utils_vad.py (threshold, neg_threshold, min_speech_duration_ms,
- * min_silence_duration_ms, speech_pad_ms; max_speech_duration_s is not supported, i.e. infinite),
- * fed one window probability at a time.
+ * min_silence_duration_ms, speech_pad_ms, max_speech_duration_s, min_silence_at_max_speech,
+ * use_max_poss_sil_at_max_speech; same names, defaults and rules), fed one window probability at
+ * a time.
  *
- * Differences from the offline function, which sees the whole file: `speech_start` is emitted once
- * a segment is certain to be kept (longer than min_speech_duration_ms), and padding is applied as
- * segments close: a start is padded back by speech_pad_ms but never before the previous padded end.
- * With min_silence_duration_ms >= 2 x speech_pad_ms (the defaults) the result is Silero's exactly.
+ * `max_speech_duration_s`: a segment that grows past it (less one window and both paddings, as in
+ * Silero) is split, at the longest silence over `min_silence_at_max_speech` (98 ms) inside it
+ * (`use_max_poss_sil_at_max_speech`, Silero's default) or at the last such silence (false); with
+ * none, it is cut where it stands.
+ *
+ * The segments are Silero's exactly; only their timing differs from the offline function, which
+ * sees the whole file: `speech_start` is emitted once a segment is certain to be kept, and
+ * `speech_end` once its end padding is known: Silero pads each end by speech_pad_ms, or by half
+ * the gap to the next segment when that gap is under 2 x speech_pad_ms, so a closed segment waits
+ * until no kept segment can start within 2 x speech_pad_ms of its end. With the defaults
+ * (min_silence_duration_ms 100 >= 2 x speech_pad_ms 30) that is at once, except after a cut.
  */
 export class VadSegmenter {
-  /** The segments closed so far, when kept (see the constructor). */
+  /** The segments finished so far, when kept (see the constructor). */
   readonly segments: Segment[] = [];
   private readonly thr: number;
   private readonly neg: number;
   private readonly minSpeech: number;
   private readonly minSilence: number;
   private readonly pad: number;
+  private readonly maxSpeech: number;
+  private readonly minSilenceAtMax: number;
+  private readonly useMaxPoss: boolean;
+  // Silero's state, named as in get_speech_timestamps (samples).
   private triggered = false;
-  private started = false;
   private start = 0;
   private tempEnd = 0;
-  private probs: number[] = [];
   private prevEnd = 0;
+  private nextStart = 0;
+  private possibleEnds: [end: number, silence: number][] = [];
+  // The streaming layer.
+  /** speech_start was sent for the current segment (it is certain to be kept). */
+  private started = false;
+  /** The current segment's padded start, once started. */
+  private startPadded = 0;
+  /** Unpadded end of the last kept segment (for the next one's start padding). */
+  private lastEnd: number | null = null;
+  private closed: Closed | null = null;
+  /** Window probabilities from window `probsBase` on (the current segment's and later). */
+  private probs: number[] = [];
+  private probsBase = 0;
   private index = 0;
 
-  /** @param keep whether `segments` keeps each closed segment (a file's result), or stays empty (a stream). */
+  /** @param keep whether `segments` keeps each finished segment (a file's result), or stays empty (a stream). */
   constructor(
     o: VadOptions,
     private readonly keep = true,
@@ -51,68 +81,134 @@ export class VadSegmenter {
     this.minSpeech = (RATE * o.min_speech_duration_ms) / 1000;
     this.minSilence = (RATE * o.min_silence_duration_ms) / 1000;
     this.pad = Math.floor((RATE * o.speech_pad_ms) / 1000);
+    this.maxSpeech = o.max_speech_duration_s === undefined ? Infinity : RATE * o.max_speech_duration_s - SILERO.WINDOW - 2 * this.pad;
+    this.minSilenceAtMax = (RATE * o.min_silence_at_max_speech) / 1000;
+    this.useMaxPoss = o.use_max_poss_sil_at_max_speech;
   }
 
-  private paddedStart(): number {
-    return Math.max(this.prevEnd, this.start - this.pad, 0);
-  }
-
-  /** Feeds the next window's probability; `processed` = samples processed so far. */
+  /** Feeds the next window's probability; `processed` = samples processed so far (this window included). */
   push(p: number, processed: number): TaskEvent[] {
     const events: TaskEvent[] = [];
-    const sample = SILERO.WINDOW * this.index++;
-    if (p >= this.thr && this.tempEnd) this.tempEnd = 0;
+    const cur = SILERO.WINDOW * this.index++;
+    this.probs.push(p);
+    if (p >= this.thr && this.tempEnd) {
+      const silence = cur - this.tempEnd;
+      if (silence > this.minSilenceAtMax) this.possibleEnds.push([this.tempEnd, silence]);
+      this.tempEnd = 0;
+      if (this.nextStart < this.prevEnd) this.nextStart = cur;
+    }
     if (p >= this.thr && !this.triggered) {
       this.triggered = true;
-      this.started = false;
-      this.start = sample;
-      this.probs = [p];
-      return events;
+      this.begin(cur);
+      return this.settle(cur, processed, events);
     }
-    if (!this.triggered) return events;
-    this.probs.push(p);
-    if (!this.started && (this.tempEnd || sample) - this.start > this.minSpeech) {
-      this.started = true;
-      events.push({ type: 'speech_start', at_ms: msOf(this.paddedStart()) });
-    }
-    if (p < this.neg) {
-      if (!this.tempEnd) this.tempEnd = sample;
-      if (sample - this.tempEnd >= this.minSilence) {
-        if (this.tempEnd - this.start > this.minSpeech) events.push(...this.close(this.tempEnd, processed));
+    if (this.triggered && cur - this.start > this.maxSpeech) {
+      if (this.useMaxPoss && this.possibleEnds.length) {
+        // The longest silence; the first of equals, as Python's max().
+        const [end, silence] = this.possibleEnds.reduce((a, b) => (b[1] > a[1] ? b : a));
+        this.cut(end, events);
+        this.nextStart = end + silence;
+        if (this.nextStart < end + cur) this.begin(this.nextStart);
+        else this.triggered = false;
+      } else if (this.prevEnd) {
+        this.cut(this.prevEnd, events);
+        if (this.nextStart < this.prevEnd) this.triggered = false;
+        else this.begin(this.nextStart);
+      } else {
+        this.cut(cur, events);
         this.triggered = false;
-        this.tempEnd = 0;
+        this.prevEnd = this.nextStart = this.tempEnd = 0;
+        this.possibleEnds = [];
+        return this.settle(cur, processed, events);
       }
+      this.prevEnd = this.nextStart = this.tempEnd = 0;
+      this.possibleEnds = [];
+    }
+    if (p < this.neg && this.triggered) {
+      if (!this.tempEnd) this.tempEnd = cur;
+      const silence = cur - this.tempEnd;
+      if (!this.useMaxPoss && silence > this.minSilenceAtMax) this.prevEnd = this.tempEnd;
+      if (silence >= this.minSilence) {
+        if (this.tempEnd - this.start > this.minSpeech) this.cut(this.tempEnd, events);
+        this.prevEnd = this.nextStart = this.tempEnd = 0;
+        this.triggered = false;
+        this.possibleEnds = [];
+      }
+    }
+    return this.settle(cur, processed, events);
+  }
+
+  /** End of audio at `total` samples: keeps an open segment long enough, and finishes the last one. */
+  finish(total: number): TaskEvent[] {
+    const events: TaskEvent[] = [];
+    if (this.triggered && total - this.start > this.minSpeech) this.cut(total, events);
+    this.triggered = false;
+    if (this.closed) events.push(this.finishClosed(null, total));
+    return events;
+  }
+
+  /** A new current segment starts at `start` (not yet certain to be kept). */
+  private begin(start: number): void {
+    this.start = start;
+    this.started = false;
+    const drop = start / SILERO.WINDOW - this.probsBase;
+    if (drop > 0) this.probs.splice(0, drop);
+    this.probsBase = start / SILERO.WINDOW;
+  }
+
+  /** The current segment is certain to be kept: the one before it is finished, and speech_start sent. */
+  private confirm(events: TaskEvent[]): void {
+    if (this.closed) events.push(this.finishClosed(this.start - this.closed.end, Infinity));
+    const gap = this.lastEnd === null ? Infinity : this.start - this.lastEnd;
+    this.startPadded = gap < 2 * this.pad ? this.start - Math.floor(gap / 2) : Math.max(0, this.start - this.pad);
+    this.started = true;
+    events.push({ type: 'speech_start', at_ms: msOf(this.startPadded) });
+  }
+
+  /** Keeps the current segment, ending at `end` (unpadded); it finishes once its end padding is known. */
+  private cut(end: number, events: TaskEvent[]): void {
+    if (!this.started) this.confirm(events);
+    const windows = Math.max(1, Math.ceil((end - this.start) / SILERO.WINDOW));
+    const used = this.probs.slice(this.start / SILERO.WINDOW - this.probsBase).slice(0, windows);
+    const confidence = Math.round((used.reduce((a, b) => a + b, 0) / used.length) * 1000) / 1000;
+    this.closed = { start_sample: this.startPadded, end, confidence };
+    this.lastEnd = end;
+    this.started = false;
+  }
+
+  /** Emits what is due after a window: a speech_start now certain, a closed segment whose padding is now known. */
+  private settle(cur: number, processed: number, events: TaskEvent[]): TaskEvent[] {
+    if (this.triggered && !this.started && (this.tempEnd || cur) - this.start > this.minSpeech) this.confirm(events);
+    // The earliest start a later kept segment can have: the current (unconfirmed) one's, else past what was processed.
+    if (this.closed && (this.triggered ? this.start : processed) - this.closed.end >= 2 * this.pad) events.push(this.finishClosed(null, Infinity));
+    if (!this.triggered) {
+      this.probs.length = 0;
+      this.probsBase = this.index;
     }
     return events;
   }
 
-  /** End of audio at `total` samples: closes an open segment long enough to keep. */
-  finish(total: number): TaskEvent[] {
-    if (!this.triggered || total - this.start <= this.minSpeech) return [];
-    const events: TaskEvent[] = [];
-    if (!this.started) events.push({ type: 'speech_start', at_ms: msOf(this.paddedStart()) });
-    this.triggered = false;
-    return [...events, ...this.close(total, total)];
-  }
-
-  private close(end: number, limit: number): TaskEvent[] {
-    const windows = Math.max(1, Math.ceil((end - this.start) / SILERO.WINDOW));
-    const used = this.probs.slice(0, windows);
-    const confidence = Math.round((used.reduce((a, b) => a + b, 0) / used.length) * 1000) / 1000;
-    const seg: Segment = {
-      start_sample: this.paddedStart(),
-      end_sample: Math.min(end + this.pad, limit),
-      start_ms: 0,
-      end_ms: 0,
-      confidence,
-    };
-    seg.start_ms = msOf(seg.start_sample);
-    seg.end_ms = msOf(seg.end_sample);
-    this.prevEnd = seg.end_sample;
+  /** Finishes the closed segment: end padded by half of `gap` to the next segment when under 2 x pad, else by pad (at most `limit`). */
+  private finishClosed(gap: number | null, limit: number): TaskEvent {
+    const c = this.closed!;
+    this.closed = null;
+    const end = gap !== null && gap < 2 * this.pad ? c.end + Math.floor(gap / 2) : Math.min(limit, c.end + this.pad);
+    const seg: Segment = { start_sample: c.start_sample, end_sample: end, start_ms: msOf(c.start_sample), end_ms: msOf(end), confidence: c.confidence };
     if (this.keep) this.segments.push(seg);
-    return [{ type: 'speech_end', start_ms: seg.start_ms, end_ms: seg.end_ms, confidence }];
+    return { type: 'speech_end', start_ms: seg.start_ms, end_ms: seg.end_ms, confidence: c.confidence };
   }
 }
+
+/**
+ * A stream's opt-in speech probabilities: one `probability` event per 32 ms window
+ * (`intervalMs` 0), or one per `intervalMs` span of stream time carrying the windows that start
+ * in it (`p` a list). Values are the model's, rounded to 1e-6.
+ */
+export interface ProbabilityStream {
+  intervalMs: number;
+}
+
+const WINDOW_MS = (SILERO.WINDOW * 1000) / RATE;
 
 /** A VAD request or stream: 512-sample windows through Silero, segmented by {@link VadSegmenter}. */
 export class VadSession extends WindowedSession {
@@ -121,8 +217,22 @@ export class VadSession extends WindowedSession {
   private context: Float32Array = new Float32Array(SILERO.CONTEXT);
   private processed = 0;
 
-  /** @param keepResults whether the segmenter keeps its segments (see {@link VadSegmenter}). */
-  constructor(_info: SlotInfo, options: VadOptions, keepResults = true) {
+  /** Windows whose probabilities have been accepted. */
+  private windows = 0;
+  /** The current span's probabilities (with `probabilities.intervalMs`), and its first window. */
+  private span: number[] = [];
+  private spanStart = 0;
+
+  /**
+   * @param keepResults whether the segmenter keeps its segments (see {@link VadSegmenter}).
+   * @param probabilities whether (and how) `probability` events are emitted; absent: never.
+   */
+  constructor(
+    _info: SlotInfo,
+    options: VadOptions,
+    keepResults = true,
+    private readonly probabilities?: ProbabilityStream,
+  ) {
     super(SILERO.WINDOW);
     this.segmenter = new VadSegmenter(options, keepResults);
   }
@@ -132,7 +242,26 @@ export class VadSession extends WindowedSession {
   }
 
   protected override closing(): TaskEvent[] {
-    return this.segmenter.finish(this.received);
+    return [...this.flushSpan(), ...this.segmenter.finish(this.received)];
+  }
+
+  /** The `probability` events due for the window just accepted, whose probability is `p`. */
+  private probability(p: number): TaskEvent[] {
+    const at = this.windows * WINDOW_MS;
+    const value = Math.round(p * 1e6) / 1e6;
+    if (!this.probabilities!.intervalMs) return [{ type: 'probability', at_ms: at, p: value }];
+    if (!this.span.length) this.spanStart = at;
+    this.span.push(value);
+    // The span is complete once the next window starts in the next one.
+    const interval = this.probabilities!.intervalMs;
+    return Math.floor((at + WINDOW_MS) / interval) > Math.floor(at / interval) ? this.flushSpan() : [];
+  }
+
+  private flushSpan(): TaskEvent[] {
+    if (!this.span.length) return [];
+    const e: TaskEvent = { type: 'probability', at_ms: this.spanStart, p: this.span };
+    this.span = [];
+    return [e];
   }
 
   nextJob(maxSteps: number): Job | null {
@@ -148,6 +277,8 @@ export class VadSession extends WindowedSession {
     const events: TaskEvent[] = [];
     for (const p of r.probs) {
       this.processed = Math.min(this.processed + SILERO.WINDOW, this.received);
+      if (this.probabilities) events.push(...this.probability(p));
+      this.windows++;
       events.push(...this.segmenter.push(p, this.processed));
     }
     if (this.finished) events.push(...this.closing());

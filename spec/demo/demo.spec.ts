@@ -90,6 +90,8 @@ describe('/demo in headless Chromium with a fake microphone', () => {
       await expect.poll(async () => (await durations()).some((d) => Math.abs(d - 2972) <= 300), { timeout: 30_000, interval: 250 }).toBe(true);
       expect(await page.locator('#events li[data-type="detection"]').count()).toBe(0);
       expect(errors).toEqual([]);
+      // The VAD lane draws its speech-probability curve: the stream sends probabilities (at least a window per 32 ms of the segment).
+      expect(Number(await page.locator('#timeline').getAttribute('data-probability-windows'))).toBeGreaterThan(2972 / 32);
       mkdirSync('spec/artifacts', { recursive: true });
       await page.screenshot({ path: 'spec/artifacts/demo-speech.png', fullPage: true });
       await page.click('#stop');

@@ -164,7 +164,7 @@ describe('task options as query parameters', () => {
   it('the WebSocket handshake: an unknown parameter -> 400 naming it; options apply to the stream', async () => {
     const typo = await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&samplerate=8000`);
     expect(typo.status).toBe(400);
-    expect(JSON.parse(typo.body).error.message).toMatch(/^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, threshold/);
+    expect(JSON.parse(typo.body).error.message).toMatch(/^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, threshold/);
     expect((await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&sample_rate=16000&threshold=0.7`)).status).toBe(101);
     const events = await streamEvents('model=silero-vad&threshold=0.99&min_speech_duration_ms=5000', sentence);
     expect(events.map((e) => e.type)).toEqual(['ready', 'done']);

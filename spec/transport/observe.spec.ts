@@ -124,8 +124,8 @@ describe('observability', () => {
       await fetch(`${s.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'stately', task: 'vad', path: silero }) });
       const deadline = Date.now() + 5000;
       const values = () => got.filter((g) => g.type === '@xstate.snapshot').map((g) => statePath(g.snapshot?.value));
-      while (!values().includes('resident.ready.idle.forever') && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
-      expect(values()).toEqual(expect.arrayContaining(['running', 'resident.loading.queued', 'resident.loading.building', 'resident.ready.idle.forever']));
+      while (!values().includes('resident.ready.idle.keepAliveOff') && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+      expect(values()).toEqual(expect.arrayContaining(['running', 'resident.loading.queued', 'resident.loading.building', 'resident.ready.idle.keepAliveOff']));
     } finally {
       await s.close();
       relay.close();

@@ -90,7 +90,15 @@ class Client {
 let server: VoxServer;
 let port: number;
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0 }, limits: { ws_max_frame_bytes: 64 * 1024, max_header_bytes: 4096 } }));
+  server = await startServer(
+    ServerConfig.parse({
+      log_level: 'silent',
+      port: 0,
+      wyoming: { enabled: true, port: 0 },
+      limits: { ws_max_frame_bytes: 64 * 1024, max_header_bytes: 4096 },
+      models: [{ id: 'house', task: 'wakeword', heads: ['alexa', 'hey-jarvis', 'hey-rhasspy'] }],
+    }),
+  );
   port = server.wyoming!.port;
   await until(async () => (await fetch(`${server.url}/ready`)).status === 200, 10_000);
 });
@@ -104,13 +112,15 @@ const leases = async (): Promise<number> => {
 };
 
 describe('Wyoming', () => {
-  it('describe -> info lists every wake word with its phrase, languages, attribution and licence', async () => {
+  it('describe -> info lists every wake word, named and phrased as wyoming-openwakeword names its own, with languages, attribution and licence', async () => {
     const c = await Client.open(port);
     c.send('describe');
     const info = await c.next('info');
     const models = info.data.wake[0].models;
-    expect(models.map((m: { name: string }) => m.name)).toEqual(['alexa', 'hey-jarvis', 'hey-mycroft', 'hey-rhasspy', 'timer', 'weather']);
-    expect(models[1]).toMatchObject({ name: 'hey-jarvis', phrase: 'hey jarvis', languages: ['en'], installed: true, attribution: { url: 'https://github.com/dscripka/openWakeWord' } });
+    // wyoming-openwakeword 2.1.0 (handler.py _get_info): names are pyopen_wakeword's Model values
+    // (`hey_jarvis`), phrases its _get_phrase of them (`Hey Jarvis`), version "v0.1".
+    expect(models.map((m: { name: string }) => m.name)).toEqual(['alexa', 'hey_jarvis', 'hey_mycroft', 'hey_rhasspy', 'timer', 'weather']);
+    expect(models[1]).toMatchObject({ name: 'hey_jarvis', phrase: 'Hey Jarvis', version: 'v0.1', languages: ['en'], installed: true, attribution: { url: 'https://github.com/dscripka/openWakeWord' } });
     expect(models[1].description).toContain('CC BY-NC-SA 4.0');
     c.socket.end();
   });
@@ -126,7 +136,8 @@ describe('Wyoming', () => {
     expect(a.data.timestamp).toBeLessThan(2600);
     c.sendWav('espeak_hey_jarvis_22k.wav');
     await until(() => c.events.filter((e) => e.type === 'detection').length === 2, 20_000);
-    expect(c.events.filter((e) => e.type === 'detection').map((e) => e.data.name)).toEqual(['alexa', 'hey-jarvis']);
+    // Each detection carries the name detect asked by (wyoming-openwakeword's Detector.id).
+    expect(c.events.filter((e) => e.type === 'detection').map((e) => e.data.name)).toEqual(['alexa', 'hey_jarvis']);
     expect(c.events.some((e) => e.type === 'not-detected')).toBe(false);
     c.socket.end();
     await c.closed;
@@ -139,8 +150,23 @@ describe('Wyoming', () => {
     await c.next('not-detected');
     expect(c.events.filter((e) => e.type === 'detection')).toEqual([]);
     c.sendWav('espeak_hey_jarvis_22k.wav');
-    expect((await c.next('detection')).data.name).toBe('hey-jarvis');
+    // Not asked by name: the name describe lists.
+    expect((await c.next('detection')).data.name).toBe('hey_jarvis');
     c.socket.end();
+  });
+
+  it('detect {names: ["house"]}: the configured group itself (no new model entry), its heads named as describe names them', async () => {
+    const idsNow = async (): Promise<string[]> => ((await (await fetch(`${server.url}/v1/models`)).json()).models as { id: string }[]).map((m) => m.id).sort();
+    const before = await idsNow();
+    const c = await Client.open(port);
+    c.send('detect', { names: ['house'] });
+    c.sendWav('espeak_hey_jarvis_22k.wav');
+    expect((await c.next('detection')).data.name).toBe('hey_jarvis');
+    c.socket.end();
+    await c.closed;
+    const house = await (await fetch(`${server.url}/v1/models/house`)).json();
+    expect(house).toMatchObject({ loaded: true });
+    expect(await idsNow()).toEqual(before);
   });
 
   it("a connection's steps count in the model's processing_lag_ms, as a WebSocket stream's do", async () => {
