@@ -3,6 +3,5 @@
  * client is `voxserve/client`.
  */
 export { startServer, type VoxServer, type ServerOptions } from './transport/server.js';
-export { loadServerConfig, ServerConfig, ModelConfig, type Limits } from './runtime/config.js';
-export { VoxError, type ErrorType } from './runtime/errors.js';
-export { defaultCatalog } from './runtime/catalog.js';
+export { defaultCatalog, loadServerConfig, ServerConfig, ModelConfig, type Limits } from './runtime/config.js';
+export { ERRORS, VoxError, voxError, type ErrorCode, type ErrorType, type WireError } from './runtime/errors.js';

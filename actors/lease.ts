@@ -1,4 +1,5 @@
 import { toVoxError, type VoxError } from '../runtime/errors.js';
+import { CLOSE } from '../runtime/wire.js';
 import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
 import type { ModelConfig } from '../runtime/config.js';
 import type { Metrics } from '../runtime/telemetry.js';
@@ -12,13 +13,7 @@ import type { ModelEntry } from './model.js';
  * their framing and the events they send out.
  */
 
-/** WebSocket close codes (DESIGN.md section 4). */
-export const CLOSE = { NORMAL: 1000, GOING_AWAY: 1001, POLICY: 1008, TOO_LARGE: 1009, INTERNAL: 1011, FORCE_UNLOAD: 1012, BUSY: 1013 } as const;
-
-/** The close code for a stream that fails with `err`: the client's mistake 1008, busy 1013, else 1011. */
-export function closeCodeFor(err: VoxError): number {
-  return err.type === 'invalid_request_error' || err.type === 'not_found' ? CLOSE.POLICY : err.status === 503 ? CLOSE.BUSY : CLOSE.INTERNAL;
-}
+export { CLOSE } from '../runtime/wire.js';
 
 /** The close code for a stream whose lease was revoked: 1001 at shutdown, else 1012 (a forced unload). */
 export function revokeCloseCode(err: VoxError): number {

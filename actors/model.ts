@@ -2,7 +2,7 @@ import { and, assign, createActor, emit, enqueueActions, fromCallback, not, rais
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { Batcher, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
-import { VoxError } from '../runtime/errors.js';
+import { fromWire, voxError, VoxError, type WireError } from '../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
 import { createLogger, type Metrics } from '../runtime/telemetry.js';
 import type { Logger } from 'pino';
@@ -105,7 +105,7 @@ const errorMessage = (e: unknown): string => (e instanceof Error ? e.message : S
 const refused = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
 /** What the `residency` actor receives: `CLOSE` from the chart, the gate's answer from the supervisor. */
-export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
+export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: WireError };
 
 /** Input of the `residency` actor: the config to load and the chart's dependencies. */
 export interface ResidencyInput {
@@ -143,7 +143,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(({ input: { confi
   const local = async (): Promise<LoadedModel> => {
     if (gate) {
       const needed_bytes = await deps.footprint(config);
-      if (stopped) throw new VoxError('shutting_down', 'the model entry stopped');
+      if (stopped) throw voxError('model_stopped', {});
       const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
       atGate = true;
       gate.send({ type: 'LOAD_REQUESTED', id: config.id, needed_bytes, timeout_ms: deps.busyTimeoutMs(), replyTo: self });
@@ -178,7 +178,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(({ input: { confi
     if (e.type === 'LOAD_GRANTED') return answer?.granted();
     if (e.type === 'LOAD_REFUSED') {
       atGate = false;
-      return answer?.refused(new VoxError(e.error.type, e.error.message, { retryAfterS: e.error.type === 'server_busy' ? 1 : 5 }));
+      return answer?.refused(fromWire(e.error));
     }
     close().then(
       () => sendBack({ type: 'CLOSED' }),
@@ -189,7 +189,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(({ input: { confi
     stopped = true;
     abandon.abort();
     leaveGate();
-    answer?.refused(new VoxError('shutting_down', 'the model entry stopped'));
+    answer?.refused(voxError('model_stopped', {}));
     void close().catch(() => {});
   };
 });
@@ -305,7 +305,7 @@ export const modelMachine = setup({
                   guard: 'loadTimeoutOn',
                   target: '#model.unloaded',
                   actions: assign(({ context }) => {
-                    const error = new VoxError('server_error', `loading took longer than load_timeout_ms (${context.config.load_timeout_ms ?? context.serverLoadTimeoutMs} ms); the load was abandoned`);
+                    const error = voxError('load_timeout', { ms: context.config.load_timeout_ms ?? context.serverLoadTimeoutMs });
                     return { failure: error, lastError: error.message };
                   }),
                 },
@@ -645,7 +645,7 @@ export class ModelEntry {
   async admit(opts: { requestTimeoutMs?: number; signal?: AbortSignal; onRevoke?: (reason: Error) => void }): Promise<Lease> {
     const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
     if (this.stuck()) {
-      throw new VoxError('server_busy', `model ${this.id} is stuck: its work has run longer than the busy timeout of ${this.busyTimeoutMs} ms`, { retryAfterS: 5 });
+      throw voxError('model_stuck', { id: this.id, ms: this.busyTimeoutMs });
     }
     const lease = await this.admission.acquire({ timeoutMs, signal: opts.signal, onRevoke: opts.onRevoke });
     this.touch();
@@ -671,7 +671,7 @@ export class ModelEntry {
         if (state !== 'unloaded') return; // loading, unloading or reconfiguring: the next `ready` / `unloaded` answers
         if (asked) {
           const f = s.context.failure;
-          return finish(() => reject(refused(f) ? f : new VoxError('server_error', `model ${this.id} failed to load: ${errorMessage(f)}`)));
+          return finish(() => reject(refused(f) ? f : voxError('load_failed', { id: this.id, reason: errorMessage(f) })));
         }
         asked = true;
         this.actor.send({ type: 'LOAD' });
@@ -712,7 +712,7 @@ export class ModelEntry {
       for (const s of subs) s.unsubscribe();
       answer();
     };
-    const gone = (): void => stopped(new VoxError('shutting_down', `model ${this.id} stopped`, { retryAfterS: 5 }));
+    const gone = (): void => stopped(voxError('model_stopped', { id: this.id }));
     if (this.actor.getSnapshot().status !== 'active') queueMicrotask(gone);
     else subs.push(this.actor.subscribe({ complete: gone, error: gone }));
     return done;
@@ -781,7 +781,7 @@ export class ModelEntry {
    * model unloads; running inferences are abandoned with their slots.
    */
   async forceUnload(): Promise<void> {
-    this.admission.revokeAll(new VoxError('server_busy', `model ${this.id} was unloaded (force)`, { retryAfterS: 1 }));
+    this.admission.revokeAll(voxError('model_unloaded', { id: this.id }));
     await this.unload(0);
   }
 

@@ -2,12 +2,12 @@ import { randomUUID } from 'node:crypto';
 import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, stateIn, type Actor, type InspectionEvent } from 'xstate';
 import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
-import { invalid, toVoxError, type VoxError } from '../runtime/errors.js';
+import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createTaskSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
-import { CLOSE, closeCodeFor, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
+import { CLOSE, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
 
-export { CLOSE, closeCodeFor } from './lease.js';
+export { CLOSE } from './lease.js';
 
 /** What a stream asks for in its query string. */
 export interface StreamParams {
@@ -37,7 +37,7 @@ function intParam(url: URL, name: string, dflt: number | undefined, min: number,
   const raw = url.searchParams.get(name);
   if (raw === null) return dflt;
   const n = Number(raw);
-  if (!/^\d{1,10}$/.test(raw) || n < min || n > max) throw invalid(`${name}: must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
+  if (!/^\d{1,10}$/.test(raw) || n < min || n > max) throw invalid(name, `must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
   return n;
 }
 
@@ -48,11 +48,11 @@ function intParam(url: URL, name: string, dflt: number | undefined, min: number,
 export function parseStreamParams(url: URL): StreamParams {
   const options = queryOptions(url.searchParams, STREAM_QUERY);
   const model = url.searchParams.get('model');
-  if (!model) throw invalid('model: required query parameter');
+  if (!model) throw invalid('model', 'required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
-  if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid(`encoding: must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
+  if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid('encoding', `must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
   const probabilities = url.searchParams.get('probabilities');
-  if (probabilities !== null && probabilities !== 'true' && probabilities !== 'false') throw invalid(`probabilities: must be true or false, got '${probabilities.slice(0, 32)}'`);
+  if (probabilities !== null && probabilities !== 'true' && probabilities !== 'false') throw invalid('probabilities', `must be true or false, got '${probabilities.slice(0, 32)}'`);
   // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
   const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
   return {
@@ -213,7 +213,7 @@ export class StreamChannel {
 export type StreamInput =
   | { type: 'END' }
   /** A text frame that is not `{"type":"end"}`: answered with an `error` event, the stream goes on. */
-  | { type: 'BAD_CONTROL'; message: string }
+  | { type: 'BAD_CONTROL'; error: WireError }
   | { type: 'PONG' }
   /** The client leaves more than `ws_max_buffered_bytes` unread. */
   | { type: 'SEND_BLOCKED' }
@@ -236,9 +236,13 @@ export type WorkEvent =
   | { type: 'PAUSE' }
   | { type: 'RESUME' }
   | { type: 'DONE'; processed_ms: number; timing: Record<string, number> }
-  | { type: 'FAILED'; error: { type: string; message: string }; code: number };
+  | { type: 'FAILED'; error: WireError; code: number };
 
-type CutEvent = { type: 'CUT'; code: number; reason: string; notify: boolean };
+/** Closes the stream with `code` and `reason`; with `error`, an `error` event first tells the client why. */
+type CutEvent = { type: 'CUT'; code: number; reason: string; error?: WireError };
+
+/** A cut that tells the client why: the error's event, then its close code. */
+const cutFor = (e: VoxError): CutEvent => ({ type: 'CUT', code: e.closeCode, reason: e.message, error: e.toWire() });
 
 /** What a stream socket actor emits for the transport to write: events into bytes. */
 export type StreamOutput =
@@ -310,7 +314,7 @@ function closeReason(text: string): string {
   return `${cut}...`;
 }
 
-const errorEvent = (type: string, message: string): WireEvent => ({ type: 'error', error: { type, message } });
+const errorEvent = (error: WireError): WireEvent => ({ type: 'error', error });
 
 /**
  * The `work` actor of a stream: it owns the live resources (the lease, the PCM decoder, the task
@@ -344,7 +348,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
   const fail = (e: unknown): void => {
     if (gone()) return;
     const err = toVoxError(e);
-    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
+    send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
   };
   const pause = (): void => {
     if (!paused) send({ type: 'PAUSE' });
@@ -422,7 +426,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
       if (e.type === 'LEASE_GRANTED') start(params, e.granted).catch(fail);
       else if (e.type === 'LEASE_REFUSED') fail(e.error);
-      else if (!stopped) send({ type: 'FAILED', error: { type: e.error.type, message: e.error.message }, code: e.code });
+      else if (!stopped) send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
     });
   } catch (e) {
     // Answered after the chart has started (a bad query or an unknown model).
@@ -556,32 +560,32 @@ export const streamSocketMachine = setup({
       invoke: { id: 'work', src: 'work', input: ({ context }) => ({ id: context.id }) },
       // The lease is released as `work` stops; the transport hears `released`.
       exit: ['log', emit({ type: 'released' })],
-      after: { total: { guard: 'totalOn', actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `stream exceeded limits.total_ms (${context.limits.total_ms} ms)`, notify: true }) as CutEvent) } },
+      after: { total: { guard: 'totalOn', actions: raise(({ context }) => cutFor(voxError('stream_too_long', { totalMs: context.limits.total_ms }))) } },
       on: {
-        BAD_CONTROL: { actions: emit(({ event }) => ({ type: 'send', event: errorEvent('invalid_request_error', event.message) }) as StreamOutput) },
+        BAD_CONTROL: { actions: emit(({ event }) => ({ type: 'send', event: errorEvent(event.error) }) as StreamOutput) },
         PONG: { actions: assign({ alive: true }) },
         SEND_BLOCKED: [
           // The client may be blocked sending what the server does not read: the server gives up, and says so.
           {
             guard: 'readingPaused',
-            actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `server is behind: events unsent over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes}) while it paused reading`, notify: true }) as CutEvent),
+            actions: raise(({ context }) => cutFor(voxError('server_behind', { maxBytes: context.limits.ws_max_buffered_bytes }))),
           },
-          { actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`, notify: true }) as CutEvent) },
+          { actions: raise(({ context }) => cutFor(voxError('client_not_reading', { detail: `over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})` }))) },
         ],
         // Stop reading a flooding client at once: the rest of its flood is not parsed (nor its close frame: `closing` ends at closeGrace).
         FLOODED: {
           actions: [
-            raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `too many messages: over limits.ws_max_messages_per_s (${context.limits.ws_max_messages_per_s})`, notify: true }) as CutEvent),
+            raise(({ context }) => cutFor(voxError('stream_flooded', { perS: context.limits.ws_max_messages_per_s }))),
             emit({ type: 'pause' }),
           ],
         },
-        GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason, notify: false }) as CutEvent) },
+        GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason }) as CutEvent) },
         CUT: {
           target: 'closing',
           actions: [
             assign({ code: ({ event }) => event.code, cutReason: ({ event }) => event.reason }),
             enqueueActions(({ enqueue, event }) => {
-              if (event.notify) enqueue.emit({ type: 'send', event: errorEvent(event.code === CLOSE.BUSY ? 'server_busy' : 'invalid_request_error', event.reason) });
+              if (event.error) enqueue.emit({ type: 'send', event: errorEvent(event.error) });
               enqueue.emit({ type: 'close', code: event.code, reason: closeReason(event.reason) });
             }),
           ],
@@ -590,7 +594,7 @@ export const streamSocketMachine = setup({
           target: 'closing',
           actions: [
             assign({ code: ({ event }) => event.code }),
-            emit(({ event }) => ({ type: 'send', event: errorEvent(event.error.type, event.error.message) }) as StreamOutput),
+            emit(({ event }) => ({ type: 'send', event: errorEvent(event.error) }) as StreamOutput),
             emit(({ event }) => ({ type: 'close', code: event.code, reason: closeReason(event.error.message) }) as StreamOutput),
           ],
         },
@@ -608,7 +612,7 @@ export const streamSocketMachine = setup({
                 ],
                 // The client may end before it is ready; `work` keeps it for later.
                 END: { actions: [assign({ ended: true }), sendTo('work', { type: 'END' })] },
-                DRAIN: { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'server shutting down', notify: false } as CutEvent) },
+                DRAIN: { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'server shutting down' } as CutEvent) },
               },
             },
             streaming: {
@@ -664,7 +668,7 @@ export const streamSocketMachine = setup({
                   { guard: 'endedEarly', target: 'off' },
                   {
                     guard: 'idleExpired',
-                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.POLICY, reason: `no message for limits.idle_ms (${context.limits.idle_ms} ms)`, notify: true }) as CutEvent),
+                    actions: raise(({ context }) => cutFor(voxError('stream_idle', { idleMs: context.limits.idle_ms }))),
                   },
                   { target: 'watching', actions: assign({ idleLeftMs: ({ context, event }) => Math.max(1, context.limits.idle_ms - event.silentMs) }) },
                 ],
@@ -686,7 +690,7 @@ export const streamSocketMachine = setup({
               after: {
                 settle: [
                   { guard: 'alive', target: 'waiting', actions: [assign({ alive: false }), emit({ type: 'ping' })] },
-                  { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'no pong: peer is gone', notify: false } as CutEvent) },
+                  { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'no pong: peer is gone' } as CutEvent) },
                 ],
               },
               on: { PAUSE: 'suspended' },
@@ -714,7 +718,7 @@ export const streamSocketMachine = setup({
                 SEND_REPORT: [
                   {
                     guard: 'sendExpired',
-                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)`, notify: false }) as CutEvent),
+                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)` }) as CutEvent),
                   },
                   { target: 'watching', actions: assign({ sendLeftMs: ({ context, event }) => Math.max(1, context.limits.send_timeout_ms - event.waitingMs) }) },
                 ],

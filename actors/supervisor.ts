@@ -1,9 +1,9 @@
 import { stat } from 'node:fs/promises';
 import { assign, createActor, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
 import type { Lease } from '../runtime/admission.js';
-import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
-import { ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
-import { invalid, VoxError } from '../runtime/errors.js';
+import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
+import { defaultCatalog, ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
+import { invalid, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createLoader, modelFileProblem, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
@@ -67,7 +67,7 @@ export type SupervisorEvent =
   | EvictReply;
 
 /** Replies of the gate to a `LOAD_REQUESTED`. */
-export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: { type: 'server_busy' | 'insufficient_memory'; message: string } };
+export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error: WireError };
 
 export interface SupervisorContext {
   /** The live dependencies it was created with. */
@@ -137,16 +137,10 @@ export const supervisorMachine = setup({
         const { current, room } = context;
         return {
           type: 'LOAD_REFUSED',
-          error:
-            params.why === 'room'
-              ? {
-                  type: 'server_busy',
-                  message: `cannot load ${current!.id}: max_loaded_models (${room?.max_loaded}) reached and no model became idle to evict within the busy timeout (${current!.timeout_ms} ms); resident: ${room?.resident.join(', ') || 'none'}`,
-                }
-              : {
-                  type: 'insufficient_memory',
-                  message: `cannot load ${current!.id}: needs about ${mib(room!.needed_bytes)} plus ${mib(room!.headroom_bytes)} of headroom (min_free_memory_mb), but only ${mib(room!.free_bytes ?? 0)} is available`,
-                },
+          error: (params.why === 'room'
+            ? voxError('no_room', { id: current!.id, maxLoaded: room?.max_loaded, timeoutMs: current!.timeout_ms, resident: room?.resident ?? [] })
+            : voxError('insufficient_memory', { id: current!.id, needed: mib(room!.needed_bytes), headroom: mib(room!.headroom_bytes), free: mib(room!.free_bytes ?? 0) })
+          ).toWire(),
         };
       },
     ),
@@ -280,7 +274,7 @@ export interface SupervisorOptions {
  * runs. Its methods send events to the charts and wait for their answers.
  */
 export class Supervisor {
-  /** The system root: `starting -> running -> draining -> stopped`; emits `drain`. */
+  /** The system root: `starting -> running -> draining -> closing -> stopped`; emits `drain`, `linger`, `cut`. */
   readonly root: Actor<typeof systemMachine>;
   /** The supervisor chart (the root's child, `systemId` `supervisor`). */
   readonly actor: ActorRefFrom<typeof supervisorMachine>;
@@ -312,17 +306,10 @@ export class Supervisor {
     this.place = options.place;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     // A configured group naming an unknown head stops the server at start, not at first use.
-    for (const [i, m] of config.models.entries()) {
-      try {
-        this.resolveHeads(m);
-      } catch (e) {
-        // Said before the server listens: name the config field and the models it knows, not a route.
-        const known = [...this.catalog.values()].filter((c) => c.task === 'wakeword' && !c.heads).map((c) => c.id);
-        throw new VoxError((e as VoxError).type ?? 'invalid_request_error', `models.${i}.${(e as Error).message.replace(/; GET \/v1\/models lists the models$/, '')}; the wake-word models this server knows: ${known.join(', ')}`);
-      }
-    }
+    // Said before the server listens: the error names the config field and the wake words it knows, not a route.
+    for (const [i, m] of config.models.entries()) this.resolveHeads(m, `models.${i}.`);
     const supervisor: SupervisorInput = { guarded: this.guarded, measure: (target, refused) => this.measureRoom(target, refused) };
-    this.root = createActor(systemMachine.provide({ actors: { supervisor: supervisorMachine } }), { input: { supervisor }, inspect: options.inspect, id: 'system' });
+    this.root = createActor(systemMachine.provide({ actors: { supervisor: supervisorMachine }, delays: { drainTimeout: config.drain_timeout_ms } }), { input: { supervisor }, inspect: options.inspect, id: 'system' });
     // Every chart handles its own errors; the error observer keeps one from crashing the process.
     this.root.subscribe({ error: (e) => this.log.error({ err: e }, 'actor system error') });
     this.root.start();
@@ -460,9 +447,10 @@ export class Supervisor {
     return this.root.getSnapshot().value === 'running';
   }
 
-  /** The root's state: `starting`, `running`, `draining` or `stopped`. */
+  /** The root's state: `starting`, `running`, `draining`, `closing` or `stopped`. */
   get phase(): string {
-    return this.root.getSnapshot().value as string;
+    const value = this.root.getSnapshot().value;
+    return typeof value === 'string' ? value : Object.keys(value)[0];
   }
 
   /**
@@ -472,8 +460,8 @@ export class Supervisor {
    */
   notAccepting(): VoxError {
     return this.phase === 'starting'
-      ? new VoxError('server_busy', 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work', { retryAfterS: 1 })
-      : new VoxError('shutting_down', 'the server is shutting down', { retryAfterS: 5 });
+      ? voxError('server_starting')
+      : voxError('shutting_down');
   }
 
   /**
@@ -504,10 +492,10 @@ export class Supervisor {
    * The config of a single wake-word model that a group names as a head.
    * @throws VoxError `not_found` (unknown), `invalid_request_error` (not a wake-word model, or itself a group).
    */
-  private headModel(name: string, field: string): ModelConfig {
+  private headModel(name: string, field: string, atStart = false): ModelConfig {
     const ref = this.entries.get(name)?.config ?? this.catalog.get(name);
-    if (!ref) throw new VoxError('not_found', `${field}: wake-word model '${name.slice(0, 128)}' does not exist${this.didYouMean(name, 'wakeword')}; GET /v1/models lists the models`);
-    if (ref.task !== 'wakeword' || ref.heads) throw invalid(`${field}: '${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`);
+    if (!ref) throw voxError('model_not_found', { id: name, field, kind: 'wake-word', hint: this.modelHint(name, 'wakeword', atStart) });
+    if (ref.task !== 'wakeword' || ref.heads) throw invalid(field, `'${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`);
     return ref;
   }
 
@@ -515,13 +503,14 @@ export class Supervisor {
    * Fills in a wake-word group's heads from the models they name: each head's file, and its
    * threshold and refractory period where the head does not set them (the named model's own
    * options, else the group's). Paths given by a client are replaced.
-   * @throws VoxError as {@link headModel}, naming `heads.<i>`.
+   * @param at prefix of the field named in errors: `models.<i>.` for a config file's model, checked at start.
+   * @throws VoxError as {@link headModel}, naming `<at>heads.<i>`.
    */
-  private readonly resolveHeads = (config: ModelConfig): ModelConfig => {
+  private readonly resolveHeads = (config: ModelConfig, at = ''): ModelConfig => {
     if (!config.heads) return config;
     const heads = config.heads.map((h, i) => {
       const head = typeof h === 'string' ? { model: h } : h;
-      const ref = this.headModel(head.model, `heads.${i}`);
+      const ref = this.headModel(head.model, `${at}heads.${i}`, at !== '');
       const own = ref.options as { threshold?: unknown; refractory_ms?: unknown };
       return {
         model: head.model,
@@ -530,8 +519,8 @@ export class Supervisor {
         refractory_ms: head.refractory_ms ?? (typeof own.refractory_ms === 'number' ? own.refractory_ms : undefined),
       };
     });
-    if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid('heads: a model is named twice');
-    const licences = [...new Set(heads.map((h) => this.headModel(h.model, 'heads').licence ?? 'not given'))];
+    if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid(`${at}heads`, 'a model is named twice');
+    const licences = [...new Set(heads.map((h) => this.headModel(h.model, `${at}heads`).licence ?? 'not given'))];
     return { ...config, heads, licence: config.licence ?? licences.join('; ') };
   };
 
@@ -545,16 +534,22 @@ export class Supervisor {
     return e;
   }
 
-  /** The 404 for a model id this server does not know, with the ids it probably meant ({@link similarIds}). */
+  /** The 404 (`model_not_found`) for a model id this server does not know, with the ids it probably meant ({@link similarIds}). */
   unknownModel(id: string): VoxError {
-    return new VoxError('not_found', `model '${id.length > 128 ? `${id.slice(0, 128)}...` : id}' does not exist${this.didYouMean(id)}; GET /v1/models lists the models`);
+    return voxError('model_not_found', { id, hint: this.modelHint(id) });
   }
 
-  /** ` (did you mean 'a' or 'b'?)` for the known model ids (of `task`, if given) close to `id`, else ''. */
-  private didYouMean(id: string, task?: string): string {
-    const known = [...new Set([...this.catalog.values(), ...[...this.entries.values()].map((e) => e.config)].filter((c) => !task || (c.task === task && !c.heads)).map((c) => c.id))];
+  /**
+   * The advice of a `model_not_found`: `did you mean 'a' or 'b'? ` for the known model ids (single
+   * wake-word models for `task` 'wakeword') close to `id`, then where to find the ids: the route
+   * listing them, or (`atStart`, a config checked before the server listens) the wake words themselves.
+   */
+  private modelHint(id: string, task?: 'wakeword', atStart = false): string {
+    const configs = [...this.catalog.values(), ...[...this.entries.values()].map((e) => e.config)];
+    const known = [...new Set(configs.filter((c) => !task || (c.task === task && !c.heads)).map((c) => c.id))];
     const similar = similarIds(id, known);
-    return similar.length ? ` (did you mean ${similar.map((s) => `'${s}'`).join(' or ')}?)` : '';
+    const mean = similar.length ? `did you mean ${similar.map((s) => `'${s}'`).join(' or ')}? ` : '';
+    return `${mean}${atStart ? `the wake-word models this server knows: ${known.join(', ')}` : 'GET /v1/models lists the models'}`;
   }
 
   /** Registers `config` (`REGISTER`: the supervisor spawns its chart as `model:<id>`) and publishes the entry. */
@@ -627,7 +622,7 @@ export class Supervisor {
     const busy = entries.filter((_, i) => results[i].status === 'rejected').map((e) => e.id);
     const unloaded = unique.filter((id) => !not_found.includes(id) && !busy.includes(id));
     if (busy.length) {
-      throw new VoxError('server_busy', `could not unload ${busy.join(', ')} within the busy timeout; unloaded: ${unloaded.join(', ') || 'none'}`, { retryAfterS: 1 });
+      throw voxError('unload_timeout', { busy, unloaded });
     }
     return { unloaded, not_found };
   }

@@ -2,9 +2,9 @@ import { fromCallback, type InspectionEvent } from 'xstate';
 import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
 import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
 import type { Limits, ModelConfig } from '../runtime/config.js';
-import { invalid, toVoxError, VoxError } from '../runtime/errors.js';
+import { invalid, toVoxError, voxError } from '../runtime/errors.js';
 import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
-import { closeCodeFor, JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
+import { JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
 import { createStreamSocket, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
 import type { Supervisor } from './supervisor.js';
 
@@ -78,7 +78,7 @@ function wyomingPhrase(name: string): string {
  * @throws VoxError `not_found` naming an unknown name; `invalid_request_error` for a non-array or a second VAD model.
  */
 export function resolveNames(registry: Supervisor, names: unknown): { wake: string | null; vad: string | null; asked: Map<string, string> } {
-  if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string'))) throw invalid('detect.names: must be a list of strings');
+  if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string'))) throw invalid('detect.names', 'must be a list of strings');
   const wanted = (names as string[] | undefined | null) ?? [];
   const wake = new Set<string>();
   const asked = new Map<string, string>();
@@ -87,9 +87,9 @@ export function resolveNames(registry: Supervisor, names: unknown): { wake: stri
   for (const raw of wanted) {
     const id = registry.configOf(raw) ? raw : normalizeWakeName(raw);
     const config = registry.configOf(id);
-    if (!config) throw new VoxError('not_found', `detect.names: no model '${raw.slice(0, 128)}'; describe lists the wake words`);
+    if (!config) throw voxError('model_not_found', { id: raw, field: 'detect.names', hint: 'describe lists the wake words' });
     if (config.task === 'vad') {
-      if (vad && vad !== id) throw invalid('detect.names: at most one VAD model');
+      if (vad && vad !== id) throw invalid('detect.names', 'at most one VAD model');
       vad = id;
       continue;
     }
@@ -182,7 +182,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     if (stopped) return;
     const err = toVoxError(e);
     stopped = true;
-    send({ type: 'FAILED', error: { type: err.type, message: err.message }, code: closeCodeFor(err) });
+    send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
   };
   const setPaused = (p: boolean): void => {
     if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
@@ -213,7 +213,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       const { handle, granted } = leaseGranted(registry.require(mid), { metrics: registry.metrics }, (e) => {
         if (stopped) return;
         stopped = true;
-        send({ type: 'FAILED', error: { type: e.error.type, message: e.error.message }, code: e.code });
+        send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
       });
       const lane = { kind, lease: handle } as Lane;
       lanes.push(lane);
@@ -228,9 +228,9 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     if (audio) await stop(false);
     const { rate, width, channels } = data;
     for (const [k, v] of Object.entries({ rate, width, channels })) {
-      if (typeof v !== 'number' || !Number.isInteger(v)) throw invalid(`audio-start.${k}: required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
+      if (typeof v !== 'number' || !Number.isInteger(v)) throw invalid(`audio-start.${k}`, `required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
     }
-    if (width !== 2) throw invalid(`audio-start.width: only 2 (16-bit PCM) is supported, got ${width}`);
+    if (width !== 2) throw invalid('audio-start.width', `only 2 (16-bit PCM) is supported, got ${width}`);
     checkFormat(rate as number, channels as number);
     await admit();
     if (stopped) return;

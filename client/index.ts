@@ -17,46 +17,19 @@ import { createParser, type EventSourceMessage } from 'eventsource-parser';
 import { unpack } from 'msgpackr';
 // Type-only: erased from the emitted JavaScript, so the browser path imports no server code.
 import type { ModelStatus } from '../actors/model.js';
+import type { ErrorCode, WireError as ServerWireError } from '../runtime/errors.js';
 import type { Segment } from '../runtime/tasks/vad.js';
+// The wire constants the server uses too (a module with no imports: bundled for the browser as is).
+import { CLOSE, CLOSE_TYPE, KEY_PROTOCOL, SUBPROTOCOLS, typeOfStatus, type ErrorType } from '../runtime/wire.js';
 
-/** Error types of the wire interface (`{"error":{"type","message"}}`, stream `error` events). */
-export type WireErrorType =
-  | 'invalid_request_error'
-  | 'unauthorized'
-  | 'forbidden'
-  | 'not_found'
-  | 'payload_too_large'
-  | 'unsupported_media_type'
-  | 'server_busy'
-  | 'insufficient_memory'
-  | 'shutting_down'
-  | 'server_error';
+/** Error types of the wire interface (`{"error":{"type","code","message"}}`, stream `error` events). */
+export type WireErrorType = ErrorType;
+export type { ErrorCode };
+/** An error as the server sends it (`code` since 0.1: absent from older servers). */
+export type WireError = Omit<ServerWireError, 'code'> & { code?: ErrorCode };
 
 /** A wire error type, or `connection_error` when the server could not be reached or the connection dropped. */
 export type ClientErrorType = WireErrorType | 'connection_error';
-
-const STATUS_TYPE: Record<number, WireErrorType> = {
-  400: 'invalid_request_error',
-  401: 'unauthorized',
-  403: 'forbidden',
-  404: 'not_found',
-  413: 'payload_too_large',
-  415: 'unsupported_media_type',
-  500: 'server_error',
-  503: 'server_busy',
-};
-
-/** Close codes of `/v1/stream` and the error type each stands for when no `error` event preceded the close. */
-const CLOSE_TYPE: Record<number, ClientErrorType> = {
-  1001: 'shutting_down',
-  1006: 'connection_error',
-  1007: 'invalid_request_error',
-  1008: 'invalid_request_error',
-  1009: 'payload_too_large',
-  1011: 'server_error',
-  1012: 'server_error',
-  1013: 'server_busy',
-};
 
 /**
  * Every failure the client reports. `type` is the wire error type (from the error body, the
@@ -70,8 +43,12 @@ export class VoxClientError extends Error {
   readonly closeCode?: number;
   /** `Retry-After` of a 503, s. */
   readonly retryAfterS?: number;
-  /** The system error code of a connection failure (`ECONNREFUSED`, ...) when the platform tells it (Node). */
-  readonly code?: string;
+  /**
+   * A stable code: the server's error code (docs/errors.md: `model_not_found`, `queue_full`, ...)
+   * when it sent one, or the system error code of a connection failure (`ECONNREFUSED`, ...)
+   * when the platform tells it (Node).
+   */
+  readonly code?: ErrorCode | (string & {});
   constructor(type: ClientErrorType, message: string, extra: { status?: number; closeCode?: number; retryAfterS?: number; code?: string; cause?: unknown } = {}) {
     super(message, { cause: extra.cause });
     this.name = 'VoxClientError';
@@ -118,7 +95,7 @@ export type StreamEvent =
    */
   | { type: 'probability'; at_ms: number; p: number | number[] }
   /** A bad control frame (the stream goes on), or the reason of the close that follows. */
-  | { type: 'error'; error: { type: WireErrorType; message: string } }
+  | { type: 'error'; error: WireError }
   | { type: 'done'; processed_ms: number; timing: Timing };
 
 export type StreamEventOf<T extends StreamEvent['type']> = Extract<StreamEvent, { type: T }>;
@@ -139,7 +116,7 @@ export interface Progress {
 /** Events of `batch`, in the order the files finish. */
 export type BatchEvent =
   | ({ type: 'result'; index: number } & TaskResult)
-  | { type: 'error'; index: number; error: { type: WireErrorType; message: string } }
+  | { type: 'error'; index: number; error: WireError }
   | { type: 'done'; files: number; failed: number; wall_ms: number; queue_ms: number; inference_ms: number };
 
 /** A model's status (`GET /v1/models`), as the server's model entry reports it. */
@@ -218,9 +195,7 @@ export interface StreamOptions {
 }
 
 const DEFAULT_URL = 'http://127.0.0.1:8080';
-const SUBPROTOCOL = { json: 'voxserve.v1.json', msgpack: 'voxserve.v1.msgpack' } as const;
-/** Subprotocol prefix that carries an API key on a stream (the server's `KEY_PROTOCOL`). */
-const KEY_PROTOCOL = 'voxserve.key.';
+const SUBPROTOCOL = { json: SUBPROTOCOLS[0], msgpack: SUBPROTOCOLS[1] } as const;
 
 /** Which credential a call carries: the management token (status, management) or the API key (inference). */
 type Credential = 'token' | 'apiKey';
@@ -246,10 +221,10 @@ function connectionError(url: string, e: unknown): VoxClientError {
   return new VoxClientError('connection_error', `cannot reach ${url}: ${why}`, { code, cause: e });
 }
 
-/** The `{"error":{type,message}}` of an error body, or `{}` when it is not one. */
-function wireError(text: string): { type?: WireErrorType; message?: string } {
+/** The `{"error":{type,code,message}}` of an error body, or `{}` when it is not one. */
+function wireError(text: string): Partial<WireError> {
   try {
-    return (JSON.parse(text) as { error?: { type?: WireErrorType; message?: string } }).error ?? {};
+    return (JSON.parse(text) as { error?: Partial<WireError> }).error ?? {};
   } catch {
     return {};
   }
@@ -260,8 +235,9 @@ async function responseError(res: Response): Promise<VoxClientError> {
   const text = await res.text().catch(() => '');
   const error = wireError(text);
   const retry = Number(res.headers.get('retry-after'));
-  return new VoxClientError(error.type ?? STATUS_TYPE[res.status] ?? 'server_error', error.message ?? (text || `HTTP ${res.status}`), {
+  return new VoxClientError(error.type ?? typeOfStatus(res.status), error.message ?? (text || `HTTP ${res.status}`), {
     status: res.status,
+    code: error.code,
     retryAfterS: Number.isFinite(retry) && retry > 0 ? retry : undefined,
   });
 }
@@ -303,8 +279,8 @@ async function* sseEvents(res: Response): AsyncGenerator<{ event: string; data: 
 
 /** The error of an SSE `error` event (`{error:{type,message}}`). */
 const sseError = (data: unknown): VoxClientError => {
-  const e = (data as { error?: { type?: WireErrorType; message?: string } }).error;
-  return new VoxClientError(e?.type ?? 'server_error', e?.message ?? 'the server reported an error');
+  const e = (data as { error?: Partial<WireError> }).error;
+  return new VoxClientError(e?.type ?? 'server_error', e?.message ?? 'the server reported an error', { code: e?.code });
 };
 
 /** A client of one voxserve. All methods throw {@link VoxClientError}. */
@@ -575,13 +551,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
   /** The error a close stands for: the `error` event just before it, else the handshake's HTTP status, else the close code. */
   private failure(code: number, reason: string): VoxClientError {
-    if (this.last?.type === 'error') return new VoxClientError(this.last.error.type, this.last.error.message, { closeCode: code });
+    if (this.last?.type === 'error') return new VoxClientError(this.last.error.type, this.last.error.message, { closeCode: code, code: this.last.error.code });
     const status = /Unexpected server response: (\d+)/.exec(this.socketError?.message ?? '')?.[1];
     if (status) {
       const error = wireError(this.socketError?.error?.body ?? '');
-      return new VoxClientError(error.type ?? STATUS_TYPE[Number(status)] ?? 'server_error', error.message ?? `the server refused the stream: HTTP ${status}`, { status: Number(status), closeCode: code });
+      return new VoxClientError(error.type ?? typeOfStatus(Number(status)), error.message ?? `the server refused the stream: HTTP ${status}`, { status: Number(status), closeCode: code, code: error.code });
     }
-    if (code === 1006 && !this.ready) {
+    if (code === CLOSE.ABNORMAL && !this.ready) {
       const sys = this.socketError?.error?.code;
       return new VoxClientError('connection_error', `cannot reach ${this.url}${sys ? `: ${sys}` : ''}`, { closeCode: code, code: sys });
     }

@@ -106,8 +106,8 @@ export interface RemoteJob {
 export type RemoteReply =
   | { type: 'result'; result: Extract<FromSlot, { type: 'result' }>['result']; ran_ms: number }
   | { type: 'info'; info: Extract<FromSlot, { type: 'loaded' }>['info'] }
-  /** `not_held`: the node does not hold the model ready (any more). Else a VoxError's type. */
-  | { type: 'error'; error: string; message: string; retry_after_s?: number };
+  /** `not_held`: the node does not hold the model ready (any more). Else a VoxError's type, and its `code` (docs/errors.md). */
+  | { type: 'error'; error: string; message: string; retry_after_s?: number; code?: string };
 
 /** Encodes a job or reply as one binary frame (the slot-host frame: JSON head, Float32Arrays as raw bytes). */
 export function encodeMessage(msg: RemoteJob | RemoteReply): Uint8Array {

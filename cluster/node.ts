@@ -15,7 +15,7 @@ import type { Logger } from 'pino';
 import type { Supervisor } from '../actors/supervisor.js';
 import type { ModelEntry } from '../actors/model.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
-import { VoxError, toVoxError, type ErrorType } from '../runtime/errors.js';
+import { fromWire, invalid, toVoxError, voxError, VoxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
 import { SlotPool, type SlotHost } from '../runtime/slots.js';
@@ -191,7 +191,7 @@ export class ClusterNode {
               (reply) => m.respond(reply),
               (e) => {
                 const v = toVoxError(e);
-                m.respond(encodeMessage({ type: 'error', error: v.type, message: v.message, retry_after_s: v.retryAfterS }));
+                m.respond(encodeMessage({ type: 'error', error: v.type, code: v.code, message: v.message, retry_after_s: v.retryAfterS }));
               },
             );
           },
@@ -232,7 +232,7 @@ export class ClusterNode {
       at: Date.now(),
       heartbeat_ms: this.settings.heartbeat_ms,
       free_bytes: this.options.memoryProbe(),
-      draining: this.draining || !sup.accepting,
+      draining: this.draining || (sup.phase !== 'starting' && sup.phase !== 'running'), // a starting node is not draining
       max_loaded_models: this.config.max_loaded_models,
       min_free_memory_mb: this.config.min_free_memory_mb,
       models,
@@ -318,7 +318,7 @@ export class ClusterNode {
           await lock.release();
         }
       }
-      if (Date.now() >= end) throw new VoxError('server_busy', `model ${id} is being loaded by another node of the cluster and was not ready within the busy timeout (${timeout} ms)`, { retryAfterS: 1 });
+      if (Date.now() >= end) throw voxError('cluster_load_timeout', { id, ms: timeout });
       await this.changed(Math.min(this.settings.heartbeat_ms, end - Date.now()));
     }
   };
@@ -361,7 +361,7 @@ export class ClusterNode {
       await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
       return this.remotePool(config);
     }
-    throw new VoxError(memory ? 'insufficient_memory' : 'server_busy', `no node of the cluster could load ${id} (${candidates.length} asked): ${refusals.join('; ')}`, { retryAfterS: 5 });
+    throw voxError(memory ? 'cluster_insufficient_memory' : 'cluster_full', { id, why: ` (${candidates.length} asked): ${refusals.join('; ')}` });
   }
 
   /** The fields another node needs to register a model it does not know (its config minus server-filled paths of a group's heads). */
@@ -424,7 +424,7 @@ export class ClusterNode {
         why.push(`${h.node}: ${(e as Error).message}`);
       }
     }
-    if (!info) throw new VoxError('server_busy', `no holder of ${id} answered: ${why.join('; ') || 'none left'}`, { retryAfterS: 1 });
+    if (!info) throw voxError('no_holder', { message: `no holder of ${id} answered: ${why.join('; ') || 'none left'}` });
     const window = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * holders.reduce((n, h) => n + h.models[id].slots, 0)));
     const slotInfo = info;
     const pool = await SlotPool.start({ kind: 'vad', model: '' }, window, async () => this.remoteSlot(config, slotInfo));
@@ -470,7 +470,7 @@ export class ClusterNode {
     if (payload.length > maxPayload) {
       // A batch of many streams over NATS's max_payload goes as two jobs of half the streams each.
       const halves = splitJob(job);
-      if (!halves) throw new VoxError('server_error', `a job for ${id} is ${payload.length} bytes, over NATS's max_payload (${maxPayload}); raise max_payload in nats-server's config`);
+      if (!halves) throw voxError('job_too_large', { id, bytes: payload.length, max: maxPayload });
       const [a, b] = await Promise.all(halves.map((h) => this.sendJob(config, h, waitUntil)));
       return joinResults(a, b);
     }
@@ -488,7 +488,7 @@ export class ClusterNode {
         }
         // Every holder busy, or none live just now (a late heartbeat): ask again until the busy timeout.
         if (Date.now() >= end) {
-          throw new VoxError('server_busy', lastBusy ? `every node holding ${id} is busy: ${lastBusy}` : `no node of the cluster holds ${id} ready`, { retryAfterS: 1 });
+          throw voxError('no_holder', { message: lastBusy ? `every node holding ${id} is busy: ${lastBusy}` : `no node of the cluster holds ${id} ready` });
         }
         skip.clear();
         await sleep(BUSY_RETRY_MS);
@@ -514,7 +514,7 @@ export class ClusterNode {
           skip.add(node);
           continue;
         }
-        throw new VoxError('server_error', `node ${node} did not answer job ${jobId} for ${id}: ${(e as Error).message}`, { cause: e });
+        throw voxError('node_failed', { message: `node ${node} did not answer job ${jobId} for ${id}: ${(e as Error).message}`, cause: e });
       } finally {
         this.inflight.set(node, (this.inflight.get(node) ?? 1) - 1);
       }
@@ -524,14 +524,14 @@ export class ClusterNode {
         this.metrics?.hop.observe({ model: id }, Math.max(0, rtt - reply.ran_ms) / 1000);
         return reply.result;
       }
-      if (reply.type !== 'error') throw new VoxError('server_error', `node ${node} answered a job with ${reply.type}`);
+      if (reply.type !== 'error') throw voxError('node_failed', { message: `node ${node} answered a job with ${reply.type}` });
       this.metrics?.sent.inc({ model: id, node, outcome: reply.error });
       if (reply.error === 'not_held' || reply.error === 'server_busy' || reply.error === 'shutting_down') {
         if (reply.error === 'server_busy') lastBusy = `${node}: ${reply.message}`;
         skip.add(node);
         continue;
       }
-      throw new VoxError(reply.error as ErrorType, `node ${node}: ${reply.message}`, { retryAfterS: reply.retry_after_s });
+      throw fromWire({ code: reply.code, message: `node ${node}: ${reply.message}` });
     }
   }
 
@@ -558,7 +558,7 @@ export class ClusterNode {
           refusals.push(`${n.node}: ${(e as Error).message}`);
         }
       }
-      throw new VoxError('insufficient_memory', `no other node of the cluster could load ${id}: ${refusals.join('; ') || 'none is live'}`, { retryAfterS: 5 });
+      throw voxError('cluster_insufficient_memory', { id, why: ` on another node: ${refusals.join('; ') || 'none is live'}` });
     } finally {
       await lock.release();
     }
@@ -600,7 +600,7 @@ export class ClusterNode {
     } catch (e) {
       const v = toVoxError(e);
       outcome = v.type;
-      return encodeMessage({ type: 'error', error: v.type, message: v.message, retry_after_s: v.retryAfterS });
+      return encodeMessage({ type: 'error', error: v.type, code: v.code, message: v.message, retry_after_s: v.retryAfterS });
     } finally {
       this.metrics?.served.inc({ model: msg.model, outcome });
     }
@@ -648,7 +648,7 @@ export class ClusterNode {
         this.beat();
       }
     }
-    if (!entry) throw new VoxError('not_found', `model '${id}' does not exist on ${this.name}`);
+    if (!entry) throw voxError('model_not_found', { id, hint: `not on ${this.name}` });
     if (this.remote.has(id)) await entry.unload(timeout);
     this.pinned.add(id);
     // A placement of this model waiting here (for the lock another node holds) loads it now.
@@ -697,14 +697,14 @@ export class ClusterNode {
     try {
       m = await this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
     } catch (e) {
-      throw new VoxError('server_busy', `node ${node} did not answer (${(e as Error).message})`, { retryAfterS: 1, cause: e });
+      throw voxError('node_unreachable', { node, reason: (e as Error).message, cause: e });
     }
     if (what === 'unload') {
       const text = new TextDecoder().decode(m.data);
       if (text.startsWith('{')) return JSON.parse(text) as T;
     }
     const r = decodeMessage<RemoteReply>(m.data);
-    if (r.type === 'error') throw new VoxError(r.error === 'not_held' ? 'server_busy' : (r.error as ErrorType), `node ${node}: ${r.message}`, { retryAfterS: r.retry_after_s });
+    if (r.type === 'error') throw r.error === 'not_held' ? voxError('no_holder', { message: `node ${node}: ${r.message}` }) : fromWire({ code: r.code, message: `node ${node}: ${r.message}` });
     return r as T;
   }
 
@@ -720,15 +720,15 @@ export class ClusterNode {
    */
   async manageLoad(body: Record<string, unknown>, validate: (fields: Record<string, unknown>) => ModelConfig): Promise<Record<string, unknown>> {
     const { node, replicas, ...fields } = body;
-    if (node !== undefined && (typeof node !== 'string' || !node)) throw new VoxError('invalid_request_error', 'node: must be a node name (GET /v1/cluster lists them)');
-    if (replicas !== undefined && (!Number.isInteger(replicas) || (replicas as number) < 1 || (replicas as number) > 64)) throw new VoxError('invalid_request_error', 'replicas: must be an integer from 1 to 64');
-    if (typeof fields.id !== 'string' || !fields.id) throw new VoxError('invalid_request_error', 'id: required, a model id string');
+    if (node !== undefined && (typeof node !== 'string' || !node)) throw invalid('node', 'must be a node name (GET /v1/cluster lists them)');
+    if (replicas !== undefined && (!Number.isInteger(replicas) || (replicas as number) < 1 || (replicas as number) > 64)) throw invalid('replicas', 'must be an integer from 1 to 64');
+    if (typeof fields.id !== 'string' || !fields.id) throw invalid('id', 'required, a model id string');
     const id = fields.id;
     // Validated here first: an invalid config changes nothing on any node.
     const config = validate(fields);
     if (node !== undefined) {
       if (node === this.name) return { ...(await this.loadHere(id, fields, this.registrationOf(config))), nodes: [node] };
-      if (!this.nodes().some((r) => r.node === node)) throw new VoxError('not_found', `node '${node}' is not in the cluster; GET /v1/cluster lists the nodes`);
+      if (!this.nodes().some((r) => r.node === node)) throw voxError('node_not_found', { node });
       await this.ask(node, 'load', { id, fields, config: this.registrationOf(config) }, 3_600_000);
       await this.until(() => this.nodes().some((r) => r.node === node && r.models[id]?.state === 'ready'), 3 * this.settings.heartbeat_ms);
       return { id, loaded: true, reconfigured: false, nodes: [node] };
@@ -755,7 +755,7 @@ export class ClusterNode {
         refusals.push(`${r.node}: ${(e as Error).message}`);
       }
     }
-    if (done.length === 0) throw new VoxError('insufficient_memory', `no node of the cluster could load ${id}: ${refusals.join('; ')}`, { retryAfterS: 5 });
+    if (done.length === 0) throw voxError('cluster_insufficient_memory', { id, why: `: ${refusals.join('; ')}` });
     await this.until(() => done.every((n) => this.nodes().some((r) => r.node === n && r.models[id]?.state === 'ready')), 3 * this.settings.heartbeat_ms);
     return { id, loaded: true, reconfigured: false, nodes: done, ...(done.length < want ? { replicas: done.length, refused: refusals } : {}) };
   }
@@ -765,9 +765,9 @@ export class ClusterNode {
    * @returns per node what it unloaded; `unloaded` / `not_found` merged.
    */
   async manageUnload(ids: string[] | undefined, node: unknown, force = false): Promise<{ unloaded: string[]; not_found: string[]; nodes: Record<string, unknown> }> {
-    if (node !== undefined && (typeof node !== 'string' || !node)) throw new VoxError('invalid_request_error', 'node: must be a node name (GET /v1/cluster lists them)');
+    if (node !== undefined && (typeof node !== 'string' || !node)) throw invalid('node', 'must be a node name (GET /v1/cluster lists them)');
     const targets = node !== undefined ? [node as string] : [...new Set([this.name, ...this.nodes().map((r) => r.node)])];
-    if (node !== undefined && node !== this.name && !this.nodes().some((r) => r.node === node)) throw new VoxError('not_found', `node '${node}' is not in the cluster; GET /v1/cluster lists the nodes`);
+    if (node !== undefined && node !== this.name && !this.nodes().some((r) => r.node === node)) throw voxError('node_not_found', { node });
     const per: Record<string, unknown> = {};
     const unloaded = new Set<string>();
     let notFound: Set<string> | null = null;

@@ -1,5 +1,5 @@
 import { MAX_TIMEOUT_MS } from './config.js';
-import { VoxError } from './errors.js';
+import { invalid, voxError } from './errors.js';
 
 /** A granted admission: call `release()` once the response is fully written. Idempotent. */
 export interface Lease {
@@ -38,7 +38,7 @@ export interface AcquireOptions {
  */
 export function effectiveTimeout(request: number | undefined, model: number | undefined, server: number): number {
   if (request !== undefined && (!Number.isInteger(request) || request < 0 || request > MAX_TIMEOUT_MS)) {
-    throw new VoxError('invalid_request_error', `busy_timeout_ms: must be an integer from 0 to ${MAX_TIMEOUT_MS}, got ${request}`);
+    throw invalid('busy_timeout_ms', `must be an integer from 0 to ${MAX_TIMEOUT_MS}, got ${request}`);
   }
   const bounded = [request, model, server].filter((v): v is number => v !== undefined && v > 0);
   return bounded.length ? Math.min(...bounded) : 0;
@@ -113,7 +113,7 @@ export class Admission {
       return Promise.resolve(lease);
     }
     if (!exclusive && this.maxQueued > 0 && this.queue.filter((w) => !w.exclusive).length >= this.maxQueued) {
-      return Promise.reject(new VoxError('server_busy', `the queue is full: ${this.maxQueued} requests already wait for this model (max_queued); retry later`, { retryAfterS: 1 }));
+      return Promise.reject(voxError('queue_full', { max: this.maxQueued }));
     }
     return new Promise<Lease>((resolve, reject) => {
       const w: Waiter = {
@@ -139,7 +139,7 @@ export class Admission {
       const onAbort = (): void => leave(new DOMException('the client went away', 'AbortError'));
       if (opts.timeoutMs && opts.timeoutMs > 0) {
         w.timer = setTimeout(
-          () => leave(new VoxError('server_busy', `no lease free within the busy timeout of ${opts.timeoutMs} ms`, { retryAfterS: 1 })),
+          () => leave(voxError('busy_timeout', { what: 'lease', ms: opts.timeoutMs! })),
           opts.timeoutMs,
         );
       }

@@ -1,5 +1,5 @@
 import { createRequire } from 'node:module';
-import { invalid } from './errors.js';
+import { invalid, voxError } from './errors.js';
 
 const require = createRequire(import.meta.url);
 // Both packages ship CommonJS/UMD bundles; require keeps their types usable under NodeNext.
@@ -47,42 +47,42 @@ const WAV_FORMATS: Record<number, string> = { 1: 'PCM', 3: 'IEEE float', 6: 'A-l
  *   samples, or declare a sample rate or channel count out of range.
  */
 export function decodeWav(bytes: Uint8Array): MonoAudio {
-  if (bytes.length === 0) throw invalid('audio: empty body, expected a WAV file');
+  if (bytes.length === 0) throw voxError('invalid_audio', { problem: 'empty body, expected a WAV file' });
   const chunks = audioChunks(bytes);
   const wav = new WaveFile();
   try {
     wav.fromBuffer(chunks);
   } catch (e) {
-    throw invalid(`audio: not a readable WAV file (${(e as Error).message})`);
+    throw voxError('invalid_audio', { problem: `not a readable WAV file (${(e as Error).message})` });
   }
   let fmt = wav.fmt as { audioFormat: number; numChannels: number; sampleRate: number; bitsPerSample: number };
   if (!(fmt.audioFormat in WAV_FORMATS)) {
-    throw invalid(`audio: unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM, float, mu-law or A-law`);
+    throw voxError('unsupported_audio', { problem: `unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM, float, mu-law or A-law` });
   }
   // G.711 (telephone audio): 8-bit mu-law or A-law, expanded to 16-bit PCM by wavefile's codecs (alawmulaw).
   if (fmt.audioFormat === 6 || fmt.audioFormat === 7) {
-    if (fmt.bitsPerSample !== 8) throw invalid(`audio: unsupported bit depth ${fmt.bitsPerSample} for ${WAV_FORMATS[fmt.audioFormat]} samples; expected 8`);
+    if (fmt.bitsPerSample !== 8) throw voxError('unsupported_audio', { problem: `unsupported bit depth ${fmt.bitsPerSample} for ${WAV_FORMATS[fmt.audioFormat]} samples; expected 8` });
     checkFormat(fmt.sampleRate, fmt.numChannels);
     // Judged before the expansion doubles the samples' size.
     const seconds = (wav.data as { samples: Uint8Array }).samples.length / fmt.numChannels / fmt.sampleRate;
-    if (seconds > MAX_AUDIO_SECONDS) throw invalid(`audio: ${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`);
+    if (seconds > MAX_AUDIO_SECONDS) throw voxError('audio_too_long', { problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file` });
     try {
       if (fmt.audioFormat === 7) wav.fromMuLaw();
       else wav.fromALaw();
     } catch (e) {
-      throw invalid(`audio: not a readable ${WAV_FORMATS[fmt.audioFormat]} WAV file (${(e as Error).message})`);
+      throw voxError('invalid_audio', { problem: `not a readable ${WAV_FORMATS[fmt.audioFormat]} WAV file (${(e as Error).message})` });
     }
     fmt = wav.fmt as typeof fmt;
   }
   const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && isFloatExtensible(wav));
   if (float ? ![32, 64].includes(fmt.bitsPerSample) : ![8, 16, 24, 32].includes(fmt.bitsPerSample)) {
-    throw invalid(`audio: unsupported bit depth ${fmt.bitsPerSample} for ${float ? 'float' : 'PCM'} samples; expected ${float ? '32 or 64' : '8, 16, 24 or 32'}`);
+    throw voxError('unsupported_audio', { problem: `unsupported bit depth ${fmt.bitsPerSample} for ${float ? 'float' : 'PCM'} samples; expected ${float ? '32 or 64' : '8, 16, 24 or 32'}` });
   }
   const { numChannels: channels, sampleRate } = fmt;
   checkFormat(sampleRate, channels);
   const dataBytes = (wav.data as { samples: Uint8Array }).samples.length;
   const seconds = dataBytes / ((fmt.bitsPerSample / 8) * channels) / sampleRate;
-  if (seconds > MAX_AUDIO_SECONDS) throw invalid(`audio: ${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`);
+  if (seconds > MAX_AUDIO_SECONDS) throw voxError('audio_too_long', { problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file` });
   // wavefile unpacks the samples as stored (integers for PCM); scale them to [-1, 1].
   const interleaved = wav.getSamples(true, Float32Array) as unknown as Float32Array;
   if (float) sanitize(interleaved);
@@ -93,7 +93,7 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
     for (let i = 0; i < interleaved.length; i++) interleaved[i] = (interleaved[i] - offset) * scale;
   }
   const frames = Math.floor(interleaved.length / channels);
-  if (frames === 0) throw invalid('audio: the WAV file holds no samples');
+  if (frames === 0) throw voxError('invalid_audio', { problem: 'the WAV file holds no samples' });
   return { samples: downmix(interleaved, channels, frames), sampleRate };
 }
 
@@ -120,7 +120,7 @@ function audioChunks(bytes: Uint8Array): Uint8Array {
     const size = container === 'RIFX' ? buf.readUInt32BE(at + 4) : buf.readUInt32LE(at + 4);
     // 0xFFFFFFFF is "size unknown" (a WAV streamed as it was written, or RF64's placeholder): read to the end.
     if ((id === 'fmt ' || id === 'data') && size !== 0xffffffff && at + 8 + size > buf.length) {
-      throw invalid(`audio: truncated WAV file (its '${id.trim()}' chunk declares ${size} bytes, ${buf.length - at - 8} present)`);
+      throw voxError('invalid_audio', { problem: `truncated WAV file (its '${id.trim()}' chunk declares ${size} bytes, ${buf.length - at - 8} present)` });
     }
     const end = Math.min(buf.length, at + 8 + size + (size % 2)); // chunks are padded to even sizes
     if (AUDIO_CHUNKS.has(id)) parts.push(buf.subarray(at, end));
@@ -136,10 +136,10 @@ function audioChunks(bytes: Uint8Array): Uint8Array {
  */
 export function checkFormat(sampleRate: number, channels: number): void {
   if (!Number.isInteger(sampleRate) || sampleRate < MIN_SAMPLE_RATE || sampleRate > MAX_SAMPLE_RATE) {
-    throw invalid(`sample_rate: ${sampleRate} Hz is out of range ${MIN_SAMPLE_RATE}-${MAX_SAMPLE_RATE}`);
+    throw invalid('sample_rate', `${sampleRate} Hz is out of range ${MIN_SAMPLE_RATE}-${MAX_SAMPLE_RATE}`);
   }
   if (!Number.isInteger(channels) || channels < 1 || channels > MAX_CHANNELS) {
-    throw invalid(`channels: ${channels} is out of range 1-${MAX_CHANNELS}`);
+    throw invalid('channels', `${channels} is out of range 1-${MAX_CHANNELS}`);
   }
 }
 
@@ -281,6 +281,8 @@ export async function resample(samples: Float32Array, fromHz: number, toHz: numb
   }
 }
 
+const EMPTY = Buffer.alloc(0);
+
 /** Raw PCM encodings accepted on `/v1/stream`. */
 export const PCM_ENCODINGS = ['s16le', 'f32le'] as const;
 export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
@@ -292,6 +294,8 @@ export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
 export class PcmStreamDecoder {
   private remainder: Buffer = Buffer.alloc(0);
   private readonly frameBytes: number;
+  /** The decoded samples of the last chunk, reused from chunk to chunk (grown to the largest). */
+  private scratch = new Float32Array(0);
 
   private constructor(
     private readonly encoding: PcmEncoding,
@@ -310,13 +314,20 @@ export class PcmStreamDecoder {
     return new PcmStreamDecoder(encoding, channels, await Resampler.create(sampleRate));
   }
 
-  /** Decodes one chunk; bytes of an incomplete frame are kept for the next call. */
+  /**
+   * Decodes one chunk; bytes of an incomplete frame are kept for the next call.
+   * @returns mono samples at 16 kHz, valid until the next call (a view of a buffer reused from
+   *   chunk to chunk: a new array per chunk costs the server more in garbage collection than the
+   *   decoding): copy what you keep.
+   */
   push(chunk: Buffer): Float32Array {
     const buf = this.remainder.length ? Buffer.concat([this.remainder, chunk]) : chunk;
     const frames = Math.floor(buf.length / this.frameBytes);
-    this.remainder = Buffer.from(buf.subarray(frames * this.frameBytes));
+    const rest = buf.length - frames * this.frameBytes;
+    this.remainder = rest ? Buffer.from(buf.subarray(frames * this.frameBytes)) : EMPTY;
     const n = frames * this.channels;
-    const interleaved = new Float32Array(n);
+    if (this.scratch.length < n) this.scratch = new Float32Array(Math.max(n, 2 * this.scratch.length));
+    const interleaved = this.scratch.subarray(0, n);
     // Aligned little-endian views (this machine and every Node target is little-endian); a
     // frame that starts at an odd offset inside ws's receive buffer is copied once.
     const bytes = this.encoding === 's16le' ? 2 : 4;

@@ -6,29 +6,55 @@ import type { SlotPool } from './slots.js';
  * one result per row again. Each row keeps its own state; the slot runs the rows together.
  */
 export interface Packing<J extends Job, R extends JobResult> {
-  pack(rows: J[]): J;
+  /** Packs `rows` into one job whose arrays come from `arena` (reset it only once the job's result is back; default: a new one). */
+  pack(rows: J[], arena?: Arena): J;
+  /** One result per row: views into `result`'s arrays (a session copies what it keeps, or keeps the view). */
   unpack(result: R, rows: J[]): R[];
 }
 
-/** Concatenates equally typed arrays. */
-function concat(parts: Float32Array[]): Float32Array {
-  const out = new Float32Array(parts.reduce((n, p) => n + p.length, 0));
-  let at = 0;
-  for (const p of parts) {
-    out.set(p, at);
-    at += p.length;
+/**
+ * Float32Arrays for a batch's packed job, carved out of one buffer kept from batch to batch: a
+ * job of a few hundred KB per batch, allocated afresh, costs the main thread more in garbage
+ * collection (V8 collects in proportion to the memory allocated outside its heap) than copying
+ * it. A batch's arena is reset only once its result is back: until then a slot host (a thread's
+ * structured clone, a process's shared file) may still read the job.
+ */
+export class Arena {
+  private buffer = new Float32Array(0);
+  private at = 0;
+
+  /** Starts carving from the beginning again (the previous job is done with). */
+  reset(): void {
+    this.at = 0;
   }
-  return out;
+
+  /** `parts` concatenated into the next free region. */
+  concat(parts: Float32Array[]): Float32Array {
+    let n = 0;
+    for (const p of parts) n += p.length;
+    if (this.at + n > this.buffer.length) {
+      // Views already handed out keep the old buffer alive until their job is done.
+      this.buffer = new Float32Array(Math.max(2 * this.buffer.length, this.at + n, 4096));
+    }
+    const out = this.buffer.subarray(this.at, this.at + n);
+    this.at += n;
+    let at = 0;
+    for (const p of parts) {
+      out.set(p, at);
+      at += p.length;
+    }
+    return out;
+  }
 }
 
 /** Silero VAD: windows row after row with `counts`, state and context row by row (a ragged batch). */
 export const vadPacking: Packing<VadJob, VadResult> = {
-  pack: (rows) => ({
+  pack: (rows, arena = new Arena()) => ({
     kind: 'vad',
     counts: rows.map((r) => r.windows.length / SILERO.WINDOW),
-    windows: concat(rows.map((r) => r.windows)),
-    state: concat(rows.map((r) => r.state)),
-    context: concat(rows.map((r) => r.context)),
+    windows: arena.concat(rows.map((r) => r.windows)),
+    state: arena.concat(rows.map((r) => r.state)),
+    context: arena.concat(rows.map((r) => r.context)),
   }),
   unpack: (res, rows) => {
     let at = 0;
@@ -37,9 +63,10 @@ export const vadPacking: Packing<VadJob, VadResult> = {
       at += n;
       return {
         kind: 'vad',
-        probs: res.probs.slice(at - n, at),
-        state: res.state.slice(r * SILERO.STATE, (r + 1) * SILERO.STATE),
-        context: res.context.slice(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT),
+        // Views, not copies: a VAD session keeps its state and context as given (the result's buffer is its own).
+        probs: res.probs.subarray(at - n, at),
+        state: res.state.subarray(r * SILERO.STATE, (r + 1) * SILERO.STATE),
+        context: res.context.subarray(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT),
       };
     });
   },
@@ -47,12 +74,12 @@ export const vadPacking: Packing<VadJob, VadResult> = {
 
 /** openWakeWord: each row's audio (look-back + steps), mel buffer and embedding history in turn, with `counts` (steps per row). */
 export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
-  pack: (rows) => ({
+  pack: (rows, arena = new Arena()) => ({
     kind: 'wakeword',
     counts: rows.map((r) => (r.audio.length - OWW.LOOKBACK) / OWW.STEP),
-    audio: concat(rows.map((r) => r.audio)),
-    mel: concat(rows.map((r) => r.mel)),
-    embeddings: concat(rows.map((r) => r.embeddings)),
+    audio: arena.concat(rows.map((r) => r.audio)),
+    mel: arena.concat(rows.map((r) => r.mel)),
+    embeddings: arena.concat(rows.map((r) => r.embeddings)),
   }),
   unpack: (res, rows) => {
     const steps = rows.reduce((n, r) => n + (r.audio.length - OWW.LOOKBACK) / OWW.STEP, 0);
@@ -92,6 +119,8 @@ interface Item<J, R> {
  */
 export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
   private pending: Item<J, R>[] = [];
+  /** Arenas of batches whose results are back, for the next batches. */
+  private readonly arenas: Arena[] = [];
   private inFlight = 0;
   private timer: NodeJS.Timeout | null = null;
 
@@ -144,12 +173,15 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
     const rows = batch.map((b) => b.job);
     this.inFlight++;
     this.onBatch(rows.length);
-    (this.pool.run(this.packing.pack(rows)) as Promise<R>)
+    const arena = this.arenas.pop() ?? new Arena();
+    (this.pool.run(this.packing.pack(rows, arena)) as Promise<R>)
       .then(
         (res) => this.packing.unpack(res, rows).forEach((r, i) => batch[i].resolve(Object.assign(r, { ran: res.ran, waitedMs: res.waitedMs }))),
         (err) => batch.forEach((b) => b.reject(err)),
       )
       .finally(() => {
+        arena.reset();
+        this.arenas.push(arena);
         this.inFlight--;
         this.schedule();
       });

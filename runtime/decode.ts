@@ -3,7 +3,7 @@ import { availableParallelism } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
 import { MAX_AUDIO_SECONDS } from './audio.js';
-import { invalid, VoxError, type ErrorType } from './errors.js';
+import { fromWire, voxError, type WireError } from './errors.js';
 
 /** Audio containers and codecs accepted by `/v1/tasks/run` and `/v1/tasks/batch`. */
 export const AUDIO_FORMATS = ['wav', 'mp3', 'ogg-vorbis', 'ogg-opus', 'flac', 'webm-opus'] as const;
@@ -75,22 +75,22 @@ function sniff(b: Uint8Array): AudioFormat | { unsupported: string } | null {
  *   one of {@link ACCEPTED_FORMATS}, or when the bytes are empty or unrecognised.
  */
 export function audioFormat(bytes: Uint8Array, contentType?: string): AudioFormat {
-  if (bytes.length === 0) throw invalid(`audio: empty body (no audio bytes); accepted: ${ACCEPTED_FORMATS}`);
+  if (bytes.length === 0) throw voxError('invalid_audio', { problem: `empty body (no audio bytes); accepted: ${ACCEPTED_FORMATS}` });
   const sniffed = sniff(bytes);
   if (typeof sniffed === 'string') return sniffed;
-  if (sniffed) throw invalid(`audio: ${sniffed.unsupported} is not supported; accepted: ${ACCEPTED_FORMATS}`);
+  if (sniffed) throw voxError('unsupported_audio', { problem: `${sniffed.unsupported} is not supported; accepted: ${ACCEPTED_FORMATS}` });
   const declared = contentType ? CONTENT_TYPES[contentType] : undefined;
   // A declared format whose bytes do not start as expected goes to its decoder, which says what is wrong.
   if (declared === 'wav' || declared === 'mp3' || declared === 'flac') return declared;
-  if (declared === 'ogg') throw invalid(`audio: not a readable Ogg file (no Ogg page at the start)`);
-  if (declared === 'webm') throw invalid(`audio: not a readable WebM file (no EBML header at the start)`);
-  if (contentType && contentType !== 'application/octet-stream') throw invalid(`audio: ${contentType} is not supported; accepted: ${ACCEPTED_FORMATS}`);
-  throw invalid(`audio: unrecognised format (first bytes ${Buffer.from(bytes.subarray(0, 4)).toString('hex')}); accepted: ${ACCEPTED_FORMATS}`);
+  if (declared === 'ogg') throw voxError('invalid_audio', { problem: `not a readable Ogg file (no Ogg page at the start)` });
+  if (declared === 'webm') throw voxError('invalid_audio', { problem: `not a readable WebM file (no EBML header at the start)` });
+  if (contentType && contentType !== 'application/octet-stream') throw voxError('unsupported_audio', { problem: `${contentType} is not supported; accepted: ${ACCEPTED_FORMATS}` });
+  throw voxError('invalid_audio', { problem: `unrecognised format (first bytes ${Buffer.from(bytes.subarray(0, 4)).toString('hex')}); accepted: ${ACCEPTED_FORMATS}` });
 }
 
 
 /** A decode job's answer from the worker. */
-export type DecodeReply = { id: number; samples: Float32Array } | { id: number; error: { type: ErrorType; message: string } };
+export type DecodeReply = { id: number; samples: Float32Array } | { id: number; error: WireError };
 
 /** The compiled worker entry (under vitest, the sources use `dist/`, as slot hosts do: build first). */
 function workerFile(): URL {
@@ -144,13 +144,13 @@ class DecodePool {
         done();
         this.release(worker);
         if ('samples' in m) resolve(m.samples);
-        else reject(new VoxError(m.error.type, m.error.message));
+        else reject(fromWire(m.error));
       };
       const onDied = (e: unknown): void => {
         done();
         void worker.terminate();
         this.release(this.spawn());
-        reject(new VoxError('server_error', `audio decoder worker died: ${e instanceof Error ? e.message : `exit ${e}`}`));
+        reject(voxError('decoder_failed', { reason: e instanceof Error ? e.message : `exit ${e}` }));
       };
       worker.on('message', onMessage).on('error', onDied).on('exit', onDied);
       worker.postMessage({ id, bytes: copy, format, maxSeconds }, [copy.buffer]);

@@ -1,7 +1,7 @@
 import { realpath, stat } from 'node:fs/promises';
 import { basename, dirname, isAbsolute, join, resolve, sep } from 'node:path';
 import { shippedModelFiles } from './catalog.js';
-import { invalid } from './errors.js';
+import { invalid, voxError } from './errors.js';
 
 /**
  * The fully resolved form of `path`: every symlink followed. For a path that does not exist,
@@ -33,14 +33,14 @@ let shipped: Promise<Set<string>> | null = null;
  *   elsewhere, a symlink out), or, inside it, does not exist or is not a regular file.
  */
 export async function confinePath(root: string | false, path: string, field: string): Promise<string> {
-  if (path.trim() === '') throw invalid(`${field}: must name a model file, got '${path}'`);
+  if (path.trim() === '') throw invalid(field, `must name a model file, got '${path}'`);
   if (root === false) return resolve(path);
   const base = await resolveFully(resolve(root));
   const real = await resolveFully(isAbsolute(path) ? path : resolve(base, path));
   if (real.startsWith(base + sep)) return existingFile(real, path, field, root);
   shipped ??= Promise.all(shippedModelFiles().map(resolveFully)).then((files) => new Set(files));
   if ((await shipped).has(real)) return real;
-  throw invalid(`${field}: '${path}' is outside models_root (${root}); put the model there, or set models_root in the config`);
+  throw voxError('invalid_model_file', { field, path, problem: `is outside models_root (${root}); put the model there, or set models_root in the config` });
 }
 
 /**
@@ -54,8 +54,8 @@ async function existingFile(real: string, path: string, field: string, root: str
     file = (await stat(real)).isFile();
   } catch (e) {
     const code = (e as NodeJS.ErrnoException).code;
-    throw invalid(code === 'ENOENT' || code === 'ENOTDIR' ? `${field}: '${path}' does not exist in models_root (${root})` : `${field}: '${path}' cannot be read (${code})`);
+    throw voxError('invalid_model_file', { field, path, problem: code === 'ENOENT' || code === 'ENOTDIR' ? `does not exist in models_root (${root})` : `cannot be read (${code})` });
   }
-  if (!file) throw invalid(`${field}: '${path}' is not a regular file`);
+  if (!file) throw voxError('invalid_model_file', { field, path, problem: 'is not a regular file' });
   return real;
 }

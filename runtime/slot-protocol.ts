@@ -166,11 +166,17 @@ export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
  */
 export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | FromSlot> {
   private bell: Buffer = Buffer.alloc(0);
+  /** The reused receive buffer (with `reuse`), grown as frames grow. */
+  private scratch = new ArrayBuffer(0);
 
   /**
    * @param socket carries the doorbells both ways. @param outFd the file this end writes frames to.
    * @param inFd the file the other end writes frames to. @param onMessage each decoded frame.
    * @param onError a frame could not be read (the channel is unusable).
+   * @param reuse read every frame into one reused buffer: only for an end that is done with a
+   *   frame's arrays before the next frame can come (a slot host: it answers one job at a time,
+   *   and the server sends the next only after the answer). A fresh page-faulting allocation of a
+   *   few hundred KB per job otherwise costs the host more than reading it.
    */
   constructor(
     private readonly socket: Socket,
@@ -178,12 +184,15 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
     private readonly inFd: number,
     onMessage: (msg: In) => void,
     onError: (e: Error) => void,
+    reuse = false,
   ) {
     socket.on('data', (chunk: Buffer) => {
       this.bell = this.bell.length ? Buffer.concat([this.bell, chunk]) : chunk;
       let at = 0;
       for (; at + 4 <= this.bell.length; at += 4) {
-        const frame = new Uint8Array(this.bell.readUInt32LE(at));
+        const length = this.bell.readUInt32LE(at);
+        if (reuse && this.scratch.byteLength < length) this.scratch = new ArrayBuffer(Math.max(length, 2 * this.scratch.byteLength));
+        const frame = reuse ? new Uint8Array(this.scratch, 0, length) : new Uint8Array(length);
         try {
           if (readSync(this.inFd, frame, 0, frame.length, 0) !== frame.length) throw new Error('job channel: short read');
         } catch (e) {
@@ -208,7 +217,7 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
   }
 }
 
-/** Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer). */
+/** Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer); its arrays are views into that buffer. */
 export function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);
   const base = 8 + h + ((4 - (h % 4)) % 4);

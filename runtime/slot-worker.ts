@@ -68,20 +68,29 @@ async function loadVad(model: string): Promise<SlotInfo> {
   const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
   // State layout: each row keeps 256 floats (v5: state[0], state[1]; v4: h[0], h[1], c[0], c[1]);
   // the tensors want [2, rows, 128] (v5) or [2, rows, 64] twice (v4), for the active rows only.
+  // The run's inputs are views of buffers kept across jobs (grown to the largest run), not new
+  // arrays per run step: onnxruntime reads them during `run` only.
   const HALF = v5 ? 128 : 64;
-  const gather = (rows: Float32Array, active: number[], offset: number): Float32Array => {
+  const width = v5 ? SILERO.CONTEXT + SILERO.WINDOW : SILERO.WINDOW;
+  let xBuf: Float32Array = new Float32Array(0);
+  let hBuf: Float32Array = new Float32Array(0);
+  let cBuf: Float32Array = new Float32Array(0);
+  const grow = (buf: Float32Array, n: number): Float32Array => (buf.length >= n ? buf : new Float32Array(Math.max(n, 2 * buf.length)));
+  const gather = (into: Float32Array, rows: Float32Array, active: number[], offset: number): Float32Array => {
     const n = active.length;
-    const t = new Float32Array(2 * n * HALF);
-    active.forEach((r, j) => {
+    const t = into.subarray(0, 2 * n * HALF);
+    for (let j = 0; j < n; j++) {
+      const r = active[j];
       for (let l = 0; l < 2; l++) t.set(rows.subarray(r * 256 + offset + l * HALF, r * 256 + offset + (l + 1) * HALF), (l * n + j) * HALF);
-    });
+    }
     return t;
   };
   const scatter = (t: Float32Array, rows: Float32Array, active: number[], offset: number): void => {
     const n = active.length;
-    active.forEach((r, j) => {
+    for (let j = 0; j < n; j++) {
+      const r = active[j];
       for (let l = 0; l < 2; l++) rows.set(t.subarray((l * n + j) * HALF, (l * n + j + 1) * HALF), r * 256 + offset + l * HALF);
-    });
+    }
   };
   runJob = async (job) => {
     const { windows, state, context } = job as VadJob;
@@ -89,37 +98,43 @@ async function loadVad(model: string): Promise<SlotInfo> {
     const starts: number[] = [];
     counts.reduce((at, c) => (starts.push(at), at + c), 0);
     const probs = new Float32Array(windows.length / SILERO.WINDOW);
-    const st = state.slice();
-    const ctx = context.slice();
-    const width = SILERO.CONTEXT + SILERO.WINDOW;
-    for (let i = 0; i < Math.max(...counts); i++) {
-      const active = counts.flatMap((c, r) => (c > i ? [r] : []));
+    // The job's state and context are this host's own (a frame or a structured clone): updated in place and sent back.
+    const st = state;
+    const ctx = context;
+    xBuf = grow(xBuf, counts.length * width);
+    hBuf = grow(hBuf, counts.length * 2 * HALF);
+    if (!v5) cBuf = grow(cBuf, counts.length * 2 * HALF);
+    let active = counts.map((_, r) => r);
+    for (let i = 0; active.length; i++) {
+      active = active.filter((r) => counts[r] > i);
       const n = active.length;
-      const win = (r: number): Float32Array => windows.subarray((starts[r] + i) * SILERO.WINDOW, (starts[r] + i + 1) * SILERO.WINDOW);
+      if (!n) break;
+      const x = xBuf.subarray(0, n * width);
+      for (let j = 0; j < n; j++) {
+        const r = active[j];
+        const win = windows.subarray((starts[r] + i) * SILERO.WINDOW, (starts[r] + i + 1) * SILERO.WINDOW);
+        if (v5) {
+          x.set(ctx.subarray(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT), j * width);
+          x.set(win, j * width + SILERO.CONTEXT);
+          ctx.set(win.subarray(SILERO.WINDOW - SILERO.CONTEXT), r * SILERO.CONTEXT);
+        } else x.set(win, j * width);
+      }
       let out: ort.InferenceSession.ReturnType;
       if (v5) {
-        const x = new Float32Array(n * width);
-        active.forEach((r, j) => {
-          x.set(ctx.subarray(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT), j * width);
-          x.set(win(r), j * width + SILERO.CONTEXT);
-          ctx.set(x.subarray((j + 1) * width - SILERO.CONTEXT, (j + 1) * width), r * SILERO.CONTEXT);
-        });
-        out = await session.run({ input: new ort.Tensor('float32', x, [n, width]), state: new ort.Tensor('float32', gather(st, active, 0), [2, n, 128]), sr });
+        out = await session.run({ input: new ort.Tensor('float32', x, [n, width]), state: new ort.Tensor('float32', gather(hBuf, st, active, 0), [2, n, 128]), sr });
         scatter(out.stateN.data as Float32Array, st, active, 0);
       } else {
-        const x = new Float32Array(n * SILERO.WINDOW);
-        active.forEach((r, j) => x.set(win(r), j * SILERO.WINDOW));
         out = await session.run({
           input: new ort.Tensor('float32', x, [n, SILERO.WINDOW]),
-          h: new ort.Tensor('float32', gather(st, active, 0), [2, n, 64]),
-          c: new ort.Tensor('float32', gather(st, active, 128), [2, n, 64]),
+          h: new ort.Tensor('float32', gather(hBuf, st, active, 0), [2, n, 64]),
+          c: new ort.Tensor('float32', gather(cBuf, st, active, 128), [2, n, 64]),
           sr,
         });
         scatter(out.hn.data as Float32Array, st, active, 0);
         scatter(out.cn.data as Float32Array, st, active, 128);
       }
       const p = out.output.data as Float32Array;
-      active.forEach((r, j) => (probs[starts[r] + i] = p[j]));
+      for (let j = 0; j < n; j++) probs[starts[active[j]] + i] = p[j];
     }
     return { kind: 'vad', probs, state: st, context: ctx };
   };
@@ -278,7 +293,8 @@ else {
   const socket = new Socket({ fd: 4, readable: true, writable: true }).unref();
   // The server is gone or has closed the socket: 'disconnect' below ends the host.
   socket.on('error', () => {});
-  jobs = new FrameChannel<ToSlot, FromSlot>(socket, 6, 5, (m) => void onMessage(m), () => process.exit(1));
+  // One job at a time: its frame's buffer is reused for the next (see FrameChannel's `reuse`).
+  jobs = new FrameChannel<ToSlot, FromSlot>(socket, 6, 5, (m) => void onMessage(m), () => process.exit(1), true);
   // The server is gone (even killed with SIGKILL): no orphan host is left running.
   process.on('disconnect', () => process.exit(0));
 }

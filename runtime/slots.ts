@@ -5,7 +5,7 @@ import { join } from 'node:path';
 import type { Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
-import { VoxError } from './errors.js';
+import { voxError, type VoxError } from './errors.js';
 import { FrameChannel, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
 
 /**
@@ -89,7 +89,7 @@ class MessageSlot implements SlotHost {
       this.pending.delete(m.seq!);
       if (p?.timer) clearTimeout(p.timer);
       if (m.type === 'result') p?.resolve(m.result);
-      else p?.reject(new VoxError('server_error', `inference failed: ${m.message}`));
+      else p?.reject(voxError('inference_failed', { reason: m.message }));
     } else if (m.type === 'error') {
       this.loadWaiter?.reject(new Error(m.message));
     }
@@ -107,7 +107,7 @@ class MessageSlot implements SlotHost {
   }
 
   fail(e: Error): void {
-    const err: VoxError & { timedOut?: boolean } = new VoxError('server_error', `slot failed: ${e.message}`, { cause: e });
+    const err: VoxError & { timedOut?: boolean } = voxError('slot_failed', { reason: e.message, cause: e });
     err.timedOut = this.timedOut;
     this.loadWaiter?.reject(err);
     this.loadWaiter = null;
@@ -138,7 +138,7 @@ class MessageSlot implements SlotHost {
   }
 
   run(job: Job): Promise<JobResult> {
-    if (this.closing) return Promise.reject(new VoxError('server_error', 'slot is closed'));
+    if (this.closing) return Promise.reject(voxError('slot_closed'));
     const seq = ++this.seq;
     return new Promise((resolve, reject) => {
       const entry: { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout } = { resolve, reject };
@@ -149,7 +149,7 @@ class MessageSlot implements SlotHost {
           this.timedOut = true;
           // `slotLost`: the pool must not give this slot another job; its exit respawns it.
           reject(
-            Object.assign(new VoxError('server_busy', `the job ran longer than job_timeout_ms (${this.jobTimeoutMs} ms): its slot host was killed and is being restarted`, { retryAfterS: 1 }), {
+            Object.assign(voxError('job_timeout', { ms: this.jobTimeoutMs }), {
               slotLost: true,
             }),
           );
@@ -506,8 +506,8 @@ export class SlotPool {
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
       q.reject(
         stuck
-          ? new VoxError('server_busy', `every slot of the model has run one job longer than the busy timeout (${limit} ms): it is stuck`, { retryAfterS: 5 })
-          : new VoxError('server_busy', `waited for a slot longer than the busy timeout (${q.limit} ms)`, { retryAfterS: 1 }),
+          ? voxError('model_stuck', { ms: limit })
+          : voxError('busy_timeout', { what: 'slot', ms: q.limit }),
       );
     }
     this.armWait();
@@ -526,7 +526,7 @@ export class SlotPool {
         while (this.crashes[0] < now - CRASH_WINDOW_MS) this.crashes.shift();
         if (this.crashes.length >= MAX_CRASHES) {
           this.onHostExit?.(err.message, false);
-          return this.fail(new VoxError('server_error', `${this.crashes.length} slot crashes within a minute; the last: ${err.message}`, { cause: err }));
+          return this.fail(voxError('slot_crash_loop', { crashes: this.crashes.length, last: err.message, cause: err }));
         }
       }
       const delay = err.timedOut ? 0 : RESPAWN_BACKOFF_MS * 2 ** (this.crashes.length - 1);
@@ -551,7 +551,7 @@ export class SlotPool {
             (e: Error) => {
               if (signal.aborted) void loading.then((late) => late.close(), () => {});
               const why = signal.aborted && !this.closed.signal.aborted ? `it took longer than load_timeout_ms (${limit} ms)` : e.message;
-              this.fail(new VoxError('server_error', `a slot could not be restarted: ${why}`, { cause: e }));
+              this.fail(voxError('slot_restart_failed', { reason: why, cause: e }));
             },
           );
         })
@@ -578,7 +578,7 @@ export class SlotPool {
   /** Stops every slot: respawns in flight (their hosts killed), the clones (together), then the primary. Queued jobs are rejected. */
   async close(): Promise<void> {
     this.failCb = null;
-    this.fail(new VoxError('server_error', 'model unloaded'));
+    this.fail(voxError('slots_unloaded'));
     this.closed.abort();
     await Promise.all(this.respawns);
     const [primary, ...clones] = this.live;

@@ -16,7 +16,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../runtime/catalog.js';
+import { defaultCatalog } from '../runtime/config.js';
 import { spawnServer } from './spawn-server.js';
 
 const { values } = parseArgs({ options: { connections: { type: 'string', default: '1000' } } });

@@ -1,67 +1,160 @@
 /**
- * `voxserve bench`: live streaming benchmark. For each N it runs N concurrent real-time
- * WebSocket streams (16 kHz s16le, real speech looped, each frame sent when its audio has
- * elapsed) against a `voxserve serve` child process it starts, then, in the same run, the two
- * baselines on the same windows: the bare batched loop (one onnxruntime-node session, batches
- * of the size the server formed) and the per-client way (one session per stream, unbatched).
- * Prints one table. CPU is read from /proc for the server and from process.cpuUsage() for the
- * client; both exclude start-up.
+ * `voxserve bench`: what share of the bare models' capacity the server holds, per workload (VAD
+ * with 100 ms frames, VAD with 20 ms frames, wake words), in one run on this machine:
  *
- * Client-side event lag: a `speech_end` can only be decided `min_silence_duration_ms` after the
- * speech ends, i.e. at end_ms - speech_pad_ms + min_silence_duration_ms (+ one 32 ms window);
- * the lag is its arrival minus the moment that audio position was due on the wire.
+ * - **bare limit**: streams the bare models could run on this machine's cores: cores x 1000 /
+ *   (bare CPU ms per stream-second + the load generator's own CPU ms per stream-second). The bare
+ *   loop (one onnxruntime-node session set on one thread, back to back; see `bareVad`,
+ *   `bareWakeword`) is measured in the same run, at its start and at its end; the load
+ *   generator's cost from a calibration run at 25 % of cores x 1000 / bare.
+ * - **streams held**: the most streams for which every stream finishes (done within 1 s of its
+ *   last frame) and the processing lag p99 stays under 100 ms over the whole run (from the
+ *   server's `voxserve_processing_lag_seconds` histogram: at least 99 % of windows at or under
+ *   its 0.1 s bucket), as a count and as a share of the limit; searched in steps of the limit
+ *   from the target share up or down, in `rounds` rounds, median.
+ * - **server CPU per stream-second** (per second of audio the server processed in the window),
+ *   main process and slot hosts apart (from /proc), against
+ *   bare, at 10 %, 40 % and 70 % of the limit (and every other run); slot hosts also against the
+ *   bare loop at the rows per run the server formed; main-process CPU per stream-second and the
+ *   streams one core of ingress would carry. CPU is counted over the steady part of each run
+ *   (from 1 s after the streams start to when their last frame is due), not their opening or
+ *   closing.
+ * - **events identical**: every stream sends the same audio, so every stream's events must be
+ *   the same; a run where they are not is flagged.
+ *
+ * Each run starts a fresh `voxserve serve` child process and drives N real-time WebSocket
+ * streams (16 kHz s16le, each frame sent when its audio has elapsed, starts spread over one
+ * frame) from this process. `--streams` runs fixed counts instead of the search.
  */
 import type { ChildProcess } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import ort from 'onnxruntime-node';
-import { defaultCatalog } from '../runtime/catalog.js';
-import type { Job } from '../runtime/slot-protocol.js';
-import { SlotPool, slotFactory } from '../runtime/slots.js';
-import { VoxClient, type VoxStream } from '../client/node.js';
+import WebSocket from 'ws';
+import { defaultCatalog } from '../runtime/config.js';
+import { bareWakeword } from './bench-wakeword.js';
 import { paceFrames } from './pace.js';
-import { treeCpuSeconds, treeRssBytes } from './proc.js';
-import { progressBar } from './progress.js';
+import { cpuApart } from './proc.js';
 import { spawnServer } from './spawn-server.js';
 
+export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
+
 export interface BenchOptions {
-  /** Stream counts to run, e.g. [100, 500, 1000]. */
-  streams: number[];
-  /** Frame length, ms (20 or 100). */
-  frameMs: number;
-  /** Audio per stream, s. */
+  /** Workloads to run, in order. */
+  workloads: WorkloadName[];
+  /** Rounds of the held search (median reported). */
+  rounds: number;
+  /** Audio per stream and run, s. */
   seconds: number;
-  /** Server slots for the model. */
+  /** Step of the held search, as a share of the limit (0.05 = 5 %). */
+  step: number;
+  /** Server slots per model. */
   slots: number;
-  /** The model's max_batch_delay_ms. */
-  batchDelayMs: number;
-  /** Slot host isolation modes to run, side by side. */
-  isolation: ('process' | 'thread')[];
-  /** Also run each count with `probabilities=true` (a probability event per window) and print its cost against the run without. */
+  isolation: 'process' | 'thread';
+  /** The model's `max_batch_size` / `max_batch_delay_ms` (absent: the server's defaults). */
+  batchSize?: number;
+  batchDelayMs?: number;
+  /** Fixed stream counts instead of the held search (for profiling). */
+  streams?: number[];
+  /** VAD streams ask for `probabilities=true` (a probability event per window). */
   probabilities?: boolean;
 }
 
 const root = fileURLToPath(new URL('../..', import.meta.url));
-const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
-const WINDOW = 512;
-const WINDOWS_PER_S = 16000 / WINDOW;
+const CORES = cpus().length;
+const fixture = (f: string): Buffer => readFileSync(join(root, 'spec/fixtures', f)).subarray(44); // 16 kHz mono s16le after the 44-byte header
 
-function speechPcm(): Buffer {
-  const wav = readFileSync(join(root, 'spec/fixtures/espeak_sentence_16k.wav'));
-  return wav.subarray(44); // 16 kHz mono s16le after the 44-byte header
+/** One kind of stream the server is judged on. */
+interface Workload {
+  title: string;
+  /** Model id on the wire, and its config entry. */
+  id: string;
+  model: Record<string, unknown>;
+  frameMs: number;
+  /** The held target, share of the limit. */
+  target: number;
+  pcm: Buffer;
+  /** Bare CPU ms per stream-second, with `rows` streams per run (VAD) or one at a time (wake words). */
+  bare(rows: number): Promise<number>;
+  /** Rows per run for the limit's bare figure. */
+  limitRows: number;
+  /** Samples per window (VAD) or step (wake word): the unit of the processing-lag histogram. */
+  stepSamples: number;
+  /** An event's identity for the identical-events check; null for events that are not task results. */
+  eventKey(e: Record<string, unknown>): string | null;
 }
 
-const cpuOf = treeCpuSeconds;
-const rssOf = treeRssBytes;
-const pct = (xs: number[], q: number): number => {
-  if (!xs.length) return NaN;
-  const s = [...xs].sort((a, b) => a - b);
-  return s[Math.min(s.length - 1, Math.floor(q * s.length))];
-};
+const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
+const jarvis = defaultCatalog().find((m) => m.id === 'hey-jarvis')!;
+const ONE_THREAD: ort.InferenceSession.SessionOptions = { intraOpNumThreads: 1, interOpNumThreads: 1, executionMode: 'sequential', graphOptimizationLevel: 'all' };
 
-async function startChild(n: number, o: BenchOptions, isolation: 'process' | 'thread'): Promise<{ child: ChildProcess; url: string }> {
+/**
+ * The bare Silero VAD loop: one session on one thread, runs of `rows` streams' next windows (the
+ * speech fixture, 576 samples: 64 of context and a 512-sample window), state fed back; nothing
+ * else. @returns CPU ms per stream-second over `windows` windows (after 200 to warm up).
+ */
+export async function bareVad(rows: number, windows = 20_000): Promise<number> {
+  const session = await ort.InferenceSession.create(silero.path!, ONE_THREAD);
+  const pcm = fixture('espeak_sentence_16k.wav');
+  const samples = new Float32Array(pcm.length / 2);
+  for (let i = 0; i < samples.length; i++) samples[i] = pcm.readInt16LE(2 * i) / 32768;
+  const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
+  let state: Float32Array = new Float32Array(2 * rows * 128);
+  const input = new Float32Array(rows * 576);
+  const loop = async (runs: number): Promise<number> => {
+    const c0 = process.cpuUsage();
+    for (let i = 0; i < runs; i++) {
+      for (let r = 0; r < rows; r++) input.set(samples.subarray(((i * rows + r) * 512) % (samples.length - 576)).subarray(0, 576), r * 576);
+      const out = await session.run({ input: new ort.Tensor('float32', input, [rows, 576]), state: new ort.Tensor('float32', state, [2, rows, 128]), sr });
+      state = out.stateN.data as Float32Array;
+    }
+    const c = process.cpuUsage(c0);
+    return (c.user + c.system) / 1000;
+  };
+  await loop(Math.ceil(200 / rows));
+  const runs = Math.ceil(windows / rows);
+  const ms = await loop(runs);
+  await session.release();
+  return (ms / (runs * rows)) * (16000 / 512);
+}
+
+const vadEvent = (e: Record<string, unknown>): string | null => (e.type === 'speech_start' ? `s${e.at_ms}` : e.type === 'speech_end' ? `e${e.start_ms}-${e.end_ms}:${e.confidence}` : null);
+
+function workload(name: WorkloadName, o: BenchOptions): Workload {
+  const batching = { ...(o.batchSize ? { max_batch_size: o.batchSize } : {}), ...(o.batchDelayMs !== undefined ? { max_batch_delay_ms: o.batchDelayMs } : {}) };
+  if (name === 'wakeword') {
+    return {
+      title: 'wake word (hey-jarvis), 100 ms frames',
+      id: 'hey-jarvis',
+      model: { ...jarvis, ...batching },
+      frameMs: 100,
+      target: 0.7,
+      pcm: Buffer.concat([fixture('espeak_alexa_16k.wav'), fixture('espeak_sentence_16k.wav')]),
+      bare: () => bareWakeword(['hey-jarvis'], 1, 600),
+      limitRows: 1,
+      stepSamples: 1280,
+      eventKey: (e) => (e.type === 'detection' ? `${e.label}@${e.at_ms}:${e.score}` : null),
+    };
+  }
+  const frameMs = name === 'vad20' ? 20 : 100;
+  return {
+    title: `VAD (silero-vad), ${frameMs} ms frames`,
+    id: 'silero-vad',
+    model: { ...silero, ...batching },
+    frameMs,
+    target: name === 'vad20' ? 0.6 : 0.7,
+    pcm: fixture('espeak_sentence_16k.wav'),
+    bare: (rows) => bareVad(rows, rows === 32 ? 20_000 : 6000),
+    // The server's default max_batch_size: the largest run it forms.
+    limitRows: 32,
+    stepSamples: 512,
+    eventKey: vadEvent,
+  };
+}
+
+async function startServer(w: Workload, n: number, o: BenchOptions): Promise<{ child: ChildProcess; url: string }> {
   const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
   const config = join(dir, 'config.json');
   writeFileSync(
@@ -70,213 +163,303 @@ async function startChild(n: number, o: BenchOptions, isolation: 'process' | 'th
       port: 0,
       log_level: 'warn',
       busy_timeout_ms: 0,
-      isolation,
+      isolation: o.isolation,
       limits: { max_ws_connections: n + 16, idle_ms: 0, heartbeat_ms: 0 },
-      models: [{ ...silero, slots: o.slots, max_streams: n + 16, max_batch_size: 256, max_batch_delay_ms: o.batchDelayMs, lazy: false }],
+      models: [{ ...w.model, slots: o.slots, max_streams: n + 16, lazy: false }],
     }),
   );
   return spawnServer(['--config', config]);
 }
 
-async function metricSum(url: string, name: string): Promise<number> {
+/** The model's metric samples that a run reads, summed over label sets: `name{le=...}` keeps its `le`. */
+async function scrape(url: string, id: string): Promise<Map<string, number>> {
   const text = await (await fetch(`${url}/metrics`)).text();
-  const line = text.split('\n').find((l) => l.startsWith(`${name}{`) && l.includes('model="silero-vad"'));
-  return line ? Number(line.split(' ').at(-1)) : 0;
+  const out = new Map<string, number>();
+  for (const line of text.split('\n')) {
+    if (!line.startsWith('voxserve_') || !line.includes(`model="${id}"`)) continue;
+    const name = line.slice(0, line.search(/[{ ]/));
+    const le = /le="([^"]+)"/.exec(line)?.[1];
+    const key = le ? `${name}{${le}}` : name;
+    out.set(key, (out.get(key) ?? 0) + Number(line.split(' ').at(-1)));
+  }
+  return out;
 }
 
-interface LiveResult {
+const LAG_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30];
+
+/** p99 of the lag, ms, from histogram bucket counts (linear within its bucket), and the share of windows at or under 100 ms. */
+function lagFrom(before: Map<string, number>, after: Map<string, number>): { p99: number; under100: number; windows: number } {
+  const d = (k: string): number => (after.get(k) ?? 0) - (before.get(k) ?? 0);
+  const total = d('voxserve_processing_lag_seconds_count');
+  if (!total) return { p99: NaN, under100: NaN, windows: 0 };
+  let prevLe = 0;
+  let prevCum = 0;
+  let p99 = Infinity;
+  for (const le of LAG_BUCKETS) {
+    const cum = d(`voxserve_processing_lag_seconds_bucket{${le}}`);
+    if (cum >= 0.99 * total) {
+      p99 = (prevLe + ((0.99 * total - prevCum) / Math.max(1, cum - prevCum)) * (le - prevLe)) * 1000;
+      break;
+    }
+    prevLe = le;
+    prevCum = cum;
+  }
+  return { p99, under100: d('voxserve_processing_lag_seconds_bucket{0.1}') / total, windows: total };
+}
+
+interface Run {
   streams: number;
-  sustained: number;
-  lagP50: number;
+  share: number;
+  finished: number;
   lagP99: number;
-  eventLagP50: number;
-  eventLagP99: number;
-  serverCpuS: number;
-  clientCpuS: number;
-  streamSeconds: number;
-  rssMiB: number;
-  meanBatch: number;
+  under100: number;
+  held: boolean;
+  /** CPU ms per stream-second over the steady window. */
+  main: number;
+  hosts: number;
+  client: number;
+  /** Streams per batched job, mean. */
+  rows: number;
+  /** Slot run time (wall) per stream-second, ms. */
+  runMs: number;
+  /** Streams whose events differ from the most common sequence. */
+  differ: number;
+  load: number;
 }
 
-/** N live streams against a fresh server, through the client; progress on stderr while they run. */
-async function live(n: number, o: BenchOptions, isolation: 'process' | 'thread', probabilities = false): Promise<LiveResult> {
-  const { child, url } = await startChild(n, o, isolation);
-  const pcm = speechPcm();
-  const frameBytes = Math.round((16000 * o.frameMs) / 1000) * 2;
-  const totalFrames = Math.round((o.seconds * 1000) / o.frameMs);
-  const vox = new VoxClient({ url });
-  interface S { stream: VoxStream; next: number; start: number; done: boolean; lastSentAt: number; doneAt: number; eventLags: number[] }
-  const bar = progressBar(`${isolation} ${n} streams: opening`, 'streams');
-  let opened = 0;
-  const streams: S[] = await Promise.all(
-    Array.from({ length: n }, async () => {
-      const s: S = { stream: await vox.stream({ model: 'silero-vad', highWaterMark: 1024 * 1024, probabilities }), next: 0, start: 0, done: false, lastSentAt: 0, doneAt: 0, eventLags: [] };
-      s.stream.on('speech_end', (e) => s.eventLags.push(performance.now() - (s.start + e.end_ms - 30 + 100 + 32)));
-      s.stream.on('done', () => {
-        s.done = true;
-        s.doneAt = performance.now();
-      });
-      bar.update(++opened, n);
-      return s;
-    }),
-  );
-  bar.stop();
-  const cpu0 = cpuOf(child.pid!);
-  const client0 = process.cpuUsage();
-  const batches0 = await metricSum(url, 'voxserve_batch_size_count');
-  const windows0 = await metricSum(url, 'voxserve_batch_size_sum');
-  const t0 = performance.now();
-  // Spread stream starts over one frame; then each frame goes when its audio has elapsed.
-  streams.forEach((s, i) => (s.start = t0 + (i / n) * o.frameMs));
-  const sending = progressBar(`${isolation} ${n} streams: audio sent`, 's');
-  await paceFrames(
-    streams,
-    totalFrames,
-    o.frameMs,
-    (s, k) => {
-      const off = (k * frameBytes) % (pcm.length - frameBytes);
-      // A stream whose socket is behind by more than its high-water mark waits (and falls behind real time).
-      void s.stream.send(pcm.subarray(off, off + frameBytes)).catch(() => {});
-      if (k === totalFrames - 1) {
-        s.lastSentAt = performance.now();
-        s.stream.end().catch(() => {});
-      }
-    },
-    (now) => sending.update(Math.min(o.seconds, (now - t0) / 1000), o.seconds),
-  );
-  sending.stop();
-  const deadline = performance.now() + 30_000;
-  while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));
-  const serverCpuS = cpuOf(child.pid!) - cpu0;
-  const c = process.cpuUsage(client0);
-  const status = (await vox.model('silero-vad')) as { processing_lag_ms?: { p50: number; p99: number } | null };
-  const batches = (await metricSum(url, 'voxserve_batch_size_count')) - batches0;
-  const windows = (await metricSum(url, 'voxserve_batch_size_sum')) - windows0;
-  const rss = rssOf(child.pid!);
-  for (const s of streams) s.stream.close();
-  child.kill('SIGTERM');
-  await new Promise((r) => child.on('exit', r));
-  // Sustained: finished, and done within one second of the last frame (kept up with real time).
-  const sustained = streams.filter((s) => s.done && s.doneAt - s.lastSentAt < 1000).length;
-  const eventLags = streams.flatMap((s) => s.eventLags);
-  return {
-    streams: n,
-    sustained,
-    lagP50: status.processing_lag_ms?.p50 ?? NaN,
-    lagP99: status.processing_lag_ms?.p99 ?? NaN,
-    eventLagP50: pct(eventLags, 0.5),
-    eventLagP99: pct(eventLags, 0.99),
-    serverCpuS,
-    clientCpuS: (c.user + c.system) / 1e6,
-    streamSeconds: n * o.seconds,
-    rssMiB: rss / 1024 / 1024,
-    meanBatch: batches ? windows / batches : 1,
-  };
-}
-
-/** CPU seconds per stream-second of a bare loop: `sessions` sessions, batches of `batch` windows, one thread. */
-async function bare(batch: number, sessions: number, windows: number): Promise<number> {
-  const opts: ort.InferenceSession.SessionOptions = { intraOpNumThreads: 1, interOpNumThreads: 1, executionMode: 'sequential', graphOptimizationLevel: 'all' };
-  const ss = await Promise.all(Array.from({ length: sessions }, () => ort.InferenceSession.create(silero.path!, opts)));
-  const pcm = speechPcm();
-  const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
-  const states = ss.map(() => new Float32Array(2 * batch * 128));
-  const input = new Float32Array(batch * 576);
-  const runs = Math.ceil(windows / batch);
-  const cpu0 = process.cpuUsage();
-  for (let i = 0; i < runs; i++) {
-    for (let r = 0; r < batch; r++) {
-      const off = (((i * batch + r) * WINDOW) % (pcm.length / 2 - WINDOW)) * 2;
-      for (let k = 0; k < WINDOW; k++) input[r * 576 + 64 + k] = pcm.readInt16LE(off + 2 * k) / 32768;
-    }
-    const j = i % ss.length;
-    const out = await ss[j].run({ input: new ort.Tensor('float32', input, [batch, 576]), state: new ort.Tensor('float32', states[j], [2, batch, 128]), sr });
-    states[j] = Float32Array.from(out.stateN.data as Float32Array);
-  }
-  const c = process.cpuUsage(cpu0);
-  for (const s of ss) await s.release();
-  const cpuPerWindow = (c.user + c.system) / 1e6 / (runs * batch);
-  return cpuPerWindow * WINDOWS_PER_S;
-}
-
-/**
- * The cost of reaching a slot host, per batched job: the round trip seen by the caller minus the
- * run time the host reports, µs, over 500 jobs of `windows` windows one after another.
- */
-async function ipcCost(isolation: 'process' | 'thread', windows: number): Promise<number> {
-  const pool = await SlotPool.start({ kind: 'vad', model: silero.path! }, 1, slotFactory(isolation, 0));
+/** N real-time streams against a fresh server; CPU over the steady window. */
+async function live(w: Workload, n: number, share: number, o: BenchOptions): Promise<Run> {
+  const { child, url } = await startServer(w, n, o);
+  const pid = child.pid!;
   try {
-    const job = (): Job => ({ kind: 'vad', windows: new Float32Array(windows * WINDOW).map(() => Math.random() * 0.1), state: new Float32Array(256), context: new Float32Array(64) });
-    for (let i = 0; i < 50; i++) await pool.run(job());
-    let overhead = 0;
-    for (let i = 0; i < 500; i++) {
-      const j = job();
-      const t0 = performance.timeOrigin + performance.now();
-      const r = await pool.run(j);
-      const t1 = performance.timeOrigin + performance.now();
-      overhead += t1 - t0 - (r.ran![1] - r.ran![0]);
-    }
-    return (overhead / 500) * 1000;
+    const frameBytes = Math.round((16000 * w.frameMs) / 1000) * 2;
+    const totalFrames = Math.round((o.seconds * 1000) / w.frameMs);
+    const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=${w.id}${o.probabilities && w.id === 'silero-vad' ? '&probabilities=true' : ''}`;
+    interface S { ws: WebSocket; next: number; start: number; done: boolean; lastSentAt: number; doneAt: number; events: string[] }
+    const streams = await Promise.all(
+      Array.from(
+        { length: n },
+        () =>
+          new Promise<S>((resolve, reject) => {
+            const s: S = { ws: new WebSocket(wsUrl, { perMessageDeflate: false }), next: 0, start: 0, done: false, lastSentAt: 0, doneAt: 0, events: [] };
+            s.ws.on('error', reject);
+            s.ws.on('message', (d) => {
+              const e = JSON.parse(d.toString()) as Record<string, unknown>;
+              const key = w.eventKey(e);
+              if (key) s.events.push(key);
+              else if (e.type === 'ready') resolve(s);
+              else if (e.type === 'done') {
+                s.done = true;
+                s.doneAt = performance.now();
+              }
+            });
+          }),
+      ),
+    );
+    const before = await scrape(url, w.id);
+    // CPU at the window's edges, and the windows (or steps) processed by then (the scrape's own cost is small).
+    const snap = (): { at: number; server: { main: number; hosts: number }; client: NodeJS.CpuUsage; done: Promise<number> } => ({
+      at: performance.now(),
+      server: cpuApart(pid),
+      client: process.cpuUsage(),
+      done: scrape(url, w.id).then((m) => m.get('voxserve_processing_lag_seconds_count') ?? 0),
+    });
+    const t0 = performance.now();
+    const warm = Math.min(1000, (o.seconds * 1000) / 4);
+    let c0: ReturnType<typeof snap> | null = null;
+    let c1: ReturnType<typeof snap> | null = null;
+    streams.forEach((s, i) => (s.start = t0 + (i / n) * w.frameMs));
+    await paceFrames(
+      streams,
+      totalFrames,
+      w.frameMs,
+      (s, k) => {
+        const off = (k * frameBytes) % (w.pcm.length - frameBytes);
+        s.ws.send(w.pcm.subarray(off, off + frameBytes));
+        if (k === totalFrames - 1) {
+          s.lastSentAt = performance.now();
+          s.ws.send('{"type":"end"}');
+        }
+      },
+      (now) => {
+        if (!c0 && now >= t0 + warm) c0 = snap();
+        if (!c1 && now >= t0 + o.seconds * 1000) c1 = snap();
+      },
+    );
+    c1 ??= snap();
+    const deadline = performance.now() + 30_000;
+    while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    const after = await scrape(url, w.id);
+    const a = c0!;
+    const b = c1 as ReturnType<typeof snap>;
+    // For profiling (`perf record -k CLOCK_MONOTONIC`, then `perf report --time A,B`): the window on the monotonic clock, s.
+    const mono = (at: number): string => ((Number(process.hrtime.bigint()) / 1e6 - (performance.now() - at)) / 1000).toFixed(6);
+    if (process.env.VOXSERVE_BENCH_MARKS) process.stderr.write(`bench-window: ${mono(a.at)},${mono(b.at)}\n`);
+    // Stream-seconds processed in the window: when the server falls behind, its CPU goes to fewer of them.
+    const streamS = (((await b.done) - (await a.done)) * w.stepSamples) / 16000;
+    const lag = lagFrom(before, after);
+    const finished = streams.filter((s) => s.done && s.doneAt - s.lastSentAt < 1000).length;
+    const seqs = new Map<string, number>();
+    for (const s of streams) seqs.set(s.events.join(' '), (seqs.get(s.events.join(' ')) ?? 0) + 1);
+    const batches = (after.get('voxserve_batch_size_count') ?? 0) - (before.get('voxserve_batch_size_count') ?? 0);
+    const rows = (after.get('voxserve_batch_size_sum') ?? 0) - (before.get('voxserve_batch_size_sum') ?? 0);
+    const runS = (after.get('voxserve_inference_duration_seconds_sum') ?? 0) - (before.get('voxserve_inference_duration_seconds_sum') ?? 0);
+    for (const s of streams) s.ws.terminate();
+    return {
+      streams: n,
+      share,
+      finished,
+      lagP99: lag.p99,
+      under100: lag.under100,
+      held: finished === n && lag.under100 >= 0.99,
+      main: ((b.server.main - a.server.main) * 1000) / streamS,
+      hosts: ((b.server.hosts - a.server.hosts) * 1000) / streamS,
+      client: (b.client.user + b.client.system - a.client.user - a.client.system) / 1000 / ((n * (b.at - a.at)) / 1000),
+      rows: batches ? rows / batches : 1,
+      runMs: (runS * 1000) / (n * o.seconds),
+      differ: n - Math.max(...seqs.values()),
+      load: loadavg()[0],
+    };
   } finally {
-    await pool.close();
+    child.kill('SIGTERM');
+    await new Promise((r) => child.on('exit', r));
   }
 }
 
-/** Runs the benchmark and prints the table. */
+const f = (x: number, d = 1): string => (Number.isFinite(x) ? x.toFixed(d) : x === Infinity ? 'inf' : '-');
+const median = (xs: number[]): number => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) / 2)];
+
+/** Runs the benchmark and prints its tables (progress on stderr). */
 export async function bench(o: BenchOptions): Promise<void> {
-  const rows: string[] = [];
-  const f = (x: number, d = 1): string => (Number.isFinite(x) ? x.toFixed(d) : '-');
-  rows.push(`voxserve bench: silero-vad, ${o.frameMs} ms frames, ${o.seconds} s of speech per stream, ${o.slots} slot(s), max_batch_delay_ms ${o.batchDelayMs}, on ${(await import('node:os')).cpus().length} cores`);
-  rows.push('');
-  rows.push('isolation | streams | sustained | lag p50/p99 ms | event lag p50/p99 ms | server CPU s | client CPU s | server RSS MiB | mean batch | server CPU per stream-s ms | bare batched ms | ratio bare/server | per-client ms | streams/core server vs per-client');
-  rows.push('---|---|---|---|---|---|---|---|---|---|---|---|---|---');
-  const say = (line: string): boolean => process.stderr.write(`bench: ${line}\n`);
-  say('per-client baseline: 8 sessions, 20,000 windows unbatched ...');
-  const perClient = await bare(1, 8, 20_000);
-  const batches = new Map<string, number>();
-  const probabilityCost: string[] = [];
-  let offPer = NaN;
-  for (const n of o.streams) for (const isolation of o.isolation) for (const probabilities of o.probabilities ? [false, true] : [false]) {
-    const r = await live(n, o, isolation, probabilities);
-    batches.set(isolation, Math.max(batches.get(isolation) ?? 1, Math.round(r.meanBatch)));
-    const serverPer = r.serverCpuS / r.streamSeconds;
-    say(`bare batched baseline: batches of ${Math.max(1, Math.round(r.meanBatch))} windows ...`);
-    const barePer = await bare(Math.max(1, Math.round(r.meanBatch)), 1, 20_000);
-    if (!probabilities) offPer = serverPer;
-    else probabilityCost.push(`${isolation} | ${n} | ${f(offPer * 1000, 3)} | ${f(serverPer * 1000, 3)} | ${f(serverPer / offPer, 2)}`);
-    rows.push(
+  const out: string[] = [];
+  const say = (line = ''): void => {
+    out.push(line);
+    process.stderr.write(`bench: ${line}\n`);
+  };
+  const started = loadavg();
+  say(`voxserve bench: ${o.seconds} s per stream and run, ${o.slots} slot(s), isolation ${o.isolation}, ${o.rounds} round(s), on ${CORES} cores; load average at start ${started.map((x) => x.toFixed(2)).join(' ')}`);
+  const summary: string[] = [];
+  for (const name of o.workloads) {
+    const w = workload(name, o);
+    say();
+    say(`## ${w.title}`);
+    const bare0 = await w.bare(w.limitRows);
+    const sameRows = new Map<number, number>();
+    const bareAt = async (rows: number): Promise<number> => {
+      const r = Math.max(1, Math.round(rows));
+      if (w.limitRows === 1) return bare0;
+      if (!sameRows.has(r)) sameRows.set(r, await w.bare(r));
+      return sameRows.get(r)!;
+    };
+    const runs: Run[] = [];
+    let limit = (CORES * 1000) / bare0;
+    let bare = bare0;
+    const row = (r: Run, sameBare: number): string =>
       [
-        `${isolation}${probabilities ? ' +probabilities' : ''}`,
+        `${f(r.share * 100, 0)} %`,
         r.streams,
-        r.sustained,
-        `${f(r.lagP50)} / ${f(r.lagP99)}`,
-        `${f(r.eventLagP50, 0)} / ${f(r.eventLagP99, 0)}`,
-        f(r.serverCpuS, 2),
-        f(r.clientCpuS, 2),
-        f(r.rssMiB, 0),
-        f(r.meanBatch),
-        f(serverPer * 1000, 3),
-        f(barePer * 1000, 3),
-        f(barePer / serverPer, 2),
-        f(perClient * 1000, 3),
-        `${f(1 / serverPer, 0)} vs ${f(1 / perClient, 0)} (${f(perClient / serverPer, 1)}x)`,
+        r.held ? 'yes' : 'no',
+        `${r.finished}/${r.streams}`,
+        f(r.lagP99, 0),
+        f(r.under100 * 100, 2),
+        `${f(r.main + r.hosts, 2)} (${f(r.main, 2)} + ${f(r.hosts, 2)})`,
+        f((r.main + r.hosts) / bare, 2),
+        f(r.hosts / sameBare, 2),
+        f(r.main / bare, 2),
+        f(r.client, 2),
+        f(r.rows, 1),
+        f(r.runMs / sameBare, 2),
+        r.differ ? `NO: ${r.differ} differ` : 'yes',
+        f(r.load, 1),
+      ].join(' | ');
+    const header = (): void => {
+      say('share of limit | streams | held | finished | lag p99 ms | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg');
+      say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
+    };
+    const runAt = async (share: number, n = Math.max(1, Math.round(share * limit))): Promise<Run> => {
+      const r = await live(w, n, share, o);
+      runs.push(r);
+      say(row(r, await bareAt(r.rows)));
+      return r;
+    };
+    if (o.streams) {
+      say(`bare: ${f(bare0, 3)} ms CPU per stream-second (${w.limitRows} row(s) per run, one thread)`);
+      header();
+      for (const n of o.streams) await runAt(n / limit, n);
+      continue;
+    }
+    // The load generator's own cost per stream-second, from a calibration run.
+    say(`bare: ${f(bare0, 3)} ms CPU per stream-second (${w.limitRows} row(s) per run, one thread); calibrating the load generator at 25 % of ${f(limit, 0)} streams`);
+    header();
+    const cal = await runAt(0.25);
+    limit = (CORES * 1000) / (bare0 + cal.client);
+    for (const r of runs) r.share = r.streams / limit;
+    say(`limit: ${CORES} cores x 1000 / (bare ${f(bare0, 3)} + load generator ${f(cal.client, 3)}) = ${f(limit, 0)} streams`);
+    const at: Record<number, Run> = {};
+    for (const share of [0.1, 0.4]) at[share] = await runAt(share);
+    const rounds: number[] = [];
+    for (let round = 0; round < o.rounds; round++) {
+      let share = w.target;
+      let best = 0;
+      let r = await runAt(share);
+      if (share === 0.7) at[0.7] ??= r;
+      if (r.held) {
+        best = r.streams;
+        while (share + o.step <= 1.5) {
+          share = Math.round((share + o.step) * 100) / 100;
+          r = await runAt(share);
+          if (!r.held) break;
+          best = r.streams;
+        }
+      } else {
+        while (share - o.step >= 0.05) {
+          share = Math.round((share - o.step) * 100) / 100;
+          r = await runAt(share);
+          if (r.held) {
+            best = r.streams;
+            break;
+          }
+        }
+      }
+      rounds.push(best);
+      say(`round ${round + 1}: held ${best} streams (${f((best / limit) * 100, 0)} % of the limit)`);
+    }
+    at[0.7] ??= await runAt(0.7);
+    // The bare loop again at the end: the machine's speed drifts with other load.
+    const bare1 = await w.bare(w.limitRows);
+    bare = (bare0 + bare1) / 2;
+    const held = median(rounds);
+    say(`bare at start and end: ${f(bare0, 3)} / ${f(bare1, 3)} ms per stream-second; rows above are against ${f(bare0, 3)}`);
+    say(`held: ${rounds.join(', ')} streams, median ${held} = ${f((held / limit) * 100, 0)} % of the limit ${f(limit, 0)} (target ${f(w.target * 100, 0)} %)`);
+    const steady = [0.1, 0.4, 0.7].map((s) => at[s]);
+    const mainMs = median(steady.map((r) => r.main));
+    say(
+      `server CPU per stream-s at 10 / 40 / 70 % of the limit: ${steady.map((r) => f(r.main + r.hosts, 2)).join(' / ')} ms = ${steady.map((r) => f((r.main + r.hosts) / bare, 2)).join(' / ')}x bare (target <= 1.15); slot hosts ${steady.map((r) => f(r.hosts / bare, 2)).join(' / ')}x bare`,
+    );
+    say(`main process: ${steady.map((r) => f(r.main, 3)).join(' / ')} ms per stream-s = ${steady.map((r) => f(r.main / bare, 2)).join(' / ')}x bare; one core of ingress carries about ${f(1000 / mainMs, 0)} streams`);
+    summary.push(
+      [
+        w.title,
+        f(bare, 3),
+        f(cal.client, 3),
+        f(limit, 0),
+        `${held} (${rounds.join(', ')})`,
+        `${f((held / limit) * 100, 0)} % (${f(w.target * 100, 0)} %)`,
+        steady.map((r) => f((r.main + r.hosts) / bare, 2)).join(' / '),
+        steady.map((r) => f(r.hosts / bare, 2)).join(' / '),
+        steady.map((r) => f(r.main / bare, 2)).join(' / '),
+        f(1000 / mainMs, 0),
       ].join(' | '),
     );
-    say(rows.at(-1)!);
   }
-  if (probabilityCost.length) {
-    rows.push('');
-    rows.push('isolation | streams | server CPU per stream-s ms, off | with probabilities=true | ratio on/off');
-    rows.push('---|---|---|---|---');
-    rows.push(...probabilityCost);
+  if (summary.length) {
+    say();
+    say('## Summary');
+    say('workload | bare ms per stream-s | load generator ms per stream-s | limit (streams) | held, median (rounds) | held / limit (target) | server / bare at 10/40/70 % | slot hosts / bare | main / bare | streams per core of ingress');
+    say('---|---|---|---|---|---|---|---|---|---');
+    for (const s of summary) say(s);
   }
-  rows.push('');
-  rows.push('isolation | windows per batched job | IPC and dispatch per job µs (round trip - run time, mean of 500)');
-  rows.push('---|---|---');
-  for (const isolation of o.isolation) {
-    const windows = Math.max(1, batches.get(isolation) ?? 32);
-    say(`${isolation}: IPC cost, 500 jobs of ${windows} windows ...`);
-    rows.push(`${isolation} | ${windows} | ${f(await ipcCost(isolation, windows), 0)}`);
-  }
-  process.stdout.write(`${rows.join('\n')}\n`);
+  say();
+  say(`load average at start ${started.map((x) => x.toFixed(2)).join(' ')}, at end ${loadavg().map((x) => x.toFixed(2)).join(' ')}`);
+  process.stdout.write(`${out.join('\n')}\n`);
 }

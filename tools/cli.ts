@@ -60,7 +60,7 @@ function client(url: string, apiKey?: string): VoxClient {
 
 /**
  * Ends a client command that failed: a server error (an HTTP answer, a refused stream
- * handshake included) is printed as its wire body on stdout (`{"error":{type,message}}`), a
+ * handshake included) is printed as its wire body on stdout (`{"error":{type,code,message}}`), a
  * closed stream as its close code on stderr; exit 1.
  */
 function failed(url: string, e: unknown): never {
@@ -70,7 +70,7 @@ function failed(url: string, e: unknown): never {
     die(e.message);
   }
   if (e.closeCode !== undefined && e.status === undefined) die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
-  process.stdout.write(`${JSON.stringify({ error: { type: e.type, message: e.message } })}\n`);
+  process.stdout.write(`${JSON.stringify({ error: { type: e.type, code: e.code, message: e.message } })}\n`);
   process.exit(1);
 }
 
@@ -184,8 +184,8 @@ program
     const stop = (sig: string): void => {
       const first = ++signals === 1;
       process.stderr.write(first ? `voxserve: ${sig}, draining (up to ${config.drain_timeout_ms} ms; again to skip)\n` : `voxserve: ${sig}, skipping the drain\n`);
-      // A second call skips what is left of the drain.
-      server.close().then(
+      // A second signal cuts what is left of the drain.
+      (first ? server.close() : server.destroy()).then(
         () => {
           if (first) process.exit(0);
         },
@@ -304,31 +304,37 @@ program
 
 program
   .command('bench')
-  .description('live streaming benchmark against a server it starts, with the bare and per-client baselines (one table)')
-  .option('--task <task>', 'vad (Silero VAD streams) or wakeword (openWakeWord streams: 1, 2 and 6 heads, batching)', 'vad')
-  .option('--streams <list>', 'comma-separated stream counts (default 100,500,1000; wakeword: 40,160)', '100,500,1000')
-  .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
-  .option('--seconds <s>', 'audio per stream, s', int('--seconds'), 20)
-  .option('--slots <n>', 'server slots for the model (wakeword: default 2)', int('--slots'), 1)
-  .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms", int('--batch-delay-ms'), 10)
-  .option('--isolation <list>', 'slot host isolation modes to run side by side: process, thread (wakeword: one, default process)', 'thread,process')
-  .option('--head-streams <n>', 'wakeword: streams for the 1 / 2 / 6 heads comparison', int('--head-streams'), 40)
-  .option('--probabilities', 'vad: run each count twice, without and with probabilities=true, and print the cost of the probability events')
-  .action(async (opts: { task: string; streams: string; frameMs: number; seconds: number; slots: number; batchDelayMs: number; isolation: string; headStreams: number; probabilities?: boolean }, cmd: Command) => {
-    const given = (name: string): boolean => cmd.getOptionValueSource(name) !== 'default';
-    if (opts.task !== 'vad' && opts.task !== 'wakeword') die(`--task must be vad or wakeword, got '${opts.task}'`);
-    const wake = opts.task === 'wakeword';
-    const streams = (wake && !given('streams') ? '40,160' : opts.streams).split(',').map(Number);
-    if (streams.some((n) => !Number.isInteger(n) || n < 1)) die('--streams must be a comma-separated list of positive integers');
-    const isolation = (wake && !given('isolation') ? 'process' : opts.isolation).split(',');
-    if (!isolation.every((m) => m === 'process' || m === 'thread')) die(`--isolation must be a comma-separated list of process and thread, got '${opts.isolation}'`);
-    if (wake) {
-      if (isolation.length !== 1) die('--task wakeword runs one --isolation mode');
-      const { benchWakeword } = await import('./bench-wakeword.js');
-      return benchWakeword({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: given('slots') ? opts.slots : 2, isolation: isolation[0] as 'process' | 'thread', headStreams: opts.headStreams });
-    }
+  .description('what share of the bare models\' capacity the server holds: VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run')
+  .option('--task <list>', 'workloads: vad100, vad20, wakeword (vad = vad100,vad20)', 'vad100,vad20,wakeword')
+  .option('--quick', 'one run in a few minutes: 6 s per run, search steps of 10 % of the limit')
+  .option('--rounds <n>', 'rounds of the held search (median reported)', int('--rounds'), 3)
+  .option('--seconds <s>', 'audio per stream and run, s (default 15; --quick 6)', int('--seconds'))
+  .option('--streams <list>', 'fixed stream counts instead of the held search (for profiling)')
+  .option('--slots <n>', 'server slots per model', int('--slots'), 2)
+  .option('--batch-size <n>', "the model's max_batch_size (default: the server's)", int('--batch-size'))
+  .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms (default: the server's)", int('--batch-delay-ms'))
+  .option('--isolation <mode>', 'slot hosts: process or thread', 'process')
+  .option('--probabilities', 'VAD streams ask for probabilities=true (a probability event per window)')
+  .action(async (opts: { task: string; quick?: boolean; rounds: number; seconds?: number; streams?: string; slots: number; batchSize?: number; batchDelayMs?: number; isolation: string; probabilities?: boolean }) => {
+    const workloads = opts.task.split(',').flatMap((t) => (t === 'vad' ? ['vad100', 'vad20'] : [t]));
+    const known = ['vad100', 'vad20', 'wakeword'];
+    if (!workloads.every((t) => known.includes(t))) die(`--task must be a comma-separated list of ${known.join(', ')} (or vad), got '${opts.task}'`);
+    const streams = opts.streams?.split(',').map(Number);
+    if (streams?.some((n) => !Number.isInteger(n) || n < 1)) die('--streams must be a comma-separated list of positive integers');
+    if (opts.isolation !== 'process' && opts.isolation !== 'thread') die(`--isolation must be process or thread, got '${opts.isolation}'`);
     const { bench } = await import('./bench.js');
-    await bench({ streams, frameMs: opts.frameMs, seconds: opts.seconds, slots: opts.slots, batchDelayMs: opts.batchDelayMs, isolation: isolation as ('process' | 'thread')[], probabilities: opts.probabilities });
+    await bench({
+      workloads: workloads as ('vad100' | 'vad20' | 'wakeword')[],
+      rounds: opts.rounds,
+      seconds: opts.seconds ?? (opts.quick ? 6 : 15),
+      step: opts.quick ? 0.1 : 0.05,
+      streams,
+      slots: opts.slots,
+      batchSize: opts.batchSize,
+      batchDelayMs: opts.batchDelayMs,
+      isolation: opts.isolation,
+      probabilities: opts.probabilities,
+    });
   });
 
 program.parseAsync().catch((e) => die((e as Error).message));

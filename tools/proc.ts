@@ -12,12 +12,19 @@ export function processTree(pid: number): number[] {
 
 /** CPU seconds (utime + stime, clock ticks of 10 ms) of a process and its live descendants. */
 export function treeCpuSeconds(pid: number): number {
-  let s = 0;
-  for (const p of processTree(pid)) {
-    const f = readFileSync(`/proc/${p}/stat`, 'utf8').split(') ')[1].split(' ');
-    s += (Number(f[11]) + Number(f[12])) / 100;
-  }
-  return s;
+  return processTree(pid).reduce((s, p) => s + ownCpuSeconds(p), 0);
+}
+
+/** CPU seconds of a process alone (`main`) and of its live descendants together (`hosts`: the slot hosts under process isolation). */
+export function cpuApart(pid: number): { main: number; hosts: number } {
+  const [main, ...kids] = processTree(pid).map(ownCpuSeconds);
+  return { main, hosts: kids.reduce((a, b) => a + b, 0) };
+}
+
+/** CPU seconds (utime + stime, clock ticks of 10 ms) of one process, its threads included. */
+export function ownCpuSeconds(pid: number): number {
+  const f = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1].split(' ');
+  return (Number(f[11]) + Number(f[12])) / 100;
 }
 
 /** Resident bytes (VmRSS) of a process and its live descendants. */

@@ -1,7 +1,8 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
 import type { IncomingMessage } from 'node:http';
 import type { ServerConfig } from '../runtime/config.js';
-import { VoxError } from '../runtime/errors.js';
+import { voxError } from '../runtime/errors.js';
+import { KEY_PROTOCOL } from '../runtime/wire.js';
 
 /**
  * Who may talk to the server, checked on every request and WebSocket handshake before it is
@@ -9,9 +10,6 @@ import { VoxError } from '../runtime/errors.js';
  * requests from browsers; allowed origins get CORS headers), API keys (inference routes and
  * streams) and the management token (management and debug routes).
  */
-
-/** WebSocket subprotocol prefix that carries an API key: `voxserve.key.<key>` (browsers cannot set headers on a WebSocket). */
-export const KEY_PROTOCOL = 'voxserve.key.';
 
 /** Sent on the answer to a CORS preflight (`OPTIONS` with `Origin`) from an allowed origin. */
 const PREFLIGHT = {
@@ -22,7 +20,6 @@ const PREFLIGHT = {
 
 const digest = (s: string): Buffer => createHash('sha256').update(s).digest();
 const bearer = (req: IncomingMessage): string => /^bearer\s+(.*)$/i.exec(req.headers.authorization ?? '')?.[1] ?? '';
-const clip = (s: string): string => (s.length > 200 ? `${s.slice(0, 200)}...` : s);
 
 /** Host name of a `Host` header or a configured name: lower case, no port, IPv6 in brackets, IPv4 canonical; null if not a host. */
 function hostName(host: string): string | null {
@@ -89,7 +86,7 @@ export function createAccess(config: ServerConfig): Access {
       if (given === undefined || hosts.has('*')) return;
       const name = hostName(given);
       if (name !== null && (loopbackName(name) || name === configured || hosts.has(name))) return;
-      throw new VoxError('forbidden', `Host '${clip(given)}' is not served here: add it to allowed_hosts (requests may only name loopback, the configured host or allowed_hosts, against DNS rebinding)`);
+      throw voxError('host_not_allowed', { host: given });
     },
     origin(req, preflight = false) {
       const given = req.headers.origin;
@@ -109,7 +106,7 @@ export function createAccess(config: ServerConfig): Access {
         }
       }
       if (!url || url.origin === 'null' || !(own || origins.has(url.origin))) {
-        throw new VoxError('forbidden', `Origin '${clip(given)}' may not call this server: add it to allowed_origins`);
+        throw voxError('origin_not_allowed', { origin: given });
       }
       return {
         'access-control-allow-origin': url.origin,
@@ -125,16 +122,15 @@ export function createAccess(config: ServerConfig): Access {
       let ok = false;
       for (const k of keys) ok = timingSafeEqual(d, k) || ok;
       if (ok) return;
-      const cli = 'voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY';
-      throw new VoxError('unauthorized', given ? `the API key is not valid: it is not one of the server's auth.api_keys (${cli})` : `this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol ${KEY_PROTOCOL}<key> (${cli})`);
+      throw given ? voxError('api_key_invalid') : voxError('api_key_required', { keyProtocol: KEY_PROTOCOL });
     },
     management(req, page = false) {
       if (!config.management.enabled) {
-        throw new VoxError('forbidden', 'management and debug routes are disabled; start the server with --management');
+        throw voxError('management_disabled');
       }
       if (page || !token) return;
       if (!timingSafeEqual(digest(bearer(req)), digest(token))) {
-        throw new VoxError('forbidden', 'management routes need Authorization: Bearer <token>');
+        throw voxError('management_token_required');
       }
     },
   };

@@ -2,7 +2,7 @@ import { readdirSync, readFileSync } from 'node:fs';
 import { basename, extname, join, relative, sep } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import type { ServerResponse } from 'node:http';
-import { VoxError } from '../runtime/errors.js';
+import { voxError } from '../runtime/errors.js';
 
 /** Where `npm run build` (vite, demo/vite.config.mjs) puts the /demo page: dist/demo (this file runs from dist/transport, or from transport/ in tests). */
 const up = fileURLToPath(new URL('..', import.meta.url));
@@ -52,10 +52,10 @@ function readDemo(): Map<string, { type: string; body: Buffer }> {
 export function demoRoute(enabled: boolean): (path: string, res: ServerResponse) => void {
   const files = enabled ? readDemo() : new Map();
   return (path, res) => {
-    if (!enabled) throw new VoxError('not_found', 'the demo is off: set demo.enabled in the config (it is on by default on a loopback address)');
-    if (!files.size) throw new VoxError('not_found', 'the demo is not built: run npm run build');
+    if (!enabled) throw voxError('demo_disabled');
+    if (!files.size) throw voxError('demo_not_built');
     const file = files.get(path);
-    if (!file) throw new VoxError('not_found', `no demo file ${path}`);
+    if (!file) throw voxError('route_not_found', { route: path, hint: 'the demo has no such file' });
     res.writeHead(200, {
       'content-type': file.type,
       'content-length': file.body.length,

@@ -2,7 +2,7 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { AudioFile, HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
 import { MAX_TIMEOUT_MS, queryOptions } from '../runtime/config.js';
 import { isAudioContentType } from '../runtime/decode.js';
-import { errorBody, invalid, toVoxError, VoxError } from '../runtime/errors.js';
+import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 
 /** Writes a JSON response. */
 export function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
@@ -40,7 +40,7 @@ export const mediaType = (req: IncomingMessage): string => (req.headers['content
  */
 export function requireMediaType(req: IncomingMessage, accepted: string[]): void {
   const type = mediaType(req);
-  if (!accepted.includes(type)) throw new VoxError('unsupported_media_type', `content-type: expected ${accepted.join(' or ')}, got '${type || 'none'}'`);
+  if (!accepted.includes(type)) throw voxError('unsupported_media_type', { expected: accepted.join(' or '), got: type });
 }
 
 /**
@@ -51,7 +51,10 @@ export function requireMediaType(req: IncomingMessage, accepted: string[]): void
 export function requireRunMediaType(req: IncomingMessage): void {
   const type = mediaType(req);
   if (type !== 'application/json' && !isAudioContentType(type)) {
-    throw new VoxError('unsupported_media_type', `content-type: expected application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got '${type || 'none'}'`);
+    throw voxError('unsupported_media_type', {
+      expected: 'application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID)',
+      got: type,
+    });
   }
 }
 
@@ -65,7 +68,7 @@ export function requireRunMediaType(req: IncomingMessage): void {
  */
 export function readBody(req: IncomingMessage, res: ServerResponse, limit: number, idleMs: number): Promise<Buffer> {
   const declared = Number(req.headers['content-length']);
-  if (declared > limit) return Promise.reject(new VoxError('payload_too_large', `body of ${declared} bytes exceeds limits.max_body_bytes (${limit})`));
+  if (declared > limit) return Promise.reject(voxError('body_too_large', { bytes: declared, limit }));
   if (/^100-continue$/i.test(req.headers.expect ?? '')) res.writeContinue();
   return new Promise((resolve, reject) => {
     const chunks: Buffer[] = [];
@@ -73,7 +76,7 @@ export function readBody(req: IncomingMessage, res: ServerResponse, limit: numbe
     let timer: NodeJS.Timeout | null = null;
     const arm = (): void => {
       if (timer) clearTimeout(timer);
-      if (idleMs > 0) timer = setTimeout(() => fail(new VoxError('invalid_request_error', `request body stalled: no data for limits.idle_ms (${idleMs} ms)`)), idleMs);
+      if (idleMs > 0) timer = setTimeout(() => fail(voxError('body_stalled', { idleMs })), idleMs);
     };
     const cleanup = (): void => {
       if (timer) clearTimeout(timer);
@@ -85,7 +88,7 @@ export function readBody(req: IncomingMessage, res: ServerResponse, limit: numbe
     };
     const onData = (chunk: Buffer): void => {
       size += chunk.length;
-      if (size > limit) return fail(new VoxError('payload_too_large', `body exceeds limits.max_body_bytes (${limit})`));
+      if (size > limit) return fail(voxError('body_too_large', { limit }));
       chunks.push(chunk);
       arm();
     };
@@ -106,9 +109,9 @@ export function parseJsonObject(body: Buffer): Record<string, unknown> {
   try {
     v = JSON.parse(body.toString('utf8'));
   } catch (e) {
-    throw invalid(`body is not valid JSON: ${(e as Error).message}`);
+    throw voxError('invalid_json', { problem: `is not valid JSON: ${(e as Error).message}` });
   }
-  if (!v || typeof v !== 'object' || Array.isArray(v)) throw invalid('body must be a JSON object');
+  if (!v || typeof v !== 'object' || Array.isArray(v)) throw voxError('invalid_json', { problem: 'must be a JSON object' });
   return v as Record<string, unknown>;
 }
 
@@ -116,7 +119,7 @@ function parseTimeout(v: unknown): number | undefined {
   if (v === undefined || v === null || v === '') return undefined;
   const n = typeof v === 'string' ? Number(v) : v;
   if (typeof n !== 'number' || !Number.isInteger(n) || n < 0 || n > MAX_TIMEOUT_MS || (typeof v === 'string' && !/^\d+$/.test(v))) {
-    throw invalid(`busy_timeout_ms: must be an integer from 0 to ${MAX_TIMEOUT_MS}, got ${JSON.stringify(v)}`);
+    throw invalid('busy_timeout_ms', `must be an integer from 0 to ${MAX_TIMEOUT_MS}, got ${JSON.stringify(v)}`);
   }
   return n;
 }
@@ -136,11 +139,11 @@ const DATA_URL = /^data:([^;,]*)((?:;[^;,]*)*?);base64,/i;
  * @throws VoxError `invalid_request_error` naming `field`.
  */
 export function parseBase64Audio(value: unknown, field: string): AudioFile {
-  if (typeof value !== 'string' || !value) throw invalid(`${field}: required, a base64-encoded audio file`);
+  if (typeof value !== 'string' || !value) throw invalid(field, `required, a base64-encoded audio file`);
   const prefix = DATA_URL.exec(value.slice(0, 256));
-  if (!prefix && value.startsWith('data:')) throw invalid(`${field}: a data: URL must be base64 (data:<type>;base64,...)`);
+  if (!prefix && value.startsWith('data:')) throw invalid(field, `a data: URL must be base64 (data:<type>;base64,...)`);
   const b64 = prefix ? value.slice(prefix[0].length) : value;
-  if (!BASE64.test(b64.replace(/\s/g, ''))) throw invalid(`${field}: not valid base64`);
+  if (!BASE64.test(b64.replace(/\s/g, ''))) throw invalid(field, `not valid base64`);
   const type = prefix?.[1].trim().toLowerCase() || undefined;
   return { bytes: Buffer.from(b64, 'base64'), type };
 }
@@ -148,7 +151,7 @@ export function parseBase64Audio(value: unknown, field: string): AudioFile {
 /** A JSON task request takes no query parameters. @throws VoxError naming the first. */
 function noQuery(url: URL): void {
   const first = [...url.searchParams.keys()][0];
-  if (first !== undefined) throw invalid(`${first.slice(0, 64)}: unknown query parameter; with a JSON body every field goes in the body`);
+  if (first !== undefined) throw voxError('unknown_field', { field: first, problem: 'unknown query parameter; with a JSON body every field goes in the body' });
 }
 
 /**
@@ -173,13 +176,13 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number):
     noQuery(url);
     const json = parseJsonObject(body);
     const unknown = Object.keys(json).filter((k) => !RUN_FIELDS.includes(k));
-    if (unknown.length) throw invalid(`${unknown[0]}: unknown field; expected ${RUN_FIELDS.join(', ')}`);
-    if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
+    if (unknown.length) throw voxError('unknown_field', { field: unknown[0], problem: `unknown field; expected ${RUN_FIELDS.join(', ')}` });
+    if (typeof json.model !== 'string' || !json.model) throw invalid('model', 'required, a model id string');
     return { kind: 'run', model: json.model, files: [parseBase64Audio(json.audio, 'audio')], busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
   }
   const options = queryOptions(url.searchParams, RUN_QUERY);
   const model = url.searchParams.get('model');
-  if (!model) throw invalid('model: required as a query parameter (?model=ID) with an audio body');
+  if (!model) throw invalid('model', 'required as a query parameter (?model=ID) with an audio body');
   return { kind: 'run', model, files: [{ bytes: body, type }], busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined), options, t0 };
 }
 
@@ -196,9 +199,9 @@ export const MAX_BATCH_FILES = 256;
 export function parseBatchRequest(url: URL, body: Buffer, t0: number): TaskRequest {
   noQuery(url);
   const json = parseJsonObject(body);
-  if (typeof json.model !== 'string' || !json.model) throw invalid('model: required, a model id string');
+  if (typeof json.model !== 'string' || !json.model) throw invalid('model', 'required, a model id string');
   const files = json.files;
-  if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES) throw invalid(`files: required, an array of 1-${MAX_BATCH_FILES} base64-encoded audio files`);
+  if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES) throw invalid('files', `required, an array of 1-${MAX_BATCH_FILES} base64-encoded audio files`);
   return { kind: 'batch', model: json.model, files: files.map((f, i) => parseBase64Audio(f, `files.${i}`)), busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
 }
 

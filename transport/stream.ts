@@ -1,7 +1,9 @@
 import type { WebSocket } from 'ws';
 import type { StreamInput, StreamOutput, StreamSocket, StreamSocketHandle } from '../actors/stream.js';
 import type { Limits } from '../runtime/config.js';
-import { encodeEvent, type Subprotocol } from './codec.js';
+import { voxError, type WireError } from '../runtime/errors.js';
+import type { Subprotocol } from '../runtime/wire.js';
+import { encodeEvent } from './codec.js';
 
 /** A live stream as the transport sees it: its socket actor and the WebSocket it writes to. */
 export interface StreamLink {
@@ -15,16 +17,16 @@ export interface StreamLink {
 const END = /^\s*\{\s*"type"\s*:\s*"end"\s*\}\s*$/;
 
 /** Parses a text frame into an event for the socket actor: `END`, or `BAD_CONTROL` with the reason. */
-function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; message: string } {
+function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; error: WireError } {
   if (END.test(text)) return { type: 'END' };
   let msg: unknown;
   try {
     msg = JSON.parse(text);
   } catch {
-    return { type: 'BAD_CONTROL', message: 'control frame is not valid JSON; expected {"type":"end"}' };
+    return { type: 'BAD_CONTROL', error: voxError('invalid_control_message', { json: false }).toWire() };
   }
   if (msg && typeof msg === 'object' && (msg as { type?: unknown }).type === 'end') return { type: 'END' };
-  return { type: 'BAD_CONTROL', message: `unknown control message type ${JSON.stringify((msg as { type?: unknown })?.type)}; expected "end"` };
+  return { type: 'BAD_CONTROL', error: voxError('invalid_control_message', { json: true, type: (msg as { type?: unknown })?.type }).toWire() };
 }
 
 /**

@@ -2,10 +2,12 @@ import { createRequire } from 'node:module';
 import { createServer, type AddressInfo, type Server, type Socket } from 'node:net';
 import type { InspectionEvent } from 'xstate';
 import { drainOnShutdown } from '../actors/system.js';
-import { CLOSE, type StreamInput, type StreamOutput, type StreamSocket, type WireEvent } from '../actors/stream.js';
+import type { StreamInput, StreamOutput, StreamSocket, WireEvent } from '../actors/stream.js';
+import { CLOSE } from '../runtime/wire.js';
 import type { Supervisor } from '../actors/supervisor.js';
 import { createWyomingSocket, wyomingInfo, type WyomingChannel, type WyomingEvent } from '../actors/wyoming.js';
 import type { ServerConfig } from '../runtime/config.js';
+import { voxError } from '../runtime/errors.js';
 
 /** voxserve's version, from package.json (one level up from the sources, two from dist/). */
 const VERSION = ((): string => {
@@ -138,7 +140,7 @@ export interface WyomingLink {
  */
 export function bindWyoming(socket: Socket, { actor, channel }: { actor: StreamSocket; channel: WyomingChannel }, config: ServerConfig, registry: Supervisor): WyomingLink {
   const limits = config.limits;
-  const tell = (e: StreamInput | { type: 'CUT'; code: number; reason: string; notify: boolean }): void => {
+  const tell = (e: StreamInput | { type: 'CUT'; code: number; reason: string }): void => {
     if (actor.getSnapshot().status === 'active') actor.send(e as StreamInput);
   };
   let release!: () => void;
@@ -183,8 +185,8 @@ export function bindWyoming(socket: Socket, { actor, channel }: { actor: StreamS
       parser = null;
       socket.pause();
       const reason = e instanceof WyomingFramingError ? e.message : String(e);
-      channel.write({ type: 'error', error: { type: 'invalid_request_error', message: reason } });
-      return tell({ type: 'CUT', code: CLOSE.POLICY, reason, notify: false });
+      channel.write({ type: 'error', error: voxError('invalid_framing', { reason }).toWire() });
+      return tell({ type: 'CUT', code: CLOSE.POLICY, reason });
     }
     for (const e of events) {
       if (e.type === 'describe') {
@@ -233,7 +235,10 @@ export async function startWyoming(config: ServerConfig, registry: Supervisor, i
       const e = registry.notAccepting();
       return refuse(e.type, e.message);
     }
-    if (links.size >= config.limits.max_ws_connections) return refuse('server_busy', `limits.max_ws_connections (${config.limits.max_ws_connections}) reached`);
+    if (links.size >= config.limits.max_ws_connections) {
+      const e = voxError('too_many_streams', { max: config.limits.max_ws_connections });
+      return refuse(e.type, e.message);
+    }
     const handle = createWyomingSocket({ limits: config.limits, registry }, inspect);
     drainOnShutdown(registry.root, handle.actor);
     const link = bindWyoming(socket, handle, config, registry);

@@ -19,7 +19,7 @@ export { drain } from './task.js';
  * @throws VoxError `invalid_request_error` naming the bad `options.*` field, or `probabilities` asked of a model that is not VAD.
  */
 export function createTaskSession(config: ModelConfig, info: SlotInfo, options: unknown, keepResults: boolean, probabilities?: ProbabilityStream): TaskSession {
-  if (probabilities && config.task !== 'vad') throw invalid(`probabilities: only VAD models stream speech probabilities; '${config.id}' is a ${config.task} model`);
+  if (probabilities && config.task !== 'vad') throw invalid('probabilities', `only VAD models stream speech probabilities; '${config.id}' is a ${config.task} model`);
   if (options !== undefined && (typeof options !== 'object' || options === null || Array.isArray(options))) {
     parseTaskOptions(config.task, options); // throws the schema's message for a non-object
   }

@@ -62,11 +62,17 @@ export async function drain(
   }
 }
 
-/** Growable float32 buffer with cheap consumption from the front. */
+/**
+ * Growable float32 buffer with cheap consumption from the front. What `take` returns is a view
+ * of the buffer, not a copy: while it is lent (until `release`), making room moves the samples
+ * to a new buffer instead of over the view; otherwise in place. A new array per job costs the
+ * server more in garbage collection than the copy.
+ */
 export class SampleBuffer {
   private data = new Float32Array(0);
   private start = 0;
   private end = 0;
+  private lent = false;
 
   get length(): number {
     return this.end - this.start;
@@ -75,7 +81,7 @@ export class SampleBuffer {
   push(samples: Float32Array, scale = 1): void {
     if (this.end + samples.length > this.data.length) {
       const need = this.length + samples.length;
-      const next = need > this.data.length / 2 ? new Float32Array(Math.max(need * 2, 4096)) : this.data;
+      const next = need > this.data.length / 2 || this.lent ? new Float32Array(Math.max(need * 2, 4096)) : this.data;
       next.set(this.data.subarray(this.start, this.end), 0);
       this.data = next;
       this.end -= this.start;
@@ -86,11 +92,17 @@ export class SampleBuffer {
     this.end += samples.length;
   }
 
-  /** Removes and returns the first `n` samples (a copy). */
+  /** Removes and returns the first `n` samples: a view, unchanged until {@link release}. */
   take(n: number): Float32Array {
-    const out = this.data.slice(this.start, this.start + n);
+    const out = this.data.subarray(this.start, this.start + n);
     this.start += n;
+    this.lent = true;
     return out;
+  }
+
+  /** The views `take` returned are no longer used: room may be made in place again. */
+  release(): void {
+    this.lent = false;
   }
 }
 
@@ -103,7 +115,17 @@ export abstract class WindowedSession implements TaskSession {
   protected readonly pending = new SampleBuffer();
   protected received = 0;
   protected ended = false;
-  protected inFlight = false;
+  private busy = false;
+
+  /** A job is out (its windows are lent from the buffer); set false once its result is applied. */
+  protected get inFlight(): boolean {
+    return this.busy;
+  }
+
+  protected set inFlight(v: boolean) {
+    this.busy = v;
+    if (!v) this.pending.release();
+  }
 
   /** @param step samples per window/step. @param scale applied to incoming samples. */
   constructor(

@@ -16,7 +16,7 @@ import { drainOnShutdown } from '../../actors/system.js';
 import { Supervisor } from '../../actors/supervisor.js';
 import { Admission } from '../../runtime/admission.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
-import { VoxError } from '../../runtime/errors.js';
+import { VoxError, voxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
 import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protocol.js';
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
@@ -134,14 +134,14 @@ function fakeLoader(w: World): ModelLoader {
           info: {},
           run: async (job: Job): Promise<JobResult> => {
             await w.s.schedule(Promise.resolve(), `run ${id}#${n}`);
-            if (closed) throw new VoxError('server_error', 'slot is closed');
+            if (closed) throw voxError('slot_closed');
             const f = w.runFault();
-            if (f === 'throws') throw new VoxError('server_error', 'inference failed');
+            if (f === 'throws') throw voxError('inference_failed', { reason: 'injected' });
             if (f === 'worker-exits') {
               const cb = exit;
               exit = null;
               cb?.(new Error('worker exited'));
-              throw new VoxError('server_error', 'slot failed: worker exited');
+              throw voxError('slot_failed', { reason: 'worker exited' });
             }
             return { kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) };
           },
@@ -362,7 +362,7 @@ class Shutdown implements Cmd {
     w.launch('shutdown', async () => {
       sup.beginShutdown();
       await w.s.schedule(Promise.resolve(), 'drain deadline');
-      sup.revokeAll(new VoxError('shutting_down', 'the server is shutting down'));
+      sup.revokeAll(voxError('shutting_down'));
       await sup.stop(0);
     });
   }

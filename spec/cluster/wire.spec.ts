@@ -5,7 +5,8 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { decodeMessage, encodeMessage, joinResults, splitJob, type RemoteJob } from '../../cluster/nats.js';
 import { vadPacking, wakewordPacking } from '../../runtime/batcher.js';
-import { defaultCatalog, OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
+import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
+import { defaultCatalog } from '../../runtime/config.js';
 import { OWW, SILERO, type Job, type VadJob, type WakewordJob } from '../../runtime/slot-protocol.js';
 import { startWorkerSlot, type SlotHost } from '../../runtime/slots.js';
 import { readFileSync } from 'node:fs';

@@ -20,7 +20,7 @@ import { loadServerConfig, ModelConfig, parseTaskOptions, ServerConfig } from '.
 import { createTaskSession } from '../../runtime/tasks/index.js';
 import { parseBatchRequest, parseRunRequest } from '../../transport/http.js';
 import { bindStream } from '../../transport/stream.js';
-import { SUBPROTOCOLS, type Subprotocol } from '../../transport/codec.js';
+import { SUBPROTOCOLS, type Subprotocol } from '../../runtime/wire.js';
 import { FakeWs, fakeLoader } from './fakes.js';
 import { base64Wav, edgeInt, expect4xx, fuzz, jsonBodyArb, junkValue, optionsArb, queryArb, report, sometimes, wavArb } from './gen.js';
 

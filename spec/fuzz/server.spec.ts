@@ -11,11 +11,10 @@ import fc from 'fast-check';
 import { pack, unpack } from 'msgpackr';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
-import { ERROR_STATUS } from '../../runtime/errors.js';
+import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
+import { ERRORS, VoxError, type ErrorCode } from '../../runtime/errors.js';
 import { createLoader, WeightBundles, type ModelLoader } from '../../runtime/loader.js';
-import { SUBPROTOCOLS } from '../../transport/codec.js';
+import { SUBPROTOCOLS } from '../../runtime/wire.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fakeLoader } from './fakes.js';
 import { base64Wav, edgeInt, fuzz, jsonBodyArb, junkValue, optionsArb, queryArb, queryValue, report, sometimes, wavArb } from './gen.js';
@@ -39,14 +38,15 @@ afterAll(async () => {
 /** Checks an HTTP answer: 2xx, or a 4xx whose body is `{error:{type,message}}` with the type's status. */
 function checkAnswer(status: number, text: string, what: string): boolean {
   if (status < 300) return true;
-  let body: { error?: { type?: string; message?: unknown } };
+  let body: { error?: { type?: string; code?: string; message?: unknown } };
   try {
     body = JSON.parse(text);
   } catch {
     throw new Error(`${what}: ${status} with a body that is not JSON: ${text.slice(0, 200)}`);
   }
-  const type = body.error?.type as keyof typeof ERROR_STATUS | undefined;
-  if (status >= 500 || !type || ERROR_STATUS[type] !== status || typeof body.error?.message !== 'string') throw new Error(`${what}: ${status} ${text.slice(0, 300)}`);
+  const code = body.error?.code;
+  const known = code !== undefined && code in ERRORS ? new VoxError(code as ErrorCode, '') : null;
+  if (status >= 500 || !known || known.status !== status || known.type !== body.error?.type || typeof body.error?.message !== 'string') throw new Error(`${what}: ${status} ${text.slice(0, 300)}`);
   return false;
 }
 
@@ -146,7 +146,7 @@ describe('fuzz through the server: WebSocket', () => {
     const session = fc.record({ query, protocol: fc.constantFrom(...SUBPROTOCOLS, undefined), messages: fc.array(wsMessage, { maxLength: 10 }), leave: sometimes(fc.constant(true), 6) });
     await fuzz('ws', session, 200, 8000, async (s) => {
       const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?${s.query.replace(/#/g, '%23')}`, s.protocol);
-      const events: { type: string; error?: { type: string } }[] = [];
+      const events: { type: string; error?: { type: string; code: string } }[] = [];
       const what = (): string => JSON.stringify({ query: s.query, protocol: s.protocol, events }).slice(0, 600);
       if (s.protocol === undefined) expect(ws.protocol).toBe('');
       let ended = false;
@@ -170,7 +170,7 @@ describe('fuzz through the server: WebSocket', () => {
       });
       const { code, refused } = await closed;
       if (refused) return false;
-      for (const e of events) if (e.type === 'error' && e.error && ERROR_STATUS[e.error.type as keyof typeof ERROR_STATUS] >= 500) throw new Error(`stream: server error ${what()}`);
+      for (const e of events) if (e.type === 'error' && e.error && (!(e.error.code in ERRORS) || new VoxError(e.error.code as ErrorCode, '').status >= 500)) throw new Error(`stream: server error ${what()}`);
       if (![1000, 1005, 1008].includes(code)) throw new Error(`stream closed ${code}: ${what()}`);
       await leasesReturn(`stream ${what()}`);
       return events.some((e) => e.type === 'done');

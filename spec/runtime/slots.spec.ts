@@ -2,7 +2,7 @@ import { writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
-import { defaultCatalog } from '../../runtime/catalog.js';
+import { defaultCatalog } from '../../runtime/config.js';
 import type { Job, JobResult, LoadSpec, SlotInfo } from '../../runtime/slot-protocol.js';
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 import { until } from '../helpers.js';

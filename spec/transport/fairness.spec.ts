@@ -8,7 +8,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../../runtime/catalog.js';
+import { defaultCatalog } from '../../runtime/config.js';
 import { treeCpuSeconds } from '../../tools/proc.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { fixture } from '../helpers.js';
@@ -167,7 +167,7 @@ describe('fairness', () => {
     const [normal, f] = await Promise.all([streamRealtime(url, 'silero-vad', speech(2)), flooded]);
     expect(f.code).toBe(1008);
     expect(f.reason).toBe('too many messages: over limits.ws_max_messages_per_s (1000)');
-    expect(f.events.at(-1)).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', message: f.reason } });
+    expect(f.events.at(-1)).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', code: 'stream_flooded', message: f.reason } });
     expect(normal).toBe(1000);
   });
 });

@@ -77,7 +77,7 @@ describe('compressed input on /v1/tasks/run', () => {
   ])('%s -> 400 naming the format, and the server keeps serving', async (_what, body, type, message) => {
     const r = await run('model=silero-vad', body, type);
     expect(r.status).toBe(400);
-    expect(r.body.error).toMatchObject({ type: 'invalid_request_error', message: expect.stringMatching(message) });
+    expect(r.body.error).toMatchObject({ type: 'invalid_request_error', code: 'invalid_audio', message: expect.stringMatching(message) });
     expect((await run('model=silero-vad', fixture('espeak_alexa_16k.flac'), 'audio/flac')).status).toBe(200);
   });
 
@@ -85,9 +85,9 @@ describe('compressed input on /v1/tasks/run', () => {
     const m4a = Buffer.concat([Buffer.from([0, 0, 0, 0x20]), Buffer.from('ftypM4A '), Buffer.alloc(100)]);
     const r = await run('model=silero-vad', m4a, 'audio/mp4');
     expect(r.status).toBe(400);
-    expect(r.body.error.message).toMatch(/MP4\/M4A \(AAC\) is not supported; accepted: WAV .*MP3.*Ogg Vorbis.*Ogg Opus.*FLAC.*WebM\/Opus/);
+    expect(r.body.error).toMatchObject({ code: 'unsupported_audio', message: expect.stringMatching(/MP4\/M4A \(AAC\) is not supported; accepted: WAV .*MP3.*Ogg Vorbis.*Ogg Opus.*FLAC.*WebM\/Opus/) });
     const aac = await run('model=silero-vad', Buffer.from('not audio at all'), 'audio/aac');
-    expect(aac.body.error.message).toMatch(/^audio: audio\/aac is not supported; accepted: /);
+    expect(aac.body.error).toMatchObject({ code: 'unsupported_audio', message: expect.stringMatching(/^audio: audio\/aac is not supported; accepted: /) });
   });
 
   it('base64 in JSON with a data: prefix (run and batch): the prefix names the type', async () => {
@@ -140,7 +140,7 @@ describe('task options as query parameters', () => {
     expect(strict.body.segments).toEqual([]);
     const bad = await run('model=silero-vad&threshold=2', sentence, 'audio/wav');
     expect(bad.status).toBe(400);
-    expect(bad.body.error.message).toMatch(/^options\.threshold: /);
+    expect(bad.body.error).toMatchObject({ code: 'invalid_fields', message: expect.stringMatching(/^options\.threshold: /) });
     const notNumber = await run('model=silero-vad&threshold=high', sentence, 'audio/wav');
     expect(notNumber.body.error.message).toMatch(/^options\.threshold: .*number/);
     const otherTask = await run('model=alexa&min_speech_duration_ms=100', fixture('espeak_alexa_16k.wav'), 'audio/wav');
@@ -151,12 +151,12 @@ describe('task options as query parameters', () => {
   it('an unknown query parameter -> 400 naming it (raw body, JSON body, batch)', async () => {
     const typo = await run('model=silero-vad&samplerate=8000', sentence, 'audio/wav');
     expect(typo.status).toBe(400);
-    expect(typo.body.error.message).toMatch(/^samplerate: unknown query parameter; expected model, busy_timeout_ms, threshold/);
+    expect(typo.body.error).toMatchObject({ code: 'unknown_field', message: expect.stringMatching(/^samplerate: unknown query parameter; expected model, busy_timeout_ms, threshold/) });
     const twice = await run('model=silero-vad&threshold=0.3&threshold=0.9', sentence, 'audio/wav');
-    expect(twice.body.error.message).toMatch(/^threshold: query parameter given more than once/);
+    expect(twice.body.error).toMatchObject({ code: 'invalid_field', message: expect.stringMatching(/^threshold: query parameter given more than once/) });
     const json = await fetch(`${server.url}/v1/tasks/run?threshold=0.9`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'silero-vad', audio: sentence.toString('base64') }) });
     expect(json.status).toBe(400);
-    expect((await json.json()).error.message).toMatch(/^threshold: unknown query parameter; with a JSON body/);
+    expect((await json.json()).error).toMatchObject({ code: 'unknown_field', message: expect.stringMatching(/^threshold: unknown query parameter; with a JSON body/) });
     const batch = await fetch(`${server.url}/v1/tasks/batch?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'silero-vad', files: [sentence.toString('base64')] }) });
     expect(batch.status).toBe(400);
   });
@@ -164,6 +164,7 @@ describe('task options as query parameters', () => {
   it('the WebSocket handshake: an unknown parameter -> 400 naming it; options apply to the stream', async () => {
     const typo = await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&samplerate=8000`);
     expect(typo.status).toBe(400);
+    expect(JSON.parse(typo.body).error.code).toBe('unknown_field');
     expect(JSON.parse(typo.body).error.message).toMatch(/^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, threshold/);
     expect((await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&sample_rate=16000&threshold=0.7`)).status).toBe(101);
     const events = await streamEvents('model=silero-vad&threshold=0.99&min_speech_duration_ms=5000', sentence);
@@ -180,7 +181,7 @@ describe('task options as query parameters', () => {
     ['busy_timeout_ms=-5', /^busy_timeout_ms: must be an integer from 0 to 2147483647, got '-5'$/],
   ])('a stream with %s -> an error event naming the field and its accepted range', async (query, message) => {
     const events = await streamEvents(`model=silero-vad&${query}`, sentence);
-    expect(events).toEqual([{ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(message) } }]);
+    expect(events).toEqual([{ type: 'error', error: { type: 'invalid_request_error', code: 'invalid_field', message: expect.stringMatching(message) } }]);
   });
 });
 

@@ -1,12 +1,10 @@
 /** Regressions from trying to break the server (each one a failure seen on an earlier build). */
-import { writeFileSync } from 'node:fs';
 import { connect } from 'node:net';
-import { tmpdir } from 'node:os';
-import { dirname, join } from 'node:path';
+import { dirname } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog, OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
+import { OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';
+import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, WaveFile } from '../helpers.js';
 

@@ -17,8 +17,7 @@ import { chromium } from 'playwright-core';
 import WebSocket, { WebSocketServer } from 'ws';
 import { VoxClient as BrowserClient, type WebSocketConstructor } from '../../client/index.js';
 import { VoxClient } from '../../client/node.js';
-import { defaultCatalog } from '../../runtime/catalog.js';
-import { loadServerConfig, ServerConfig } from '../../runtime/config.js';
+import { defaultCatalog, loadServerConfig, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { fixture, fixturePath, until, WaveFile } from '../helpers.js';
@@ -105,7 +104,7 @@ describe('Host check (DNS rebinding)', () => {
       await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: { ...rebind, ...json } }),
     ]) {
       expect(r.status).toBe(403);
-      expect(r.body.error).toEqual({ type: 'forbidden', message: expect.stringMatching(/^Host 'rebind\.attacker\.example' is not served here: add it to allowed_hosts/) });
+      expect(r.body.error).toEqual({ type: 'forbidden', code: 'host_not_allowed', message: expect.stringMatching(/^Host 'rebind\.attacker\.example' is not served here: add it to allowed_hosts/) });
     }
     expect(await loaded(s)).toBe(true);
   });
@@ -113,7 +112,7 @@ describe('Host check (DNS rebinding)', () => {
   it('a WebSocket upgrade with a foreign Host gets 403', async () => {
     const r = await stream(s, { headers: rebind });
     expect(r.status).toBe(403);
-    expect(r.body.error.type).toBe('forbidden');
+    expect(r.body.error).toMatchObject({ type: 'forbidden', code: 'host_not_allowed' });
   });
 
   it('serves loopback names, the configured host and allowed_hosts, with or without a port', async () => {
@@ -147,7 +146,7 @@ describe('Origin policy, CORS and 415', () => {
   it('a cross-site POST unload_all with no body (Origin: https://any-website.example) gets 403; every model stays loaded', async () => {
     const r = await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: foreign });
     expect(r.status).toBe(403);
-    expect(r.body.error.message).toMatch(/^Origin 'https:\/\/any-website\.example' may not call this server: add it to allowed_origins/);
+    expect(r.body.error).toMatchObject({ code: 'origin_not_allowed', message: expect.stringMatching(/^Origin 'https:\/\/any-website\.example' may not call this server: add it to allowed_origins/) });
     expect(r.headers['access-control-allow-origin']).toBeUndefined();
     expect(await loaded(s)).toBe(true);
     // Even declared as JSON, and on every other route.
@@ -161,7 +160,7 @@ describe('Origin policy, CORS and 415', () => {
   it('a WebSocket from a foreign Origin gets 403; the own origin and allowed origins stream', async () => {
     const refused = await stream(s, { headers: foreign });
     expect(refused.status).toBe(403);
-    expect(refused.body.error.message).toMatch(/^Origin 'https:\/\/any-website\.example' may not call/);
+    expect(refused.body.error).toMatchObject({ code: 'origin_not_allowed', message: expect.stringMatching(/^Origin 'https:\/\/any-website\.example' may not call/) });
     for (const origin of [app, s.url]) {
       const r = await stream(s, { headers: { origin } });
       expect(r.first.type, origin).toBe('ready');
@@ -189,13 +188,13 @@ describe('Origin policy, CORS and 415', () => {
     const body = JSON.stringify({ id: 'plain', task: 'vad', path: silero, slots: 16 });
     const r = await call(`${s.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body });
     expect(r.status).toBe(415);
-    expect(r.body.error).toEqual({ type: 'unsupported_media_type', message: "content-type: expected application/json, got 'text/plain'" });
+    expect(r.body.error).toEqual({ type: 'unsupported_media_type', code: 'unsupported_media_type', message: "content-type: expected application/json, got 'text/plain'" });
     expect((await call(`${s.url}/v1/models/plain`)).status).toBe(404);
     const batch = await call(`${s.url}/v1/tasks/batch`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: JSON.stringify({ model: 'silero-vad', files: [wav.toString('base64')] }) });
     expect(batch.status).toBe(415);
     const run = await call(`${s.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: wav });
     expect(run.status).toBe(415);
-    expect(run.body.error).toEqual({ type: 'unsupported_media_type', message: "content-type: expected application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got 'text/plain'" });
+    expect(run.body.error).toEqual({ type: 'unsupported_media_type', code: 'unsupported_media_type', message: "content-type: expected application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got 'text/plain'" });
     // unload_all with no body and no Content-Type: 415 too.
     expect((await call(`${s.url}/v1/models/unload_all`, { method: 'POST' })).status).toBe(415);
     expect(await loaded(s)).toBe(true);
@@ -219,7 +218,7 @@ describe('models_root by default', () => {
     servers.push(s);
   });
   const load = (body: Record<string, unknown>): Promise<Answer> => call(`${s.url}/v1/models/load`, { method: 'POST', headers: json, body: JSON.stringify({ task: 'vad', ...body }) });
-  const refusal = (path: string) => ({ type: 'invalid_request_error', message: `path: '${path}' is outside models_root (${join(dir, 'models')}); put the model there, or set models_root in the config` });
+  const refusal = (path: string) => ({ type: 'invalid_request_error', code: 'invalid_model_file', message: `path: '${path}' is outside models_root (${join(dir, 'models')}); put the model there, or set models_root in the config` });
 
   it('is models/ beside the config file, or in the working directory without one', () => {
     expect(ServerConfig.parse({}).models_root).toBe(resolve('models'));
@@ -250,13 +249,13 @@ describe('models_root by default', () => {
   it('a path inside the root that does not exist, or is a folder -> 400 naming path (was a 500 from the loader)', async () => {
     const missing = await load({ id: 'missing', path: 'no-such-model.onnx' });
     expect(missing.status).toBe(400);
-    expect(missing.body.error).toEqual({ type: 'invalid_request_error', message: `path: 'no-such-model.onnx' does not exist in models_root (${join(dir, 'models')})` });
+    expect(missing.body.error).toEqual({ type: 'invalid_request_error', code: 'invalid_model_file', message: `path: 'no-such-model.onnx' does not exist in models_root (${join(dir, 'models')})` });
     mkdirSync(join(dir, 'models', 'folder'));
     const folder = await load({ id: 'folder', path: 'folder' });
-    expect(folder.body.error).toEqual({ type: 'invalid_request_error', message: "path: 'folder' is not a regular file" });
+    expect(folder.body.error).toEqual({ type: 'invalid_request_error', code: 'invalid_model_file', message: "path: 'folder' is not a regular file" });
     // An empty path names the root itself: it is not "outside" it, it names no file.
     const empty = await load({ id: 'empty', path: '' });
-    expect(empty.body.error).toEqual({ type: 'invalid_request_error', message: "path: must name a model file, got ''" });
+    expect(empty.body.error).toEqual({ type: 'invalid_request_error', code: 'invalid_field', message: "path: must name a model file, got ''" });
     expect((await call(`${s.url}/v1/models/missing`)).status).toBe(404);
   });
 
@@ -279,8 +278,8 @@ describe('auth.api_keys', () => {
     const none = await runWav(s);
     expect(none.status).toBe(401);
     expect(none.headers['www-authenticate']).toBe('Bearer realm="voxserve"');
-    expect(none.body.error).toEqual({ type: 'unauthorized', message: 'this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol voxserve.key.<key> (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)' });
-    expect((await runWav(s, bearer(`${key}x`))).body.error).toEqual({ type: 'unauthorized', message: "the API key is not valid: it is not one of the server's auth.api_keys (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)" });
+    expect(none.body.error).toEqual({ type: 'unauthorized', code: 'api_key_required', message: 'this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol voxserve.key.<key> (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)' });
+    expect((await runWav(s, bearer(`${key}x`))).body.error).toEqual({ type: 'unauthorized', code: 'api_key_invalid', message: "the API key is not valid: it is not one of the server's auth.api_keys (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)" });
     expect((await runWav(s, bearer('management-token'))).status).toBe(401); // the management token is not an API key
     expect((await runWav(s, bearer(key))).status).toBe(200);
     const batch = (h: Record<string, string>) => call(`${s.url}/v1/tasks/batch`, { method: 'POST', headers: { ...json, ...h }, body: JSON.stringify({ model: 'silero-vad', files: [wav.toString('base64')] }) });
@@ -296,7 +295,7 @@ describe('auth.api_keys', () => {
   it('a stream needs a key: as a voxserve.key.<key> subprotocol (browsers) or an Authorization header', async () => {
     const none = await stream(s, { protocols: ['voxserve.v1.json'] });
     expect(none.status).toBe(401);
-    expect(none.body.error.type).toBe('unauthorized');
+    expect(none.body.error).toMatchObject({ type: 'unauthorized', code: 'api_key_required' });
     expect((await stream(s, { protocols: ['voxserve.v1.json', 'voxserve.key.wrong-key-0123456789'] })).status).toBe(401);
     const sub = await stream(s, { protocols: ['voxserve.v1.json', `voxserve.key.${key}`] });
     expect(sub.first.type).toBe('ready');
@@ -336,9 +335,9 @@ describe('max_queued', () => {
     expect(performance.now() - t).toBeLessThan(1000); // at once, not after the busy timeout
     expect(full.status).toBe(503);
     expect(full.headers['retry-after']).toBe('1');
-    expect(full.body.error).toEqual({ type: 'server_busy', message: 'the queue is full: 2 requests already wait for this model (max_queued); retry later' });
+    expect(full.body.error).toEqual({ type: 'server_busy', code: 'queue_full', message: 'the queue is full: 2 requests already wait for this model (max_queued); retry later' });
     const late = await stream(s, { query: 'model=capped' });
-    expect(late.first).toEqual({ type: 'error', error: { type: 'server_busy', message: expect.stringMatching(/^the queue is full/) } });
+    expect(late.first).toEqual({ type: 'error', error: { type: 'server_busy', code: 'queue_full', message: expect.stringMatching(/^the queue is full/) } });
     expect((await late.closed!).code).toBe(1013);
     holder.ws!.send(JSON.stringify({ type: 'end' }));
     expect((await Promise.all(waiting)).map((r) => r.status)).toEqual([200, 200]);
@@ -371,7 +370,7 @@ describe('limits that agree', () => {
     // One second more is refused as too long, by the documented limit, not by the body limit.
     const over = await call(`${s.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: silence(1801) });
     expect(over.status).toBe(400);
-    expect(over.body.error.message).toBe('audio: 1801 s is longer than the limit of 1800 s per file');
+    expect(over.body.error).toEqual({ type: 'invalid_request_error', code: 'audio_too_long', message: 'audio: 1801 s is longer than the limit of 1800 s per file' });
   });
 
   it('a client still uploading when the server answers 413 gets the answer, not a reset', async () => {
@@ -384,7 +383,7 @@ describe('limits that agree', () => {
     for (let i = 0; i < 10; i++) {
       const r = await fetch(`${url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: big });
       expect(r.status).toBe(413);
-      expect((await r.json()).error.type).toBe('payload_too_large');
+      expect((await r.json()).error).toMatchObject({ type: 'payload_too_large', code: 'body_too_large' });
     }
   });
 

@@ -4,8 +4,7 @@ import { join } from 'node:path';
 import { unpack } from 'msgpackr';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
+import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import type { ModelLoader } from '../../runtime/loader.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fakeLoader } from '../fuzz/fakes.js';
@@ -90,6 +89,22 @@ describe('server basics', () => {
       ['active_leases', 'active_slots', 'id', 'last_error', 'last_eviction', 'last_used_at', 'licence', 'loaded', 'max_streams', 'oldest_wait_ms', 'processing_lag_ms', 'queued_requests', 'resident_bytes', 'retiring', 'slots', 'state', 'task'].sort(),
     );
   });
+
+  it('routes: 404 for a path no route has, 405 with Allow for a method the path does not take, 426 for a plain GET of the stream route', async () => {
+    const call = async (method: string, path: string) => {
+      const r = await fetch(`${server.url}${path}`, { method });
+      return { status: r.status, allow: r.headers.get('allow'), error: (await r.json()).error };
+    };
+    expect(await call('GET', '/no/such/route')).toMatchObject({ status: 404, error: { type: 'not_found', code: 'route_not_found', message: 'no route GET /no/such/route' } });
+    expect(await call('PUT', '/health')).toMatchObject({ status: 405, allow: 'GET', error: { type: 'invalid_request_error', code: 'method_not_allowed' } });
+    expect(await call('GET', '/v1/tasks/run')).toMatchObject({ status: 405, allow: 'POST', error: { code: 'method_not_allowed' } });
+    expect(await call('DELETE', '/v1/models/silero-vad/')).toMatchObject({ status: 405, allow: 'GET', error: { code: 'method_not_allowed' } });
+    expect(await call('POST', '/demo/x.js')).toMatchObject({ status: 405, allow: 'GET, HEAD' });
+    expect(await call('GET', '/v1/models/%ZZ')).toMatchObject({ status: 400, error: { code: 'invalid_field', message: expect.stringMatching(/^id: /) } });
+    expect(await call('GET', '/v1/stream')).toMatchObject({ status: 426, error: { code: 'websocket_required' } });
+    // A route's own path with a trailing slash is the route.
+    expect((await fetch(`${server.url}/health/`)).status).toBe(200);
+  });
 });
 
 describe('while starting (an eager model still loading)', () => {
@@ -103,7 +118,7 @@ describe('while starting (an eager model still loading)', () => {
     const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, models: [{ id: 'eager', task: 'vad', path: 'eager.onnx', lazy: false }] }), { loader });
     try {
       expect(s.supervisor.phase).toBe('starting');
-      const starting = { type: 'server_busy', message: 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work' };
+      const starting = { type: 'server_busy', code: 'server_starting', message: 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work' };
       const run = await fetch(`${s.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('silero_test.wav')) });
       expect(run.status).toBe(503);
       expect((await run.json()).error).toEqual(starting);
@@ -244,7 +259,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
   it('unknown model -> 404 not_found', async () => {
     const r = await runWav('no-such-model', fixture('Front_Left.wav'));
     expect(r.status).toBe(404);
-    expect(r.body.error).toMatchObject({ type: 'not_found', message: expect.stringContaining('no-such-model') });
+    expect(r.body.error).toMatchObject({ type: 'not_found', code: 'model_not_found', message: expect.stringContaining('no-such-model') });
     await stillWorks();
   });
 
@@ -255,7 +270,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
   ])('%s -> 400 naming the problem', async (_n, wav, message) => {
     const r = await runWav('silero-vad', wav);
     expect(r.status).toBe(400);
-    expect(r.body.error.type).toBe('invalid_request_error');
+    expect(r.body.error).toMatchObject({ type: 'invalid_request_error', code: 'invalid_audio' });
     expect(r.body.error.message).toMatch(message);
     await stillWorks();
   });
@@ -270,10 +285,10 @@ describe('bad input: a clear error, and the server keeps serving', () => {
   it('unsupported encoding, sample rate or channels -> 400', async () => {
     const adpcm = toneWav({ rate: 8000, channels: 1, bitDepth: '16', frames: 800 });
     adpcm.writeUInt16LE(2, 20); // MS ADPCM
-    expect((await runWav('silero-vad', adpcm)).body.error.message).toMatch(/format code 2/);
+    expect((await runWav('silero-vad', adpcm)).body.error).toMatchObject({ code: 'unsupported_audio', message: expect.stringMatching(/format code 2/) });
     const rate = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: 800 });
     rate.writeUInt32LE(1000, 24);
-    expect((await runWav('silero-vad', rate)).body.error.message).toMatch(/sample_rate/);
+    expect((await runWav('silero-vad', rate)).body.error).toMatchObject({ code: 'invalid_field', message: expect.stringMatching(/^sample_rate:/) });
     const chans = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: 800 });
     chans.writeUInt16LE(0, 22);
     expect((await runWav('silero-vad', chans)).status).toBe(400);
@@ -281,14 +296,14 @@ describe('bad input: a clear error, and the server keeps serving', () => {
   });
 
   it('invalid JSON and missing fields -> 400 naming them', async () => {
-    expect((await postJson('/v1/tasks/run', '{"model": ')).body.error.message).toMatch(/not valid JSON/);
-    expect((await postJson('/v1/tasks/run', { audio: 'AAAA' })).body.error.message).toMatch(/^model:/);
-    expect((await postJson('/v1/tasks/run', { model: 'silero-vad' })).body.error.message).toMatch(/^audio:/);
-    expect((await postJson('/v1/tasks/run', { model: 'silero-vad', audio: '%%%' })).body.error.message).toMatch(/base64/);
+    expect((await postJson('/v1/tasks/run', '{"model": ')).body.error.code).toBe('invalid_json');
+    expect((await postJson('/v1/tasks/run', { audio: 'AAAA' })).body.error).toMatchObject({ code: 'invalid_field', message: expect.stringMatching(/^model:/) });
+    expect((await postJson('/v1/tasks/run', { model: 'silero-vad' })).body.error).toMatchObject({ code: 'invalid_field', message: expect.stringMatching(/^audio:/) });
+    expect((await postJson('/v1/tasks/run', { model: 'silero-vad', audio: '%%%' })).body.error).toMatchObject({ code: 'invalid_field', message: expect.stringMatching(/base64/) });
     const opt = await postJson('/v1/tasks/run', { model: 'silero-vad', audio: fixture('Front_Left.wav').toString('base64'), options: { threshold: 3 } });
     expect(opt.status).toBe(400);
-    expect(opt.body.error.message).toMatch(/options\.threshold/);
-    expect((await runWav('silero-vad', fixture('Front_Left.wav'), '&busy_timeout_ms=-5')).body.error.message).toMatch(/busy_timeout_ms/);
+    expect(opt.body.error).toMatchObject({ code: 'invalid_fields', message: expect.stringMatching(/^options\.threshold:/) });
+    expect((await runWav('silero-vad', fixture('Front_Left.wav'), '&busy_timeout_ms=-5')).body.error).toMatchObject({ code: 'invalid_field', message: expect.stringMatching(/^busy_timeout_ms:/) });
     await stillWorks();
   });
 
@@ -296,28 +311,28 @@ describe('bad input: a clear error, and the server keeps serving', () => {
     const big = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: MAX_BODY / 2 + 1000 });
     const r = await runWav('silero-vad', big);
     expect(r.status).toBe(413);
-    expect(r.body.error).toMatchObject({ type: 'payload_too_large', message: expect.stringContaining('max_body_bytes') });
+    expect(r.body.error).toMatchObject({ type: 'payload_too_large', code: 'body_too_large', message: expect.stringContaining('max_body_bytes') });
     await stillWorks();
   });
 
   it.each([
-    ['model=no-such-model', /no-such-model/],
-    ['', /model: required/],
-    ['model=silero-vad&encoding=mp3', /encoding/],
-    ['model=silero-vad&sample_rate=0', /sample_rate/],
-    ['model=silero-vad&sample_rate=abc', /sample_rate/],
-    ['model=silero-vad&channels=99', /channels/],
-  ])('a WebSocket with bad parameters (%s) -> error event and close 1008 with a reason', async (query, message) => {
+    ['model=no-such-model', /no-such-model/, 'model_not_found'],
+    ['', /model: required/, 'invalid_field'],
+    ['model=silero-vad&encoding=mp3', /^encoding:/, 'invalid_field'],
+    ['model=silero-vad&sample_rate=0', /^sample_rate:/, 'invalid_field'],
+    ['model=silero-vad&sample_rate=abc', /^sample_rate:/, 'invalid_field'],
+    ['model=silero-vad&channels=99', /^channels:/, 'invalid_field'],
+  ])('a WebSocket with bad parameters (%s) -> error event and close 1008 with a reason', async (query, message, code) => {
     const out = await streamWav('x', fixture('Front_Left.wav'), { query });
     expect(out.closeCode).toBe(1008);
     expect(out.closeReason).toMatch(message);
-    expect(out.events).toEqual([{ type: 'error', error: { type: expect.any(String), message: expect.stringMatching(message) } }]);
+    expect(out.events).toEqual([{ type: 'error', error: { type: expect.any(String), code, message: expect.stringMatching(message) } }]);
     await stillWorks();
   });
 
   it('a malformed control frame -> error event, and the stream goes on', async () => {
     const out = await streamWav('alexa', fixture('espeak_alexa_16k.wav'), { before: (ws) => ws.send('{"type": "end"') });
-    expect(out.events[1]).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', message: expect.stringMatching(/not valid JSON/) } });
+    expect(out.events[1]).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', code: 'invalid_control_message', message: expect.stringMatching(/not valid JSON/) } });
     expect(out.events.some((e) => e.type === 'detection')).toBe(true);
     expect(out.events.at(-1).type).toBe('done');
     expect(out.closeCode).toBe(1000);
@@ -339,7 +354,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
     writeFileSync(path, 'this is not an onnx model');
     const r = await postJson('/v1/models/load', { id: 'broken', task: 'vad', path });
     expect(r.status).toBe(500);
-    expect(r.body.error.message).toMatch(/failed to load/);
+    expect(r.body.error.code).toBe('load_failed');
     const status = await (await fetch(`${server.url}/v1/models/broken`)).json();
     expect(status).toMatchObject({ state: 'unloaded', loaded: false });
     expect(status.last_error).toBeTruthy();
@@ -362,7 +377,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
     ] as const) {
       const r = await postJson('/v1/models/load', body);
       expect(r.status).toBe(400);
-      expect(r.body.error.message).toMatch(new RegExp(`^${field}:`));
+      expect(r.body.error).toMatchObject({ code: 'invalid_fields', message: expect.stringMatching(new RegExp(`^${field}:`)) });
     }
     expect((await fetch(`${server.url}/v1/models/x1`)).status).toBe(404);
   });

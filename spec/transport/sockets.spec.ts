@@ -149,17 +149,18 @@ describe('deadlines and limits, each alone (the test fails with the feature off)
   });
 
   it('limits.total_ms: a stream still sending audio is closed 1008 naming total_ms', async () => {
-    const srv = await alone({ total_ms: 400 });
+    // 3 s: total_ms counts from the connection, the model's cold load included, which took over
+    // 400 ms (the limit this test had) on a loaded 2-core machine.
+    const srv = await alone({ total_ms: 3000 });
     try {
-      // total_ms counts from the connection (the model's load included).
       const t0 = performance.now();
       const s = await openStream('model=silero-vad', srv);
       const feed = setInterval(() => s.ws.readyState === WebSocket.OPEN && s.ws.send(Buffer.alloc(3200)), 50);
       const { code, reason } = await s.closed;
       clearInterval(feed);
       expect(code).toBe(1008);
-      expect(reason).toMatch(/limits\.total_ms \(400 ms\)/);
-      expect(performance.now() - t0).toBeGreaterThanOrEqual(390);
+      expect(reason).toMatch(/limits\.total_ms \(3000 ms\)/);
+      expect(performance.now() - t0).toBeGreaterThanOrEqual(2990);
       expect(s.events.at(-1)).toMatchObject({ type: 'error', error: { message: expect.stringContaining('total_ms') } });
     } finally {
       await srv.close();

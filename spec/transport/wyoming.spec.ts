@@ -7,8 +7,7 @@ import { connect, createServer, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
-import { defaultCatalog } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
+import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { fixture, until, WaveFile } from '../helpers.js';
@@ -215,7 +214,7 @@ describe('Wyoming', () => {
     ['data that is not an object (header)', (s) => s.write(JSON.stringify({ type: 'detect', data: [1, 2] }) + '\n'), /data must be a JSON object/],
     ['data that is not an object (data section)', (s) => s.write(JSON.stringify({ type: 'detect', data_length: 5 }) + '\n"abc"'), /data section must be a JSON object/],
     ['a negative data_length', (s) => s.write(JSON.stringify({ type: 'detect', data_length: -1 }) + '\n'), /non-negative integer/],
-    ['an unknown wake word', (s) => s.write(JSON.stringify({ type: 'detect', data: { names: ['ok-nabu'] } }) + '\n'), /no model 'ok-nabu'/],
+    ['an unknown wake word', (s) => s.write(JSON.stringify({ type: 'detect', data: { names: ['ok-nabu'] } }) + '\n'), /detect\.names: model 'ok-nabu' does not exist/],
     ['16-bit only', (s) => s.write(JSON.stringify({ type: 'audio-start', data: { rate: 16000, width: 4, channels: 1 } }) + '\n'), /width: only 2/],
   ];
   it.each(malformed)('%s: an error event, then the close; nothing leaks', async (_, write, message) => {

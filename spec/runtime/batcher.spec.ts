@@ -1,0 +1,61 @@
+import { describe, expect, it } from 'vitest';
+import { Batcher, vadPacking } from '../../runtime/batcher.js';
+import type { JobResult, VadJob, VadResult } from '../../runtime/slot-protocol.js';
+import type { SlotPool } from '../../runtime/slots.js';
+
+/** Waits (in 1 ms steps) until `done()`. */
+const until = async (done: () => boolean): Promise<void> => {
+  while (!done()) await new Promise((r) => setTimeout(r, 1));
+};
+
+/** A stream's VAD job of `windows` windows whose every sample is `value`. */
+const row = (value: number, windows = 2): VadJob => ({ kind: 'vad', windows: new Float32Array(windows * 512).fill(value), state: new Float32Array(256).fill(value), context: new Float32Array(64).fill(value) });
+
+/** A pool of `size` slots that holds each job until the test answers it; the answer echoes each row's first sample as its probabilities. */
+function heldPool(size: number) {
+  const held: { job: VadJob; answer: () => void }[] = [];
+  const pool = {
+    size,
+    run(job: VadJob): Promise<JobResult> {
+      return new Promise((resolve) => {
+        held.push({
+          job,
+          answer: () => {
+            const probs = new Float32Array(job.windows.length / 512).map((_, w) => job.windows[w * 512]);
+            resolve({ kind: 'vad', probs, state: job.state.slice(), context: job.context.slice() });
+          },
+        });
+      });
+    },
+  };
+  return { pool: pool as unknown as SlotPool, held };
+}
+
+describe('Batcher', () => {
+  it("keeps a batch's packed job intact until its result is back, while later batches are packed and answered", async () => {
+    const { pool, held } = heldPool(2);
+    const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 2, 1);
+    const first = [batcher.run(row(1)), batcher.run(row(2))];
+    expect(held).toHaveLength(1);
+    const second = batcher.run(row(3));
+    await until(() => held.length === 2);
+    // The second batch is answered first; its buffers go to the third batch, packed while the first is still out.
+    held[1].answer();
+    expect((await second).probs[0]).toBe(3);
+    const third = batcher.run(row(9, 4));
+    await until(() => held.length === 3);
+    expect(held[2].job.windows.every((v) => v === 9)).toBe(true);
+    // The first batch's job still holds its own rows' samples and state.
+    const job = held[0].job;
+    expect(job.counts).toEqual([2, 2]);
+    expect(job.windows.subarray(0, 1024).every((v) => v === 1) && job.windows.subarray(1024).every((v) => v === 2)).toBe(true);
+    expect(job.state.subarray(0, 256).every((v) => v === 1) && job.state.subarray(256).every((v) => v === 2)).toBe(true);
+    held[0].answer();
+    const [a, b] = await Promise.all(first);
+    expect([...a.probs]).toEqual([1, 1]);
+    expect([...b.probs]).toEqual([2, 2]);
+    expect(b.state.every((v) => v === 2)).toBe(true);
+    held[2].answer();
+    expect([...(await third).probs]).toEqual([9, 9, 9, 9]);
+  });
+});
