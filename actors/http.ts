@@ -1,4 +1,14 @@
-import { assign, createActor, emit, enqueueActions, fromCallback, setup, stopChild, type Actor, type InspectionEvent } from 'xstate';
+import {
+  assign,
+  createActor,
+  emit,
+  enqueueActions,
+  fromCallback,
+  setup,
+  stopChild,
+  type Actor,
+  type InspectionEvent,
+} from 'xstate';
 import { effectiveTimeout } from '../runtime/admission.js';
 import { decodeAudio } from '../runtime/decode.js';
 import type { Limits } from '../runtime/config.js';
@@ -78,7 +88,11 @@ const round = (ms: number): number => Math.round(ms * 10) / 10;
 
 function responseError(e: unknown): ResponseError {
   const err: VoxError = toVoxError(e);
-  return { status: err.status, body: errorBody(err), retryAfterS: err.status === 503 ? (err.retryAfterS ?? 1) : undefined };
+  return {
+    status: err.status,
+    body: errorBody(err),
+    retryAfterS: err.status === 503 ? (err.retryAfterS ?? 1) : undefined,
+  };
 }
 
 /** `work`, or the signal's reason as soon as it aborts. */
@@ -123,7 +137,13 @@ async function processFile(
     m.queueMs += r.waitedMs ?? 0;
     return r;
   };
-  await drain(session, runJob, () => {}, FILE_JOB_STEPS, () => progress(processedMs(), audioMs));
+  await drain(
+    session,
+    runJob,
+    () => {},
+    FILE_JOB_STEPS,
+    () => progress(processedMs(), audioMs),
+  );
   return { body: taskResult(session), audioMs };
 }
 
@@ -135,81 +155,146 @@ async function processFile(
  * lease released. A lease revoked (forced unload, shutdown) answers with the revocation's error.
  * Logs one line per request and counts it in `voxserve_requests_total` by outcome.
  */
-const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequest; registry: Supervisor }>(({ input: { rid, request, registry }, sendBack }) => {
-  const send = (e: ExchangeEvent): void => sendBack(e);
-  let lease: LeaseHandle | null = null;
-  let revoked: Error | null = null;
-  let model: string | undefined;
-  const figures = { queueMs: 0, inferenceMs: 0 };
-  let outcome = 'ok';
-  let sseStarted = false;
-  const timing = (t0: number, audioMs: number): Record<string, number> => {
-    const wallMs = performance.now() - t0;
-    return { wall_ms: round(wallMs), queue_ms: round(figures.queueMs), audio_duration_ms: round(audioMs), rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000 };
-  };
-  void (async () => {
-    const { t0 } = request;
-    const entry = registry.require(request.model);
-    model = entry.id;
-    const asked = leaseGranted(entry, { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics }, (e) => (revoked = e.error));
-    lease = asked.handle;
-    const { signal } = lease;
-    const granted = await asked.granted;
-    figures.queueMs = granted.queueMs;
-    // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
-    const waitMs = effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0);
-    if (request.kind === 'run' && !request.progress) {
-      const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs);
-      return send({ type: 'RESPONSE', rid, status: 200, body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) } });
-    }
-    if (request.kind === 'run') {
-      // Server-sent events start once the file is decoded (a bad file still gets its 400).
-      let last = -Infinity;
-      const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs, (processed, total) => {
-        if (!sseStarted) send({ type: 'SSE_START', rid });
-        sseStarted = true;
-        const now = performance.now();
-        if (now - last < PROGRESS_INTERVAL_MS && processed < total) return;
-        last = now;
-        send({ type: 'SSE_EVENT', rid, name: 'progress', data: { processed_ms: round(processed), audio_duration_ms: round(total) } });
+const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequest; registry: Supervisor }>(
+  ({ input: { rid, request, registry }, sendBack }) => {
+    const send = (e: ExchangeEvent): void => sendBack(e);
+    let lease: LeaseHandle | null = null;
+    let revoked: Error | null = null;
+    let model: string | undefined;
+    const figures = { queueMs: 0, inferenceMs: 0 };
+    let outcome = 'ok';
+    let sseStarted = false;
+    const timing = (t0: number, audioMs: number): Record<string, number> => {
+      const wallMs = performance.now() - t0;
+      return {
+        wall_ms: round(wallMs),
+        queue_ms: round(figures.queueMs),
+        audio_duration_ms: round(audioMs),
+        rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000,
+      };
+    };
+    void (async () => {
+      const { t0 } = request;
+      const entry = registry.require(request.model);
+      model = entry.id;
+      const asked = leaseGranted(
+        entry,
+        { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics },
+        (e) => (revoked = e.error),
+      );
+      lease = asked.handle;
+      const { signal } = lease;
+      const granted = await asked.granted;
+      figures.queueMs = granted.queueMs;
+      // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
+      const waitMs = effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0);
+      if (request.kind === 'run' && !request.progress) {
+        const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs);
+        return send({
+          type: 'RESPONSE',
+          rid,
+          status: 200,
+          body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
+        });
+      }
+      if (request.kind === 'run') {
+        // Server-sent events start once the file is decoded (a bad file still gets its 400).
+        let last = -Infinity;
+        const r = await processFile(
+          granted,
+          request.files[0],
+          request.options,
+          signal,
+          figures,
+          waitMs,
+          (processed, total) => {
+            if (!sseStarted) send({ type: 'SSE_START', rid });
+            sseStarted = true;
+            const now = performance.now();
+            if (now - last < PROGRESS_INTERVAL_MS && processed < total) return;
+            last = now;
+            send({
+              type: 'SSE_EVENT',
+              rid,
+              name: 'progress',
+              data: { processed_ms: round(processed), audio_duration_ms: round(total) },
+            });
+          },
+        );
+        send({
+          type: 'SSE_EVENT',
+          rid,
+          name: 'result',
+          data: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
+        });
+        return send({ type: 'SSE_END', rid });
+      }
+      send({ type: 'SSE_START', rid });
+      sseStarted = true;
+      let failed = 0;
+      await Promise.all(
+        request.files.map(async (file, index) => {
+          const f0 = performance.now();
+          try {
+            const r = await processFile(granted, file, request.options, signal, figures, waitMs);
+            send({
+              type: 'SSE_EVENT',
+              rid,
+              name: 'result',
+              data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) },
+            });
+          } catch (e) {
+            failed++;
+            if (!signal.aborted)
+              send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
+          }
+        }),
+      );
+      if (signal.aborted) {
+        outcome = revoked ? toVoxError(revoked).type : 'cancelled';
+        return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
+      }
+      send({
+        type: 'SSE_EVENT',
+        rid,
+        name: 'done',
+        data: {
+          files: request.files.length,
+          failed,
+          wall_ms: round(performance.now() - t0),
+          queue_ms: round(figures.queueMs),
+          inference_ms: round(figures.inferenceMs),
+        },
       });
-      send({ type: 'SSE_EVENT', rid, name: 'result', data: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) } });
-      return send({ type: 'SSE_END', rid });
-    }
-    send({ type: 'SSE_START', rid });
-    sseStarted = true;
-    let failed = 0;
-    await Promise.all(
-      request.files.map(async (file, index) => {
-        const f0 = performance.now();
-        try {
-          const r = await processFile(granted, file, request.options, signal, figures, waitMs);
-          send({ type: 'SSE_EVENT', rid, name: 'result', data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) } });
-        } catch (e) {
-          failed++;
-          if (!signal.aborted) send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
-        }
-      }),
-    );
-    if (signal.aborted) {
-      outcome = revoked ? toVoxError(revoked).type : 'cancelled';
-      return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
-    }
-    send({ type: 'SSE_EVENT', rid, name: 'done', data: { files: request.files.length, failed, wall_ms: round(performance.now() - t0), queue_ms: round(figures.queueMs), inference_ms: round(figures.inferenceMs) } });
-    send({ type: 'SSE_END', rid });
-  })()
-    .catch((e) => {
-      const why = revoked ?? e;
-      outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
-      // Once server-sent events have started, the error is the stream's last event.
-      send(sseStarted ? { type: 'SSE_END', rid, error: responseError(why).body } : { type: 'FAILED', rid, error: responseError(why) });
-    })
-    .finally(() => {
-      if (model) registry.metrics.requests.inc({ model, outcome });
-      registry.log.info({ route: request.kind, model, outcome, queue_ms: round(figures.queueMs), inference_ms: round(figures.inferenceMs), wall_ms: round(performance.now() - request.t0) }, 'request');
-    });
-  return () => lease?.release();
-});
+      send({ type: 'SSE_END', rid });
+    })()
+      .catch((e) => {
+        const why = revoked ?? e;
+        outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
+        // Once server-sent events have started, the error is the stream's last event.
+        send(
+          sseStarted
+            ? { type: 'SSE_END', rid, error: responseError(why).body }
+            : { type: 'FAILED', rid, error: responseError(why) },
+        );
+      })
+      .finally(() => {
+        if (model) registry.metrics.requests.inc({ model, outcome });
+        registry.log.info(
+          {
+            route: request.kind,
+            model,
+            outcome,
+            queue_ms: round(figures.queueMs),
+            inference_ms: round(figures.inferenceMs),
+            wall_ms: round(performance.now() - request.t0),
+          },
+          'request',
+        );
+      });
+    return () => lease?.release();
+  },
+);
 
 interface HttpContext {
   limits: Limits;
@@ -257,14 +342,26 @@ export const httpSocketMachine = setup({
   on: {
     TASK: {
       actions: enqueueActions(({ enqueue, event, context }) => {
-        if (context.active.includes(event.rid)) enqueue.spawnChild('exchange', { id: `exchange:${event.rid}`, input: { rid: event.rid, request: event.request, registry: context.registry } });
+        if (context.active.includes(event.rid))
+          enqueue.spawnChild('exchange', {
+            id: `exchange:${event.rid}`,
+            input: { rid: event.rid, request: event.request, registry: context.registry },
+          });
       }),
     },
     REQUEST_STARTED: { actions: assign({ active: ({ context, event }) => [...context.active, event.rid] }) },
     RESPONSE_CLOSED: { actions: 'finished' },
-    RESPONSE: { actions: emit(({ event }) => ({ type: 'respond', rid: event.rid, status: event.status, body: event.body }) as HttpOutput) },
+    RESPONSE: {
+      actions: emit(
+        ({ event }) => ({ type: 'respond', rid: event.rid, status: event.status, body: event.body }) as HttpOutput,
+      ),
+    },
     SSE_START: { actions: emit(({ event }) => ({ type: 'sse-start', rid: event.rid }) as HttpOutput) },
-    SSE_EVENT: { actions: emit(({ event }) => ({ type: 'sse-event', rid: event.rid, name: event.name, data: event.data }) as HttpOutput) },
+    SSE_EVENT: {
+      actions: emit(
+        ({ event }) => ({ type: 'sse-event', rid: event.rid, name: event.name, data: event.data }) as HttpOutput,
+      ),
+    },
     SSE_END: { actions: emit(({ event }) => ({ type: 'sse-end', rid: event.rid, error: event.error }) as HttpOutput) },
     FAILED: { actions: emit(({ event }) => ({ type: 'fail', rid: event.rid, error: event.error }) as HttpOutput) },
     PEER_CLOSED: '.closed',
@@ -304,6 +401,9 @@ let httpSeq = 0;
  * Creates an HTTP socket actor as its own root actor (`socket:http:<n>`), sharing the server's
  * inspector; unstarted, so the transport can listen to what it emits first.
  */
-export function createHttpSocket(input: { limits: Limits; registry: Supervisor }, inspect?: (e: InspectionEvent) => void): HttpSocket {
+export function createHttpSocket(
+  input: { limits: Limits; registry: Supervisor },
+  inspect?: (e: InspectionEvent) => void,
+): HttpSocket {
   return createActor(httpSocketMachine, { input, inspect, id: `socket:http:${++httpSeq}` });
 }

@@ -65,7 +65,11 @@ export interface LeaseHandle {
  * in `voxserve_queue_wait_seconds`.
  * @param opts.requestTimeoutMs the request's own `busy_timeout_ms`, if it gave one.
  */
-export function requestLease(entry: ModelEntry, opts: { requestTimeoutMs?: number; metrics?: Metrics }, deliver: (e: LeaseEvent) => void): LeaseHandle {
+export function requestLease(
+  entry: ModelEntry,
+  opts: { requestTimeoutMs?: number; metrics?: Metrics },
+  deliver: (e: LeaseEvent) => void,
+): LeaseHandle {
   const t0 = performance.now();
   const ended = new AbortController();
   let answered: 'granted' | 'done' | null = null;
@@ -94,8 +98,20 @@ export function requestLease(entry: ModelEntry, opts: { requestTimeoutMs?: numbe
     opts.metrics?.queueWait.observe({ model: entry.id }, queueMs / 1000);
     const { pool, batcher } = await entry.ensureReady(ended.signal);
     const signal = ended.signal;
-    const run = (job: Job, waitMs?: number): Promise<JobResult> => (batcher && waitMs === undefined ? batcher.run(job, signal) : pool.run(job, signal, waitMs));
-    answer({ type: 'LEASE_GRANTED', granted: { model: entry.id, config: entry.config, info: pool.info, run, queueMs, recordLag: (ms) => entry.recordLag(ms), busyTimeoutMs: entry.busyTimeoutMs } });
+    const run = (job: Job, waitMs?: number): Promise<JobResult> =>
+      batcher && waitMs === undefined ? batcher.run(job, signal) : pool.run(job, signal, waitMs);
+    answer({
+      type: 'LEASE_GRANTED',
+      granted: {
+        model: entry.id,
+        config: entry.config,
+        info: pool.info,
+        run,
+        queueMs,
+        recordLag: (ms) => entry.recordLag(ms),
+        busyTimeoutMs: entry.busyTimeoutMs,
+      },
+    });
   })().catch((error) => answer({ type: 'LEASE_REFUSED', error }));
   return {
     signal: ended.signal,
@@ -112,7 +128,11 @@ export function requestLease(entry: ModelEntry, opts: { requestTimeoutMs?: numbe
  * refusal, or with the revocation's error when the lease is revoked before the model was ready;
  * `onRevoke` hears every revocation.
  */
-export function leaseGranted(entry: ModelEntry, opts: { requestTimeoutMs?: number; metrics?: Metrics }, onRevoke: (e: Extract<LeaseEvent, { type: 'LEASE_REVOKED' }>) => void): { handle: LeaseHandle; granted: Promise<Granted> } {
+export function leaseGranted(
+  entry: ModelEntry,
+  opts: { requestTimeoutMs?: number; metrics?: Metrics },
+  onRevoke: (e: Extract<LeaseEvent, { type: 'LEASE_REVOKED' }>) => void,
+): { handle: LeaseHandle; granted: Promise<Granted> } {
   let handle!: LeaseHandle;
   const granted = new Promise<Granted>((resolve, reject) => {
     handle = requestLease(entry, opts, (e) => {
@@ -151,7 +171,12 @@ export class JobPump {
   constructor(
     readonly session: TaskSession,
     private readonly granted: Pick<Granted, 'run' | 'recordLag'>,
-    private readonly hooks: { emit: (e: TaskEvent) => void; accepted?: () => void; idle?: () => void; fail: (e: unknown) => void },
+    private readonly hooks: {
+      emit: (e: TaskEvent) => void;
+      accepted?: () => void;
+      idle?: () => void;
+      fail: (e: unknown) => void;
+    },
   ) {}
 
   /** Samples arrived at `at` (performance.now(), ms), already pushed into the session. */

@@ -1,4 +1,18 @@
-import { and, assign, createActor, emit, enqueueActions, fromCallback, not, raise, sendTo, setup, type ActorRefFrom, type AnyActorRef, type InspectionEvent } from 'xstate';
+import {
+  and,
+  assign,
+  createActor,
+  emit,
+  enqueueActions,
+  fromCallback,
+  not,
+  raise,
+  sendTo,
+  setup,
+  type ActorRefFrom,
+  type AnyActorRef,
+  type InspectionEvent,
+} from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { Batcher, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
@@ -82,7 +96,11 @@ export interface ModelDeps {
  * cold-load gate and the loader); else the hook returns a pool whose jobs run on the nodes
  * holding the model. An aborted `signal` abandons the placement.
  */
-export type PlaceHook = (config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>) => Promise<LoadedModel>;
+export type PlaceHook = (
+  config: ModelConfig,
+  signal: AbortSignal,
+  local: () => Promise<LoadedModel>,
+) => Promise<LoadedModel>;
 
 /** A model chart's input: its config, its live dependencies and the server-wide defaults it falls back on, ms. */
 export interface ModelInput {
@@ -98,7 +116,9 @@ export interface ModelInput {
 export type ModelEmitted = { type: 'ready' } | { type: 'unloaded' };
 
 /** Replies to `EVICT`, sent to its `replyTo`. */
-export type EvictReply = { type: 'EVICTED'; id: string; reason: EvictReason } | { type: 'EVICT_REFUSED'; id: string; reason: EvictReason; state: string };
+export type EvictReply =
+  | { type: 'EVICTED'; id: string; reason: EvictReason }
+  | { type: 'EVICT_REFUSED'; id: string; reason: EvictReason; state: string };
 
 const errorMessage = (e: unknown): string => (e instanceof Error ? e.message : String(e));
 /** A load refused for capacity (503: busy, insufficient memory) is not a fault of the model. */
@@ -119,80 +139,88 @@ export interface ResidencyInput {
  * `CLOSE` or when stopped. It answers `LOAD_GRANTED`, `LOADED`, `LOAD_FAILED`, `CLOSED` and, when
  * a slot dies, `SLOT_FAILED`.
  */
-const residency = fromCallback<ResidencyEvent, ResidencyInput>(({ input: { config, deps }, sendBack, receive, self, system }) => {
-  let model: LoadedModel | null = null;
-  let stopped = false;
-  /** Aborted when the entry leaves `resident` (an unload, or the load timeout) while loading. */
-  const abandon = new AbortController();
-  let closing: Promise<void> | null = null;
-  /** The supervisor's cold-load gate, when the entry runs under one. */
-  const gate = system.get('supervisor') as AnyActorRef | undefined;
-  let atGate = false;
-  let answer: { granted: () => void; refused: (e: VoxError) => void } | null = null;
-  const leaveGate = (): void => {
-    if (atGate) gate?.send({ type: 'LOAD_FINISHED', id: config.id });
-    atGate = false;
-  };
-  const close = (): Promise<void> =>
-    (closing ??= (async () => {
-      // Marked not resident first (C9), then the slots close.
-      deps.resident(null);
-      await model?.close();
-    })());
-  /** Loads here: through the cold-load gate, then the loader. */
-  const local = async (): Promise<LoadedModel> => {
-    if (gate) {
-      const needed_bytes = await deps.footprint(config);
-      if (stopped) throw voxError('model_stopped', {});
-      const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
-      atGate = true;
-      gate.send({ type: 'LOAD_REQUESTED', id: config.id, needed_bytes, timeout_ms: deps.busyTimeoutMs(), replyTo: self });
-      await granted;
-    }
-    sendBack({ type: 'LOAD_GRANTED' });
-    try {
-      return await deps.loader(config, abandon.signal);
-    } finally {
-      leaveGate();
-    }
-  };
-  void (async () => {
-    try {
-      // In a cluster, placement decides: here (`local`), or a pool whose jobs go to the holders.
-      const m = deps.place ? await deps.place(config, abandon.signal, local) : await local();
-      if (!m?.pool?.slots.length) {
-        await m?.close?.();
-        throw new Error('the loader yielded no session');
-      }
-      if (stopped) return void (await m.close());
-      model = m;
-      m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
-      deps.resident(m);
-      sendBack({ type: 'LOADED', residentBytes: m.residentBytes });
-    } catch (error) {
-      leaveGate();
-      if (!stopped) sendBack({ type: 'LOAD_FAILED', error });
-    }
-  })();
-  receive((e) => {
-    if (e.type === 'LOAD_GRANTED') return answer?.granted();
-    if (e.type === 'LOAD_REFUSED') {
+const residency = fromCallback<ResidencyEvent, ResidencyInput>(
+  ({ input: { config, deps }, sendBack, receive, self, system }) => {
+    let model: LoadedModel | null = null;
+    let stopped = false;
+    /** Aborted when the entry leaves `resident` (an unload, or the load timeout) while loading. */
+    const abandon = new AbortController();
+    let closing: Promise<void> | null = null;
+    /** The supervisor's cold-load gate, when the entry runs under one. */
+    const gate = system.get('supervisor') as AnyActorRef | undefined;
+    let atGate = false;
+    let answer: { granted: () => void; refused: (e: VoxError) => void } | null = null;
+    const leaveGate = (): void => {
+      if (atGate) gate?.send({ type: 'LOAD_FINISHED', id: config.id });
       atGate = false;
-      return answer?.refused(fromWire(e.error));
-    }
-    close().then(
-      () => sendBack({ type: 'CLOSED' }),
-      (err) => sendBack({ type: 'CLOSED', error: errorMessage(err) }),
-    );
-  });
-  return () => {
-    stopped = true;
-    abandon.abort();
-    leaveGate();
-    answer?.refused(voxError('model_stopped', {}));
-    void close().catch(() => {});
-  };
-});
+    };
+    const close = (): Promise<void> =>
+      (closing ??= (async () => {
+        // Marked not resident first (C9), then the slots close.
+        deps.resident(null);
+        await model?.close();
+      })());
+    /** Loads here: through the cold-load gate, then the loader. */
+    const local = async (): Promise<LoadedModel> => {
+      if (gate) {
+        const needed_bytes = await deps.footprint(config);
+        if (stopped) throw voxError('model_stopped', {});
+        const granted = new Promise<void>((resolve, reject) => (answer = { granted: resolve, refused: reject }));
+        atGate = true;
+        gate.send({
+          type: 'LOAD_REQUESTED',
+          id: config.id,
+          needed_bytes,
+          timeout_ms: deps.busyTimeoutMs(),
+          replyTo: self,
+        });
+        await granted;
+      }
+      sendBack({ type: 'LOAD_GRANTED' });
+      try {
+        return await deps.loader(config, abandon.signal);
+      } finally {
+        leaveGate();
+      }
+    };
+    void (async () => {
+      try {
+        // In a cluster, placement decides: here (`local`), or a pool whose jobs go to the holders.
+        const m = deps.place ? await deps.place(config, abandon.signal, local) : await local();
+        if (!m?.pool?.slots.length) {
+          await m?.close?.();
+          throw new Error('the loader yielded no session');
+        }
+        if (stopped) return void (await m.close());
+        model = m;
+        m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
+        deps.resident(m);
+        sendBack({ type: 'LOADED', residentBytes: m.residentBytes });
+      } catch (error) {
+        leaveGate();
+        if (!stopped) sendBack({ type: 'LOAD_FAILED', error });
+      }
+    })();
+    receive((e) => {
+      if (e.type === 'LOAD_GRANTED') return answer?.granted();
+      if (e.type === 'LOAD_REFUSED') {
+        atGate = false;
+        return answer?.refused(fromWire(e.error));
+      }
+      close().then(
+        () => sendBack({ type: 'CLOSED' }),
+        (err) => sendBack({ type: 'CLOSED', error: errorMessage(err) }),
+      );
+    });
+    return () => {
+      stopped = true;
+      abandon.abort();
+      leaveGate();
+      answer?.refused(voxError('model_stopped', {}));
+      void close().catch(() => {});
+    };
+  },
+);
 
 /**
  * The model entry state chart (DESIGN.md section 2):
@@ -266,13 +294,22 @@ export const modelMachine = setup({
   }),
   initial: 'unloaded',
   on: {
-    LEASES: { actions: assign({ leases: ({ event }) => ({ active: event.active, queued: event.queued, exclusive: event.exclusive }) }) },
+    LEASES: {
+      actions: assign({
+        leases: ({ event }) => ({ active: event.active, queued: event.queued, exclusive: event.exclusive }),
+      }),
+    },
     // Taken only where a state does not take it first (ready.idle, through `evictable`).
     EVICT: {
       actions: enqueueActions(({ enqueue, event, context, self }) => {
         const snapshot = self.getSnapshot() as { value: unknown } | undefined;
         if (event.replyTo) {
-          enqueue.sendTo(event.replyTo, { type: 'EVICT_REFUSED', id: context.config.id, reason: event.reason, state: stateName(snapshot?.value) } satisfies EvictReply);
+          enqueue.sendTo(event.replyTo, {
+            type: 'EVICT_REFUSED',
+            id: context.config.id,
+            reason: event.reason,
+            state: stateName(snapshot?.value),
+          } satisfies EvictReply);
         }
       }),
     },
@@ -286,7 +323,11 @@ export const modelMachine = setup({
       },
     },
     resident: {
-      invoke: { id: 'residency', src: 'residency', input: ({ context }) => ({ config: context.config, deps: context.deps }) },
+      invoke: {
+        id: 'residency',
+        src: 'residency',
+        input: ({ context }) => ({ config: context.config, deps: context.deps }),
+      },
       initial: 'loading',
       states: {
         loading: {
@@ -305,7 +346,9 @@ export const modelMachine = setup({
                   guard: 'loadTimeoutOn',
                   target: '#model.unloaded',
                   actions: assign(({ context }) => {
-                    const error = voxError('load_timeout', { ms: context.config.load_timeout_ms ?? context.serverLoadTimeoutMs });
+                    const error = voxError('load_timeout', {
+                      ms: context.config.load_timeout_ms ?? context.serverLoadTimeoutMs,
+                    });
                     return { failure: error, lastError: error.message };
                   }),
                 },
@@ -313,12 +356,16 @@ export const modelMachine = setup({
             },
           },
           on: {
-            LOADED: { target: 'ready', actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }) },
+            LOADED: {
+              target: 'ready',
+              actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }),
+            },
             LOAD_FAILED: {
               target: '#model.unloaded',
               actions: assign({
                 failure: ({ event }) => event.error,
-                lastError: ({ context, event }) => (refused(event.error) ? context.lastError : errorMessage(event.error)),
+                lastError: ({ context, event }) =>
+                  refused(event.error) ? context.lastError : errorMessage(event.error),
               }),
             },
           },
@@ -347,10 +394,17 @@ export const modelMachine = setup({
                   target: '#model.resident.unloading',
                   actions: [
                     'holdForEviction',
-                    assign({ evicted: ({ context, event }) => ({ reason: event.reason, at: (context.deps.now ?? Date.now)() }) }),
+                    assign({
+                      evicted: ({ context, event }) => ({ reason: event.reason, at: (context.deps.now ?? Date.now)() }),
+                    }),
                     { type: 'recordEviction', params: ({ event }) => ({ reason: event.reason }) },
                     enqueueActions(({ enqueue, event, context }) => {
-                      if (event.replyTo) enqueue.sendTo(event.replyTo, { type: 'EVICTED', id: context.config.id, reason: event.reason } satisfies EvictReply);
+                      if (event.replyTo)
+                        enqueue.sendTo(event.replyTo, {
+                          type: 'EVICTED',
+                          id: context.config.id,
+                          reason: event.reason,
+                        } satisfies EvictReply);
                     }),
                   ],
                 },
@@ -364,7 +418,10 @@ export const modelMachine = setup({
           on: {
             CLOSED: {
               target: '#model.unloaded',
-              actions: ['releaseEviction', assign({ residentBytes: 0, lastError: ({ context, event }) => event.error ?? context.lastError })],
+              actions: [
+                'releaseEviction',
+                assign({ residentBytes: 0, lastError: ({ context, event }) => event.error ?? context.lastError }),
+              ],
             },
           },
         },
@@ -380,7 +437,12 @@ export const modelMachine = setup({
               },
               {
                 target: '#model.unloaded',
-                actions: assign({ residentBytes: 0, config: ({ context }) => context.next ?? context.config, next: null, lastError: ({ context, event }) => event.error ?? context.lastError }),
+                actions: assign({
+                  residentBytes: 0,
+                  config: ({ context }) => context.next ?? context.config,
+                  next: null,
+                  lastError: ({ context, event }) => event.error ?? context.lastError,
+                }),
               },
             ],
           },
@@ -554,8 +616,20 @@ export class ModelEntry {
         this.log.info({ reason, idle_ms: this.lastUsedAt ? Date.now() - this.lastUsedAt : undefined }, 'evict');
       },
     };
-    const input: ModelInput = { config, deps, serverIdleUnloadMs: options.serverIdleUnloadMs, serverLoadTimeoutMs: options.serverLoadTimeoutMs };
-    this.actor = options.spawn ? options.spawn(input) : createActor(modelMachine, { input, inspect: options.inspect, id: `model:${config.id}`, systemId: `model:${config.id}` });
+    const input: ModelInput = {
+      config,
+      deps,
+      serverIdleUnloadMs: options.serverIdleUnloadMs,
+      serverLoadTimeoutMs: options.serverLoadTimeoutMs,
+    };
+    this.actor = options.spawn
+      ? options.spawn(input)
+      : createActor(modelMachine, {
+          input,
+          inspect: options.inspect,
+          id: `model:${config.id}`,
+          systemId: `model:${config.id}`,
+        });
     let previous: ModelState = 'unloaded';
     let previousValue = '';
     this.actor.subscribe({
@@ -642,7 +716,11 @@ export class ModelEntry {
    *   (stuck work, at once; or no lease within the timeout); an `AbortError` if `signal` aborts
    *   while queued.
    */
-  async admit(opts: { requestTimeoutMs?: number; signal?: AbortSignal; onRevoke?: (reason: Error) => void }): Promise<Lease> {
+  async admit(opts: {
+    requestTimeoutMs?: number;
+    signal?: AbortSignal;
+    onRevoke?: (reason: Error) => void;
+  }): Promise<Lease> {
     const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
     if (this.stuck()) {
       throw voxError('model_stuck', { id: this.id, ms: this.busyTimeoutMs });
@@ -671,7 +749,9 @@ export class ModelEntry {
         if (state !== 'unloaded') return; // loading, unloading or reconfiguring: the next `ready` / `unloaded` answers
         if (asked) {
           const f = s.context.failure;
-          return finish(() => reject(refused(f) ? f : voxError('load_failed', { id: this.id, reason: errorMessage(f) })));
+          return finish(() =>
+            reject(refused(f) ? f : voxError('load_failed', { id: this.id, reason: errorMessage(f) })),
+          );
         }
         asked = true;
         this.actor.send({ type: 'LOAD' });
@@ -729,7 +809,11 @@ export class ModelEntry {
    *   (no exclusive lease within `timeoutMs`), `server_error` (the load failed; the new config
    *   stays committed, unloaded, retryable).
    */
-  async configure(fields: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ reconfigured: boolean }> {
+  async configure(
+    fields: Record<string, unknown>,
+    timeoutMs: number,
+    signal?: AbortSignal,
+  ): Promise<{ reconfigured: boolean }> {
     const committed = this.config;
     const next = this.resolve(validateModelConfig({ ...committed, ...fields, id: this.id }));
     const changed = stable(next) !== stable(committed);

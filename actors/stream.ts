@@ -1,6 +1,25 @@
 import { randomUUID } from 'node:crypto';
-import { assign, createActor, emit, enqueueActions, fromCallback, raise, sendTo, setup, stateIn, type Actor, type InspectionEvent } from 'xstate';
-import { MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PCM_ENCODINGS, PcmStreamDecoder, type PcmEncoding } from '../runtime/audio.js';
+import {
+  assign,
+  createActor,
+  emit,
+  enqueueActions,
+  fromCallback,
+  raise,
+  sendTo,
+  setup,
+  stateIn,
+  type Actor,
+  type InspectionEvent,
+} from 'xstate';
+import {
+  MAX_CHANNELS,
+  MAX_SAMPLE_RATE,
+  MIN_SAMPLE_RATE,
+  PCM_ENCODINGS,
+  PcmStreamDecoder,
+  type PcmEncoding,
+} from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createTaskSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
@@ -25,7 +44,15 @@ export interface StreamParams {
 }
 
 /** Query parameters of `/v1/stream` besides task options. */
-export const STREAM_QUERY = ['model', 'sample_rate', 'encoding', 'channels', 'busy_timeout_ms', 'probabilities', 'probability_interval_ms'] as const;
+export const STREAM_QUERY = [
+  'model',
+  'sample_rate',
+  'encoding',
+  'channels',
+  'busy_timeout_ms',
+  'probabilities',
+  'probability_interval_ms',
+] as const;
 
 /**
  * An integer query parameter, or `dflt` when absent (an empty value is a bad value, as for task options).
@@ -37,7 +64,8 @@ function intParam(url: URL, name: string, dflt: number | undefined, min: number,
   const raw = url.searchParams.get(name);
   if (raw === null) return dflt;
   const n = Number(raw);
-  if (!/^\d{1,10}$/.test(raw) || n < min || n > max) throw invalid(name, `must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
+  if (!/^\d{1,10}$/.test(raw) || n < min || n > max)
+    throw invalid(name, `must be an integer from ${min} to ${max}, got '${raw.slice(0, 32)}'`);
   return n;
 }
 
@@ -50,9 +78,11 @@ export function parseStreamParams(url: URL): StreamParams {
   const model = url.searchParams.get('model');
   if (!model) throw invalid('model', 'required query parameter');
   const encoding = url.searchParams.get('encoding') ?? 's16le';
-  if (!(PCM_ENCODINGS as readonly string[]).includes(encoding)) throw invalid('encoding', `must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
+  if (!(PCM_ENCODINGS as readonly string[]).includes(encoding))
+    throw invalid('encoding', `must be one of ${PCM_ENCODINGS.join(', ')}, got '${encoding}'`);
   const probabilities = url.searchParams.get('probabilities');
-  if (probabilities !== null && probabilities !== 'true' && probabilities !== 'false') throw invalid('probabilities', `must be true or false, got '${probabilities.slice(0, 32)}'`);
+  if (probabilities !== null && probabilities !== 'true' && probabilities !== 'false')
+    throw invalid('probabilities', `must be true or false, got '${probabilities.slice(0, 32)}'`);
   // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
   const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
   return {
@@ -325,141 +355,155 @@ const errorEvent = (error: WireError): WireEvent => ({ type: 'error', error });
  * flushes; `DONE` follows the last result. Stopping it (the socket actor leaving `live`) drops
  * pending inference and releases the lease, on every path.
  */
-const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(({ input: { id }, sendBack, receive }) => {
-  const input = live.get(id)!;
-  const { stats, channel } = input;
-  const send = (e: WorkEvent): void => sendBack(e);
-  const t0 = performance.now();
-  let lease: LeaseHandle | null = null;
-  let stopped = false;
-  let decoder: PcmStreamDecoder | null = null;
-  let pump: JobPump | null = null;
-  let queueMs = 0;
-  let early: { data: Buffer; at: number }[] = [];
-  let earlyBytes = 0;
-  let paused = false;
-  let ended = false;
-  /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
-  let caughtUpAt = performance.now();
-  /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
-  const behind = (): boolean => !pump || pump.running || early.length > 0 || pump.session.pendingSamples >= pump.session.step;
-  const gone = (): boolean => stopped || (lease?.signal.aborted ?? false);
+const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(
+  ({ input: { id }, sendBack, receive }) => {
+    const input = live.get(id)!;
+    const { stats, channel } = input;
+    const send = (e: WorkEvent): void => sendBack(e);
+    const t0 = performance.now();
+    let lease: LeaseHandle | null = null;
+    let stopped = false;
+    let decoder: PcmStreamDecoder | null = null;
+    let pump: JobPump | null = null;
+    let queueMs = 0;
+    let early: { data: Buffer; at: number }[] = [];
+    let earlyBytes = 0;
+    let paused = false;
+    let ended = false;
+    /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
+    let caughtUpAt = performance.now();
+    /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
+    const behind = (): boolean =>
+      !pump || pump.running || early.length > 0 || pump.session.pendingSamples >= pump.session.step;
+    const gone = (): boolean => stopped || (lease?.signal.aborted ?? false);
 
-  const fail = (e: unknown): void => {
-    if (gone()) return;
-    const err = toVoxError(e);
-    send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
-  };
-  const pause = (): void => {
-    if (!paused) send({ type: 'PAUSE' });
-    paused = true;
-  };
-  const resume = (): void => {
-    if (paused) send({ type: 'RESUME' });
-    paused = false;
-  };
-  const emitTask = (e: TaskEvent): void => channel.write({ ...e });
+    const fail = (e: unknown): void => {
+      if (gone()) return;
+      const err = toVoxError(e);
+      send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
+    };
+    const pause = (): void => {
+      if (!paused) send({ type: 'PAUSE' });
+      paused = true;
+    };
+    const resume = (): void => {
+      if (paused) send({ type: 'RESUME' });
+      paused = false;
+    };
+    const emitTask = (e: TaskEvent): void => channel.write({ ...e });
 
-  /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
-  const push = (data: Buffer, at: number): void => {
-    const session = pump!.session;
-    session.push(decoder!.push(data));
-    stats.receivedSamples = session.receivedSamples;
-    pump!.arrived(at);
-    if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
-    void pump!.pump();
-  };
+    /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
+    const push = (data: Buffer, at: number): void => {
+      const session = pump!.session;
+      session.push(decoder!.push(data));
+      stats.receivedSamples = session.receivedSamples;
+      pump!.arrived(at);
+      if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
+      void pump!.pump();
+    };
 
-  /** No job left: the server has caught up; after `END`, `DONE`. */
-  const idle = (): void => {
-    const session = pump!.session;
-    caughtUpAt = performance.now();
-    resume();
-    if (ended && session.finished && !gone()) {
-      const wallMs = performance.now() - t0;
-      const audioMs = session.receivedSamples / 16;
-      send({
-        type: 'DONE',
-        processed_ms: Math.round(audioMs),
-        timing: { wall_ms: Math.round(wallMs), queue_ms: Math.round(queueMs), audio_duration_ms: Math.round(audioMs), rtf: audioMs ? Math.round((wallMs / audioMs) * 10_000) / 10_000 : 0 },
+    /** No job left: the server has caught up; after `END`, `DONE`. */
+    const idle = (): void => {
+      const session = pump!.session;
+      caughtUpAt = performance.now();
+      resume();
+      if (ended && session.finished && !gone()) {
+        const wallMs = performance.now() - t0;
+        const audioMs = session.receivedSamples / 16;
+        send({
+          type: 'DONE',
+          processed_ms: Math.round(audioMs),
+          timing: {
+            wall_ms: Math.round(wallMs),
+            queue_ms: Math.round(queueMs),
+            audio_duration_ms: Math.round(audioMs),
+            rtf: audioMs ? Math.round((wallMs / audioMs) * 10_000) / 10_000 : 0,
+          },
+        });
+      }
+    };
+
+    const finishAudio = (): void => {
+      const session = pump!.session;
+      // The resampler's held-back tail first, so a stream gives the samples a file would.
+      session.push(decoder!.end());
+      stats.receivedSamples = session.receivedSamples;
+      for (const e of session.end()) emitTask(e);
+      void pump!.pump();
+    };
+
+    /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */
+    const start = async (params: StreamParams, granted: Granted): Promise<void> => {
+      queueMs = granted.queueMs;
+      decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
+      if (gone()) return;
+      const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
+      pump = new JobPump(session, granted, {
+        emit: emitTask,
+        accepted: () => {
+          if (paused && session.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
+        },
+        idle,
+        fail,
       });
+      send({ type: 'READY', model: granted.model, task: granted.config.task });
+      caughtUpAt = performance.now();
+      const buffered = early;
+      early = [];
+      earlyBytes = 0;
+      for (const { data, at } of buffered) push(data, at);
+      if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
+      if (ended) finishAudio();
+    };
+
+    try {
+      const params = parseStreamParams(new URL(input.url, 'http://localhost'));
+      const entry = input.registry.require(params.model);
+      stats.model = entry.id;
+      lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
+        if (e.type === 'LEASE_GRANTED') start(params, e.granted).catch(fail);
+        else if (e.type === 'LEASE_REFUSED') fail(e.error);
+        else if (!stopped) send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
+      });
+    } catch (e) {
+      // Answered after the chart has started (a bad query or an unknown model).
+      queueMicrotask(() => fail(e));
     }
-  };
 
-  const finishAudio = (): void => {
-    const session = pump!.session;
-    // The resampler's held-back tail first, so a stream gives the samples a file would.
-    session.push(decoder!.end());
-    stats.receivedSamples = session.receivedSamples;
-    for (const e of session.end()) emitTask(e);
-    void pump!.pump();
-  };
-
-  /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */
-  const start = async (params: StreamParams, granted: Granted): Promise<void> => {
-    queueMs = granted.queueMs;
-    decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
-    if (gone()) return;
-    const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
-    pump = new JobPump(session, granted, {
-      emit: emitTask,
-      accepted: () => {
-        if (paused && session.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
-      },
-      idle,
-      fail,
+    channel.sink = (data, at) => {
+      // Audio after `end` is dropped: the stream is finishing what it had.
+      if (ended) return;
+      if (pump) return push(data, at);
+      // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
+      early.push({ data, at });
+      earlyBytes += data.length;
+      if (earlyBytes > MAX_EARLY_BYTES) pause();
+    };
+    receive((e) => {
+      if (e.type === 'CHECK_IDLE') {
+        // The client's silence counts only from when the server had caught up with what it sent.
+        send({
+          type: 'IDLE_REPORT',
+          silentMs: behind() ? 0 : performance.now() - Math.max(channel.heardAt, caughtUpAt),
+        });
+      } else if (e.type === 'CHECK_SEND') {
+        send({
+          type: 'SEND_REPORT',
+          waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince,
+        });
+      } else if (e.type === 'END' && !ended) {
+        ended = true;
+        if (pump) finishAudio();
+      }
     });
-    send({ type: 'READY', model: granted.model, task: granted.config.task });
-    caughtUpAt = performance.now();
-    const buffered = early;
-    early = [];
-    earlyBytes = 0;
-    for (const { data, at } of buffered) push(data, at);
-    if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
-    if (ended) finishAudio();
-  };
-
-  try {
-    const params = parseStreamParams(new URL(input.url, 'http://localhost'));
-    const entry = input.registry.require(params.model);
-    stats.model = entry.id;
-    lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
-      if (e.type === 'LEASE_GRANTED') start(params, e.granted).catch(fail);
-      else if (e.type === 'LEASE_REFUSED') fail(e.error);
-      else if (!stopped) send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
-    });
-  } catch (e) {
-    // Answered after the chart has started (a bad query or an unknown model).
-    queueMicrotask(() => fail(e));
-  }
-
-  channel.sink = (data, at) => {
-    // Audio after `end` is dropped: the stream is finishing what it had.
-    if (ended) return;
-    if (pump) return push(data, at);
-    // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
-    early.push({ data, at });
-    earlyBytes += data.length;
-    if (earlyBytes > MAX_EARLY_BYTES) pause();
-  };
-  receive((e) => {
-    if (e.type === 'CHECK_IDLE') {
-      // The client's silence counts only from when the server had caught up with what it sent.
-      send({ type: 'IDLE_REPORT', silentMs: behind() ? 0 : performance.now() - Math.max(channel.heardAt, caughtUpAt) });
-    } else if (e.type === 'CHECK_SEND') {
-      send({ type: 'SEND_REPORT', waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince });
-    } else if (e.type === 'END' && !ended) {
-      ended = true;
-      if (pump) finishAudio();
-    }
-  });
-  return () => {
-    stopped = true;
-    channel.sink = null;
-    decoder?.close();
-    lease?.release();
-  };
-});
+    return () => {
+      stopped = true;
+      channel.sink = null;
+      decoder?.close();
+      lease?.release();
+    };
+  },
+);
 
 /**
  * A stream socket actor (DESIGN.md section 2): one per WebSocket on `/v1/stream`, each its own
@@ -495,20 +539,36 @@ export const streamSocketMachine = setup({
   actions: {
     sendReady: enqueueActions(({ enqueue, context, event }) => {
       const ready = event as Extract<WorkEvent, { type: 'READY' }>;
-      enqueue.emit({ type: 'send', event: { type: 'ready', session_id: context.id, model: ready.model, task: ready.task, sample_rate: 16_000 } });
+      enqueue.emit({
+        type: 'send',
+        event: { type: 'ready', session_id: context.id, model: ready.model, task: ready.task, sample_rate: 16_000 },
+      });
     }),
     /** The closing log line and metrics, once per stream. */
     log: ({ context, event }) => {
       const { registry, stats, route } = live.get(context.id)!;
       // Exit actions run before the transition's own: the code comes from the event that ends `live`.
-      const code = event.type === 'DONE' ? context.doneCode : event.type === 'CUT' || event.type === 'FAILED' || event.type === 'PEER_CLOSED' ? event.code : (context.code ?? 1006);
+      const code =
+        event.type === 'DONE'
+          ? context.doneCode
+          : event.type === 'CUT' || event.type === 'FAILED' || event.type === 'PEER_CLOSED'
+            ? event.code
+            : (context.code ?? 1006);
       const cutReason = event.type === 'CUT' ? event.reason : context.cutReason;
       const model = stats.model;
       const outcome = code === CLOSE.NORMAL || code === CLOSE.GOING_AWAY ? 'ok' : `close_${code}`;
       registry.metrics.wsClosed.inc({ code: String(code) });
       if (model) registry.metrics.requests.inc({ model, outcome });
       registry.log.info(
-        { route: route ?? 'stream', session_id: context.id, model, code, reason: cutReason ?? undefined, processed_ms: Math.round(stats.receivedSamples / 16), duration_ms: Math.round(performance.now() - context.openedAt) },
+        {
+          route: route ?? 'stream',
+          session_id: context.id,
+          model,
+          code,
+          reason: cutReason ?? undefined,
+          processed_ms: Math.round(stats.receivedSamples / 16),
+          duration_ms: Math.round(performance.now() - context.openedAt),
+        },
         'stream closed',
       );
     },
@@ -560,17 +620,34 @@ export const streamSocketMachine = setup({
       invoke: { id: 'work', src: 'work', input: ({ context }) => ({ id: context.id }) },
       // The lease is released as `work` stops; the transport hears `released`.
       exit: ['log', emit({ type: 'released' })],
-      after: { total: { guard: 'totalOn', actions: raise(({ context }) => cutFor(voxError('stream_too_long', { totalMs: context.limits.total_ms }))) } },
+      after: {
+        total: {
+          guard: 'totalOn',
+          actions: raise(({ context }) => cutFor(voxError('stream_too_long', { totalMs: context.limits.total_ms }))),
+        },
+      },
       on: {
-        BAD_CONTROL: { actions: emit(({ event }) => ({ type: 'send', event: errorEvent(event.error) }) as StreamOutput) },
+        BAD_CONTROL: {
+          actions: emit(({ event }) => ({ type: 'send', event: errorEvent(event.error) }) as StreamOutput),
+        },
         PONG: { actions: assign({ alive: true }) },
         SEND_BLOCKED: [
           // The client may be blocked sending what the server does not read: the server gives up, and says so.
           {
             guard: 'readingPaused',
-            actions: raise(({ context }) => cutFor(voxError('server_behind', { maxBytes: context.limits.ws_max_buffered_bytes }))),
+            actions: raise(({ context }) =>
+              cutFor(voxError('server_behind', { maxBytes: context.limits.ws_max_buffered_bytes })),
+            ),
           },
-          { actions: raise(({ context }) => cutFor(voxError('client_not_reading', { detail: `over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})` }))) },
+          {
+            actions: raise(({ context }) =>
+              cutFor(
+                voxError('client_not_reading', {
+                  detail: `over limits.ws_max_buffered_bytes (${context.limits.ws_max_buffered_bytes})`,
+                }),
+              ),
+            ),
+          },
         ],
         // Stop reading a flooding client at once: the rest of its flood is not parsed (nor its close frame: `closing` ends at closeGrace).
         FLOODED: {
@@ -579,7 +656,9 @@ export const streamSocketMachine = setup({
             emit({ type: 'pause' }),
           ],
         },
-        GO_AWAY: { actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason }) as CutEvent) },
+        GO_AWAY: {
+          actions: raise(({ event }) => ({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: event.reason }) as CutEvent),
+        },
         CUT: {
           target: 'closing',
           actions: [
@@ -595,10 +674,16 @@ export const streamSocketMachine = setup({
           actions: [
             assign({ code: ({ event }) => event.code }),
             emit(({ event }) => ({ type: 'send', event: errorEvent(event.error) }) as StreamOutput),
-            emit(({ event }) => ({ type: 'close', code: event.code, reason: closeReason(event.error.message) }) as StreamOutput),
+            emit(
+              ({ event }) =>
+                ({ type: 'close', code: event.code, reason: closeReason(event.error.message) }) as StreamOutput,
+            ),
           ],
         },
-        PEER_CLOSED: { target: 'closed', actions: assign({ code: ({ context, event }) => context.code ?? event.code }) },
+        PEER_CLOSED: {
+          target: 'closed',
+          actions: assign({ code: ({ context, event }) => context.code ?? event.code }),
+        },
       },
       states: {
         phase: {
@@ -612,13 +697,18 @@ export const streamSocketMachine = setup({
                 ],
                 // The client may end before it is ready; `work` keeps it for later.
                 END: { actions: [assign({ ended: true }), sendTo('work', { type: 'END' })] },
-                DRAIN: { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'server shutting down' } as CutEvent) },
+                DRAIN: {
+                  actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'server shutting down' } as CutEvent),
+                },
               },
             },
             streaming: {
               on: {
                 END: { target: 'draining', actions: [assign({ ended: true }), sendTo('work', { type: 'END' })] },
-                DRAIN: { target: 'draining', actions: [assign({ doneCode: CLOSE.GOING_AWAY, ended: true }), sendTo('work', { type: 'END' })] },
+                DRAIN: {
+                  target: 'draining',
+                  actions: [assign({ doneCode: CLOSE.GOING_AWAY, ended: true }), sendTo('work', { type: 'END' })],
+                },
               },
             },
             draining: {
@@ -628,8 +718,21 @@ export const streamSocketMachine = setup({
                   target: '#stream.closing',
                   actions: [
                     assign({ code: ({ context }) => context.doneCode }),
-                    emit(({ event }) => ({ type: 'send', event: { type: 'done', processed_ms: event.processed_ms, timing: event.timing } }) as StreamOutput),
-                    emit(({ context }) => ({ type: 'close', code: context.doneCode, reason: context.doneCode === CLOSE.NORMAL ? 'done' : 'server shutting down' }) as StreamOutput),
+                    emit(
+                      ({ event }) =>
+                        ({
+                          type: 'send',
+                          event: { type: 'done', processed_ms: event.processed_ms, timing: event.timing },
+                        }) as StreamOutput,
+                    ),
+                    emit(
+                      ({ context }) =>
+                        ({
+                          type: 'close',
+                          code: context.doneCode,
+                          reason: context.doneCode === CLOSE.NORMAL ? 'done' : 'server shutting down',
+                        }) as StreamOutput,
+                    ),
                   ],
                 },
               },
@@ -659,7 +762,14 @@ export const streamSocketMachine = setup({
               on: { PAUSE: 'suspended' },
             },
             // The server is not reading: the client's silence is not the client's. A full period again once it reads.
-            suspended: { on: { RESUME: { target: 'watching', actions: assign({ idleLeftMs: ({ context }) => context.limits.idle_ms }) } } },
+            suspended: {
+              on: {
+                RESUME: {
+                  target: 'watching',
+                  actions: assign({ idleLeftMs: ({ context }) => context.limits.idle_ms }),
+                },
+              },
+            },
             checking: {
               on: {
                 PAUSE: 'suspended',
@@ -668,9 +778,16 @@ export const streamSocketMachine = setup({
                   { guard: 'endedEarly', target: 'off' },
                   {
                     guard: 'idleExpired',
-                    actions: raise(({ context }) => cutFor(voxError('stream_idle', { idleMs: context.limits.idle_ms }))),
+                    actions: raise(({ context }) =>
+                      cutFor(voxError('stream_idle', { idleMs: context.limits.idle_ms })),
+                    ),
                   },
-                  { target: 'watching', actions: assign({ idleLeftMs: ({ context, event }) => Math.max(1, context.limits.idle_ms - event.silentMs) }) },
+                  {
+                    target: 'watching',
+                    actions: assign({
+                      idleLeftMs: ({ context, event }) => Math.max(1, context.limits.idle_ms - event.silentMs),
+                    }),
+                  },
                 ],
               },
             },
@@ -690,7 +807,13 @@ export const streamSocketMachine = setup({
               after: {
                 settle: [
                   { guard: 'alive', target: 'waiting', actions: [assign({ alive: false }), emit({ type: 'ping' })] },
-                  { actions: raise({ type: 'CUT', code: CLOSE.GOING_AWAY, reason: 'no pong: peer is gone' } as CutEvent) },
+                  {
+                    actions: raise({
+                      type: 'CUT',
+                      code: CLOSE.GOING_AWAY,
+                      reason: 'no pong: peer is gone',
+                    } as CutEvent),
+                  },
                 ],
               },
               on: { PAUSE: 'suspended' },
@@ -711,16 +834,35 @@ export const streamSocketMachine = setup({
               on: { PAUSE: 'suspended' },
             },
             // The server is not reading: a client blocked sending to it may not read either. A full period again once it reads.
-            suspended: { on: { RESUME: { target: 'watching', actions: assign({ sendLeftMs: ({ context }) => context.limits.send_timeout_ms }) } } },
+            suspended: {
+              on: {
+                RESUME: {
+                  target: 'watching',
+                  actions: assign({ sendLeftMs: ({ context }) => context.limits.send_timeout_ms }),
+                },
+              },
+            },
             checking: {
               on: {
                 PAUSE: 'suspended',
                 SEND_REPORT: [
                   {
                     guard: 'sendExpired',
-                    actions: raise(({ context }) => ({ type: 'CUT', code: CLOSE.BUSY, reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)` }) as CutEvent),
+                    actions: raise(
+                      ({ context }) =>
+                        ({
+                          type: 'CUT',
+                          code: CLOSE.BUSY,
+                          reason: `client is not reading: a send waited over limits.send_timeout_ms (${context.limits.send_timeout_ms} ms)`,
+                        }) as CutEvent,
+                    ),
                   },
-                  { target: 'watching', actions: assign({ sendLeftMs: ({ context, event }) => Math.max(1, context.limits.send_timeout_ms - event.waitingMs) }) },
+                  {
+                    target: 'watching',
+                    actions: assign({
+                      sendLeftMs: ({ context, event }) => Math.max(1, context.limits.send_timeout_ms - event.waitingMs),
+                    }),
+                  },
                 ],
               },
             },
@@ -758,7 +900,11 @@ export type StreamWorkLogic = typeof streamWork;
  * @param protocol another protocol's `work` actor and channel (the Wyoming endpoint): the chart,
  *   its deadlines, limits and drain stay the same.
  */
-export function createStreamSocket(input: StreamSocketInput, inspect?: (e: InspectionEvent) => void, protocol?: { work: StreamWorkLogic; channel: StreamChannel }): StreamSocketHandle {
+export function createStreamSocket(
+  input: StreamSocketInput,
+  inspect?: (e: InspectionEvent) => void,
+  protocol?: { work: StreamWorkLogic; channel: StreamChannel },
+): StreamSocketHandle {
   const id = randomUUID();
   const channel = protocol?.channel ?? new StreamChannel(input.limits.ws_max_messages_per_s);
   live.set(id, { ...input, channel, stats: { receivedSamples: 0 } });

@@ -1,10 +1,26 @@
 import { stat } from 'node:fs/promises';
-import { assign, createActor, sendTo, setup, type Actor, type ActorRefFrom, type AnyActorLogic, type AnyActorRef, type InspectionEvent } from 'xstate';
+import {
+  assign,
+  createActor,
+  sendTo,
+  setup,
+  type Actor,
+  type ActorRefFrom,
+  type AnyActorLogic,
+  type AnyActorRef,
+  type InspectionEvent,
+} from 'xstate';
 import type { Lease } from '../runtime/admission.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
 import { defaultCatalog, ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
 import { invalid, voxError, type VoxError, type WireError } from '../runtime/errors.js';
-import { createLoader, modelFileProblem, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
+import {
+  createLoader,
+  modelFileProblem,
+  WeightBundles,
+  type LoadedModel,
+  type ModelLoader,
+} from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
 import { similarIds } from '../runtime/names.js';
@@ -13,14 +29,33 @@ import { confinePath } from '../runtime/paths.js';
 /** Config fields that name model files. */
 const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
 import type { Logger } from 'pino';
-import { ModelEntry, modelMachine, type ModelActor, type ModelInput, validateModelConfig, type EvictReason, type EvictReply, type ModelStatus, type PlaceHook } from './model.js';
+import {
+  ModelEntry,
+  modelMachine,
+  type ModelActor,
+  type ModelInput,
+  validateModelConfig,
+  type EvictReason,
+  type EvictReply,
+  type ModelStatus,
+  type PlaceHook,
+} from './model.js';
 import { systemMachine } from './system.js';
 
 /** A model's footprint estimated from the sizes of its files (C13). */
 async function estimateFromFiles(config: ModelConfig): Promise<number> {
-  const files = [...modelFiles(config), ...(config.task === 'wakeword' ? [config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING] : [])];
+  const files = [
+    ...modelFiles(config),
+    ...(config.task === 'wakeword'
+      ? [config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING]
+      : []),
+  ];
   let bytes = 0;
-  for (const f of files) bytes += await stat(f).then((st) => st.size, () => 0);
+  for (const f of files)
+    bytes += await stat(f).then(
+      (st) => st.size,
+      () => 0,
+    );
   return estimateFootprint(config, bytes);
 }
 
@@ -102,7 +137,8 @@ export interface SupervisorInput {
 
 const need = (r: RoomFigures): number => (r.max_loaded > 0 ? r.resident.length + 1 - r.max_loaded : 0);
 const roomFree = (r: RoomFigures): boolean => need(r) <= 0;
-const memoryFree = (r: RoomFigures): boolean => r.headroom_bytes <= 0 || r.needed_bytes + r.headroom_bytes <= (r.free_bytes ?? Infinity);
+const memoryFree = (r: RoomFigures): boolean =>
+  r.headroom_bytes <= 0 || r.needed_bytes + r.headroom_bytes <= (r.free_bytes ?? Infinity);
 
 /**
  * The supervisor chart (DESIGN.md section 2, C10-C14). It registers model entries as children
@@ -138,8 +174,18 @@ export const supervisorMachine = setup({
         return {
           type: 'LOAD_REFUSED',
           error: (params.why === 'room'
-            ? voxError('no_room', { id: current!.id, maxLoaded: room?.max_loaded, timeoutMs: current!.timeout_ms, resident: room?.resident ?? [] })
-            : voxError('insufficient_memory', { id: current!.id, needed: mib(room!.needed_bytes), headroom: mib(room!.headroom_bytes), free: mib(room!.free_bytes ?? 0) })
+            ? voxError('no_room', {
+                id: current!.id,
+                maxLoaded: room?.max_loaded,
+                timeoutMs: current!.timeout_ms,
+                resident: room?.resident ?? [],
+              })
+            : voxError('insufficient_memory', {
+                id: current!.id,
+                needed: mib(room!.needed_bytes),
+                headroom: mib(room!.headroom_bytes),
+                free: mib(room!.free_bytes ?? 0),
+              })
           ).toWire(),
         };
       },
@@ -169,28 +215,57 @@ export const supervisorMachine = setup({
     isCurrent: ({ context, event }) => event.type === 'LOAD_FINISHED' && context.current?.id === event.id,
   },
   delays: {
-    untilDeadline: ({ context }) => Math.max(0, Math.min(2 ** 31 - 1, context.current!.since + context.current!.timeout_ms - context.deps.now())),
+    untilDeadline: ({ context }) =>
+      Math.max(0, Math.min(2 ** 31 - 1, context.current!.since + context.current!.timeout_ms - context.deps.now())),
     memoryPoll: 250,
   },
 }).createMachine({
   id: 'supervisor',
-  context: ({ input }) => ({ deps: { now: Date.now, ...input }, entries: {}, pending: [], current: null, refused: [], room: null, victim: null, waitingFor: null }),
+  context: ({ input }) => ({
+    deps: { now: Date.now, ...input },
+    entries: {},
+    pending: [],
+    current: null,
+    refused: [],
+    room: null,
+    victim: null,
+    waitingFor: null,
+  }),
   on: {
     REGISTER: {
       actions: assign({
         entries: ({ context, event, spawn }) => ({
           ...context.entries,
           // The logic comes with the event (the model chart; a test gives fakes), its live dependencies with its input.
-          [event.id]: (spawn as (logic: AnyActorLogic, options: object) => AnyActorRef)(event.logic, { id: `model:${event.id}`, systemId: `model:${event.id}`, input: event.input }),
+          [event.id]: (spawn as (logic: AnyActorLogic, options: object) => AnyActorRef)(event.logic, {
+            id: `model:${event.id}`,
+            systemId: `model:${event.id}`,
+            input: event.input,
+          }),
         }),
       }),
     },
     LOAD_REQUESTED: [
       {
         guard: 'guarded',
-        actions: assign({ pending: ({ context, event }) => [...context.pending, { id: event.id, needed_bytes: event.needed_bytes, timeout_ms: event.timeout_ms, replyTo: event.replyTo, since: context.deps.now() }] }),
+        actions: assign({
+          pending: ({ context, event }) => [
+            ...context.pending,
+            {
+              id: event.id,
+              needed_bytes: event.needed_bytes,
+              timeout_ms: event.timeout_ms,
+              replyTo: event.replyTo,
+              since: context.deps.now(),
+            },
+          ],
+        }),
       },
-      { actions: sendTo(({ event }) => (event as { replyTo: AnyActorRef }).replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply) },
+      {
+        actions: sendTo(({ event }) => (event as { replyTo: AnyActorRef }).replyTo, {
+          type: 'LOAD_GRANTED',
+        } satisfies GateReply),
+      },
     ],
     LOAD_FINISHED: [
       // The load ended (or its requester stopped while the gate made room for it): next one.
@@ -206,15 +281,32 @@ export const supervisorMachine = setup({
       always: {
         guard: 'hasPending',
         target: 'admitting',
-        actions: assign({ current: ({ context }) => context.pending[0], pending: ({ context }) => context.pending.slice(1) }),
+        actions: assign({
+          current: ({ context }) => context.pending[0],
+          pending: ({ context }) => context.pending.slice(1),
+        }),
       },
     },
     admitting: {
       entry: ['measureRoom', assign({ waitingFor: null })],
       always: [
-        { guard: 'hasRoom', target: 'loading', actions: sendTo(({ context }) => context.current!.replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply) },
-        { guard: 'victimForRoom', target: 'evicting', actions: assign({ victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'lru' as const }) }) },
-        { guard: 'victimForMemory', target: 'evicting', actions: assign({ victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'memory' as const }) }) },
+        {
+          guard: 'hasRoom',
+          target: 'loading',
+          actions: sendTo(({ context }) => context.current!.replyTo, { type: 'LOAD_GRANTED' } satisfies GateReply),
+        },
+        {
+          guard: 'victimForRoom',
+          target: 'evicting',
+          actions: assign({ victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'lru' as const }) }),
+        },
+        {
+          guard: 'victimForMemory',
+          target: 'evicting',
+          actions: assign({
+            victim: ({ context }) => ({ id: context.room!.candidates[0], reason: 'memory' as const }),
+          }),
+        },
         { guard: 'nothingToFree', target: 'idle', actions: { type: 'refuse', params: { why: 'memory' } } },
         { guard: 'shortOfMemory', target: 'waitingForMemory' },
         { target: 'waitingForRelease' },
@@ -227,13 +319,18 @@ export const supervisorMachine = setup({
       ),
       on: {
         EVICTED: 'waitingForRelease',
-        EVICT_REFUSED: { target: 'admitting', actions: assign({ refused: ({ context, event }) => [...context.refused, event.id] }) },
+        EVICT_REFUSED: {
+          target: 'admitting',
+          actions: assign({ refused: ({ context, event }) => [...context.refused, event.id] }),
+        },
       },
     },
     waitingForRelease: {
       entry: assign({ waitingFor: 'release' }),
       on: { MODEL_CHANGED: { target: 'admitting', actions: assign({ refused: [] }) } },
-      after: { untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: { type: 'refuse', params: { why: 'room' } } } },
+      after: {
+        untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: { type: 'refuse', params: { why: 'room' } } },
+      },
     },
     waitingForMemory: {
       entry: assign({ waitingFor: 'memory' }),
@@ -300,7 +397,13 @@ export class Supervisor {
   ) {
     this.metrics = options.metrics ?? new Metrics();
     this.log = options.log ?? createLogger(config.log_level);
-    this.baseLoader = options.loader ?? createLoader(new WeightBundles(), { isolation: config.isolation, jobTimeoutMs: config.job_timeout_ms, loadTimeoutMs: config.load_timeout_ms });
+    this.baseLoader =
+      options.loader ??
+      createLoader(new WeightBundles(), {
+        isolation: config.isolation,
+        jobTimeoutMs: config.job_timeout_ms,
+        loadTimeoutMs: config.load_timeout_ms,
+      });
     this.probe = options.memoryProbe ?? availableMemory;
     this.estimate = options.footprint ?? estimateFromFiles;
     this.place = options.place;
@@ -308,8 +411,17 @@ export class Supervisor {
     // A configured group naming an unknown head stops the server at start, not at first use.
     // Said before the server listens: the error names the config field and the wake words it knows, not a route.
     for (const [i, m] of config.models.entries()) this.resolveHeads(m, `models.${i}.`);
-    const supervisor: SupervisorInput = { guarded: this.guarded, measure: (target, refused) => this.measureRoom(target, refused) };
-    this.root = createActor(systemMachine.provide({ actors: { supervisor: supervisorMachine }, delays: { drainTimeout: config.drain_timeout_ms } }), { input: { supervisor }, inspect: options.inspect, id: 'system' });
+    const supervisor: SupervisorInput = {
+      guarded: this.guarded,
+      measure: (target, refused) => this.measureRoom(target, refused),
+    };
+    this.root = createActor(
+      systemMachine.provide({
+        actors: { supervisor: supervisorMachine },
+        delays: { drainTimeout: config.drain_timeout_ms },
+      }),
+      { input: { supervisor }, inspect: options.inspect, id: 'system' },
+    );
     // Every chart handles its own errors; the error observer keeps one from crashing the process.
     this.root.subscribe({ error: (e) => this.log.error({ err: e }, 'actor system error') });
     this.root.start();
@@ -358,7 +470,8 @@ export class Supervisor {
       const problem = this.fileProblems.get(m.id);
       if (st && st.state === 'unloaded' && st.last_error) failed.push({ id: m.id, error: st.last_error });
       // A lazy model whose files failed the start check: listed until it has been used without error.
-      else if (problem && (!st || (st.state === 'unloaded' && st.last_used_at === null))) failed.push({ id: m.id, error: problem });
+      else if (problem && (!st || (st.state === 'unloaded' && st.last_used_at === null)))
+        failed.push({ id: m.id, error: problem });
     }
     return failed;
   }
@@ -432,7 +545,8 @@ export class Supervisor {
   /** Tells the gate that room may have changed, when it is waiting for that. */
   private changed(): void {
     const s = this.actor.getSnapshot();
-    if (s.status === 'active' && (s.matches('waitingForRelease') || s.matches('waitingForMemory'))) this.actor.send({ type: 'MODEL_CHANGED' });
+    if (s.status === 'active' && (s.matches('waitingForRelease') || s.matches('waitingForMemory')))
+      this.actor.send({ type: 'MODEL_CHANGED' });
   }
 
   /** Models evicted (LRU, memory or idle) since start. */
@@ -459,9 +573,7 @@ export class Supervisor {
    * load), else `shutting_down` (503, Retry-After 5 s).
    */
   notAccepting(): VoxError {
-    return this.phase === 'starting'
-      ? voxError('server_starting')
-      : voxError('shutting_down');
+    return this.phase === 'starting' ? voxError('server_starting') : voxError('shutting_down');
   }
 
   /**
@@ -484,7 +596,12 @@ export class Supervisor {
     const canonical = names.join(',');
     if (canonical !== id) return this.entries.get(canonical) ?? this.group(canonical);
     const refs = names.map((n) => this.headModel(n, 'model'));
-    const config = ModelConfig.parse({ id: 'group', task: 'wakeword', heads: names, slots: Math.max(...refs.map((r) => r.slots)) });
+    const config = ModelConfig.parse({
+      id: 'group',
+      task: 'wakeword',
+      heads: names,
+      slots: Math.max(...refs.map((r) => r.slots)),
+    });
     return this.publish(this.resolveHeads({ ...config, id: canonical }));
   }
 
@@ -494,8 +611,18 @@ export class Supervisor {
    */
   private headModel(name: string, field: string, atStart = false): ModelConfig {
     const ref = this.entries.get(name)?.config ?? this.catalog.get(name);
-    if (!ref) throw voxError('model_not_found', { id: name, field, kind: 'wake-word', hint: this.modelHint(name, 'wakeword', atStart) });
-    if (ref.task !== 'wakeword' || ref.heads) throw invalid(field, `'${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`);
+    if (!ref)
+      throw voxError('model_not_found', {
+        id: name,
+        field,
+        kind: 'wake-word',
+        hint: this.modelHint(name, 'wakeword', atStart),
+      });
+    if (ref.task !== 'wakeword' || ref.heads)
+      throw invalid(
+        field,
+        `'${name}' is not a single wake-word model (task ${ref.task}${ref.heads ? ', a group' : ''})`,
+      );
     return ref;
   }
 
@@ -582,8 +709,13 @@ export class Supervisor {
    * @throws VoxError `invalid_request_error` (also a path outside `models_root`), `server_busy`,
    *   `server_error` (load failed).
    */
-  async load(body: Record<string, unknown>, timeoutMs: number, signal?: AbortSignal): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
-    for (const f of PATH_FIELDS) if (typeof body[f] === 'string') body[f] = await confinePath(this.config.models_root, body[f] as string, f);
+  async load(
+    body: Record<string, unknown>,
+    timeoutMs: number,
+    signal?: AbortSignal,
+  ): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+    for (const f of PATH_FIELDS)
+      if (typeof body[f] === 'string') body[f] = await confinePath(this.config.models_root, body[f] as string, f);
     const id = typeof body.id === 'string' ? body.id : undefined;
     const existing = id !== undefined ? this.getOrRegister(id) : undefined;
     if (existing) {
@@ -612,7 +744,11 @@ export class Supervisor {
    * @returns ids unloaded (including known models that were never loaded) and ids unknown, each once.
    * @throws VoxError `server_busy` naming the models whose barrier timed out (the others are unloaded).
    */
-  async unloadMany(ids: string[], timeoutMs: number, signal?: AbortSignal): Promise<{ unloaded: string[]; not_found: string[] }> {
+  async unloadMany(
+    ids: string[],
+    timeoutMs: number,
+    signal?: AbortSignal,
+  ): Promise<{ unloaded: string[]; not_found: string[] }> {
     const unique = [...new Set(ids)];
     const not_found = unique.filter((id) => !this.entries.has(id) && !this.catalog.has(id));
     const entries = unique.filter((id) => this.entries.has(id)).map((id) => this.entries.get(id)!);
@@ -705,4 +841,3 @@ function unregisteredStatus(c: ModelConfig): ModelStatus {
     licence: c.licence ?? null,
   };
 }
-

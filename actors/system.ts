@@ -31,7 +31,12 @@ export type SystemEmitted = { type: 'drain' } | { type: 'linger' } | { type: 'cu
  * root actors of their own that share the inspector and listen to `drain`.
  */
 export const systemMachine = setup({
-  types: { events: {} as SystemEvent, emitted: {} as SystemEmitted, input: {} as { supervisor?: unknown } | undefined, context: {} as { supervisor?: unknown } },
+  types: {
+    events: {} as SystemEvent,
+    emitted: {} as SystemEmitted,
+    input: {} as { supervisor?: unknown } | undefined,
+    context: {} as { supervisor?: unknown },
+  },
   actors: { supervisor: {} as AnyActorLogic },
   delays: {
     /** `drain_timeout_ms` (the supervisor provides the configured value). */
@@ -43,7 +48,12 @@ export const systemMachine = setup({
   id: 'system',
   context: ({ input }) => ({ supervisor: input?.supervisor }),
   // The supervisor's input (its live dependencies) passes through.
-  invoke: { id: 'supervisor', systemId: 'supervisor', src: 'supervisor', input: ({ context }: { context: { supervisor?: unknown } }) => context.supervisor },
+  invoke: {
+    id: 'supervisor',
+    systemId: 'supervisor',
+    src: 'supervisor',
+    input: ({ context }: { context: { supervisor?: unknown } }) => context.supervisor,
+  },
   initial: 'starting',
   states: {
     starting: { on: { STARTED: 'running', SHUTDOWN: 'draining', DESTROY: 'closing' } },
@@ -55,7 +65,11 @@ export const systemMachine = setup({
       initial: 'finishing',
       states: {
         finishing: { on: { DRAINED: 'lingering' } },
-        lingering: { entry: emit({ type: 'linger' }), after: { idleLinger: '#system.closing' }, on: { IDLE: '#system.closing' } },
+        lingering: {
+          entry: emit({ type: 'linger' }),
+          after: { idleLinger: '#system.closing' },
+          on: { IDLE: '#system.closing' },
+        },
       },
     },
     closing: { entry: emit({ type: 'cut' }), on: { STOPPED: 'stopped' } },

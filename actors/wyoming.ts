@@ -5,7 +5,16 @@ import type { Limits, ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, voxError } from '../runtime/errors.js';
 import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
 import { JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
-import { createStreamSocket, MAX_PENDING_SAMPLES, StreamChannel, streamResources, type StreamInput, type StreamSocketHandle, type WireEvent, type WorkEvent } from './stream.js';
+import {
+  createStreamSocket,
+  MAX_PENDING_SAMPLES,
+  StreamChannel,
+  streamResources,
+  type StreamInput,
+  type StreamSocketHandle,
+  type WireEvent,
+  type WorkEvent,
+} from './stream.js';
 import type { Supervisor } from './supervisor.js';
 
 /**
@@ -77,8 +86,12 @@ function wyomingPhrase(name: string): string {
  * carries it back, as wyoming-openwakeword's does).
  * @throws VoxError `not_found` naming an unknown name; `invalid_request_error` for a non-array or a second VAD model.
  */
-export function resolveNames(registry: Supervisor, names: unknown): { wake: string | null; vad: string | null; asked: Map<string, string> } {
-  if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string'))) throw invalid('detect.names', 'must be a list of strings');
+export function resolveNames(
+  registry: Supervisor,
+  names: unknown,
+): { wake: string | null; vad: string | null; asked: Map<string, string> } {
+  if (names !== undefined && names !== null && (!Array.isArray(names) || !names.every((n) => typeof n === 'string')))
+    throw invalid('detect.names', 'must be a list of strings');
   const wanted = (names as string[] | undefined | null) ?? [];
   const wake = new Set<string>();
   const asked = new Map<string, string>();
@@ -87,7 +100,8 @@ export function resolveNames(registry: Supervisor, names: unknown): { wake: stri
   for (const raw of wanted) {
     const id = registry.configOf(raw) ? raw : normalizeWakeName(raw);
     const config = registry.configOf(id);
-    if (!config) throw voxError('model_not_found', { id: raw, field: 'detect.names', hint: 'describe lists the wake words' });
+    if (!config)
+      throw voxError('model_not_found', { id: raw, field: 'detect.names', hint: 'describe lists the wake words' });
     if (config.task === 'vad') {
       if (vad && vad !== id) throw invalid('detect.names', 'at most one VAD model');
       vad = id;
@@ -131,7 +145,8 @@ export function wyomingInfo(registry: Supervisor, version: string): Record<strin
     wake: [
       {
         name: 'voxserve',
-        description: 'voxserve: openWakeWord heads served from one process (several wake words per stream share their features)',
+        description:
+          'voxserve: openWakeWord heads served from one process (several wake words per stream share their features)',
         // The engine whose models it runs (voxserve has no public home to point to).
         attribution: OWW_ABOUT.attribution,
         installed: true,
@@ -157,186 +172,230 @@ interface Lane {
  * each lane pumps its jobs like a WebSocket stream. On `END` (the root's drain) the current audio
  * stream finishes as if `audio-stop` had come, then `DONE`. Stopping it releases every lease.
  */
-const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(({ input: { id }, sendBack, receive }) => {
-  const res = streamResources(id)!;
-  const channel = res.channel as WyomingChannel;
-  const { registry, stats } = res;
-  const send = (e: WorkEvent): void => sendBack(e);
-  let stopped = false;
-  const t0 = performance.now();
-  let names: unknown;
-  let lanes: Lane[] = [];
-  let laneKey = '';
-  /** The name each head was asked by in the last `detect` (detections carry it back). */
-  let asked = new Map<string, string>();
-  let decoder: PcmStreamDecoder | null = null;
-  /** The current audio stream: its detections so far and the client's start timestamp, ms. */
-  let audio: { detections: number; base: number } | null = null;
-  let ready = false;
-  let ended = false;
-  let paused = false;
-  let queued = 0;
-  let queue: Promise<void> = Promise.resolve();
+const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(
+  ({ input: { id }, sendBack, receive }) => {
+    const res = streamResources(id)!;
+    const channel = res.channel as WyomingChannel;
+    const { registry, stats } = res;
+    const send = (e: WorkEvent): void => sendBack(e);
+    let stopped = false;
+    const t0 = performance.now();
+    let names: unknown;
+    let lanes: Lane[] = [];
+    let laneKey = '';
+    /** The name each head was asked by in the last `detect` (detections carry it back). */
+    let asked = new Map<string, string>();
+    let decoder: PcmStreamDecoder | null = null;
+    /** The current audio stream: its detections so far and the client's start timestamp, ms. */
+    let audio: { detections: number; base: number } | null = null;
+    let ready = false;
+    let ended = false;
+    let paused = false;
+    let queued = 0;
+    let queue: Promise<void> = Promise.resolve();
 
-  const fail = (e: unknown): void => {
-    if (stopped) return;
-    const err = toVoxError(e);
-    stopped = true;
-    send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
-  };
-  const setPaused = (p: boolean): void => {
-    if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
-    paused = p;
-  };
-  const backlog = (): void => setPaused(queued > MAX_EARLY_BYTES || lanes.some((l) => (l.pump?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES));
-
-  const emit = (e: TaskEvent): void => {
-    if (!audio) return;
-    if (e.type === 'detection') {
-      audio.detections++;
-      channel.write({ type: 'detection', name: asked.get(e.label) ?? wyomingName(e.label), timestamp: Math.round(audio.base + e.at_ms) });
-    } else if (e.type === 'speech_start') channel.write({ type: 'voice-started', timestamp: Math.round(audio.base + e.at_ms) });
-    else if (e.type === 'speech_end') channel.write({ type: 'voice-stopped', timestamp: Math.round(audio.base + e.end_ms) });
-  };
-
-  /** Takes the leases for what `names` asks (keeps them when unchanged); the models are loaded. */
-  const admit = async (): Promise<void> => {
-    const want = resolveNames(registry, names);
-    asked = want.asked;
-    const key = `${want.wake}|${want.vad}`;
-    if (key === laneKey) return;
-    for (const l of lanes) l.lease.release();
-    lanes = [];
-    laneKey = '';
-    for (const [kind, mid] of [['wake', want.wake], ['vad', want.vad]] as const) {
-      if (!mid) continue;
-      const { handle, granted } = leaseGranted(registry.require(mid), { metrics: registry.metrics }, (e) => {
-        if (stopped) return;
-        stopped = true;
-        send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
-      });
-      const lane = { kind, lease: handle } as Lane;
-      lanes.push(lane);
-      lane.granted = await granted;
-      stats.model = stats.model ?? lane.granted.model;
-    }
-    laneKey = key;
-  };
-
-  /** `audio-start` (or a first `audio-chunk` that carries its format): a new audio stream. */
-  const start = async (data: Record<string, unknown>): Promise<void> => {
-    if (audio) await stop(false);
-    const { rate, width, channels } = data;
-    for (const [k, v] of Object.entries({ rate, width, channels })) {
-      if (typeof v !== 'number' || !Number.isInteger(v)) throw invalid(`audio-start.${k}`, `required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
-    }
-    if (width !== 2) throw invalid('audio-start.width', `only 2 (16-bit PCM) is supported, got ${width}`);
-    checkFormat(rate as number, channels as number);
-    await admit();
-    if (stopped) return;
-    decoder?.close();
-    decoder = await PcmStreamDecoder.create('s16le', rate as number, channels as number);
-    for (const l of lanes) l.pump = new JobPump(createTaskSession(l.granted.config, l.granted.info, undefined, false), l.granted, { emit, accepted: backlog, fail });
-    audio = { detections: 0, base: typeof data.timestamp === 'number' ? data.timestamp : 0 };
-    if (!ready) {
-      ready = true;
-      send({ type: 'READY', model: lanes.map((l) => l.granted.model).join('+'), task: lanes[0]?.granted.config.task ?? 'wakeword' });
-    }
-  };
-
-  /** `audio-stop`: the last partial step is processed, then `not-detected` if nothing fired. */
-  const stop = async (answer: boolean): Promise<void> => {
-    if (audio) {
-      const current = audio;
-      await Promise.all(
-        lanes.map((l) => {
-          for (const e of l.pump!.session.end()) emit(e);
-          return l.pump!.pump();
-        }),
+    const fail = (e: unknown): void => {
+      if (stopped) return;
+      const err = toVoxError(e);
+      stopped = true;
+      send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
+    };
+    const setPaused = (p: boolean): void => {
+      if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
+      paused = p;
+    };
+    const backlog = (): void =>
+      setPaused(
+        queued > MAX_EARLY_BYTES || lanes.some((l) => (l.pump?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES),
       );
-      if (answer && current.detections === 0 && lanes.some((l) => l.kind === 'wake')) channel.write({ type: 'not-detected' });
-    } else if (answer && !lanes.some((l) => l.kind === 'vad')) channel.write({ type: 'not-detected' });
-    audio = null;
-    for (const l of lanes) l.pump = null;
-  };
 
-  const chunk = (e: WyomingEvent): void => {
-    if (!audio || !decoder) return;
-    const samples = decoder.push(e.payload ?? Buffer.alloc(0));
-    const at = performance.now();
-    for (const l of lanes) {
-      l.pump!.session.push(samples);
-      l.pump!.arrived(at);
-      void l.pump!.pump();
-    }
-    stats.receivedSamples += samples.length;
-    backlog();
-  };
+    const emit = (e: TaskEvent): void => {
+      if (!audio) return;
+      if (e.type === 'detection') {
+        audio.detections++;
+        channel.write({
+          type: 'detection',
+          name: asked.get(e.label) ?? wyomingName(e.label),
+          timestamp: Math.round(audio.base + e.at_ms),
+        });
+      } else if (e.type === 'speech_start')
+        channel.write({ type: 'voice-started', timestamp: Math.round(audio.base + e.at_ms) });
+      else if (e.type === 'speech_end')
+        channel.write({ type: 'voice-stopped', timestamp: Math.round(audio.base + e.end_ms) });
+    };
 
-  const handle = async (e: WyomingEvent): Promise<void> => {
-    if (stopped || ended) return;
-    switch (e.type) {
-      case 'detect':
-        names = e.data.names;
-        resolveNames(registry, names); // a bad name is an error now, not at audio-start
-        return;
-      case 'audio-start':
-        return start(e.data);
-      case 'audio-chunk':
-        // A client that sends chunks without audio-start: the chunk's own format starts the stream.
-        if (!audio) await start(e.data);
-        return chunk(e);
-      case 'audio-stop':
-        return stop(true);
-      default:
-        // Unknown events are ignored, as the Wyoming README asks of peers.
-        return;
-    }
-  };
+    /** Takes the leases for what `names` asks (keeps them when unchanged); the models are loaded. */
+    const admit = async (): Promise<void> => {
+      const want = resolveNames(registry, names);
+      asked = want.asked;
+      const key = `${want.wake}|${want.vad}`;
+      if (key === laneKey) return;
+      for (const l of lanes) l.lease.release();
+      lanes = [];
+      laneKey = '';
+      for (const [kind, mid] of [
+        ['wake', want.wake],
+        ['vad', want.vad],
+      ] as const) {
+        if (!mid) continue;
+        const { handle, granted } = leaseGranted(registry.require(mid), { metrics: registry.metrics }, (e) => {
+          if (stopped) return;
+          stopped = true;
+          send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
+        });
+        const lane = { kind, lease: handle } as Lane;
+        lanes.push(lane);
+        lane.granted = await granted;
+        stats.model = stats.model ?? lane.granted.model;
+      }
+      laneKey = key;
+    };
 
-  channel.onEvent = (e) => {
-    const bytes = e.payload?.length ?? 0;
-    queued += bytes;
-    backlog();
-    queue = queue
-      .then(() => handle(e))
-      .catch(fail)
-      .finally(() => {
-        queued -= bytes;
-        backlog();
-      });
-  };
-  receive((e) => {
-    if (e.type === 'CHECK_IDLE') {
-      send({ type: 'IDLE_REPORT', silentMs: performance.now() - channel.heardAt });
-    } else if (e.type === 'CHECK_SEND') {
-      send({ type: 'SEND_REPORT', waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince });
-    } else if (e.type === 'END' && !ended) {
-      // The root's drain: finish the current audio stream as if audio-stop had come, then `done`.
-      queue = queue.then(async () => {
-        await stop(true).catch(fail);
-        ended = true;
-        if (stopped) return;
-        const audioMs = stats.receivedSamples / 16;
-        send({ type: 'DONE', processed_ms: Math.round(audioMs), timing: { wall_ms: Math.round(performance.now() - t0), queue_ms: 0, audio_duration_ms: Math.round(audioMs), rtf: 0 } });
-      });
-    }
-  });
-  return () => {
-    channel.onEvent = null;
-    stopped = true;
-    decoder?.close();
-    for (const l of lanes) l.lease.release();
-  };
-});
+    /** `audio-start` (or a first `audio-chunk` that carries its format): a new audio stream. */
+    const start = async (data: Record<string, unknown>): Promise<void> => {
+      if (audio) await stop(false);
+      const { rate, width, channels } = data;
+      for (const [k, v] of Object.entries({ rate, width, channels })) {
+        if (typeof v !== 'number' || !Number.isInteger(v))
+          throw invalid(`audio-start.${k}`, `required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
+      }
+      if (width !== 2) throw invalid('audio-start.width', `only 2 (16-bit PCM) is supported, got ${width}`);
+      checkFormat(rate as number, channels as number);
+      await admit();
+      if (stopped) return;
+      decoder?.close();
+      decoder = await PcmStreamDecoder.create('s16le', rate as number, channels as number);
+      for (const l of lanes)
+        l.pump = new JobPump(createTaskSession(l.granted.config, l.granted.info, undefined, false), l.granted, {
+          emit,
+          accepted: backlog,
+          fail,
+        });
+      audio = { detections: 0, base: typeof data.timestamp === 'number' ? data.timestamp : 0 };
+      if (!ready) {
+        ready = true;
+        send({
+          type: 'READY',
+          model: lanes.map((l) => l.granted.model).join('+'),
+          task: lanes[0]?.granted.config.task ?? 'wakeword',
+        });
+      }
+    };
+
+    /** `audio-stop`: the last partial step is processed, then `not-detected` if nothing fired. */
+    const stop = async (answer: boolean): Promise<void> => {
+      if (audio) {
+        const current = audio;
+        await Promise.all(
+          lanes.map((l) => {
+            for (const e of l.pump!.session.end()) emit(e);
+            return l.pump!.pump();
+          }),
+        );
+        if (answer && current.detections === 0 && lanes.some((l) => l.kind === 'wake'))
+          channel.write({ type: 'not-detected' });
+      } else if (answer && !lanes.some((l) => l.kind === 'vad')) channel.write({ type: 'not-detected' });
+      audio = null;
+      for (const l of lanes) l.pump = null;
+    };
+
+    const chunk = (e: WyomingEvent): void => {
+      if (!audio || !decoder) return;
+      const samples = decoder.push(e.payload ?? Buffer.alloc(0));
+      const at = performance.now();
+      for (const l of lanes) {
+        l.pump!.session.push(samples);
+        l.pump!.arrived(at);
+        void l.pump!.pump();
+      }
+      stats.receivedSamples += samples.length;
+      backlog();
+    };
+
+    const handle = async (e: WyomingEvent): Promise<void> => {
+      if (stopped || ended) return;
+      switch (e.type) {
+        case 'detect':
+          names = e.data.names;
+          resolveNames(registry, names); // a bad name is an error now, not at audio-start
+          return;
+        case 'audio-start':
+          return start(e.data);
+        case 'audio-chunk':
+          // A client that sends chunks without audio-start: the chunk's own format starts the stream.
+          if (!audio) await start(e.data);
+          return chunk(e);
+        case 'audio-stop':
+          return stop(true);
+        default:
+          // Unknown events are ignored, as the Wyoming README asks of peers.
+          return;
+      }
+    };
+
+    channel.onEvent = (e) => {
+      const bytes = e.payload?.length ?? 0;
+      queued += bytes;
+      backlog();
+      queue = queue
+        .then(() => handle(e))
+        .catch(fail)
+        .finally(() => {
+          queued -= bytes;
+          backlog();
+        });
+    };
+    receive((e) => {
+      if (e.type === 'CHECK_IDLE') {
+        send({ type: 'IDLE_REPORT', silentMs: performance.now() - channel.heardAt });
+      } else if (e.type === 'CHECK_SEND') {
+        send({
+          type: 'SEND_REPORT',
+          waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince,
+        });
+      } else if (e.type === 'END' && !ended) {
+        // The root's drain: finish the current audio stream as if audio-stop had come, then `done`.
+        queue = queue.then(async () => {
+          await stop(true).catch(fail);
+          ended = true;
+          if (stopped) return;
+          const audioMs = stats.receivedSamples / 16;
+          send({
+            type: 'DONE',
+            processed_ms: Math.round(audioMs),
+            timing: {
+              wall_ms: Math.round(performance.now() - t0),
+              queue_ms: 0,
+              audio_duration_ms: Math.round(audioMs),
+              rtf: 0,
+            },
+          });
+        });
+      }
+    });
+    return () => {
+      channel.onEvent = null;
+      stopped = true;
+      decoder?.close();
+      for (const l of lanes) l.lease.release();
+    };
+  },
+);
 
 /**
  * Creates the socket actor of one Wyoming connection (unstarted, as {@link createStreamSocket}).
  * Heartbeats are off (Wyoming has no ping the peers must answer); the other limits are the server's.
  */
-export function createWyomingSocket(input: { limits: Limits; registry: Supervisor }, inspect?: (e: InspectionEvent) => void): StreamSocketHandle & { channel: WyomingChannel } {
+export function createWyomingSocket(
+  input: { limits: Limits; registry: Supervisor },
+  inspect?: (e: InspectionEvent) => void,
+): StreamSocketHandle & { channel: WyomingChannel } {
   const channel = new WyomingChannel();
-  const handle = createStreamSocket({ url: '', limits: { ...input.limits, heartbeat_ms: 0 }, registry: input.registry, route: 'wyoming' }, inspect, { work: wyomingWork, channel });
+  const handle = createStreamSocket(
+    { url: '', limits: { ...input.limits, heartbeat_ms: 0 }, registry: input.registry, route: 'wyoming' },
+    inspect,
+    { work: wyomingWork, channel },
+  );
   return { ...handle, channel };
 }
 

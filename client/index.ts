@@ -49,7 +49,11 @@ export class VoxClientError extends Error {
    * when the platform tells it (Node).
    */
   readonly code?: ErrorCode | (string & {});
-  constructor(type: ClientErrorType, message: string, extra: { status?: number; closeCode?: number; retryAfterS?: number; code?: string; cause?: unknown } = {}) {
+  constructor(
+    type: ClientErrorType,
+    message: string,
+    extra: { status?: number; closeCode?: number; retryAfterS?: number; code?: string; cause?: unknown } = {},
+  ) {
     super(message, { cause: extra.cause });
     this.name = 'VoxClientError';
     this.type = type;
@@ -134,7 +138,11 @@ export interface WebSocketLike {
 }
 
 /** A WebSocket constructor; the third argument (headers) is used by `ws` and ignored by browsers. */
-export type WebSocketConstructor = new (url: string, protocols: string | string[], options?: { headers?: Record<string, string> }) => WebSocketLike;
+export type WebSocketConstructor = new (
+  url: string,
+  protocols: string | string[],
+  options?: { headers?: Record<string, string> },
+) => WebSocketLike;
 
 /** Audio for `run` and `batch`: the bytes of a file (WAV, or a compressed format the server accepts). */
 export type AudioInput = Uint8Array | ArrayBuffer | Blob;
@@ -209,7 +217,9 @@ function serverUrl(url: string): string {
     // below
   }
   if (!u || (u.protocol !== 'http:' && u.protocol !== 'https:')) {
-    throw new TypeError(`url: '${url}' is not an http(s) URL${/^[\w.-]+:\d+/.test(url) ? `; did you mean http://${url}?` : ''}`);
+    throw new TypeError(
+      `url: '${url}' is not an http(s) URL${/^[\w.-]+:\d+/.test(url) ? `; did you mean http://${url}?` : ''}`,
+    );
   }
   return u.origin + u.pathname.replace(/\/+$/, '');
 }
@@ -254,7 +264,8 @@ function base64(bytes: Uint8Array): string {
   return btoa(s);
 }
 
-const isRiff = (b: Uint8Array): boolean => b.length >= 4 && b[0] === 0x52 && b[1] === 0x49 && b[2] === 0x46 && b[3] === 0x46;
+const isRiff = (b: Uint8Array): boolean =>
+  b.length >= 4 && b[0] === 0x52 && b[1] === 0x49 && b[2] === 0x46 && b[3] === 0x46;
 
 /** Server-sent events of a response body, with their data parsed as JSON. */
 async function* sseEvents(res: Response): AsyncGenerator<{ event: string; data: unknown }> {
@@ -300,7 +311,8 @@ export class VoxClient {
     const origin = (globalThis as { location?: { origin?: string } }).location?.origin;
     this.urls = (opts.urls ?? []).map(serverUrl);
     this.url = this.urls[0] ?? serverUrl(opts.url ?? (origin && origin !== 'null' ? origin : DEFAULT_URL));
-    if (opts.apiKey !== undefined && !/^[A-Za-z0-9._~-]+$/.test(opts.apiKey)) throw new TypeError('apiKey: an API key has only the characters A-Z a-z 0-9 . _ ~ -');
+    if (opts.apiKey !== undefined && !/^[A-Za-z0-9._~-]+$/.test(opts.apiKey))
+      throw new TypeError('apiKey: an API key has only the characters A-Z a-z 0-9 . _ ~ -');
     this.token = opts.token;
     this.apiKey = opts.apiKey;
     this.fetchImpl = opts.fetch ?? ((...a) => fetch(...a));
@@ -345,7 +357,10 @@ export class VoxClient {
     let res: Response;
     const base = await this.node();
     try {
-      res = await this.fetchImpl(`${base}${path}`, { ...init, headers: this.headers(credential, init.headers as Record<string, string>) });
+      res = await this.fetchImpl(`${base}${path}`, {
+        ...init,
+        headers: this.headers(credential, init.headers as Record<string, string>),
+      });
     } catch (e) {
       if ((e as Error).name === 'AbortError') throw e;
       // With several nodes, the next call picks again.
@@ -357,7 +372,10 @@ export class VoxClient {
   }
 
   private async json<T>(path: string, body?: unknown): Promise<T> {
-    const init: RequestInit = body === undefined ? {} : { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) };
+    const init: RequestInit =
+      body === undefined
+        ? {}
+        : { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) };
     return (await (await this.request(path, init)).json()) as T;
   }
 
@@ -380,7 +398,12 @@ export class VoxClient {
    * `POST /v1/models/load`: registers and loads a model, or reconfigures an existing id with the
    * given fields. Needs the server's management routes (`forbidden` otherwise).
    */
-  load(config: { id: string; task?: string; path?: string; [field: string]: unknown }): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+  load(config: {
+    id: string;
+    task?: string;
+    path?: string;
+    [field: string]: unknown;
+  }): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
     return this.json('/v1/models/load', config);
   }
 
@@ -414,16 +437,27 @@ export class VoxClient {
     let path = '/v1/tasks/run';
     let init: RequestInit;
     if (opts.options) {
-      init = { headers: { 'content-type': 'application/json', accept }, body: JSON.stringify({ model: opts.model, audio: base64(bytes), options: opts.options, busy_timeout_ms: opts.busyTimeoutMs }) };
+      init = {
+        headers: { 'content-type': 'application/json', accept },
+        body: JSON.stringify({
+          model: opts.model,
+          audio: base64(bytes),
+          options: opts.options,
+          busy_timeout_ms: opts.busyTimeoutMs,
+        }),
+      };
     } else {
       const q = new URLSearchParams({ model: opts.model });
       if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
       path += `?${q}`;
-      const type = opts.contentType ?? (isRiff(bytes) ? 'audio/wav' : (audio instanceof Blob && audio.type) || 'application/octet-stream');
+      const type =
+        opts.contentType ??
+        (isRiff(bytes) ? 'audio/wav' : (audio instanceof Blob && audio.type) || 'application/octet-stream');
       init = { headers: { 'content-type': type, accept }, body: bytes as BodyInit };
     }
     const res = await this.request(path, { ...init, method: 'POST', signal: opts.signal }, 'apiKey');
-    if (!(res.headers.get('content-type') ?? '').startsWith('text/event-stream')) return (await res.json()) as TaskResult;
+    if (!(res.headers.get('content-type') ?? '').startsWith('text/event-stream'))
+      return (await res.json()) as TaskResult;
     for await (const { event, data } of sseEvents(res)) {
       if (event === 'progress') opts.onProgress?.(data as Progress);
       else if (event === 'result') return data as TaskResult;
@@ -437,10 +471,27 @@ export class VoxClient {
    * `error`) as it finishes, then `done`.
    * @throws VoxClientError for a refused request, or when the batch is cut off (e.g. `shutting_down`).
    */
-  async *batch(files: AudioInput[], opts: { model: string; options?: Record<string, unknown>; busyTimeoutMs?: number; signal?: AbortSignal }): AsyncGenerator<BatchEvent> {
+  async *batch(
+    files: AudioInput[],
+    opts: { model: string; options?: Record<string, unknown>; busyTimeoutMs?: number; signal?: AbortSignal },
+  ): AsyncGenerator<BatchEvent> {
     const encoded = await Promise.all(files.map(async (f) => base64(await bytesOf(f))));
-    const body = JSON.stringify({ model: opts.model, files: encoded, options: opts.options, busy_timeout_ms: opts.busyTimeoutMs });
-    const res = await this.request('/v1/tasks/batch', { method: 'POST', headers: { 'content-type': 'application/json', accept: 'text/event-stream' }, body, signal: opts.signal }, 'apiKey');
+    const body = JSON.stringify({
+      model: opts.model,
+      files: encoded,
+      options: opts.options,
+      busy_timeout_ms: opts.busyTimeoutMs,
+    });
+    const res = await this.request(
+      '/v1/tasks/batch',
+      {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', accept: 'text/event-stream' },
+        body,
+        signal: opts.signal,
+      },
+      'apiKey',
+    );
     for await (const { event, data } of sseEvents(res)) {
       const d = data as Record<string, unknown>;
       if (event === 'error' && typeof d.index !== 'number') throw sseError(d);
@@ -459,8 +510,16 @@ export class VoxClient {
    *   TypeError when there is no WebSocket constructor.
    */
   async stream(opts: StreamOptions): Promise<VoxStream> {
-    if (!this.WS) throw new TypeError('no WebSocket: pass { WebSocket } (e.g. from the ws package), or import voxserve/client under Node');
-    const q = new URLSearchParams({ model: opts.model, sample_rate: String(opts.sampleRate ?? 16000), encoding: opts.encoding ?? 's16le', channels: String(opts.channels ?? 1) });
+    if (!this.WS)
+      throw new TypeError(
+        'no WebSocket: pass { WebSocket } (e.g. from the ws package), or import voxserve/client under Node',
+      );
+    const q = new URLSearchParams({
+      model: opts.model,
+      sample_rate: String(opts.sampleRate ?? 16000),
+      encoding: opts.encoding ?? 's16le',
+      channels: String(opts.channels ?? 1),
+    });
     if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
     for (const [k, v] of Object.entries(opts.options ?? {})) q.set(k, String(v));
     if (typeof opts.probabilities === 'number') q.set('probability_interval_ms', String(opts.probabilities));
@@ -468,7 +527,11 @@ export class VoxClient {
     const base = await this.node();
     const url = `${base.replace(/^http/, 'ws')}/v1/stream?${q}`;
     const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };
-    const ws = new this.WS(url, [SUBPROTOCOL[opts.protocol ?? 'json'], ...auth.protocols], auth.headers ? { headers: auth.headers } : undefined);
+    const ws = new this.WS(
+      url,
+      [SUBPROTOCOL[opts.protocol ?? 'json'], ...auth.protocols],
+      auth.headers ? { headers: auth.headers } : undefined,
+    );
     const stream = new VoxStream(ws, base, opts.highWaterMark ?? 256 * 1024);
     try {
       await stream.opened;
@@ -526,7 +589,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
         event = (typeof m.data === 'string' ? JSON.parse(m.data) : unpack(new Uint8Array(m.data))) as StreamEvent;
       } catch (e) {
         // Not an event of this protocol: the stream fails with server_error.
-        this.last = { type: 'error', error: { type: 'server_error', message: `undecodable event frame: ${(e as Error).message}` } };
+        this.last = {
+          type: 'error',
+          error: { type: 'server_error', message: `undecodable event frame: ${(e as Error).message}` },
+        };
         return ws.close(1002, 'undecodable event frame');
       }
       this.last = event;
@@ -538,7 +604,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       this.queue.push(event);
       this.notify(event.type, event);
     });
-    ws.addEventListener('error', (e: { message?: string; error?: { code?: string; body?: string } }) => (this.socketError = e));
+    ws.addEventListener(
+      'error',
+      (e: { message?: string; error?: { code?: string; body?: string } }) => (this.socketError = e),
+    );
     ws.addEventListener('close', (c: { code: number; reason: string }) => {
       const info: CloseInfo = { code: c.code, reason: c.reason };
       if (!this.doneEvent && !this.closedByUs) info.error = this.failure(c.code, c.reason);
@@ -551,17 +620,30 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
   /** The error a close stands for: the `error` event just before it, else the handshake's HTTP status, else the close code. */
   private failure(code: number, reason: string): VoxClientError {
-    if (this.last?.type === 'error') return new VoxClientError(this.last.error.type, this.last.error.message, { closeCode: code, code: this.last.error.code });
+    if (this.last?.type === 'error')
+      return new VoxClientError(this.last.error.type, this.last.error.message, {
+        closeCode: code,
+        code: this.last.error.code,
+      });
     const status = /Unexpected server response: (\d+)/.exec(this.socketError?.message ?? '')?.[1];
     if (status) {
       const error = wireError(this.socketError?.error?.body ?? '');
-      return new VoxClientError(error.type ?? typeOfStatus(Number(status)), error.message ?? `the server refused the stream: HTTP ${status}`, { status: Number(status), closeCode: code, code: error.code });
+      return new VoxClientError(
+        error.type ?? typeOfStatus(Number(status)),
+        error.message ?? `the server refused the stream: HTTP ${status}`,
+        { status: Number(status), closeCode: code, code: error.code },
+      );
     }
     if (code === CLOSE.ABNORMAL && !this.ready) {
       const sys = this.socketError?.error?.code;
-      return new VoxClientError('connection_error', `cannot reach ${this.url}${sys ? `: ${sys}` : ''}`, { closeCode: code, code: sys });
+      return new VoxClientError('connection_error', `cannot reach ${this.url}${sys ? `: ${sys}` : ''}`, {
+        closeCode: code,
+        code: sys,
+      });
     }
-    return new VoxClientError(CLOSE_TYPE[code] ?? 'server_error', reason || `stream closed ${code}`, { closeCode: code });
+    return new VoxClientError(CLOSE_TYPE[code] ?? 'server_error', reason || `stream closed ${code}`, {
+      closeCode: code,
+    });
   }
 
   private notify(type: string, payload: unknown): void {
@@ -613,7 +695,11 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     const info = this.info;
     if (info?.error) return info.error;
     if (info && !this.closedByUs && info.code !== 1000) {
-      return new VoxClientError(CLOSE_TYPE[info.code] ?? 'server_error', `the server closed the stream (${info.code}${info.reason ? `: ${info.reason}` : ''}) before all audio was sent`, { closeCode: info.code });
+      return new VoxClientError(
+        CLOSE_TYPE[info.code] ?? 'server_error',
+        `the server closed the stream (${info.code}${info.reason ? `: ${info.reason}` : ''}) before all audio was sent`,
+        { closeCode: info.code },
+      );
     }
     return new VoxClientError('invalid_request_error', 'send after the stream closed');
   }
@@ -642,7 +728,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     if (!this.info) await this.enqueue(() => this.ws.send('{"type":"end"}'));
     const info = this.info ?? (await this.closed);
     if (this.doneEvent) return this.doneEvent;
-    throw info.error ?? new VoxClientError('connection_error', `stream closed ${info.code} before done`, { closeCode: info.code });
+    throw (
+      info.error ??
+      new VoxClientError('connection_error', `stream closed ${info.code} before done`, { closeCode: info.code })
+    );
   }
 
   /** Closes the stream from this side (no `done`); the iterator ends without an error. */

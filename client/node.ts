@@ -28,22 +28,44 @@ const CONTINUE_WAIT_MS = 1000;
  */
 export function continueFetch(input: string | URL | Request, init: RequestInit = {}): Promise<Response> {
   if (init.body == null || typeof input !== 'string') return fetch(input, init);
-  const body = typeof init.body === 'string' ? Buffer.from(init.body) : Buffer.from((init.body as Uint8Array).buffer, (init.body as Uint8Array).byteOffset, (init.body as Uint8Array).byteLength);
+  const body =
+    typeof init.body === 'string'
+      ? Buffer.from(init.body)
+      : Buffer.from(
+          (init.body as Uint8Array).buffer,
+          (init.body as Uint8Array).byteOffset,
+          (init.body as Uint8Array).byteLength,
+        );
   const url = new URL(input);
-  const headers = { ...(init.headers as Record<string, string>), 'content-length': String(body.length), expect: '100-continue' };
+  const headers = {
+    ...(init.headers as Record<string, string>),
+    'content-length': String(body.length),
+    expect: '100-continue',
+  };
   return new Promise((resolve, reject) => {
     let answered = false;
-    const req = (url.protocol === 'https:' ? httpsRequest : httpRequest)(url, { method: init.method ?? 'POST', headers, signal: init.signal ?? undefined }, (res: IncomingMessage) => {
-      answered = true;
-      clearTimeout(impatient);
-      // Answered before the body went out: the connection cannot carry another request.
-      if (!req.writableEnded) res.once('end', () => req.destroy());
-      const status = res.statusCode ?? 502;
-      const h = new Headers();
-      for (const [k, v] of Object.entries(res.headers)) for (const one of Array.isArray(v) ? v : v === undefined ? [] : [v]) h.append(k, one);
-      const empty = status === 204 || status === 304 || init.method === 'HEAD';
-      resolve(new Response(empty ? null : (Readable.toWeb(res) as ReadableStream<Uint8Array>), { status, statusText: res.statusMessage, headers: h }));
-    });
+    const req = (url.protocol === 'https:' ? httpsRequest : httpRequest)(
+      url,
+      { method: init.method ?? 'POST', headers, signal: init.signal ?? undefined },
+      (res: IncomingMessage) => {
+        answered = true;
+        clearTimeout(impatient);
+        // Answered before the body went out: the connection cannot carry another request.
+        if (!req.writableEnded) res.once('end', () => req.destroy());
+        const status = res.statusCode ?? 502;
+        const h = new Headers();
+        for (const [k, v] of Object.entries(res.headers))
+          for (const one of Array.isArray(v) ? v : v === undefined ? [] : [v]) h.append(k, one);
+        const empty = status === 204 || status === 304 || init.method === 'HEAD';
+        resolve(
+          new Response(empty ? null : (Readable.toWeb(res) as ReadableStream<Uint8Array>), {
+            status,
+            statusText: res.statusMessage,
+            headers: h,
+          }),
+        );
+      },
+    );
     const send = (): void => {
       clearTimeout(impatient);
       if (!answered && !req.writableEnded && !req.destroyed) req.end(body);
@@ -73,7 +95,9 @@ class NodeWebSocket extends WebSocket {
       res.setEncoding('utf8');
       res.on('data', (c: string) => (body = (body + c).slice(0, 64 * 1024)));
       res.on('error', () => {}); // a body cut short: the status is still the answer
-      res.on('close', () => req.destroy(Object.assign(new Error(`Unexpected server response: ${res.statusCode}`), { body })));
+      res.on('close', () =>
+        req.destroy(Object.assign(new Error(`Unexpected server response: ${res.statusCode}`), { body })),
+      );
     });
   }
 }
@@ -81,7 +105,11 @@ class NodeWebSocket extends WebSocket {
 /** {@link BrowserClient} whose default WebSocket is `ws`'s and default fetch {@link continueFetch}. */
 export class VoxClient extends BrowserClient {
   constructor(opts: ClientOptions = {}) {
-    super({ WebSocket: NodeWebSocket as unknown as WebSocketConstructor, fetch: continueFetch as typeof fetch, ...opts });
+    super({
+      WebSocket: NodeWebSocket as unknown as WebSocketConstructor,
+      fetch: continueFetch as typeof fetch,
+      ...opts,
+    });
   }
 
   /** Under Node the API key goes on the handshake as `Authorization: Bearer <key>`. */

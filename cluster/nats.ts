@@ -5,10 +5,25 @@
  */
 import { readFileSync } from 'node:fs';
 import { hostname } from 'node:os';
-import { connect, credsAuthenticator, nkeyAuthenticator, type NatsConnection, type NodeConnectionOptions } from '@nats-io/transport-node';
+import {
+  connect,
+  credsAuthenticator,
+  nkeyAuthenticator,
+  type NatsConnection,
+  type NodeConnectionOptions,
+} from '@nats-io/transport-node';
 import { Kvm, type KV } from '@nats-io/kv';
 import type { ClusterConfig } from '../runtime/config.js';
-import { decodeFrame, encodeFrame, OWW, SILERO, type FromSlot, type Job, type JobResult, type ToSlot } from '../runtime/slot-protocol.js';
+import {
+  decodeFrame,
+  encodeFrame,
+  OWW,
+  SILERO,
+  type FromSlot,
+  type Job,
+  type JobResult,
+  type ToSlot,
+} from '../runtime/slot-protocol.js';
 
 /** The settings of a cluster node with every default applied. */
 export interface ClusterSettings extends ClusterConfig {
@@ -17,13 +32,21 @@ export interface ClusterSettings extends ClusterConfig {
 
 /** Fills in the node name: the config's, else the host name and process id (subject-safe). */
 export function clusterSettings(config: ClusterConfig): ClusterSettings {
-  const node = config.node ?? `${hostname().replace(/[^A-Za-z0-9_-]/g, '-').slice(0, 48)}-${process.pid}`;
+  const node =
+    config.node ??
+    `${hostname()
+      .replace(/[^A-Za-z0-9_-]/g, '-')
+      .slice(0, 48)}-${process.pid}`;
   return { ...config, node };
 }
 
 /** The NATS URLs of `nats` (comma-separated; a bare host:port gets `nats://`). */
 export function natsServers(nats: string): string[] {
-  return nats.split(',').map((u) => u.trim()).filter(Boolean).map((u) => (u.includes('://') ? u : `nats://${u}`));
+  return nats
+    .split(',')
+    .map((u) => u.trim())
+    .filter(Boolean)
+    .map((u) => (u.includes('://') ? u : `nats://${u}`));
 }
 
 /**
@@ -42,7 +65,8 @@ export function natsOptions(s: ClusterSettings): NodeConnectionOptions {
   if (s.pass) opts.pass = s.pass;
   if (s.token) opts.token = s.token;
   if (s.creds_file) opts.authenticator = credsAuthenticator(readFileSync(s.creds_file));
-  else if (s.nkey_seed_file) opts.authenticator = nkeyAuthenticator(new TextEncoder().encode(readFileSync(s.nkey_seed_file, 'utf8').trim()));
+  else if (s.nkey_seed_file)
+    opts.authenticator = nkeyAuthenticator(new TextEncoder().encode(readFileSync(s.nkey_seed_file, 'utf8').trim()));
   if (s.tls) opts.tls = { caFile: s.tls.ca_file, certFile: s.tls.cert_file, keyFile: s.tls.key_file };
   return opts;
 }
@@ -86,7 +110,10 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
         continue;
       }
       await nc.close().catch(() => {});
-      throw new Error(`cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`, { cause: e });
+      throw new Error(
+        `cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`,
+        { cause: e },
+      );
     }
   }
 }
@@ -145,16 +172,40 @@ export function splitJob(job: Job): [Job, Job] | null {
     const s = k * SILERO.STATE;
     const c = k * SILERO.CONTEXT;
     return [
-      { kind: 'vad', counts: c1, windows: job.windows.subarray(0, w), state: job.state.subarray(0, s), context: job.context.subarray(0, c) },
-      { kind: 'vad', counts: c2, windows: job.windows.subarray(w), state: job.state.subarray(s), context: job.context.subarray(c) },
+      {
+        kind: 'vad',
+        counts: c1,
+        windows: job.windows.subarray(0, w),
+        state: job.state.subarray(0, s),
+        context: job.context.subarray(0, c),
+      },
+      {
+        kind: 'vad',
+        counts: c2,
+        windows: job.windows.subarray(w),
+        state: job.state.subarray(s),
+        context: job.context.subarray(c),
+      },
     ];
   }
   const a = c1.length * OWW.LOOKBACK + sum(c1) * OWW.STEP;
   const m = (job.mel.length / counts.length) * k;
   const e = (job.embeddings.length / counts.length) * k;
   return [
-    { kind: 'wakeword', counts: c1, audio: job.audio.subarray(0, a), mel: job.mel.subarray(0, m), embeddings: job.embeddings.subarray(0, e) },
-    { kind: 'wakeword', counts: c2, audio: job.audio.subarray(a), mel: job.mel.subarray(m), embeddings: job.embeddings.subarray(e) },
+    {
+      kind: 'wakeword',
+      counts: c1,
+      audio: job.audio.subarray(0, a),
+      mel: job.mel.subarray(0, m),
+      embeddings: job.embeddings.subarray(0, e),
+    },
+    {
+      kind: 'wakeword',
+      counts: c2,
+      audio: job.audio.subarray(a),
+      mel: job.mel.subarray(m),
+      embeddings: job.embeddings.subarray(e),
+    },
   ];
 }
 
@@ -166,8 +217,23 @@ export function joinResults(a: JobResult, b: JobResult): JobResult {
     out.set(y, x.length);
     return out;
   };
-  const ran: [number, number] | undefined = a.ran && b.ran ? [Math.min(a.ran[0], b.ran[0]), Math.max(a.ran[1], b.ran[1])] : undefined;
-  if (a.kind === 'vad' && b.kind === 'vad') return { kind: 'vad', probs: cat(a.probs, b.probs), state: cat(a.state, b.state), context: cat(a.context, b.context), ran };
-  if (a.kind === 'wakeword' && b.kind === 'wakeword') return { kind: 'wakeword', scores: cat(a.scores, b.scores), mel: cat(a.mel, b.mel), embeddings: cat(a.embeddings, b.embeddings), ran };
+  const ran: [number, number] | undefined =
+    a.ran && b.ran ? [Math.min(a.ran[0], b.ran[0]), Math.max(a.ran[1], b.ran[1])] : undefined;
+  if (a.kind === 'vad' && b.kind === 'vad')
+    return {
+      kind: 'vad',
+      probs: cat(a.probs, b.probs),
+      state: cat(a.state, b.state),
+      context: cat(a.context, b.context),
+      ran,
+    };
+  if (a.kind === 'wakeword' && b.kind === 'wakeword')
+    return {
+      kind: 'wakeword',
+      scores: cat(a.scores, b.scores),
+      mel: cat(a.mel, b.mel),
+      embeddings: cat(a.embeddings, b.embeddings),
+      ran,
+    };
   throw new Error('joinResults: results of different kinds');
 }

@@ -20,7 +20,20 @@ import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
 import { SlotPool, type SlotHost } from '../runtime/slots.js';
 import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
-import { clusterSettings, connectNats, decodeMessage, encodeMessage, joinResults, lockKey, nodeKey, splitJob, type ClusterSettings, type NatsLink, type RemoteJob, type RemoteReply } from './nats.js';
+import {
+  clusterSettings,
+  connectNats,
+  decodeMessage,
+  encodeMessage,
+  joinResults,
+  lockKey,
+  nodeKey,
+  splitJob,
+  type ClusterSettings,
+  type NatsLink,
+  type RemoteJob,
+  type RemoteReply,
+} from './nats.js';
 
 /** One model as a node reports it in its heartbeat. */
 export interface HeldModel {
@@ -97,7 +110,12 @@ export class ClusterNode {
   private readonly inflight = new Map<string, number>();
   private seq = 0;
   private viewChanged: (() => void)[] = [];
-  private metrics: { sent: Counter<'model' | 'node' | 'outcome'>; served: Counter<'model' | 'outcome'>; hop: Histogram<'model'>; nats: Gauge } | null = null;
+  private metrics: {
+    sent: Counter<'model' | 'node' | 'outcome'>;
+    served: Counter<'model' | 'outcome'>;
+    hop: Histogram<'model'>;
+    nats: Gauge;
+  } | null = null;
 
   private constructor(
     private readonly link: NatsLink,
@@ -155,7 +173,11 @@ export class ClusterNode {
   private async watchStatus(): Promise<void> {
     for await (const s of this.link.nc.status()) {
       if (s.type === 'disconnect' || s.type === 'reconnecting') {
-        if (this.connected) this.log.warn({ nats: this.settings.nats }, 'cluster: lost NATS; serving the models held here, remote models wait');
+        if (this.connected)
+          this.log.warn(
+            { nats: this.settings.nats },
+            'cluster: lost NATS; serving the models held here, remote models wait',
+          );
         this.connected = false;
       } else if (s.type === 'reconnect') {
         this.connected = true;
@@ -175,9 +197,25 @@ export class ClusterNode {
     this.url = url;
     const reg = supervisor.metrics.registry;
     this.metrics = {
-      sent: new Counter({ name: 'voxserve_remote_jobs_sent_total', help: 'Jobs this ingress sent to other nodes, by model, holder and outcome', labelNames: ['model', 'node', 'outcome'], registers: [reg] }),
-      served: new Counter({ name: 'voxserve_remote_jobs_served_total', help: 'Jobs other nodes sent here, by model and outcome', labelNames: ['model', 'outcome'], registers: [reg] }),
-      hop: new Histogram({ name: 'voxserve_remote_hop_seconds', help: 'A remote job round trip less its run time at the holder', labelNames: ['model'], buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1], registers: [reg] }),
+      sent: new Counter({
+        name: 'voxserve_remote_jobs_sent_total',
+        help: 'Jobs this ingress sent to other nodes, by model, holder and outcome',
+        labelNames: ['model', 'node', 'outcome'],
+        registers: [reg],
+      }),
+      served: new Counter({
+        name: 'voxserve_remote_jobs_served_total',
+        help: 'Jobs other nodes sent here, by model and outcome',
+        labelNames: ['model', 'outcome'],
+        registers: [reg],
+      }),
+      hop: new Histogram({
+        name: 'voxserve_remote_hop_seconds',
+        help: 'A remote job round trip less its run time at the holder',
+        labelNames: ['model'],
+        buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1],
+        registers: [reg],
+      }),
       nats: new Gauge({ name: 'voxserve_nats_connected', help: '1 while NATS is reachable', registers: [reg] }),
     };
     this.metrics.nats.set(this.connected ? 1 : 0);
@@ -191,7 +229,15 @@ export class ClusterNode {
               (reply) => m.respond(reply),
               (e) => {
                 const v = toVoxError(e);
-                m.respond(encodeMessage({ type: 'error', error: v.type, code: v.code, message: v.message, retry_after_s: v.retryAfterS }));
+                m.respond(
+                  encodeMessage({
+                    type: 'error',
+                    error: v.type,
+                    code: v.code,
+                    message: v.message,
+                    retry_after_s: v.retryAfterS,
+                  }),
+                );
               },
             );
           },
@@ -224,7 +270,15 @@ export class ClusterNode {
     const models: Record<string, HeldModel> = {};
     for (const s of sup.statuses()) {
       if (s.state === 'unloaded' || this.remote.has(s.id)) continue;
-      models[s.id] = { task: s.task, state: s.state, slots: s.slots, free_slots: Math.max(0, s.slots - s.active_slots), queued: s.queued_requests, active_leases: s.active_leases, resident_bytes: s.resident_bytes };
+      models[s.id] = {
+        task: s.task,
+        state: s.state,
+        slots: s.slots,
+        free_slots: Math.max(0, s.slots - s.active_slots),
+        queued: s.queued_requests,
+        active_leases: s.active_leases,
+        resident_bytes: s.resident_bytes,
+      };
     }
     return {
       node: this.name,
@@ -298,7 +352,11 @@ export class ClusterNode {
    * @throws VoxError `insufficient_memory` (503) naming the cluster when every node refused;
    *   `server_busy` when another node's placement did not finish within the busy timeout.
    */
-  readonly place = async (config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>): Promise<LoadedModel> => {
+  readonly place = async (
+    config: ModelConfig,
+    signal: AbortSignal,
+    local: () => Promise<LoadedModel>,
+  ): Promise<LoadedModel> => {
     const id = config.id;
     if (!this.connected || !this.supervisor) return local();
     const timeout = this.busyTimeout(config);
@@ -328,10 +386,16 @@ export class ClusterNode {
     return values.length ? Math.min(...values) : 0;
   }
 
-  private async placeUnderLock(config: ModelConfig, signal: AbortSignal, local: () => Promise<LoadedModel>): Promise<LoadedModel> {
+  private async placeUnderLock(
+    config: ModelConfig,
+    signal: AbortSignal,
+    local: () => Promise<LoadedModel>,
+  ): Promise<LoadedModel> {
     const id = config.id;
     const here = this.record();
-    const candidates = [here, ...this.nodes().filter((r) => r.node !== this.name && !r.draining)].sort((a, b) => b.free_bytes - a.free_bytes);
+    const candidates = [here, ...this.nodes().filter((r) => r.node !== this.name && !r.draining)].sort(
+      (a, b) => b.free_bytes - a.free_bytes,
+    );
     this.log.debug({ model: id, candidates: candidates.map((c) => [c.node, c.free_bytes]) }, 'cluster: placing');
     const refusals: string[] = [];
     let memory = true;
@@ -350,7 +414,12 @@ export class ClusterNode {
         }
       }
       this.log.info({ model: id, on: n.node, free_bytes: n.free_bytes }, 'cluster: placing on another node');
-      const reply = await this.ask<{ ok: true }>(n.node, 'load', { id, config: this.registrationOf(config) }, this.settings.lock_ms * 100).catch((e: unknown) => e as Error);
+      const reply = await this.ask<{ ok: true }>(
+        n.node,
+        'load',
+        { id, config: this.registrationOf(config) },
+        this.settings.lock_ms * 100,
+      ).catch((e: unknown) => e as Error);
       if (reply instanceof Error) {
         if (!is503(reply) && !(reply instanceof VoxError && reply.type === 'not_found')) throw reply;
         memory &&= (reply as VoxError).type === 'insufficient_memory';
@@ -361,12 +430,20 @@ export class ClusterNode {
       await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
       return this.remotePool(config);
     }
-    throw voxError(memory ? 'cluster_insufficient_memory' : 'cluster_full', { id, why: ` (${candidates.length} asked): ${refusals.join('; ')}` });
+    throw voxError(memory ? 'cluster_insufficient_memory' : 'cluster_full', {
+      id,
+      why: ` (${candidates.length} asked): ${refusals.join('; ')}`,
+    });
   }
 
   /** The fields another node needs to register a model it does not know (its config minus server-filled paths of a group's heads). */
   private registrationOf(config: ModelConfig): Record<string, unknown> {
-    return { ...config, heads: config.heads?.map((h) => (typeof h === 'string' ? h : { model: h.model, threshold: h.threshold, refractory_ms: h.refractory_ms })) };
+    return {
+      ...config,
+      heads: config.heads?.map((h) =>
+        typeof h === 'string' ? h : { model: h.model, threshold: h.threshold, refractory_ms: h.refractory_ms },
+      ),
+    };
   }
 
   /**
@@ -378,7 +455,8 @@ export class ClusterNode {
   private async takeLock(model: string): Promise<{ release: () => Promise<void> } | null> {
     const kv = this.link.locks;
     const key = lockKey(model);
-    const value = (): Uint8Array => encodeJson({ owner: this.name, model, deadline: Date.now() + this.settings.lock_ms });
+    const value = (): Uint8Array =>
+      encodeJson({ owner: this.name, model, deadline: Date.now() + this.settings.lock_ms });
     let rev: number;
     try {
       rev = await kv.create(key, value());
@@ -387,17 +465,21 @@ export class ClusterNode {
       if (e && e.operation === 'PUT' && e.json<{ deadline: number }>().deadline > Date.now()) return null;
       try {
         rev = e ? await kv.update(key, value(), e.revision) : await kv.create(key, value());
-        if (e?.operation === 'PUT') this.log.warn({ model, from: e.json<{ owner: string }>().owner }, 'cluster: took over an expired load lock');
+        if (e?.operation === 'PUT')
+          this.log.warn({ model, from: e.json<{ owner: string }>().owner }, 'cluster: took over an expired load lock');
       } catch {
         return null;
       }
     }
-    const renew = setInterval(() => {
-      kv.update(key, value(), rev).then(
-        (r) => (rev = r),
-        () => {},
-      );
-    }, Math.max(50, this.settings.lock_ms / 3));
+    const renew = setInterval(
+      () => {
+        kv.update(key, value(), rev).then(
+          (r) => (rev = r),
+          () => {},
+        );
+      },
+      Math.max(50, this.settings.lock_ms / 3),
+    );
     return {
       release: async () => {
         clearInterval(renew);
@@ -424,10 +506,13 @@ export class ClusterNode {
         why.push(`${h.node}: ${(e as Error).message}`);
       }
     }
-    if (!info) throw voxError('no_holder', { message: `no holder of ${id} answered: ${why.join('; ') || 'none left'}` });
+    if (!info)
+      throw voxError('no_holder', { message: `no holder of ${id} answered: ${why.join('; ') || 'none left'}` });
     const window = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * holders.reduce((n, h) => n + h.models[id].slots, 0)));
     const slotInfo = info;
-    const pool = await SlotPool.start({ kind: 'vad', model: '' }, window, async () => this.remoteSlot(config, slotInfo));
+    const pool = await SlotPool.start({ kind: 'vad', model: '' }, window, async () =>
+      this.remoteSlot(config, slotInfo),
+    );
     this.remote.set(id, true);
     this.log.info({ model: id, holders: holders.map((h) => h.node), window }, 'cluster: model served by other nodes');
     this.beat();
@@ -483,12 +568,18 @@ export class ClusterNode {
         // No node holds it any more (unloaded there): placed again on another node, once a few heartbeats.
         if (!this.holders(id).length && Date.now() - replaced > 3 * this.settings.heartbeat_ms) {
           replaced = Date.now();
-          await this.replace(config).catch((e: Error) => this.log.warn({ model: id, err: e.message }, 'cluster: could not place the model again'));
+          await this.replace(config).catch((e: Error) =>
+            this.log.warn({ model: id, err: e.message }, 'cluster: could not place the model again'),
+          );
           continue;
         }
         // Every holder busy, or none live just now (a late heartbeat): ask again until the busy timeout.
         if (Date.now() >= end) {
-          throw voxError('no_holder', { message: lastBusy ? `every node holding ${id} is busy: ${lastBusy}` : `no node of the cluster holds ${id} ready` });
+          throw voxError('no_holder', {
+            message: lastBusy
+              ? `every node holding ${id} is busy: ${lastBusy}`
+              : `no node of the cluster holds ${id} ready`,
+          });
         }
         skip.clear();
         await sleep(BUSY_RETRY_MS);
@@ -502,19 +593,27 @@ export class ClusterNode {
       let reply: RemoteReply;
       try {
         // The frame's JSON head carries the wait: re-encoded only when it changed (the arrays are the same bytes).
-        const m = await this.link.nc.request(this.subject(node, 'job'), remaining ? encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: remaining, job }) : payload, {
-          timeout: (remaining || 3_600_000) + (jobTimeout || 60_000),
-        });
+        const m = await this.link.nc.request(
+          this.subject(node, 'job'),
+          remaining ? encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: remaining, job }) : payload,
+          {
+            timeout: (remaining || 3_600_000) + (jobTimeout || 60_000),
+          },
+        );
         reply = decodeMessage<RemoteReply>(m.data);
       } catch (e) {
         const name = (e as Error).name;
-        const gone = name === 'NoRespondersError' || (e as { isNoResponders?: () => boolean }).isNoResponders?.() === true;
+        const gone =
+          name === 'NoRespondersError' || (e as { isNoResponders?: () => boolean }).isNoResponders?.() === true;
         this.metrics?.sent.inc({ model: id, node, outcome: gone ? 'no_responders' : 'failed' });
         if (gone) {
           skip.add(node);
           continue;
         }
-        throw voxError('node_failed', { message: `node ${node} did not answer job ${jobId} for ${id}: ${(e as Error).message}`, cause: e });
+        throw voxError('node_failed', {
+          message: `node ${node} did not answer job ${jobId} for ${id}: ${(e as Error).message}`,
+          cause: e,
+        });
       } finally {
         this.inflight.set(node, (this.inflight.get(node) ?? 1) - 1);
       }
@@ -524,7 +623,8 @@ export class ClusterNode {
         this.metrics?.hop.observe({ model: id }, Math.max(0, rtt - reply.ran_ms) / 1000);
         return reply.result;
       }
-      if (reply.type !== 'error') throw voxError('node_failed', { message: `node ${node} answered a job with ${reply.type}` });
+      if (reply.type !== 'error')
+        throw voxError('node_failed', { message: `node ${node} answered a job with ${reply.type}` });
       this.metrics?.sent.inc({ model: id, node, outcome: reply.error });
       if (reply.error === 'not_held' || reply.error === 'server_busy' || reply.error === 'shutting_down') {
         if (reply.error === 'server_busy') lastBusy = `${node}: ${reply.message}`;
@@ -548,7 +648,9 @@ export class ClusterNode {
     try {
       if (this.holders(id).length) return;
       const refusals: string[] = [];
-      for (const n of this.nodes().filter((r) => r.node !== this.name && !r.draining).sort((a, b) => b.free_bytes - a.free_bytes)) {
+      for (const n of this.nodes()
+        .filter((r) => r.node !== this.name && !r.draining)
+        .sort((a, b) => b.free_bytes - a.free_bytes)) {
         try {
           this.log.info({ model: id, on: n.node }, 'cluster: no node holds the model any more; placing it again');
           await this.ask(n.node, 'load', { id, config: this.registrationOf(config) }, 3_600_000);
@@ -558,7 +660,10 @@ export class ClusterNode {
           refusals.push(`${n.node}: ${(e as Error).message}`);
         }
       }
-      throw voxError('cluster_insufficient_memory', { id, why: ` on another node: ${refusals.join('; ') || 'none is live'}` });
+      throw voxError('cluster_insufficient_memory', {
+        id,
+        why: ` on another node: ${refusals.join('; ') || 'none is live'}`,
+      });
     } finally {
       await lock.release();
     }
@@ -569,7 +674,8 @@ export class ClusterNode {
   /** The entry of a model held here ready (a local pool), else a `not_held` error. */
   private held(model: string): ModelEntry {
     const entry = this.supervisor?.getOrRegister(model);
-    if (!entry || entry.state !== 'ready' || this.remote.has(model)) throw Object.assign(new Error(`${this.name} does not hold ${model}`), { notHeld: true });
+    if (!entry || entry.state !== 'ready' || this.remote.has(model))
+      throw Object.assign(new Error(`${this.name} does not hold ${model}`), { notHeld: true });
     return entry;
   }
 
@@ -600,7 +706,13 @@ export class ClusterNode {
     } catch (e) {
       const v = toVoxError(e);
       outcome = v.type;
-      return encodeMessage({ type: 'error', error: v.type, code: v.code, message: v.message, retry_after_s: v.retryAfterS });
+      return encodeMessage({
+        type: 'error',
+        error: v.type,
+        code: v.code,
+        message: v.message,
+        retry_after_s: v.retryAfterS,
+      });
     } finally {
       this.metrics?.served.inc({ model: msg.model, outcome });
     }
@@ -614,7 +726,8 @@ export class ClusterNode {
       const { pool } = await entry.ensureReady();
       return encodeMessage({ type: 'info', info: pool.info });
     } catch (e) {
-      if ((e as { notHeld?: boolean }).notHeld) return encodeMessage({ type: 'error', error: 'not_held', message: (e as Error).message });
+      if ((e as { notHeld?: boolean }).notHeld)
+        return encodeMessage({ type: 'error', error: 'not_held', message: (e as Error).message });
       throw e;
     }
   }
@@ -624,7 +737,11 @@ export class ClusterNode {
    * catalog, or from the config sent along; an entry that runs on a remote pool gives it up first.
    */
   private async serveLoad(m: Msg): Promise<Uint8Array> {
-    const body = JSON.parse(new TextDecoder().decode(m.data)) as { id: string; config?: Record<string, unknown>; fields?: Record<string, unknown> };
+    const body = JSON.parse(new TextDecoder().decode(m.data)) as {
+      id: string;
+      config?: Record<string, unknown>;
+      fields?: Record<string, unknown>;
+    };
     await this.loadHere(body.id, body.fields ?? {}, body.config);
     return encodeMessage({ type: 'info', info: {} });
   }
@@ -634,7 +751,11 @@ export class ClusterNode {
    * @param fields management fields (`POST /v1/models/load` minus `node`, `replicas`).
    * @param registration a config to register the model with if this node does not know it.
    */
-  async loadHere(id: string, fields: Record<string, unknown>, registration?: Record<string, unknown>): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+  async loadHere(
+    id: string,
+    fields: Record<string, unknown>,
+    registration?: Record<string, unknown>,
+  ): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
     const sup = this.supervisor!;
     const timeout = this.config.busy_timeout_ms;
     const entry = sup.getOrRegister(id);
@@ -704,7 +825,10 @@ export class ClusterNode {
       if (text.startsWith('{')) return JSON.parse(text) as T;
     }
     const r = decodeMessage<RemoteReply>(m.data);
-    if (r.type === 'error') throw r.error === 'not_held' ? voxError('no_holder', { message: `node ${node}: ${r.message}` }) : fromWire({ code: r.code, message: `node ${node}: ${r.message}` });
+    if (r.type === 'error')
+      throw r.error === 'not_held'
+        ? voxError('no_holder', { message: `node ${node}: ${r.message}` })
+        : fromWire({ code: r.code, message: `node ${node}: ${r.message}` });
     return r as T;
   }
 
@@ -718,23 +842,38 @@ export class ClusterNode {
    * @throws VoxError `invalid_request_error` (bad `node` or `replicas`, or the config: nothing is
    *   changed anywhere), `not_found` (unknown node), 503 when no node could load it.
    */
-  async manageLoad(body: Record<string, unknown>, validate: (fields: Record<string, unknown>) => ModelConfig): Promise<Record<string, unknown>> {
+  async manageLoad(
+    body: Record<string, unknown>,
+    validate: (fields: Record<string, unknown>) => ModelConfig,
+  ): Promise<Record<string, unknown>> {
     const { node, replicas, ...fields } = body;
-    if (node !== undefined && (typeof node !== 'string' || !node)) throw invalid('node', 'must be a node name (GET /v1/cluster lists them)');
-    if (replicas !== undefined && (!Number.isInteger(replicas) || (replicas as number) < 1 || (replicas as number) > 64)) throw invalid('replicas', 'must be an integer from 1 to 64');
+    if (node !== undefined && (typeof node !== 'string' || !node))
+      throw invalid('node', 'must be a node name (GET /v1/cluster lists them)');
+    if (
+      replicas !== undefined &&
+      (!Number.isInteger(replicas) || (replicas as number) < 1 || (replicas as number) > 64)
+    )
+      throw invalid('replicas', 'must be an integer from 1 to 64');
     if (typeof fields.id !== 'string' || !fields.id) throw invalid('id', 'required, a model id string');
     const id = fields.id;
     // Validated here first: an invalid config changes nothing on any node.
     const config = validate(fields);
     if (node !== undefined) {
-      if (node === this.name) return { ...(await this.loadHere(id, fields, this.registrationOf(config))), nodes: [node] };
+      if (node === this.name)
+        return { ...(await this.loadHere(id, fields, this.registrationOf(config))), nodes: [node] };
       if (!this.nodes().some((r) => r.node === node)) throw voxError('node_not_found', { node });
       await this.ask(node, 'load', { id, fields, config: this.registrationOf(config) }, 3_600_000);
-      await this.until(() => this.nodes().some((r) => r.node === node && r.models[id]?.state === 'ready'), 3 * this.settings.heartbeat_ms);
+      await this.until(
+        () => this.nodes().some((r) => r.node === node && r.models[id]?.state === 'ready'),
+        3 * this.settings.heartbeat_ms,
+      );
       return { id, loaded: true, reconfigured: false, nodes: [node] };
     }
     const want = (replicas as number | undefined) ?? 1;
-    const holding = (): string[] => this.nodes().filter((r) => !r.draining && r.models[id] && r.models[id].state !== 'unloading').map((r) => r.node);
+    const holding = (): string[] =>
+      this.nodes()
+        .filter((r) => !r.draining && r.models[id] && r.models[id].state !== 'unloading')
+        .map((r) => r.node);
     const done: string[] = [];
     const refusals: string[] = [];
     for (const n of holding().slice(0, want)) {
@@ -743,7 +882,9 @@ export class ClusterNode {
       else await this.ask(n, 'load', { id, fields, config: this.registrationOf(config) }, 3_600_000);
       done.push(n);
     }
-    const others = this.nodes().filter((r) => !r.draining && !done.includes(r.node)).sort((a, b) => b.free_bytes - a.free_bytes);
+    const others = this.nodes()
+      .filter((r) => !r.draining && !done.includes(r.node))
+      .sort((a, b) => b.free_bytes - a.free_bytes);
     for (const r of others) {
       if (done.length >= want) break;
       try {
@@ -756,25 +897,44 @@ export class ClusterNode {
       }
     }
     if (done.length === 0) throw voxError('cluster_insufficient_memory', { id, why: `: ${refusals.join('; ')}` });
-    await this.until(() => done.every((n) => this.nodes().some((r) => r.node === n && r.models[id]?.state === 'ready')), 3 * this.settings.heartbeat_ms);
-    return { id, loaded: true, reconfigured: false, nodes: done, ...(done.length < want ? { replicas: done.length, refused: refusals } : {}) };
+    await this.until(
+      () => done.every((n) => this.nodes().some((r) => r.node === n && r.models[id]?.state === 'ready')),
+      3 * this.settings.heartbeat_ms,
+    );
+    return {
+      id,
+      loaded: true,
+      reconfigured: false,
+      nodes: done,
+      ...(done.length < want ? { replicas: done.length, refused: refusals } : {}),
+    };
   }
 
   /**
    * Unload in a cluster: on `node` only when given, else on every live node (this one included).
    * @returns per node what it unloaded; `unloaded` / `not_found` merged.
    */
-  async manageUnload(ids: string[] | undefined, node: unknown, force = false): Promise<{ unloaded: string[]; not_found: string[]; nodes: Record<string, unknown> }> {
-    if (node !== undefined && (typeof node !== 'string' || !node)) throw invalid('node', 'must be a node name (GET /v1/cluster lists them)');
-    const targets = node !== undefined ? [node as string] : [...new Set([this.name, ...this.nodes().map((r) => r.node)])];
-    if (node !== undefined && node !== this.name && !this.nodes().some((r) => r.node === node)) throw voxError('node_not_found', { node });
+  async manageUnload(
+    ids: string[] | undefined,
+    node: unknown,
+    force = false,
+  ): Promise<{ unloaded: string[]; not_found: string[]; nodes: Record<string, unknown> }> {
+    if (node !== undefined && (typeof node !== 'string' || !node))
+      throw invalid('node', 'must be a node name (GET /v1/cluster lists them)');
+    const targets =
+      node !== undefined ? [node as string] : [...new Set([this.name, ...this.nodes().map((r) => r.node)])];
+    if (node !== undefined && node !== this.name && !this.nodes().some((r) => r.node === node))
+      throw voxError('node_not_found', { node });
     const per: Record<string, unknown> = {};
     const unloaded = new Set<string>();
     let notFound: Set<string> | null = null;
     await Promise.all(
       targets.map(async (n) => {
         try {
-          const r = n === this.name ? await this.unloadHere(ids, force) : await this.ask<{ unloaded: string[]; not_found: string[] }>(n, 'unload', { ids, force }, 3_600_000);
+          const r =
+            n === this.name
+              ? await this.unloadHere(ids, force)
+              : await this.ask<{ unloaded: string[]; not_found: string[] }>(n, 'unload', { ids, force }, 3_600_000);
           per[n] = r;
           r.unloaded.forEach((id) => unloaded.add(id));
           const nf = new Set(r.not_found);
@@ -798,7 +958,15 @@ export class ClusterNode {
       heartbeat_ms: this.settings.heartbeat_ms,
       nodes: [...live.values()]
         .sort((a, b) => a.node.localeCompare(b.node))
-        .map((r) => ({ node: r.node, url: r.url, free_bytes: r.free_bytes, draining: r.draining, last_seen_ms: now - (this.view.get(r.node)?.seen ?? now), models: Object.keys(r.models).sort(), max_loaded_models: r.max_loaded_models })),
+        .map((r) => ({
+          node: r.node,
+          url: r.url,
+          free_bytes: r.free_bytes,
+          draining: r.draining,
+          last_seen_ms: now - (this.view.get(r.node)?.seen ?? now),
+          models: Object.keys(r.models).sort(),
+          max_loaded_models: r.max_loaded_models,
+        })),
     };
   }
 

@@ -78,7 +78,9 @@ function onEvent(lane: Lane, e: StreamEvent): void {
     // Keep what the timeline shows.
     if (lane.probs.length > 2 * (WINDOW_MS / 32)) lane.probs.splice(0, WINDOW_MS / 32);
     // For the page's test: windows drawn so far.
-    canvas.dataset.probabilityWindows = String(Number(canvas.dataset.probabilityWindows ?? 0) + (typeof e.p === 'number' ? 1 : e.p.length));
+    canvas.dataset.probabilityWindows = String(
+      Number(canvas.dataset.probabilityWindows ?? 0) + (typeof e.p === 'number' ? 1 : e.p.length),
+    );
     return;
   }
   logEvent(lane.model, e);
@@ -99,9 +101,17 @@ async function listModels(): Promise<void> {
     box.replaceChildren(Object.assign(document.createElement('legend'), { textContent: 'models' }));
     for (const m of models) {
       const label = document.createElement('label');
-      const input = Object.assign(document.createElement('input'), { type: 'checkbox', value: m.id, checked: wanted.includes(m.id) });
+      const input = Object.assign(document.createElement('input'), {
+        type: 'checkbox',
+        value: m.id,
+        checked: wanted.includes(m.id),
+      });
       input.dataset.task = m.task;
-      label.append(input, ` ${m.id} `, Object.assign(document.createElement('span'), { className: 'muted', textContent: `(${m.task})` }));
+      label.append(
+        input,
+        ` ${m.id} `,
+        Object.assign(document.createElement('span'), { className: 'muted', textContent: `(${m.task})` }),
+      );
       box.append(label);
     }
     startButton.disabled = false;
@@ -111,7 +121,10 @@ async function listModels(): Promise<void> {
 }
 
 async function start(): Promise<void> {
-  const chosen = [...document.querySelectorAll<HTMLInputElement>('#models input:checked')].map((i) => ({ model: i.value, task: i.dataset.task ?? '' }));
+  const chosen = [...document.querySelectorAll<HTMLInputElement>('#models input:checked')].map((i) => ({
+    model: i.value,
+    task: i.dataset.task ?? '',
+  }));
   if (!chosen.length) return say('choose at least one model', true);
   startButton.disabled = true;
   let client: VoxClient;
@@ -127,15 +140,25 @@ async function start(): Promise<void> {
   let mic: MediaStream | null = null;
   let ctx: AudioContext | null = null;
   try {
-    mic = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false } });
+    mic = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
+    });
     ctx = new AudioContext();
     await ctx.audioWorklet.addModule(`${import.meta.env.BASE_URL}capture-worklet.js`);
-    const resampler = ctx.sampleRate === RATE ? null : await create(1, ctx.sampleRate, RATE, { converterType: ConverterType.SRC_SINC_FASTEST });
+    const resampler =
+      ctx.sampleRate === RATE
+        ? null
+        : await create(1, ctx.sampleRate, RATE, { converterType: ConverterType.SRC_SINC_FASTEST });
     say(`connecting ${lanes.length} stream(s) ...`);
     await Promise.all(
       lanes.map(async (lane) => {
         // VAD streams send their speech probabilities, 100 ms of windows per event.
-        lane.stream = await client.stream({ model: lane.model, sampleRate: RATE, encoding: 's16le', probabilities: lane.task === 'vad' ? 100 : undefined });
+        lane.stream = await client.stream({
+          model: lane.model,
+          sampleRate: RATE,
+          encoding: 's16le',
+          probabilities: lane.task === 'vad' ? 100 : undefined,
+        });
         lane.status = 'streaming';
         const stream = lane.stream;
         void (async () => {
@@ -151,7 +174,9 @@ async function start(): Promise<void> {
     );
     const source = ctx.createMediaStreamSource(mic);
     // Blocks of 20 ms.
-    const capture = new AudioWorkletNode(ctx, 'voxserve-capture', { processorOptions: { blockFrames: Math.round(ctx.sampleRate / 50) } });
+    const capture = new AudioWorkletNode(ctx, 'voxserve-capture', {
+      processorOptions: { blockFrames: Math.round(ctx.sampleRate / 50) },
+    });
     const mute = ctx.createGain();
     mute.gain.value = 0;
     source.connect(capture).connect(mute).connect(ctx.destination);
@@ -239,7 +264,11 @@ function draw(): void {
     g.moveTo(0, rowH * row);
     g.lineTo(w, rowH * row);
     g.stroke();
-    label(row, lane.model, lane.task === 'wakeword' ? 'wake word' : lane.task === 'vad' ? 'speech probability' : lane.task);
+    label(
+      row,
+      lane.model,
+      lane.task === 'wakeword' ? 'wake word' : lane.task === 'vad' ? 'speech probability' : lane.task,
+    );
     for (const s of lane.segments) {
       const a = Math.max(t0, s.start);
       const b = s.end ?? sentMs;

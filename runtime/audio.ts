@@ -57,32 +57,47 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
   }
   let fmt = wav.fmt as { audioFormat: number; numChannels: number; sampleRate: number; bitsPerSample: number };
   if (!(fmt.audioFormat in WAV_FORMATS)) {
-    throw voxError('unsupported_audio', { problem: `unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM, float, mu-law or A-law` });
+    throw voxError('unsupported_audio', {
+      problem: `unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM, float, mu-law or A-law`,
+    });
   }
   // G.711 (telephone audio): 8-bit mu-law or A-law, expanded to 16-bit PCM by wavefile's codecs (alawmulaw).
   if (fmt.audioFormat === 6 || fmt.audioFormat === 7) {
-    if (fmt.bitsPerSample !== 8) throw voxError('unsupported_audio', { problem: `unsupported bit depth ${fmt.bitsPerSample} for ${WAV_FORMATS[fmt.audioFormat]} samples; expected 8` });
+    if (fmt.bitsPerSample !== 8)
+      throw voxError('unsupported_audio', {
+        problem: `unsupported bit depth ${fmt.bitsPerSample} for ${WAV_FORMATS[fmt.audioFormat]} samples; expected 8`,
+      });
     checkFormat(fmt.sampleRate, fmt.numChannels);
     // Judged before the expansion doubles the samples' size.
     const seconds = (wav.data as { samples: Uint8Array }).samples.length / fmt.numChannels / fmt.sampleRate;
-    if (seconds > MAX_AUDIO_SECONDS) throw voxError('audio_too_long', { problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file` });
+    if (seconds > MAX_AUDIO_SECONDS)
+      throw voxError('audio_too_long', {
+        problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`,
+      });
     try {
       if (fmt.audioFormat === 7) wav.fromMuLaw();
       else wav.fromALaw();
     } catch (e) {
-      throw voxError('invalid_audio', { problem: `not a readable ${WAV_FORMATS[fmt.audioFormat]} WAV file (${(e as Error).message})` });
+      throw voxError('invalid_audio', {
+        problem: `not a readable ${WAV_FORMATS[fmt.audioFormat]} WAV file (${(e as Error).message})`,
+      });
     }
     fmt = wav.fmt as typeof fmt;
   }
   const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && isFloatExtensible(wav));
   if (float ? ![32, 64].includes(fmt.bitsPerSample) : ![8, 16, 24, 32].includes(fmt.bitsPerSample)) {
-    throw voxError('unsupported_audio', { problem: `unsupported bit depth ${fmt.bitsPerSample} for ${float ? 'float' : 'PCM'} samples; expected ${float ? '32 or 64' : '8, 16, 24 or 32'}` });
+    throw voxError('unsupported_audio', {
+      problem: `unsupported bit depth ${fmt.bitsPerSample} for ${float ? 'float' : 'PCM'} samples; expected ${float ? '32 or 64' : '8, 16, 24 or 32'}`,
+    });
   }
   const { numChannels: channels, sampleRate } = fmt;
   checkFormat(sampleRate, channels);
   const dataBytes = (wav.data as { samples: Uint8Array }).samples.length;
   const seconds = dataBytes / ((fmt.bitsPerSample / 8) * channels) / sampleRate;
-  if (seconds > MAX_AUDIO_SECONDS) throw voxError('audio_too_long', { problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file` });
+  if (seconds > MAX_AUDIO_SECONDS)
+    throw voxError('audio_too_long', {
+      problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`,
+    });
   // wavefile unpacks the samples as stored (integers for PCM); scale them to [-1, 1].
   const interleaved = wav.getSamples(true, Float32Array) as unknown as Float32Array;
   if (float) sanitize(interleaved);
@@ -120,7 +135,9 @@ function audioChunks(bytes: Uint8Array): Uint8Array {
     const size = container === 'RIFX' ? buf.readUInt32BE(at + 4) : buf.readUInt32LE(at + 4);
     // 0xFFFFFFFF is "size unknown" (a WAV streamed as it was written, or RF64's placeholder): read to the end.
     if ((id === 'fmt ' || id === 'data') && size !== 0xffffffff && at + 8 + size > buf.length) {
-      throw voxError('invalid_audio', { problem: `truncated WAV file (its '${id.trim()}' chunk declares ${size} bytes, ${buf.length - at - 8} present)` });
+      throw voxError('invalid_audio', {
+        problem: `truncated WAV file (its '${id.trim()}' chunk declares ${size} bytes, ${buf.length - at - 8} present)`,
+      });
     }
     const end = Math.min(buf.length, at + 8 + size + (size % 2)); // chunks are padded to even sizes
     if (AUDIO_CHUNKS.has(id)) parts.push(buf.subarray(at, end));
@@ -181,7 +198,9 @@ export class Resampler {
   /** @param fromHz input rate, Hz. @param toHz output rate, Hz. */
   static async create(fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Resampler> {
     if (fromHz === toHz) return new Resampler(null, fromHz, toHz);
-    const src = await LibSampleRate.create(1, fromHz, toHz, { converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST });
+    const src = await LibSampleRate.create(1, fromHz, toHz, {
+      converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST,
+    });
     return new Resampler(src, fromHz, toHz);
   }
 
@@ -266,7 +285,11 @@ export class WholeResampler {
  * chunks of 10 s of input, yielding to the event loop between chunks so that a long file does
  * not stall other clients. Gives round(samples x toHz / fromHz) samples.
  */
-export async function resample(samples: Float32Array, fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Float32Array> {
+export async function resample(
+  samples: Float32Array,
+  fromHz: number,
+  toHz: number = MODEL_SAMPLE_RATE,
+): Promise<Float32Array> {
   if (fromHz === toHz) return samples;
   const r = await WholeResampler.create(fromHz, toHz);
   try {

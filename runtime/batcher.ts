@@ -1,4 +1,13 @@
-import { OWW, SILERO, type Job, type JobResult, type VadJob, type VadResult, type WakewordJob, type WakewordResult } from './slot-protocol.js';
+import {
+  OWW,
+  SILERO,
+  type Job,
+  type JobResult,
+  type VadJob,
+  type VadResult,
+  type WakewordJob,
+  type WakewordResult,
+} from './slot-protocol.js';
 import type { SlotPool } from './slots.js';
 
 /**
@@ -176,7 +185,10 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
     const arena = this.arenas.pop() ?? new Arena();
     (this.pool.run(this.packing.pack(rows, arena)) as Promise<R>)
       .then(
-        (res) => this.packing.unpack(res, rows).forEach((r, i) => batch[i].resolve(Object.assign(r, { ran: res.ran, waitedMs: res.waitedMs }))),
+        (res) =>
+          this.packing
+            .unpack(res, rows)
+            .forEach((r, i) => batch[i].resolve(Object.assign(r, { ran: res.ran, waitedMs: res.waitedMs }))),
         (err) => batch.forEach((b) => b.reject(err)),
       )
       .finally(() => {

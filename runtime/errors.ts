@@ -29,83 +29,187 @@ const clip = (s: string, n = 128): string => (s.length > n ? `${s.slice(0, n)}..
 
 export const ERRORS = {
   // 400 invalid_request_error: the request is wrong; fix it, do not retry as is.
-  invalid_field: { type: 'invalid_request_error', message: (p: { field: string; problem: string }) => `${p.field}: ${p.problem}` },
+  invalid_field: {
+    type: 'invalid_request_error',
+    message: (p: { field: string; problem: string }) => `${p.field}: ${p.problem}`,
+  },
   invalid_fields: { type: 'invalid_request_error', message: (p: { issues: string }) => p.issues },
-  unknown_field: { type: 'invalid_request_error', message: (p: { field: string; problem: string }) => `${clip(p.field, 64)}: ${p.problem}` },
+  unknown_field: {
+    type: 'invalid_request_error',
+    message: (p: { field: string; problem: string }) => `${clip(p.field, 64)}: ${p.problem}`,
+  },
   invalid_json: { type: 'invalid_request_error', message: (p: { problem: string }) => `body ${p.problem}` },
   invalid_audio: { type: 'invalid_request_error', message: (p: { problem: string }) => `audio: ${p.problem}` },
   unsupported_audio: { type: 'invalid_request_error', message: (p: { problem: string }) => `audio: ${p.problem}` },
   audio_too_long: { type: 'invalid_request_error', message: (p: { problem: string }) => `audio: ${p.problem}` },
-  invalid_model_file: { type: 'invalid_request_error', message: (p: { field: string; path: string; problem: string }) => `${p.field}: '${p.path}' ${p.problem}` },
-  invalid_config: { type: 'invalid_request_error', message: (p: { file: string; problem: string }) => `config file ${p.file} ${p.problem}` },
+  invalid_model_file: {
+    type: 'invalid_request_error',
+    message: (p: { field: string; path: string; problem: string }) => `${p.field}: '${p.path}' ${p.problem}`,
+  },
+  invalid_config: {
+    type: 'invalid_request_error',
+    message: (p: { file: string; problem: string }) => `config file ${p.file} ${p.problem}`,
+  },
   invalid_framing: { type: 'invalid_request_error', message: (p: { reason: string }) => p.reason },
   invalid_control_message: {
     type: 'invalid_request_error',
     message: (p: { json: false } | { json: true; type: unknown }) =>
-      p.json ? `unknown control message type ${JSON.stringify(p.type)}; expected "end"` : 'control frame is not valid JSON; expected {"type":"end"}',
+      p.json
+        ? `unknown control message type ${JSON.stringify(p.type)}; expected "end"`
+        : 'control frame is not valid JSON; expected {"type":"end"}',
   },
-  body_stalled: { type: 'invalid_request_error', message: (p: { idleMs: number }) => `request body stalled: no data for limits.idle_ms (${p.idleMs} ms)` },
-  stream_idle: { type: 'invalid_request_error', message: (p: { idleMs: number }) => `no message for limits.idle_ms (${p.idleMs} ms)` },
-  stream_too_long: { type: 'invalid_request_error', message: (p: { totalMs: number }) => `stream exceeded limits.total_ms (${p.totalMs} ms)` },
-  stream_flooded: { type: 'invalid_request_error', message: (p: { perS: number }) => `too many messages: over limits.ws_max_messages_per_s (${p.perS})` },
-  method_not_allowed: { type: 'invalid_request_error', status: 405, message: (p: { method: string; path: string }) => `method ${clip(p.method, 32)} is not allowed on ${clip(p.path)}` },
-  websocket_required: { type: 'invalid_request_error', status: 426, message: (p: { path: string }) => `${p.path} is a WebSocket route: open a WebSocket (Upgrade: websocket)` },
-  upgrade_not_supported: { type: 'invalid_request_error', message: (p: { upgrade: string }) => `Upgrade: ${clip(p.upgrade, 64)} is not supported` },
-  malformed_request: { type: 'invalid_request_error', message: (p: { reason: string }) => `malformed request: ${p.reason}` },
-  headers_too_large: { type: 'invalid_request_error', status: 431, message: (p: { reason: string }) => `malformed request: ${p.reason}` },
-  headers_timeout: { type: 'invalid_request_error', status: 408, message: (p: { reason: string }) => `malformed request: ${p.reason}` },
+  body_stalled: {
+    type: 'invalid_request_error',
+    message: (p: { idleMs: number }) => `request body stalled: no data for limits.idle_ms (${p.idleMs} ms)`,
+  },
+  stream_idle: {
+    type: 'invalid_request_error',
+    message: (p: { idleMs: number }) => `no message for limits.idle_ms (${p.idleMs} ms)`,
+  },
+  stream_too_long: {
+    type: 'invalid_request_error',
+    message: (p: { totalMs: number }) => `stream exceeded limits.total_ms (${p.totalMs} ms)`,
+  },
+  stream_flooded: {
+    type: 'invalid_request_error',
+    message: (p: { perS: number }) => `too many messages: over limits.ws_max_messages_per_s (${p.perS})`,
+  },
+  method_not_allowed: {
+    type: 'invalid_request_error',
+    status: 405,
+    message: (p: { method: string; path: string }) => `method ${clip(p.method, 32)} is not allowed on ${clip(p.path)}`,
+  },
+  websocket_required: {
+    type: 'invalid_request_error',
+    status: 426,
+    message: (p: { path: string }) => `${p.path} is a WebSocket route: open a WebSocket (Upgrade: websocket)`,
+  },
+  upgrade_not_supported: {
+    type: 'invalid_request_error',
+    message: (p: { upgrade: string }) => `Upgrade: ${clip(p.upgrade, 64)} is not supported`,
+  },
+  malformed_request: {
+    type: 'invalid_request_error',
+    message: (p: { reason: string }) => `malformed request: ${p.reason}`,
+  },
+  headers_too_large: {
+    type: 'invalid_request_error',
+    status: 431,
+    message: (p: { reason: string }) => `malformed request: ${p.reason}`,
+  },
+  headers_timeout: {
+    type: 'invalid_request_error',
+    status: 408,
+    message: (p: { reason: string }) => `malformed request: ${p.reason}`,
+  },
   // 401, 403: who may call.
   api_key_required: {
     type: 'unauthorized',
-    message: (p: { keyProtocol: string }) => `this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol ${p.keyProtocol}<key> (${CLI_KEY})`,
+    message: (p: { keyProtocol: string }) =>
+      `this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol ${p.keyProtocol}<key> (${CLI_KEY})`,
   },
-  api_key_invalid: { type: 'unauthorized', message: () => `the API key is not valid: it is not one of the server's auth.api_keys (${CLI_KEY})` },
+  api_key_invalid: {
+    type: 'unauthorized',
+    message: () => `the API key is not valid: it is not one of the server's auth.api_keys (${CLI_KEY})`,
+  },
   host_not_allowed: {
     type: 'forbidden',
-    message: (p: { host: string }) => `Host '${clip(p.host, 200)}' is not served here: add it to allowed_hosts (requests may only name loopback, the configured host or allowed_hosts, against DNS rebinding)`,
+    message: (p: { host: string }) =>
+      `Host '${clip(p.host, 200)}' is not served here: add it to allowed_hosts (requests may only name loopback, the configured host or allowed_hosts, against DNS rebinding)`,
   },
-  origin_not_allowed: { type: 'forbidden', message: (p: { origin: string }) => `Origin '${clip(p.origin, 200)}' may not call this server: add it to allowed_origins` },
-  management_disabled: { type: 'forbidden', message: () => 'management and debug routes are disabled; start the server with --management' },
-  management_token_required: { type: 'forbidden', message: () => 'management routes need Authorization: Bearer <token>' },
+  origin_not_allowed: {
+    type: 'forbidden',
+    message: (p: { origin: string }) =>
+      `Origin '${clip(p.origin, 200)}' may not call this server: add it to allowed_origins`,
+  },
+  management_disabled: {
+    type: 'forbidden',
+    message: () => 'management and debug routes are disabled; start the server with --management',
+  },
+  management_token_required: {
+    type: 'forbidden',
+    message: () => 'management routes need Authorization: Bearer <token>',
+  },
   // 404
   model_not_found: {
     type: 'not_found',
     message: (p: { id: string; field?: string; kind?: string; hint?: string }) =>
       `${p.field ? `${p.field}: ` : ''}${p.kind ? `${p.kind} ` : ''}model '${clip(p.id)}' does not exist; ${p.hint ?? 'GET /v1/models lists the models'}`,
   },
-  route_not_found: { type: 'not_found', message: (p: { route: string; hint?: string }) => `no route ${clip(p.route)}${p.hint ? `; ${p.hint}` : ''}` },
-  not_clustered: { type: 'not_found', message: () => 'this server is not part of a cluster (start it with --cluster <nats-url>)' },
-  demo_disabled: { type: 'not_found', message: () => 'the demo is off: set demo.enabled in the config (it is on by default on a loopback address)' },
+  route_not_found: {
+    type: 'not_found',
+    message: (p: { route: string; hint?: string }) => `no route ${clip(p.route)}${p.hint ? `; ${p.hint}` : ''}`,
+  },
+  not_clustered: {
+    type: 'not_found',
+    message: () => 'this server is not part of a cluster (start it with --cluster <nats-url>)',
+  },
+  demo_disabled: {
+    type: 'not_found',
+    message: () => 'the demo is off: set demo.enabled in the config (it is on by default on a loopback address)',
+  },
   demo_not_built: { type: 'not_found', message: () => 'the demo is not built: run npm run build' },
   // 413, 415
   body_too_large: {
     type: 'payload_too_large',
-    message: (p: { bytes?: number; limit: number }) => `body ${p.bytes === undefined ? '' : `of ${p.bytes} bytes `}exceeds limits.max_body_bytes (${p.limit})`,
+    message: (p: { bytes?: number; limit: number }) =>
+      `body ${p.bytes === undefined ? '' : `of ${p.bytes} bytes `}exceeds limits.max_body_bytes (${p.limit})`,
   },
-  unsupported_media_type: { type: 'unsupported_media_type', message: (p: { expected: string; got: string }) => `content-type: expected ${p.expected}, got '${clip(p.got || 'none', 64)}'` },
+  unsupported_media_type: {
+    type: 'unsupported_media_type',
+    message: (p: { expected: string; got: string }) =>
+      `content-type: expected ${p.expected}, got '${clip(p.got || 'none', 64)}'`,
+  },
   // 503: retry later (after Retry-After).
-  server_starting: { type: 'server_busy', retryAfterS: 1, message: () => 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work' },
+  server_starting: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: () => 'the server is starting: its models are loading; GET /ready answers 200 once it accepts work',
+  },
   shutting_down: { type: 'shutting_down', retryAfterS: 5, message: () => 'the server is shutting down' },
-  model_stopped: { type: 'shutting_down', retryAfterS: 5, message: (p: { id?: string }) => (p.id ? `model ${p.id} stopped` : 'the model entry stopped') },
-  queue_full: { type: 'server_busy', retryAfterS: 1, message: (p: { max: number }) => `the queue is full: ${p.max} requests already wait for this model (max_queued); retry later` },
+  model_stopped: {
+    type: 'shutting_down',
+    retryAfterS: 5,
+    message: (p: { id?: string }) => (p.id ? `model ${p.id} stopped` : 'the model entry stopped'),
+  },
+  queue_full: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: (p: { max: number }) =>
+      `the queue is full: ${p.max} requests already wait for this model (max_queued); retry later`,
+  },
   busy_timeout: {
     type: 'server_busy',
     retryAfterS: 1,
     message: (p: { what: 'lease' | 'slot'; ms: number }) =>
-      p.what === 'lease' ? `no lease free within the busy timeout of ${p.ms} ms` : `waited for a slot longer than the busy timeout (${p.ms} ms)`,
+      p.what === 'lease'
+        ? `no lease free within the busy timeout of ${p.ms} ms`
+        : `waited for a slot longer than the busy timeout (${p.ms} ms)`,
   },
   model_stuck: {
     type: 'server_busy',
     retryAfterS: 5,
     message: (p: { id?: string; ms: number }) =>
-      p.id ? `model ${p.id} is stuck: its work has run longer than the busy timeout of ${p.ms} ms` : `every slot of the model has run one job longer than the busy timeout (${p.ms} ms): it is stuck`,
+      p.id
+        ? `model ${p.id} is stuck: its work has run longer than the busy timeout of ${p.ms} ms`
+        : `every slot of the model has run one job longer than the busy timeout (${p.ms} ms): it is stuck`,
   },
-  job_timeout: { type: 'server_busy', retryAfterS: 1, message: (p: { ms: number }) => `the job ran longer than job_timeout_ms (${p.ms} ms): its slot host was killed and is being restarted` },
-  model_unloaded: { type: 'server_busy', retryAfterS: 1, message: (p: { id: string }) => `model ${p.id} was unloaded (force)` },
+  job_timeout: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: (p: { ms: number }) =>
+      `the job ran longer than job_timeout_ms (${p.ms} ms): its slot host was killed and is being restarted`,
+  },
+  model_unloaded: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: (p: { id: string }) => `model ${p.id} was unloaded (force)`,
+  },
   unload_timeout: {
     type: 'server_busy',
     retryAfterS: 1,
-    message: (p: { busy: string[]; unloaded: string[] }) => `could not unload ${p.busy.join(', ')} within the busy timeout; unloaded: ${p.unloaded.join(', ') || 'none'}`,
+    message: (p: { busy: string[]; unloaded: string[] }) =>
+      `could not unload ${p.busy.join(', ')} within the busy timeout; unloaded: ${p.unloaded.join(', ') || 'none'}`,
   },
   no_room: {
     type: 'server_busy',
@@ -119,39 +223,80 @@ export const ERRORS = {
     message: (p: { id: string; needed: string; headroom: string; free: string }) =>
       `cannot load ${p.id}: needs about ${p.needed} plus ${p.headroom} of headroom (min_free_memory_mb), but only ${p.free} is available`,
   },
-  too_many_streams: { type: 'server_busy', retryAfterS: 1, message: (p: { max: number }) => `limits.max_ws_connections (${p.max}) reached` },
-  client_not_reading: { type: 'server_busy', retryAfterS: 1, message: (p: { detail: string }) => `client is not reading: ${p.detail}` },
+  too_many_streams: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: (p: { max: number }) => `limits.max_ws_connections (${p.max}) reached`,
+  },
+  client_not_reading: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: (p: { detail: string }) => `client is not reading: ${p.detail}`,
+  },
   server_behind: {
     type: 'server_busy',
     retryAfterS: 1,
-    message: (p: { maxBytes: number }) => `server is behind: events unsent over limits.ws_max_buffered_bytes (${p.maxBytes}) while it paused reading`,
+    message: (p: { maxBytes: number }) =>
+      `server is behind: events unsent over limits.ws_max_buffered_bytes (${p.maxBytes}) while it paused reading`,
   },
   // Cluster (docs/cluster.md).
   cluster_load_timeout: {
     type: 'server_busy',
     retryAfterS: 1,
-    message: (p: { id: string; ms: number }) => `model ${p.id} is being loaded by another node of the cluster and was not ready within the busy timeout (${p.ms} ms)`,
+    message: (p: { id: string; ms: number }) =>
+      `model ${p.id} is being loaded by another node of the cluster and was not ready within the busy timeout (${p.ms} ms)`,
   },
-  cluster_full: { type: 'server_busy', retryAfterS: 5, message: (p: { id: string; why: string }) => `no node of the cluster could load ${p.id}${p.why}` },
-  cluster_insufficient_memory: { type: 'insufficient_memory', retryAfterS: 5, message: (p: { id: string; why: string }) => `no node of the cluster could load ${p.id}${p.why}` },
+  cluster_full: {
+    type: 'server_busy',
+    retryAfterS: 5,
+    message: (p: { id: string; why: string }) => `no node of the cluster could load ${p.id}${p.why}`,
+  },
+  cluster_insufficient_memory: {
+    type: 'insufficient_memory',
+    retryAfterS: 5,
+    message: (p: { id: string; why: string }) => `no node of the cluster could load ${p.id}${p.why}`,
+  },
   no_holder: { type: 'server_busy', retryAfterS: 1, message: (p: { message: string }) => p.message },
-  node_unreachable: { type: 'server_busy', retryAfterS: 1, message: (p: { node: string; reason: string }) => `node ${p.node} did not answer (${p.reason})` },
-  node_not_found: { type: 'not_found', message: (p: { node: string }) => `node '${p.node}' is not in the cluster; GET /v1/cluster lists the nodes` },
+  node_unreachable: {
+    type: 'server_busy',
+    retryAfterS: 1,
+    message: (p: { node: string; reason: string }) => `node ${p.node} did not answer (${p.reason})`,
+  },
+  node_not_found: {
+    type: 'not_found',
+    message: (p: { node: string }) => `node '${p.node}' is not in the cluster; GET /v1/cluster lists the nodes`,
+  },
   node_failed: { type: 'server_error', message: (p: { message: string }) => p.message },
   job_too_large: {
     type: 'server_error',
-    message: (p: { id: string; bytes: number; max: number }) => `a job for ${p.id} is ${p.bytes} bytes, over NATS's max_payload (${p.max}); raise max_payload in nats-server's config`,
+    message: (p: { id: string; bytes: number; max: number }) =>
+      `a job for ${p.id} is ${p.bytes} bytes, over NATS's max_payload (${p.max}); raise max_payload in nats-server's config`,
   },
   // 500: the server failed; report it if it repeats.
-  load_failed: { type: 'server_error', message: (p: { id: string; reason: string }) => `model ${p.id} failed to load: ${p.reason}` },
-  load_timeout: { type: 'server_error', message: (p: { ms: number }) => `loading took longer than load_timeout_ms (${p.ms} ms); the load was abandoned` },
+  load_failed: {
+    type: 'server_error',
+    message: (p: { id: string; reason: string }) => `model ${p.id} failed to load: ${p.reason}`,
+  },
+  load_timeout: {
+    type: 'server_error',
+    message: (p: { ms: number }) => `loading took longer than load_timeout_ms (${p.ms} ms); the load was abandoned`,
+  },
   inference_failed: { type: 'server_error', message: (p: { reason: string }) => `inference failed: ${p.reason}` },
   slot_failed: { type: 'server_error', message: (p: { reason: string }) => `slot failed: ${p.reason}` },
-  slot_crash_loop: { type: 'server_error', message: (p: { crashes: number; last: string }) => `${p.crashes} slot crashes within a minute; the last: ${p.last}` },
-  slot_restart_failed: { type: 'server_error', message: (p: { reason: string }) => `a slot could not be restarted: ${p.reason}` },
+  slot_crash_loop: {
+    type: 'server_error',
+    message: (p: { crashes: number; last: string }) => `${p.crashes} slot crashes within a minute; the last: ${p.last}`,
+  },
+  slot_restart_failed: {
+    type: 'server_error',
+    message: (p: { reason: string }) => `a slot could not be restarted: ${p.reason}`,
+  },
   slot_closed: { type: 'server_error', message: () => 'slot is closed' },
   slots_unloaded: { type: 'server_error', message: () => 'model unloaded' },
-  decoder_failed: { type: 'server_error', message: (p: { reason: string }) => `audio decoder worker died: ${p.reason}` },
+  decoder_failed: {
+    type: 'server_error',
+    message: (p: { reason: string }) => `audio decoder worker died: ${p.reason}`,
+  },
   internal_error: { type: 'server_error', message: (p: { message: string }) => p.message },
 } as const satisfies Record<string, ErrorSpec>;
 
@@ -161,7 +306,8 @@ export type ErrorCode = keyof typeof ERRORS;
 /** The parameters of a code's message template (`undefined` when it takes none). */
 export type ErrorParams<C extends ErrorCode> = Parameters<(typeof ERRORS)[C]['message']>[0];
 
-type ErrorArgs<C extends ErrorCode> = ErrorParams<C> extends undefined ? [params?: { cause?: unknown }] : [params: ErrorParams<C> & { cause?: unknown }];
+type ErrorArgs<C extends ErrorCode> =
+  ErrorParams<C> extends undefined ? [params?: { cause?: unknown }] : [params: ErrorParams<C> & { cause?: unknown }];
 
 /** The wire body of an error: `{"error":{"type","code","message"}}` (HTTP bodies, SSE and stream `error` events). */
 export interface WireError {

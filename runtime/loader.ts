@@ -28,7 +28,19 @@ export type ModelLoader = (config: ModelConfig, signal?: AbortSignal) => Promise
  * metadata_props 14, training_info 20, functions 25) with their protobuf wire types (0 varint,
  * 2 length-delimited).
  */
-const MODEL_PROTO_FIELDS = new Map([[1, 0], [2, 2], [3, 2], [4, 2], [5, 0], [6, 2], [7, 2], [8, 2], [14, 2], [20, 2], [25, 2]]);
+const MODEL_PROTO_FIELDS = new Map([
+  [1, 0],
+  [2, 2],
+  [3, 2],
+  [4, 2],
+  [5, 0],
+  [6, 2],
+  [7, 2],
+  [8, 2],
+  [14, 2],
+  [20, 2],
+  [25, 2],
+]);
 
 /**
  * Whether `head` (a file's first bytes) can start an ONNX model: a protobuf message whose first
@@ -60,7 +72,9 @@ export function checkModelFile(path: string): void {
     isFile = statSync(path).isFile();
   } catch (e) {
     const code = (e as NodeJS.ErrnoException).code;
-    throw new Error(`cannot read model file ${path}: ${code === 'ENOENT' ? 'it does not exist' : (code ?? (e as Error).message)}`);
+    throw new Error(
+      `cannot read model file ${path}: ${code === 'ENOENT' ? 'it does not exist' : (code ?? (e as Error).message)}`,
+    );
   }
   if (!isFile) throw new Error(`cannot read model file ${path}: it is not a regular file`);
   const head = new Uint8Array(16);
@@ -75,7 +89,10 @@ export function checkModelFile(path: string): void {
   } catch (e) {
     throw new Error(`cannot read model file ${path}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
   }
-  if (!looksLikeOnnx(head.subarray(0, n))) throw new Error(`model file ${path} is not an ONNX model (${n === 0 ? 'it is empty' : 'its first bytes are not an ONNX ModelProto'})`);
+  if (!looksLikeOnnx(head.subarray(0, n)))
+    throw new Error(
+      `model file ${path} is not an ONNX model (${n === 0 ? 'it is empty' : 'its first bytes are not an ONNX ModelProto'})`,
+    );
 }
 
 /**
@@ -85,7 +102,8 @@ export function checkModelFile(path: string): void {
  */
 export function modelFileProblem(config: ModelConfig): string | null {
   const files = [...modelFiles(config)];
-  if (config.task === 'wakeword') files.push(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
+  if (config.task === 'wakeword')
+    files.push(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
   for (const file of files) {
     try {
       checkModelFile(file);
@@ -128,7 +146,11 @@ export class WeightBundles {
     const key = `${melPath}\n${embPath}`;
     let p = this.bundles.get(key);
     if (!p) {
-      p = Promise.all([readModelFile(melPath), readModelFile(embPath)]).then(([melspectrogram, embedding]) => ({ melspectrogram, embedding, refs: 0 }));
+      p = Promise.all([readModelFile(melPath), readModelFile(embPath)]).then(([melspectrogram, embedding]) => ({
+        melspectrogram,
+        embedding,
+        refs: 0,
+      }));
       this.bundles.set(key, p);
       p.catch(() => this.bundles.delete(key));
     }
@@ -165,21 +187,37 @@ export interface SlotDefaults {
  * processes or worker threads as the model's (else the server's) `isolation` says.
  * @param factory a fixed slot factory instead (tests).
  */
-export function createLoader(bundles: WeightBundles, defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 }, factory?: SlotFactory): ModelLoader {
+export function createLoader(
+  bundles: WeightBundles,
+  defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 },
+  factory?: SlotFactory,
+): ModelLoader {
   return async (config, signal) => {
     for (const file of modelFiles(config)) checkModelFile(file);
     let spec: LoadSpec;
     let release = (): void => {};
     if (config.task === 'wakeword') {
-      const b = await bundles.acquire(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
+      const b = await bundles.acquire(
+        config.melspectrogram_path ?? OWW_MELSPECTROGRAM,
+        config.embedding_path ?? OWW_EMBEDDING,
+      );
       release = b.release;
-      spec = { kind: 'wakeword', heads: headsOf(config).map((h) => h.path), melspectrogram: b.bundle.melspectrogram, embedding: b.bundle.embedding };
+      spec = {
+        kind: 'wakeword',
+        heads: headsOf(config).map((h) => h.path),
+        melspectrogram: b.bundle.melspectrogram,
+        embedding: b.bundle.embedding,
+      };
     } else {
       spec = { kind: 'vad', model: config.path! };
     }
     try {
-      const hosts = factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);
-      const pool = await SlotPool.start(spec, config.slots, hosts, { signal, loadTimeoutMs: config.load_timeout_ms ?? defaults.loadTimeoutMs });
+      const hosts =
+        factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);
+      const pool = await SlotPool.start(spec, config.slots, hosts, {
+        signal,
+        loadTimeoutMs: config.load_timeout_ms ?? defaults.loadTimeoutMs,
+      });
       return {
         pool,
         residentBytes: 0,

@@ -7,13 +7,21 @@
  * @returns at most three ids, closest first.
  */
 export function similarIds(given: string, known: Iterable<string>): string[] {
-  const spell = (s: string): string => s.trim().toLowerCase().replace(/[_\s]+/g, '-').replace(/-v[0-9.]+$/, '');
+  const spell = (s: string): string =>
+    s
+      .trim()
+      .toLowerCase()
+      .replace(/[_\s]+/g, '-')
+      .replace(/-v[0-9.]+$/, '');
   const want = spell(given);
   const ids = [...known];
   const same = ids.filter((id) => id.toLowerCase() === want);
   if (same.length) return same.slice(0, 3);
   const limit = want.length <= 4 ? 1 : want.length <= 8 ? 2 : 3;
-  const typed = given.trim().toLowerCase().replace(/[_\s]+/g, '-');
+  const typed = given
+    .trim()
+    .toLowerCase()
+    .replace(/[_\s]+/g, '-');
   return ids
     .map((id) => ({ id, d: editDistance(typed, id.toLowerCase()) }))
     .filter((c) => c.d <= limit)
@@ -28,7 +36,8 @@ export function editDistance(a: string, b: string): number {
   let row = Array.from({ length: b.length + 1 }, (_, j) => j);
   for (let i = 1; i <= a.length; i++) {
     const next = [i];
-    for (let j = 1; j <= b.length; j++) next[j] = Math.min(row[j]! + 1, next[j - 1]! + 1, row[j - 1]! + (a[i - 1] === b[j - 1] ? 0 : 1));
+    for (let j = 1; j <= b.length; j++)
+      next[j] = Math.min(row[j]! + 1, next[j - 1]! + 1, row[j - 1]! + (a[i - 1] === b[j - 1] ? 0 : 1));
     row = next;
   }
   return row[b.length]!;

@@ -40,7 +40,11 @@ export async function confinePath(root: string | false, path: string, field: str
   if (real.startsWith(base + sep)) return existingFile(real, path, field, root);
   shipped ??= Promise.all(shippedModelFiles().map(resolveFully)).then((files) => new Set(files));
   if ((await shipped).has(real)) return real;
-  throw voxError('invalid_model_file', { field, path, problem: `is outside models_root (${root}); put the model there, or set models_root in the config` });
+  throw voxError('invalid_model_file', {
+    field,
+    path,
+    problem: `is outside models_root (${root}); put the model there, or set models_root in the config`,
+  });
 }
 
 /**
@@ -54,7 +58,14 @@ async function existingFile(real: string, path: string, field: string, root: str
     file = (await stat(real)).isFile();
   } catch (e) {
     const code = (e as NodeJS.ErrnoException).code;
-    throw voxError('invalid_model_file', { field, path, problem: code === 'ENOENT' || code === 'ENOTDIR' ? `does not exist in models_root (${root})` : `cannot be read (${code})` });
+    throw voxError('invalid_model_file', {
+      field,
+      path,
+      problem:
+        code === 'ENOENT' || code === 'ENOTDIR'
+          ? `does not exist in models_root (${root})`
+          : `cannot be read (${code})`,
+    });
   }
   if (!file) throw voxError('invalid_model_file', { field, path, problem: 'is not a regular file' });
   return real;

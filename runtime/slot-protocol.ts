@@ -191,10 +191,12 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
       let at = 0;
       for (; at + 4 <= this.bell.length; at += 4) {
         const length = this.bell.readUInt32LE(at);
-        if (reuse && this.scratch.byteLength < length) this.scratch = new ArrayBuffer(Math.max(length, 2 * this.scratch.byteLength));
+        if (reuse && this.scratch.byteLength < length)
+          this.scratch = new ArrayBuffer(Math.max(length, 2 * this.scratch.byteLength));
         const frame = reuse ? new Uint8Array(this.scratch, 0, length) : new Uint8Array(length);
         try {
-          if (readSync(this.inFd, frame, 0, frame.length, 0) !== frame.length) throw new Error('job channel: short read');
+          if (readSync(this.inFd, frame, 0, frame.length, 0) !== frame.length)
+            throw new Error('job channel: short read');
         } catch (e) {
           return onError(e as Error);
         }
@@ -223,7 +225,11 @@ export function decodeFrame(frame: Uint8Array): unknown {
   const base = 8 + h + ((4 - (h % 4)) % 4);
   return JSON.parse(Buffer.from(frame.buffer, 8, h).toString(), (_key, v: unknown) =>
     v !== null && typeof v === 'object' && Array.isArray((v as { $f32?: unknown }).$f32)
-      ? new Float32Array(frame.buffer, base + (v as { $f32: [number, number] }).$f32[0], (v as { $f32: [number, number] }).$f32[1])
+      ? new Float32Array(
+          frame.buffer,
+          base + (v as { $f32: [number, number] }).$f32[0],
+          (v as { $f32: [number, number] }).$f32[1],
+        )
       : v,
   );
 }

@@ -54,7 +54,10 @@ function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
 
 async function create(source: string | Uint8Array): Promise<ort.InferenceSession> {
   // A path is read by onnxruntime; shared bytes are copied out: onnxruntime reads a plain array.
-  const s = typeof source === 'string' ? await ort.InferenceSession.create(source, OPTIONS) : await ort.InferenceSession.create(new Uint8Array(source), OPTIONS);
+  const s =
+    typeof source === 'string'
+      ? await ort.InferenceSession.create(source, OPTIONS)
+      : await ort.InferenceSession.create(new Uint8Array(source), OPTIONS);
   sessions.push(s);
   return s;
 }
@@ -75,13 +78,15 @@ async function loadVad(model: string): Promise<SlotInfo> {
   let xBuf: Float32Array = new Float32Array(0);
   let hBuf: Float32Array = new Float32Array(0);
   let cBuf: Float32Array = new Float32Array(0);
-  const grow = (buf: Float32Array, n: number): Float32Array => (buf.length >= n ? buf : new Float32Array(Math.max(n, 2 * buf.length)));
+  const grow = (buf: Float32Array, n: number): Float32Array =>
+    buf.length >= n ? buf : new Float32Array(Math.max(n, 2 * buf.length));
   const gather = (into: Float32Array, rows: Float32Array, active: number[], offset: number): Float32Array => {
     const n = active.length;
     const t = into.subarray(0, 2 * n * HALF);
     for (let j = 0; j < n; j++) {
       const r = active[j];
-      for (let l = 0; l < 2; l++) t.set(rows.subarray(r * 256 + offset + l * HALF, r * 256 + offset + (l + 1) * HALF), (l * n + j) * HALF);
+      for (let l = 0; l < 2; l++)
+        t.set(rows.subarray(r * 256 + offset + l * HALF, r * 256 + offset + (l + 1) * HALF), (l * n + j) * HALF);
     }
     return t;
   };
@@ -89,7 +94,8 @@ async function loadVad(model: string): Promise<SlotInfo> {
     const n = active.length;
     for (let j = 0; j < n; j++) {
       const r = active[j];
-      for (let l = 0; l < 2; l++) rows.set(t.subarray((l * n + j) * HALF, (l * n + j + 1) * HALF), r * 256 + offset + l * HALF);
+      for (let l = 0; l < 2; l++)
+        rows.set(t.subarray((l * n + j) * HALF, (l * n + j + 1) * HALF), r * 256 + offset + l * HALF);
     }
   };
   runJob = async (job) => {
@@ -121,7 +127,11 @@ async function loadVad(model: string): Promise<SlotInfo> {
       }
       let out: ort.InferenceSession.ReturnType;
       if (v5) {
-        out = await session.run({ input: new ort.Tensor('float32', x, [n, width]), state: new ort.Tensor('float32', gather(hBuf, st, active, 0), [2, n, 128]), sr });
+        out = await session.run({
+          input: new ort.Tensor('float32', x, [n, width]),
+          state: new ort.Tensor('float32', gather(hBuf, st, active, 0), [2, n, 128]),
+          sr,
+        });
         scatter(out.stateN.data as Float32Array, st, active, 0);
       } else {
         out = await session.run({
@@ -153,18 +163,35 @@ function headLabels(outputName: string, columns: number): string[] {
 }
 
 /** One openWakeWord classifier head: its session, input name, embedding window and label columns. */
-async function loadHead(path: string): Promise<{ session: ort.InferenceSession; input: string; output: string; window: number; labels: string[] }> {
+async function loadHead(
+  path: string,
+): Promise<{ session: ort.InferenceSession; input: string; output: string; window: number; labels: string[] }> {
   const head = await create(path);
   // An openWakeWord head: one input [1, N, 96] (N embeddings), one output [1, classes].
   const headMeta = head.inputMetadata[0];
   const shape = headMeta?.isTensor ? headMeta.shape : [];
   const outMeta = head.outputMetadata[0];
   const outShape = outMeta?.isTensor ? outMeta.shape : [];
-  if (head.inputNames.length !== 1 || shape.length !== 3 || typeof shape[1] !== 'number' || shape[2] !== OWW.EMBEDDING || head.outputNames.length !== 1 || outShape.length !== 2) {
-    throw new Error(`not an openWakeWord head (${path}): inputs ${head.inputNames.join(', ')} [${shape.join(', ')}], outputs ${head.outputNames.length} [${outShape.join(', ')}]; expected one input [1, N, 96] and one output [1, classes]`);
+  if (
+    head.inputNames.length !== 1 ||
+    shape.length !== 3 ||
+    typeof shape[1] !== 'number' ||
+    shape[2] !== OWW.EMBEDDING ||
+    head.outputNames.length !== 1 ||
+    outShape.length !== 2
+  ) {
+    throw new Error(
+      `not an openWakeWord head (${path}): inputs ${head.inputNames.join(', ')} [${shape.join(', ')}], outputs ${head.outputNames.length} [${outShape.join(', ')}]; expected one input [1, N, 96] and one output [1, classes]`,
+    );
   }
   const columns = typeof outShape[1] === 'number' ? outShape[1] : 1;
-  return { session: head, input: head.inputNames[0], output: head.outputNames[0], window: shape[1], labels: headLabels(head.outputNames[0], columns) };
+  return {
+    session: head,
+    input: head.inputNames[0],
+    output: head.outputNames[0],
+    window: shape[1],
+    labels: headLabels(head.outputNames[0], columns),
+  };
 }
 
 /**
@@ -177,7 +204,11 @@ async function loadHead(path: string): Promise<{ session: ort.InferenceSession; 
  * scored 0.14 on 3 s of silence in its first steps; openWakeWord scores 0.
  * @returns the last `window` embeddings, window x 96 floats.
  */
-async function noiseEmbeddings(melspectrogram: (audio: Float32Array) => Promise<Float32Array>, embed: (frames: Float32Array) => Promise<Float32Array>, window: number): Promise<Float32Array> {
+async function noiseEmbeddings(
+  melspectrogram: (audio: Float32Array) => Promise<Float32Array>,
+  embed: (frames: Float32Array) => Promise<Float32Array>,
+  window: number,
+): Promise<Float32Array> {
   const noise = new Float32Array(4 * 16_000);
   let state = 1;
   for (let i = 0; i < noise.length; i++) {
@@ -188,8 +219,10 @@ async function noiseEmbeddings(melspectrogram: (audio: Float32Array) => Promise<
   const frames = spec.length / OWW.MEL_BINS;
   const size = OWW.MEL_FRAMES * OWW.MEL_BINS;
   const all: Float32Array[] = [];
-  for (let f = 0; f + OWW.MEL_FRAMES <= frames; f += 8) all.push(Float32Array.from(await embed(spec.slice(f * OWW.MEL_BINS, f * OWW.MEL_BINS + size))));
-  if (all.length < window) throw new Error(`4 s of audio gives ${all.length} embeddings, fewer than a head's window of ${window}`);
+  for (let f = 0; f + OWW.MEL_FRAMES <= frames; f += 8)
+    all.push(Float32Array.from(await embed(spec.slice(f * OWW.MEL_BINS, f * OWW.MEL_BINS + size))));
+  if (all.length < window)
+    throw new Error(`4 s of audio gives ${all.length} embeddings, fewer than a head's window of ${window}`);
   const out = new Float32Array(window * OWW.EMBEDDING);
   all.slice(-window).forEach((e, i) => out.set(e, i * OWW.EMBEDDING));
   return out;
@@ -216,7 +249,8 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
     return out[embOut].data as Float32Array;
   };
   const initialEmbeddings = await noiseEmbeddings(
-    async (audio) => (await mel.run({ [melIn]: new ort.Tensor('float32', audio, [1, audio.length]) }))[melOut].data as Float32Array,
+    async (audio) =>
+      (await mel.run({ [melIn]: new ort.Tensor('float32', audio, [1, audio.length]) }))[melOut].data as Float32Array,
     embed,
     window,
   );
@@ -294,7 +328,14 @@ else {
   // The server is gone or has closed the socket: 'disconnect' below ends the host.
   socket.on('error', () => {});
   // One job at a time: its frame's buffer is reused for the next (see FrameChannel's `reuse`).
-  jobs = new FrameChannel<ToSlot, FromSlot>(socket, 6, 5, (m) => void onMessage(m), () => process.exit(1), true);
+  jobs = new FrameChannel<ToSlot, FromSlot>(
+    socket,
+    6,
+    5,
+    (m) => void onMessage(m),
+    () => process.exit(1),
+    true,
+  );
   // The server is gone (even killed with SIGKILL): no orphan host is left running.
   process.on('disconnect', () => process.exit(0));
 }

@@ -6,7 +6,15 @@ import type { Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
 import { voxError, type VoxError } from './errors.js';
-import { FrameChannel, type FromSlot, type Job, type JobResult, type LoadSpec, type SlotInfo, type ToSlot } from './slot-protocol.js';
+import {
+  FrameChannel,
+  type FromSlot,
+  type Job,
+  type JobResult,
+  type LoadSpec,
+  type SlotInfo,
+  type ToSlot,
+} from './slot-protocol.js';
 
 /**
  * The compiled slot host entry. Under the TypeScript sources (vitest) hosts still run the
@@ -64,7 +72,10 @@ interface Endpoint {
 class MessageSlot implements SlotHost {
   info: SlotInfo = {};
   private seq = 0;
-  private readonly pending = new Map<number, { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout }>();
+  private readonly pending = new Map<
+    number,
+    { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout }
+  >();
   private loadWaiter: { resolve: () => void; reject: (e: Error) => void } | null = null;
   private exitCb: ((err: Error & { timedOut?: boolean }) => void) | null = null;
   private closing = false;
@@ -141,7 +152,10 @@ class MessageSlot implements SlotHost {
     if (this.closing) return Promise.reject(voxError('slot_closed'));
     const seq = ++this.seq;
     return new Promise((resolve, reject) => {
-      const entry: { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout } = { resolve, reject };
+      const entry: { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout } = {
+        resolve,
+        reject,
+      };
       const kill = this.endpoint.kill;
       if (kill && this.jobTimeoutMs > 0) {
         entry.timer = setTimeout(() => {
@@ -185,7 +199,9 @@ class MessageSlot implements SlotHost {
   residentBytes(): number {
     if (this.endpoint.pid === null || this.exited) return 0;
     try {
-      return Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${this.endpoint.pid}/status`, 'utf8'))?.[1] ?? 0) * 1024;
+      return (
+        Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${this.endpoint.pid}/status`, 'utf8'))?.[1] ?? 0) * 1024
+      );
     } catch {
       return 0;
     }
@@ -210,8 +226,17 @@ export const startWorkerSlot: SlotFactory = (spec) => slotOnWorker(new Worker(sl
 export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> {
   // A structured clone copies a view's whole buffer: a job's views (a session's reused buffers)
   // go as copies of their own bytes.
-  const own = (job: Job): Job => Object.fromEntries(Object.entries(job).map(([k, v]) => [k, v instanceof Float32Array && v.byteLength < v.buffer.byteLength ? v.slice() : v])) as unknown as Job;
-  const slot = new MessageSlot({ send: (m) => worker.postMessage(m.type === 'run' ? { ...m, job: own(m.job) } : m), kill: null, pid: null }, 0);
+  const own = (job: Job): Job =>
+    Object.fromEntries(
+      Object.entries(job).map(([k, v]) => [
+        k,
+        v instanceof Float32Array && v.byteLength < v.buffer.byteLength ? v.slice() : v,
+      ]),
+    ) as unknown as Job;
+  const slot = new MessageSlot(
+    { send: (m) => worker.postMessage(m.type === 'run' ? { ...m, job: own(m.job) } : m), kill: null, pid: null },
+    0,
+  );
   worker.on('message', (m: FromSlot) => slot.onMessage(m));
   worker.on('error', (e) => slot.fail(e));
   worker.on('exit', (code) => slot.gone(`slot worker exited with code ${code}`));
@@ -233,7 +258,10 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
     const files = [sharedFile(), sharedFile()];
     let child: ChildProcess;
     try {
-      child = fork(fileURLToPath(slotHostFile()), [], { serialization: 'advanced', stdio: ['ignore', 'ignore', 'inherit', 'ipc', 'pipe', files[0].fd, files[1].fd] });
+      child = fork(fileURLToPath(slotHostFile()), [], {
+        serialization: 'advanced',
+        stdio: ['ignore', 'ignore', 'inherit', 'ipc', 'pipe', files[0].fd, files[1].fd],
+      });
     } catch (e) {
       for (const f of files) closeSync(f.fd);
       throw e;
@@ -257,10 +285,20 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
               // The shared file cannot be written (tmpfs full): this slot cannot run jobs.
               slot.fail(e as Error);
             }
-          }
-          else if (child.connected) {
+          } else if (child.connected) {
             // Shared memory does not cross processes: the wake-word feature models go as plain bytes.
-            child.send(m.type === 'load' && m.spec.kind === 'wakeword' ? { ...m, spec: { ...m.spec, melspectrogram: new Uint8Array(m.spec.melspectrogram), embedding: new Uint8Array(m.spec.embedding) } } : m);
+            child.send(
+              m.type === 'load' && m.spec.kind === 'wakeword'
+                ? {
+                    ...m,
+                    spec: {
+                      ...m.spec,
+                      melspectrogram: new Uint8Array(m.spec.melspectrogram),
+                      embedding: new Uint8Array(m.spec.embedding),
+                    },
+                  }
+                : m,
+            );
           }
         },
         kill: () => child.kill('SIGKILL'),
@@ -268,10 +306,18 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       },
       jobTimeoutMs,
     );
-    channel = new FrameChannel<FromSlot, ToSlot>(socket, files[0].fd, files[1].fd, (m) => slot.onMessage(m), (e) => slot.fail(e));
+    channel = new FrameChannel<FromSlot, ToSlot>(
+      socket,
+      files[0].fd,
+      files[1].fd,
+      (m) => slot.onMessage(m),
+      (e) => slot.fail(e),
+    );
     child.on('message', (m: FromSlot) => slot.onMessage(m));
     child.on('error', (e) => slot.fail(e));
-    child.on('exit', (code, signal) => slot.gone(signal ? `slot host was killed by ${signal}` : `slot host exited with code ${code}`));
+    child.on('exit', (code, signal) =>
+      slot.gone(signal ? `slot host was killed by ${signal}` : `slot host exited with code ${code}`),
+    );
     try {
       return await started(slot, spec);
     } finally {
@@ -374,17 +420,29 @@ export class SlotPool {
    * before the primary and the error is rethrown.
    * @param count slots, 1-16.
    */
-  static async start(spec: LoadSpec, count: number, factory: SlotFactory = startWorkerSlot, opts: { signal?: AbortSignal; loadTimeoutMs?: number } = {}): Promise<SlotPool> {
+  static async start(
+    spec: LoadSpec,
+    count: number,
+    factory: SlotFactory = startWorkerSlot,
+    opts: { signal?: AbortSignal; loadTimeoutMs?: number } = {},
+  ): Promise<SlotPool> {
     const primary = await factory(spec, opts.signal);
     const clones = await Promise.allSettled(Array.from({ length: count - 1 }, () => factory(spec, opts.signal)));
-    const abandoned = opts.signal?.aborted ? ({ status: 'rejected', reason: new Error('the load was abandoned') } as PromiseRejectedResult) : undefined;
+    const abandoned = opts.signal?.aborted
+      ? ({ status: 'rejected', reason: new Error('the load was abandoned') } as PromiseRejectedResult)
+      : undefined;
     const failed = abandoned ?? clones.find((c): c is PromiseRejectedResult => c.status === 'rejected');
     if (failed) {
       for (const c of clones) if (c.status === 'fulfilled') await c.value.close();
       await primary.close();
       throw failed.reason;
     }
-    return new SlotPool([primary, ...clones.map((c) => (c as PromiseFulfilledResult<SlotHost>).value)], spec, factory, opts.loadTimeoutMs ?? 0);
+    return new SlotPool(
+      [primary, ...clones.map((c) => (c as PromiseFulfilledResult<SlotHost>).value)],
+      spec,
+      factory,
+      opts.loadTimeoutMs ?? 0,
+    );
   }
 
   /** The slots alive now (a respawning one is missing). */
@@ -433,7 +491,14 @@ export class SlotPool {
     if (signal?.aborted) return Promise.reject(abortError());
     return new Promise((resolve, reject) => {
       const limit = [waitMs, this.waitTimeoutMs].filter((v) => v > 0);
-      const q: QueuedRun = { job, limit: limit.length ? Math.min(...limit) : 0, resolve, reject, signal, queuedAt: Date.now() };
+      const q: QueuedRun = {
+        job,
+        limit: limit.length ? Math.min(...limit) : 0,
+        resolve,
+        reject,
+        signal,
+        queuedAt: Date.now(),
+      };
       if (signal) {
         q.onAbort = () => {
           const i = this.queue.indexOf(q);
@@ -490,7 +555,8 @@ export class SlotPool {
     for (const q of this.queue) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
     // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
     const limit = this.waitTimeoutMs;
-    if (limit > 0 && this.running.size > 0 && this.running.size >= this.live.length) at = Math.min(at, Math.max(...this.running.values()) + limit);
+    if (limit > 0 && this.running.size > 0 && this.running.size >= this.live.length)
+      at = Math.min(at, Math.max(...this.running.values()) + limit);
     if (at === Infinity) return;
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
   }
@@ -505,9 +571,7 @@ export class SlotPool {
       this.queue.splice(this.queue.indexOf(q), 1);
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
       q.reject(
-        stuck
-          ? voxError('model_stuck', { ms: limit })
-          : voxError('busy_timeout', { what: 'slot', ms: q.limit }),
+        stuck ? voxError('model_stuck', { ms: limit }) : voxError('busy_timeout', { what: 'slot', ms: q.limit }),
       );
     }
     this.armWait();
@@ -526,7 +590,9 @@ export class SlotPool {
         while (this.crashes[0] < now - CRASH_WINDOW_MS) this.crashes.shift();
         if (this.crashes.length >= MAX_CRASHES) {
           this.onHostExit?.(err.message, false);
-          return this.fail(voxError('slot_crash_loop', { crashes: this.crashes.length, last: err.message, cause: err }));
+          return this.fail(
+            voxError('slot_crash_loop', { crashes: this.crashes.length, last: err.message, cause: err }),
+          );
         }
       }
       const delay = err.timedOut ? 0 : RESPAWN_BACKOFF_MS * 2 ** (this.crashes.length - 1);
@@ -535,10 +601,13 @@ export class SlotPool {
         .then(() => {
           if (this.failure) return;
           const limit = this.loadTimeoutMs;
-          const signal = limit > 0 ? AbortSignal.any([this.closed.signal, AbortSignal.timeout(limit)]) : this.closed.signal;
+          const signal =
+            limit > 0 ? AbortSignal.any([this.closed.signal, AbortSignal.timeout(limit)]) : this.closed.signal;
           const loading = this.factory(this.spec, signal);
           // A factory that ignores the signal (a thread host) is not waited for: its host is closed when it comes.
-          const abandoned = new Promise<never>((_, reject) => signal.addEventListener('abort', () => reject(signal.reason as Error), { once: true }));
+          const abandoned = new Promise<never>((_, reject) =>
+            signal.addEventListener('abort', () => reject(signal.reason as Error), { once: true }),
+          );
           loading.catch(() => {});
           return Promise.race([loading, abandoned]).then(
             (fresh) => {
@@ -549,8 +618,15 @@ export class SlotPool {
               this.dispatch();
             },
             (e: Error) => {
-              if (signal.aborted) void loading.then((late) => late.close(), () => {});
-              const why = signal.aborted && !this.closed.signal.aborted ? `it took longer than load_timeout_ms (${limit} ms)` : e.message;
+              if (signal.aborted)
+                void loading.then(
+                  (late) => late.close(),
+                  () => {},
+                );
+              const why =
+                signal.aborted && !this.closed.signal.aborted
+                  ? `it took longer than load_timeout_ms (${limit} ms)`
+                  : e.message;
               this.fail(voxError('slot_restart_failed', { reason: why, cause: e }));
             },
           );

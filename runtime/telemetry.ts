@@ -53,12 +53,35 @@ export class ModelHistogram {
   }
 
   /** What prom-client's registry reads at scrape time. */
-  async get(): Promise<{ name: string; help: string; type: string; aggregator: string; values: { value: number; labels: Record<string, string | number>; sharedLabels: Record<string, string>; metricName: string }[] }> {
-    const values: { value: number; labels: Record<string, string | number>; sharedLabels: Record<string, string>; metricName: string }[] = [];
+  async get(): Promise<{
+    name: string;
+    help: string;
+    type: string;
+    aggregator: string;
+    values: {
+      value: number;
+      labels: Record<string, string | number>;
+      sharedLabels: Record<string, string>;
+      metricName: string;
+    }[];
+  }> {
+    const values: {
+      value: number;
+      labels: Record<string, string | number>;
+      sharedLabels: Record<string, string>;
+      metricName: string;
+    }[] = [];
     for (const [model, m] of this.models) {
       const shared = { model };
       let acc = 0;
-      this.buckets.forEach((le, i) => values.push({ value: (acc += m.counts[i]), labels: { le }, sharedLabels: shared, metricName: `${this.name}_bucket` }));
+      this.buckets.forEach((le, i) =>
+        values.push({
+          value: (acc += m.counts[i]),
+          labels: { le },
+          sharedLabels: shared,
+          metricName: `${this.name}_bucket`,
+        }),
+      );
       values.push({ value: m.count, labels: { le: '+Inf' }, sharedLabels: shared, metricName: `${this.name}_bucket` });
       values.push({ value: m.sum, labels: {}, sharedLabels: shared, metricName: `${this.name}_sum` });
       values.push({ value: m.count, labels: {}, sharedLabels: shared, metricName: `${this.name}_count` });
@@ -84,23 +107,95 @@ export class ModelHistogram {
 export class Metrics {
   readonly registry = new Registry();
   /** Finished requests and streams by model and outcome (ok, or the error type). */
-  readonly requests = new Counter({ name: 'voxserve_requests_total', help: 'Requests and streams by model and outcome', labelNames: ['model', 'outcome'], registers: [this.registry] });
+  readonly requests = new Counter({
+    name: 'voxserve_requests_total',
+    help: 'Requests and streams by model and outcome',
+    labelNames: ['model', 'outcome'],
+    registers: [this.registry],
+  });
   /** One slot job (a run of windows or steps). */
-  readonly inference = new Histogram({ name: 'voxserve_inference_duration_seconds', help: 'Slot job run time', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
-  readonly queueWait = new Histogram({ name: 'voxserve_queue_wait_seconds', help: 'Time from arrival to lease', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
-  readonly loads = new Counter({ name: 'voxserve_loads_total', help: 'Model loads by outcome (ok, error)', labelNames: ['model', 'outcome'], registers: [this.registry] });
-  readonly loadDuration = new Histogram({ name: 'voxserve_load_duration_seconds', help: 'Model load time', labelNames: ['model'], buckets: SECONDS, registers: [this.registry] });
-  readonly evictions = new Counter({ name: 'voxserve_evictions_total', help: 'Models unloaded to make room (reason lru or memory) or for being idle (reason idle)', labelNames: ['model', 'reason'], registers: [this.registry] });
-  readonly wsClosed = new Counter({ name: 'voxserve_ws_closed_total', help: 'WebSocket streams closed, by close code', labelNames: ['code'], registers: [this.registry] });
-  readonly queued = new Gauge({ name: 'voxserve_queued_requests', help: 'Requests waiting for a lease', labelNames: ['model'], registers: [this.registry] });
-  readonly activeSlots = new Gauge({ name: 'voxserve_active_slots', help: 'Slots running a job', labelNames: ['model'], registers: [this.registry] });
-  readonly resident = new Gauge({ name: 'voxserve_resident_bytes', help: 'Measured model footprint', labelNames: ['model'], registers: [this.registry] });
+  readonly inference = new Histogram({
+    name: 'voxserve_inference_duration_seconds',
+    help: 'Slot job run time',
+    labelNames: ['model'],
+    buckets: SECONDS,
+    registers: [this.registry],
+  });
+  readonly queueWait = new Histogram({
+    name: 'voxserve_queue_wait_seconds',
+    help: 'Time from arrival to lease',
+    labelNames: ['model'],
+    buckets: SECONDS,
+    registers: [this.registry],
+  });
+  readonly loads = new Counter({
+    name: 'voxserve_loads_total',
+    help: 'Model loads by outcome (ok, error)',
+    labelNames: ['model', 'outcome'],
+    registers: [this.registry],
+  });
+  readonly loadDuration = new Histogram({
+    name: 'voxserve_load_duration_seconds',
+    help: 'Model load time',
+    labelNames: ['model'],
+    buckets: SECONDS,
+    registers: [this.registry],
+  });
+  readonly evictions = new Counter({
+    name: 'voxserve_evictions_total',
+    help: 'Models unloaded to make room (reason lru or memory) or for being idle (reason idle)',
+    labelNames: ['model', 'reason'],
+    registers: [this.registry],
+  });
+  readonly wsClosed = new Counter({
+    name: 'voxserve_ws_closed_total',
+    help: 'WebSocket streams closed, by close code',
+    labelNames: ['code'],
+    registers: [this.registry],
+  });
+  readonly queued = new Gauge({
+    name: 'voxserve_queued_requests',
+    help: 'Requests waiting for a lease',
+    labelNames: ['model'],
+    registers: [this.registry],
+  });
+  readonly activeSlots = new Gauge({
+    name: 'voxserve_active_slots',
+    help: 'Slots running a job',
+    labelNames: ['model'],
+    registers: [this.registry],
+  });
+  readonly resident = new Gauge({
+    name: 'voxserve_resident_bytes',
+    help: 'Measured model footprint',
+    labelNames: ['model'],
+    registers: [this.registry],
+  });
   /** Windows per batched VAD run. */
-  readonly batchSize = new Histogram({ name: 'voxserve_batch_size', help: 'Windows per batched run', labelNames: ['model'], buckets: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], registers: [this.registry] });
+  readonly batchSize = new Histogram({
+    name: 'voxserve_batch_size',
+    help: 'Windows per batched run',
+    labelNames: ['model'],
+    buckets: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+    registers: [this.registry],
+  });
   /** From the arrival of a window's last sample to its result (streams). */
-  readonly processingLag = new ModelHistogram('voxserve_processing_lag_seconds', 'Stream window: last sample arrival to result', SECONDS, this.registry);
-  readonly wsConnections = new Gauge({ name: 'voxserve_ws_connections', help: 'Open WebSocket streams', registers: [this.registry] });
-  readonly wsBuffered = new Gauge({ name: 'voxserve_ws_bytes_buffered', help: 'Outbound bytes queued on WebSockets', registers: [this.registry] });
+  readonly processingLag = new ModelHistogram(
+    'voxserve_processing_lag_seconds',
+    'Stream window: last sample arrival to result',
+    SECONDS,
+    this.registry,
+  );
+  readonly wsConnections = new Gauge({
+    name: 'voxserve_ws_connections',
+    help: 'Open WebSocket streams',
+    registers: [this.registry],
+  });
+  readonly wsBuffered = new Gauge({
+    name: 'voxserve_ws_bytes_buffered',
+    help: 'Outbound bytes queued on WebSockets',
+    registers: [this.registry],
+  });
 
   constructor() {
     collectDefaultMetrics({ register: this.registry, prefix: 'voxserve_' });
@@ -147,7 +242,8 @@ function payloadOf(event: Record<string, unknown>): Record<string, unknown> | un
     else if (Array.isArray(v) && v.every((x) => typeof x !== 'object')) out[k] = v;
     else if (v && typeof v === 'object' && 'sessionId' in v && 'id' in v) out[k] = (v as { id: string }).id;
     else if (v instanceof Error) out[k] = { type: (v as { type?: string }).type ?? v.name, message: v.message };
-    else if (v && typeof v === 'object' && 'message' in v) out[k] = { type: (v as { type?: unknown }).type, message: (v as { message: unknown }).message };
+    else if (v && typeof v === 'object' && 'message' in v)
+      out[k] = { type: (v as { type?: unknown }).type, message: (v as { message: unknown }).message };
   }
   return Object.keys(out).length ? out : undefined;
 }
@@ -172,10 +268,21 @@ export class InspectionLog {
   readonly inspect = (e: InspectionEvent): void => {
     // Microsteps carry each state an actor passes through, before the events its actions send are
     // delivered, so the log keeps cause before effect; snapshots add the initial and stopped states.
-    if (e.type !== '@xstate.snapshot' && e.type !== '@xstate.microstep' && e.type !== '@xstate.event' && e.type !== '@xstate.actor') return;
+    if (
+      e.type !== '@xstate.snapshot' &&
+      e.type !== '@xstate.microstep' &&
+      e.type !== '@xstate.event' &&
+      e.type !== '@xstate.actor'
+    )
+      return;
     const actor = (e.actorRef as { id?: string }).id ?? '';
     if (!/^(system$|supervisor$|model:|socket:)/.test(actor)) return;
-    const r: InspectionRecord = { seq: ++this.seq, at: Date.now(), kind: e.type === '@xstate.microstep' ? '@xstate.snapshot' : e.type, actor };
+    const r: InspectionRecord = {
+      seq: ++this.seq,
+      at: Date.now(),
+      kind: e.type === '@xstate.microstep' ? '@xstate.snapshot' : e.type,
+      actor,
+    };
     if (e.type === '@xstate.event') {
       if (QUIET_EVENTS.has(e.event.type)) return;
       r.event = e.event.type;
@@ -186,7 +293,8 @@ export class InspectionLog {
       const state = snapshot.status === 'stopped' ? 'stopped' : statePath(snapshot.value);
       if (this.lastState.get(actor) === state) return;
       // An HTTP connection going busy and idle with each request (the /debug page's own polls) is noise.
-      if (actor.startsWith('socket:http:') && (state === 'open' || state === 'streaming') && this.lastState.has(actor)) return;
+      if (actor.startsWith('socket:http:') && (state === 'open' || state === 'streaming') && this.lastState.has(actor))
+        return;
       if (state === 'stopped') this.lastState.delete(actor);
       else this.lastState.set(actor, state);
       r.event = e.event.type;

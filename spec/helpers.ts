@@ -82,10 +82,19 @@ export function reference(file: string): Reference {
 }
 
 /** Asserts that `got` has the reference's segments, each boundary within `toleranceMs`. */
-export function expectSegments(got: { start_ms: number; end_ms: number }[], want: { start_ms: number; end_ms: number }[], toleranceMs: number): void {
+export function expectSegments(
+  got: { start_ms: number; end_ms: number }[],
+  want: { start_ms: number; end_ms: number }[],
+  toleranceMs: number,
+): void {
   const far = (a: number, b: number): boolean => Math.abs(a - b) > toleranceMs;
-  const bad = got.length !== want.length || got.some((g, i) => far(g.start_ms, want[i].start_ms) || far(g.end_ms, want[i].end_ms));
-  if (bad) throw new Error(`segments differ from the reference by more than ${toleranceMs} ms:\n got  ${JSON.stringify(got.map((s) => [s.start_ms, s.end_ms]))}\n want ${JSON.stringify(want.map((s) => [s.start_ms, s.end_ms]))}`);
+  const bad =
+    got.length !== want.length ||
+    got.some((g, i) => far(g.start_ms, want[i].start_ms) || far(g.end_ms, want[i].end_ms));
+  if (bad)
+    throw new Error(
+      `segments differ from the reference by more than ${toleranceMs} ms:\n got  ${JSON.stringify(got.map((s) => [s.start_ms, s.end_ms]))}\n want ${JSON.stringify(want.map((s) => [s.start_ms, s.end_ms]))}`,
+    );
 }
 
 /**

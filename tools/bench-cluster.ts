@@ -30,7 +30,13 @@ import { startServer } from '../transport/server.js';
 import { paceFrames } from './pace.js';
 import { spawnServer } from './spawn-server.js';
 
-const { values } = parseArgs({ options: { jobs: { type: 'string', default: '300' }, streams: { type: 'string', default: '50' }, seconds: { type: 'string', default: '10' } } });
+const { values } = parseArgs({
+  options: {
+    jobs: { type: 'string', default: '300' },
+    streams: { type: 'string', default: '50' },
+    seconds: { type: 'string', default: '10' },
+  },
+});
 const JOBS = Number(values.jobs);
 const STREAMS = Number(values.streams);
 const SECONDS = Number(values.seconds);
@@ -50,7 +56,11 @@ function freePort(): Promise<number> {
 /** nats-server -js on a free port; resolves with its URL once ready. */
 async function startNats(): Promise<string> {
   const port = await freePort();
-  const proc = spawn('/usr/sbin/nats-server', ['-js', '-a', '127.0.0.1', '-p', String(port), '-sd', join(dir, 'nats')], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const proc = spawn(
+    '/usr/sbin/nats-server',
+    ['-js', '-a', '127.0.0.1', '-p', String(port), '-sd', join(dir, 'nats')],
+    { stdio: ['ignore', 'pipe', 'pipe'] },
+  );
   children.push(proc);
   await new Promise<void>((resolve) => {
     let out = '';
@@ -65,9 +75,16 @@ async function startNats(): Promise<string> {
 }
 
 /** `voxserve serve` with a config holding silero-vad (loaded at start) and `extra` fields. */
-async function serve(name: string, extra: Record<string, unknown>, args: string[] = []): Promise<{ child: ChildProcess; url: string }> {
+async function serve(
+  name: string,
+  extra: Record<string, unknown>,
+  args: string[] = [],
+): Promise<{ child: ChildProcess; url: string }> {
   const file = join(dir, `${name}.json`);
-  writeFileSync(file, JSON.stringify({ port: 0, log_level: 'warn', limits: { max_ws_connections: STREAMS + 10 }, ...extra }));
+  writeFileSync(
+    file,
+    JSON.stringify({ port: 0, log_level: 'warn', limits: { max_ws_connections: STREAMS + 10 }, ...extra }),
+  );
   const s = await spawnServer(['--config', file, ...args]);
   children.push(s.child);
   return s;
@@ -84,7 +101,8 @@ function cpuMs(pid: number): number {
 function treeCpuMs(pid: number): number {
   let total = cpuMs(pid);
   try {
-    for (const c of readFileSync(`/proc/${pid}/task/${pid}/children`, 'utf8').trim().split(/\s+/).filter(Boolean)) total += cpuMs(Number(c));
+    for (const c of readFileSync(`/proc/${pid}/task/${pid}/children`, 'utf8').trim().split(/\s+/).filter(Boolean))
+      total += cpuMs(Number(c));
   } catch {
     // no children file
   }
@@ -108,20 +126,29 @@ async function perJob(run: (j: VadJob) => Promise<unknown>, windows: number, n: 
 const nats = await startNats();
 try {
   // ---- 1. remote job against local job ---------------------------------------------------------
-  const holder = await serve('C', { models: [{ id: 'silero-vad', lazy: false }], cluster: { nats, node: 'C', heartbeat_ms: 500 } });
-  const ingress = await startServer(ServerConfig.parse({ port: 0, log_level: 'warn', cluster: { nats, node: 'A', heartbeat_ms: 500 } }));
+  const holder = await serve('C', {
+    models: [{ id: 'silero-vad', lazy: false }],
+    cluster: { nats, node: 'C', heartbeat_ms: 500 },
+  });
+  const ingress = await startServer(
+    ServerConfig.parse({ port: 0, log_level: 'warn', cluster: { nats, node: 'A', heartbeat_ms: 500 } }),
+  );
   while (!ingress.cluster!.holders('silero-vad').length) await new Promise((r) => setTimeout(r, 50));
   const entry = ingress.supervisor.getOrRegister('silero-vad')!;
   const lease = await entry.admit({});
   const remote = (await entry.ensureReady()).pool;
   const local = await SlotPool.start({ kind: 'vad', model: silero.path }, 1, processSlots(0));
-  console.log(`remote job vs local job (Silero VAD, jobs one after another, ${JOBS} per figure; other agents load this machine's 2 cores)`);
+  console.log(
+    `remote job vs local job (Silero VAD, jobs one after another, ${JOBS} per figure; other agents load this machine's 2 cores)`,
+  );
   console.log('windows/job | local µs/job | remote µs/job | local µs/window | remote µs/window | remote/local');
   for (const windows of [1, 64]) {
     const n = windows === 1 ? JOBS : Math.max(20, Math.round(JOBS / 8));
     const l = await perJob((j) => local.run(j), windows, n);
     const r = await perJob((j) => remote.run(j), windows, n);
-    console.log(`${String(windows).padStart(11)} | ${l.toFixed(0).padStart(12)} | ${r.toFixed(0).padStart(13)} | ${(l / windows).toFixed(1).padStart(15)} | ${(r / windows).toFixed(1).padStart(16)} | ${(r / l).toFixed(2)}`);
+    console.log(
+      `${String(windows).padStart(11)} | ${l.toFixed(0).padStart(12)} | ${r.toFixed(0).padStart(13)} | ${(l / windows).toFixed(1).padStart(15)} | ${(r / windows).toFixed(1).padStart(16)} | ${(r / l).toFixed(2)}`,
+    );
   }
   lease.release();
   await local.close();
@@ -131,19 +158,28 @@ try {
   // ---- 2. live VAD streams: 1 node against 2 nodes ---------------------------------------------
   const frameMs = 100;
   const frames = (SECONDS * 1000) / frameMs;
-  const pcm = Buffer.alloc((16000 * frameMs) / 1000 * 2);
-  for (let i = 0; i < pcm.length / 2; i++) pcm.writeInt16LE(Math.round(Math.sin(i / 5) * 8000 * (i % 3200 < 1600 ? 1 : 0.01)), i * 2);
+  const pcm = Buffer.alloc(((16000 * frameMs) / 1000) * 2);
+  for (let i = 0; i < pcm.length / 2; i++)
+    pcm.writeInt16LE(Math.round(Math.sin(i / 5) * 8000 * (i % 3200 < 1600 ? 1 : 0.01)), i * 2);
 
   /** Runs the streams against `url`; resolves with the model's lag figures at `statusUrl` and the CPU of `pids`. */
-  const streams = async (url: string, statusUrl: string, pids: number[]): Promise<{ p50: number; p99: number; cpuPerAudioS: number }> => {
+  const streams = async (
+    url: string,
+    statusUrl: string,
+    pids: number[],
+  ): Promise<{ p50: number; p99: number; cpuPerAudioS: number }> => {
     const cpu0 = pids.reduce((n, p) => n + treeCpuMs(p), 0);
     const socks = await Promise.all(
-      Array.from({ length: STREAMS }, () => new Promise<{ ws: WebSocket; start: number; next: number; closed: Promise<void> }>((resolve, reject) => {
-        const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
-        const closed = new Promise<void>((r) => ws.on('close', () => r()));
-        ws.once('message', () => resolve({ ws, start: 0, next: 0, closed }));
-        ws.on('error', reject);
-      })),
+      Array.from(
+        { length: STREAMS },
+        () =>
+          new Promise<{ ws: WebSocket; start: number; next: number; closed: Promise<void> }>((resolve, reject) => {
+            const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
+            const closed = new Promise<void>((r) => ws.on('close', () => r()));
+            ws.once('message', () => resolve({ ws, start: 0, next: 0, closed }));
+            ws.on('error', reject);
+          }),
+      ),
     );
     const t0 = performance.now();
     socks.forEach((s, i) => (s.start = t0 + (i * frameMs) / STREAMS));
@@ -153,7 +189,9 @@ try {
     });
     await Promise.all(socks.map((s) => s.closed));
     const cpu = pids.reduce((n, p) => n + treeCpuMs(p), 0) - cpu0;
-    const { models } = (await (await fetch(`${statusUrl}/v1/models`)).json()) as { models: { id: string; processing_lag_ms: { p50: number; p99: number } }[] };
+    const { models } = (await (await fetch(`${statusUrl}/v1/models`)).json()) as {
+      models: { id: string; processing_lag_ms: { p50: number; p99: number } }[];
+    };
     const lag = models.find((m) => m.id === 'silero-vad')!.processing_lag_ms;
     return { p50: lag.p50, p99: lag.p99, cpuPerAudioS: cpu / (STREAMS * SECONDS) };
   };
@@ -161,16 +199,31 @@ try {
   const one = await serve('single', { models: [{ id: 'silero-vad', lazy: false }] });
   const r1 = await streams(one.url, one.url, [one.child.pid!]);
   one.child.kill('SIGTERM');
-  const c = await serve('C2', { models: [{ id: 'silero-vad', lazy: false }], cluster: { nats, node: 'C2', heartbeat_ms: 500 } });
+  const c = await serve('C2', {
+    models: [{ id: 'silero-vad', lazy: false }],
+    cluster: { nats, node: 'C2', heartbeat_ms: 500 },
+  });
   const a = await serve('A2', { cluster: { nats, node: 'A2', heartbeat_ms: 500 } });
   // A's entry runs on a remote pool once one request has placed it.
-  await fetch(`${a.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(pcm)) });
+  await fetch(`${a.url}/v1/tasks/run?model=silero-vad`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(wav(pcm)),
+  });
   const r2 = await streams(a.url, a.url, [a.child.pid!, c.child.pid!]);
-  console.log(`\nlive VAD streams (${STREAMS} streams x ${SECONDS} s, ${frameMs} ms frames; processing lag = last sample of a window to its result)`);
+  console.log(
+    `\nlive VAD streams (${STREAMS} streams x ${SECONDS} s, ${frameMs} ms frames; processing lag = last sample of a window to its result)`,
+  );
   console.log('setup                | lag p50 ms | lag p99 ms | server CPU ms per audio s');
-  console.log(`1 node               | ${String(r1.p50).padStart(10)} | ${String(r1.p99).padStart(10)} | ${r1.cpuPerAudioS.toFixed(2)}`);
-  console.log(`2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2)}`);
-  console.log(`ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2)}`);
+  console.log(
+    `1 node               | ${String(r1.p50).padStart(10)} | ${String(r1.p99).padStart(10)} | ${r1.cpuPerAudioS.toFixed(2)}`,
+  );
+  console.log(
+    `2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2)}`,
+  );
+  console.log(
+    `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2)}`,
+  );
 } finally {
   for (const ch of children) ch.kill('SIGTERM');
   await new Promise((r) => setTimeout(r, 500));

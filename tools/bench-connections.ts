@@ -24,9 +24,17 @@ const N = Number(values.connections);
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-conn-'));
 const config = join(dir, 'config.json');
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
-writeFileSync(config, JSON.stringify({ port: 0, limits: { max_ws_connections: N + 10, idle_ms: 0 }, models: [{ ...silero, max_streams: N + 10, lazy: false }] }));
+writeFileSync(
+  config,
+  JSON.stringify({
+    port: 0,
+    limits: { max_ws_connections: N + 10, idle_ms: 0 },
+    models: [{ ...silero, max_streams: N + 10, lazy: false }],
+  }),
+);
 const { child, url } = await spawnServer(['--config', config]);
-const rss = (): number => Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${child.pid}/status`, 'utf8'))![1]) * 1024;
+const rss = (): number =>
+  Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${child.pid}/status`, 'utf8'))![1]) * 1024;
 const settle = (): Promise<void> => new Promise((r) => setTimeout(r, 1000));
 const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=silero-vad`;
 
@@ -46,12 +54,16 @@ const baseline = rss();
 const openIdle = async (n: number): Promise<WebSocket[]> => {
   const open: WebSocket[] = [];
   await Promise.all(
-    Array.from({ length: n }, () => new Promise<void>((resolve) => {
-      const ws = new WebSocket(wsUrl);
-      ws.once('message', () => resolve());
-      ws.on('error', () => resolve());
-      open.push(ws);
-    })),
+    Array.from(
+      { length: n },
+      () =>
+        new Promise<void>((resolve) => {
+          const ws = new WebSocket(wsUrl);
+          ws.once('message', () => resolve());
+          ws.on('error', () => resolve());
+          open.push(ws);
+        }),
+    ),
   );
   return open;
 };
@@ -70,34 +82,45 @@ await settle();
 // N connections dropped at random points, three rounds (a leak grows every round).
 const rounds: number[] = [];
 for (let round = 0; round < 4; round++) {
-await Promise.all(
-  Array.from({ length: N }, (_, i) => new Promise<void>((resolve) => {
-    const ws = new WebSocket(wsUrl);
-    const point = i % 4;
-    ws.on('error', () => resolve());
-    ws.on('close', () => resolve());
-    if (point === 0) setImmediate(() => ws.terminate());
-    ws.on('open', () => point === 1 && ws.terminate());
-    ws.on('message', () => {
-      ws.send(Buffer.alloc(3200));
-      if (point === 2) ws.terminate();
-      else setTimeout(() => ws.close(), 5);
-    });
-  })),
-);
-await settle();
-rounds.push(rss());
+  await Promise.all(
+    Array.from(
+      { length: N },
+      (_, i) =>
+        new Promise<void>((resolve) => {
+          const ws = new WebSocket(wsUrl);
+          const point = i % 4;
+          ws.on('error', () => resolve());
+          ws.on('close', () => resolve());
+          if (point === 0) setImmediate(() => ws.terminate());
+          ws.on('open', () => point === 1 && ws.terminate());
+          ws.on('message', () => {
+            ws.send(Buffer.alloc(3200));
+            if (point === 2) ws.terminate();
+            else setTimeout(() => ws.close(), 5);
+          });
+        }),
+    ),
+  );
+  await settle();
+  rounds.push(rss());
 }
 const after = rounds[rounds.length - 1];
 const firstRound = rounds[0];
-const status = (await (await fetch(`${url}/v1/models/silero-vad`)).json()) as { active_leases: number; queued_requests: number };
+const status = (await (await fetch(`${url}/v1/models/silero-vad`)).json()) as {
+  active_leases: number;
+  queued_requests: number;
+};
 child.kill('SIGTERM');
 
 const KiB = 1024;
 const MiB = 1024 * 1024;
 console.log(`baseline RSS (model loaded, no connections)   ${(baseline / MiB).toFixed(1)} MiB`);
 console.log(`RSS after ${N} streams opened and closed     ${(warmBaseline / MiB).toFixed(1)} MiB (warm baseline)`);
-console.log(`RSS with ${N} idle streams                    ${(withIdle / MiB).toFixed(1)} MiB -> ${((withIdle - warmBaseline) / N / KiB).toFixed(1)} KiB per idle stream warm (target < 50), ${((withIdle - baseline) / N / KiB).toFixed(1)} KiB cold`);
+console.log(
+  `RSS with ${N} idle streams                    ${(withIdle / MiB).toFixed(1)} MiB -> ${((withIdle - warmBaseline) / N / KiB).toFixed(1)} KiB per idle stream warm (target < 50), ${((withIdle - baseline) / N / KiB).toFixed(1)} KiB cold`,
+);
 console.log(`RSS after each round of ${N} drops, MiB: ${rounds.map((r) => (r / MiB).toFixed(1)).join(', ')}`);
-console.log(`first round vs no connections: ${(firstRound / baseline).toFixed(3)} (heap high-water); last round vs first: ${(after / firstRound).toFixed(3)} (target <= 1.10)`);
+console.log(
+  `first round vs no connections: ${(firstRound / baseline).toFixed(3)} (heap high-water); last round vs first: ${(after / firstRound).toFixed(3)} (target <= 1.10)`,
+);
 console.log(`leases held afterwards: ${status.active_leases}, queued: ${status.queued_requests}`);

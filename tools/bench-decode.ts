@@ -37,7 +37,9 @@ async function measure(name: string, work: () => Promise<unknown>): Promise<numb
   const wall = performance.now() - t0;
   h.disable();
   const max = h.max / 1e6;
-  console.log(`${name.padEnd(34)} wall ${Math.round(wall)} ms for 3; event-loop delay max ${max.toFixed(1)} ms, p99 ${(h.percentile(99) / 1e6).toFixed(1)} ms`);
+  console.log(
+    `${name.padEnd(34)} wall ${Math.round(wall)} ms for 3; event-loop delay max ${max.toFixed(1)} ms, p99 ${(h.percentile(99) / 1e6).toFixed(1)} ms`,
+  );
   return max;
 }
 

@@ -14,7 +14,13 @@ import { startServer } from '../transport/server.js';
 import { treeRssBytes } from './proc.js';
 import { syntheticModel } from './synth-model.js';
 
-const { values } = parseArgs({ options: { cycles: { type: 'string', default: '50' }, 'size-mib': { type: 'string', default: '200' }, isolation: { type: 'string', default: 'thread,process' } } });
+const { values } = parseArgs({
+  options: {
+    cycles: { type: 'string', default: '50' },
+    'size-mib': { type: 'string', default: '200' },
+    isolation: { type: 'string', default: 'thread,process' },
+  },
+});
 const cycles = Number(values.cycles);
 const sizeMiB = Number(values['size-mib']);
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
@@ -42,16 +48,32 @@ const rssNow = (): number => {
   return treeRssBytes(process.pid);
 };
 for (const isolation of values.isolation.split(',') as ('process' | 'thread')[]) {
-  const server = await startServer(ServerConfig.parse({ port: 0, log_level: 'silent', management: { enabled: true }, isolation, models_root: dirname(path) }));
+  const server = await startServer(
+    ServerConfig.parse({
+      port: 0,
+      log_level: 'silent',
+      management: { enabled: true },
+      isolation,
+      models_root: dirname(path),
+    }),
+  );
   const post = async (route: string, body: unknown): Promise<void> => {
-    const res = await fetch(`${server.url}${route}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    const res = await fetch(`${server.url}${route}`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify(body),
+    });
     if (!res.ok) throw new Error(`${route}: ${res.status} ${await res.text()}`);
   };
   const rss: number[] = [];
   let loadedRss = 0;
   for (let i = 0; i < cycles; i++) {
     await post('/v1/models/load', { id: 'synthetic', task: 'vad', path });
-    const r = await fetch(`${server.url}/v1/tasks/run?model=synthetic`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+    const r = await fetch(`${server.url}/v1/tasks/run?model=synthetic`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wav),
+    });
     if (!r.ok) throw new Error(`run: ${r.status}`);
     if (i === 0) loadedRss = rssNow();
     await post('/v1/models/unload', { id: 'synthetic' });
@@ -60,7 +82,9 @@ for (const isolation of values.isolation.split(',') as ('process' | 'thread')[])
   await server.close();
   const first = rss[0];
   const last = rss[rss.length - 1];
-  console.log(`isolation ${isolation}: synthetic model ${sizeMiB} MiB, ${cycles} load/infer/unload cycles (RSS of the server and its slot-host processes)`);
+  console.log(
+    `isolation ${isolation}: synthetic model ${sizeMiB} MiB, ${cycles} load/infer/unload cycles (RSS of the server and its slot-host processes)`,
+  );
   console.log(`RSS while loaded (cycle 1)     ${(loadedRss / MiB).toFixed(0)} MiB`);
   console.log(`RSS after unload, cycle 1      ${(first / MiB).toFixed(0)} MiB (baseline)`);
   console.log(`RSS after unload, cycle ${cycles}     ${(last / MiB).toFixed(0)} MiB`);

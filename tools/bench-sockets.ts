@@ -20,7 +20,11 @@ const CHURN = Number(values.churn);
 /** Open counts, in order; 10 again at the end, so JIT warm-up does not favour the later row. */
 const OPEN = [10, 5000, 10];
 
-const config = ServerConfig.parse({ log_level: 'silent', debug: { inspect: true }, limits: { idle_ms: 0, heartbeat_ms: 0 } });
+const config = ServerConfig.parse({
+  log_level: 'silent',
+  debug: { inspect: true },
+  limits: { idle_ms: 0, heartbeat_ms: 0 },
+});
 const inspection = await createInspection(config);
 const sup = new Supervisor({ ...config, models: [] }, { inspect: inspection.inspect });
 await sup.start();
@@ -29,7 +33,10 @@ await sup.load({ id: 'silero-vad', max_streams: 6000 }, 0);
 
 /** Opens one socket actor and resolves once it is `ready`. */
 function open(): Promise<StreamSocket> {
-  const { actor } = createStreamSocket({ url: '/v1/stream?model=silero-vad', limits: config.limits, registry: sup }, inspection.inspect);
+  const { actor } = createStreamSocket(
+    { url: '/v1/stream?model=silero-vad', limits: config.limits, registry: sup },
+    inspection.inspect,
+  );
   return new Promise((resolve, reject) => {
     actor.on('*', (o: StreamOutput) => {
       if (o.type === 'send' && o.event.type === 'ready') resolve(actor);

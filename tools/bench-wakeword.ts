@@ -20,7 +20,12 @@ function speechPcm(): Buffer {
   return Buffer.concat([pcm('espeak_alexa_16k.wav'), pcm('espeak_sentence_16k.wav')]);
 }
 
-const OPTS: ort.InferenceSession.SessionOptions = { intraOpNumThreads: 1, interOpNumThreads: 1, executionMode: 'sequential', graphOptimizationLevel: 'all' };
+const OPTS: ort.InferenceSession.SessionOptions = {
+  intraOpNumThreads: 1,
+  interOpNumThreads: 1,
+  executionMode: 'sequential',
+  graphOptimizationLevel: 'all',
+};
 
 /**
  * The bare pipeline: `batch` streams' 80 ms steps at a time (melspectrogram and embedding as runs
@@ -31,7 +36,9 @@ export async function bareWakeword(heads: string[], batch: number, steps: number
   const mel = await ort.InferenceSession.create(OWW_MELSPECTROGRAM, OPTS);
   const emb = await ort.InferenceSession.create(OWW_EMBEDDING, OPTS);
   const catalog = defaultCatalog();
-  const hs = await Promise.all(heads.map((h) => ort.InferenceSession.create(catalog.find((m) => m.id === h)!.path!, OPTS)));
+  const hs = await Promise.all(
+    heads.map((h) => ort.InferenceSession.create(catalog.find((m) => m.id === h)!.path!, OPTS)),
+  );
   const pcm = speechPcm();
   const samples = new Float32Array(pcm.length / 2);
   for (let i = 0; i < samples.length; i++) samples[i] = pcm.readInt16LE(2 * i);
@@ -46,7 +53,11 @@ export async function bareWakeword(heads: string[], batch: number, steps: number
   for (let warm = 0; warm < 2; warm++) {
     const c0 = process.cpuUsage();
     for (let s = 0; s < (warm ? steps : 20); s++) {
-      for (let b = 0; b < batch; b++) x.set(samples.subarray(((s + b * 7) * STEP) % (samples.length - STEP - 480)).subarray(0, STEP + 480), b * (STEP + 480));
+      for (let b = 0; b < batch; b++)
+        x.set(
+          samples.subarray(((s + b * 7) * STEP) % (samples.length - STEP - 480)).subarray(0, STEP + 480),
+          b * (STEP + 480),
+        );
       const mo = await mel.run({ [mel.inputNames[0]]: new ort.Tensor('float32', x, [batch, STEP + 480]) });
       const spec = mo[mel.outputNames[0]].data as Float32Array;
       const frames = spec.length / batch / 32;
@@ -60,7 +71,14 @@ export async function bareWakeword(heads: string[], batch: number, steps: number
       for (let b = 0; b < batch; b++) {
         embBuf.copyWithin(0, 96);
         embBuf.set(e.subarray(b * 96, (b + 1) * 96), embBuf.length - 96);
-        for (let k = 0; k < hs.length; k++) await hs[k].run({ [hs[k].inputNames[0]]: new ort.Tensor('float32', embBuf.slice(embBuf.length - windows[k] * 96), [1, windows[k], 96]) });
+        for (let k = 0; k < hs.length; k++)
+          await hs[k].run({
+            [hs[k].inputNames[0]]: new ort.Tensor('float32', embBuf.slice(embBuf.length - windows[k] * 96), [
+              1,
+              windows[k],
+              96,
+            ]),
+          });
       }
     }
     const c = process.cpuUsage(c0);

@@ -88,7 +88,12 @@ interface Workload {
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
 const jarvis = defaultCatalog().find((m) => m.id === 'hey-jarvis')!;
-const ONE_THREAD: ort.InferenceSession.SessionOptions = { intraOpNumThreads: 1, interOpNumThreads: 1, executionMode: 'sequential', graphOptimizationLevel: 'all' };
+const ONE_THREAD: ort.InferenceSession.SessionOptions = {
+  intraOpNumThreads: 1,
+  interOpNumThreads: 1,
+  executionMode: 'sequential',
+  graphOptimizationLevel: 'all',
+};
 
 /**
  * The bare Silero VAD loop: one session on one thread, runs of `rows` streams' next windows (the
@@ -106,8 +111,13 @@ export async function bareVad(rows: number, windows = 20_000): Promise<number> {
   const loop = async (runs: number): Promise<number> => {
     const c0 = process.cpuUsage();
     for (let i = 0; i < runs; i++) {
-      for (let r = 0; r < rows; r++) input.set(samples.subarray(((i * rows + r) * 512) % (samples.length - 576)).subarray(0, 576), r * 576);
-      const out = await session.run({ input: new ort.Tensor('float32', input, [rows, 576]), state: new ort.Tensor('float32', state, [2, rows, 128]), sr });
+      for (let r = 0; r < rows; r++)
+        input.set(samples.subarray(((i * rows + r) * 512) % (samples.length - 576)).subarray(0, 576), r * 576);
+      const out = await session.run({
+        input: new ort.Tensor('float32', input, [rows, 576]),
+        state: new ort.Tensor('float32', state, [2, rows, 128]),
+        sr,
+      });
       state = out.stateN.data as Float32Array;
     }
     const c = process.cpuUsage(c0);
@@ -120,10 +130,18 @@ export async function bareVad(rows: number, windows = 20_000): Promise<number> {
   return (ms / (runs * rows)) * (16000 / 512);
 }
 
-const vadEvent = (e: Record<string, unknown>): string | null => (e.type === 'speech_start' ? `s${e.at_ms}` : e.type === 'speech_end' ? `e${e.start_ms}-${e.end_ms}:${e.confidence}` : null);
+const vadEvent = (e: Record<string, unknown>): string | null =>
+  e.type === 'speech_start'
+    ? `s${e.at_ms}`
+    : e.type === 'speech_end'
+      ? `e${e.start_ms}-${e.end_ms}:${e.confidence}`
+      : null;
 
 function workload(name: WorkloadName, o: BenchOptions): Workload {
-  const batching = { ...(o.batchSize ? { max_batch_size: o.batchSize } : {}), ...(o.batchDelayMs !== undefined ? { max_batch_delay_ms: o.batchDelayMs } : {}) };
+  const batching = {
+    ...(o.batchSize ? { max_batch_size: o.batchSize } : {}),
+    ...(o.batchDelayMs !== undefined ? { max_batch_delay_ms: o.batchDelayMs } : {}),
+  };
   if (name === 'wakeword') {
     return {
       title: 'wake word (hey-jarvis), 100 ms frames',
@@ -188,7 +206,10 @@ async function scrape(url: string, id: string): Promise<Map<string, number>> {
 const LAG_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30];
 
 /** p99 of the lag, ms, from histogram bucket counts (linear within its bucket), and the share of windows at or under 100 ms. */
-function lagFrom(before: Map<string, number>, after: Map<string, number>): { p99: number; under100: number; windows: number } {
+function lagFrom(
+  before: Map<string, number>,
+  after: Map<string, number>,
+): { p99: number; under100: number; windows: number } {
   const d = (k: string): number => (after.get(k) ?? 0) - (before.get(k) ?? 0);
   const total = d('voxserve_processing_lag_seconds_count');
   if (!total) return { p99: NaN, under100: NaN, windows: 0 };
@@ -235,13 +256,29 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     const frameBytes = Math.round((16000 * w.frameMs) / 1000) * 2;
     const totalFrames = Math.round((o.seconds * 1000) / w.frameMs);
     const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=${w.id}${o.probabilities && w.id === 'silero-vad' ? '&probabilities=true' : ''}`;
-    interface S { ws: WebSocket; next: number; start: number; done: boolean; lastSentAt: number; doneAt: number; events: string[] }
+    interface S {
+      ws: WebSocket;
+      next: number;
+      start: number;
+      done: boolean;
+      lastSentAt: number;
+      doneAt: number;
+      events: string[];
+    }
     const streams = await Promise.all(
       Array.from(
         { length: n },
         () =>
           new Promise<S>((resolve, reject) => {
-            const s: S = { ws: new WebSocket(wsUrl, { perMessageDeflate: false }), next: 0, start: 0, done: false, lastSentAt: 0, doneAt: 0, events: [] };
+            const s: S = {
+              ws: new WebSocket(wsUrl, { perMessageDeflate: false }),
+              next: 0,
+              start: 0,
+              done: false,
+              lastSentAt: 0,
+              doneAt: 0,
+              events: [],
+            };
             s.ws.on('error', reject);
             s.ws.on('message', (d) => {
               const e = JSON.parse(d.toString()) as Record<string, unknown>;
@@ -258,7 +295,12 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     );
     const before = await scrape(url, w.id);
     // CPU at the window's edges, and the windows (or steps) processed by then (the scrape's own cost is small).
-    const snap = (): { at: number; server: { main: number; hosts: number }; client: NodeJS.CpuUsage; done: Promise<number> } => ({
+    const snap = (): {
+      at: number;
+      server: { main: number; hosts: number };
+      client: NodeJS.CpuUsage;
+      done: Promise<number>;
+    } => ({
       at: performance.now(),
       server: cpuApart(pid),
       client: process.cpuUsage(),
@@ -293,7 +335,8 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     const a = c0!;
     const b = c1 as ReturnType<typeof snap>;
     // For profiling (`perf record -k CLOCK_MONOTONIC`, then `perf report --time A,B`): the window on the monotonic clock, s.
-    const mono = (at: number): string => ((Number(process.hrtime.bigint()) / 1e6 - (performance.now() - at)) / 1000).toFixed(6);
+    const mono = (at: number): string =>
+      ((Number(process.hrtime.bigint()) / 1e6 - (performance.now() - at)) / 1000).toFixed(6);
     if (process.env.VOXSERVE_BENCH_MARKS) process.stderr.write(`bench-window: ${mono(a.at)},${mono(b.at)}\n`);
     // Stream-seconds processed in the window: when the server falls behind, its CPU goes to fewer of them.
     const streamS = (((await b.done) - (await a.done)) * w.stepSamples) / 16000;
@@ -303,7 +346,9 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     for (const s of streams) seqs.set(s.events.join(' '), (seqs.get(s.events.join(' ')) ?? 0) + 1);
     const batches = (after.get('voxserve_batch_size_count') ?? 0) - (before.get('voxserve_batch_size_count') ?? 0);
     const rows = (after.get('voxserve_batch_size_sum') ?? 0) - (before.get('voxserve_batch_size_sum') ?? 0);
-    const runS = (after.get('voxserve_inference_duration_seconds_sum') ?? 0) - (before.get('voxserve_inference_duration_seconds_sum') ?? 0);
+    const runS =
+      (after.get('voxserve_inference_duration_seconds_sum') ?? 0) -
+      (before.get('voxserve_inference_duration_seconds_sum') ?? 0);
     for (const s of streams) s.ws.terminate();
     return {
       streams: n,
@@ -337,7 +382,9 @@ export async function bench(o: BenchOptions): Promise<void> {
     process.stderr.write(`bench: ${line}\n`);
   };
   const started = loadavg();
-  say(`voxserve bench: ${o.seconds} s per stream and run, ${o.slots} slot(s), isolation ${o.isolation}, ${o.rounds} round(s), on ${CORES} cores; load average at start ${started.map((x) => x.toFixed(2)).join(' ')}`);
+  say(
+    `voxserve bench: ${o.seconds} s per stream and run, ${o.slots} slot(s), isolation ${o.isolation}, ${o.rounds} round(s), on ${CORES} cores; load average at start ${started.map((x) => x.toFixed(2)).join(' ')}`,
+  );
   const summary: string[] = [];
   for (const name of o.workloads) {
     const w = workload(name, o);
@@ -373,7 +420,9 @@ export async function bench(o: BenchOptions): Promise<void> {
         f(r.load, 1),
       ].join(' | ');
     const header = (): void => {
-      say('share of limit | streams | held | finished | lag p99 ms | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg');
+      say(
+        'share of limit | streams | held | finished | lag p99 ms | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
+      );
       say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
     };
     const runAt = async (share: number, n = Math.max(1, Math.round(share * limit))): Promise<Run> => {
@@ -389,12 +438,16 @@ export async function bench(o: BenchOptions): Promise<void> {
       continue;
     }
     // The load generator's own cost per stream-second, from a calibration run.
-    say(`bare: ${f(bare0, 3)} ms CPU per stream-second (${w.limitRows} row(s) per run, one thread); calibrating the load generator at 25 % of ${f(limit, 0)} streams`);
+    say(
+      `bare: ${f(bare0, 3)} ms CPU per stream-second (${w.limitRows} row(s) per run, one thread); calibrating the load generator at 25 % of ${f(limit, 0)} streams`,
+    );
     header();
     const cal = await runAt(0.25);
     limit = (CORES * 1000) / (bare0 + cal.client);
     for (const r of runs) r.share = r.streams / limit;
-    say(`limit: ${CORES} cores x 1000 / (bare ${f(bare0, 3)} + load generator ${f(cal.client, 3)}) = ${f(limit, 0)} streams`);
+    say(
+      `limit: ${CORES} cores x 1000 / (bare ${f(bare0, 3)} + load generator ${f(cal.client, 3)}) = ${f(limit, 0)} streams`,
+    );
     const at: Record<number, Run> = {};
     for (const share of [0.1, 0.4]) at[share] = await runAt(share);
     const rounds: number[] = [];
@@ -429,14 +482,20 @@ export async function bench(o: BenchOptions): Promise<void> {
     const bare1 = await w.bare(w.limitRows);
     bare = (bare0 + bare1) / 2;
     const held = median(rounds);
-    say(`bare at start and end: ${f(bare0, 3)} / ${f(bare1, 3)} ms per stream-second; rows above are against ${f(bare0, 3)}`);
-    say(`held: ${rounds.join(', ')} streams, median ${held} = ${f((held / limit) * 100, 0)} % of the limit ${f(limit, 0)} (target ${f(w.target * 100, 0)} %)`);
+    say(
+      `bare at start and end: ${f(bare0, 3)} / ${f(bare1, 3)} ms per stream-second; rows above are against ${f(bare0, 3)}`,
+    );
+    say(
+      `held: ${rounds.join(', ')} streams, median ${held} = ${f((held / limit) * 100, 0)} % of the limit ${f(limit, 0)} (target ${f(w.target * 100, 0)} %)`,
+    );
     const steady = [0.1, 0.4, 0.7].map((s) => at[s]);
     const mainMs = median(steady.map((r) => r.main));
     say(
       `server CPU per stream-s at 10 / 40 / 70 % of the limit: ${steady.map((r) => f(r.main + r.hosts, 2)).join(' / ')} ms = ${steady.map((r) => f((r.main + r.hosts) / bare, 2)).join(' / ')}x bare (target <= 1.15); slot hosts ${steady.map((r) => f(r.hosts / bare, 2)).join(' / ')}x bare`,
     );
-    say(`main process: ${steady.map((r) => f(r.main, 3)).join(' / ')} ms per stream-s = ${steady.map((r) => f(r.main / bare, 2)).join(' / ')}x bare; one core of ingress carries about ${f(1000 / mainMs, 0)} streams`);
+    say(
+      `main process: ${steady.map((r) => f(r.main, 3)).join(' / ')} ms per stream-s = ${steady.map((r) => f(r.main / bare, 2)).join(' / ')}x bare; one core of ingress carries about ${f(1000 / mainMs, 0)} streams`,
+    );
     summary.push(
       [
         w.title,
@@ -455,11 +514,17 @@ export async function bench(o: BenchOptions): Promise<void> {
   if (summary.length) {
     say();
     say('## Summary');
-    say('workload | bare ms per stream-s | load generator ms per stream-s | limit (streams) | held, median (rounds) | held / limit (target) | server / bare at 10/40/70 % | slot hosts / bare | main / bare | streams per core of ingress');
+    say(
+      'workload | bare ms per stream-s | load generator ms per stream-s | limit (streams) | held, median (rounds) | held / limit (target) | server / bare at 10/40/70 % | slot hosts / bare | main / bare | streams per core of ingress',
+    );
     say('---|---|---|---|---|---|---|---|---|---');
     for (const s of summary) say(s);
   }
   say();
-  say(`load average at start ${started.map((x) => x.toFixed(2)).join(' ')}, at end ${loadavg().map((x) => x.toFixed(2)).join(' ')}`);
+  say(
+    `load average at start ${started.map((x) => x.toFixed(2)).join(' ')}, at end ${loadavg()
+      .map((x) => x.toFixed(2))
+      .join(' ')}`,
+  );
   process.stdout.write(`${out.join('\n')}\n`);
 }

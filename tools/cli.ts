@@ -19,10 +19,12 @@ const { WaveFile } = require('wavefile') as typeof import('wavefile');
 const { version } = require('../../package.json') as { version: string };
 const DEFAULT_URL = 'http://127.0.0.1:8080';
 
-const int = (name: string) => (v: string): number => {
-  if (!/^\d+$/.test(v)) throw new InvalidArgumentError(`${name} must be a non-negative integer`);
-  return Number(v);
-};
+const int =
+  (name: string) =>
+  (v: string): number => {
+    if (!/^\d+$/.test(v)) throw new InvalidArgumentError(`${name} must be a non-negative integer`);
+    return Number(v);
+  };
 
 /** `--frame-ms`: 1-10,000 ms (0 would send one sample per frame). */
 const frameMs = (v: string): number => {
@@ -42,7 +44,15 @@ const collectOption = (v: string, all: Record<string, unknown>): Record<string, 
 };
 
 /** Content-Type of an audio file sent by `run`, by its extension (the server also reads its magic bytes). */
-const AUDIO_TYPES: Record<string, string> = { '.wav': 'audio/wav', '.mp3': 'audio/mpeg', '.ogg': 'audio/ogg', '.oga': 'audio/ogg', '.opus': 'audio/ogg', '.flac': 'audio/flac', '.webm': 'audio/webm' };
+const AUDIO_TYPES: Record<string, string> = {
+  '.wav': 'audio/wav',
+  '.mp3': 'audio/mpeg',
+  '.ogg': 'audio/ogg',
+  '.oga': 'audio/ogg',
+  '.opus': 'audio/ogg',
+  '.flac': 'audio/flac',
+  '.webm': 'audio/webm',
+};
 
 function die(message: string): never {
   process.stderr.write(`voxserve: ${message}\n`);
@@ -66,10 +76,12 @@ function client(url: string, apiKey?: string): VoxClient {
 function failed(url: string, e: unknown): never {
   if (!(e instanceof VoxClientError)) die((e as Error).message);
   if (e.type === 'connection_error') {
-    if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH') die(`no voxserve is running at ${url} (${e.code}); start one with: voxserve serve`);
+    if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH')
+      die(`no voxserve is running at ${url} (${e.code}); start one with: voxserve serve`);
     die(e.message);
   }
-  if (e.closeCode !== undefined && e.status === undefined) die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
+  if (e.closeCode !== undefined && e.status === undefined)
+    die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
   process.stdout.write(`${JSON.stringify({ error: { type: e.type, code: e.code, message: e.message } })}\n`);
   process.exit(1);
 }
@@ -83,10 +95,22 @@ function startFailure(e: unknown, config: ServerConfig): string {
   if (e instanceof VoxError) return `invalid configuration: ${e.message}`;
   const err = e as NodeJS.ErrnoException & { address?: string; port?: number };
   if (err.syscall === 'listen' && err.port !== undefined) {
-    const wyoming = config.wyoming.enabled && err.port === config.wyoming.port && (err.port !== config.port || err.address === config.wyoming.host);
-    const what = wyoming ? `the Wyoming address ${err.address}:${err.port}` : `the HTTP address ${err.address}:${err.port}`;
-    const how = wyoming ? 'choose another with --wyoming HOST:PORT (or wyoming.port in the config)' : 'choose another with --port (or VOXSERVE_PORT, or port in the config)';
-    const why = err.code === 'EADDRINUSE' ? 'is already in use (another voxserve?)' : err.code === 'EACCES' ? 'is not allowed for this user (ports below 1024 need privileges)' : `cannot be listened on (${err.code})`;
+    const wyoming =
+      config.wyoming.enabled &&
+      err.port === config.wyoming.port &&
+      (err.port !== config.port || err.address === config.wyoming.host);
+    const what = wyoming
+      ? `the Wyoming address ${err.address}:${err.port}`
+      : `the HTTP address ${err.address}:${err.port}`;
+    const how = wyoming
+      ? 'choose another with --wyoming HOST:PORT (or wyoming.port in the config)'
+      : 'choose another with --port (or VOXSERVE_PORT, or port in the config)';
+    const why =
+      err.code === 'EADDRINUSE'
+        ? 'is already in use (another voxserve?)'
+        : err.code === 'EACCES'
+          ? 'is not allowed for this user (ports below 1024 need privileges)'
+          : `cannot be listened on (${err.code})`;
     return `cannot start: ${what} ${why}; ${how}`;
   }
   return `cannot start on ${config.host}:${config.port}: ${err.message}`;
@@ -117,26 +141,52 @@ process.stdout.on('error', (e: NodeJS.ErrnoException) => {
   throw e;
 });
 
-const program = new Command('voxserve').description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket').version(version, '-V, --version');
+const program = new Command('voxserve')
+  .description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket')
+  .version(version, '-V, --version');
 
 program
   .command('serve')
   .description('run the server (with no config: the embedded default models, on 127.0.0.1:8080)')
   .addOption(new Option('--config <file>', 'JSON config file').env('VOXSERVE_CONFIG'))
   .addOption(new Option('--host <host>', 'listen address').env('VOXSERVE_HOST'))
-  .addOption(new Option('--port <port>', 'listen port (0 picks a free one); else VOXSERVE_PORT, else PORT').argParser(int('--port')).env('VOXSERVE_PORT'))
+  .addOption(
+    new Option('--port <port>', 'listen port (0 picks a free one); else VOXSERVE_PORT, else PORT')
+      .argParser(int('--port'))
+      .env('VOXSERVE_PORT'),
+  )
   .option('--busy-timeout-ms <ms>', 'server ceiling on admission waits, ms (0 = unbounded)', int('--busy-timeout-ms'))
   .option('--management', 'enable the model management routes (load/unload)')
-  .option('--max-loaded-models <n>', 'models resident at once; cold loads evict the least recently used idle one (0 = no limit)', int('--max-loaded-models'))
-  .option('--min-free-memory-mb <mb>', 'refuse a cold load that would leave less memory free (0 = off)', int('--min-free-memory-mb'))
+  .option(
+    '--max-loaded-models <n>',
+    'models resident at once; cold loads evict the least recently used idle one (0 = no limit)',
+    int('--max-loaded-models'),
+  )
+  .option(
+    '--min-free-memory-mb <mb>',
+    'refuse a cold load that would leave less memory free (0 = off)',
+    int('--min-free-memory-mb'),
+  )
   .option('--idle-unload-ms <ms>', 'unload models idle this long (0 = off)', int('--idle-unload-ms'))
   .option('--drain-timeout-ms <ms>', 'on SIGTERM/SIGINT, how long running work may finish', int('--drain-timeout-ms'))
   .option('--log-level <level>', `JSON log level on stdout: ${LOG_LEVELS.join(', ')}`)
   .option('--inspect', 'record state-chart transitions for /debug and /debug/actors')
-  .option('--stately-inspector <url>', 'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090')
+  .option(
+    '--stately-inspector <url>',
+    'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090',
+  )
   .option('--wyoming [host:port]', 'serve the Wyoming wake-word protocol (Home Assistant), default 127.0.0.1:10400')
-  .addOption(new Option('--cluster <nats-url>', 'join a cluster of voxserve nodes over NATS, e.g. nats://127.0.0.1:4222 (docs/cluster.md)').env('VOXSERVE_CLUSTER'))
-  .addOption(new Option('--node <name>', "this node's name in the cluster (default: host name and process id)").env('VOXSERVE_NODE'))
+  .addOption(
+    new Option(
+      '--cluster <nats-url>',
+      'join a cluster of voxserve nodes over NATS, e.g. nats://127.0.0.1:4222 (docs/cluster.md)',
+    ).env('VOXSERVE_CLUSTER'),
+  )
+  .addOption(
+    new Option('--node <name>', "this node's name in the cluster (default: host name and process id)").env(
+      'VOXSERVE_NODE',
+    ),
+  )
   .action(async (opts: ServeOptions) => {
     if (opts.port === undefined && process.env.PORT) {
       if (!/^\d+$/.test(process.env.PORT)) die(`PORT must be a non-negative integer, got '${process.env.PORT}'`);
@@ -162,12 +212,22 @@ program
     if (opts.statelyInspector) config.debug = { ...config.debug, stately_url: opts.statelyInspector };
     if (opts.wyoming) {
       const m = opts.wyoming === true ? null : /^(.+):(\d{1,5})$/.exec(opts.wyoming);
-      if (opts.wyoming !== true && (!m || Number(m[2]) > 65535)) die(`--wyoming: expected host:port, got '${opts.wyoming}'`);
-      config.wyoming = { enabled: true, host: m?.[1] ?? config.wyoming.host, port: m ? Number(m[2]) : config.wyoming.port };
+      if (opts.wyoming !== true && (!m || Number(m[2]) > 65535))
+        die(`--wyoming: expected host:port, got '${opts.wyoming}'`);
+      config.wyoming = {
+        enabled: true,
+        host: m?.[1] ?? config.wyoming.host,
+        port: m ? Number(m[2]) : config.wyoming.port,
+      };
     }
     if (opts.cluster || opts.node) {
-      if (!opts.cluster && !config.cluster) die('--node: needs --cluster <nats-url> (or cluster.nats in the config file)');
-      const r = ClusterConfig.safeParse({ ...config.cluster, ...(opts.cluster ? { nats: opts.cluster } : {}), ...(opts.node ? { node: opts.node } : {}) });
+      if (!opts.cluster && !config.cluster)
+        die('--node: needs --cluster <nats-url> (or cluster.nats in the config file)');
+      const r = ClusterConfig.safeParse({
+        ...config.cluster,
+        ...(opts.cluster ? { nats: opts.cluster } : {}),
+        ...(opts.node ? { node: opts.node } : {}),
+      });
       if (!r.success) die(`invalid configuration: ${formatIssues(r.error, 'cluster')}`);
       config.cluster = r.data;
     }
@@ -178,12 +238,18 @@ program
     } catch (e) {
       die(startFailure(e, config));
     }
-    process.stderr.write(`voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`);
+    process.stderr.write(
+      `voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`,
+    );
     if (server.wyoming) process.stderr.write(`voxserve wyoming on ${server.wyoming.uri}\n`);
     let signals = 0;
     const stop = (sig: string): void => {
       const first = ++signals === 1;
-      process.stderr.write(first ? `voxserve: ${sig}, draining (up to ${config.drain_timeout_ms} ms; again to skip)\n` : `voxserve: ${sig}, skipping the drain\n`);
+      process.stderr.write(
+        first
+          ? `voxserve: ${sig}, draining (up to ${config.drain_timeout_ms} ms; again to skip)\n`
+          : `voxserve: ${sig}, skipping the drain\n`,
+      );
       // A second signal cuts what is left of the drain.
       (first ? server.close() : server.destroy()).then(
         () => {
@@ -198,7 +264,9 @@ program
 
 program
   .command('run')
-  .description('send an audio file (WAV, MP3, Ogg Vorbis/Opus, FLAC, WebM/Opus) to a running server and print the JSON result')
+  .description(
+    'send an audio file (WAV, MP3, Ogg Vorbis/Opus, FLAC, WebM/Opus) to a running server and print the JSON result',
+  )
   .argument('<model>', 'model id, e.g. silero-vad or alexa')
   .argument('<file>', 'audio file')
   .option('--url <url>', 'server URL', DEFAULT_URL)
@@ -206,29 +274,35 @@ program
   .option('--option <key=value>', 'task option (repeatable), e.g. --option threshold=0.7', collectOption, {})
   .option('--progress', 'draw a progress bar on stderr even when it is not a terminal')
   .option('--no-progress', 'no progress bar (default: one on stderr when it is a terminal)')
-  .action(async (model: string, file: string, opts: { url: string; apiKey?: string; option: Record<string, unknown>; progress?: boolean }) => {
-    let audio: Buffer;
-    try {
-      audio = readFileSync(file);
-    } catch (e) {
-      die(`cannot read ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
-    }
-    const show = opts.progress ?? process.stderr.isTTY;
-    const bar = show ? progressBar('processed', 's', true) : null;
-    try {
-      const result = await client(opts.url, opts.apiKey).run(audio, {
-        model,
-        options: Object.keys(opts.option).length ? opts.option : undefined,
-        contentType: AUDIO_TYPES[extname(file).toLowerCase()],
-        onProgress: bar ? (p) => bar.update(p.processed_ms / 1000, p.audio_duration_ms / 1000) : undefined,
-      });
-      bar?.stop();
-      process.stdout.write(`${JSON.stringify(result)}\n`);
-    } catch (e) {
-      bar?.stop();
-      failed(opts.url, e);
-    }
-  });
+  .action(
+    async (
+      model: string,
+      file: string,
+      opts: { url: string; apiKey?: string; option: Record<string, unknown>; progress?: boolean },
+    ) => {
+      let audio: Buffer;
+      try {
+        audio = readFileSync(file);
+      } catch (e) {
+        die(`cannot read ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
+      }
+      const show = opts.progress ?? process.stderr.isTTY;
+      const bar = show ? progressBar('processed', 's', true) : null;
+      try {
+        const result = await client(opts.url, opts.apiKey).run(audio, {
+          model,
+          options: Object.keys(opts.option).length ? opts.option : undefined,
+          contentType: AUDIO_TYPES[extname(file).toLowerCase()],
+          onProgress: bar ? (p) => bar.update(p.processed_ms / 1000, p.audio_duration_ms / 1000) : undefined,
+        });
+        bar?.stop();
+        process.stdout.write(`${JSON.stringify(result)}\n`);
+      } catch (e) {
+        bar?.stop();
+        failed(opts.url, e);
+      }
+    },
+  );
 
 program
   .command('models')
@@ -243,9 +317,13 @@ program
       failed(opts.url, e);
     }
     if (opts.json) return void process.stdout.write(`${JSON.stringify(list)}\n`);
-    const rows = [['ID', 'TASK', 'STATE', 'LICENCE'], ...list.models.map((m) => [m.id, m.task, m.state, m.licence ?? '-'])];
+    const rows = [
+      ['ID', 'TASK', 'STATE', 'LICENCE'],
+      ...list.models.map((m) => [m.id, m.task, m.state, m.licence ?? '-']),
+    ];
     const widths = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
-    for (const r of rows) process.stdout.write(`${r.map((c, i) => (i === r.length - 1 ? c : c.padEnd(widths[i]))).join('  ')}\n`);
+    for (const r of rows)
+      process.stdout.write(`${r.map((c, i) => (i === r.length - 1 ? c : c.padEnd(widths[i]))).join('  ')}\n`);
     for (const f of list.failed_models) process.stdout.write(`failed to load: ${f.id}: ${f.error}\n`);
   });
 
@@ -259,52 +337,70 @@ program
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
   .addOption(new Option('--api-key <key>', "one of the server's auth.api_keys").env('VOXSERVE_API_KEY'))
-  .action(async (model: string, file: string, opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string }) => {
-    if (opts.protocol !== 'json' && opts.protocol !== 'msgpack') die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
-    let wav: InstanceType<typeof WaveFile>;
-    try {
-      wav = new WaveFile(readFileSync(file));
-      wav.toBitDepth('16');
-    } catch (e) {
-      die(`cannot read ${file} as WAV: ${(e as Error).message}`);
-    }
-    const fmt = wav.fmt as { sampleRate: number; numChannels: number };
-    const pcm = Buffer.from((wav.data as { samples: Uint8Array }).samples);
-    const frameBytes = Math.max(2 * fmt.numChannels, Math.round((fmt.sampleRate * opts.frameMs) / 1000) * 2 * fmt.numChannels);
-    let stream: VoxStream;
-    try {
-      stream = await client(opts.url, opts.apiKey).stream({ model, sampleRate: fmt.sampleRate, channels: fmt.numChannels, encoding: 's16le', protocol: opts.protocol });
-    } catch (e) {
-      failed(opts.url, e);
-    }
-    let errors = 0;
-    const printing = (async () => {
-      for await (const event of stream) {
-        process.stdout.write(`${JSON.stringify(event)}\n`);
-        if (event.type === 'error') errors++;
+  .action(
+    async (
+      model: string,
+      file: string,
+      opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string },
+    ) => {
+      if (opts.protocol !== 'json' && opts.protocol !== 'msgpack')
+        die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
+      let wav: InstanceType<typeof WaveFile>;
+      try {
+        wav = new WaveFile(readFileSync(file));
+        wav.toBitDepth('16');
+      } catch (e) {
+        die(`cannot read ${file} as WAV: ${(e as Error).message}`);
       }
-    })();
-    const start = performance.now();
-    try {
-      for (let off = 0, i = 0; off < pcm.length; off += frameBytes, i++) {
-        if (opts.realtime) {
-          const due = start + i * opts.frameMs - performance.now();
-          if (due > 0) await new Promise((r) => setTimeout(r, due));
+      const fmt = wav.fmt as { sampleRate: number; numChannels: number };
+      const pcm = Buffer.from((wav.data as { samples: Uint8Array }).samples);
+      const frameBytes = Math.max(
+        2 * fmt.numChannels,
+        Math.round((fmt.sampleRate * opts.frameMs) / 1000) * 2 * fmt.numChannels,
+      );
+      let stream: VoxStream;
+      try {
+        stream = await client(opts.url, opts.apiKey).stream({
+          model,
+          sampleRate: fmt.sampleRate,
+          channels: fmt.numChannels,
+          encoding: 's16le',
+          protocol: opts.protocol,
+        });
+      } catch (e) {
+        failed(opts.url, e);
+      }
+      let errors = 0;
+      const printing = (async () => {
+        for await (const event of stream) {
+          process.stdout.write(`${JSON.stringify(event)}\n`);
+          if (event.type === 'error') errors++;
         }
-        await stream.send(pcm.subarray(off, off + frameBytes));
+      })();
+      const start = performance.now();
+      try {
+        for (let off = 0, i = 0; off < pcm.length; off += frameBytes, i++) {
+          if (opts.realtime) {
+            const due = start + i * opts.frameMs - performance.now();
+            if (due > 0) await new Promise((r) => setTimeout(r, due));
+          }
+          await stream.send(pcm.subarray(off, off + frameBytes));
+        }
+        await stream.end();
+        await printing;
+      } catch (e) {
+        await printing.catch(() => {});
+        failed(opts.url, e);
       }
-      await stream.end();
-      await printing;
-    } catch (e) {
-      await printing.catch(() => {});
-      failed(opts.url, e);
-    }
-    process.exit(errors ? 1 : 0);
-  });
+      process.exit(errors ? 1 : 0);
+    },
+  );
 
 program
   .command('bench')
-  .description('what share of the bare models\' capacity the server holds: VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run')
+  .description(
+    "what share of the bare models' capacity the server holds: VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run",
+  )
   .option('--task <list>', 'workloads: vad100, vad20, wakeword (vad = vad100,vad20)', 'vad100,vad20,wakeword')
   .option('--quick', 'one run in a few minutes: 6 s per run, search steps of 10 % of the limit')
   .option('--rounds <n>', 'rounds of the held search (median reported)', int('--rounds'), 3)
@@ -315,26 +411,42 @@ program
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms (default: the server's)", int('--batch-delay-ms'))
   .option('--isolation <mode>', 'slot hosts: process or thread', 'process')
   .option('--probabilities', 'VAD streams ask for probabilities=true (a probability event per window)')
-  .action(async (opts: { task: string; quick?: boolean; rounds: number; seconds?: number; streams?: string; slots: number; batchSize?: number; batchDelayMs?: number; isolation: string; probabilities?: boolean }) => {
-    const workloads = opts.task.split(',').flatMap((t) => (t === 'vad' ? ['vad100', 'vad20'] : [t]));
-    const known = ['vad100', 'vad20', 'wakeword'];
-    if (!workloads.every((t) => known.includes(t))) die(`--task must be a comma-separated list of ${known.join(', ')} (or vad), got '${opts.task}'`);
-    const streams = opts.streams?.split(',').map(Number);
-    if (streams?.some((n) => !Number.isInteger(n) || n < 1)) die('--streams must be a comma-separated list of positive integers');
-    if (opts.isolation !== 'process' && opts.isolation !== 'thread') die(`--isolation must be process or thread, got '${opts.isolation}'`);
-    const { bench } = await import('./bench.js');
-    await bench({
-      workloads: workloads as ('vad100' | 'vad20' | 'wakeword')[],
-      rounds: opts.rounds,
-      seconds: opts.seconds ?? (opts.quick ? 6 : 15),
-      step: opts.quick ? 0.1 : 0.05,
-      streams,
-      slots: opts.slots,
-      batchSize: opts.batchSize,
-      batchDelayMs: opts.batchDelayMs,
-      isolation: opts.isolation,
-      probabilities: opts.probabilities,
-    });
-  });
+  .action(
+    async (opts: {
+      task: string;
+      quick?: boolean;
+      rounds: number;
+      seconds?: number;
+      streams?: string;
+      slots: number;
+      batchSize?: number;
+      batchDelayMs?: number;
+      isolation: string;
+      probabilities?: boolean;
+    }) => {
+      const workloads = opts.task.split(',').flatMap((t) => (t === 'vad' ? ['vad100', 'vad20'] : [t]));
+      const known = ['vad100', 'vad20', 'wakeword'];
+      if (!workloads.every((t) => known.includes(t)))
+        die(`--task must be a comma-separated list of ${known.join(', ')} (or vad), got '${opts.task}'`);
+      const streams = opts.streams?.split(',').map(Number);
+      if (streams?.some((n) => !Number.isInteger(n) || n < 1))
+        die('--streams must be a comma-separated list of positive integers');
+      if (opts.isolation !== 'process' && opts.isolation !== 'thread')
+        die(`--isolation must be process or thread, got '${opts.isolation}'`);
+      const { bench } = await import('./bench.js');
+      await bench({
+        workloads: workloads as ('vad100' | 'vad20' | 'wakeword')[],
+        rounds: opts.rounds,
+        seconds: opts.seconds ?? (opts.quick ? 6 : 15),
+        step: opts.quick ? 0.1 : 0.05,
+        streams,
+        slots: opts.slots,
+        batchSize: opts.batchSize,
+        batchDelayMs: opts.batchDelayMs,
+        isolation: opts.isolation,
+        probabilities: opts.probabilities,
+      });
+    },
+  );
 
 program.parseAsync().catch((e) => die((e as Error).message));

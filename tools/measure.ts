@@ -33,7 +33,11 @@ const readyMs = performance.now() - t0;
 const wav = sixtySeconds();
 const run = async (model: string): Promise<{ wall: number; rtf: number }> => {
   const s = performance.now();
-  const res = await fetch(`${url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+  const res = await fetch(`${url}/v1/tasks/run?model=${model}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(wav),
+  });
   const body = (await res.json()) as { timing: { audio_duration_ms: number } };
   const wall = performance.now() - s;
   return { wall, rtf: wall / body.timing.audio_duration_ms };
@@ -47,7 +51,11 @@ const total = treeRssBytes(child.pid!);
 child.kill('SIGTERM');
 
 console.log(`serve start -> /ready         ${readyMs.toFixed(0)} ms`);
-console.log(`silero-vad, 60 s file, cold  ${cold.wall.toFixed(0)} ms, RTF ${cold.rtf.toFixed(4)} (includes the model load)`);
+console.log(
+  `silero-vad, 60 s file, cold  ${cold.wall.toFixed(0)} ms, RTF ${cold.rtf.toFixed(4)} (includes the model load)`,
+);
 console.log(`silero-vad, 60 s file, warm  ${warm.wall.toFixed(0)} ms, RTF ${warm.rtf.toFixed(4)}`);
 const mib = (b: number): string => (b / 2 ** 20).toFixed(0);
-console.log(`RSS, all ${models.length} default models loaded  ${mib(total)} MiB (server ${mib(server)} MiB + slot hosts ${mib(total - server)} MiB)`);
+console.log(
+  `RSS, all ${models.length} default models loaded  ${mib(total)} MiB (server ${mib(server)} MiB + slot hosts ${mib(total - server)} MiB)`,
+);

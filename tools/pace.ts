@@ -10,7 +10,13 @@ export interface Paced {
  * sends frame k (and, for the last, `totalFrames - 1`, whatever ends the stream); `onTick` is
  * called on each check with the time. Resolves once every frame of every stream is sent.
  */
-export function paceFrames<S extends Paced>(streams: S[], totalFrames: number, frameMs: number, send: (s: S, frame: number) => void, onTick: (now: number) => void = () => {}): Promise<void> {
+export function paceFrames<S extends Paced>(
+  streams: S[],
+  totalFrames: number,
+  frameMs: number,
+  send: (s: S, frame: number) => void,
+  onTick: (now: number) => void = () => {},
+): Promise<void> {
   return new Promise((resolve) => {
     const tick = (): void => {
       const now = performance.now();

@@ -29,5 +29,8 @@ export function ownCpuSeconds(pid: number): number {
 
 /** Resident bytes (VmRSS) of a process and its live descendants. */
 export function treeRssBytes(pid: number): number {
-  return processTree(pid).reduce((n, p) => n + Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${p}/status`, 'utf8'))?.[1] ?? 0) * 1024, 0);
+  return processTree(pid).reduce(
+    (n, p) => n + Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${p}/status`, 'utf8'))?.[1] ?? 0) * 1024,
+    0,
+  );
 }

@@ -7,7 +7,11 @@ mkdirSync('spec/artifacts', { recursive: true });
 // The fuzz suites (spec/fuzz) write their input counts here; stale ones from an earlier run go first.
 for (const f of readdirSync('spec/artifacts')) if (f.startsWith('fuzz-')) rmSync(`spec/artifacts/${f}`);
 const report = 'spec/artifacts/vitest.json';
-const r = spawnSync('npx', ['vitest', 'run', '--reporter=default', '--reporter=json', `--outputFile=${report}`, ...process.argv.slice(2)], { stdio: 'inherit' });
+const r = spawnSync(
+  'npx',
+  ['vitest', 'run', '--reporter=default', '--reporter=json', `--outputFile=${report}`, ...process.argv.slice(2)],
+  { stdio: 'inherit' },
+);
 let summary = '0 passed, 1 failed';
 try {
   const j = JSON.parse(readFileSync(report, 'utf8'));
@@ -18,7 +22,9 @@ try {
 } catch {
   // no report: vitest did not run
 }
-const fuzz = readdirSync('spec/artifacts').filter((f) => f.startsWith('fuzz-')).map((f) => JSON.parse(readFileSync(`spec/artifacts/${f}`, 'utf8')).total);
+const fuzz = readdirSync('spec/artifacts')
+  .filter((f) => f.startsWith('fuzz-'))
+  .map((f) => JSON.parse(readFileSync(`spec/artifacts/${f}`, 'utf8')).total);
 if (fuzz.length) console.log(`fuzz: ${fuzz.reduce((a, b) => a + b, 0)} inputs`);
 console.log(summary);
 process.exit(r.status ?? 1);

@@ -25,9 +25,19 @@ const N = 256;
 type Dim = number | string;
 const valueInfo = (name: string, elemType: number, dims: Dim[]): import('onnx-proto').onnx.IValueInfoProto => ({
   name,
-  type: { tensorType: { elemType, shape: { dim: dims.map((d) => (typeof d === 'number' ? { dimValue: d } : { dimParam: d })) } } },
+  type: {
+    tensorType: {
+      elemType,
+      shape: { dim: dims.map((d) => (typeof d === 'number' ? { dimValue: d } : { dimParam: d })) },
+    },
+  },
 });
-const node = (opType: string, input: string[], output: string[], attribute: import('onnx-proto').onnx.IAttributeProto[] = []) => ({ opType, input, output, attribute, name: output[0] });
+const node = (
+  opType: string,
+  input: string[],
+  output: string[],
+  attribute: import('onnx-proto').onnx.IAttributeProto[] = [],
+) => ({ opType, input, output, attribute, name: output[0] });
 const intsAttr = (name: string, ints: number[]) => ({ name, type: onnx.AttributeProto.AttributeType.INTS, ints });
 const intAttr = (name: string, i: number) => ({ name, type: onnx.AttributeProto.AttributeType.INT, i });
 
@@ -61,7 +71,12 @@ export function syntheticModel(sizeMiB: number, matmuls: number): Uint8Array {
     node('Sigmoid', ['logit'], ['output']),
     node('Identity', ['state'], ['stateN']),
   ];
-  const f = (name: string, dims: number[], data: Float32Array) => ({ name, dims, dataType: FLOAT, rawData: new Uint8Array(data.buffer) });
+  const f = (name: string, dims: number[], data: Float32Array) => ({
+    name,
+    dims,
+    dataType: FLOAT,
+    rawData: new Uint8Array(data.buffer),
+  });
   const model: import('onnx-proto').onnx.IModelProto = {
     irVersion: 7,
     producerName: 'voxserve synth-model',
@@ -124,7 +139,13 @@ if (import.meta.url === `file://${process.argv[1]}`) {
   };
   let values: { out?: string; 'size-mib'?: string; 'run-ms'?: string };
   try {
-    values = parseArgs({ options: { out: { type: 'string' }, 'size-mib': { type: 'string', default: '1' }, 'run-ms': { type: 'string', default: '0' } } }).values;
+    values = parseArgs({
+      options: {
+        out: { type: 'string' },
+        'size-mib': { type: 'string', default: '1' },
+        'run-ms': { type: 'string', default: '0' },
+      },
+    }).values;
   } catch {
     usage();
   }

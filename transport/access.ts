@@ -31,7 +31,8 @@ function hostName(host: string): string | null {
   }
 }
 
-const loopbackName = (name: string): boolean => name === 'localhost' || name === '[::1]' || /^127\.\d+\.\d+\.\d+$/.test(name);
+const loopbackName = (name: string): boolean =>
+  name === 'localhost' || name === '[::1]' || /^127\.\d+\.\d+\.\d+$/.test(name);
 
 /** True for addresses only this machine can reach. */
 export function isLoopback(host: string): boolean {

@@ -53,7 +53,8 @@ export function chartOf(machine: AnyStateMachine): Chart {
     const add = (label: string, ts: readonly { target?: readonly Node[] | undefined; guard?: unknown }[]): void => {
       for (const t of ts) {
         const guard = typeof t.guard === 'string' ? ` [${t.guard}]` : t.guard ? ' [guard]' : '';
-        for (const target of t.target ?? []) edges.push({ source: id, target: target.path.join('.'), label: label + guard });
+        for (const target of t.target ?? [])
+          edges.push({ source: id, target: target.path.join('.'), label: label + guard });
       }
     };
     for (const [type, ts] of node.transitions) add(eventLabel(type, delays), ts);
@@ -64,7 +65,13 @@ export function chartOf(machine: AnyStateMachine): Chart {
 }
 
 /** The charts `/debug` draws: the system root, the supervisor, a model entry, and both socket actors. */
-export const CHARTS: Chart[] = [systemMachine, supervisorMachine, modelMachine, streamSocketMachine, httpSocketMachine].map(chartOf);
+export const CHARTS: Chart[] = [
+  systemMachine,
+  supervisorMachine,
+  modelMachine,
+  streamSocketMachine,
+  httpSocketMachine,
+].map(chartOf);
 
 /** Every active state path of a snapshot value (`{resident: {ready: 'idle'}}` -> `resident`, `resident.ready`, `resident.ready.idle`). */
 export function activePaths(value: unknown, prefix = ''): string[] {
@@ -79,7 +86,11 @@ export function activePaths(value: unknown, prefix = ''): string[] {
  * load it works for, what it waits for, the victim), every model's status and active states,
  * streams counted by phase with a sample of their states, and the last transitions.
  */
-export function debugState(supervisor: Supervisor, streams: ReadonlySet<StreamLink>, inspection: InspectionLog | null): unknown {
+export function debugState(
+  supervisor: Supervisor,
+  streams: ReadonlySet<StreamLink>,
+  inspection: InspectionLog | null,
+): unknown {
   const counts: Record<string, number> = { open: 0, streaming: 0, draining: 0, closing: 0 };
   const sample: { id: string; phase: string; active: string[] }[] = [];
   for (const s of streams) {
@@ -100,7 +111,9 @@ export function debugState(supervisor: Supervisor, streams: ReadonlySet<StreamLi
       victim,
       room,
     },
-    models: supervisor.statuses().map((m) => ({ ...m, active: activePaths(supervisor.chartValue(m.id) ?? 'unloaded') })),
+    models: supervisor
+      .statuses()
+      .map((m) => ({ ...m, active: activePaths(supervisor.chartValue(m.id) ?? 'unloaded') })),
     streams: counts,
     sockets: sample,
     transitions: inspection ? inspection.recent().slice(-80) : [],
@@ -111,10 +124,16 @@ export function debugState(supervisor: Supervisor, streams: ReadonlySet<StreamLi
  * `GET /debug/actors`: server-sent events, one `data:` line of JSON per inspection record: the
  * ring buffer first, then live records until the client goes or `closing` fires.
  */
-export function streamActors(res: ServerResponse, inspection: InspectionLog | null, closing: Set<ServerResponse>): void {
+export function streamActors(
+  res: ServerResponse,
+  inspection: InspectionLog | null,
+  closing: Set<ServerResponse>,
+): void {
   res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-store', connection: 'keep-alive' });
   if (!inspection) {
-    res.end(`event: off\ndata: ${JSON.stringify({ message: 'inspection is off; start the server with --inspect' })}\n\n`);
+    res.end(
+      `event: off\ndata: ${JSON.stringify({ message: 'inspection is off; start the server with --inspect' })}\n\n`,
+    );
     return;
   }
   for (const r of inspection.recent()) res.write(`data: ${JSON.stringify(r)}\n\n`);

@@ -20,7 +20,8 @@ const TYPES: Record<string, string> = {
  * The page may load only its own files and talk only to this server; WASM (the resampler) may
  * compile.
  */
-const CSP = "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; connect-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'";
+const CSP =
+  "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; connect-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'";
 
 /** The built demo's files by URL path (`/demo`, `/demo/assets/...`), read once; empty when not built. */
 function readDemo(): Map<string, { type: string; body: Buffer }> {
@@ -35,7 +36,11 @@ function readDemo(): Map<string, { type: string; body: Buffer }> {
     for (const e of entries) {
       const path = join(dir, e.name);
       if (e.isDirectory()) walk(path);
-      else if (TYPES[extname(e.name)]) files.set(`/demo/${relative(DEMO_DIR, path).split(sep).join('/')}`, { type: TYPES[extname(e.name)], body: readFileSync(path) });
+      else if (TYPES[extname(e.name)])
+        files.set(`/demo/${relative(DEMO_DIR, path).split(sep).join('/')}`, {
+          type: TYPES[extname(e.name)],
+          body: readFileSync(path),
+        });
     }
   };
   walk(DEMO_DIR);

@@ -5,10 +5,22 @@ import { fileURLToPath } from 'node:url';
 
 /** The package's folder: this file runs from dist/transport, or from transport/ in tests. */
 const up = fileURLToPath(new URL('..', import.meta.url));
-const { version } = JSON.parse(readFileSync(join(basename(up) === 'dist' ? join(up, '..') : up, 'package.json'), 'utf8')) as { version: string };
+const { version } = JSON.parse(
+  readFileSync(join(basename(up) === 'dist' ? join(up, '..') : up, 'package.json'), 'utf8'),
+) as { version: string };
 
 /** The reference pages shipped with voxserve (`docs/` in its package and repository). */
-const DOCS = ['cli', 'configuration', 'models', 'http-api', 'websocket-api', 'wyoming', 'client', 'operations', 'benchmarks'];
+const DOCS = [
+  'cli',
+  'configuration',
+  'models',
+  'http-api',
+  'websocket-api',
+  'wyoming',
+  'client',
+  'operations',
+  'benchmarks',
+];
 
 const page = (title: string, body: string): string => `<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>${title}</title>

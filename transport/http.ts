@@ -5,7 +5,12 @@ import { isAudioContentType } from '../runtime/decode.js';
 import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 
 /** Writes a JSON response. */
-export function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
+export function sendJson(
+  res: ServerResponse,
+  status: number,
+  body: unknown,
+  headers: Record<string, string> = {},
+): void {
   const text = JSON.stringify(body);
   res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text), ...headers });
   res.end(text);
@@ -28,9 +33,9 @@ export function errorHeaders(e: VoxError): Record<string, string> {
   return {};
 }
 
-
 /** The request's media type: `Content-Type` without parameters, lower case ('' without one). */
-export const mediaType = (req: IncomingMessage): string => (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
+export const mediaType = (req: IncomingMessage): string =>
+  (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();
 
 /**
  * Refuses a request whose `Content-Type` is not one of `accepted`, before its body is read. The
@@ -40,7 +45,8 @@ export const mediaType = (req: IncomingMessage): string => (req.headers['content
  */
 export function requireMediaType(req: IncomingMessage, accepted: string[]): void {
   const type = mediaType(req);
-  if (!accepted.includes(type)) throw voxError('unsupported_media_type', { expected: accepted.join(' or '), got: type });
+  if (!accepted.includes(type))
+    throw voxError('unsupported_media_type', { expected: accepted.join(' or '), got: type });
 }
 
 /**
@@ -52,7 +58,8 @@ export function requireRunMediaType(req: IncomingMessage): void {
   const type = mediaType(req);
   if (type !== 'application/json' && !isAudioContentType(type)) {
     throw voxError('unsupported_media_type', {
-      expected: 'application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID)',
+      expected:
+        'application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID)',
       got: type,
     });
   }
@@ -111,14 +118,21 @@ export function parseJsonObject(body: Buffer): Record<string, unknown> {
   } catch (e) {
     throw voxError('invalid_json', { problem: `is not valid JSON: ${(e as Error).message}` });
   }
-  if (!v || typeof v !== 'object' || Array.isArray(v)) throw voxError('invalid_json', { problem: 'must be a JSON object' });
+  if (!v || typeof v !== 'object' || Array.isArray(v))
+    throw voxError('invalid_json', { problem: 'must be a JSON object' });
   return v as Record<string, unknown>;
 }
 
 function parseTimeout(v: unknown): number | undefined {
   if (v === undefined || v === null || v === '') return undefined;
   const n = typeof v === 'string' ? Number(v) : v;
-  if (typeof n !== 'number' || !Number.isInteger(n) || n < 0 || n > MAX_TIMEOUT_MS || (typeof v === 'string' && !/^\d+$/.test(v))) {
+  if (
+    typeof n !== 'number' ||
+    !Number.isInteger(n) ||
+    n < 0 ||
+    n > MAX_TIMEOUT_MS ||
+    (typeof v === 'string' && !/^\d+$/.test(v))
+  ) {
     throw invalid('busy_timeout_ms', `must be an integer from 0 to ${MAX_TIMEOUT_MS}, got ${JSON.stringify(v)}`);
   }
   return n;
@@ -151,7 +165,11 @@ export function parseBase64Audio(value: unknown, field: string): AudioFile {
 /** A JSON task request takes no query parameters. @throws VoxError naming the first. */
 function noQuery(url: URL): void {
   const first = [...url.searchParams.keys()][0];
-  if (first !== undefined) throw voxError('unknown_field', { field: first, problem: 'unknown query parameter; with a JSON body every field goes in the body' });
+  if (first !== undefined)
+    throw voxError('unknown_field', {
+      field: first,
+      problem: 'unknown query parameter; with a JSON body every field goes in the body',
+    });
 }
 
 /**
@@ -166,7 +184,9 @@ function noQuery(url: URL): void {
 export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
   const request = parseRunBody(req, url, body, t0);
   // Opt-in progress: a client that accepts server-sent events gets `progress` events, then `result`.
-  return /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '') ? { ...request, progress: true } : request;
+  return /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '')
+    ? { ...request, progress: true }
+    : request;
 }
 
 function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
@@ -176,14 +196,32 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number):
     noQuery(url);
     const json = parseJsonObject(body);
     const unknown = Object.keys(json).filter((k) => !RUN_FIELDS.includes(k));
-    if (unknown.length) throw voxError('unknown_field', { field: unknown[0], problem: `unknown field; expected ${RUN_FIELDS.join(', ')}` });
+    if (unknown.length)
+      throw voxError('unknown_field', {
+        field: unknown[0],
+        problem: `unknown field; expected ${RUN_FIELDS.join(', ')}`,
+      });
     if (typeof json.model !== 'string' || !json.model) throw invalid('model', 'required, a model id string');
-    return { kind: 'run', model: json.model, files: [parseBase64Audio(json.audio, 'audio')], busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
+    return {
+      kind: 'run',
+      model: json.model,
+      files: [parseBase64Audio(json.audio, 'audio')],
+      busyTimeoutMs: parseTimeout(json.busy_timeout_ms),
+      options: json.options,
+      t0,
+    };
   }
   const options = queryOptions(url.searchParams, RUN_QUERY);
   const model = url.searchParams.get('model');
   if (!model) throw invalid('model', 'required as a query parameter (?model=ID) with an audio body');
-  return { kind: 'run', model, files: [{ bytes: body, type }], busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined), options, t0 };
+  return {
+    kind: 'run',
+    model,
+    files: [{ bytes: body, type }],
+    busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined),
+    options,
+    t0,
+  };
 }
 
 /** Files in one `POST /v1/tasks/batch`. */
@@ -201,8 +239,16 @@ export function parseBatchRequest(url: URL, body: Buffer, t0: number): TaskReque
   const json = parseJsonObject(body);
   if (typeof json.model !== 'string' || !json.model) throw invalid('model', 'required, a model id string');
   const files = json.files;
-  if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES) throw invalid('files', `required, an array of 1-${MAX_BATCH_FILES} base64-encoded audio files`);
-  return { kind: 'batch', model: json.model, files: files.map((f, i) => parseBase64Audio(f, `files.${i}`)), busyTimeoutMs: parseTimeout(json.busy_timeout_ms), options: json.options, t0 };
+  if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES)
+    throw invalid('files', `required, an array of 1-${MAX_BATCH_FILES} base64-encoded audio files`);
+  return {
+    kind: 'batch',
+    model: json.model,
+    files: files.map((f, i) => parseBase64Audio(f, `files.${i}`)),
+    busyTimeoutMs: parseTimeout(json.busy_timeout_ms),
+    options: json.options,
+    t0,
+  };
 }
 
 /** One connection's HTTP socket actor and the responses it writes to, by request number. */
@@ -237,7 +283,12 @@ export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: Htt
         return sendJson(res, o.status, o.body);
       case 'fail':
         if (res.headersSent) return void res.destroy();
-        return sendJson(res, o.error.status, o.error.body, o.error.retryAfterS !== undefined ? { 'retry-after': String(o.error.retryAfterS) } : {});
+        return sendJson(
+          res,
+          o.error.status,
+          o.error.body,
+          o.error.retryAfterS !== undefined ? { 'retry-after': String(o.error.retryAfterS) } : {},
+        );
       case 'sse-start':
         return void res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-store' });
       case 'sse-event':

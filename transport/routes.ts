@@ -10,7 +10,16 @@ import type { Access } from './access.js';
 import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
 import { demoRoute } from './demo.js';
 import { DEBUG_OFF_PAGE, homePage, sendHtml } from './home.js';
-import { parseBatchRequest, parseJsonObject, parseRunRequest, readBody, requireMediaType, requireRunMediaType, sendJson, type HttpLink } from './http.js';
+import {
+  parseBatchRequest,
+  parseJsonObject,
+  parseRunRequest,
+  readBody,
+  requireMediaType,
+  requireRunMediaType,
+  sendJson,
+  type HttpLink,
+} from './http.js';
 import type { StreamLink } from './stream.js';
 
 /**
@@ -87,7 +96,10 @@ function matchPath(pattern: string, path: string): Record<string, string> | null
     try {
       params[name] = decodeURIComponent(raw);
     } catch {
-      throw voxError('invalid_field', { field: name, problem: `not valid percent-encoding in the path: ${raw.slice(0, 64)}` });
+      throw voxError('invalid_field', {
+        field: name,
+        problem: `not valid percent-encoding in the path: ${raw.slice(0, 64)}`,
+      });
     }
   }
   return params;
@@ -98,7 +110,11 @@ function matchPath(pattern: string, path: string): Record<string, string> | null
  * the table has for the path (a 405), empty when it has none (a 404).
  * @throws VoxError `invalid_field` for a path parameter that is not valid percent-encoding.
  */
-export function findRoute(routes: readonly Route<unknown>[], method: string, path: string): Match | { allow: string[] } {
+export function findRoute(
+  routes: readonly Route<unknown>[],
+  method: string,
+  path: string,
+): Match | { allow: string[] } {
   const allow: string[] = [];
   for (const r of routes) {
     const params = matchPath(r.path, path);
@@ -130,7 +146,9 @@ export interface RouteDeps {
  * Origin checks and CORS preflight first, then the route's auth, body types, refusal while not
  * accepting work, body, handler. Throws the error to answer (the caller writes it).
  */
-export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number) => Promise<void> {
+export function createDispatch(
+  deps: RouteDeps,
+): (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number) => Promise<void> {
   const { config, supervisor, access, streams, sse, inspected, cluster } = deps;
   const { metrics } = supervisor;
   const demo = demoRoute(deps.demo);
@@ -140,7 +158,11 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
     if (!cluster) return list;
     const held = cluster.holdersByModel();
     const out: (T & { nodes?: unknown[] })[] = list.map((m) => ({ ...m, nodes: held.get(m.id) ?? [] }));
-    for (const [id, nodes] of held) if (!list.some((m) => m.id === id)) out.push({ id, task: nodes[0].task, state: 'unloaded', loaded: false, nodes } as unknown as T & { nodes: unknown[] });
+    for (const [id, nodes] of held)
+      if (!list.some((m) => m.id === id))
+        out.push({ id, task: nodes[0].task, state: 'unloaded', loaded: false, nodes } as unknown as T & {
+          nodes: unknown[];
+        });
     return out;
   };
 
@@ -160,7 +182,8 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       return { id: body.id, loaded: false, nodes: r.nodes };
     }
     if (path === '/v1/models/unload_many') {
-      if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids', 'required, an array of model id strings');
+      if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
+        throw invalid('ids', 'required, an array of model id strings');
       return c.manageUnload(body.ids as string[], body.node);
     }
     const { unloaded, nodes } = await c.manageUnload(undefined, body.node);
@@ -172,10 +195,12 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
   const jsonBody = async (req: IncomingMessage, res: ServerResponse): Promise<Record<string, unknown>> =>
     parseJsonObject(await readBody(req, res, 1024 * 1024, config.limits.idle_ms));
   /** A task body: up to `limits.max_body_bytes`, parsed as the route asks, with the time it started. */
-  const taskBody = (parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest) => async (req: IncomingMessage, res: ServerResponse, url: URL): Promise<TaskRequest> => {
-    const t0 = performance.now();
-    return parse(req, url, await readBody(req, res, config.limits.max_body_bytes, config.limits.idle_ms), t0);
-  };
+  const taskBody =
+    (parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest) =>
+    async (req: IncomingMessage, res: ServerResponse, url: URL): Promise<TaskRequest> => {
+      const t0 = performance.now();
+      return parse(req, url, await readBody(req, res, config.limits.max_body_bytes, config.limits.idle_ms), t0);
+    };
   /** Aborts when a manager's client goes away (its request then leaves the model's queue). */
   const goneSignal = (res: ServerResponse): AbortSignal => {
     const gone = new AbortController();
@@ -191,8 +216,18 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
   /** Every HTTP route (the WebSocket upgrade of `/v1/stream` is handled on `upgrade`). */
   const routes: Route<unknown>[] = [
     // A person who opens the server's address in a browser: what it is and where to go.
-    route({ method: 'GET', path: '/', auth: 'none', handle: ({ res }) => sendHtml(res, 200, homePage(deps.demo, config.management.enabled)) }),
-    route({ method: 'GET', path: '/health', auth: 'none', handle: ({ res }) => sendJson(res, 200, { status: 'ok', models: supervisor.statuses().length }) }),
+    route({
+      method: 'GET',
+      path: '/',
+      auth: 'none',
+      handle: ({ res }) => sendHtml(res, 200, homePage(deps.demo, config.management.enabled)),
+    }),
+    route({
+      method: 'GET',
+      path: '/health',
+      auth: 'none',
+      handle: ({ res }) => sendJson(res, 200, { status: 'ok', models: supervisor.statuses().length }),
+    }),
     route({
       method: 'GET',
       path: '/ready',
@@ -201,11 +236,23 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
         if (!supervisor.accepting) return sendJson(res, 503, { status: supervisor.phase });
         const failed = supervisor.failedModels();
         // Still ready (the other models serve), but a configured model that failed to load is named.
-        const clustered = cluster ? { cluster: { node: cluster.name, nats: cluster.connected ? 'connected' : 'disconnected' } } : {};
-        sendJson(res, 200, failed.length ? { status: 'ready', failed_models: failed, ...clustered } : { status: 'ready', ...clustered });
+        const clustered = cluster
+          ? { cluster: { node: cluster.name, nats: cluster.connected ? 'connected' : 'disconnected' } }
+          : {};
+        sendJson(
+          res,
+          200,
+          failed.length ? { status: 'ready', failed_models: failed, ...clustered } : { status: 'ready', ...clustered },
+        );
       },
     }),
-    route({ method: 'GET', path: '/v1/models', auth: 'none', handle: ({ res }) => sendJson(res, 200, { models: withNodes(supervisor.statuses()), failed_models: supervisor.failedModels() }) }),
+    route({
+      method: 'GET',
+      path: '/v1/models',
+      auth: 'none',
+      handle: ({ res }) =>
+        sendJson(res, 200, { models: withNodes(supervisor.statuses()), failed_models: supervisor.failedModels() }),
+    }),
     route({
       method: 'GET',
       path: '/v1/cluster',
@@ -243,17 +290,50 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       },
     }),
     // The debug page and its layout script hold no data; what they show does.
-    route({ method: 'GET', path: '/debug', auth: 'managementPage', offPage: DEBUG_OFF_PAGE, handle: ({ res }) => page(res, 'text/html; charset=utf-8', 'no-store', DEBUG_PAGE) }),
-    route({ method: 'GET', path: '/debug/elk.js', auth: 'managementPage', handle: ({ res }) => page(res, 'text/javascript; charset=utf-8', 'max-age=3600', ELK_SCRIPT) }),
-    route({ method: 'GET', path: '/debug/charts', auth: 'management', handle: ({ res }) => sendJson(res, 200, CHARTS) }),
-    route({ method: 'GET', path: '/debug/state', auth: 'management', handle: ({ res }) => sendJson(res, 200, debugState(supervisor, streams, inspected.log)) }),
-    route({ method: 'GET', path: '/debug/actors', auth: 'management', handle: ({ res }) => streamActors(res, inspected.log, sse) }),
-    ...(['GET', 'HEAD'] as const).flatMap((method) => ['/demo', '/demo/*'].map((path) => route({ method, path, auth: 'none', handle: (r) => demo(r.path, r.res) }))),
+    route({
+      method: 'GET',
+      path: '/debug',
+      auth: 'managementPage',
+      offPage: DEBUG_OFF_PAGE,
+      handle: ({ res }) => page(res, 'text/html; charset=utf-8', 'no-store', DEBUG_PAGE),
+    }),
+    route({
+      method: 'GET',
+      path: '/debug/elk.js',
+      auth: 'managementPage',
+      handle: ({ res }) => page(res, 'text/javascript; charset=utf-8', 'max-age=3600', ELK_SCRIPT),
+    }),
+    route({
+      method: 'GET',
+      path: '/debug/charts',
+      auth: 'management',
+      handle: ({ res }) => sendJson(res, 200, CHARTS),
+    }),
+    route({
+      method: 'GET',
+      path: '/debug/state',
+      auth: 'management',
+      handle: ({ res }) => sendJson(res, 200, debugState(supervisor, streams, inspected.log)),
+    }),
+    route({
+      method: 'GET',
+      path: '/debug/actors',
+      auth: 'management',
+      handle: ({ res }) => streamActors(res, inspected.log, sse),
+    }),
+    ...(['GET', 'HEAD'] as const).flatMap((method) =>
+      ['/demo', '/demo/*'].map((path) => route({ method, path, auth: 'none', handle: (r) => demo(r.path, r.res) })),
+    ),
     route({
       ...management,
       method: 'POST',
       path: '/v1/models/load',
-      handle: async ({ res, path, body }) => sendJson(res, 200, cluster ? await manageCluster(cluster, path, body) : await supervisor.load(body, timeout, goneSignal(res))),
+      handle: async ({ res, path, body }) =>
+        sendJson(
+          res,
+          200,
+          cluster ? await manageCluster(cluster, path, body) : await supervisor.load(body, timeout, goneSignal(res)),
+        ),
     }),
     route({
       ...management,
@@ -274,7 +354,8 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       path: '/v1/models/unload_many',
       handle: async ({ res, path, body }) => {
         if (cluster) return sendJson(res, 200, await manageCluster(cluster, path, body));
-        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string')) throw invalid('ids', 'required, an array of model id strings');
+        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
+          throw invalid('ids', 'required, an array of model id strings');
         sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout, goneSignal(res)));
       },
     }),
@@ -283,10 +364,24 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       method: 'POST',
       path: '/v1/models/unload_all',
       handle: async ({ res, path, body }) =>
-        sendJson(res, 200, cluster ? await manageCluster(cluster, path, body) : { unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, goneSignal(res))).unloaded }),
+        sendJson(
+          res,
+          200,
+          cluster
+            ? await manageCluster(cluster, path, body)
+            : { unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, goneSignal(res))).unloaded },
+        ),
     }),
     // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
-    route({ method: 'POST', path: '/v1/tasks/run', auth: 'apiKey', accepts: requireRunMediaType, work: true, body: taskBody(parseRunRequest), handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }) }),
+    route({
+      method: 'POST',
+      path: '/v1/tasks/run',
+      auth: 'apiKey',
+      accepts: requireRunMediaType,
+      work: true,
+      body: taskBody(parseRunRequest),
+      handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
+    }),
     route({
       method: 'POST',
       path: '/v1/tasks/batch',
@@ -296,7 +391,14 @@ export function createDispatch(deps: RouteDeps): (req: IncomingMessage, res: Ser
       body: taskBody((_req, url, body, t0) => parseBatchRequest(url, body, t0)),
       handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
     }),
-    route({ method: 'GET', path: '/v1/stream', auth: 'none', handle: ({ path }) => { throw voxError('websocket_required', { path }); } }),
+    route({
+      method: 'GET',
+      path: '/v1/stream',
+      auth: 'none',
+      handle: ({ path }) => {
+        throw voxError('websocket_required', { path });
+      },
+    }),
   ];
 
   /** Answers one HTTP request from the table: access checks, then its route's auth, body types, body and handler. */

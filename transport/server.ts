@@ -59,10 +59,19 @@ export type ServerOptions = Pick<SupervisorOptions, 'loader' | 'catalog' | 'memo
 const LINGER_MS = 5000;
 
 /** Answers on a raw socket that is not (or no longer) an HTTP response: a JSON body, then the connection closes. */
-function endWithJson(socket: { end(data: string): void }, status: number, body: unknown, headers: Record<string, string> = {}): void {
+function endWithJson(
+  socket: { end(data: string): void },
+  status: number,
+  body: unknown,
+  headers: Record<string, string> = {},
+): void {
   const text = JSON.stringify(body);
-  const extra = Object.entries(headers).map(([k, v]) => `${k}: ${v}\r\n`).join('');
-  socket.end(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json\r\n${extra}Connection: close\r\nContent-Length: ${Buffer.byteLength(text)}\r\n\r\n${text}`);
+  const extra = Object.entries(headers)
+    .map(([k, v]) => `${k}: ${v}\r\n`)
+    .join('');
+  socket.end(
+    `HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json\r\n${extra}Connection: close\r\nContent-Length: ${Buffer.byteLength(text)}\r\n\r\n${text}`,
+  );
 }
 
 /**
@@ -72,15 +81,26 @@ function endWithJson(socket: { end(data: string): void }, status: number, body: 
  */
 export async function startServer(config: ServerConfig, options: ServerOptions = {}): Promise<VoxServer> {
   if (config.management.enabled && !config.management.token && !isLoopback(config.host)) {
-    throw new Error(`refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`);
+    throw new Error(
+      `refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`,
+    );
   }
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
   // Cluster mode: NATS first (a node that cannot reach it fails here, naming the URL); logs carry the node name.
-  const baseLog = config.cluster ? (options.log ?? createLogger(config.log_level)).child({ node: clusterSettings(config.cluster).node }) : options.log;
-  const cluster = config.cluster ? await ClusterNode.connect(config, { log: baseLog!, memoryProbe: options.memoryProbe ?? availableMemory }) : null;
-  const supervisor = new Supervisor(config, { ...options, log: baseLog, inspect: inspected.inspect, place: cluster?.place });
+  const baseLog = config.cluster
+    ? (options.log ?? createLogger(config.log_level)).child({ node: clusterSettings(config.cluster).node })
+    : options.log;
+  const cluster = config.cluster
+    ? await ClusterNode.connect(config, { log: baseLog!, memoryProbe: options.memoryProbe ?? availableMemory })
+    : null;
+  const supervisor = new Supervisor(config, {
+    ...options,
+    log: baseLog,
+    inspect: inspected.inspect,
+    place: cluster?.place,
+  });
   const { log, root } = supervisor;
   /** Tells the system root an event, unless it has stopped. */
   const tell = (event: SystemEvent): void => {
@@ -89,7 +109,16 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
-  const dispatch = createDispatch({ config, supervisor, access, streams, sse, inspected, cluster, demo: config.demo.enabled ?? isLoopback(config.host) });
+  const dispatch = createDispatch({
+    config,
+    supervisor,
+    access,
+    streams,
+    sse,
+    inspected,
+    cluster,
+    demo: config.demo.enabled ?? isLoopback(config.host),
+  });
 
   const headersTimeout = config.limits.headers_timeout_ms;
   const http = createServer(
@@ -155,7 +184,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     if (!socket.writable) return socket.destroy();
     const status = err.code === 'HPE_HEADER_OVERFLOW' ? 431 : err.code === 'ERR_HTTP_REQUEST_TIMEOUT' ? 408 : 400;
     const reason = err.code ?? err.message;
-    const e = voxError(status === 431 ? 'headers_too_large' : status === 408 ? 'headers_timeout' : 'malformed_request', { reason });
+    const e = voxError(
+      status === 431 ? 'headers_too_large' : status === 408 ? 'headers_timeout' : 'malformed_request',
+      { reason },
+    );
     endWithJson(socket, e.status, errorBody(e));
   });
 
@@ -174,7 +206,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     const refuse = (e: VoxError): void => endWithJson(socket, e.status, errorBody(e), errorHeaders(e));
     if ((req.headers.upgrade ?? '').toLowerCase() !== 'websocket') {
       // Another protocol (e.g. curl's h2c offer): answer a body-less request over HTTP/1.1 as usual.
-      if (req.method !== 'GET' && req.method !== 'HEAD') return refuse(voxError('upgrade_not_supported', { upgrade: String(req.headers.upgrade) }));
+      if (req.method !== 'GET' && req.method !== 'HEAD')
+        return refuse(voxError('upgrade_not_supported', { upgrade: String(req.headers.upgrade) }));
       const res = new ServerResponse(req);
       res.assignSocket(socket as Socket);
       res.shouldKeepAlive = false;
@@ -184,20 +217,28 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     try {
       access.host(req);
       access.origin(req);
-      if (path.replace(/\/+$/, '') !== '/v1/stream') throw voxError('route_not_found', { route: `WebSocket ${path}`, hint: 'streams are at /v1/stream' });
-      access.apiKey(req, (req.headers['sec-websocket-protocol'] ?? '').split(',').map((p) => p.trim()));
+      if (path.replace(/\/+$/, '') !== '/v1/stream')
+        throw voxError('route_not_found', { route: `WebSocket ${path}`, hint: 'streams are at /v1/stream' });
+      access.apiKey(
+        req,
+        (req.headers['sec-websocket-protocol'] ?? '').split(',').map((p) => p.trim()),
+      );
       // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
       // bad values of known ones are reported on the open stream (error event, close 1008).
       queryOptions(target.searchParams, STREAM_QUERY);
       if (!supervisor.accepting) throw supervisor.notAccepting();
-      if (streams.size >= config.limits.max_ws_connections) throw voxError('too_many_streams', { max: config.limits.max_ws_connections });
+      if (streams.size >= config.limits.max_ws_connections)
+        throw voxError('too_many_streams', { max: config.limits.max_ws_connections });
     } catch (e) {
       return refuse(toVoxError(e));
     }
     if (socket.destroyed) return;
     wss.handleUpgrade(req, socket, head, (ws) => {
       const protocol = (ws.protocol || SUBPROTOCOLS[0]) as Subprotocol;
-      const socketActor = createStreamSocket({ url: req.url ?? '/', limits: config.limits, registry: supervisor }, inspected.inspect);
+      const socketActor = createStreamSocket(
+        { url: req.url ?? '/', limits: config.limits, registry: supervisor },
+        inspected.inspect,
+      );
       drainOnShutdown(supervisor.root, socketActor.actor);
       const link = bindStream(ws, socketActor, protocol, config.limits);
       streams.add(link);
@@ -228,7 +269,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     log.info({ uri: wyoming.uri }, 'wyoming listening');
   }
   /** Wyoming connections count as streams in the drain. */
-  const wyomingLinks = (): { released: Promise<void>; actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void } }[] => [...(wyoming?.links ?? [])];
+  const wyomingLinks = (): {
+    released: Promise<void>;
+    actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void };
+  }[] => [...(wyoming?.links ?? [])];
   if (cluster) {
     try {
       await cluster.attach(supervisor, `http://${host}:${addr.port}`);
@@ -257,19 +301,32 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
     cluster?.drain();
-    log.info({ drain_timeout_ms: config.drain_timeout_ms, streams: streams.size, wyoming: wyoming?.links.size, requests: inflight.size }, 'shutting down');
+    log.info(
+      {
+        drain_timeout_ms: config.drain_timeout_ms,
+        streams: streams.size,
+        wyoming: wyoming?.links.size,
+        requests: inflight.size,
+      },
+      'shutting down',
+    );
     for (const res of sse) res.end();
     // Phase 2 (the root's `draining`, which emitted `drain`): running work finishes; streams get
     // their last events and `done`. The chart moves on when it has (`DRAINED`, then a linger for
     // idle keep-alive connections), at the drain deadline, or on `destroy()`: it emits `cut`.
-    void Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]).then(() => tell({ type: 'DRAINED' }));
+    void Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]).then(() =>
+      tell({ type: 'DRAINED' }),
+    );
     await cut;
     // Phase 3: what is left is cut off.
     void closeListener();
     http.closeIdleConnections();
-    for (const s of [...streams, ...wyomingLinks()]) s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
+    for (const s of [...streams, ...wyomingLinks()])
+      s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
     supervisor.revokeAll(supervisor.notAccepting());
-    const wyomingClosed = wyoming ? new Promise<void>((resolve) => wyoming!.server.close(() => resolve())) : Promise.resolve();
+    const wyomingClosed = wyoming
+      ? new Promise<void>((resolve) => wyoming!.server.close(() => resolve()))
+      : Promise.resolve();
     await Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);
     http.closeAllConnections();
     for (const c of wss.clients) c.terminate();

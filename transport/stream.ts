@@ -26,7 +26,10 @@ function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; er
     return { type: 'BAD_CONTROL', error: voxError('invalid_control_message', { json: false }).toWire() };
   }
   if (msg && typeof msg === 'object' && (msg as { type?: unknown }).type === 'end') return { type: 'END' };
-  return { type: 'BAD_CONTROL', error: voxError('invalid_control_message', { json: true, type: (msg as { type?: unknown })?.type }).toWire() };
+  return {
+    type: 'BAD_CONTROL',
+    error: voxError('invalid_control_message', { json: true, type: (msg as { type?: unknown })?.type }).toWire(),
+  };
 }
 
 /**
@@ -37,7 +40,12 @@ function controlEvent(text: string): { type: 'END' } | { type: 'BAD_CONTROL'; er
  * subprotocol; a client holding more than `limits.ws_max_buffered_bytes` unread gets
  * `SEND_BLOCKED` instead). Starts the actor.
  */
-export function bindStream(ws: WebSocket, { actor, channel }: StreamSocketHandle, protocol: Subprotocol, limits: Limits): StreamLink {
+export function bindStream(
+  ws: WebSocket,
+  { actor, channel }: StreamSocketHandle,
+  protocol: Subprotocol,
+  limits: Limits,
+): StreamLink {
   let unflushed = 0;
   /** Socket events after the actor's final state (a late close) have no one to hear them. */
   const tell = (e: StreamInput): void => {

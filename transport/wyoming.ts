@@ -36,7 +36,8 @@ const isObject = (v: unknown): v is Record<string, unknown> => typeof v === 'obj
  */
 export class WyomingParser {
   private buf: Buffer = Buffer.alloc(0);
-  private header: { type: string; data: Record<string, unknown>; dataLength: number; payloadLength: number } | null = null;
+  private header: { type: string; data: Record<string, unknown>; dataLength: number; payloadLength: number } | null =
+    null;
 
   /**
    * @param maxHeaderBytes longest header line, and the largest data section, bytes.
@@ -58,7 +59,8 @@ export class WyomingParser {
     for (;;) {
       if (!this.header) {
         const nl = this.buf.indexOf(10);
-        if (nl < 0 ? this.buf.length > this.maxHeaderBytes : nl > this.maxHeaderBytes) throw new WyomingFramingError(`header line over ${this.maxHeaderBytes} bytes`);
+        if (nl < 0 ? this.buf.length > this.maxHeaderBytes : nl > this.maxHeaderBytes)
+          throw new WyomingFramingError(`header line over ${this.maxHeaderBytes} bytes`);
         if (nl < 0) break;
         const line = this.buf.subarray(0, nl).toString('utf8');
         this.buf = this.buf.subarray(nl + 1);
@@ -75,7 +77,8 @@ export class WyomingParser {
         } catch {
           throw new WyomingFramingError(`${this.header.type}: the data section is not valid JSON`);
         }
-        if (!isObject(extra)) throw new WyomingFramingError(`${this.header.type}: the data section must be a JSON object`);
+        if (!isObject(extra))
+          throw new WyomingFramingError(`${this.header.type}: the data section must be a JSON object`);
         data = { ...data, ...extra };
       }
       const payload = payloadLength > 0 ? Buffer.from(this.buf.subarray(dataLength, dataLength + payloadLength)) : null;
@@ -95,14 +98,21 @@ export class WyomingParser {
     }
     if (!isObject(h)) throw new WyomingFramingError('header line must be a JSON object');
     if (typeof h.type !== 'string' || !h.type) throw new WyomingFramingError('header.type: required, a string');
-    if (h.data !== undefined && h.data !== null && !isObject(h.data)) throw new WyomingFramingError(`${h.type}: header.data must be a JSON object`);
+    if (h.data !== undefined && h.data !== null && !isObject(h.data))
+      throw new WyomingFramingError(`${h.type}: header.data must be a JSON object`);
     const length = (name: 'data_length' | 'payload_length', max: number): number => {
       const v = h[name] ?? 0;
-      if (typeof v !== 'number' || !Number.isInteger(v) || v < 0) throw new WyomingFramingError(`${h.type}: header.${name} must be a non-negative integer`);
+      if (typeof v !== 'number' || !Number.isInteger(v) || v < 0)
+        throw new WyomingFramingError(`${h.type}: header.${name} must be a non-negative integer`);
       if (v > max) throw new WyomingFramingError(`${h.type}: header.${name} ${v} is over the limit of ${max} bytes`);
       return v;
     };
-    return { type: h.type, data: (h.data as Record<string, unknown>) ?? {}, dataLength: length('data_length', this.maxHeaderBytes), payloadLength: length('payload_length', this.maxPayloadBytes) };
+    return {
+      type: h.type,
+      data: (h.data as Record<string, unknown>) ?? {},
+      dataLength: length('data_length', this.maxHeaderBytes),
+      payloadLength: length('payload_length', this.maxPayloadBytes),
+    };
   }
 }
 
@@ -110,7 +120,10 @@ export class WyomingParser {
 export function encodeWyoming(type: string, data?: Record<string, unknown>): Buffer {
   if (!data || Object.keys(data).length === 0) return Buffer.from(`${JSON.stringify({ type })}\n`);
   const body = Buffer.from(JSON.stringify(data));
-  return Buffer.concat([Buffer.from(`${JSON.stringify({ type, data_length: body.length, payload_length: 0 })}\n`), body]);
+  return Buffer.concat([
+    Buffer.from(`${JSON.stringify({ type, data_length: body.length, payload_length: 0 })}\n`),
+    body,
+  ]);
 }
 
 /** A stream event as a Wyoming event; null for events Wyoming has no place for (`ready`, `done`). */
@@ -138,7 +151,12 @@ export interface WyomingLink {
  * Malformed input gets an `error` event and the connection is cut (close code 1008 in the log).
  * Starts the actor.
  */
-export function bindWyoming(socket: Socket, { actor, channel }: { actor: StreamSocket; channel: WyomingChannel }, config: ServerConfig, registry: Supervisor): WyomingLink {
+export function bindWyoming(
+  socket: Socket,
+  { actor, channel }: { actor: StreamSocket; channel: WyomingChannel },
+  config: ServerConfig,
+  registry: Supervisor,
+): WyomingLink {
   const limits = config.limits;
   const tell = (e: StreamInput | { type: 'CUT'; code: number; reason: string }): void => {
     if (actor.getSnapshot().status === 'active') actor.send(e as StreamInput);
@@ -223,7 +241,11 @@ export interface WyomingService {
  * `limits.max_ws_connections` connections, or while the server is not accepting work, a new
  * connection gets an `error` event and is closed.
  */
-export async function startWyoming(config: ServerConfig, registry: Supervisor, inspect?: (e: InspectionEvent) => void): Promise<WyomingService> {
+export async function startWyoming(
+  config: ServerConfig,
+  registry: Supervisor,
+  inspect?: (e: InspectionEvent) => void,
+): Promise<WyomingService> {
   const links = new Set<WyomingLink>();
   const sockets = new Set<Socket>();
   const server = createServer((socket) => {

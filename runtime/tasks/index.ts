@@ -18,8 +18,18 @@ export { drain } from './task.js';
  * @param probabilities a VAD stream's `probability` events (see {@link ProbabilityStream}); absent: none.
  * @throws VoxError `invalid_request_error` naming the bad `options.*` field, or `probabilities` asked of a model that is not VAD.
  */
-export function createTaskSession(config: ModelConfig, info: SlotInfo, options: unknown, keepResults: boolean, probabilities?: ProbabilityStream): TaskSession {
-  if (probabilities && config.task !== 'vad') throw invalid('probabilities', `only VAD models stream speech probabilities; '${config.id}' is a ${config.task} model`);
+export function createTaskSession(
+  config: ModelConfig,
+  info: SlotInfo,
+  options: unknown,
+  keepResults: boolean,
+  probabilities?: ProbabilityStream,
+): TaskSession {
+  if (probabilities && config.task !== 'vad')
+    throw invalid(
+      'probabilities',
+      `only VAD models stream speech probabilities; '${config.id}' is a ${config.task} model`,
+    );
   if (options !== undefined && (typeof options !== 'object' || options === null || Array.isArray(options))) {
     parseTaskOptions(config.task, options); // throws the schema's message for a non-object
   }
@@ -28,7 +38,10 @@ export function createTaskSession(config: ModelConfig, info: SlotInfo, options: 
   const opts = parseTaskOptions('wakeword', merged);
   // The request's own fields apply to every head; the model's configured ones only where a head has none.
   const given = (options ?? {}) as Record<string, unknown>;
-  const override = { threshold: 'threshold' in given ? opts.threshold : undefined, refractory_ms: 'refractory_ms' in given ? opts.refractory_ms : undefined };
+  const override = {
+    threshold: 'threshold' in given ? opts.threshold : undefined,
+    refractory_ms: 'refractory_ms' in given ? opts.refractory_ms : undefined,
+  };
   return new WakewordSession(info, headsOf(config), opts, override, keepResults);
 }
 

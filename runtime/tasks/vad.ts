@@ -81,7 +81,8 @@ export class VadSegmenter {
     this.minSpeech = (RATE * o.min_speech_duration_ms) / 1000;
     this.minSilence = (RATE * o.min_silence_duration_ms) / 1000;
     this.pad = Math.floor((RATE * o.speech_pad_ms) / 1000);
-    this.maxSpeech = o.max_speech_duration_s === undefined ? Infinity : RATE * o.max_speech_duration_s - SILERO.WINDOW - 2 * this.pad;
+    this.maxSpeech =
+      o.max_speech_duration_s === undefined ? Infinity : RATE * o.max_speech_duration_s - SILERO.WINDOW - 2 * this.pad;
     this.minSilenceAtMax = (RATE * o.min_silence_at_max_speech) / 1000;
     this.useMaxPoss = o.use_max_poss_sil_at_max_speech;
   }
@@ -180,7 +181,8 @@ export class VadSegmenter {
   private settle(cur: number, processed: number, events: TaskEvent[]): TaskEvent[] {
     if (this.triggered && !this.started && (this.tempEnd || cur) - this.start > this.minSpeech) this.confirm(events);
     // The earliest start a later kept segment can have: the current (unconfirmed) one's, else past what was processed.
-    if (this.closed && (this.triggered ? this.start : processed) - this.closed.end >= 2 * this.pad) events.push(this.finishClosed(null, Infinity));
+    if (this.closed && (this.triggered ? this.start : processed) - this.closed.end >= 2 * this.pad)
+      events.push(this.finishClosed(null, Infinity));
     if (!this.triggered) {
       this.probs.length = 0;
       this.probsBase = this.index;
@@ -193,7 +195,13 @@ export class VadSegmenter {
     const c = this.closed!;
     this.closed = null;
     const end = gap !== null && gap < 2 * this.pad ? c.end + Math.floor(gap / 2) : Math.min(limit, c.end + this.pad);
-    const seg: Segment = { start_sample: c.start_sample, end_sample: end, start_ms: msOf(c.start_sample), end_ms: msOf(end), confidence: c.confidence };
+    const seg: Segment = {
+      start_sample: c.start_sample,
+      end_sample: end,
+      start_ms: msOf(c.start_sample),
+      end_ms: msOf(end),
+      confidence: c.confidence,
+    };
     if (this.keep) this.segments.push(seg);
     return { type: 'speech_end', start_ms: seg.start_ms, end_ms: seg.end_ms, confidence: c.confidence };
   }

@@ -69,7 +69,8 @@ export class WakewordSession extends WindowedSession {
     // openWakeWord's models read int16-scaled audio.
     super(OWW.STEP, 32767);
     const slotHeads = info.heads ?? [{ window: 16, labels: ['@model'] }];
-    if (slotHeads.length !== heads.length) throw new Error(`slots report ${slotHeads.length} heads, the model has ${heads.length}`);
+    if (slotHeads.length !== heads.length)
+      throw new Error(`slots report ${slotHeads.length} heads, the model has ${heads.length}`);
     this.columns = slotHeads.flatMap((h, i) =>
       h.labels.map((l) => ({
         label: l === '@model' ? heads[i].label : l,
@@ -80,7 +81,8 @@ export class WakewordSession extends WindowedSession {
     );
     const window = Math.max(...slotHeads.map((h) => h.window));
     this.embeddings = new Float32Array(window * OWW.EMBEDDING);
-    if (info.initialEmbeddings) this.embeddings.set(info.initialEmbeddings.subarray(info.initialEmbeddings.length - this.embeddings.length));
+    if (info.initialEmbeddings)
+      this.embeddings.set(info.initialEmbeddings.subarray(info.initialEmbeddings.length - this.embeddings.length));
   }
 
   get processedSamples(): number {

@@ -19,7 +19,12 @@ function fakeLoader(gate: { hold: Promise<void> | null }): ModelLoader {
       info: {},
       run: async (job: Job): Promise<JobResult> => {
         await gate.hold;
-        return { kind: 'vad', probs: new Float32Array(1), state: (job as { state: Float32Array }).state, context: new Float32Array(64) };
+        return {
+          kind: 'vad',
+          probs: new Float32Array(1),
+          state: (job as { state: Float32Array }).state,
+          context: new Float32Array(64),
+        };
       },
       close: async () => {},
       onExit: () => {},
@@ -31,11 +36,23 @@ function fakeLoader(gate: { hold: Promise<void> | null }): ModelLoader {
 }
 
 const catalog = ['A', 'B'].map((id) => ModelConfig.parse({ id, task: 'vad', path: '/fake.onnx', max_batch_size: 1 }));
-const job = () => ({ kind: 'vad' as const, windows: new Float32Array(512), state: new Float32Array(256), context: new Float32Array(64) });
+const job = () => ({
+  kind: 'vad' as const,
+  windows: new Float32Array(512),
+  state: new Float32Array(256),
+  context: new Float32Array(64),
+});
 
-function system(extra: Record<string, unknown>, gate = { hold: null as Promise<void> | null }): { sup: Supervisor; log: InspectionLog; gate: typeof gate } {
+function system(
+  extra: Record<string, unknown>,
+  gate = { hold: null as Promise<void> | null },
+): { sup: Supervisor; log: InspectionLog; gate: typeof gate } {
   const log = new InspectionLog(10_000);
-  const sup = new Supervisor(ServerConfig.parse({ log_level: 'silent', ...extra }), { loader: fakeLoader(gate), catalog, inspect: log.inspect });
+  const sup = new Supervisor(ServerConfig.parse({ log_level: 'silent', ...extra }), {
+    loader: fakeLoader(gate),
+    catalog,
+    inspect: log.inspect,
+  });
   return { sup, log, gate };
 }
 
@@ -65,18 +82,42 @@ describe('eviction as the inspector sees it', () => {
     await request(sup, 'B');
     const r = log.recent();
     if (process.env.DUMP) console.log(r.map((x) => JSON.stringify(x)).join('\n'));
-    const asked = find(r, 'B asks the gate', (x) => x.actor === 'supervisor' && x.kind === '@xstate.event' && x.event === 'LOAD_REQUESTED' && x.payload?.id === 'B');
-    const room = find(r, 'supervisor making room', (x) => x.actor === 'supervisor' && x.kind === '@xstate.snapshot' && x.state === 'evicting', asked);
+    const asked = find(
+      r,
+      'B asks the gate',
+      (x) =>
+        x.actor === 'supervisor' && x.kind === '@xstate.event' && x.event === 'LOAD_REQUESTED' && x.payload?.id === 'B',
+    );
+    const room = find(
+      r,
+      'supervisor making room',
+      (x) => x.actor === 'supervisor' && x.kind === '@xstate.snapshot' && x.state === 'evicting',
+      asked,
+    );
     expect(r[room].context?.victim).toEqual({ id: 'A', reason: 'lru' });
     expect(r[room].context?.room).toMatchObject({ target: 'B', max_loaded: 1, resident: ['A'], candidates: ['A'] });
-    const evict = find(r, 'A receives EVICT lru', (x) => x.actor === 'model:A' && x.kind === '@xstate.event' && x.event === 'EVICT' && x.payload?.reason === 'lru', room);
+    const evict = find(
+      r,
+      'A receives EVICT lru',
+      (x) => x.actor === 'model:A' && x.kind === '@xstate.event' && x.event === 'EVICT' && x.payload?.reason === 'lru',
+      room,
+    );
     const unloading = find(r, 'A unloading', (x) => x.actor === 'model:A' && x.state === 'resident.unloading', evict);
     const unloaded = find(r, 'A unloaded', (x) => x.actor === 'model:A' && x.state === 'unloaded', unloading);
     // B waited at the gate (`loading.queued`) from its request on; it builds only once A is gone.
-    const queued = find(r, 'B queued at the gate', (x) => x.actor === 'model:B' && x.state === 'resident.loading.queued');
+    const queued = find(
+      r,
+      'B queued at the gate',
+      (x) => x.actor === 'model:B' && x.state === 'resident.loading.queued',
+    );
     expect(queued).toBeLessThan(room);
     const granted = find(r, 'the gate grants B', (x) => x.actor === 'supervisor' && x.state === 'loading', unloaded);
-    const building = find(r, 'B loading', (x) => x.actor === 'model:B' && x.state === 'resident.loading.building', granted);
+    const building = find(
+      r,
+      'B loading',
+      (x) => x.actor === 'model:B' && x.state === 'resident.loading.building',
+      granted,
+    );
     find(r, 'B ready', (x) => x.actor === 'model:B' && x.state?.startsWith('resident.ready') === true, building);
     expect(sup.status('A')).toMatchObject({ state: 'unloaded', last_eviction: { reason: 'lru' } });
     expect(sup.status('B')).toMatchObject({ state: 'ready' });
@@ -90,7 +131,15 @@ describe('eviction as the inspector sees it', () => {
     await new Promise((r) => setTimeout(r, 200));
     const r = log.recent();
     // Raised by A's own keep-alive delay: the snapshot it causes carries it.
-    const evict = find(r, 'A takes EVICT idle', (x) => x.actor === 'model:A' && x.event === 'EVICT' && x.payload?.reason === 'idle' && x.state === 'resident.unloading');
+    const evict = find(
+      r,
+      'A takes EVICT idle',
+      (x) =>
+        x.actor === 'model:A' &&
+        x.event === 'EVICT' &&
+        x.payload?.reason === 'idle' &&
+        x.state === 'resident.unloading',
+    );
     find(r, 'A unloaded', (x) => x.actor === 'model:A' && x.state === 'unloaded', evict);
     expect(r[evict].at - t0).toBeLessThan(200);
     expect(sup.status('A')).toMatchObject({ state: 'unloaded', last_eviction: { reason: 'idle' } });
@@ -127,9 +176,23 @@ describe('eviction as the inspector sees it', () => {
     expect((err as Error).message).toMatch(/max_loaded_models \(1\)/);
     expect(waited).toBeGreaterThanOrEqual(290);
     const r = log.recent();
-    const evict = find(r, 'A asked to EVICT', (x) => x.actor === 'model:A' && x.event === 'EVICT' && x.payload?.reason === 'lru');
-    const refusal = find(r, 'A refuses', (x) => x.actor === 'supervisor' && x.event === 'EVICT_REFUSED' && x.payload?.id === 'A', evict);
-    const waiting = find(r, 'the gate waits for a release', (x) => x.actor === 'supervisor' && x.state === 'waitingForRelease', refusal);
+    const evict = find(
+      r,
+      'A asked to EVICT',
+      (x) => x.actor === 'model:A' && x.event === 'EVICT' && x.payload?.reason === 'lru',
+    );
+    const refusal = find(
+      r,
+      'A refuses',
+      (x) => x.actor === 'supervisor' && x.event === 'EVICT_REFUSED' && x.payload?.id === 'A',
+      evict,
+    );
+    const waiting = find(
+      r,
+      'the gate waits for a release',
+      (x) => x.actor === 'supervisor' && x.state === 'waitingForRelease',
+      refusal,
+    );
     expect(r[waiting].context?.waitingFor).toBe('release');
     expect(r.some((x) => x.actor === 'model:A' && x.state === 'resident.unloading')).toBe(false);
     expect(sup.status('A')).toMatchObject({ state: 'ready' });

@@ -9,7 +9,9 @@ import { Limits } from '../../runtime/config.js';
 import type { Supervisor } from '../../actors/supervisor.js';
 
 function start() {
-  const actor = createActor(httpSocketMachine, { input: { limits: Limits.parse({ idle_ms: 0 }), registry: {} as Supervisor } });
+  const actor = createActor(httpSocketMachine, {
+    input: { limits: Limits.parse({ idle_ms: 0 }), registry: {} as Supervisor },
+  });
   const out: HttpOutput[] = [];
   actor.on('*', (o: HttpOutput) => void out.push(o));
   actor.start();

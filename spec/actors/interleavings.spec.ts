@@ -22,7 +22,12 @@ import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protoc
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 
 const RUNS = Number(process.env.FC_RUNS ?? 1000);
-const replay = process.env.FC_SEED ? { seed: Number(process.env.FC_SEED), ...(process.env.FC_PATH ? { path: process.env.FC_PATH, endOnFailure: true } : {}) } : {};
+const replay = process.env.FC_SEED
+  ? {
+      seed: Number(process.env.FC_SEED),
+      ...(process.env.FC_PATH ? { path: process.env.FC_PATH, endOnFailure: true } : {}),
+    }
+  : {};
 
 /** `hangs`: a slot host that never finishes loading until it is killed (its load signal aborts: the load timeout, or an unload). */
 type LoadFault = 'ok' | 'throws' | 'no-session' | 'clone-fails' | 'hangs';
@@ -93,7 +98,13 @@ class World {
         const expected = e instanceof VoxError || (e instanceof DOMException && e.name === 'AbortError');
         if (!expected) this.violations.push(`${name} threw ${(e as Error)?.stack ?? e}`);
         // A load still building when the clock passes load_timeout_ms fails by design.
-        else if (e instanceof VoxError && e.status === 500 && this.faultsUsed === 0 && !/load_timeout_ms/.test(e.message)) this.violations.push(`${name}: 500 with no fault injected: ${e.message}`);
+        else if (
+          e instanceof VoxError &&
+          e.status === 500 &&
+          this.faultsUsed === 0 &&
+          !/load_timeout_ms/.test(e.message)
+        )
+          this.violations.push(`${name}: 500 with no fault injected: ${e.message}`);
       } finally {
         rec.done = true;
       }
@@ -124,7 +135,10 @@ function fakeLoader(w: World): ModelLoader {
         const n = made++;
         await w.s.schedule(Promise.resolve(), `slot ${id}#${n}`);
         if (fault === 'clone-fails' && n === 1) throw new Error('clone failed');
-        if (fault === 'hangs' && n === 0) await new Promise((resolve) => (signal?.aborted ? resolve(null) : signal?.addEventListener('abort', resolve, { once: true })));
+        if (fault === 'hangs' && n === 0)
+          await new Promise((resolve) =>
+            signal?.aborted ? resolve(null) : signal?.addEventListener('abort', resolve, { once: true }),
+          );
         // Like a process host: once the load is abandoned it is killed before it reports loaded.
         if (signal?.aborted) throw new Error('slot host was killed by SIGKILL');
         let exit: ((e: Error) => void) | null = null;
@@ -143,7 +157,12 @@ function fakeLoader(w: World): ModelLoader {
               cb?.(new Error('worker exited'));
               throw voxError('slot_failed', { reason: 'worker exited' });
             }
-            return { kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) };
+            return {
+              kind: 'vad',
+              probs: new Float32Array(0),
+              state: (job as { state: Float32Array }).state,
+              context: new Float32Array(64),
+            };
           },
           close: async () => {
             if (closed) return;
@@ -176,7 +195,12 @@ function fakeLoader(w: World): ModelLoader {
   };
 }
 
-const job = (): VadJob => ({ kind: 'vad', windows: new Float32Array(512), state: new Float32Array(256), context: new Float32Array(64) });
+const job = (): VadJob => ({
+  kind: 'vad',
+  windows: new Float32Array(512),
+  state: new Float32Array(256),
+  context: new Float32Array(64),
+});
 
 type Real = { w: World; sup: Supervisor };
 type Cmd = fc.AsyncCommand<object, Real, false>;
@@ -200,7 +224,8 @@ class Request implements Cmd {
       const lease = await entry.admit({ signal: ctl.signal, onRevoke: () => ctl.abort() });
       const exclusiveAlongside = (): void => {
         // A forced unload revokes (aborts) us and takes our lease away: then a manager may hold it.
-        if (entry.admission.exclusive && !ctl.signal.aborted) w.violations.push(`${this} holds a lease while a manager holds ${this.id} exclusively`);
+        if (entry.admission.exclusive && !ctl.signal.aborted)
+          w.violations.push(`${this} holds a lease while a manager holds ${this.id} exclusively`);
       };
       try {
         exclusiveAlongside();
@@ -210,7 +235,8 @@ class Request implements Cmd {
             // Only a forced unload or shutdown (which abort us) may close the pool under a held lease.
             // (A slot that died, an injected fault, unloads the model with its requests' slots.)
             const closed = /model unloaded/.test(e.message) || (/slot is closed/.test(e.message) && w.faultsUsed === 0);
-            if (closed && !ctl.signal.aborted) w.violations.push(`${this}: pool closed under a held lease: ${e.message}`);
+            if (closed && !ctl.signal.aborted)
+              w.violations.push(`${this}: pool closed under a held lease: ${e.message}`);
             // A revoked request answers with the revocation (503), not with what its inference hit.
             if (ctl.signal.aborted) throw new DOMException('revoked', 'AbortError');
             throw e;
@@ -279,7 +305,6 @@ class BulkUnload implements Cmd {
   toString = (): string => `unloadMany(${JSON.stringify(this.ids)})`;
 }
 
-
 /** Moves the fake clock: busy timeouts, keep-alive, the gate's deadline and memory poll, stream deadlines. */
 class Advance implements Cmd {
   constructor(readonly ms: number) {}
@@ -315,18 +340,24 @@ class Stream implements Cmd {
   check = (): boolean => true;
   async run(_m: object, { w, sup }: Real): Promise<void> {
     if (w.down) return;
-    const { actor, channel } = createStreamSocket({ url: `/v1/stream?model=${this.id}`, limits: STREAM_LIMITS, registry: sup });
+    const { actor, channel } = createStreamSocket({
+      url: `/v1/stream?model=${this.id}`,
+      limits: STREAM_LIMITS,
+      registry: sup,
+    });
     let release!: () => void;
     const released = new Promise<void>((r) => (release = r));
     // As the transport does: events for an actor past its final state are dropped.
-    const tell = (e: Parameters<typeof actor.send>[0]): void => void (actor.getSnapshot().status === 'active' && actor.send(e));
+    const tell = (e: Parameters<typeof actor.send>[0]): void =>
+      void (actor.getSnapshot().status === 'active' && actor.send(e));
     const later = (e: Parameters<typeof actor.send>[0]): void => queueMicrotask(() => tell(e));
     let reason = '';
     actor.on('*', (o: StreamOutput) => {
       if (o.type === 'close') reason = o.reason;
       if (o.type === 'released') release();
       else if (o.type === 'ping') later({ type: 'PONG' });
-      else if (o.type === 'close' || o.type === 'terminate') later({ type: 'PEER_CLOSED', code: o.type === 'close' ? o.code : 1006 });
+      else if (o.type === 'close' || o.type === 'terminate')
+        later({ type: 'PEER_CLOSED', code: o.type === 'close' ? o.code : 1006 });
     });
     drainOnShutdown(sup.root, actor);
     actor.subscribe({ error: (e) => w.violations.push(`${this} errored: ${e}`) });
@@ -344,7 +375,8 @@ class Stream implements Cmd {
       const code = actor.getSnapshot().context.code;
       // A load the scheduler holds past load_timeout_ms is abandoned (1011) with no fault injected: the
       // stream waits for it, as the idle deadline does not count the server's time.
-      if (code === 1011 && w.faultsUsed === 0 && !reason.includes('load_timeout_ms')) w.violations.push(`${this} closed 1011 with no fault injected: ${reason}`);
+      if (code === 1011 && w.faultsUsed === 0 && !reason.includes('load_timeout_ms'))
+        w.violations.push(`${this} closed 1011 with no fault injected: ${reason}`);
     });
   }
   toString = (): string => `stream(${this.id}, ${this.frames} frames, ${this.ending})`;
@@ -370,20 +402,47 @@ class Shutdown implements Cmd {
 }
 
 /** Stream deadlines short enough for `advance` to reach them. */
-const STREAM_LIMITS = ServerConfig.parse({ limits: { idle_ms: 100, heartbeat_ms: 70, send_timeout_ms: 50, total_ms: 400 } }).limits;
+const STREAM_LIMITS = ServerConfig.parse({
+  limits: { idle_ms: 100, heartbeat_ms: 70, send_timeout_ms: 50, total_ms: 400 },
+}).limits;
 
 const slotsArb = fc.constantFrom(1, 2, 4);
 const commandArb = fc.oneof(
   { weight: 5, arbitrary: fc.tuple(idArb, fc.integer({ min: 1, max: 3 })).map(([id, n]) => new Request(id, n) as Cmd) },
   { weight: 2, arbitrary: fc.nat(20).map((i) => new Disconnect(i) as Cmd) },
   // No batch delay timer: the scheduler alone orders everything.
-  { weight: 2, arbitrary: fc.tuple(idArb, slotsArb).map(([id, slots]) => new Load(id, { task: 'vad', path: '/fake.onnx', slots, max_batch_delay_ms: 0 }) as Cmd) },
-  { weight: 1, arbitrary: fc.tuple(idArb, fc.constantFrom(0, 17, 1.5, '2', null, true)).map(([id, slots]) => new Load(id, { slots }) as Cmd) },
-  { weight: 1, arbitrary: fc.tuple(idArb, fc.integer({ min: 1, max: 8 })).map(([id, max_streams]) => new Load(id, { max_streams }) as Cmd) },
+  {
+    weight: 2,
+    arbitrary: fc
+      .tuple(idArb, slotsArb)
+      .map(([id, slots]) => new Load(id, { task: 'vad', path: '/fake.onnx', slots, max_batch_delay_ms: 0 }) as Cmd),
+  },
+  {
+    weight: 1,
+    arbitrary: fc
+      .tuple(idArb, fc.constantFrom(0, 17, 1.5, '2', null, true))
+      .map(([id, slots]) => new Load(id, { slots }) as Cmd),
+  },
+  {
+    weight: 1,
+    arbitrary: fc
+      .tuple(idArb, fc.integer({ min: 1, max: 8 }))
+      .map(([id, max_streams]) => new Load(id, { max_streams }) as Cmd),
+  },
   { weight: 2, arbitrary: fc.tuple(idArb, fc.boolean()).map(([id, force]) => new Unload(id, force) as Cmd) },
-  { weight: 2, arbitrary: fc.array(fc.constantFrom(...IDS, 'nope'), { minLength: 1, maxLength: 5 }).map((ids) => new BulkUnload(ids) as Cmd) },
+  {
+    weight: 2,
+    arbitrary: fc
+      .array(fc.constantFrom(...IDS, 'nope'), { minLength: 1, maxLength: 5 })
+      .map((ids) => new BulkUnload(ids) as Cmd),
+  },
   { weight: 3, arbitrary: fc.constantFrom(1, 20, 60, 150).map((ms) => new Advance(ms) as Cmd) },
-  { weight: 2, arbitrary: fc.tuple(idArb, fc.integer({ min: 0, max: 3 }), fc.constantFrom('end', 'drop', 'none')).map(([id, n, e]) => new Stream(id, n, e as 'end') as Cmd) },
+  {
+    weight: 2,
+    arbitrary: fc
+      .tuple(idArb, fc.integer({ min: 0, max: 3 }), fc.constantFrom('end', 'drop', 'none'))
+      .map(([id, n, e]) => new Stream(id, n, e as 'end') as Cmd),
+  },
   { weight: 1, arbitrary: fc.constantFrom(1e12, 0).map((b) => new SetMemory(b) as Cmd) },
   { weight: 1, arbitrary: fc.constant(new Shutdown() as Cmd) },
 );
@@ -431,7 +490,16 @@ async function settle(s: fc.Scheduler): Promise<void> {
 
 /** Models a and b; with `batch`, their one-window jobs go through a batcher (no delay timer, so the scheduler orders everything). */
 const catalogOf = (batch: number): ModelConfig[] =>
-  IDS.slice(0, 2).map((id) => ModelConfig.parse({ id, task: 'vad', path: '/fake.onnx', max_streams: 2, max_batch_size: batch, max_batch_delay_ms: 0 }));
+  IDS.slice(0, 2).map((id) =>
+    ModelConfig.parse({
+      id,
+      task: 'vad',
+      path: '/fake.onnx',
+      max_streams: 2,
+      max_batch_size: batch,
+      max_batch_delay_ms: 0,
+    }),
+  );
 let current: World | null = null;
 const restore = instrumentAdmission(() => current);
 afterEach(() => {
@@ -458,18 +526,25 @@ async function runClock(s: fc.Scheduler, ms: number): Promise<void> {
 }
 
 /** One property: random commands, faults and clock moves against a supervisor set up as `setup` says. */
-async function checkInvariants(setup: Setup, totals: { runs: number; interleavings: number; commands: number }): Promise<void> {
+async function checkInvariants(
+  setup: Setup,
+  totals: { runs: number; interleavings: number; commands: number },
+): Promise<void> {
   const { limit, batch = 1 } = setup;
   const catalog = catalogOf(batch);
   await fc.assert(
     fc.asyncProperty(
       fc.scheduler(),
       fc.commands([commandArb], { maxCommands: 14 }),
-      fc.array(fc.constantFrom<LoadFault>('ok', 'ok', 'throws', 'no-session', 'clone-fails', 'hangs'), { maxLength: 6 }),
+      fc.array(fc.constantFrom<LoadFault>('ok', 'ok', 'throws', 'no-session', 'clone-fails', 'hangs'), {
+        maxLength: 6,
+      }),
       fc.array(fc.constantFrom<RunFault>('ok', 'ok', 'ok', 'throws', 'worker-exits'), { maxLength: 8 }),
       async (s, cmds, loadFaults, runFaults) => {
         // setImmediate stays real: `settle` uses it to let the scheduler's promises run.
-        vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'setInterval', 'clearInterval', 'Date', 'performance'] });
+        vi.useFakeTimers({
+          toFake: ['setTimeout', 'clearTimeout', 'setInterval', 'clearInterval', 'Date', 'performance'],
+        });
         try {
           const w = new World(s, loadFaults, runFaults, limit);
           current = w;
@@ -485,26 +560,50 @@ async function checkInvariants(setup: Setup, totals: { runs: number; interleavin
             models_root: false,
           });
           // The footprint estimate is given, not read from files: real I/O would race the scheduler.
-          const sup = new Supervisor(config, { loader: fakeLoader(w), catalog, memoryProbe: () => w.memory, footprint: async (c) => c.slots * 1000 });
+          const sup = new Supervisor(config, {
+            loader: fakeLoader(w),
+            catalog,
+            memoryProbe: () => w.memory,
+            footprint: async (c) => c.slots * 1000,
+          });
           await sup.start();
           await fc.scheduledModelRun(s, () => ({ model: {}, real: { w, sup } }), cmds);
           // Memory comes back, open streams' clients go away, and the clock runs until every deadline has passed.
           w.memory = 1e12;
           await settle(s);
-          for (const socket of w.sockets) if (socket.getSnapshot().status === 'active') socket.send({ type: 'PEER_CLOSED', code: 1006 });
+          for (const socket of w.sockets)
+            if (socket.getSnapshot().status === 'active') socket.send({ type: 'PEER_CLOSED', code: 1006 });
           await runClock(s, 1000);
           // Every operation settled: nothing hangs.
           const hung = w.ops.filter((o) => !o.done);
-          if (hung.length && process.env.FC_DEBUG) console.log('HUNG', hung.map((o) => o.name), s.count(), JSON.stringify(sup.actor.getSnapshot().value), sup.statuses().map((x) => `${x.id}:${x.state}:${x.active_leases}:${x.queued_requests}`), [...cmds].map(String));
+          if (hung.length && process.env.FC_DEBUG)
+            console.log(
+              'HUNG',
+              hung.map((o) => o.name),
+              s.count(),
+              JSON.stringify(sup.actor.getSnapshot().value),
+              sup.statuses().map((x) => `${x.id}:${x.state}:${x.active_leases}:${x.queued_requests}`),
+              [...cmds].map(String),
+            );
           expect(hung.length, `operations still pending: ${hung.map((o) => o.name).join(', ')}`).toBe(0);
           // Residency returns to baseline after unload of everything (shutdown did it already).
           if (!w.down) w.launch('unload_all', () => sup.unloadMany(sup.registeredIds, 0));
           await runClock(s, 100);
-          expect(w.ops.every((o) => o.done), 'unload_all settled').toBe(true);
+          expect(
+            w.ops.every((o) => o.done),
+            'unload_all settled',
+          ).toBe(true);
           expect(w.violations).toEqual([]);
           for (const id of sup.registeredIds) {
             const st = sup.status(id)!;
-            expect(st, `status of ${id}`).toMatchObject({ state: 'unloaded', loaded: false, resident_bytes: 0, active_leases: 0, queued_requests: 0, active_slots: 0 });
+            expect(st, `status of ${id}`).toMatchObject({
+              state: 'unloaded',
+              loaded: false,
+              resident_bytes: 0,
+              active_leases: 0,
+              queued_requests: 0,
+              active_slots: 0,
+            });
             expect(w.livePools.get(id) ?? 0, `pools of ${id}`).toBe(0);
             expect(w.liveSlots.get(id) ?? 0, `slots of ${id}`).toBe(0);
           }
@@ -520,7 +619,9 @@ async function checkInvariants(setup: Setup, totals: { runs: number; interleavin
     ),
     { numRuns: RUNS, ...replay },
   );
-  console.log(`interleavings (${JSON.stringify(setup)}): ${totals.runs} runs, ${totals.commands} commands, ${totals.interleavings} scheduled steps in random order`);
+  console.log(
+    `interleavings (${JSON.stringify(setup)}): ${totals.runs} runs, ${totals.commands} commands, ${totals.interleavings} scheduled steps in random order`,
+  );
 }
 
 const fresh = () => ({ runs: 0, interleavings: 0, commands: 0 });
@@ -538,9 +639,12 @@ describe('model lifecycle under random interleavings (fast-check scheduler, fake
     { limit: 1, busyTimeoutMs: 60 },
     { limit: 2, busyTimeoutMs: 60, idleUnloadMs: 30 },
     { limit: 3, busyTimeoutMs: 60, memoryGuard: true },
-  ])(`with max_loaded_models $limit never has more models resident, and every cold load loads or gets a 503 (${RUNS} runs, $busyTimeoutMs ms busy timeout)`, async (setup) => {
-    await checkInvariants(setup, fresh());
-  });
+  ])(
+    `with max_loaded_models $limit never has more models resident, and every cold load loads or gets a 503 (${RUNS} runs, $busyTimeoutMs ms busy timeout)`,
+    async (setup) => {
+      await checkInvariants(setup, fresh());
+    },
+  );
 });
 
 process.on('exit', restore);

@@ -14,7 +14,12 @@ const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
 
 function chart(fields: Record<string, unknown> = {}, server: { idle?: number; loadTimeout?: number } = {}) {
   const clock = new SimulatedClock();
-  const loads: { config: ModelConfig; signal: AbortSignal; resolve: (m: LoadedModel) => void; reject: (e: unknown) => void }[] = [];
+  const loads: {
+    config: ModelConfig;
+    signal: AbortSignal;
+    resolve: (m: LoadedModel) => void;
+    reject: (e: unknown) => void;
+  }[] = [];
   const closed: string[] = [];
   let failSlot: ((e: Error) => void) | null = null;
   const pool = (id: string, closeError?: Error): LoadedModel =>
@@ -30,7 +35,8 @@ function chart(fields: Record<string, unknown> = {}, server: { idle?: number; lo
   const evictions: EvictReason[] = [];
   const resident: (LoadedModel | null)[] = [];
   const deps: ModelDeps = {
-    loader: (config, signal) => new Promise((resolve, reject) => loads.push({ config: config as ModelConfig, signal: signal!, resolve, reject })),
+    loader: (config, signal) =>
+      new Promise((resolve, reject) => loads.push({ config: config as ModelConfig, signal: signal!, resolve, reject })),
     footprint: async () => 0,
     admission: {
       tryAcquire: (exclusive = false) => {
@@ -45,7 +51,10 @@ function chart(fields: Record<string, unknown> = {}, server: { idle?: number; lo
     now: () => clock.now(),
   };
   const config = ModelConfig.parse({ id: 'm', task: 'vad', path: '/m.onnx', ...fields });
-  const actor = createActor(modelMachine, { clock, input: { config, deps, serverIdleUnloadMs: server.idle ?? 0, serverLoadTimeoutMs: server.loadTimeout ?? 0 } });
+  const actor = createActor(modelMachine, {
+    clock,
+    input: { config, deps, serverIdleUnloadMs: server.idle ?? 0, serverLoadTimeoutMs: server.loadTimeout ?? 0 },
+  });
   actor.start();
   const emitted: string[] = [];
   actor.on('*', (e) => void emitted.push(e.type));
@@ -60,7 +69,22 @@ function chart(fields: Record<string, unknown> = {}, server: { idle?: number; lo
     loads.at(-1)!.resolve(pool(id));
     await flush();
   };
-  return { actor, clock, loads, closed, leases, evictions, resident, emitted, replies, inbox: inbox as AnyActorRef, value, load, pool, failSlot: (e: Error) => failSlot!(e) };
+  return {
+    actor,
+    clock,
+    loads,
+    closed,
+    leases,
+    evictions,
+    resident,
+    emitted,
+    replies,
+    inbox: inbox as AnyActorRef,
+    value,
+    load,
+    pool,
+    failSlot: (e: Error) => failSlot!(e),
+  };
 }
 
 describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () => {
@@ -87,7 +111,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(c.loads).toHaveLength(1);
   });
 
-  it('LOAD_FAILED -> unloaded with lastError; a 503 refusal is not the model\'s fault (lastError kept)', async () => {
+  it("LOAD_FAILED -> unloaded with lastError; a 503 refusal is not the model's fault (lastError kept)", async () => {
     const c = chart();
     c.actor.send({ type: 'LOAD' });
     await flush();
@@ -100,7 +124,10 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     await flush();
     c.loads[1].reject(new VoxError('insufficient_memory', 'no room'));
     await flush();
-    expect(c.actor.getSnapshot().context).toMatchObject({ lastError: 'bad weights', failure: expect.objectContaining({ type: 'insufficient_memory' }) });
+    expect(c.actor.getSnapshot().context).toMatchObject({
+      lastError: 'bad weights',
+      failure: expect.objectContaining({ type: 'insufficient_memory' }),
+    });
   });
 
   it('a loader that yields no session fails the load', async () => {
@@ -266,11 +293,23 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const { setup } = await import('xstate');
     const requests: { replyTo: AnyActorRef; timeout_ms: number }[] = [];
     const clock = new SimulatedClock();
-    const gate = fromCallback(({ receive }) => receive((e: { type: string; replyTo: AnyActorRef; timeout_ms: number }) => void (e.type === 'LOAD_REQUESTED' && requests.push(e))));
+    const gate = fromCallback(({ receive }) =>
+      receive(
+        (e: { type: string; replyTo: AnyActorRef; timeout_ms: number }) =>
+          void (e.type === 'LOAD_REQUESTED' && requests.push(e)),
+      ),
+    );
     const parent = setup({ actors: { gate, model: modelMachine } }).createMachine({
       invoke: [
         { src: 'gate', systemId: 'supervisor' },
-        { id: 'model', src: 'model', input: () => ({ config: ModelConfig.parse({ id: 'm', task: 'vad', path: '/m.onnx', busy_timeout_ms: 700 }), deps: chartDeps() }) },
+        {
+          id: 'model',
+          src: 'model',
+          input: () => ({
+            config: ModelConfig.parse({ id: 'm', task: 'vad', path: '/m.onnx', busy_timeout_ms: 700 }),
+            deps: chartDeps(),
+          }),
+        },
       ],
     });
     const loads: unknown[] = [];

@@ -19,7 +19,13 @@ function fakeLoader(opts: { fail?: () => string | null; delayMs?: number } = {})
     if (err) throw new Error(err);
     const factory = async (_s: LoadSpec): Promise<SlotHost> => ({
       info: {},
-      run: async (job: Job) => ({ kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) }) as JobResult,
+      run: async (job: Job) =>
+        ({
+          kind: 'vad',
+          probs: new Float32Array(0),
+          state: (job as { state: Float32Array }).state,
+          context: new Float32Array(64),
+        }) as JobResult,
       close: async () => {},
       onExit: (cb) => kills.push(cb),
       residentBytes: () => 0,
@@ -46,7 +52,12 @@ describe('ModelEntry', () => {
     const f = fakeLoader({ fail: () => (failures-- > 0 ? 'bad weights' : null) });
     const e = new ModelEntry(config, { loader: f.loader });
     await expect(e.ensureReady()).rejects.toThrow(/failed to load: bad weights/);
-    expect(e.status()).toMatchObject({ state: 'unloaded', loaded: false, last_error: 'bad weights', resident_bytes: 0 });
+    expect(e.status()).toMatchObject({
+      state: 'unloaded',
+      loaded: false,
+      last_error: 'bad weights',
+      resident_bytes: 0,
+    });
     await e.ensureReady();
     expect(e.status()).toMatchObject({ state: 'ready', last_error: null });
     expect(f.calls).toHaveLength(2);

@@ -18,7 +18,9 @@ const stuckWork = fromCallback(({ sendBack, receive }) => {
 
 function start(limits: Partial<Limits>) {
   const machine = streamSocketMachine.provide({ actors: { work: stuckWork as never }, actions: { log: () => {} } });
-  const actor = createActor(machine, { input: { id: 'test', limits: Limits.parse({ idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 0, ...limits }) } });
+  const actor = createActor(machine, {
+    input: { id: 'test', limits: Limits.parse({ idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 0, ...limits }) },
+  });
   const out: StreamOutput[] = [];
   actor.on('*', (o: StreamOutput) => void out.push(o));
   actor.start();
@@ -32,27 +34,38 @@ describe('stream deadlines count only the peer time', () => {
   it.each([
     ['idle_ms', { idle_ms: 100 }, { code: 1008, reason: 'no message for limits.idle_ms (100 ms)' }],
     ['heartbeat_ms', { heartbeat_ms: 100 }, { code: 1001, reason: 'no pong: peer is gone' }],
-    ['send_timeout_ms', { send_timeout_ms: 100 }, { code: 1013, reason: 'client is not reading: a send waited over limits.send_timeout_ms (100 ms)' }],
-  ] as const)('%s is suspended while the server has paused reading, and runs a full period once it reads again', async (_name, limits, cut) => {
-    const s = start(limits);
-    s.actor.send({ type: 'PAUSE' });
-    await vi.advanceTimersByTimeAsync(10_000);
-    expect(s.closes()).toEqual([]);
-    expect(s.out.filter((o) => o.type === 'ping')).toEqual([]);
-    s.actor.send({ type: 'RESUME' });
-    await vi.advanceTimersByTimeAsync(90);
-    expect(s.closes()).toEqual([]);
-    await vi.advanceTimersByTimeAsync(300); // heartbeat: one ping, unanswered at the next
-    expect(s.closes()).toEqual([{ type: 'close', ...cut }]);
-  });
+    [
+      'send_timeout_ms',
+      { send_timeout_ms: 100 },
+      { code: 1013, reason: 'client is not reading: a send waited over limits.send_timeout_ms (100 ms)' },
+    ],
+  ] as const)(
+    '%s is suspended while the server has paused reading, and runs a full period once it reads again',
+    async (_name, limits, cut) => {
+      const s = start(limits);
+      s.actor.send({ type: 'PAUSE' });
+      await vi.advanceTimersByTimeAsync(10_000);
+      expect(s.closes()).toEqual([]);
+      expect(s.out.filter((o) => o.type === 'ping')).toEqual([]);
+      s.actor.send({ type: 'RESUME' });
+      await vi.advanceTimersByTimeAsync(90);
+      expect(s.closes()).toEqual([]);
+      await vi.advanceTimersByTimeAsync(300); // heartbeat: one ping, unanswered at the next
+      expect(s.closes()).toEqual([{ type: 'close', ...cut }]);
+    },
+  );
 
   it('a client over ws_max_buffered_bytes while the server has paused reading: 1013 "server is behind" (the server gives up); while reading: "client is not reading"', async () => {
     const paused = start({});
     paused.actor.send({ type: 'PAUSE' });
     paused.actor.send({ type: 'SEND_BLOCKED' });
-    expect(paused.closes()).toEqual([{ type: 'close', code: 1013, reason: expect.stringMatching(/^server is behind: .*while it paused reading/) }]);
+    expect(paused.closes()).toEqual([
+      { type: 'close', code: 1013, reason: expect.stringMatching(/^server is behind: .*while it paused reading/) },
+    ]);
     const reading = start({});
     reading.actor.send({ type: 'SEND_BLOCKED' });
-    expect(reading.closes()).toEqual([{ type: 'close', code: 1013, reason: expect.stringMatching(/^client is not reading/) }]);
+    expect(reading.closes()).toEqual([
+      { type: 'close', code: 1013, reason: expect.stringMatching(/^client is not reading/) },
+    ]);
   });
 });

@@ -44,10 +44,16 @@ function gate(guarded: boolean, room: Room) {
       receive((e) => {
         asked.push({ id, reason: e.reason });
         const answer = answers[id] ?? 'EVICTED';
-        if (answer !== 'silent') e.replyTo.send(answer === 'EVICTED' ? { type: 'EVICTED', id, reason: e.reason } : { type: 'EVICT_REFUSED', id, reason: e.reason, state: 'ready' });
+        if (answer !== 'silent')
+          e.replyTo.send(
+            answer === 'EVICTED'
+              ? { type: 'EVICTED', id, reason: e.reason }
+              : { type: 'EVICT_REFUSED', id, reason: e.reason, state: 'ready' },
+          );
       });
     });
-  for (const id of ['a', 'b', 'c']) actor.send({ type: 'REGISTER', id, logic: victim(id) as unknown as typeof modelMachine, input: {} as never });
+  for (const id of ['a', 'b', 'c'])
+    actor.send({ type: 'REGISTER', id, logic: victim(id) as unknown as typeof modelMachine, input: {} as never });
   /** A model's `residency` actor at the gate: records the answers it gets. */
   const requester = (id: string, needed_bytes = 0, timeout_ms = 0) => {
     const got: { type: string; error?: { type: string; message: string } }[] = [];
@@ -133,7 +139,12 @@ describe('supervisor chart (createActor, SimulatedClock, no Supervisor class)', 
     g.clock.increment(499);
     expect(x).toEqual([]);
     g.clock.increment(1);
-    expect(x).toMatchObject([{ type: 'LOAD_REFUSED', error: { type: 'server_busy', message: expect.stringContaining('max_loaded_models (1) reached') } }]);
+    expect(x).toMatchObject([
+      {
+        type: 'LOAD_REFUSED',
+        error: { type: 'server_busy', message: expect.stringContaining('max_loaded_models (1) reached') },
+      },
+    ]);
     expect(g.state()).toBe('idle');
   });
 
@@ -155,7 +166,17 @@ describe('supervisor chart (createActor, SimulatedClock, no Supervisor class)', 
   it('memory short and nothing resident: LOAD_REFUSED insufficient_memory at once, with the figures', () => {
     const g = gate(true, { ...open(), headroom: 100 * 2 ** 20, free: 150 * 2 ** 20 });
     const x = g.requester('x', 60 * 2 ** 20, 1000);
-    expect(x).toMatchObject([{ type: 'LOAD_REFUSED', error: { type: 'insufficient_memory', message: expect.stringContaining('needs about 60 MiB plus 100 MiB of headroom (min_free_memory_mb), but only 150 MiB is available') } }]);
+    expect(x).toMatchObject([
+      {
+        type: 'LOAD_REFUSED',
+        error: {
+          type: 'insufficient_memory',
+          message: expect.stringContaining(
+            'needs about 60 MiB plus 100 MiB of headroom (min_free_memory_mb), but only 150 MiB is available',
+          ),
+        },
+      },
+    ]);
     expect(g.state()).toBe('idle');
   });
 

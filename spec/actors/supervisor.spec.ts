@@ -17,7 +17,8 @@ function model(name: string, sizeMiB: number, runMs: number): string {
   writeFileSync(path, syntheticModel(sizeMiB, Math.max(1, Math.round(runMs / msPerMatmul))));
   return path;
 }
-const wav = (seconds: number): Buffer => toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: Math.round(16000 * seconds) });
+const wav = (seconds: number): Buffer =>
+  toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: Math.round(16000 * seconds) });
 const paths: Record<string, string> = {};
 
 beforeAll(async () => {
@@ -34,15 +35,27 @@ afterAll(async () => {
 
 async function serve(extra: Record<string, unknown>, ids: string[], options = {}): Promise<VoxServer> {
   const models = ids.map((id) => ({ id, task: 'vad', path: paths[id] }));
-  const s = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, management: { enabled: true }, models, ...extra }), options);
+  const s = await startServer(
+    ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, models, ...extra }),
+    options,
+  );
   servers.push(s);
   return s;
 }
 const run = async (s: VoxServer, id: string, seconds = 0.25): Promise<number> =>
-  (await fetch(`${s.url}/v1/tasks/run?model=${id}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(seconds)) })).status;
+  (
+    await fetch(`${s.url}/v1/tasks/run?model=${id}`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wav(seconds)),
+    })
+  ).status;
 const status = async (s: VoxServer, id: string) => (await fetch(`${s.url}/v1/models/${id}`)).json();
 const loaded = async (s: VoxServer) =>
-  ((await (await fetch(`${s.url}/v1/models`)).json()).models as { id: string; loaded: boolean }[]).filter((m) => m.loaded).map((m) => m.id).sort();
+  ((await (await fetch(`${s.url}/v1/models`)).json()).models as { id: string; loaded: boolean }[])
+    .filter((m) => m.loaded)
+    .map((m) => m.id)
+    .sort();
 /** Fails the test instead of hanging. */
 const within = <T>(ms: number, p: Promise<T>): Promise<T> =>
   Promise.race([p, new Promise<T>((_, reject) => setTimeout(() => reject(new Error(`hung for ${ms} ms`)), ms))]);
@@ -84,7 +97,11 @@ describe('supervisor on the real server', () => {
     const evictionsBefore = s.supervisor.evictions;
     const long = run(s, 'slow', 1); // ~31 windows x 60 ms in one slot job
     await until(async () => (await status(s, 'slow')).active_slots === 1);
-    const unload = fetch(`${s.url}/v1/models/unload`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'slow', force: true }) });
+    const unload = fetch(`${s.url}/v1/models/unload`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ id: 'slow', force: true }),
+    });
     await until(async () => (await status(s, 'slow')).retiring === true);
     expect(await within(10_000, run(s, 'D'))).toBe(200);
     await unload;
@@ -103,7 +120,7 @@ describe('supervisor on the real server', () => {
     expect(await loaded(s)).toEqual(['A', 'C', 'D']);
   });
 
-  it('(4) a cold request 100 ms after another model\'s cold load: the fresh model is not evicted before its first request runs', async () => {
+  it("(4) a cold request 100 ms after another model's cold load: the fresh model is not evicted before its first request runs", async () => {
     const s = await serve({ max_loaded_models: 1, busy_timeout_ms: 5000 }, ['A', 'B']);
     let aDone = 0;
     const a = run(s, 'A', 1).then((code) => ((aDone = Date.now()), code));
@@ -127,11 +144,17 @@ describe('supervisor on the real server', () => {
     // The documented estimate (README, memory guard): slots x (32 MiB + 1.5 x the file's bytes).
     const estimate = config.slots * (32 * 1024 * 1024 + 1.5 * statSync(paths.big).size);
     expect(await s.supervisor.footprint(config)).toBe(estimate);
-    const refused = await fetch(`${s.url}/v1/tasks/run?model=big`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(0.1)) });
+    const refused = await fetch(`${s.url}/v1/tasks/run?model=big`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wav(0.1)),
+    });
     expect(refused.status).toBe(503);
     const body = await refused.json();
     expect(body.error.type).toBe('insufficient_memory');
-    expect(body.error.message).toContain(`needs about ${Math.round(estimate / 2 ** 20)} MiB plus 100 MiB of headroom (min_free_memory_mb), but only 150 MiB is available`);
+    expect(body.error.message).toContain(
+      `needs about ${Math.round(estimate / 2 ** 20)} MiB plus 100 MiB of headroom (min_free_memory_mb), but only 150 MiB is available`,
+    );
     expect(refused.headers.get('retry-after')).toBeTruthy();
     expect(await status(s, 'big')).toMatchObject({ state: 'unloaded', last_error: null });
 
@@ -140,9 +163,19 @@ describe('supervisor on the real server', () => {
     const measured = (await status(s, 'big')).resident_bytes;
     expect(measured).toBeGreaterThan(20 * 1024 * 1024); // 20 MiB of weights at least
     expect(Math.round(measured / 2 ** 20)).not.toBe(Math.round(estimate / 2 ** 20)); // so that the message below tells which was used
-    await fetch(`${s.url}/v1/models/unload`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'big' }) });
+    await fetch(`${s.url}/v1/models/unload`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ id: 'big' }),
+    });
     available = 50 * 1024 * 1024;
-    const again = await (await fetch(`${s.url}/v1/tasks/run?model=big`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(0.1)) })).json();
+    const again = await (
+      await fetch(`${s.url}/v1/tasks/run?model=big`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(wav(0.1)),
+      })
+    ).json();
     expect(again.error.message).toContain(`needs about ${Math.round(measured / 2 ** 20)} MiB plus 100 MiB`);
   });
 

@@ -9,7 +9,10 @@ const LINGER_MS = 1000;
 /** A root with a do-nothing supervisor, the drain deadline at 5 s, and what it emitted. */
 function root() {
   const clock = new SimulatedClock();
-  const machine = systemMachine.provide({ actors: { supervisor: fromCallback(() => {}) }, delays: { drainTimeout: DRAIN_MS, idleLinger: LINGER_MS } });
+  const machine = systemMachine.provide({
+    actors: { supervisor: fromCallback(() => {}) },
+    delays: { drainTimeout: DRAIN_MS, idleLinger: LINGER_MS },
+  });
   const actor = createActor(machine, { clock, input: {} });
   const emitted: string[] = [];
   for (const type of ['drain', 'linger', 'cut'] as const) actor.on(type, () => emitted.push(type));

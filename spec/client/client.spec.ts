@@ -35,7 +35,12 @@ function pcmOf(name: string): { pcm: Buffer; rate: number; channels: number; fra
   const wav = new WaveFile(fixture(name));
   wav.toBitDepth('16');
   const { sampleRate: rate, numChannels: channels } = wav.fmt as { sampleRate: number; numChannels: number };
-  return { pcm: Buffer.from((wav.data as { samples: Uint8Array }).samples), rate, channels, frameBytes: Math.round(rate / 10) * 2 * channels };
+  return {
+    pcm: Buffer.from((wav.data as { samples: Uint8Array }).samples),
+    rate,
+    channels,
+    frameBytes: Math.round(rate / 10) * 2 * channels,
+  };
 }
 
 /** Fields that differ from run to run. */
@@ -94,7 +99,10 @@ describe('voxserve/client streams against a real server', () => {
     expect(expected.length).toBeGreaterThanOrEqual(2);
     for (const protocol of ['json', 'msgpack'] as const) {
       const events = await clientStream(model, name, protocol);
-      expect(events.map((e) => stable(e as Record<string, unknown>)), protocol).toEqual(expected);
+      expect(
+        events.map((e) => stable(e as Record<string, unknown>)),
+        protocol,
+      ).toEqual(expected);
     }
   });
 
@@ -102,7 +110,9 @@ describe('voxserve/client streams against a real server', () => {
     const { pcm, frameBytes } = pcmOf('espeak_sentence_16k.wav');
     const stream = await vox.stream({ model: 'silero-vad' });
     const heard: string[] = [];
-    stream.on('speech_start', (e) => heard.push(`start ${e.at_ms}`)).on('speech_end', (e) => heard.push(`end ${e.start_ms}-${e.end_ms}`));
+    stream
+      .on('speech_start', (e) => heard.push(`start ${e.at_ms}`))
+      .on('speech_end', (e) => heard.push(`end ${e.start_ms}-${e.end_ms}`));
     let closed: number | undefined;
     stream.on('close', (c) => (closed = c.code));
     for (let off = 0; off < pcm.length; off += frameBytes) await stream.send(pcm.subarray(off, off + frameBytes));
@@ -211,11 +221,13 @@ describe('errors are typed with the wire type', () => {
     const stream = await vox.stream({ model: 'forced' });
     await stream.send(Buffer.alloc(3200));
     await vox.unload('forced', { force: true });
-    const e = await refusal((async () => {
-      for await (const _ of stream) {
-        // drain
-      }
-    })());
+    const e = await refusal(
+      (async () => {
+        for await (const _ of stream) {
+          // drain
+        }
+      })(),
+    );
     expect(e.closeCode).toBe(1012);
     expect(e.type).not.toBe('connection_error');
     expect((await stream.closed).error).toBe(e);
@@ -223,10 +235,17 @@ describe('errors are typed with the wire type', () => {
   });
 
   it('run: not_found 404, invalid_request_error 400 for a file that is not audio', async () => {
-    expect(await refusal(vox.run(fixture('Front_Center.wav'), { model: 'nope' }))).toMatchObject({ type: 'not_found', status: 404 });
-    const bad = await refusal(vox.run(new TextEncoder().encode('RIFF but not really a wav file'), { model: 'silero-vad' }));
+    expect(await refusal(vox.run(fixture('Front_Center.wav'), { model: 'nope' }))).toMatchObject({
+      type: 'not_found',
+      status: 404,
+    });
+    const bad = await refusal(
+      vox.run(new TextEncoder().encode('RIFF but not really a wav file'), { model: 'silero-vad' }),
+    );
     expect(bad).toMatchObject({ type: 'invalid_request_error', status: 400 });
-    const badOption = await refusal(vox.run(fixture('Front_Center.wav'), { model: 'silero-vad', options: { thresold: 0.4 } }));
+    const badOption = await refusal(
+      vox.run(fixture('Front_Center.wav'), { model: 'silero-vad', options: { thresold: 0.4 } }),
+    );
     expect(badOption.type).toBe('invalid_request_error');
     expect(badOption.message).toMatch(/thresold/);
   });
@@ -248,7 +267,10 @@ describe('errors are typed with the wire type', () => {
     await new Promise((r) => probe.close(r));
     const gone = new VoxClient({ url: `http://127.0.0.1:${port}` });
     expect(await refusal(gone.models())).toMatchObject({ type: 'connection_error', code: 'ECONNREFUSED' });
-    expect(await refusal(gone.stream({ model: 'silero-vad' }))).toMatchObject({ type: 'connection_error', code: 'ECONNREFUSED' });
+    expect(await refusal(gone.stream({ model: 'silero-vad' }))).toMatchObject({
+      type: 'connection_error',
+      code: 'ECONNREFUSED',
+    });
   });
 
   it('an undecodable event frame fails the stream (server_error) instead of throwing in the socket listener', async () => {
@@ -259,12 +281,16 @@ describe('errors are typed with the wire type', () => {
       ws.send('{not json');
     });
     try {
-      const stream = await new VoxClient({ url: `http://127.0.0.1:${(wss.address() as AddressInfo).port}` }).stream({ model: 'm' });
-      const e = await refusal((async () => {
-        for await (const _ of stream) {
-          // drain
-        }
-      })());
+      const stream = await new VoxClient({ url: `http://127.0.0.1:${(wss.address() as AddressInfo).port}` }).stream({
+        model: 'm',
+      });
+      const e = await refusal(
+        (async () => {
+          for await (const _ of stream) {
+            // drain
+          }
+        })(),
+      );
       expect(e.type).toBe('server_error');
       expect(e.message).toMatch(/undecodable event frame/);
     } finally {
@@ -278,9 +304,15 @@ describe('errors are typed with the wire type', () => {
 });
 
 describe('files and management', () => {
-  it('run gives the route\'s result; with options they apply', async () => {
+  it("run gives the route's result; with options they apply", async () => {
     // Silero VAD v5: v6 (silero-vad) is confident enough on this recording to keep both segments at 0.99.
-    const direct = await (await fetch(`${server.url}/v1/tasks/run?model=silero-vad-v5`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Center.wav')) })).json();
+    const direct = await (
+      await fetch(`${server.url}/v1/tasks/run?model=silero-vad-v5`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(fixture('Front_Center.wav')),
+      })
+    ).json();
     const r = await vox.run(fixture('Front_Center.wav'), { model: 'silero-vad-v5' });
     expect(r.task === 'vad' && r.segments).toEqual(direct.segments);
     const strict = await vox.run(fixture('Front_Center.wav'), { model: 'silero-vad-v5', options: { threshold: 0.99 } });
@@ -300,11 +332,17 @@ describe('files and management', () => {
     for (let i = 1; i < seen.length; i++) expect(seen[i].processed_ms).toBeGreaterThan(seen[i - 1].processed_ms);
   });
 
-  it('batch yields each file\'s result or error, then done', async () => {
+  it("batch yields each file's result or error, then done", async () => {
     const events = [];
-    for await (const e of vox.batch([fixture('Front_Center.wav'), new Uint8Array([1, 2, 3]), fixture('silence_3s_16k.wav')], { model: 'silero-vad' })) events.push(e);
+    for await (const e of vox.batch(
+      [fixture('Front_Center.wav'), new Uint8Array([1, 2, 3]), fixture('silence_3s_16k.wav')],
+      { model: 'silero-vad' },
+    ))
+      events.push(e);
     expect(events.at(-1)).toMatchObject({ type: 'done', files: 3, failed: 1 });
-    const byIndex = Object.fromEntries(events.filter((e) => e.type !== 'done').map((e) => [(e as { index: number }).index, e]));
+    const byIndex = Object.fromEntries(
+      events.filter((e) => e.type !== 'done').map((e) => [(e as { index: number }).index, e]),
+    );
     expect(byIndex[0]).toMatchObject({ type: 'result', task: 'vad' });
     expect(byIndex[1]).toMatchObject({ type: 'error', error: { type: 'invalid_request_error' } });
     expect(byIndex[2]).toMatchObject({ type: 'result', segments: [] });
@@ -323,7 +361,8 @@ describe('package entry points', () => {
   const root = fileURLToPath(new URL('../..', import.meta.url));
 
   it('voxserve/client resolves under Node to the ws-backed client; voxserve to the server API', async () => {
-    const script = "const c = await import('voxserve/client'); const s = await import('voxserve'); const v = new c.VoxClient({ url: 'http://127.0.0.1:1' }); console.log(typeof c.VoxStream, typeof s.startServer, v.url);";
+    const script =
+      "const c = await import('voxserve/client'); const s = await import('voxserve'); const v = new c.VoxClient({ url: 'http://127.0.0.1:1' }); console.log(typeof c.VoxStream, typeof s.startServer, v.url);";
     const { stdout } = await exec(process.execPath, ['--input-type=module', '-e', script], { cwd: root });
     expect(stdout.trim()).toBe('function function http://127.0.0.1:1');
   });

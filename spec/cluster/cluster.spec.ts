@@ -18,9 +18,21 @@ const GB = 1024 ** 3;
 const HEARTBEAT_MS = 500;
 
 /** A node of a cluster on `nats`, with a memory probe reading `free[name]`. */
-function node(nats: string, name: string, free: Record<string, number>, extra: Record<string, unknown> = {}): Promise<VoxServer> {
+function node(
+  nats: string,
+  name: string,
+  free: Record<string, number>,
+  extra: Record<string, unknown> = {},
+): Promise<VoxServer> {
   return startServer(
-    ServerConfig.parse({ log_level: (process.env.CLUSTER_LOG as 'info') ?? 'silent', port: 0, isolation: 'thread', management: { enabled: true }, cluster: { nats, node: name, heartbeat_ms: HEARTBEAT_MS }, ...extra }),
+    ServerConfig.parse({
+      log_level: (process.env.CLUSTER_LOG as 'info') ?? 'silent',
+      port: 0,
+      isolation: 'thread',
+      management: { enabled: true },
+      cluster: { nats, node: name, heartbeat_ms: HEARTBEAT_MS },
+      ...extra,
+    }),
     { memoryProbe: () => free[name] },
   );
 }
@@ -34,18 +46,35 @@ const post = (url: string, body: unknown): Promise<{ status: number; body: any; 
   json(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
 
 /** `POST /v1/tasks/run` of a fixture. */
-function runFile(server: VoxServer, model: string, file: string, query = ''): Promise<{ status: number; body: any; headers: Headers }> {
-  return json(`${server.url}/v1/tasks/run?model=${model}${query}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture(file)) });
+function runFile(
+  server: VoxServer,
+  model: string,
+  file: string,
+  query = '',
+): Promise<{ status: number; body: any; headers: Headers }> {
+  return json(`${server.url}/v1/tasks/run?model=${model}${query}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(fixture(file)),
+  });
 }
 
 /** Streams a fixture in 100 ms frames with `protocol`; resolves with every event but `ready` and `done` (their ids and timings differ). */
-function streamEvents(server: VoxServer, model: string, file: string, protocol = 'voxserve.v1.json'): Promise<Record<string, unknown>[]> {
+function streamEvents(
+  server: VoxServer,
+  model: string,
+  file: string,
+  protocol = 'voxserve.v1.json',
+): Promise<Record<string, unknown>[]> {
   const w = new WaveFile(fixture(file));
   const { sampleRate } = w.fmt as { sampleRate: number };
   const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
   const frame = (sampleRate / 10) * 2;
   return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${sampleRate}`, protocol);
+    const ws = new WebSocket(
+      `${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${sampleRate}`,
+      protocol,
+    );
     const events: Record<string, unknown>[] = [];
     ws.on('error', reject);
     ws.on('message', (d: Buffer) => {
@@ -63,7 +92,9 @@ function streamEvents(server: VoxServer, model: string, file: string, protocol =
 /** The nodes holding `model` as `GET /v1/models` on `server` reports them. */
 async function holders(server: VoxServer, model: string): Promise<string[]> {
   const { body } = await json(`${server.url}/v1/models`);
-  return (body.models.find((m: { id: string }) => m.id === model)?.nodes ?? []).filter((n: { state: string }) => n.state === 'ready').map((n: { node: string }) => n.node);
+  return (body.models.find((m: { id: string }) => m.id === model)?.nodes ?? [])
+    .filter((n: { state: string }) => n.state === 'ready')
+    .map((n: { node: string }) => n.node);
 }
 
 /** A counter's value in a node's `/metrics` (summed over the series matching every label given). */
@@ -88,13 +119,23 @@ async function wyoming(server: VoxServer, file: string): Promise<Record<string, 
       const header = JSON.parse(buf.subarray(0, nl).toString());
       const dl = header.data_length ?? 0;
       if (buf.length < nl + 1 + dl + (header.payload_length ?? 0)) break;
-      events.push({ type: header.type, ...header.data, ...(dl ? JSON.parse(buf.subarray(nl + 1, nl + 1 + dl).toString()) : {}) });
+      events.push({
+        type: header.type,
+        ...header.data,
+        ...(dl ? JSON.parse(buf.subarray(nl + 1, nl + 1 + dl).toString()) : {}),
+      });
       buf = buf.subarray(nl + 1 + dl + (header.payload_length ?? 0));
     }
   });
   const send = (type: string, data: Record<string, unknown>, payload?: Buffer): void => {
     const body = Buffer.from(JSON.stringify(data));
-    socket.write(Buffer.concat([Buffer.from(`${JSON.stringify({ type, data_length: body.length, payload_length: payload?.length ?? 0 })}\n`), body, payload ?? Buffer.alloc(0)]));
+    socket.write(
+      Buffer.concat([
+        Buffer.from(`${JSON.stringify({ type, data_length: body.length, payload_length: payload?.length ?? 0 })}\n`),
+        body,
+        payload ?? Buffer.alloc(0),
+      ]),
+    );
   };
   const w = new WaveFile(fixture(file));
   const rate = (w.fmt as { sampleRate: number }).sampleRate;
@@ -102,16 +143,22 @@ async function wyoming(server: VoxServer, file: string): Promise<Record<string, 
   const step = (rate / 10) * 2;
   send('detect', { names: ['hey_jarvis'] });
   send('audio-start', { rate, width: 2, channels: 1, timestamp: 0 });
-  for (let o = 0, t = 0; o < pcm.length; o += step, t += 100) send('audio-chunk', { rate, width: 2, channels: 1, timestamp: t }, pcm.subarray(o, o + step));
+  for (let o = 0, t = 0; o < pcm.length; o += step, t += 100)
+    send('audio-chunk', { rate, width: 2, channels: 1, timestamp: t }, pcm.subarray(o, o + step));
   send('audio-stop', { timestamp: Math.round((pcm.length / 2 / rate) * 1000) });
-  await until(() => events.some((e) => e.type === 'detection' || e.type === 'not-detected' || e.type === 'error'), 30_000);
+  await until(
+    () => events.some((e) => e.type === 'detection' || e.type === 'not-detected' || e.type === 'error'),
+    30_000,
+  );
   socket.end();
   return events;
 }
 
 let single: VoxServer;
 beforeAll(async () => {
-  single = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, isolation: 'thread', wyoming: { enabled: true, port: 0 } }));
+  single = await startServer(
+    ServerConfig.parse({ log_level: 'silent', port: 0, isolation: 'thread', wyoming: { enabled: true, port: 0 } }),
+  );
 });
 afterAll(async () => {
   await single?.close();
@@ -128,7 +175,11 @@ describe('three nodes and one NATS server', () => {
   beforeAll(async () => {
     nats = await startNats();
     // B's memory guard asks for 4 GB of headroom: it refuses a load when it reports less than that free.
-    [A, B, C] = await Promise.all([node(nats.url, 'A', free, { min_free_memory_mb: 100, wyoming: { enabled: true, port: 0 } }), node(nats.url, 'B', free, { min_free_memory_mb: 4000 }), node(nats.url, 'C', free, { min_free_memory_mb: 100 })]);
+    [A, B, C] = await Promise.all([
+      node(nats.url, 'A', free, { min_free_memory_mb: 100, wyoming: { enabled: true, port: 0 } }),
+      node(nats.url, 'B', free, { min_free_memory_mb: 4000 }),
+      node(nats.url, 'C', free, { min_free_memory_mb: 100 }),
+    ]);
     await until(async () => (await json(`${A.url}/v1/cluster`)).body.nodes.length === 3, 5000);
   });
   afterAll(async () => {
@@ -143,7 +194,10 @@ describe('three nodes and one NATS server', () => {
       expect(body.nodes.map((n: { node: string }) => n.node)).toEqual(['A', 'B', 'C']);
       expect(body.nodes.map((n: { free_bytes: number }) => n.free_bytes)).toEqual([free.A, free.B, free.C]);
     }
-    expect((await json(`${A.url}/ready`)).body).toMatchObject({ status: 'ready', cluster: { node: 'A', nats: 'connected' } });
+    expect((await json(`${A.url}/ready`)).body).toMatchObject({
+      status: 'ready',
+      cluster: { node: 'A', nats: 'connected' },
+    });
   });
 
   it('VoxClient given several node URLs uses the first that answers /ready', async () => {
@@ -159,21 +213,39 @@ describe('three nodes and one NATS server', () => {
     expect(r.status, JSON.stringify(r.body)).toBe(200);
     expect(r.body.segments).toEqual((await runFile(single, 'silero-vad', 'silero_test.wav')).body.segments);
     await until(async () => (await holders(A, 'silero-vad')).join() === 'C', 2000);
-    expect(await metric(A, 'voxserve_remote_jobs_sent_total', { model: 'silero-vad', node: 'C', outcome: 'ok' })).toBeGreaterThan(0);
-    expect(await metric(C, 'voxserve_remote_jobs_served_total', { model: 'silero-vad', outcome: 'ok' })).toBeGreaterThan(0);
+    expect(
+      await metric(A, 'voxserve_remote_jobs_sent_total', { model: 'silero-vad', node: 'C', outcome: 'ok' }),
+    ).toBeGreaterThan(0);
+    expect(
+      await metric(C, 'voxserve_remote_jobs_served_total', { model: 'silero-vad', outcome: 'ok' }),
+    ).toBeGreaterThan(0);
     expect(await metric(A, 'voxserve_loads_total', { model: 'silero-vad' })).toBe(0);
   });
 
-  it.each(['voxserve.v1.json', 'voxserve.v1.msgpack'])('a VAD stream on A held only by C gives the single node\'s events and file segments (%s)', async (protocol) => {
-    const [remote, local, file] = await Promise.all([streamEvents(A, 'silero-vad', 'silero_test.wav', protocol), streamEvents(single, 'silero-vad', 'silero_test.wav', protocol), runFile(single, 'silero-vad', 'silero_test.wav')]);
-    expect(remote).toEqual(local);
-    const ends = remote.filter((e) => e.type === 'speech_end').map((e) => ({ start_ms: e.start_ms, end_ms: e.end_ms }));
-    expect(ends.length).toBeGreaterThan(2);
-    expect(ends).toEqual(file.body.segments.map((s: { start_ms: number; end_ms: number }) => ({ start_ms: s.start_ms, end_ms: s.end_ms })));
-    expect(await holders(B, 'silero-vad')).toEqual(['C']);
-  });
+  it.each(['voxserve.v1.json', 'voxserve.v1.msgpack'])(
+    "a VAD stream on A held only by C gives the single node's events and file segments (%s)",
+    async (protocol) => {
+      const [remote, local, file] = await Promise.all([
+        streamEvents(A, 'silero-vad', 'silero_test.wav', protocol),
+        streamEvents(single, 'silero-vad', 'silero_test.wav', protocol),
+        runFile(single, 'silero-vad', 'silero_test.wav'),
+      ]);
+      expect(remote).toEqual(local);
+      const ends = remote
+        .filter((e) => e.type === 'speech_end')
+        .map((e) => ({ start_ms: e.start_ms, end_ms: e.end_ms }));
+      expect(ends.length).toBeGreaterThan(2);
+      expect(ends).toEqual(
+        file.body.segments.map((s: { start_ms: number; end_ms: number }) => ({
+          start_ms: s.start_ms,
+          end_ms: s.end_ms,
+        })),
+      );
+      expect(await holders(B, 'silero-vad')).toEqual(['C']);
+    },
+  );
 
-  it('a wake-word stream and a Wyoming session on A for hey-jarvis held only by C give the single node\'s detections', async () => {
+  it("a wake-word stream and a Wyoming session on A for hey-jarvis held only by C give the single node's detections", async () => {
     const file = 'espeak_hey_jarvis_22k.wav';
     const want = (await runFile(single, 'hey-jarvis', file)).body.detections;
     expect(want.length).toBeGreaterThan(0);
@@ -206,8 +278,12 @@ describe('three nodes and one NATS server', () => {
     for (const s of all()) await until(async () => (await holders(s, 'hey-mycroft')).sort().join() === 'B,C', 2000);
     const rs = await Promise.all(Array.from({ length: 6 }, () => runFile(A, 'hey-mycroft', 'espeak_sentence_16k.wav')));
     for (const x of rs) expect(x.status).toBe(200);
-    expect(await metric(B, 'voxserve_remote_jobs_served_total', { model: 'hey-mycroft', outcome: 'ok' })).toBeGreaterThan(0);
-    expect(await metric(C, 'voxserve_remote_jobs_served_total', { model: 'hey-mycroft', outcome: 'ok' })).toBeGreaterThan(0);
+    expect(
+      await metric(B, 'voxserve_remote_jobs_served_total', { model: 'hey-mycroft', outcome: 'ok' }),
+    ).toBeGreaterThan(0);
+    expect(
+      await metric(C, 'voxserve_remote_jobs_served_total', { model: 'hey-mycroft', outcome: 'ok' }),
+    ).toBeGreaterThan(0);
   });
 
   it('management on one node acts on the holders; status on every node agrees within a heartbeat', async () => {
@@ -216,7 +292,13 @@ describe('three nodes and one NATS server', () => {
     expect(B.supervisor.status('hey-mycroft')!.state).toBe('unloaded');
     expect(C.supervisor.status('hey-mycroft')!.state).toBe('unloaded');
     await new Promise((res) => setTimeout(res, 2 * HEARTBEAT_MS));
-    const views = await Promise.all(all().map(async (s) => (await json(`${s.url}/v1/models`)).body.models.map((m: { id: string; nodes: { node: string }[] }) => [m.id, m.nodes.map((n) => n.node)]).sort()));
+    const views = await Promise.all(
+      all().map(async (s) =>
+        (await json(`${s.url}/v1/models`)).body.models
+          .map((m: { id: string; nodes: { node: string }[] }) => [m.id, m.nodes.map((n) => n.node)])
+          .sort(),
+      ),
+    );
     expect(views[1]).toEqual(views[0]);
     expect(views[2]).toEqual(views[0]);
     expect(Object.fromEntries(views[0])['hey-mycroft']).toEqual([]);
@@ -241,13 +323,17 @@ describe('three nodes and one NATS server', () => {
       expect(r.body.error.type).toBe('server_busy');
       expect(r.headers.get('retry-after')).toBeTruthy();
       expect(Date.now() - t0).toBeLessThan(3000);
-      expect(await metric(A, 'voxserve_remote_jobs_sent_total', { model: 'alexa', node: 'C', outcome: 'server_busy' })).toBeGreaterThan(0);
+      expect(
+        await metric(A, 'voxserve_remote_jobs_sent_total', { model: 'alexa', node: 'C', outcome: 'server_busy' }),
+      ).toBeGreaterThan(0);
       r = await post(`${A.url}/v1/models/load`, { id: 'alexa', node: 'B' });
       expect(r.status, JSON.stringify(r.body)).toBe(200);
       r = await runFile(A, 'alexa', 'espeak_alexa_16k.wav', '&busy_timeout_ms=5000');
       expect(r.status, JSON.stringify(r.body)).toBe(200);
       expect(r.body.detections).toEqual((await runFile(single, 'alexa', 'espeak_alexa_16k.wav')).body.detections);
-      expect(await metric(B, 'voxserve_remote_jobs_served_total', { model: 'alexa', outcome: 'ok' })).toBeGreaterThan(0);
+      expect(await metric(B, 'voxserve_remote_jobs_served_total', { model: 'alexa', outcome: 'ok' })).toBeGreaterThan(
+        0,
+      );
     } finally {
       held.release();
       (await waiting).release();
@@ -267,7 +353,7 @@ describe('three nodes and one NATS server', () => {
     expect((await holders(A, 'alexa')).length).toBe(1);
   });
 
-  describe('placement by free memory and each node\'s own guards', () => {
+  describe("placement by free memory and each node's own guards", () => {
     it('B reports the most free memory: B loads', async () => {
       Object.assign(free, { A: 1 * GB, B: 8 * GB, C: 2 * GB });
       await new Promise((res) => setTimeout(res, 2 * HEARTBEAT_MS));
@@ -317,8 +403,15 @@ describe('NATS credentials and reachability', () => {
   it('a node with the wrong token is refused, naming the URL; the right token joins', async () => {
     const nats = await startNats(['--auth', 's3cret-token']);
     try {
-      const config = (token: string): ServerConfig => ServerConfig.parse({ log_level: 'silent', port: 0, cluster: { nats: nats.url, node: 'X', token, connect_timeout_ms: 2000 } });
-      await expect(startServer(config('wrong-token'))).rejects.toThrow(new RegExp(`cannot connect to NATS at ${nats.url}.*[Aa]uthorization`));
+      const config = (token: string): ServerConfig =>
+        ServerConfig.parse({
+          log_level: 'silent',
+          port: 0,
+          cluster: { nats: nats.url, node: 'X', token, connect_timeout_ms: 2000 },
+        });
+      await expect(startServer(config('wrong-token'))).rejects.toThrow(
+        new RegExp(`cannot connect to NATS at ${nats.url}.*[Aa]uthorization`),
+      );
       const ok = await startServer(config('s3cret-token'));
       expect((await json(`${ok.url}/v1/cluster`)).body.nodes.map((n: { node: string }) => n.node)).toEqual(['X']);
       await ok.close();
@@ -329,7 +422,11 @@ describe('NATS credentials and reachability', () => {
 
   it('serve --cluster with no NATS listening exits 1 naming the URL', async () => {
     const port = await freePort();
-    const child = spawn(process.execPath, ['dist/tools/cli.js', 'serve', '--port', '0', '--cluster', `nats://127.0.0.1:${port}`, '--node', 'lonely'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const child = spawn(
+      process.execPath,
+      ['dist/tools/cli.js', 'serve', '--port', '0', '--cluster', `nats://127.0.0.1:${port}`, '--node', 'lonely'],
+      { stdio: ['ignore', 'pipe', 'pipe'] },
+    );
     let err = '';
     child.stderr.on('data', (d) => (err += d));
     const code = await new Promise<number | null>((r) => child.on('exit', (c) => r(c)));
@@ -347,18 +444,34 @@ describe('a 3-server NATS cluster', () => {
         [p1, c1, 'n1'],
         [p2, c2, 'n2'],
         [p3, c3, 'n3'],
-      ].map(([p, c, n]) => startNats(['-n', String(n), '--cluster_name', 'vox', '--cluster', `nats://127.0.0.1:${c}`, '--routes', routes], p as number)),
+      ].map(([p, c, n]) =>
+        startNats(
+          ['-n', String(n), '--cluster_name', 'vox', '--cluster', `nats://127.0.0.1:${c}`, '--routes', routes],
+          p as number,
+        ),
+      ),
     );
     const free = { A: 1 * GB, C: 8 * GB };
     let A: VoxServer | undefined;
     let C: VoxServer | undefined;
     try {
-      [A, C] = await Promise.all([node(servers[0].url, 'A', free, { cluster: { nats: servers[0].url, node: 'A', heartbeat_ms: HEARTBEAT_MS, connect_timeout_ms: 20_000 } }), node(servers[2].url, 'C', free, { cluster: { nats: servers[2].url, node: 'C', heartbeat_ms: HEARTBEAT_MS, connect_timeout_ms: 20_000 } })]);
+      [A, C] = await Promise.all([
+        node(servers[0].url, 'A', free, {
+          cluster: { nats: servers[0].url, node: 'A', heartbeat_ms: HEARTBEAT_MS, connect_timeout_ms: 20_000 },
+        }),
+        node(servers[2].url, 'C', free, {
+          cluster: { nats: servers[2].url, node: 'C', heartbeat_ms: HEARTBEAT_MS, connect_timeout_ms: 20_000 },
+        }),
+      ]);
       // Both nodes see each other with fresh heartbeats (a new NATS cluster settles its JetStream placement first).
       const settled = async (): Promise<boolean> => {
         for (const s of [A!, C!]) {
           const { body } = await json(`${s.url}/v1/cluster`);
-          if (body.nodes.length !== 2 || body.nodes.some((n: { last_seen_ms: number }) => n.last_seen_ms > HEARTBEAT_MS)) return false;
+          if (
+            body.nodes.length !== 2 ||
+            body.nodes.some((n: { last_seen_ms: number }) => n.last_seen_ms > HEARTBEAT_MS)
+          )
+            return false;
         }
         return true;
       };

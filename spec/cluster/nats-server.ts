@@ -36,7 +36,9 @@ export interface NatsServer {
 export async function startNats(args: string[] = [], port?: number): Promise<NatsServer> {
   const p = port ?? (await freePort());
   const dir = mkdtempSync(join(tmpdir(), 'voxserve-nats-'));
-  const proc = spawn('/usr/sbin/nats-server', ['-js', '-a', '127.0.0.1', '-p', String(p), '-sd', dir, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const proc = spawn('/usr/sbin/nats-server', ['-js', '-a', '127.0.0.1', '-p', String(p), '-sd', dir, ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
   let out = '';
   const ready = new Promise<void>((resolve, reject) => {
     const on = (d: Buffer): void => {

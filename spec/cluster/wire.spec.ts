@@ -29,7 +29,12 @@ describe('remote job frames', () => {
   let ww: SlotHost;
   beforeAll(async () => {
     vad = await startWorkerSlot({ kind: 'vad', model: path('silero-vad') });
-    ww = await startWorkerSlot({ kind: 'wakeword', heads: [path('hey-jarvis')], melspectrogram: readFileSync(OWW_MELSPECTROGRAM), embedding: readFileSync(OWW_EMBEDDING) });
+    ww = await startWorkerSlot({
+      kind: 'wakeword',
+      heads: [path('hey-jarvis')],
+      melspectrogram: readFileSync(OWW_MELSPECTROGRAM),
+      embedding: readFileSync(OWW_EMBEDDING),
+    });
   });
   afterAll(async () => {
     await vad?.close();
@@ -37,14 +42,24 @@ describe('remote job frames', () => {
   });
 
   it('a job survives the frame byte for byte', () => {
-    const job: VadJob = { kind: 'vad', windows: noise(3 * SILERO.WINDOW, 0.3, 1), state: noise(SILERO.STATE, 0.1, 2), context: noise(SILERO.CONTEXT, 0.1, 3) };
+    const job: VadJob = {
+      kind: 'vad',
+      windows: noise(3 * SILERO.WINDOW, 0.3, 1),
+      state: noise(SILERO.STATE, 0.1, 2),
+      context: noise(SILERO.CONTEXT, 0.1, 3),
+    };
     const back = decodeMessage<RemoteJob>(encodeMessage({ type: 'job', id: 'A:1', model: 'm', wait_ms: 5, job }));
     expect(back).toMatchObject({ type: 'job', id: 'A:1', model: 'm', wait_ms: 5 });
     expect(back.job).toEqual(job);
   });
 
-  it('a VAD batch of 5 streams, split in two and joined, gives the whole batch\'s result', async () => {
-    const rows: VadJob[] = [1, 3, 2, 4, 1].map((n, r) => ({ kind: 'vad', windows: noise(n * SILERO.WINDOW, 0.5, 10 + r), state: new Float32Array(SILERO.STATE), context: new Float32Array(SILERO.CONTEXT) }));
+  it("a VAD batch of 5 streams, split in two and joined, gives the whole batch's result", async () => {
+    const rows: VadJob[] = [1, 3, 2, 4, 1].map((n, r) => ({
+      kind: 'vad',
+      windows: noise(n * SILERO.WINDOW, 0.5, 10 + r),
+      state: new Float32Array(SILERO.STATE),
+      context: new Float32Array(SILERO.CONTEXT),
+    }));
     const batch = vadPacking.pack(rows);
     const whole = await vad.run(batch);
     const halves = splitJob(batch)!;
@@ -56,7 +71,7 @@ describe('remote job frames', () => {
     expect(Array.from(joined.context)).toEqual(Array.from(whole.context));
   });
 
-  it('a wake-word batch of 3 streams, split in two and joined, gives the whole batch\'s result', async () => {
+  it("a wake-word batch of 3 streams, split in two and joined, gives the whole batch's result", async () => {
     const history = ww.info.initialEmbeddings!;
     const rows: WakewordJob[] = [2, 1, 3].map((n, r) => ({
       kind: 'wakeword',
@@ -74,7 +89,12 @@ describe('remote job frames', () => {
   });
 
   it('a single row cannot be split', () => {
-    const job: Job = { kind: 'vad', windows: new Float32Array(SILERO.WINDOW), state: new Float32Array(SILERO.STATE), context: new Float32Array(SILERO.CONTEXT) };
+    const job: Job = {
+      kind: 'vad',
+      windows: new Float32Array(SILERO.WINDOW),
+      state: new Float32Array(SILERO.STATE),
+      context: new Float32Array(SILERO.CONTEXT),
+    };
     expect(splitJob(job)).toBeNull();
   });
 });

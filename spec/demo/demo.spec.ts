@@ -16,7 +16,10 @@ afterAll(async () => {
 
 /** Headless Chromium whose (fake) microphone plays `wav` in a loop, its permission prompt auto-accepted. */
 function browserWithMic(wav: string): Promise<Browser> {
-  expect(existsSync('/usr/bin/chromium'), 'Debian chromium is needed: apt-get install -y chromium (bash .ci/run installs it)').toBe(true);
+  expect(
+    existsSync('/usr/bin/chromium'),
+    'Debian chromium is needed: apt-get install -y chromium (bash .ci/run installs it)',
+  ).toBe(true);
   return chromium.launch({
     executablePath: '/usr/bin/chromium',
     args: [
@@ -83,15 +86,24 @@ describe('/demo in headless Chromium with a fake microphone', () => {
       // 3454 ms (v5; 514-3486 for v6), i.e. 2972 ms; through Chrome's and the page's resampling,
       // within 300 ms (the tolerance fixtures/README gives for resampled audio).
       const durations = async (): Promise<number[]> =>
-        (await page.locator('#events li[data-model="silero-vad"][data-type="speech_end"]').allTextContents()).map((t) => {
-          const e = JSON.parse(t.slice(t.indexOf('{')));
-          return e.end_ms - e.start_ms;
-        });
-      await expect.poll(async () => (await durations()).some((d) => Math.abs(d - 2972) <= 300), { timeout: 30_000, interval: 250 }).toBe(true);
+        (await page.locator('#events li[data-model="silero-vad"][data-type="speech_end"]').allTextContents()).map(
+          (t) => {
+            const e = JSON.parse(t.slice(t.indexOf('{')));
+            return e.end_ms - e.start_ms;
+          },
+        );
+      await expect
+        .poll(async () => (await durations()).some((d) => Math.abs(d - 2972) <= 300), {
+          timeout: 30_000,
+          interval: 250,
+        })
+        .toBe(true);
       expect(await page.locator('#events li[data-type="detection"]').count()).toBe(0);
       expect(errors).toEqual([]);
       // The VAD lane draws its speech-probability curve: the stream sends probabilities (at least a window per 32 ms of the segment).
-      expect(Number(await page.locator('#timeline').getAttribute('data-probability-windows'))).toBeGreaterThan(2972 / 32);
+      expect(Number(await page.locator('#timeline').getAttribute('data-probability-windows'))).toBeGreaterThan(
+        2972 / 32,
+      );
       mkdirSync('spec/artifacts', { recursive: true });
       await page.screenshot({ path: 'spec/artifacts/demo-speech.png', fullPage: true });
       await page.click('#stop');
@@ -108,7 +120,9 @@ describe('/demo in headless Chromium with a fake microphone', () => {
       await page.goto(`${server.url}/demo?models=silero-vad,hey-jarvis`);
       await page.waitForSelector('#models input[value="hey-jarvis"]:checked');
       await page.click('#start');
-      const detection = page.locator('#events li[data-model="hey-jarvis"][data-type="detection"][data-label="hey-jarvis"]').first();
+      const detection = page
+        .locator('#events li[data-model="hey-jarvis"][data-type="detection"][data-label="hey-jarvis"]')
+        .first();
       await detection.waitFor({ timeout: 30_000 });
       expect(JSON.parse((await detection.textContent())!.replace(/^[^{]*/, '')).score).toBeGreaterThan(0.5);
       // The same audio also gives a speech segment on the VAD lane.
@@ -132,10 +146,14 @@ describe('/demo on a server with auth.api_keys', () => {
       await page.waitForSelector('#models input[value="silero-vad"]:checked');
       const status = (): Promise<string | null> => page.textContent('#status');
       await page.click('#start');
-      await expect.poll(status, { timeout: 10_000 }).toBe('the server refused the stream: if it sets auth.api_keys, enter an API key');
+      await expect
+        .poll(status, { timeout: 10_000 })
+        .toBe('the server refused the stream: if it sets auth.api_keys, enter an API key');
       await page.fill('#key', 'wrong-key-0123456789');
       await page.click('#start');
-      await expect.poll(status, { timeout: 10_000 }).toBe('the server refused the stream: is the API key one of its auth.api_keys?');
+      await expect
+        .poll(status, { timeout: 10_000 })
+        .toBe('the server refused the stream: is the API key one of its auth.api_keys?');
       await page.fill('#key', key);
       await page.click('#start');
       await page.waitForSelector('#events li[data-model="silero-vad"][data-type="ready"]', { timeout: 10_000 });

@@ -18,7 +18,13 @@ import { until } from '../helpers.js';
 const exec = promisify(execFile);
 const root = fileURLToPath(new URL('../..', import.meta.url));
 const cli = join(root, 'dist/tools/cli.js');
-const PAGES = ['README.md', 'CONTRIBUTING.md', ...readdirSync(join(root, 'docs')).filter((f) => f.endsWith('.md')).map((f) => `docs/${f}`)];
+const PAGES = [
+  'README.md',
+  'CONTRIBUTING.md',
+  ...readdirSync(join(root, 'docs'))
+    .filter((f) => f.endsWith('.md'))
+    .map((f) => `docs/${f}`),
+];
 const read = (page: string): string => readFileSync(join(root, page), 'utf8');
 
 interface Block {
@@ -53,7 +59,12 @@ const ALL = PAGES.flatMap(blocks);
  */
 function shape(v: unknown): unknown {
   if (Array.isArray(v)) return v.length ? [shape(v[0])] : [];
-  if (v && typeof v === 'object') return Object.fromEntries(Object.entries(v).map(([k, x]) => [k, shape(x)]).sort(([a], [b]) => (a as string).localeCompare(b as string)));
+  if (v && typeof v === 'object')
+    return Object.fromEntries(
+      Object.entries(v)
+        .map(([k, x]) => [k, shape(x)])
+        .sort(([a], [b]) => (a as string).localeCompare(b as string)),
+    );
   return v === null ? 'null' : typeof v;
 }
 /** One JSON value per line (`voxserve stream` prints events that way), or one value for the whole text. */
@@ -86,8 +97,13 @@ describe('examples', () => {
 
   it('every config example is a valid config file', () => {
     const keys = new Set(Object.keys(ServerConfig.shape));
-    const configs = ALL.filter((b) => b.lang === 'json' && b.page.startsWith('docs/')).map((b) => ({ b, v: JSON.parse(filled(b.code)) as Record<string, unknown> }));
-    const files = configs.filter(({ v }) => v && typeof v === 'object' && !Array.isArray(v) && Object.keys(v).every((k) => keys.has(k)));
+    const configs = ALL.filter((b) => b.lang === 'json' && b.page.startsWith('docs/')).map((b) => ({
+      b,
+      v: JSON.parse(filled(b.code)) as Record<string, unknown>,
+    }));
+    const files = configs.filter(
+      ({ v }) => v && typeof v === 'object' && !Array.isArray(v) && Object.keys(v).every((k) => keys.has(k)),
+    );
     expect(files.length).toBeGreaterThanOrEqual(4); // configuration, models (2), operations
     for (const { b, v } of files) expect(() => ServerConfig.parse(v), `${b.page}:${b.line}`).not.toThrow();
   });
@@ -99,7 +115,8 @@ describe('examples', () => {
       await until(async () => (await fetch(`${s.url}/ready`)).status === 200, 60_000);
       expect(await (await fetch(`${s.url}/ready`)).json()).toEqual({ status: 'ready' });
       const { models } = await (await fetch(`${s.url}/v1/models`)).json();
-      for (const m of example.models) expect(models.find((x: { id: string }) => x.id === m.id)?.state, m.id).toBe('ready');
+      for (const m of example.models)
+        expect(models.find((x: { id: string }) => x.id === m.id)?.state, m.id).toBe('ready');
     } finally {
       await s.close();
     }
@@ -115,7 +132,9 @@ describe('examples', () => {
         return false;
       }
     };
-    const shown = ALL.filter((b) => b.lang === 'sh' && b.next && (b.next.lang === 'json' || b.next.lang === '') && isJson(b.next.code));
+    const shown = ALL.filter(
+      (b) => b.lang === 'sh' && b.next && (b.next.lang === 'json' || b.next.lang === '') && isJson(b.next.code),
+    );
     expect(shown.length).toBeGreaterThanOrEqual(2);
     for (const b of shown) {
       const command = b.code
@@ -123,7 +142,16 @@ describe('examples', () => {
         .replaceAll('127.0.0.1/10400', new URL(server.wyoming!.uri.replace('tcp:', 'http:')).host.replace(':', '/'))
         .replaceAll('node dist/tools/cli.js', `node ${cli}`)
         .replace(/^voxserve /gm, `node ${cli} `);
-      const { stdout } = await exec('bash', ['-c', command.includes('--url') || command.includes(server.url) ? command : command.replace(/(node \S+cli\.js (?:run|stream) .*)$/m, `$1 --url ${server.url}`)], { cwd: root, timeout: 60_000 });
+      const { stdout } = await exec(
+        'bash',
+        [
+          '-c',
+          command.includes('--url') || command.includes(server.url)
+            ? command
+            : command.replace(/(node \S+cli\.js (?:run|stream) .*)$/m, `$1 --url ${server.url}`),
+        ],
+        { cwd: root, timeout: 60_000 },
+      );
       expect(values(stdout).map(shape), `${b.page}:${b.line}`).toEqual(values(b.next!.code).map(shape));
     }
   }, 180_000);
@@ -146,8 +174,10 @@ describe('examples', () => {
 function bare(s: z.ZodType): z.ZodType {
   for (;;) {
     const d = (s as unknown as { _zod: { def: Record<string, unknown> & { type: string } } })._zod.def;
-    if (['optional', 'default', 'prefault', 'nullable', 'readonly', 'catch'].includes(d.type)) s = d.innerType as z.ZodType;
-    else if (d.type === 'pipe') s = ((d.in as { _zod: { def: { type: string } } })._zod.def.type === 'transform' ? d.out : d.in) as z.ZodType;
+    if (['optional', 'default', 'prefault', 'nullable', 'readonly', 'catch'].includes(d.type))
+      s = d.innerType as z.ZodType;
+    else if (d.type === 'pipe')
+      s = ((d.in as { _zod: { def: { type: string } } })._zod.def.type === 'transform' ? d.out : d.in) as z.ZodType;
     else return s;
   }
 }
@@ -158,8 +188,20 @@ function configKeys(s: z.ZodType, prefix = ''): string[] {
   return Object.entries(d.shape!).flatMap(([k, v]) => {
     const inner = bare(v) as unknown as { _zod: { def: { type: string; element?: z.ZodType; options?: z.ZodType[] } } };
     const def = inner._zod.def;
-    const element = def.type === 'array' ? def.element : def.type === 'union' ? def.options?.find((o) => (bare(o) as unknown as { _zod: { def: { type: string } } })._zod.def.type === 'array') : undefined;
-    const nested = element ? configKeys((bare(element) as unknown as { _zod: { def: { element?: z.ZodType } } })._zod.def.element ?? element, `${prefix}${k}[].`) : configKeys(v, `${prefix}${k}.`);
+    const element =
+      def.type === 'array'
+        ? def.element
+        : def.type === 'union'
+          ? def.options?.find(
+              (o) => (bare(o) as unknown as { _zod: { def: { type: string } } })._zod.def.type === 'array',
+            )
+          : undefined;
+    const nested = element
+      ? configKeys(
+          (bare(element) as unknown as { _zod: { def: { element?: z.ZodType } } })._zod.def.element ?? element,
+          `${prefix}${k}[].`,
+        )
+      : configKeys(v, `${prefix}${k}.`);
     return [`${prefix}${k}`, ...nested];
   });
 }
@@ -172,13 +214,18 @@ describe('documented exactly where the code has it', () => {
     expect(keys).toContain('limits.ws_max_frame_bytes');
     expect(keys).toContain('models[].max_batch_size');
     // A feature's own page (docs/wake-words.md, docs/cluster.md, ...) may document its keys; configuration.md links them.
-    const config = ticked(PAGES.filter((p) => p.startsWith('docs/')).map(read).join('\n'));
+    const config = ticked(
+      PAGES.filter((p) => p.startsWith('docs/'))
+        .map(read)
+        .join('\n'),
+    );
     const models = config;
     const parents = new Set(keys.filter((k) => keys.some((x) => x.startsWith(`${k}.`) || x.startsWith(`${k}[].`))));
     const missing = keys.filter((k) => {
       // The cluster's keys have their own page (docs/cluster.md, the cluster helper's).
       if (k.startsWith('cluster.')) return !new RegExp(`\\b${k.split('.').at(-1)}\\b`).test(read('docs/cluster.md'));
-      if (parents.has(k)) return !config.has(k) && !config.has(`${k}[]`) && ![...config].some((t) => t.startsWith(`${k}.`));
+      if (parents.has(k))
+        return !config.has(k) && !config.has(`${k}[]`) && ![...config].some((t) => t.startsWith(`${k}.`));
       const leaf = k.split(/\.|\[\]\./).at(-1)!;
       if (k.startsWith('models[].heads[].')) return !models.has(leaf) && !config.has(leaf);
 
@@ -187,7 +234,9 @@ describe('documented exactly where the code has it', () => {
     });
     expect(missing, 'config keys with no line in docs/configuration.md').toEqual([]);
     // The other way: the first column of the key table names only keys that exist.
-    const table = read('docs/configuration.md').split('\n').filter((l) => l.startsWith('| `'));
+    const table = read('docs/configuration.md')
+      .split('\n')
+      .filter((l) => l.startsWith('| `'));
     const named = table.flatMap((l) => [...ticked(l.split(' | ')[0])]).filter((t) => !t.startsWith('-'));
     const known = new Set(keys);
     const unknown = named.filter((t) => !known.has(t) && !known.has(t.replace(/\[\]$/, '')));
@@ -198,22 +247,43 @@ describe('documented exactly where the code has it', () => {
     // Routes as the server source spells them (its route table, or its comparisons).
     const source = readFileSync(join(root, 'transport/server.ts'), 'utf8');
     // (A path ending in / is a prefix: /debug/..., /demo/...)
-    const code = new Set([...source.matchAll(/'(\/(?:v1|debug|demo|health|ready|metrics)(?:[^'\s]*[^/'\s])?)'/g)].map((m) => m[1]).concat('/'));
+    const code = new Set(
+      [...source.matchAll(/'(\/(?:v1|debug|demo|health|ready|metrics)(?:[^'\s]*[^/'\s])?)'/g)]
+        .map((m) => m[1])
+        .concat('/'),
+    );
     const doc = read('docs/http-api.md');
-    const anyDoc = ticked(PAGES.filter((p) => p.startsWith('docs/')).map(read).join('\n'));
-    const rows = doc.split('\n').filter((l) => /^\| `(GET|POST) \//.test(l)).map((l) => l.split(' | ')[0]);
+    const anyDoc = ticked(
+      PAGES.filter((p) => p.startsWith('docs/'))
+        .map(read)
+        .join('\n'),
+    );
+    const rows = doc
+      .split('\n')
+      .filter((l) => /^\| `(GET|POST) \//.test(l))
+      .map((l) => l.split(' | ')[0]);
     const documented = rows.flatMap((cell) => {
       const method = /(GET|POST)/.exec(cell)![1];
       return [...ticked(cell)].map((t) => ({ method, path: t.replace(/^(GET|POST) /, '') }));
     });
     const paths = new Set(documented.map((r) => r.path));
-    expect([...code].filter((p) => !paths.has(p) && ![...anyDoc].some((t) => t === p || t.endsWith(` ${p}`))), 'routes in transport/server.ts missing from the docs').toEqual([]);
+    expect(
+      [...code].filter((p) => !paths.has(p) && ![...anyDoc].some((t) => t === p || t.endsWith(` ${p}`))),
+      'routes in transport/server.ts missing from the docs',
+    ).toEqual([]);
     // Each documented route reaches a handler on a server with management, inspection and the demo on.
-    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, debug: { inspect: true } }));
+    const s = await startServer(
+      ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, debug: { inspect: true } }),
+    );
     try {
       for (const { method, path } of documented) {
         const url = `${s.url}${path.replace('{id}', 'silero-vad')}`;
-        const r = await fetch(url, { method, headers: method === 'POST' ? { 'content-type': 'application/json' } : {}, body: method === 'POST' ? '{}' : undefined, signal: AbortSignal.timeout(10_000) });
+        const r = await fetch(url, {
+          method,
+          headers: method === 'POST' ? { 'content-type': 'application/json' } : {},
+          body: method === 'POST' ? '{}' : undefined,
+          signal: AbortSignal.timeout(10_000),
+        });
         const text = path === '/debug/actors' ? '' : await r.text();
         if (path === '/debug/actors') await r.body?.cancel();
         expect(text, `${method} ${path}`).not.toContain('no route');
@@ -224,7 +294,8 @@ describe('documented exactly where the code has it', () => {
   }, 60_000);
 
   it('every CLI command, flag and environment variable is in cli.md, and every flag there exists', async () => {
-    const help = async (...args: string[]): Promise<string> => (await exec(process.execPath, [cli, ...args, '--help'])).stdout;
+    const help = async (...args: string[]): Promise<string> =>
+      (await exec(process.execPath, [cli, ...args, '--help'])).stdout;
     const top = await help();
     const commands = [...top.matchAll(/^ {2}(\w+)\b/gm)].map((m) => m[1]).filter((c) => c !== 'help');
     expect(commands).toEqual(expect.arrayContaining(['serve', 'run', 'stream', 'models', 'bench']));
@@ -234,19 +305,28 @@ describe('documented exactly where the code has it', () => {
       expect(doc, `command ${c}`).toContain(`\`${c}`);
       const text = await help(c);
       for (const m of text.matchAll(/(?:^|\s)(--[a-z][a-z-]*)/g)) flags.add(m[1]);
-      for (const m of text.matchAll(/env:\s+(\w+)/g)) expect(doc, `environment variable ${m[1]} (${c})`).toContain(`\`${m[1]}\``);
+      for (const m of text.matchAll(/env:\s+(\w+)/g))
+        expect(doc, `environment variable ${m[1]} (${c})`).toContain(`\`${m[1]}\``);
     }
     const inDoc = new Set([...doc.matchAll(/(?:^|[\s[`(])(--[a-z][a-z-]*)/g)].map((m) => m[1]));
-    expect([...flags].filter((f) => f.startsWith('--') && f !== '--help' && !inDoc.has(f)), 'flags missing from docs/cli.md').toEqual([]);
-    expect([...inDoc].filter((f) => !flags.has(f)), 'flags in docs/cli.md the CLI does not have').toEqual([]);
+    expect(
+      [...flags].filter((f) => f.startsWith('--') && f !== '--help' && !inDoc.has(f)),
+      'flags missing from docs/cli.md',
+    ).toEqual([]);
+    expect(
+      [...inDoc].filter((f) => !flags.has(f)),
+      'flags in docs/cli.md the CLI does not have',
+    ).toEqual([]);
     // Environment variables in the doc's table exist in the CLI.
     const source = readFileSync(join(root, 'tools/cli.ts'), 'utf8');
-    for (const m of doc.matchAll(/`((?:VOXSERVE_)?[A-Z][A-Z_]+)`/g)) expect(source, `environment variable ${m[1]}`).toContain(m[1]);
+    for (const m of doc.matchAll(/`((?:VOXSERVE_)?[A-Z][A-Z_]+)`/g))
+      expect(source, `environment variable ${m[1]}`).toContain(m[1]);
   }, 60_000);
 
   it('README links every page in docs/, and every link to a page or file points at one that exists', () => {
     const readme = read('README.md');
-    for (const f of readdirSync(join(root, 'docs')).filter((x) => x.endsWith('.md'))) expect(readme, `README links docs/${f}`).toContain(`(docs/${f}`);
+    for (const f of readdirSync(join(root, 'docs')).filter((x) => x.endsWith('.md')))
+      expect(readme, `README links docs/${f}`).toContain(`(docs/${f}`);
     for (const page of PAGES) {
       const base = page.includes('/') ? join(root, 'docs') : root;
       for (const m of read(page).matchAll(/\]\(([^)#\s]+\.(?:md|png))(?:#[^)]*)?\)/g)) {

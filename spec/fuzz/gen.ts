@@ -13,7 +13,9 @@ import { VoxError } from '../../runtime/errors.js';
 /** Multiplies every property's run count (`FUZZ_SCALE=10` for a long local run). */
 export const SCALE = Number(process.env.FUZZ_SCALE ?? 1);
 /** `FC_SEED=<seed>` replays the runs of a failure (fast-check prints the seed and the shrunk input). */
-const replay = process.env.FC_SEED ? { seed: Number(process.env.FC_SEED), ...(process.env.FC_PATH ? { path: process.env.FC_PATH } : {}) } : {};
+const replay = process.env.FC_SEED
+  ? { seed: Number(process.env.FC_SEED), ...(process.env.FC_PATH ? { path: process.env.FC_PATH } : {}) }
+  : {};
 
 /** Inputs checked so far in this file, by area. */
 export const counts: Record<string, number> = {};
@@ -24,7 +26,14 @@ export const counts: Record<string, number> = {};
  * measured time). The predicate returns true when the input was accepted (a result, not a 4xx):
  * at least `minAccepted` of the inputs, and not nearly all, must be. Counted under `area`.
  */
-export async function fuzz<T>(area: string, arb: fc.Arbitrary<T>, runs: number, budgetMs: number, predicate: (v: T) => boolean | Promise<boolean>, minAccepted = 0.05): Promise<void> {
+export async function fuzz<T>(
+  area: string,
+  arb: fc.Arbitrary<T>,
+  runs: number,
+  budgetMs: number,
+  predicate: (v: T) => boolean | Promise<boolean>,
+  minAccepted = 0.05,
+): Promise<void> {
   const n = Math.max(1, Math.round(runs * SCALE));
   let accepted = 0;
   let ran = 0;
@@ -41,21 +50,30 @@ export async function fuzz<T>(area: string, arb: fc.Arbitrary<T>, runs: number, 
   );
   counts[area] = (counts[area] ?? 0) + n;
   // Inputs that all bounce off the first check test nothing deeper: the generator must get some through.
-  if (accepted < minAccepted * ran) throw new Error(`only ${accepted} of ${ran} inputs were accepted (want at least ${minAccepted * 100} %): the generator is too far off`);
-  if (accepted > 0.98 * ran) throw new Error(`${accepted} of ${ran} inputs were accepted: the generator hardly breaks anything`);
+  if (accepted < minAccepted * ran)
+    throw new Error(
+      `only ${accepted} of ${ran} inputs were accepted (want at least ${minAccepted * 100} %): the generator is too far off`,
+    );
+  if (accepted > 0.98 * ran)
+    throw new Error(`${accepted} of ${ran} inputs were accepted: the generator hardly breaks anything`);
 }
 
 /** Writes this file's counts to `spec/artifacts/fuzz-<name>.json` (summed by tools/run-tests.mjs) and prints them. */
 export function report(name: string): void {
   const total = Object.values(counts).reduce((a, b) => a + b, 0);
-  console.log(`fuzz ${name}: ${total} inputs (${Object.entries(counts).map(([k, v]) => `${k} ${v}`).join(', ')})`);
+  console.log(
+    `fuzz ${name}: ${total} inputs (${Object.entries(counts)
+      .map(([k, v]) => `${k} ${v}`)
+      .join(', ')})`,
+  );
   mkdirSync('spec/artifacts', { recursive: true });
   writeFileSync(`spec/artifacts/fuzz-${name}.json`, JSON.stringify({ total, counts }));
 }
 
 /** The outcome every input must reach: a result, or a VoxError with a 4xx status (never a 500 or another throw). */
 export function expect4xx(e: unknown, what: string): VoxError {
-  if (!(e instanceof VoxError)) throw new Error(`${what}: threw ${(e as Error)?.stack ?? e} instead of a named 4xx error`);
+  if (!(e instanceof VoxError))
+    throw new Error(`${what}: threw ${(e as Error)?.stack ?? e} instead of a named 4xx error`);
   if (e.status >= 500) throw new Error(`${what}: ${e.status} ${e.type}: ${e.message}`);
   return e;
 }
@@ -63,18 +81,59 @@ export function expect4xx(e: unknown, what: string): VoxError {
 // ---------- numbers and strings that break parsers ----------
 
 /** `arb` in one input of `of` (a mutation), else null (leave the field as it should be). */
-export const sometimes = <T>(arb: fc.Arbitrary<T>, of = 6): fc.Arbitrary<T | null> => fc.oneof({ weight: of - 1, arbitrary: fc.constant(null) }, { weight: 1, arbitrary: arb });
+export const sometimes = <T>(arb: fc.Arbitrary<T>, of = 6): fc.Arbitrary<T | null> =>
+  fc.oneof({ weight: of - 1, arbitrary: fc.constant(null) }, { weight: 1, arbitrary: arb });
 
 /** Integers around the edges: 0, 1, -1, powers of two and their neighbours, u16/u32 maxima. */
 export const edgeInt = fc.oneof(
-  fc.constantFrom(0, 1, -1, 2, 7, 8, 255, 256, 65535, 65536, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 53 - 1, -(2 ** 31)),
+  fc.constantFrom(
+    0,
+    1,
+    -1,
+    2,
+    7,
+    8,
+    255,
+    256,
+    65535,
+    65536,
+    2 ** 31 - 1,
+    2 ** 31,
+    2 ** 32 - 1,
+    2 ** 32,
+    2 ** 53 - 1,
+    -(2 ** 31),
+  ),
   fc.integer(),
   fc.nat(100),
 );
 
 /** JSON values of the wrong kind for a numeric or string field. */
 export const junkValue: fc.Arbitrary<unknown> = fc.oneof(
-  fc.constantFrom(null, true, false, '', ' ', '0', '-1', '1e309', 'NaN', '0x10', [], {}, [1], { a: 1 }, -0, 1e308, -1e308, 5e-324, 0.5, 1.5, 2 ** 53, -(2 ** 53)),
+  fc.constantFrom(
+    null,
+    true,
+    false,
+    '',
+    ' ',
+    '0',
+    '-1',
+    '1e309',
+    'NaN',
+    '0x10',
+    [],
+    {},
+    [1],
+    { a: 1 },
+    -0,
+    1e308,
+    -1e308,
+    5e-324,
+    0.5,
+    1.5,
+    2 ** 53,
+    -(2 ** 53),
+  ),
   edgeInt,
   fc.double(),
   fc.string({ maxLength: 20 }),
@@ -83,7 +142,30 @@ export const junkValue: fc.Arbitrary<unknown> = fc.oneof(
 
 /** Strings for query parameter values: numbers in every spelling, blanks, unicode, percent junk. */
 export const queryValue = fc.oneof(
-  fc.constantFrom('', ' ', '0', '-1', '+1', '1.5', '1e3', '0x1F', '016000', '16000 ', ' 16000', 'NaN', 'Infinity', '%', '%zz', '%00', '\u0000', '😀', 'null', 'undefined', '[]', '{}'),
+  fc.constantFrom(
+    '',
+    ' ',
+    '0',
+    '-1',
+    '+1',
+    '1.5',
+    '1e3',
+    '0x1F',
+    '016000',
+    '16000 ',
+    ' 16000',
+    'NaN',
+    'Infinity',
+    '%',
+    '%zz',
+    '%00',
+    '\u0000',
+    '😀',
+    'null',
+    'undefined',
+    '[]',
+    '{}',
+  ),
   edgeInt.map(String),
   fc.double().map(String),
   fc.string({ maxLength: 16 }),
@@ -155,11 +237,33 @@ const fmtArb: fc.Arbitrary<Fmt> = fc
   .record({
     // Format tag and bit depth: a pair the decoder supports, mostly.
     tagBits: fc.oneof(
-      { weight: 10, arbitrary: fc.constantFrom<[number, number]>([1, 8], [1, 16], [1, 16], [1, 24], [1, 32], [3, 32], [3, 64], [65534, 16]) },
-      { weight: 1, arbitrary: fc.tuple(fc.constantFrom(0, 1, 2, 3, 6, 7, 17, 85, 0xfffe, 0xffff), fc.constantFrom(0, 1, 4, 8, 12, 16, 20, 24, 32, 48, 64, 0xffff)) },
+      {
+        weight: 10,
+        arbitrary: fc.constantFrom<[number, number]>(
+          [1, 8],
+          [1, 16],
+          [1, 16],
+          [1, 24],
+          [1, 32],
+          [3, 32],
+          [3, 64],
+          [65534, 16],
+        ),
+      },
+      {
+        weight: 1,
+        arbitrary: fc.tuple(
+          fc.constantFrom(0, 1, 2, 3, 6, 7, 17, 85, 0xfffe, 0xffff),
+          fc.constantFrom(0, 1, 4, 8, 12, 16, 20, 24, 32, 48, 64, 0xffff),
+        ),
+      },
       { weight: 1, arbitrary: fc.tuple(fc.integer({ min: 0, max: 0xffff }), fc.integer({ min: 0, max: 0xffff })) },
     ) as fc.Arbitrary<[number, number]>,
-    channels: fc.oneof({ weight: 12, arbitrary: fc.constantFrom(1, 1, 2, 3, 6) }, { weight: 2, arbitrary: fc.integer({ min: 0, max: 40 }) }, { weight: 1, arbitrary: fc.constantFrom(0xffff, 256) }),
+    channels: fc.oneof(
+      { weight: 12, arbitrary: fc.constantFrom(1, 1, 2, 3, 6) },
+      { weight: 2, arbitrary: fc.integer({ min: 0, max: 40 }) },
+      { weight: 1, arbitrary: fc.constantFrom(0xffff, 256) },
+    ),
     rate: fc.oneof(
       { weight: 12, arbitrary: fc.constantFrom(8000, 11025, 16000, 22050, 44100, 48000) },
       { weight: 2, arbitrary: fc.constantFrom(0, 1, 7999, 192000, 192001, 2 ** 31, 2 ** 32 - 1) },
@@ -167,7 +271,15 @@ const fmtArb: fc.Arbitrary<Fmt> = fc
     ),
     byteRate: sometimes(fc.integer({ min: 0, max: 2 ** 32 - 1 })),
     blockAlign: sometimes(fc.integer({ min: 0, max: 0xffff })),
-    ext: sometimes(fc.record({ cbSize: fc.constantFrom(22, 0, 2, 100), validBits: fc.constantFrom(16, 24, 0, 12), mask: fc.constantFrom(4, 3, 0), sub: fc.constantFrom(1, 3, 0, 2, 0xffff) }), 4),
+    ext: sometimes(
+      fc.record({
+        cbSize: fc.constantFrom(22, 0, 2, 100),
+        validBits: fc.constantFrom(16, 24, 0, 12),
+        mask: fc.constantFrom(4, 3, 0),
+        sub: fc.constantFrom(1, 3, 0, 2, 0xffff),
+      }),
+      4,
+    ),
     length: sometimes(fc.constantFrom(0, 2, 14, 16, 18, 20, 26, 39, 40)),
   })
   .map(({ byteRate, blockAlign, length, ext, tagBits: [tag, bits], ...rest }) => {
@@ -192,19 +304,29 @@ const dataArb = fc.oneof(
     return new Uint8Array(s.buffer);
   }),
   // Float samples: NaN, infinities, values far outside [-1, 1].
-  fc.array(fc.oneof(fc.float(), fc.constantFrom(NaN, Infinity, -Infinity, 1e30, -2, 1)), { maxLength: 400 }).map((xs) => new Uint8Array(Float32Array.from(xs).buffer)),
+  fc
+    .array(fc.oneof(fc.float(), fc.constantFrom(NaN, Infinity, -Infinity, 1e30, -2, 1)), { maxLength: 400 })
+    .map((xs) => new Uint8Array(Float32Array.from(xs).buffer)),
 );
 
 /** A chunk that is neither `fmt ` nor `data`. */
 const otherChunk: fc.Arbitrary<Chunk> = fc.record({
-  id: fc.oneof(fc.constantFrom('LIST', 'fact', 'JUNK', 'junk', 'PAD ', 'bext', 'cue ', 'smpl', 'ds64'), fc.string({ unit: 'binary-ascii', minLength: 4, maxLength: 4 })),
+  id: fc.oneof(
+    fc.constantFrom('LIST', 'fact', 'JUNK', 'junk', 'PAD ', 'bext', 'cue ', 'smpl', 'ds64'),
+    fc.string({ unit: 'binary-ascii', minLength: 4, maxLength: 4 }),
+  ),
   body: fc.uint8Array({ maxLength: 64 }),
   size: sometimes(fc.oneof(fc.nat(200), fc.constantFrom(2 ** 32 - 1, 2 ** 31, 1_000_000))).map((s) => s ?? undefined),
   pad: sometimes(fc.constant(false)).map((p) => p ?? true),
 });
 
 /** A declared chunk size: the true one, off by a little, or far off. */
-const sizeMutation = sometimes(fc.oneof(fc.integer({ min: -3, max: 3 }).map((d) => ({ delta: d })), fc.constantFrom(0, 1, 2 ** 31, 2 ** 32 - 1).map((s) => ({ set: s }))));
+const sizeMutation = sometimes(
+  fc.oneof(
+    fc.integer({ min: -3, max: 3 }).map((d) => ({ delta: d })),
+    fc.constantFrom(0, 1, 2 ** 31, 2 ** 32 - 1).map((s) => ({ set: s })),
+  ),
+);
 
 /**
  * A WAV file: `fmt ` and `data` chunks with mutated fields, extra, odd-sized, duplicated or
@@ -219,7 +341,10 @@ export const wavArb: fc.Arbitrary<Buffer> = fc
     before: fc.array(otherChunk, { maxLength: 1 }),
     between: fc.array(otherChunk, { maxLength: 1 }),
     after: fc.array(otherChunk, { maxLength: 1 }),
-    order: fc.oneof({ weight: 15, arbitrary: fc.constant('fmt-data' as const) }, { weight: 1, arbitrary: fc.constantFrom('data-fmt', 'no-fmt', 'no-data', 'two-fmt', 'two-data') }),
+    order: fc.oneof(
+      { weight: 15, arbitrary: fc.constant('fmt-data' as const) },
+      { weight: 1, arbitrary: fc.constantFrom('data-fmt', 'no-fmt', 'no-data', 'two-fmt', 'two-data') },
+    ),
     riffId: sometimes(fc.constantFrom('RIFX', 'RF64', 'riff', 'RIF', '\0\0\0\0'), 12),
     waveId: sometimes(fc.constantFrom('WAV ', 'AVI ', 'wave', '\0\0\0\0'), 12),
     riffSize: sizeMutation,
@@ -228,11 +353,22 @@ export const wavArb: fc.Arbitrary<Buffer> = fc
     flip: fc.nat(5),
   })
   .map((w) => {
-    const size = (m: { delta?: number; set?: number } | null, actual: number): number | undefined => (m === null ? undefined : m.set ?? Math.max(0, actual + (m.delta ?? 0)));
+    const size = (m: { delta?: number; set?: number } | null, actual: number): number | undefined =>
+      m === null ? undefined : (m.set ?? Math.max(0, actual + (m.delta ?? 0)));
     const fmt: Chunk = { id: 'fmt ', body: fmtBody(w.fmt), size: size(w.fmtSize, w.fmt.length) };
     const data: Chunk = { id: 'data', body: w.data, size: size(w.dataSize, w.data.length) };
-    const core = { 'fmt-data': [fmt, ...w.between, data], 'data-fmt': [data, ...w.between, fmt], 'no-fmt': [...w.between, data], 'no-data': [fmt, ...w.between], 'two-fmt': [fmt, fmt, data], 'two-data': [fmt, data, data] }[w.order];
-    const body = riff([...w.before, ...core, ...w.after], { riffId: w.riffId ?? undefined, waveId: w.waveId ?? undefined });
+    const core = {
+      'fmt-data': [fmt, ...w.between, data],
+      'data-fmt': [data, ...w.between, fmt],
+      'no-fmt': [...w.between, data],
+      'no-data': [fmt, ...w.between],
+      'two-fmt': [fmt, fmt, data],
+      'two-data': [fmt, data, data],
+    }[w.order];
+    const body = riff([...w.before, ...core, ...w.after], {
+      riffId: w.riffId ?? undefined,
+      waveId: w.waveId ?? undefined,
+    });
     if (w.riffSize) body.writeUInt32LE(size(w.riffSize, body.length - 8)! >>> 0, 4);
     let out = w.truncate === null ? body : body.subarray(0, Math.floor(w.truncate * body.length));
     // A few overwritten bytes, mostly in the headers (the first 44 bytes), only some of the time.
@@ -250,16 +386,37 @@ export function queryArb(valid: Record<string, fc.Arbitrary<string>>): fc.Arbitr
   const keys = Object.keys(valid);
   const pair = fc.oneof(
     // Unknown keys are a 400 on every route (issue 13): rarer, so that most inputs reach the deeper checks.
-    { weight: 14, arbitrary: fc.constantFrom(...keys).chain((k) => fc.tuple(fc.constant(k), fc.oneof({ weight: 3, arbitrary: valid[k] }, { weight: 2, arbitrary: queryValue }))) },
-    { weight: 1, arbitrary: fc.tuple(fc.oneof(fc.constantFrom('', 'x', 'Model', 'sample_rate[]', '__proto__', 'constructor'), fc.string({ maxLength: 8 })), queryValue) },
+    {
+      weight: 14,
+      arbitrary: fc
+        .constantFrom(...keys)
+        .chain((k) =>
+          fc.tuple(fc.constant(k), fc.oneof({ weight: 3, arbitrary: valid[k] }, { weight: 2, arbitrary: queryValue })),
+        ),
+    },
+    {
+      weight: 1,
+      arbitrary: fc.tuple(
+        fc.oneof(
+          fc.constantFrom('', 'x', 'Model', 'sample_rate[]', '__proto__', 'constructor'),
+          fc.string({ maxLength: 8 }),
+        ),
+        queryValue,
+      ),
+    },
   );
   // Mostly each key once (a repeated parameter is a 400 naming it), now and then repeats.
-  const pairs = fc.oneof({ weight: 7, arbitrary: fc.uniqueArray(pair, { maxLength: 7, selector: ([k]) => k }) }, { weight: 1, arbitrary: fc.array(pair, { maxLength: 7 }) });
-  return fc.tuple(pairs, fc.boolean(), fc.nat(3)).map(([pairs, raw, sep]) =>
-    pairs
-      .map(([k, v]) => (raw ? `${k}=${v}` : `${encodeURIComponent(k)}=${encodeURIComponent(v)}`))
-      .join(['&', '&', '&&', ';'][sep]),
+  const pairs = fc.oneof(
+    { weight: 7, arbitrary: fc.uniqueArray(pair, { maxLength: 7, selector: ([k]) => k }) },
+    { weight: 1, arbitrary: fc.array(pair, { maxLength: 7 }) },
   );
+  return fc
+    .tuple(pairs, fc.boolean(), fc.nat(3))
+    .map(([pairs, raw, sep]) =>
+      pairs
+        .map(([k, v]) => (raw ? `${k}=${v}` : `${encodeURIComponent(k)}=${encodeURIComponent(v)}`))
+        .join(['&', '&', '&&', ';'][sep]),
+    );
 }
 
 // ---------- JSON bodies ----------
@@ -270,7 +427,12 @@ export function queryArb(valid: Record<string, fc.Arbitrary<string>>): fc.Arbitr
  */
 export function jsonBodyArb(template: fc.Arbitrary<Record<string, unknown>>): fc.Arbitrary<string> {
   const mutated = fc
-    .tuple(template, fc.array(fc.tuple(fc.nat(), fc.constantFrom('drop', 'junk', 'add')), { maxLength: 2 }), fc.array(junkValue, { minLength: 3, maxLength: 3 }), fc.string({ maxLength: 10 }))
+    .tuple(
+      template,
+      fc.array(fc.tuple(fc.nat(), fc.constantFrom('drop', 'junk', 'add')), { maxLength: 2 }),
+      fc.array(junkValue, { minLength: 3, maxLength: 3 }),
+      fc.string({ maxLength: 10 }),
+    )
     .map(([body, edits, junk, extraKey]) => {
       const out: Record<string, unknown> = { ...body };
       const keys = Object.keys(out);
@@ -288,7 +450,20 @@ export function jsonBodyArb(template: fc.Arbitrary<Record<string, unknown>>): fc
     {
       weight: 1,
       arbitrary: fc.oneof(
-        fc.constantFrom('', ' ', '{', '{"a":', '[', 'nul', '{"a":1,}', '\ufeff{}', '{"__proto__":{"x":1}}', '{"a":1e999999}', '[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]', '"just a string"'),
+        fc.constantFrom(
+          '',
+          ' ',
+          '{',
+          '{"a":',
+          '[',
+          'nul',
+          '{"a":1,}',
+          '\ufeff{}',
+          '{"__proto__":{"x":1}}',
+          '{"a":1e999999}',
+          '[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]',
+          '"just a string"',
+        ),
         fc.string({ maxLength: 40 }),
         fc.string({ unit: 'binary', maxLength: 40 }),
       ),
@@ -297,14 +472,41 @@ export function jsonBodyArb(template: fc.Arbitrary<Record<string, unknown>>): fc
 }
 
 /** A base64 string of a fuzzed WAV (or of junk, or not base64 at all). */
-export const base64Wav = fc.oneof({ weight: 6, arbitrary: wavArb.map((b) => b.toString('base64')) }, { weight: 1, arbitrary: fc.constantFrom('', '====', 'AAAA', 'not base64!', 'QUJD\nREVG') }, { weight: 1, arbitrary: fc.string({ maxLength: 12 }) });
+export const base64Wav = fc.oneof(
+  { weight: 6, arbitrary: wavArb.map((b) => b.toString('base64')) },
+  { weight: 1, arbitrary: fc.constantFrom('', '====', 'AAAA', 'not base64!', 'QUJD\nREVG') },
+  { weight: 1, arbitrary: fc.string({ maxLength: 12 }) },
+);
 
 /** Task options: valid keys with valid or junk values, and unknown keys. */
-const probability = fc.oneof({ weight: 8, arbitrary: fc.double({ min: 0.01, max: 0.99, noNaN: true }) }, { weight: 1, arbitrary: fc.constantFrom(0, 1, -0.5, 1.5, 5) }, { weight: 1, arbitrary: junkValue });
+const probability = fc.oneof(
+  { weight: 8, arbitrary: fc.double({ min: 0.01, max: 0.99, noNaN: true }) },
+  { weight: 1, arbitrary: fc.constantFrom(0, 1, -0.5, 1.5, 5) },
+  { weight: 1, arbitrary: junkValue },
+);
 const ms = fc.oneof({ weight: 8, arbitrary: fc.nat(2000) }, { weight: 1, arbitrary: junkValue });
 export const optionsArb: fc.Arbitrary<unknown> = fc.oneof(
   { weight: 3, arbitrary: fc.record({ threshold: probability }, { requiredKeys: [] }) },
-  { weight: 3, arbitrary: fc.record({ threshold: probability, neg_threshold: probability, min_speech_duration_ms: ms, min_silence_duration_ms: ms, speech_pad_ms: ms }, { requiredKeys: [] }) },
-  { weight: 1, arbitrary: fc.dictionary(fc.constantFrom('max_speech_duration_s', 'Threshold', 'window_size_samples', ''), junkValue, { maxKeys: 2 }) },
+  {
+    weight: 3,
+    arbitrary: fc.record(
+      {
+        threshold: probability,
+        neg_threshold: probability,
+        min_speech_duration_ms: ms,
+        min_silence_duration_ms: ms,
+        speech_pad_ms: ms,
+      },
+      { requiredKeys: [] },
+    ),
+  },
+  {
+    weight: 1,
+    arbitrary: fc.dictionary(
+      fc.constantFrom('max_speech_duration_s', 'Threshold', 'window_size_samples', ''),
+      junkValue,
+      { maxKeys: 2 },
+    ),
+  },
   { weight: 1, arbitrary: junkValue },
 );

@@ -22,7 +22,19 @@ import { parseBatchRequest, parseRunRequest } from '../../transport/http.js';
 import { bindStream } from '../../transport/stream.js';
 import { SUBPROTOCOLS, type Subprotocol } from '../../runtime/wire.js';
 import { FakeWs, fakeLoader } from './fakes.js';
-import { base64Wav, edgeInt, expect4xx, fuzz, jsonBodyArb, junkValue, optionsArb, queryArb, report, sometimes, wavArb } from './gen.js';
+import {
+  base64Wav,
+  edgeInt,
+  expect4xx,
+  fuzz,
+  jsonBodyArb,
+  junkValue,
+  optionsArb,
+  queryArb,
+  report,
+  sometimes,
+  wavArb,
+} from './gen.js';
 
 afterAll(() => report('in-process'));
 
@@ -49,7 +61,8 @@ function checkDecoded(bytes: Uint8Array, what: string): boolean {
 async function leasesReturn(sup: Supervisor, what: string): Promise<void> {
   const held = () => sup.statuses().filter((s) => s.active_leases || s.queued_requests);
   for (let i = 0; i < 200 && held().length; i++) await new Promise((r) => setTimeout(r, 5));
-  for (const s of held()) throw new Error(`lease left held (${s.id}: ${s.active_leases} leases, ${s.queued_requests} queued): ${what}`);
+  for (const s of held())
+    throw new Error(`lease left held (${s.id}: ${s.active_leases} leases, ${s.queued_requests} queued): ${what}`);
 }
 
 /** Runs `f`; a throw must be a 4xx VoxError. Returns the result or undefined. */
@@ -91,21 +104,57 @@ describe('fuzz: query strings', () => {
     });
   });
 
-  const runQuery = queryArb({ model: fc.constantFrom('vad', 'wake', ''), busy_timeout_ms: fc.oneof(fc.constantFrom('0', '10', '-1', '1.5', '1e3'), edgeInt.map(String)) });
-  const contentType = fc.constantFrom('audio/wav', 'audio/x-wav', 'AUDIO/WAV; charset=binary', 'application/octet-stream', 'application/json', 'text/plain', '', 'audio/wav;', ';');
+  const runQuery = queryArb({
+    model: fc.constantFrom('vad', 'wake', ''),
+    busy_timeout_ms: fc.oneof(fc.constantFrom('0', '10', '-1', '1.5', '1e3'), edgeInt.map(String)),
+  });
+  const contentType = fc.constantFrom(
+    'audio/wav',
+    'audio/x-wav',
+    'AUDIO/WAV; charset=binary',
+    'application/octet-stream',
+    'application/json',
+    'text/plain',
+    '',
+    'audio/wav;',
+    ';',
+  );
   it('parseRunRequest with a WAV body (/v1/tasks/run?model=): a request whose audio and options decode, or a 400', async () => {
-    await fuzz('query', fc.tuple(runQuery, contentType, wavArb), 8_000, 500, ([q, type, wav]) => {
-      const req = { headers: { 'content-type': type } } as IncomingMessage;
-      const r = settle(() => parseRunRequest(req, new URL(`/v1/tasks/run?${q}`, 'http://localhost'), wav, 0), q);
-      if (!r) return false;
-      expect(r.model).toBeTruthy();
-      return checkDecoded(r.files[0].bytes, q);
-    }, 0.01); // most inputs fail several checks at once (query, content type, WAV): ~2 % pass
+    await fuzz(
+      'query',
+      fc.tuple(runQuery, contentType, wavArb),
+      8_000,
+      500,
+      ([q, type, wav]) => {
+        const req = { headers: { 'content-type': type } } as IncomingMessage;
+        const r = settle(() => parseRunRequest(req, new URL(`/v1/tasks/run?${q}`, 'http://localhost'), wav, 0), q);
+        if (!r) return false;
+        expect(r.model).toBeTruthy();
+        return checkDecoded(r.files[0].bytes, q);
+      },
+      0.01,
+    ); // most inputs fail several checks at once (query, content type, WAV): ~2 % pass
   });
 });
 
-const runBody = fc.record({ model: fc.constantFrom('vad', 'wake', 'nope'), audio: base64Wav, busy_timeout_ms: fc.oneof(fc.nat(1000), junkValue), options: optionsArb }, { requiredKeys: ['model', 'audio'] });
-const batchBody = fc.record({ model: fc.constantFrom('vad', 'wake'), files: fc.array(base64Wav, { maxLength: 3 }), busy_timeout_ms: fc.nat(1000), options: optionsArb }, { requiredKeys: ['model', 'files'] });
+const runBody = fc.record(
+  {
+    model: fc.constantFrom('vad', 'wake', 'nope'),
+    audio: base64Wav,
+    busy_timeout_ms: fc.oneof(fc.nat(1000), junkValue),
+    options: optionsArb,
+  },
+  { requiredKeys: ['model', 'audio'] },
+);
+const batchBody = fc.record(
+  {
+    model: fc.constantFrom('vad', 'wake'),
+    files: fc.array(base64Wav, { maxLength: 3 }),
+    busy_timeout_ms: fc.nat(1000),
+    options: optionsArb,
+  },
+  { requiredKeys: ['model', 'files'] },
+);
 
 /** A parsed task request's files and options must each decode and validate, or be a 400. */
 function checkTask(r: { model: string; files: { bytes: Buffer }[]; options?: unknown }, what: string): boolean {
@@ -114,35 +163,54 @@ function checkTask(r: { model: string; files: { bytes: Buffer }[]; options?: unk
   for (const f of r.files) ok = checkDecoded(f.bytes, what) && ok;
   // Accepted if the options suit either task (VAD options are refused by a wake-word model).
   let suits = false;
-  for (const config of [VAD, WAKE]) suits = settle(() => createTaskSession(config, { vadVersion: 'v5', heads: [{ window: 16, labels: ['x'] }], initialEmbeddings: new Float32Array(16 * 96) }, r.options, true), `${what} options`) !== undefined || suits;
+  for (const config of [VAD, WAKE])
+    suits =
+      settle(
+        () =>
+          createTaskSession(
+            config,
+            { vadVersion: 'v5', heads: [{ window: 16, labels: ['x'] }], initialEmbeddings: new Float32Array(16 * 96) },
+            r.options,
+            true,
+          ),
+        `${what} options`,
+      ) !== undefined || suits;
   return ok && suits;
 }
 
 /** A field's value: mostly valid, now and then junk of any kind. */
-const field = <T>(valid: fc.Arbitrary<T>): fc.Arbitrary<unknown> => fc.oneof({ weight: 12, arbitrary: valid }, { weight: 1, arbitrary: junkValue });
+const field = <T>(valid: fc.Arbitrary<T>): fc.Arbitrary<unknown> =>
+  fc.oneof({ weight: 12, arbitrary: valid }, { weight: 1, arbitrary: junkValue });
 
 /** A `POST /v1/models/load` body (also a config file's `models[]` entry) with ids from `ids`. */
-const modelBodyWith = (ids: fc.Arbitrary<string>) => fc.record(
-  {
-    id: ids,
-    task: field(fc.constantFrom('vad', 'wakeword', 'vad')),
-    path: field(fc.constantFrom('/fake/model.onnx', 'model.onnx', '../../etc/passwd')),
-    slots: field(fc.integer({ min: 1, max: 16 })),
-    max_streams: field(fc.constantFrom(1, 4, 256, 65536)),
-    busy_timeout_ms: field(fc.nat(2000)),
-    keep_alive_ms: field(fc.nat(2000)),
-    isolation: field(fc.constantFrom('process', 'thread')),
-    job_timeout_ms: field(fc.nat(2000)),
-    lazy: field(fc.boolean()),
-    max_batch_size: field(fc.integer({ min: 1, max: 512 })),
-    max_batch_delay_ms: field(fc.integer({ min: 0, max: 1000 })),
-    options: optionsArb,
-    melspectrogram_path: field(fc.constant('/fake/mel.onnx')),
-    embedding_path: field(fc.constant('/fake/emb.onnx')),
-  },
-  { requiredKeys: ['id', 'task', 'path'] },
+const modelBodyWith = (ids: fc.Arbitrary<string>) =>
+  fc.record(
+    {
+      id: ids,
+      task: field(fc.constantFrom('vad', 'wakeword', 'vad')),
+      path: field(fc.constantFrom('/fake/model.onnx', 'model.onnx', '../../etc/passwd')),
+      slots: field(fc.integer({ min: 1, max: 16 })),
+      max_streams: field(fc.constantFrom(1, 4, 256, 65536)),
+      busy_timeout_ms: field(fc.nat(2000)),
+      keep_alive_ms: field(fc.nat(2000)),
+      isolation: field(fc.constantFrom('process', 'thread')),
+      job_timeout_ms: field(fc.nat(2000)),
+      lazy: field(fc.boolean()),
+      max_batch_size: field(fc.integer({ min: 1, max: 512 })),
+      max_batch_delay_ms: field(fc.integer({ min: 0, max: 1000 })),
+      options: optionsArb,
+      melspectrogram_path: field(fc.constant('/fake/mel.onnx')),
+      embedding_path: field(fc.constant('/fake/emb.onnx')),
+    },
+    { requiredKeys: ['id', 'task', 'path'] },
+  );
+const modelBody = modelBodyWith(
+  fc.oneof(
+    { weight: 4, arbitrary: fc.constantFrom('m1', 'm-2.x', 'silero-vad') },
+    { weight: 1, arbitrary: fc.constantFrom('', '.hidden', 'a/b', 'x'.repeat(129)) },
+    { weight: 1, arbitrary: fc.string({ maxLength: 12 }) },
+  ),
 );
-const modelBody = modelBodyWith(fc.oneof({ weight: 4, arbitrary: fc.constantFrom('m1', 'm-2.x', 'silero-vad') }, { weight: 1, arbitrary: fc.constantFrom('', '.hidden', 'a/b', 'x'.repeat(129)) }, { weight: 1, arbitrary: fc.string({ maxLength: 12 }) }));
 
 /** A validated model config must be one a model entry can run: its options valid for its task. */
 function checkModelConfig(c: ModelConfig): void {
@@ -154,19 +222,39 @@ function checkModelConfig(c: ModelConfig): void {
 describe('fuzz: JSON request bodies', () => {
   it('run (JSON): a request whose audio and options decode, or a 400', async () => {
     const req = { headers: { 'content-type': 'application/json' } } as IncomingMessage;
-    await fuzz('json', jsonBodyArb(runBody), 6_000, 500, (body) => {
-      const r = settle(() => parseRunRequest(req, new URL('http://localhost/v1/tasks/run'), Buffer.from(body), 0), body);
-      return r ? checkTask(r, body) : false;
-    }, 0.005);
+    await fuzz(
+      'json',
+      jsonBodyArb(runBody),
+      6_000,
+      500,
+      (body) => {
+        const r = settle(
+          () => parseRunRequest(req, new URL('http://localhost/v1/tasks/run'), Buffer.from(body), 0),
+          body,
+        );
+        return r ? checkTask(r, body) : false;
+      },
+      0.005,
+    );
   });
 
   it('batch: a request of 1-256 files that decode, or a 400', async () => {
-    await fuzz('json', jsonBodyArb(batchBody), 3_000, 500, (body) => {
-      const r = settle(() => parseBatchRequest(new URL('http://localhost/v1/tasks/batch'), Buffer.from(body), 0), body);
-      if (!r) return false;
-      expect(r.files.length).toBeGreaterThanOrEqual(1);
-      return checkTask(r, body);
-    }, 0.005);
+    await fuzz(
+      'json',
+      jsonBodyArb(batchBody),
+      3_000,
+      500,
+      (body) => {
+        const r = settle(
+          () => parseBatchRequest(new URL('http://localhost/v1/tasks/batch'), Buffer.from(body), 0),
+          body,
+        );
+        if (!r) return false;
+        expect(r.files.length).toBeGreaterThanOrEqual(1);
+        return checkTask(r, body);
+      },
+      0.005,
+    );
   });
 
   it('load and reconfigure: a config a model entry can run, or a 400', async () => {
@@ -187,10 +275,16 @@ describe('fuzz: JSON request bodies', () => {
   });
 
   it('load, reconfigure and unload through a supervisor: a result or a 4xx, and no lease left held', async () => {
-    const sup = new Supervisor(ServerConfig.parse({ log_level: 'silent', busy_timeout_ms: 1000 }), { loader: fakeLoader, catalog: [VAD] });
+    const sup = new Supervisor(ServerConfig.parse({ log_level: 'silent', busy_timeout_ms: 1000 }), {
+      loader: fakeLoader,
+      catalog: [VAD],
+    });
     await sup.start();
     try {
-      const op = fc.tuple(fc.constantFrom('load', 'load', 'unload', 'force'), jsonBodyArb(modelBodyWith(fc.constantFrom('vad', 'm1', 'm2'))));
+      const op = fc.tuple(
+        fc.constantFrom('load', 'load', 'unload', 'force'),
+        jsonBodyArb(modelBodyWith(fc.constantFrom('vad', 'm1', 'm2'))),
+      );
       await fuzz('json', op, 1_500, 2000, async ([kind, text]) => {
         let body: Record<string, unknown>;
         try {
@@ -202,13 +296,15 @@ describe('fuzz: JSON request bodies', () => {
         let ok = true;
         try {
           if (kind === 'load') await sup.load(body, 1000);
-          else if (typeof body.id === 'string') await (kind === 'force' ? sup.require(body.id).forceUnload() : sup.require(body.id).unload(1000));
+          else if (typeof body.id === 'string')
+            await (kind === 'force' ? sup.require(body.id).forceUnload() : sup.require(body.id).unload(1000));
         } catch (e) {
           expect4xx(e, `${kind} ${text}`);
           ok = false;
         }
         for (const s of sup.statuses()) {
-          if (s.active_leases || s.queued_requests) throw new Error(`${kind} ${text}: ${s.id} holds ${s.active_leases} leases, ${s.queued_requests} queued`);
+          if (s.active_leases || s.queued_requests)
+            throw new Error(`${kind} ${text}: ${s.id} holds ${s.active_leases} leases, ${s.queued_requests} queued`);
           if (s.last_error) throw new Error(`${kind} ${text}: ${s.id} failed: ${s.last_error}`);
         }
         return ok;
@@ -232,16 +328,47 @@ const configArb = fc.record(
     job_timeout_ms: field(fc.nat()),
     log_level: field(fc.constantFrom('info', 'silent', 'trace')),
     models_root: field(fc.constantFrom('/models', 'models')),
-    management: field(fc.record({ enabled: field(fc.boolean()), token: field(fc.constant('t0k3n')) }, { requiredKeys: [] })),
-    debug: field(fc.record({ inspect: field(fc.boolean()), stately_url: field(fc.constant('ws://localhost:8090')) }, { requiredKeys: [] })),
+    management: field(
+      fc.record({ enabled: field(fc.boolean()), token: field(fc.constant('t0k3n')) }, { requiredKeys: [] }),
+    ),
+    debug: field(
+      fc.record(
+        { inspect: field(fc.boolean()), stately_url: field(fc.constant('ws://localhost:8090')) },
+        { requiredKeys: [] },
+      ),
+    ),
     limits: field(
       fc.record(
-        Object.fromEntries(['max_body_bytes', 'max_header_bytes', 'headers_timeout_ms', 'max_ws_connections', 'ws_max_frame_bytes', 'ws_max_buffered_bytes', 'idle_ms', 'total_ms', 'send_timeout_ms', 'heartbeat_ms'].map((k) => [k, field(fc.integer({ min: 1024, max: 2 ** 31 - 1 }))])),
+        Object.fromEntries(
+          [
+            'max_body_bytes',
+            'max_header_bytes',
+            'headers_timeout_ms',
+            'max_ws_connections',
+            'ws_max_frame_bytes',
+            'ws_max_buffered_bytes',
+            'idle_ms',
+            'total_ms',
+            'send_timeout_ms',
+            'heartbeat_ms',
+          ].map((k) => [k, field(fc.integer({ min: 1024, max: 2 ** 31 - 1 }))]),
+        ),
         { requiredKeys: [] },
       ),
     ),
     // Ids mostly unique (a duplicate is an error), models mostly valid.
-    models: field(fc.oneof({ weight: 6, arbitrary: fc.uniqueArray(modelBodyWith(fc.constantFrom('a', 'b', 'silero-vad')), { maxLength: 3, selector: (m) => m.id }) }, { weight: 1, arbitrary: fc.array(modelBodyWith(fc.constantFrom('a', 'b')), { maxLength: 3 }) })),
+    models: field(
+      fc.oneof(
+        {
+          weight: 6,
+          arbitrary: fc.uniqueArray(modelBodyWith(fc.constantFrom('a', 'b', 'silero-vad')), {
+            maxLength: 3,
+            selector: (m) => m.id,
+          }),
+        },
+        { weight: 1, arbitrary: fc.array(modelBodyWith(fc.constantFrom('a', 'b')), { maxLength: 3 }) },
+      ),
+    ),
   },
   { requiredKeys: ['models'] },
 );
@@ -253,14 +380,24 @@ describe('fuzz: config files', () => {
     onTestFinished(() => rmSync(dir, { recursive: true }));
     const file = join(dir, 'config.json');
     // An unknown top-level key now and then.
-    const text = fc.oneof({ weight: 8, arbitrary: configArb.map((c) => JSON.stringify(c)) }, { weight: 1, arbitrary: fc.tuple(configArb, fc.string({ maxLength: 8 }), junkValue).map(([c, k, v]) => JSON.stringify({ ...c, [k]: v })) }, { weight: 2, arbitrary: jsonBodyArb(configArb as fc.Arbitrary<Record<string, unknown>>) });
+    const text = fc.oneof(
+      { weight: 8, arbitrary: configArb.map((c) => JSON.stringify(c)) },
+      {
+        weight: 1,
+        arbitrary: fc
+          .tuple(configArb, fc.string({ maxLength: 8 }), junkValue)
+          .map(([c, k, v]) => JSON.stringify({ ...c, [k]: v })),
+      },
+      { weight: 2, arbitrary: jsonBodyArb(configArb as fc.Arbitrary<Record<string, unknown>>) },
+    );
     await fuzz('config', text, 6_000, 500, (t) => {
       writeFileSync(file, t);
       const c = settle(() => loadServerConfig(file), t);
       if (!c) return false;
       expect(c.port).toBeGreaterThanOrEqual(0);
       const ids = c.models.map((m) => m.id);
-      if (new Set(ids).size !== ids.length) throw new Error(`${t}: accepted models with the same id: ${ids.join(', ')}`);
+      if (new Set(ids).size !== ids.length)
+        throw new Error(`${t}: accepted models with the same id: ${ids.join(', ')}`);
       for (const m of c.models) checkModelConfig(m);
       return true;
     });
@@ -269,7 +406,11 @@ describe('fuzz: config files', () => {
 
 describe('fuzz: WebSocket binary frames and control messages', () => {
   it('PcmStreamDecoder: any split of any bytes gives one sample per whole frame, in [-1, 1]', async () => {
-    const arb = fc.record({ encoding: fc.constantFrom('s16le', 'f32le') as fc.Arbitrary<'s16le' | 'f32le'>, channels: fc.constantFrom(1, 2, 3, 32), frames: fc.array(fc.uint8Array({ maxLength: 700 }), { maxLength: 12 }) });
+    const arb = fc.record({
+      encoding: fc.constantFrom('s16le', 'f32le') as fc.Arbitrary<'s16le' | 'f32le'>,
+      channels: fc.constantFrom(1, 2, 3, 32),
+      frames: fc.array(fc.uint8Array({ maxLength: 700 }), { maxLength: 12 }),
+    });
     await fuzz('ws', arb, 4_000, 500, async ({ encoding, channels, frames }) => {
       const d = await PcmStreamDecoder.create(encoding, 16000, channels);
       try {
@@ -290,24 +431,63 @@ describe('fuzz: WebSocket binary frames and control messages', () => {
 
   /** One client message: a PCM frame, a text frame (control), a msgpack-encoded control as a binary frame, or the client's close. */
   const message = fc.oneof(
-    { weight: 6, arbitrary: fc.uint8Array({ maxLength: 4000 }).map((b) => ({ kind: 'bin' as const, data: Buffer.from(b) })) },
+    {
+      weight: 6,
+      arbitrary: fc.uint8Array({ maxLength: 4000 }).map((b) => ({ kind: 'bin' as const, data: Buffer.from(b) })),
+    },
     { weight: 2, arbitrary: fc.constant({ kind: 'text' as const, data: '{"type":"end"}' }) },
     {
       weight: 3,
       arbitrary: fc
         .oneof(
-          fc.constantFrom('{"type":"END"}', '{"type":"end","x":1}', ' { "type" : "end" } ', '{"type":["end"]}', '{"type":null}', '{}', '[]', 'null', '1e999', '"end"', 'end', '', '{"type":"start"}', '{"type":"end"', '\u0000', '{"type":"end"}{"type":"end"}', '{"__proto__":{"type":"end"}}'),
+          fc.constantFrom(
+            '{"type":"END"}',
+            '{"type":"end","x":1}',
+            ' { "type" : "end" } ',
+            '{"type":["end"]}',
+            '{"type":null}',
+            '{}',
+            '[]',
+            'null',
+            '1e999',
+            '"end"',
+            'end',
+            '',
+            '{"type":"start"}',
+            '{"type":"end"',
+            '\u0000',
+            '{"type":"end"}{"type":"end"}',
+            '{"__proto__":{"type":"end"}}',
+          ),
           fc.jsonValue({ maxDepth: 5 }).map((v) => JSON.stringify(v) ?? ''),
           fc.record({ type: junkValue, data: junkValue }).map((v) => JSON.stringify(v)),
           fc.string({ maxLength: 30 }),
         )
         .map((data) => ({ kind: 'text' as const, data })),
     },
-    { weight: 1, arbitrary: fc.oneof(fc.constant({ type: 'end' }), fc.jsonValue({ maxDepth: 3 })).map((v) => ({ kind: 'bin' as const, data: pack(v) })) },
+    {
+      weight: 1,
+      arbitrary: fc
+        .oneof(fc.constant({ type: 'end' }), fc.jsonValue({ maxDepth: 3 }))
+        .map((v) => ({ kind: 'bin' as const, data: pack(v) })),
+    },
     { weight: 1, arbitrary: fc.constant({ kind: 'wait' as const, data: '' }) },
   );
   const session = fc.record({
-    query: fc.oneof({ weight: 4, arbitrary: fc.record({ model: fc.constantFrom('vad', 'vad', 'vad', 'nope'), sample_rate: fc.constantFrom('16000', '16000', '8000', '44100'), encoding: fc.constantFrom('s16le', 'f32le'), channels: fc.constantFrom('1', '1', '2') }).map((q) => new URLSearchParams(q).toString()) }, { weight: 1, arbitrary: streamQuery }),
+    query: fc.oneof(
+      {
+        weight: 4,
+        arbitrary: fc
+          .record({
+            model: fc.constantFrom('vad', 'vad', 'vad', 'nope'),
+            sample_rate: fc.constantFrom('16000', '16000', '8000', '44100'),
+            encoding: fc.constantFrom('s16le', 'f32le'),
+            channels: fc.constantFrom('1', '1', '2'),
+          })
+          .map((q) => new URLSearchParams(q).toString()),
+      },
+      { weight: 1, arbitrary: streamQuery },
+    ),
     protocol: fc.constantFrom(...SUBPROTOCOLS),
     messages: fc.array(message, { maxLength: 12 }),
     clientClose: sometimes(fc.constantFrom(1000, 1001, 1006), 5),
@@ -341,7 +521,15 @@ describe('fuzz: WebSocket binary frames and control messages', () => {
             if (!ended) bytesBeforeEnd += m.data.length;
           } else {
             ws.emit('message', Buffer.from(m.data), false);
-            const isEnd = /^\s*\{\s*"type"\s*:\s*"end"\s*\}\s*$/.test(m.data) || (() => { try { return JSON.parse(m.data)?.type === 'end'; } catch { return false; } })();
+            const isEnd =
+              /^\s*\{\s*"type"\s*:\s*"end"\s*\}\s*$/.test(m.data) ||
+              (() => {
+                try {
+                  return JSON.parse(m.data)?.type === 'end';
+                } catch {
+                  return false;
+                }
+              })();
             if (isEnd) ended = true;
             else {
               bad++;
@@ -352,9 +540,12 @@ describe('fuzz: WebSocket binary frames and control messages', () => {
         if (s.clientClose && ws.readyState === 1) ws.peerClose(s.clientClose);
         else if (!ended && ws.readyState === 1) ws.peerClose(1000); // a client that never ends leaves
         await link.released;
-        const events = ws.sent.map((f) => (s.protocol === 'voxserve.v1.msgpack' ? unpack(f as Buffer) : JSON.parse(f as string)));
+        const events = ws.sent.map((f) =>
+          s.protocol === 'voxserve.v1.msgpack' ? unpack(f as Buffer) : JSON.parse(f as string),
+        );
         const what = JSON.stringify({ query: s.query, events, close: ws.closedWith });
-        for (const e of events) if (e.type === 'error' && e.error.type === 'server_error') throw new Error(`server_error: ${what}`);
+        for (const e of events)
+          if (e.type === 'error' && e.error.type === 'server_error') throw new Error(`server_error: ${what}`);
         expect(ws.closedWith?.code ?? 1000, what).not.toBe(1011);
         await leasesReturn(sup, what);
         if (!params) {

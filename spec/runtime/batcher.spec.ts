@@ -9,7 +9,12 @@ const until = async (done: () => boolean): Promise<void> => {
 };
 
 /** A stream's VAD job of `windows` windows whose every sample is `value`. */
-const row = (value: number, windows = 2): VadJob => ({ kind: 'vad', windows: new Float32Array(windows * 512).fill(value), state: new Float32Array(256).fill(value), context: new Float32Array(64).fill(value) });
+const row = (value: number, windows = 2): VadJob => ({
+  kind: 'vad',
+  windows: new Float32Array(windows * 512).fill(value),
+  state: new Float32Array(256).fill(value),
+  context: new Float32Array(64).fill(value),
+});
 
 /** A pool of `size` slots that holds each job until the test answers it; the answer echoes each row's first sample as its probabilities. */
 function heldPool(size: number) {
@@ -48,8 +53,12 @@ describe('Batcher', () => {
     // The first batch's job still holds its own rows' samples and state.
     const job = held[0].job;
     expect(job.counts).toEqual([2, 2]);
-    expect(job.windows.subarray(0, 1024).every((v) => v === 1) && job.windows.subarray(1024).every((v) => v === 2)).toBe(true);
-    expect(job.state.subarray(0, 256).every((v) => v === 1) && job.state.subarray(256).every((v) => v === 2)).toBe(true);
+    expect(
+      job.windows.subarray(0, 1024).every((v) => v === 1) && job.windows.subarray(1024).every((v) => v === 2),
+    ).toBe(true);
+    expect(job.state.subarray(0, 256).every((v) => v === 1) && job.state.subarray(256).every((v) => v === 2)).toBe(
+      true,
+    );
     held[0].answer();
     const [a, b] = await Promise.all(first);
     expect([...a.probs]).toEqual([1, 1]);

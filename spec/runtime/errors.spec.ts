@@ -71,10 +71,18 @@ describe('error catalogue', () => {
   it('an error carries its code, type, status and rendered message on the wire', () => {
     const e = voxError('model_not_found', { id: 'nope' });
     expect(e.status).toBe(404);
-    expect(errorBody(e)).toEqual({ error: { type: 'not_found', code: 'model_not_found', message: "model 'nope' does not exist; GET /v1/models lists the models" } });
+    expect(errorBody(e)).toEqual({
+      error: {
+        type: 'not_found',
+        code: 'model_not_found',
+        message: "model 'nope' does not exist; GET /v1/models lists the models",
+      },
+    });
     const busy = voxError('queue_full', { max: 3 });
     expect([busy.type, busy.status, busy.retryAfterS, busy.closeCode]).toEqual(['server_busy', 503, 1, CLOSE.BUSY]);
-    expect(voxError('invalid_field', { field: 'sample_rate', problem: 'too low' }).message).toBe('sample_rate: too low');
+    expect(voxError('invalid_field', { field: 'sample_rate', problem: 'too low' }).message).toBe(
+      'sample_rate: too low',
+    );
     expect(voxError('method_not_allowed', { method: 'PUT', path: '/health' }).status).toBe(405);
     expect(voxError('shutting_down').type).toBe('shutting_down');
     // RFC 6455 7.4.1: 1008 policy (the client's mistake), 1011 internal, 1013 try again later.

@@ -16,7 +16,10 @@ function importGraph(): Map<string, string[]> {
         const deps = [...text.matchAll(/^(?:import|export)\s+(type\s+)?[^'"]*?from '(\.[^']+)'/gm)]
           .filter((m) => !m[1])
           .map((m) => resolve(dirname(path), m[2].replace(/\.js$/, '.ts')));
-        graph.set(relative(root, path), deps.map((d) => relative(root, d)));
+        graph.set(
+          relative(root, path),
+          deps.map((d) => relative(root, d)),
+        );
       }
     }
   };

@@ -57,7 +57,14 @@ function fakeFactory(log: string[], failOn: number | null) {
     log.push(`start ${id}`);
     return {
       info: {} as SlotInfo,
-      run: async (job: Job) => (log.push(`run ${id}`), { kind: 'vad', probs: new Float32Array(0), state: (job as { state: Float32Array }).state, context: new Float32Array(64) }) as JobResult,
+      run: async (job: Job) =>
+        (log.push(`run ${id}`),
+        {
+          kind: 'vad',
+          probs: new Float32Array(0),
+          state: (job as { state: Float32Array }).state,
+          context: new Float32Array(64),
+        }) as JobResult,
       close: async () => void log.push(`close ${id}`),
       onExit: () => {},
       residentBytes: () => 0,
@@ -93,7 +100,13 @@ describe('SlotPool.start', () => {
       signals.push(signal);
       // The first host starts; its respawn never finishes loading.
       if (n++ > 0) return new Promise<never>(() => {});
-      return { info: {}, run: async () => ({}) as JobResult, close: async () => {}, onExit: (cb) => exits.push(cb), residentBytes: () => 0 };
+      return {
+        info: {},
+        run: async () => ({}) as JobResult,
+        close: async () => {},
+        onExit: (cb) => exits.push(cb),
+        residentBytes: () => 0,
+      };
     };
     const pool = await SlotPool.start(vadSpec(), 1, factory, { loadTimeoutMs: 150 });
     const failed = new Promise<Error>((resolve) => pool.onFailure(resolve));
@@ -109,7 +122,14 @@ describe('SlotPool.start', () => {
     const exits: ((e: Error) => void)[] = [];
     let respawn: AbortSignal | undefined;
     const factory = (_spec: LoadSpec, signal?: AbortSignal): Promise<SlotHost> => {
-      if (n++ === 0) return Promise.resolve({ info: {}, run: async () => ({}) as JobResult, close: async () => {}, onExit: (cb) => exits.push(cb), residentBytes: () => 0 });
+      if (n++ === 0)
+        return Promise.resolve({
+          info: {},
+          run: async () => ({}) as JobResult,
+          close: async () => {},
+          onExit: (cb) => exits.push(cb),
+          residentBytes: () => 0,
+        });
       respawn = signal;
       // A host that never finishes loading.
       return new Promise<never>(() => {});

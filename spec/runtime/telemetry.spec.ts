@@ -8,7 +8,13 @@ describe('ModelHistogram', () => {
     const ours = new Registry();
     const theirs = new Registry();
     const fast = new ModelHistogram('x_seconds', 'help text', buckets, ours);
-    const reference = new Histogram({ name: 'x_seconds', help: 'help text', labelNames: ['model'], buckets, registers: [theirs] });
+    const reference = new Histogram({
+      name: 'x_seconds',
+      help: 'help text',
+      labelNames: ['model'],
+      buckets,
+      registers: [theirs],
+    });
     const values = [0, 0.0005, 0.001, 0.002, 0.05, 0.1, 0.5, 1, 3, 1e9];
     for (const [i, v] of values.entries()) {
       const model = i % 3 ? 'a' : 'b';
@@ -21,6 +27,8 @@ describe('ModelHistogram', () => {
     theirs.resetMetrics();
     fast.labels({ model: 'a' }).observe(0.2);
     reference.labels({ model: 'a' }).observe(0.2);
-    expect((await ours.metrics()).split('\n').filter((l) => l.includes('model="a"'))).toEqual((await theirs.metrics()).split('\n').filter((l) => l.includes('model="a"')));
+    expect((await ours.metrics()).split('\n').filter((l) => l.includes('model="a"'))).toEqual(
+      (await theirs.metrics()).split('\n').filter((l) => l.includes('model="a"')),
+    );
   });
 });

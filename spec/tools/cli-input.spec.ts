@@ -25,7 +25,10 @@ afterAll(async () => {
   await server?.close();
 });
 
-async function voxserve(args: string[], env: Record<string, string> = {}): Promise<{ code: number; stdout: string; stderr: string }> {
+async function voxserve(
+  args: string[],
+  env: Record<string, string> = {},
+): Promise<{ code: number; stdout: string; stderr: string }> {
   try {
     const { stdout, stderr } = await exec(process.execPath, [cli, ...args], { env: { ...process.env, ...env } });
     return { code: 0, stdout, stderr };
@@ -36,9 +39,14 @@ async function voxserve(args: string[], env: Record<string, string> = {}): Promi
 }
 
 /** `voxserve serve` with `env` (no flags): resolves with its URL once it listens, and its stdout so far. */
-function serveWithEnv(env: Record<string, string>): Promise<{ child: ChildProcess; url: string; stdout: () => string }> {
+function serveWithEnv(
+  env: Record<string, string>,
+): Promise<{ child: ChildProcess; url: string; stdout: () => string }> {
   const clean = Object.fromEntries(Object.entries(process.env).filter(([k]) => !/^(VOXSERVE_|PORT$)/.test(k)));
-  const child = spawn(process.execPath, [cli, 'serve'], { env: { ...clean, ...env }, stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, [cli, 'serve'], {
+    env: { ...clean, ...env },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
   children.add(child);
   let out = '';
   child.stdout!.on('data', (d: Buffer) => (out += d));
@@ -83,7 +91,17 @@ describe('voxserve CLI: input and rough edges', () => {
     const plain = await voxserve(['run', 'silero-vad', mp3, '--url', server.url]);
     expect(plain.code).toBe(0);
     expectSegments(JSON.parse(plain.stdout).segments, reference('silero_test.mp3').segments_v6, 300);
-    const strict = await voxserve(['run', 'silero-vad', mp3, '--url', server.url, '--option', 'threshold=0.99', '--option', 'min_speech_duration_ms=5000']);
+    const strict = await voxserve([
+      'run',
+      'silero-vad',
+      mp3,
+      '--url',
+      server.url,
+      '--option',
+      'threshold=0.99',
+      '--option',
+      'min_speech_duration_ms=5000',
+    ]);
     expect(strict.code).toBe(0);
     expect(JSON.parse(strict.stdout).segments).toEqual([]);
     const typo = await voxserve(['run', 'silero-vad', mp3, '--url', server.url, '--option', 'thresold=0.9']);
@@ -99,7 +117,15 @@ describe('voxserve CLI: input and rough edges', () => {
     expect(r.code).not.toBe(0);
     expect(r.stderr).toMatch(/did you mean http:\/\/127\.0\.0\.1:8080\?/);
     for (const ms of ['0', '10001', 'abc']) {
-      const f = await voxserve(['stream', 'silero-vad', fixturePath('Front_Center.wav'), '--url', server.url, '--frame-ms', ms]);
+      const f = await voxserve([
+        'stream',
+        'silero-vad',
+        fixturePath('Front_Center.wav'),
+        '--url',
+        server.url,
+        '--frame-ms',
+        ms,
+      ]);
       expect(f.code).not.toBe(0);
       expect(f.stderr).toMatch(/--frame-ms/);
     }
@@ -120,19 +146,37 @@ describe('voxserve CLI: input and rough edges', () => {
 
   it('VOXSERVE_CONFIG: a catalog id inherits task and path; a model that fails to load eagerly is logged at error level and listed by /ready and /v1/models', async () => {
     const file = join(tmpdir(), `voxserve-input-${process.pid}.json`);
-    writeFileSync(file, JSON.stringify({ port: 0, models: [{ id: 'silero-vad', slots: 2, lazy: false }, { id: 'broken', task: 'vad', path: '/no/such/model.onnx', lazy: false }] }));
+    writeFileSync(
+      file,
+      JSON.stringify({
+        port: 0,
+        models: [
+          { id: 'silero-vad', slots: 2, lazy: false },
+          { id: 'broken', task: 'vad', path: '/no/such/model.onnx', lazy: false },
+        ],
+      }),
+    );
     const s = await serveWithEnv({ VOXSERVE_CONFIG: file });
     try {
       let ready: Response;
       while ((ready = await fetch(`${s.url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 20));
       const body = await ready.json();
-      expect(body).toMatchObject({ status: 'ready', failed_models: [{ id: 'broken', error: expect.stringMatching(/model\.onnx/) }] });
+      expect(body).toMatchObject({
+        status: 'ready',
+        failed_models: [{ id: 'broken', error: expect.stringMatching(/model\.onnx/) }],
+      });
       const models = await (await fetch(`${s.url}/v1/models`)).json();
       expect(models.failed_models).toEqual(body.failed_models);
       const vad = await (await fetch(`${s.url}/v1/models/silero-vad`)).json();
       expect(vad).toMatchObject({ id: 'silero-vad', task: 'vad', slots: 2, loaded: true });
-      const lines = s.stdout().split('\n').filter(Boolean).map((l) => JSON.parse(l));
-      expect(lines).toContainEqual(expect.objectContaining({ level: 50, msg: 'model failed to load at start', model: 'broken' }));
+      const lines = s
+        .stdout()
+        .split('\n')
+        .filter(Boolean)
+        .map((l) => JSON.parse(l));
+      expect(lines).toContainEqual(
+        expect.objectContaining({ level: 50, msg: 'model failed to load at start', model: 'broken' }),
+      );
     } finally {
       await stop(s.child);
     }

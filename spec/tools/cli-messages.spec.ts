@@ -14,10 +14,15 @@ const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-messages-'));
 
 /** Runs the compiled CLI; resolves with its exit code and output (never rejects). */
-function voxserve(args: string[], env: Record<string, string | undefined> = {}): Promise<{ code: number; stdout: string; stderr: string }> {
+function voxserve(
+  args: string[],
+  env: Record<string, string | undefined> = {},
+): Promise<{ code: number; stdout: string; stderr: string }> {
   const merged = Object.fromEntries(Object.entries({ ...process.env, ...env }).filter(([, v]) => v !== undefined));
   return new Promise((resolve) => {
-    execFile(process.execPath, [cli, ...args], { env: merged, timeout: 60_000 }, (e, stdout, stderr) => resolve({ code: e ? ((e as { code?: number }).code ?? 1) : 0, stdout, stderr }));
+    execFile(process.execPath, [cli, ...args], { env: merged, timeout: 60_000 }, (e, stdout, stderr) =>
+      resolve({ code: e ? ((e as { code?: number }).code ?? 1) : 0, stdout, stderr }),
+    );
   });
 }
 
@@ -37,16 +42,23 @@ describe('voxserve serve: why it cannot start', () => {
     await withBusyPort(async (port) => {
       const wyoming = await voxserve(['serve', '--port', '0', '--wyoming', `127.0.0.1:${port}`]);
       expect(wyoming.code).toBe(1);
-      expect(wyoming.stderr).toBe(`voxserve: cannot start: the Wyoming address 127.0.0.1:${port} is already in use (another voxserve?); choose another with --wyoming HOST:PORT (or wyoming.port in the config)\n`);
+      expect(wyoming.stderr).toBe(
+        `voxserve: cannot start: the Wyoming address 127.0.0.1:${port} is already in use (another voxserve?); choose another with --wyoming HOST:PORT (or wyoming.port in the config)\n`,
+      );
       const http = await voxserve(['serve', '--port', String(port)]);
       expect(http.code).toBe(1);
-      expect(http.stderr).toBe(`voxserve: cannot start: the HTTP address 127.0.0.1:${port} is already in use (another voxserve?); choose another with --port (or VOXSERVE_PORT, or port in the config)\n`);
+      expect(http.stderr).toBe(
+        `voxserve: cannot start: the HTTP address 127.0.0.1:${port} is already in use (another voxserve?); choose another with --port (or VOXSERVE_PORT, or port in the config)\n`,
+      );
     });
   });
 
   it('an unknown head in the config is a configuration error naming the field and the wake words it knows, not a route of a server that is not running', async () => {
     const config = join(dir, 'heads.json');
-    writeFileSync(config, JSON.stringify({ port: 0, models: [{ id: 'house', task: 'wakeword', heads: ['alexa', 'hey_jarvs'] }] }));
+    writeFileSync(
+      config,
+      JSON.stringify({ port: 0, models: [{ id: 'house', task: 'wakeword', heads: ['alexa', 'hey_jarvs'] }] }),
+    );
     const r = await voxserve(['serve', '--config', config]);
     expect(r.code).toBe(1);
     expect(r.stderr).toBe(
@@ -68,7 +80,12 @@ describe('a running server', () => {
     await keyed?.close();
   });
 
-  const run = (url: string, model: string) => fetch(`${url}/v1/tasks/run?model=${encodeURIComponent(model)}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) });
+  const run = (url: string, model: string) =>
+    fetch(`${url}/v1/tasks/run?model=${encodeURIComponent(model)}`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture('Front_Left.wav')),
+    });
 
   it('a 404 for a model id suggests the id it probably meant (_ for -, a typo); an id like none gets no guess', async () => {
     const cases: [string, string][] = [
@@ -76,7 +93,10 @@ describe('a running server', () => {
       ['Hey Jarvis', "model 'Hey Jarvis' does not exist (did you mean 'hey-jarvis'?); GET /v1/models lists the models"],
       ['silero-vda', "model 'silero-vda' does not exist (did you mean 'silero-vad'?); GET /v1/models lists the models"],
       ['xyzzy', "model 'xyzzy' does not exist; GET /v1/models lists the models"],
-      ['alexa,hey_jarvis', "model: wake-word model 'hey_jarvis' does not exist (did you mean 'hey-jarvis'?); GET /v1/models lists the models"],
+      [
+        'alexa,hey_jarvis',
+        "model: wake-word model 'hey_jarvis' does not exist (did you mean 'hey-jarvis'?); GET /v1/models lists the models",
+      ],
     ];
     for (const [model, message] of cases) {
       const r = await run(server.url, model);
@@ -85,7 +105,9 @@ describe('a running server', () => {
     }
     const one = await fetch(`${server.url}/v1/models/silero_vad`);
     expect(one.status).toBe(404);
-    expect((await one.json()).error.message).toBe("model 'silero_vad' does not exist (did you mean 'silero-vad'?); GET /v1/models lists the models");
+    expect((await one.json()).error.message).toBe(
+      "model 'silero_vad' does not exist (did you mean 'silero-vad'?); GET /v1/models lists the models",
+    );
   });
 
   it('GET / is an index page linking the demo, /debug, the model list and the docs', async () => {
@@ -93,7 +115,16 @@ describe('a running server', () => {
     expect(r.status).toBe(200);
     expect(r.headers.get('content-type')).toBe('text/html; charset=utf-8');
     const html = await r.text();
-    for (const link of ['href="/demo"', 'href="/debug"', 'href="/v1/models"', 'href="/ready"', 'href="/metrics"', 'docs/http-api.md', 'README.md']) expect(html).toContain(link);
+    for (const link of [
+      'href="/demo"',
+      'href="/debug"',
+      'href="/v1/models"',
+      'href="/ready"',
+      'href="/metrics"',
+      'docs/http-api.md',
+      'README.md',
+    ])
+      expect(html).toContain(link);
   });
 
   it('/debug on a server without management is a page saying how to turn it on, not a bare 403', async () => {
@@ -109,10 +140,14 @@ describe('a running server', () => {
 
   it('the CLI takes its API key from VOXSERVE_API_KEY; without one the 401 says how to give it', async () => {
     const file = fixturePath('Front_Left.wav');
-    const without = await voxserve(['run', 'silero-vad', file, '--url', keyed.url, '--no-progress'], { VOXSERVE_API_KEY: undefined });
+    const without = await voxserve(['run', 'silero-vad', file, '--url', keyed.url, '--no-progress'], {
+      VOXSERVE_API_KEY: undefined,
+    });
     expect(without.code).toBe(1);
     expect(JSON.parse(without.stdout).error.message).toContain('--api-key KEY or VOXSERVE_API_KEY');
-    const withEnv = await voxserve(['run', 'silero-vad', file, '--url', keyed.url, '--no-progress'], { VOXSERVE_API_KEY: key });
+    const withEnv = await voxserve(['run', 'silero-vad', file, '--url', keyed.url, '--no-progress'], {
+      VOXSERVE_API_KEY: key,
+    });
     expect(withEnv.code).toBe(0);
     expect(JSON.parse(withEnv.stdout).task).toBe('vad');
     const stream = await voxserve(['stream', 'silero-vad', file, '--url', keyed.url], { VOXSERVE_API_KEY: key });
@@ -123,7 +158,11 @@ describe('a running server', () => {
 describe('voxserve stream while the server shuts down', () => {
   it('reports the close 1001 (shutting_down), not "send after the stream closed"', async () => {
     const server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, drain_timeout_ms: 5000 }));
-    const child = spawn(process.execPath, [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const child = spawn(
+      process.execPath,
+      [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'],
+      { stdio: ['ignore', 'pipe', 'pipe'] },
+    );
     let stdout = '';
     let stderr = '';
     child.stdout.on('data', (d) => (stdout += d));
@@ -133,7 +172,10 @@ describe('voxserve stream while the server shuts down', () => {
     await new Promise((r) => setTimeout(r, 500)); // some audio sent, most still to come (5.8 s in real time)
     await server.close();
     expect(await exited).toBe(1);
-    const events = stdout.trim().split('\n').map((l) => JSON.parse(l));
+    const events = stdout
+      .trim()
+      .split('\n')
+      .map((l) => JSON.parse(l));
     expect(events.at(-1).type).toBe('done'); // the drain finished the stream as if the client had sent end
     expect(stderr).not.toContain('send after the stream closed');
     expect(stderr).toMatch(/^voxserve: stream closed 1001 \(shutting_down\): the server closed the stream \(1001/);

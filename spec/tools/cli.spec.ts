@@ -15,7 +15,7 @@ const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
 let server: VoxServer;
 
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0 }));
+  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
 });
 afterAll(async () => {
   await server?.close();
@@ -48,14 +48,21 @@ describe('voxserve CLI', () => {
   it('stream prints one event per line: ready, detection, done', async () => {
     const r = await voxserve('stream', 'alexa', fixturePath('espeak_alexa_16k.wav'), '--url', server.url);
     expect(r.code).toBe(0);
-    const events = r.stdout.trim().split('\n').map((l) => JSON.parse(l));
+    const events = r.stdout
+      .trim()
+      .split('\n')
+      .map((l) => JSON.parse(l));
     expect(events.map((e) => e.type)).toEqual(['ready', 'detection', 'done']);
     expect(events[1]).toMatchObject({ label: 'alexa' });
   });
 
   it('stream piped into a reader that stops after one line (| head -1) exits 0, no EPIPE crash', async () => {
     const { spawn } = await import('node:child_process');
-    const child = spawn(process.execPath, [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const child = spawn(
+      process.execPath,
+      [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'],
+      { stdio: ['ignore', 'pipe', 'pipe'] },
+    );
     let stderr = '';
     child.stderr.on('data', (d) => (stderr += d));
     // Read the first line, then close the pipe while events are still to come.
@@ -67,12 +74,24 @@ describe('voxserve CLI', () => {
   });
 
   it('stream --protocol msgpack prints the same events as JSON', async () => {
-    const strip = (out: string) => out.trim().split('\n').map((l) => {
-      const { session_id: _s, timing: _t, ...rest } = JSON.parse(l);
-      return rest;
-    });
+    const strip = (out: string) =>
+      out
+        .trim()
+        .split('\n')
+        .map((l) => {
+          const { session_id: _s, timing: _t, ...rest } = JSON.parse(l);
+          return rest;
+        });
     const json = await voxserve('stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url);
-    const msgpack = await voxserve('stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--protocol', 'msgpack');
+    const msgpack = await voxserve(
+      'stream',
+      'silero-vad',
+      fixturePath('espeak_sentence_16k.wav'),
+      '--url',
+      server.url,
+      '--protocol',
+      'msgpack',
+    );
     expect(msgpack.code).toBe(0);
     expect(strip(json.stdout).map((e) => e.type)).toEqual(['ready', 'speech_start', 'speech_end', 'done']);
     expect(strip(msgpack.stdout)).toEqual(strip(json.stdout));
@@ -109,7 +128,9 @@ describe('voxserve CLI', () => {
     for (const cmd of ['run', 'stream']) {
       const r = await voxserve(cmd, 'silero-vad', fixturePath('Front_Center.wav'), '--url', `http://127.0.0.1:${port}`);
       expect(r.code).toBe(1);
-      expect(r.stderr).toContain(`no voxserve is running at http://127.0.0.1:${port} (ECONNREFUSED); start one with: voxserve serve`);
+      expect(r.stderr).toContain(
+        `no voxserve is running at http://127.0.0.1:${port} (ECONNREFUSED); start one with: voxserve serve`,
+      );
     }
   });
 

@@ -27,11 +27,17 @@ describe('SIGTERM', () => {
     const { child, url } = await spawnServer(['--config', config]);
     // A failed run must not leave the server behind.
     onTestFinished(() => void child.kill('SIGKILL'));
-    const exited = new Promise<{ code: number | null; at: number }>((r) => child.on('exit', (code) => r({ code, at: performance.now() })));
+    const exited = new Promise<{ code: number | null; at: number }>((r) =>
+      child.on('exit', (code) => r({ code, at: performance.now() })),
+    );
     const status = async () => (await fetch(`${url}/v1/models/vad20`)).json();
     // The keep-alive client below uses silero-vad: load it now (by a first request), so that its first request is not a
     // cold load that (on a loaded machine) outlasts the whole drain.
-    const warm = await fetch(`${url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) });
+    const warm = await fetch(`${url}/v1/tasks/run?model=silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture('Front_Left.wav')),
+    });
     expect(warm.status).toBe(200);
 
     // 20 streams hold every lease; each has sent speech and not yet `end`.
@@ -59,7 +65,11 @@ describe('SIGTERM', () => {
     // 20 HTTP requests queue behind them.
     const wav = fixture('Front_Left.wav');
     const queued = Array.from({ length: 20 }, () =>
-      fetch(`${url}/v1/tasks/run?model=vad20`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) }).then(
+      fetch(`${url}/v1/tasks/run?model=vad20`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(wav),
+      }).then(
         async (r) => ({ status: r.status, body: await r.json() }),
         (e: Error) => ({ status: 0, body: { error: { message: `no response: ${e.message}` } } }),
       ),
@@ -71,7 +81,11 @@ describe('SIGTERM', () => {
       const seen: { status: number; type?: string }[] = [];
       for (;;) {
         try {
-          const r = await fetch(`${url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+          const r = await fetch(`${url}/v1/tasks/run?model=silero-vad`, {
+            method: 'POST',
+            headers: { 'content-type': 'audio/wav' },
+            body: new Uint8Array(wav),
+          });
           const body = await r.json();
           seen.push({ status: r.status, type: body.error?.type });
         } catch (e) {
@@ -89,7 +103,9 @@ describe('SIGTERM', () => {
     const exit = await exited;
 
     const statuses = (await Promise.all(queued)).map((q) => q.status);
-    console.log(`shutdown: exit ${exit.code} after ${Math.round(exit.at - t0)} ms (drain_timeout_ms ${DRAIN_MS}); queued requests: ${statuses.filter((c) => c === 200).length} served, ${statuses.filter((c) => c === 503).length} got 503`);
+    console.log(
+      `shutdown: exit ${exit.code} after ${Math.round(exit.at - t0)} ms (drain_timeout_ms ${DRAIN_MS}); queued requests: ${statuses.filter((c) => c === 200).length} served, ${statuses.filter((c) => c === 503).length} got 503`,
+    );
     expect(exit.code).toBe(0);
     expect(exit.at - t0).toBeLessThan(DRAIN_MS + 1000);
     for (const s of streams) {

@@ -43,7 +43,9 @@ function stream(model: string, wav: Buffer, paceMs: number): Promise<any[]> {
   const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
   const frame = Math.round(fmt.sampleRate * 0.02) * 2 * fmt.numChannels;
   return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${fmt.sampleRate}&channels=${fmt.numChannels}`);
+    const ws = new WebSocket(
+      `${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${fmt.sampleRate}&channels=${fmt.numChannels}`,
+    );
     const events: any[] = [];
     ws.on('error', reject);
     ws.on('message', async (d) => {
@@ -79,10 +81,17 @@ describe('dynamic batching', () => {
   });
 
   it('is invisible in wake-word results: 8 concurrent streams give the detections of unbatched runs, and steps really share jobs', async () => {
-    const files = ['espeak_hey_jarvis_22k.wav', 'espeak_alexa_16k.wav', 'espeak_sentence_16k.wav', 'Front_Center.wav'].map(fixture);
+    const files = [
+      'espeak_hey_jarvis_22k.wav',
+      'espeak_alexa_16k.wav',
+      'espeak_sentence_16k.wav',
+      'Front_Center.wav',
+    ].map(fixture);
     const expected = await Promise.all(files.map((f) => stream('wake-unbatched', f, 0)));
     expect(expected[0].some((e) => e.type === 'detection')).toBe(true);
-    const got = await Promise.all(Array.from({ length: 8 }, (_, i) => stream('wake-batched', files[i % files.length], 1)));
+    const got = await Promise.all(
+      Array.from({ length: 8 }, (_, i) => stream('wake-batched', files[i % files.length], 1)),
+    );
     // A detection's label is its model id: the two models differ only there.
     const relabel = (events: any[]) => events.map((e) => ({ ...e, label: 'hey-jarvis' }));
     got.forEach((events, i) => expect(relabel(events), `stream ${i}`).toEqual(relabel(expected[i % files.length])));
@@ -122,7 +131,11 @@ describe('POST /v1/tasks/batch', () => {
   it('streams one result per file as server-sent events with its index, an error for a bad file, then done', async () => {
     const names = ['Front_Center.wav', 'silence_3s_16k.wav', 'espeak_sentence_16k.wav'];
     const files = [...names.map((n) => fixture(n).toString('base64')), Buffer.from('not a wav').toString('base64')];
-    const res = await fetch(`${server.url}/v1/tasks/batch`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'silero-vad', files }) });
+    const res = await fetch(`${server.url}/v1/tasks/batch`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'silero-vad', files }),
+    });
     expect(res.status).toBe(200);
     expect(res.headers.get('content-type')).toBe('text/event-stream');
     const events = (await res.text())
@@ -136,10 +149,18 @@ describe('POST /v1/tasks/batch', () => {
     const results = events.filter((e) => e.event === 'result');
     expect(results.map((r) => r.data.index).sort()).toEqual([0, 1, 2]);
     for (const r of results) {
-      const single = await (await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture(names[r.data.index])) })).json();
+      const single = await (
+        await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, {
+          method: 'POST',
+          headers: { 'content-type': 'audio/wav' },
+          body: new Uint8Array(fixture(names[r.data.index])),
+        })
+      ).json();
       expect(r.data.segments).toEqual(single.segments);
     }
-    expect(events.find((e) => e.event === 'error')).toMatchObject({ data: { index: 3, error: { type: 'invalid_request_error' } } });
+    expect(events.find((e) => e.event === 'error')).toMatchObject({
+      data: { index: 3, error: { type: 'invalid_request_error' } },
+    });
   });
 
   it.each([
@@ -148,7 +169,11 @@ describe('POST /v1/tasks/batch', () => {
     [{ model: 'silero-vad', files: [42] }, /^files\.0:/],
     [{ files: ['AAAA'] }, /^model:/],
   ])('refuses %j with 400 naming the field', async (body, message) => {
-    const res = await fetch(`${server.url}/v1/tasks/batch`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    const res = await fetch(`${server.url}/v1/tasks/batch`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify(body),
+    });
     expect(res.status).toBe(400);
     expect((await res.json()).error.message).toMatch(message);
   });

@@ -46,11 +46,15 @@ async function serve(): Promise<{ server: VoxServer; release: () => void }> {
 }
 
 /** A stream of `quick` that has sent audio and not `end`. */
-function openStream(server: VoxServer): Promise<{ events: { type: string }[]; closed: Promise<{ code: number; reason: string }> }> {
+function openStream(
+  server: VoxServer,
+): Promise<{ events: { type: string }[]; closed: Promise<{ code: number; reason: string }> }> {
   return new Promise((resolve, reject) => {
     const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=quick`);
     const events: { type: string }[] = [];
-    const closed = new Promise<{ code: number; reason: string }>((r) => ws.on('close', (code, why) => r({ code, reason: why.toString() })));
+    const closed = new Promise<{ code: number; reason: string }>((r) =>
+      ws.on('close', (code, why) => r({ code, reason: why.toString() })),
+    );
     ws.on('error', reject);
     ws.on('message', (d) => {
       const e = JSON.parse(d.toString());
@@ -65,7 +69,11 @@ function openStream(server: VoxServer): Promise<{ events: { type: string }[]; cl
 
 /** A run of `held`: its job waits for the gate. */
 const runHeld = (server: VoxServer): Promise<{ status: number; body: { error?: { code: string } } }> =>
-  fetch(`${server.url}/v1/tasks/run?model=held`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) }).then(async (r) => ({
+  fetch(`${server.url}/v1/tasks/run?model=held`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(fixture('Front_Left.wav')),
+  }).then(async (r) => ({
     status: r.status,
     body: await r.json(),
   }));
@@ -86,7 +94,11 @@ describe('close() and destroy()', () => {
     await new Promise((r) => setTimeout(r, 300));
     expect(closed).toBe(false);
     expect(server.supervisor.phase).toBe('draining');
-    const late = await fetch(`${server.url}/v1/tasks/run?model=quick`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) });
+    const late = await fetch(`${server.url}/v1/tasks/run?model=quick`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture('Front_Left.wav')),
+    });
     expect(late.status).toBe(503);
     expect((await late.json()).error.code).toBe('shutting_down');
     release();

@@ -35,18 +35,30 @@ beforeAll(async () => {
     loads.push(config.id);
     return real(config);
   };
-  server = await startServer(ServerConfig.parse({ log_level: 'silent',  port: 0, management: { enabled: true } }), { loader });
+  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true } }), {
+    loader,
+  });
 });
 afterAll(async () => {
   await server?.close();
 });
 
 const post = async (path: string, body: unknown, signal?: AbortSignal) => {
-  const res = await fetch(`${server.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body), signal });
+  const res = await fetch(`${server.url}${path}`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify(body),
+    signal,
+  });
   return { status: res.status, body: await res.json() };
 };
 const run = async (model: string, wav: Buffer, signal?: AbortSignal) => {
-  const res = await fetch(`${server.url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav), signal });
+  const res = await fetch(`${server.url}/v1/tasks/run?model=${model}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(wav),
+    signal,
+  });
   return { status: res.status, body: await res.json() };
 };
 const status = async (id: string) => (await fetch(`${server.url}/v1/models/${id}`)).json();
@@ -55,7 +67,11 @@ describe('lifecycle contract on the real server', () => {
   it('concurrent identical loads -> one load', async () => {
     const body = { id: 'vad-x', task: 'vad', path: silero, slots: 2 };
     const before = loads.length;
-    const rs = await Promise.all([post('/v1/models/load', body), post('/v1/models/load', body), post('/v1/models/load', body)]);
+    const rs = await Promise.all([
+      post('/v1/models/load', body),
+      post('/v1/models/load', body),
+      post('/v1/models/load', body),
+    ]);
     expect(rs.map((r) => r.status)).toEqual([200, 200, 200]);
     expect(rs.map((r) => r.body.reconfigured)).toEqual([false, false, false]);
     expect(loads.slice(before)).toEqual(['vad-x']);
@@ -84,7 +100,12 @@ describe('lifecycle contract on the real server', () => {
       expect([200, 503]).toContain(r.status);
       expect(u.status).toBe(200);
     }
-    expect(await status('vad-u')).toMatchObject({ state: 'unloaded', active_leases: 0, queued_requests: 0, active_slots: 0 });
+    expect(await status('vad-u')).toMatchObject({
+      state: 'unloaded',
+      active_leases: 0,
+      queued_requests: 0,
+      active_slots: 0,
+    });
     // Every slot thread that was started and is not part of a loaded model has exited.
     const loadedSlots = server.supervisor.statuses().reduce((n, m) => n + (m.loaded ? m.slots : 0), 0);
     await until(async () => slots.filter((s) => s.worker.threadId !== -1).length <= loadedSlots);
@@ -117,7 +138,11 @@ describe('lifecycle contract on the real server', () => {
     dying = false;
     const r = await run('vad-k', long);
     expect(r.status).toBe(500);
-    expect(r.body.error).toMatchObject({ type: 'server_error', code: 'slot_failed', message: expect.stringMatching(/exited with code 3/) });
+    expect(r.body.error).toMatchObject({
+      type: 'server_error',
+      code: 'slot_failed',
+      message: expect.stringMatching(/exited with code 3/),
+    });
     expect((await run('silero-vad', sentence)).status).toBe(200);
     const again = await run('vad-k', sentence);
     expect(again.status).toBe(200);
@@ -134,7 +159,10 @@ describe('lifecycle contract on the real server', () => {
     expect(u).toEqual({ status: 200, body: { id: 'vad-f', loaded: false } });
     const r = await pending;
     expect(r.status).toBe(503);
-    expect(r.body.error).toMatchObject({ code: 'model_unloaded', message: expect.stringMatching(/unloaded \(force\)/) });
+    expect(r.body.error).toMatchObject({
+      code: 'model_unloaded',
+      message: expect.stringMatching(/unloaded \(force\)/),
+    });
     expect(await status('vad-f')).toMatchObject({ state: 'unloaded', active_leases: 0 });
   });
 
@@ -144,12 +172,17 @@ describe('lifecycle contract on the real server', () => {
     expect(r.status).toBe(200);
     expect(r.body.unloaded.sort()).toEqual(['silero-vad', 'vad-m']);
     expect(r.body.not_found).toEqual(['nope']);
-    const [x, y] = await Promise.all([post('/v1/models/unload_many', { ids: ['vad-x', 'vad-r'] }), post('/v1/models/unload_many', { ids: ['vad-r', 'vad-x'] })]);
+    const [x, y] = await Promise.all([
+      post('/v1/models/unload_many', { ids: ['vad-x', 'vad-r'] }),
+      post('/v1/models/unload_many', { ids: ['vad-r', 'vad-x'] }),
+    ]);
     expect([x.status, y.status]).toEqual([200, 200]);
     const all = await post('/v1/models/unload_all', {});
     expect(all.status).toBe(200);
     const models = (await (await fetch(`${server.url}/v1/models`)).json()).models;
-    expect(models.every((m: { loaded: boolean; resident_bytes: number }) => !m.loaded && m.resident_bytes === 0)).toBe(true);
+    expect(models.every((m: { loaded: boolean; resident_bytes: number }) => !m.loaded && m.resident_bytes === 0)).toBe(
+      true,
+    );
   });
 
   it('a manager whose client goes away leaves the queue', async () => {
@@ -174,7 +207,10 @@ describe('lifecycle contract on the real server', () => {
   });
 
   it('unload_all takes an empty body (declared as JSON, which a browser cannot send across sites without a preflight)', async () => {
-    const res = await fetch(`${server.url}/v1/models/unload_all`, { method: 'POST', headers: { 'content-type': 'application/json' } });
+    const res = await fetch(`${server.url}/v1/models/unload_all`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+    });
     expect(res.status).toBe(200);
     expect((await res.json()).unloaded).toEqual(expect.any(Array));
   });

@@ -33,7 +33,12 @@ function speech(seconds: number): Buffer {
 }
 
 /** Streams `pcm` at once in frames of `frameBytes`, then `end`; resolves with the close code and `done`. */
-function streamAll(url: string, model: string, pcm: Buffer, frameBytes: number): Promise<{ code: number; reason: string; done: any }> {
+function streamAll(
+  url: string,
+  model: string,
+  pcm: Buffer,
+  frameBytes: number,
+): Promise<{ code: number; reason: string; done: any }> {
   return new Promise((resolve, reject) => {
     const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/stream?model=${model}`);
     let done: any = null;
@@ -62,7 +67,9 @@ describe('tiny frames', () => {
     await cpu(1); // load the model, warm up the JIT
     const short = await cpu(8);
     const long = await cpu(16);
-    console.log(`server CPU for 2-byte frames: 8 s of audio ${short.toFixed(2)} s, 16 s ${long.toFixed(2)} s, ratio ${(long / short).toFixed(2)}`);
+    console.log(
+      `server CPU for 2-byte frames: 8 s of audio ${short.toFixed(2)} s, 16 s ${long.toFixed(2)} s, ratio ${(long / short).toFixed(2)}`,
+    );
     expect(long / short).toBeLessThan(3);
   });
 });
@@ -127,9 +134,16 @@ describe('fairness', () => {
     // sends 32,000 frames a second beside the streams throughout; the per-frame cost is measured.
     const ROUNDS = 3;
     const ids = Array.from({ length: ROUNDS }, (_, i) => [`alone-${i}`, `beside-${i}`]).flat();
-    const { url } = await serve({ limits: { ws_max_messages_per_s: 0 }, models: [...ids, 'silero-vad'].map((id) => ({ id, task: 'vad', path: silero, lazy: false })) });
-    const p99 = async (model: string): Promise<number> => (await (await fetch(`${url}/v1/models/${model}`)).json()).processing_lag_ms.p99;
-    const twenty = async (model: string, seconds: number) => expect(await Promise.all(Array.from({ length: 20 }, () => streamRealtime(url, model, speech(seconds))))).toEqual(Array(20).fill(1000));
+    const { url } = await serve({
+      limits: { ws_max_messages_per_s: 0 },
+      models: [...ids, 'silero-vad'].map((id) => ({ id, task: 'vad', path: silero, lazy: false })),
+    });
+    const p99 = async (model: string): Promise<number> =>
+      (await (await fetch(`${url}/v1/models/${model}`)).json()).processing_lag_ms.p99;
+    const twenty = async (model: string, seconds: number) =>
+      expect(await Promise.all(Array.from({ length: 20 }, () => streamRealtime(url, model, speech(seconds))))).toEqual(
+        Array(20).fill(1000),
+      );
     for (const id of ids) await streamRealtime(url, id, speech(1)); // first runs are slow: warm up
     const alone: number[] = [];
     const beside: number[] = [];
@@ -167,7 +181,10 @@ describe('fairness', () => {
     const [normal, f] = await Promise.all([streamRealtime(url, 'silero-vad', speech(2)), flooded]);
     expect(f.code).toBe(1008);
     expect(f.reason).toBe('too many messages: over limits.ws_max_messages_per_s (1000)');
-    expect(f.events.at(-1)).toMatchObject({ type: 'error', error: { type: 'invalid_request_error', code: 'stream_flooded', message: f.reason } });
+    expect(f.events.at(-1)).toMatchObject({
+      type: 'error',
+      error: { type: 'invalid_request_error', code: 'stream_flooded', message: f.reason },
+    });
     expect(normal).toBe(1000);
   });
 });

@@ -17,15 +17,22 @@ afterAll(async () => {
 });
 
 async function run(query: string, body: Buffer, type: string): Promise<{ status: number; body: any }> {
-  const res = await fetch(`${server.url}/v1/tasks/run?${query}`, { method: 'POST', headers: { 'content-type': type }, body: new Uint8Array(body) });
+  const res = await fetch(`${server.url}/v1/tasks/run?${query}`, {
+    method: 'POST',
+    headers: { 'content-type': type },
+    body: new Uint8Array(body),
+  });
   return { status: res.status, body: await res.json() };
 }
 
 async function postJson(path: string, body: unknown): Promise<{ status: number; text: string }> {
-  const res = await fetch(`${server.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+  const res = await fetch(`${server.url}${path}`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify(body),
+  });
   return { status: res.status, text: await res.text() };
 }
-
 
 describe('compressed input on /v1/tasks/run', () => {
   it.each([
@@ -63,8 +70,18 @@ describe('compressed input on /v1/tasks/run', () => {
     return b;
   };
   it.each([
-    ['a WAV cut to 50 bytes (inside its data chunk)', fixture('silero_test.wav').subarray(0, 50), 'audio/wav', /truncated WAV file \(its 'data' chunk declares 1920000 bytes, 6 present\)/],
-    ['a WAV cut to 30 bytes (inside its fmt chunk)', fixture('silero_test.wav').subarray(0, 30), 'audio/wav', /truncated WAV file \(its 'fmt' chunk declares 16 bytes, 10 present\)/],
+    [
+      'a WAV cut to 50 bytes (inside its data chunk)',
+      fixture('silero_test.wav').subarray(0, 50),
+      'audio/wav',
+      /truncated WAV file \(its 'data' chunk declares 1920000 bytes, 6 present\)/,
+    ],
+    [
+      'a WAV cut to 30 bytes (inside its fmt chunk)',
+      fixture('silero_test.wav').subarray(0, 30),
+      'audio/wav',
+      /truncated WAV file \(its 'fmt' chunk declares 16 bytes, 10 present\)/,
+    ],
     ['a truncated FLAC', cut('espeak_alexa_16k.flac', 0.5), 'audio/flac', /truncated FLAC/],
     ['a truncated Ogg Vorbis', cut('Front_Center.ogg', 0.7), 'audio/ogg', /truncated Ogg Vorbis/],
     ['a truncated Ogg Opus', cut('silero_test.opus', 0.7), 'audio/ogg', /truncated Ogg Opus/],
@@ -77,7 +94,11 @@ describe('compressed input on /v1/tasks/run', () => {
   ])('%s -> 400 naming the format, and the server keeps serving', async (_what, body, type, message) => {
     const r = await run('model=silero-vad', body, type);
     expect(r.status).toBe(400);
-    expect(r.body.error).toMatchObject({ type: 'invalid_request_error', code: 'invalid_audio', message: expect.stringMatching(message) });
+    expect(r.body.error).toMatchObject({
+      type: 'invalid_request_error',
+      code: 'invalid_audio',
+      message: expect.stringMatching(message),
+    });
     expect((await run('model=silero-vad', fixture('espeak_alexa_16k.flac'), 'audio/flac')).status).toBe(200);
   });
 
@@ -85,9 +106,17 @@ describe('compressed input on /v1/tasks/run', () => {
     const m4a = Buffer.concat([Buffer.from([0, 0, 0, 0x20]), Buffer.from('ftypM4A '), Buffer.alloc(100)]);
     const r = await run('model=silero-vad', m4a, 'audio/mp4');
     expect(r.status).toBe(400);
-    expect(r.body.error).toMatchObject({ code: 'unsupported_audio', message: expect.stringMatching(/MP4\/M4A \(AAC\) is not supported; accepted: WAV .*MP3.*Ogg Vorbis.*Ogg Opus.*FLAC.*WebM\/Opus/) });
+    expect(r.body.error).toMatchObject({
+      code: 'unsupported_audio',
+      message: expect.stringMatching(
+        /MP4\/M4A \(AAC\) is not supported; accepted: WAV .*MP3.*Ogg Vorbis.*Ogg Opus.*FLAC.*WebM\/Opus/,
+      ),
+    });
     const aac = await run('model=silero-vad', Buffer.from('not audio at all'), 'audio/aac');
-    expect(aac.body.error).toMatchObject({ code: 'unsupported_audio', message: expect.stringMatching(/^audio: audio\/aac is not supported; accepted: /) });
+    expect(aac.body.error).toMatchObject({
+      code: 'unsupported_audio',
+      message: expect.stringMatching(/^audio: audio\/aac is not supported; accepted: /),
+    });
   });
 
   it('base64 in JSON with a data: prefix (run and batch): the prefix names the type', async () => {
@@ -96,20 +125,35 @@ describe('compressed input on /v1/tasks/run', () => {
     expect(one.status).toBe(200);
     expectSegments(JSON.parse(one.text).segments, reference('espeak_alexa_16k.wav').segments_v6, 100);
     const wav = `data:audio/wav;codecs=1;base64,${fixture('Front_Center.wav').toString('base64')}`;
-    const batch = await postJson('/v1/tasks/batch', { model: 'silero-vad', files: [flac, wav, 'data:text/plain,hello'] });
+    const batch = await postJson('/v1/tasks/batch', {
+      model: 'silero-vad',
+      files: [flac, wav, 'data:text/plain,hello'],
+    });
     expect(batch.status).toBe(400);
     expect(JSON.parse(batch.text).error.message).toMatch(/^files\.2: a data: URL must be base64/);
     const ok = await postJson('/v1/tasks/batch', { model: 'silero-vad', files: [flac, wav] });
-    const results = ok.text.split('\n\n').filter((e) => e.startsWith('event: result')).map((e) => JSON.parse(e.split('data: ')[1]));
+    const results = ok.text
+      .split('\n\n')
+      .filter((e) => e.startsWith('event: result'))
+      .map((e) => JSON.parse(e.split('data: ')[1]));
     expect(results).toHaveLength(2);
-    for (const r of results) expectSegments(r.segments, reference(r.index === 0 ? 'espeak_alexa_16k.wav' : 'Front_Center.wav').segments_v6, 100);
+    for (const r of results)
+      expectSegments(
+        r.segments,
+        reference(r.index === 0 ? 'espeak_alexa_16k.wav' : 'Front_Center.wav').segments_v6,
+        100,
+      );
   });
 
   it('the decoded-duration limit is checked while decoding', async () => {
     // audioFormat is the main thread's part; the limit itself is the worker's (decodeAudio's maxSeconds).
     const { decodeAudio } = await import('../../runtime/decode.js');
-    await expect(decodeAudio(fixture('espeak_sentence_16k.webm'), 'audio/webm', 2)).rejects.toThrow(/longer than the limit of 2 s/);
-    await expect(decodeAudio(fixture('Front_Center.ogg'), 'audio/ogg', 1)).rejects.toThrow(/longer than the limit of 1 s/);
+    await expect(decodeAudio(fixture('espeak_sentence_16k.webm'), 'audio/webm', 2)).rejects.toThrow(
+      /longer than the limit of 2 s/,
+    );
+    await expect(decodeAudio(fixture('Front_Center.ogg'), 'audio/ogg', 1)).rejects.toThrow(
+      /longer than the limit of 1 s/,
+    );
     expect((await decodeAudio(fixture('Front_Center.ogg'), 'audio/ogg', 2)).length).toBeGreaterThan(22_000);
   });
 });
@@ -133,14 +177,21 @@ describe('task options as query parameters', () => {
   it('a WAV body with ?threshold= is validated and applied like a JSON body`s options', async () => {
     const plain = await run('model=silero-vad', sentence, 'audio/wav');
     expect(plain.body.segments).toHaveLength(1);
-    const strictJson = await postJson('/v1/tasks/run', { model: 'silero-vad', audio: sentence.toString('base64'), options: { threshold: 0.99, min_speech_duration_ms: 5000 } });
+    const strictJson = await postJson('/v1/tasks/run', {
+      model: 'silero-vad',
+      audio: sentence.toString('base64'),
+      options: { threshold: 0.99, min_speech_duration_ms: 5000 },
+    });
     expect(JSON.parse(strictJson.text).segments).toEqual([]);
     const strict = await run('model=silero-vad&threshold=0.99&min_speech_duration_ms=5000', sentence, 'audio/wav');
     expect(strict.status).toBe(200);
     expect(strict.body.segments).toEqual([]);
     const bad = await run('model=silero-vad&threshold=2', sentence, 'audio/wav');
     expect(bad.status).toBe(400);
-    expect(bad.body.error).toMatchObject({ code: 'invalid_fields', message: expect.stringMatching(/^options\.threshold: /) });
+    expect(bad.body.error).toMatchObject({
+      code: 'invalid_fields',
+      message: expect.stringMatching(/^options\.threshold: /),
+    });
     const notNumber = await run('model=silero-vad&threshold=high', sentence, 'audio/wav');
     expect(notNumber.body.error.message).toMatch(/^options\.threshold: .*number/);
     const otherTask = await run('model=alexa&min_speech_duration_ms=100', fixture('espeak_alexa_16k.wav'), 'audio/wav');
@@ -151,13 +202,32 @@ describe('task options as query parameters', () => {
   it('an unknown query parameter -> 400 naming it (raw body, JSON body, batch)', async () => {
     const typo = await run('model=silero-vad&samplerate=8000', sentence, 'audio/wav');
     expect(typo.status).toBe(400);
-    expect(typo.body.error).toMatchObject({ code: 'unknown_field', message: expect.stringMatching(/^samplerate: unknown query parameter; expected model, busy_timeout_ms, threshold/) });
+    expect(typo.body.error).toMatchObject({
+      code: 'unknown_field',
+      message: expect.stringMatching(
+        /^samplerate: unknown query parameter; expected model, busy_timeout_ms, threshold/,
+      ),
+    });
     const twice = await run('model=silero-vad&threshold=0.3&threshold=0.9', sentence, 'audio/wav');
-    expect(twice.body.error).toMatchObject({ code: 'invalid_field', message: expect.stringMatching(/^threshold: query parameter given more than once/) });
-    const json = await fetch(`${server.url}/v1/tasks/run?threshold=0.9`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'silero-vad', audio: sentence.toString('base64') }) });
+    expect(twice.body.error).toMatchObject({
+      code: 'invalid_field',
+      message: expect.stringMatching(/^threshold: query parameter given more than once/),
+    });
+    const json = await fetch(`${server.url}/v1/tasks/run?threshold=0.9`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'silero-vad', audio: sentence.toString('base64') }),
+    });
     expect(json.status).toBe(400);
-    expect((await json.json()).error).toMatchObject({ code: 'unknown_field', message: expect.stringMatching(/^threshold: unknown query parameter; with a JSON body/) });
-    const batch = await fetch(`${server.url}/v1/tasks/batch?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'silero-vad', files: [sentence.toString('base64')] }) });
+    expect((await json.json()).error).toMatchObject({
+      code: 'unknown_field',
+      message: expect.stringMatching(/^threshold: unknown query parameter; with a JSON body/),
+    });
+    const batch = await fetch(`${server.url}/v1/tasks/batch?model=silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'silero-vad', files: [sentence.toString('base64')] }),
+    });
     expect(batch.status).toBe(400);
   });
 
@@ -165,8 +235,16 @@ describe('task options as query parameters', () => {
     const typo = await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&samplerate=8000`);
     expect(typo.status).toBe(400);
     expect(JSON.parse(typo.body).error.code).toBe('unknown_field');
-    expect(JSON.parse(typo.body).error.message).toMatch(/^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, threshold/);
-    expect((await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&sample_rate=16000&threshold=0.7`)).status).toBe(101);
+    expect(JSON.parse(typo.body).error.message).toMatch(
+      /^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, threshold/,
+    );
+    expect(
+      (
+        await handshake(
+          `${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&sample_rate=16000&threshold=0.7`,
+        )
+      ).status,
+    ).toBe(101);
     const events = await streamEvents('model=silero-vad&threshold=0.99&min_speech_duration_ms=5000', sentence);
     expect(events.map((e) => e.type)).toEqual(['ready', 'done']);
     const plain = await streamEvents('model=silero-vad', sentence);
@@ -181,7 +259,12 @@ describe('task options as query parameters', () => {
     ['busy_timeout_ms=-5', /^busy_timeout_ms: must be an integer from 0 to 2147483647, got '-5'$/],
   ])('a stream with %s -> an error event naming the field and its accepted range', async (query, message) => {
     const events = await streamEvents(`model=silero-vad&${query}`, sentence);
-    expect(events).toEqual([{ type: 'error', error: { type: 'invalid_request_error', code: 'invalid_field', message: expect.stringMatching(message) } }]);
+    expect(events).toEqual([
+      {
+        type: 'error',
+        error: { type: 'invalid_request_error', code: 'invalid_field', message: expect.stringMatching(message) },
+      },
+    ]);
   });
 });
 

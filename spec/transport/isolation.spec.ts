@@ -31,7 +31,9 @@ function slowModel(name: string, runMs: number): string {
 }
 /** 16 kHz mono s16 WAV of `seconds` of a quiet tone; `first` replaces its first sample. */
 function wav(seconds: number, first?: number): Buffer {
-  const samples = Int16Array.from({ length: Math.round(16000 * seconds) }, (_, i) => Math.round(Math.sin(i / 10) * 300));
+  const samples = Int16Array.from({ length: Math.round(16000 * seconds) }, (_, i) =>
+    Math.round(Math.sin(i / 10) * 300),
+  );
   if (first !== undefined) samples[0] = first;
   const w = new WaveFile();
   w.fromScratch(1, 16000, '16', samples);
@@ -45,7 +47,11 @@ async function serve(extra: Record<string, unknown>): Promise<VoxServer> {
   return s;
 }
 const run = async (s: VoxServer, model: string, body: Buffer) => {
-  const res = await fetch(`${s.url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(body) });
+  const res = await fetch(`${s.url}/v1/tasks/run?model=${model}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(body),
+  });
   return { status: res.status, body: await res.json() };
 };
 const status = async (s: VoxServer, id: string) => (await fetch(`${s.url}/v1/models/${id}`)).json();
@@ -59,7 +65,11 @@ afterAll(async () => {
 
 describe('process isolation', () => {
   it('a job over job_timeout_ms: its host is killed, 503 naming the timeout; the respawned slot serves the next request; another model is served throughout with no event-loop pause over 50 ms', async () => {
-    const s = await serve({ models: [{ id: 'slow', task: 'vad', path: slowModel('slow', 300), job_timeout_ms: 800, lazy: false, max_batch_size: 1 }] });
+    const s = await serve({
+      models: [
+        { id: 'slow', task: 'vad', path: slowModel('slow', 300), job_timeout_ms: 800, lazy: false, max_batch_size: 1 },
+      ],
+    });
     expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200); // loaded before the clock starts
     const sentence = fixture('espeak_sentence_16k.wav');
     const loop = monitorEventLoopDelay({ resolution: 5 });
@@ -80,7 +90,10 @@ describe('process isolation', () => {
     }
     const tookMs = performance.now() - t0;
     expect(long.status).toBe(503);
-    expect(long.body.error).toMatchObject({ type: 'server_busy', message: expect.stringMatching(/job_timeout_ms \(800 ms\)/) });
+    expect(long.body.error).toMatchObject({
+      type: 'server_busy',
+      message: expect.stringMatching(/job_timeout_ms \(800 ms\)/),
+    });
     expect(tookMs).toBeLessThan(3000);
     const codes = await other;
     short = await run(s, 'slow', wav(0.03)); // one window: well within the timeout, on the respawned slot
@@ -106,14 +119,20 @@ describe('process isolation', () => {
     await until(async () => (await status(s, 'crashy')).active_slots === 0);
     expect((await run(s, 'crashy', marker)).status).toBe(500);
     await until(async () => (await status(s, 'crashy')).state === 'unloaded', 5000);
-    expect((await status(s, 'crashy')).last_error).toMatch(/^3 slot crashes within a minute; the last: slot failed: slot host was killed by SIGABRT/);
+    expect((await status(s, 'crashy')).last_error).toMatch(
+      /^3 slot crashes within a minute; the last: slot failed: slot host was killed by SIGABRT/,
+    );
     const again = await run(s, 'crashy', fixture('Front_Left.wav'));
     expect(again.status).toBe(200);
     expect(again.body.segments.length).toBeGreaterThan(0);
   });
 
   it('waiting for a slot is bounded: behind a job that outlasts the busy timeout, a second request gets 503 within busy timeout + 100 ms (regression)', async () => {
-    const s = await serve({ busy_timeout_ms: 1000, job_timeout_ms: 0, models: [{ id: 'sluggish', task: 'vad', path: slowModel('sluggish', 400), lazy: false, max_batch_size: 1 }] });
+    const s = await serve({
+      busy_timeout_ms: 1000,
+      job_timeout_ms: 0,
+      models: [{ id: 'sluggish', task: 'vad', path: slowModel('sluggish', 400), lazy: false, max_batch_size: 1 }],
+    });
     const first = run(s, 'sluggish', wav(0.3)); // ~10 windows x 400 ms in one job
     await new Promise((r) => setTimeout(r, 200));
     const t = performance.now();
@@ -126,11 +145,19 @@ describe('process isolation', () => {
   });
 
   it("a request's own busy_timeout_ms bounds its wait for a slot, and queue_ms counts that wait", async () => {
-    const s = await serve({ busy_timeout_ms: 0, job_timeout_ms: 0, models: [{ id: 'plodding', task: 'vad', path: slowModel('plodding', 150), lazy: false, max_batch_size: 1 }] });
+    const s = await serve({
+      busy_timeout_ms: 0,
+      job_timeout_ms: 0,
+      models: [{ id: 'plodding', task: 'vad', path: slowModel('plodding', 150), lazy: false, max_batch_size: 1 }],
+    });
     const first = run(s, 'plodding', wav(0.2)); // ~7 windows x 150 ms in one job
     await new Promise((r) => setTimeout(r, 100));
     const t = performance.now();
-    const res = await fetch(`${s.url}/v1/tasks/run?model=plodding&busy_timeout_ms=300`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(0.05)) });
+    const res = await fetch(`${s.url}/v1/tasks/run?model=plodding&busy_timeout_ms=300`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wav(0.05)),
+    });
     const waited = performance.now() - t;
     expect(res.status).toBe(503);
     expect((await res.json()).error.message).toMatch(/waited for a slot longer than the busy timeout \(300 ms\)/);
@@ -152,7 +179,11 @@ function slotHosts(): number[] {
   for (const pid of readdirSync('/proc').filter((d) => /^\d+$/.test(d))) {
     try {
       const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-      if (Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]) === process.pid && readFileSync(`/proc/${pid}/cmdline`, 'utf8').includes('slot-worker')) pids.push(Number(pid));
+      if (
+        Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]) === process.pid &&
+        readFileSync(`/proc/${pid}/cmdline`, 'utf8').includes('slot-worker')
+      )
+        pids.push(Number(pid));
     } catch {
       // exited meanwhile
     }
@@ -161,7 +192,7 @@ function slotHosts(): number[] {
 }
 
 describe('a wake-word slot host killed with SIGKILL', () => {
-  it('a file sent while the only slot respawns starts from the model\'s state: silence scores as in REFERENCE.jsonl, and a group of two heads is served (regression)', async () => {
+  it("a file sent while the only slot respawns starts from the model's state: silence scores as in REFERENCE.jsonl, and a group of two heads is served (regression)", async () => {
     const s = await serve({});
     const want = references().find((r) => r.file === 'silence_3s_16k.wav')!.wakeword_max!;
     // Every step after the warm-up is reported, so each head's highest score can be read off.
@@ -178,7 +209,12 @@ describe('a wake-word slot host killed with SIGKILL', () => {
       // and there was none: "alexa" scored 0.79 on silence, the group answered 500.
       expect(res.status, JSON.stringify(res.body)).toBe(200);
       for (const head of model.split(',')) {
-        const highest = Math.max(0, ...res.body.detections.filter((d: { label: string }) => d.label === head).map((d: { score: number }) => d.score));
+        const highest = Math.max(
+          0,
+          ...res.body.detections
+            .filter((d: { label: string }) => d.label === head)
+            .map((d: { score: number }) => d.score),
+        );
         expect(Math.abs(highest - want[head.replace(/-/g, '_')]), `${model}: ${head} ${highest}`).toBeLessThan(0.02);
       }
     }
@@ -189,7 +225,12 @@ describe('loads that do not finish', () => {
   it('a load over load_timeout_ms is abandoned: 500 naming it, its host processes killed, other models serve on; a FIFO as a model path is refused at once', async () => {
     const fifo = join(dir, 'fifo.onnx');
     execFileSync('mkfifo', [fifo]);
-    const s = await serve({ models: [{ id: 'sloth', task: 'vad', path: silero, slots: 2, load_timeout_ms: 30 }, { id: 'pipe', task: 'vad', path: fifo }] });
+    const s = await serve({
+      models: [
+        { id: 'sloth', task: 'vad', path: silero, slots: 2, load_timeout_ms: 30 },
+        { id: 'pipe', task: 'vad', path: fifo },
+      ],
+    });
     expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
     const before = slotHosts().length;
     const t0 = performance.now();
@@ -197,7 +238,10 @@ describe('loads that do not finish', () => {
     expect(slow.status).toBe(500);
     expect(slow.body.error.message).toMatch(/loading took longer than load_timeout_ms \(30 ms\)/);
     expect(performance.now() - t0).toBeLessThan(1000);
-    expect(await status(s, 'sloth')).toMatchObject({ state: 'unloaded', last_error: expect.stringMatching(/load_timeout_ms/) });
+    expect(await status(s, 'sloth')).toMatchObject({
+      state: 'unloaded',
+      last_error: expect.stringMatching(/load_timeout_ms/),
+    });
     await until(() => slotHosts().length === before, 3000);
     expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
     const t1 = performance.now();
@@ -214,13 +258,24 @@ describe('SIGTERM with a job that never returns in time', () => {
     const config = join(dir, 'sigterm.json');
     writeFileSync(
       config,
-      JSON.stringify({ port: 0, drain_timeout_ms: DRAIN_MS, job_timeout_ms: 0, models: [{ id: 'forever', task: 'vad', path: slowModel('forever', 500), lazy: false, max_batch_size: 1 }] }),
+      JSON.stringify({
+        port: 0,
+        drain_timeout_ms: DRAIN_MS,
+        job_timeout_ms: 0,
+        models: [{ id: 'forever', task: 'vad', path: slowModel('forever', 500), lazy: false, max_batch_size: 1 }],
+      }),
     );
     const { child, url } = await spawnServer(['--config', config]);
     onTestFinished(() => void child.kill('SIGKILL'));
-    const exited = new Promise<{ code: number | null; at: number }>((r) => child.on('exit', (code) => r({ code, at: performance.now() })));
+    const exited = new Promise<{ code: number | null; at: number }>((r) =>
+      child.on('exit', (code) => r({ code, at: performance.now() })),
+    );
     // ~94 windows x 500 ms: its first job alone is half a minute.
-    const pending = fetch(`${url}/v1/tasks/run?model=forever`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav(3)) }).then(
+    const pending = fetch(`${url}/v1/tasks/run?model=forever`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wav(3)),
+    }).then(
       (r) => r.status,
       () => 0,
     );

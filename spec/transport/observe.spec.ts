@@ -21,16 +21,28 @@ const sink = new Writable({
 let server: VoxServer;
 
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ port: 0, management: { enabled: true }, debug: { inspect: true } }), { log: pino({ level: 'info' }, sink) });
+  server = await startServer(ServerConfig.parse({ port: 0, management: { enabled: true }, debug: { inspect: true } }), {
+    log: pino({ level: 'info' }, sink),
+  });
 });
 afterAll(async () => {
   await server?.close();
 });
 
 const post = async (path: string, body: unknown) =>
-  (await fetch(`${server.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) })).json();
+  (
+    await fetch(`${server.url}${path}`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify(body),
+    })
+  ).json();
 const run = async (model: string) =>
-  fetch(`${server.url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) });
+  fetch(`${server.url}/v1/tasks/run?model=${model}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(fixture('Front_Left.wav')),
+  });
 /** The value of one sample in the Prometheus text exposition. */
 async function metric(name: string, labels: Record<string, string>): Promise<number> {
   const text = await (await fetch(`${server.url}/metrics`)).text();
@@ -72,7 +84,16 @@ describe('observability', () => {
       .filter((e) => e.actor === 'model:obs' && e.kind === '@xstate.snapshot')
       .map((e) => e.state.replace(/^resident\./, '').replace(/^(ready|loading)\..*/, '$1'))
       .filter((s, i, all) => s !== all[i - 1]);
-    expect(states).toEqual(['unloaded', 'loading', 'ready', 'reconfiguring', 'loading', 'ready', 'unloading', 'unloaded']);
+    expect(states).toEqual([
+      'unloaded',
+      'loading',
+      'ready',
+      'reconfiguring',
+      'loading',
+      'ready',
+      'unloading',
+      'unloaded',
+    ]);
     const causes = events.filter((e) => e.actor === 'model:obs' && e.kind === '@xstate.event').map((e) => e.event);
     expect(causes).toEqual(expect.arrayContaining(['LOAD', 'RECONFIGURE', 'UNLOAD']));
     expect(causes.indexOf('LOAD')).toBeLessThan(causes.indexOf('RECONFIGURE'));
@@ -91,14 +112,38 @@ describe('observability', () => {
 
   it('counts failures by outcome and logs one line per request, per transition, per stream close', async () => {
     const before = await metric('voxserve_requests_total', { model: 'silero-vad', outcome: 'invalid_request_error' });
-    const bad = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: 'nope' });
+    const bad = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: 'nope',
+    });
     expect(bad.status).toBe(400);
-    expect(await metric('voxserve_requests_total', { model: 'silero-vad', outcome: 'invalid_request_error' })).toBe(before + 1);
+    expect(await metric('voxserve_requests_total', { model: 'silero-vad', outcome: 'invalid_request_error' })).toBe(
+      before + 1,
+    );
 
     const requests = lines.filter((l) => l.msg === 'request' && l.model === 'obs');
-    expect(requests).toEqual([expect.objectContaining({ route: 'run', outcome: 'ok', queue_ms: expect.any(Number), inference_ms: expect.any(Number), wall_ms: expect.any(Number) })]);
-    const transitions = lines.filter((l) => l.msg === 'model state' && l.model === 'obs').map((l) => `${l.from}->${l.to}`);
-    expect(transitions).toEqual(['unloaded->loading', 'loading->ready', 'ready->reconfiguring', 'reconfiguring->loading', 'loading->ready', 'ready->unloading', 'unloading->unloaded']);
+    expect(requests).toEqual([
+      expect.objectContaining({
+        route: 'run',
+        outcome: 'ok',
+        queue_ms: expect.any(Number),
+        inference_ms: expect.any(Number),
+        wall_ms: expect.any(Number),
+      }),
+    ]);
+    const transitions = lines
+      .filter((l) => l.msg === 'model state' && l.model === 'obs')
+      .map((l) => `${l.from}->${l.to}`);
+    expect(transitions).toEqual([
+      'unloaded->loading',
+      'loading->ready',
+      'ready->reconfiguring',
+      'reconfiguring->loading',
+      'loading->ready',
+      'ready->unloading',
+      'unloading->unloaded',
+    ]);
 
     const ws = new (await import('ws')).default(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad`);
     await new Promise<void>((resolve) => {
@@ -108,7 +153,12 @@ describe('observability', () => {
       ws.on('close', () => resolve());
     });
     await new Promise((r) => setTimeout(r, 50));
-    expect(lines.filter((l) => l.msg === 'stream closed').at(-1)).toMatchObject({ route: 'stream', model: 'silero-vad', code: 1000, session_id: expect.any(String) });
+    expect(lines.filter((l) => l.msg === 'stream closed').at(-1)).toMatchObject({
+      route: 'stream',
+      model: 'silero-vad',
+      code: 1000,
+      session_id: expect.any(String),
+    });
     expect(await metric('voxserve_ws_closed_total', { code: '1000' })).toBeGreaterThanOrEqual(1);
   });
 
@@ -118,13 +168,32 @@ describe('observability', () => {
     const got: any[] = [];
     relay.on('connection', (ws) => ws.on('message', (d) => got.push(JSON.parse(d.toString()))));
     const port = (relay.address() as { port: number }).port;
-    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, debug: { stately_url: `ws://127.0.0.1:${port}` } }));
+    const s = await startServer(
+      ServerConfig.parse({
+        log_level: 'silent',
+        port: 0,
+        management: { enabled: true },
+        debug: { stately_url: `ws://127.0.0.1:${port}` },
+      }),
+    );
     try {
-      await fetch(`${s.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'stately', task: 'vad', path: silero }) });
+      await fetch(`${s.url}/v1/models/load`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ id: 'stately', task: 'vad', path: silero }),
+      });
       const deadline = Date.now() + 5000;
       const values = () => got.filter((g) => g.type === '@xstate.snapshot').map((g) => statePath(g.snapshot?.value));
-      while (!values().includes('resident.ready.idle.keepAliveOff') && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
-      expect(values()).toEqual(expect.arrayContaining(['running', 'resident.loading.queued', 'resident.loading.building', 'resident.ready.idle.keepAliveOff']));
+      while (!values().includes('resident.ready.idle.keepAliveOff') && Date.now() < deadline)
+        await new Promise((r) => setTimeout(r, 50));
+      expect(values()).toEqual(
+        expect.arrayContaining([
+          'running',
+          'resident.loading.queued',
+          'resident.loading.building',
+          'resident.ready.idle.keepAliveOff',
+        ]),
+      );
     } finally {
       await s.close();
       relay.close();
@@ -132,20 +201,44 @@ describe('observability', () => {
   });
 
   it('the /debug page shows an eviction: the victim, its reason, and the load that caused it', async () => {
-    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, max_loaded_models: 1, management: { enabled: true }, debug: { inspect: true } }));
+    const s = await startServer(
+      ServerConfig.parse({
+        log_level: 'silent',
+        port: 0,
+        max_loaded_models: 1,
+        management: { enabled: true },
+        debug: { inspect: true },
+      }),
+    );
     const browser = await chromium.launch({
       executablePath: '/usr/bin/chromium',
-      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+      args: [
+        '--headless',
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-quic',
+        '--no-first-run',
+        '--disable-background-networking',
+        '--disable-component-update',
+        '--disable-sync',
+      ],
     });
     try {
-      const load = (body: unknown) => fetch(`${s.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+      const load = (body: unknown) =>
+        fetch(`${s.url}/v1/models/load`, {
+          method: 'POST',
+          headers: { 'content-type': 'application/json' },
+          body: JSON.stringify(body),
+        });
       expect((await load({ id: 'vad-a', task: 'vad', path: silero })).status).toBe(200);
       expect((await load({ id: 'vad-b', task: 'vad', path: silero })).status).toBe(200);
       const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
       await page.goto(`${s.url}/debug`);
       await page.waitForSelector('[data-model="vad-a"][data-state="unloaded"]');
       expect(await page.textContent('[data-model="vad-a"]')).toContain('evicted (lru)');
-      await page.waitForSelector('[data-model="vad-b"][data-state="ready"] .state.current[data-state="resident.ready.idle"]');
+      await page.waitForSelector(
+        '[data-model="vad-b"][data-state="ready"] .state.current[data-state="resident.ready.idle"]',
+      );
       const log = (await page.textContent('#log')) ?? '';
       expect(log).toMatch(/model:vad-a\s*EVICT\s*\{"reason":"lru","replyTo":"supervisor"\}/);
       expect(log).toMatch(/supervisor\s*\S*\s*\{"room":\{"target":"vad-b"/);
@@ -157,21 +250,39 @@ describe('observability', () => {
     }
   });
 
-  it('the /debug page shows a model\'s state change, live, in headless Chromium', async () => {
-    expect(existsSync('/usr/bin/chromium'), 'Debian chromium is needed: apt-get install -y chromium (bash .ci/run installs it)').toBe(true);
+  it("the /debug page shows a model's state change, live, in headless Chromium", async () => {
+    expect(
+      existsSync('/usr/bin/chromium'),
+      'Debian chromium is needed: apt-get install -y chromium (bash .ci/run installs it)',
+    ).toBe(true);
     const browser = await chromium.launch({
       executablePath: '/usr/bin/chromium',
-      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+      args: [
+        '--headless',
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-quic',
+        '--no-first-run',
+        '--disable-background-networking',
+        '--disable-component-update',
+        '--disable-sync',
+      ],
     });
     try {
       const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
       await page.goto(`${server.url}/debug`);
       await page.waitForSelector('[data-model="silero-vad"]');
       await post('/v1/models/unload', { id: 'page-model' }).catch(() => {});
-      expect(await post('/v1/models/load', { id: 'page-model', task: 'vad', path: silero })).toMatchObject({ loaded: true });
-      await page.waitForSelector('[data-model="page-model"][data-state="ready"] .state.current[data-state="resident.ready"]', { timeout: 5000 });
+      expect(await post('/v1/models/load', { id: 'page-model', task: 'vad', path: silero })).toMatchObject({
+        loaded: true,
+      });
+      await page.waitForSelector(
+        '[data-model="page-model"][data-state="ready"] .state.current[data-state="resident.ready"]',
+        { timeout: 5000 },
+      );
       // Every chart is drawn from its definition: the root, the supervisor, a model entry, both socket actors.
-      for (const chart of ['system', 'supervisor', 'model', 'stream', 'http']) await page.waitForSelector(`svg[data-chart="${chart}"] .state`, { timeout: 5000 });
+      for (const chart of ['system', 'supervisor', 'model', 'stream', 'http'])
+        await page.waitForSelector(`svg[data-chart="${chart}"] .state`, { timeout: 5000 });
       expect(await page.locator('[data-chart="system"] .state.current[data-state="running"]').count()).toBe(1);
       expect((await page.textContent('#log')) ?? '').toContain('model:page-model');
       await post('/v1/models/unload', { id: 'page-model' });

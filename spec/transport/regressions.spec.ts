@@ -13,14 +13,26 @@ const catalog = defaultCatalog();
 const legacyVad = SILERO_V5.replace('silero_vad_v5.onnx', 'silero_vad_legacy.onnx');
 
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true }, models_root: dirname(legacyVad), limits: { max_body_bytes: 1024 * 1024 } }));
+  server = await startServer(
+    ServerConfig.parse({
+      log_level: 'silent',
+      port: 0,
+      management: { enabled: true },
+      models_root: dirname(legacyVad),
+      limits: { max_body_bytes: 1024 * 1024 },
+    }),
+  );
 });
 afterAll(async () => {
   await server?.close();
 });
 
 const healthy = async (): Promise<void> => {
-  const r = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) });
+  const r = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(fixture('Front_Left.wav')),
+  });
   expect(r.status).toBe(200);
   const m = server.supervisor.statuses();
   expect(m.reduce((n, s) => n + s.active_leases + s.queued_requests, 0)).toBe(0);
@@ -39,7 +51,8 @@ function raw(chunks: (string | Buffer)[]): Promise<string> {
 
 describe('regressions', () => {
   it('an oversized chunked upload gets 413 and the server stays up', async () => {
-    const head = 'POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\nTransfer-Encoding: chunked\r\n\r\n';
+    const head =
+      'POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\nTransfer-Encoding: chunked\r\n\r\n';
     const chunk = Buffer.alloc(256 * 1024);
     const chunks: (string | Buffer)[] = [head];
     for (let i = 0; i < 8; i++) chunks.push(`${chunk.length.toString(16)}\r\n`, chunk, '\r\n');
@@ -83,8 +96,20 @@ describe('regressions', () => {
     f32[5002] = 1e30;
     const bad = new WaveFile();
     bad.fromScratch(1, rate, '32f', f32);
-    const clean = await (await fetch(`${server.url}/v1/tasks/run?model=hey-jarvis`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('espeak_hey_jarvis_22k.wav')) })).json();
-    const dirty = await (await fetch(`${server.url}/v1/tasks/run?model=hey-jarvis`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(bad.toBuffer()) })).json();
+    const clean = await (
+      await fetch(`${server.url}/v1/tasks/run?model=hey-jarvis`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(fixture('espeak_hey_jarvis_22k.wav')),
+      })
+    ).json();
+    const dirty = await (
+      await fetch(`${server.url}/v1/tasks/run?model=hey-jarvis`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(bad.toBuffer()),
+      })
+    ).json();
     expect(dirty.detections).toHaveLength(1);
     expect(dirty.detections[0].at_ms).toBe(clean.detections[0].at_ms);
     expect(Number.isFinite(dirty.detections[0].score)).toBe(true);
@@ -92,22 +117,40 @@ describe('regressions', () => {
     silence[100] = NaN;
     const quiet = new WaveFile();
     quiet.fromScratch(1, 16000, '32f', silence);
-    const q = await (await fetch(`${server.url}/v1/tasks/run?model=alexa`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(quiet.toBuffer()) })).json();
+    const q = await (
+      await fetch(`${server.url}/v1/tasks/run?model=alexa`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(quiet.toBuffer()),
+      })
+    ).json();
     expect(q.detections).toEqual([]);
   });
 
   it('a busy timeout beyond what timers can hold is a 400, not an immediate 503', async () => {
-    const r = await fetch(`${server.url}/v1/tasks/run?model=silero-vad&busy_timeout_ms=3000000000`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) });
+    const r = await fetch(`${server.url}/v1/tasks/run?model=silero-vad&busy_timeout_ms=3000000000`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture('Front_Left.wav')),
+    });
     expect(r.status).toBe(400);
     expect((await r.json()).error.message).toMatch(/^busy_timeout_ms: must be an integer from 0 to 2147483647/);
     expect(() => ServerConfig.parse({ busy_timeout_ms: 3_000_000_000 })).toThrow();
   });
 
   it('a huge unknown model id is not echoed back in full; an unknown JSON field is named', async () => {
-    const r = await fetch(`${server.url}/v1/tasks/run`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'x'.repeat(100_000), audio: 'AAAA' }) });
+    const r = await fetch(`${server.url}/v1/tasks/run`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'x'.repeat(100_000), audio: 'AAAA' }),
+    });
     expect(r.status).toBe(404);
     expect((await r.text()).length).toBeLessThan(400);
-    const j = await fetch(`${server.url}/v1/tasks/run`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'silero-vad', audio: 'AAAA', treshold: 0.4 }) });
+    const j = await fetch(`${server.url}/v1/tasks/run`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'silero-vad', audio: 'AAAA', treshold: 0.4 }),
+    });
     expect(j.status).toBe(400);
     expect((await j.json()).error.message).toMatch(/^treshold: unknown field/);
   });
@@ -118,7 +161,9 @@ describe('regressions', () => {
   });
 
   it('a non-WebSocket Upgrade (h2c) is answered over HTTP/1.1', async () => {
-    const text = await raw(['GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n']);
+    const text = await raw([
+      'GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n',
+    ]);
     expect(text).toMatch(/^HTTP\/1\.1 200/);
     expect(text).toContain('"status":"ok"');
   });
@@ -127,7 +172,11 @@ describe('regressions', () => {
     ['the legacy Silero VAD as a wake-word head', legacyVad],
     ['the melspectrogram model as a wake-word head', OWW_MELSPECTROGRAM],
   ])('refuses to load %s: the load fails with last_error', async (_what, path) => {
-    const r = await fetch(`${server.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: `wrong-${path.length}`, task: 'wakeword', path }) });
+    const r = await fetch(`${server.url}/v1/models/load`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ id: `wrong-${path.length}`, task: 'wakeword', path }),
+    });
     expect(r.status).toBe(500);
     expect((await r.json()).error.message).toMatch(/not an openWakeWord head/);
   });
@@ -135,14 +184,22 @@ describe('regressions', () => {
   it('a float WAV declaring 16-bit samples is refused', async () => {
     const w = Buffer.from(fixture('silence_3s_16k.wav'));
     w.writeUInt16LE(3, 20); // IEEE float, but 16 bits per sample
-    const r = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(w) });
+    const r = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(w),
+    });
     expect(r.status).toBe(400);
     expect((await r.json()).error.message).toMatch(/bit depth 16 for float/);
   });
 
   it('a stream still waiting for its lease stops reading past a cap instead of buffering without bound', async () => {
     const silero = catalog.find((m) => m.id === 'silero-vad')!.path;
-    await fetch(`${server.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ id: 'one-lease', task: 'vad', path: silero, max_streams: 1 }) });
+    await fetch(`${server.url}/v1/models/load`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ id: 'one-lease', task: 'vad', path: silero, max_streams: 1 }),
+    });
     const holder = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=one-lease`);
     await new Promise((r) => holder.on('message', r));
     const queued = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=one-lease`);

@@ -40,12 +40,21 @@ interface Answer {
   body: any;
 }
 /** One HTTP request with any headers (fetch cannot set Host). */
-function call(url: string, opts: { method?: string; headers?: Record<string, string>; body?: string | Buffer } = {}): Promise<Answer> {
+function call(
+  url: string,
+  opts: { method?: string; headers?: Record<string, string>; body?: string | Buffer } = {},
+): Promise<Answer> {
   return new Promise((done, fail) => {
     const req = request(url, { method: opts.method ?? 'GET', headers: opts.headers }, (res) => {
       let text = '';
       res.on('data', (c: Buffer) => (text += c.toString('utf8')));
-      res.on('end', () => done({ status: res.statusCode!, headers: res.headers, body: res.headers['content-type'] === 'application/json' ? JSON.parse(text) : text }));
+      res.on('end', () =>
+        done({
+          status: res.statusCode!,
+          headers: res.headers,
+          body: res.headers['content-type'] === 'application/json' ? JSON.parse(text) : text,
+        }),
+      );
     });
     req.on('error', fail);
     req.end(opts.body);
@@ -53,13 +62,32 @@ function call(url: string, opts: { method?: string; headers?: Record<string, str
 }
 const json = { 'content-type': 'application/json' };
 const runWav = (s: VoxServer, headers: Record<string, string> = {}, model = 'silero-vad'): Promise<Answer> =>
-  call(`${s.url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav', ...headers }, body: wav });
+  call(`${s.url}/v1/tasks/run?model=${model}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav', ...headers },
+    body: wav,
+  });
 
 /** Opens a stream: either the handshake is refused (status and JSON body) or the first event arrives. */
-function stream(s: VoxServer, opts: { query?: string; protocols?: string[]; headers?: Record<string, string> } = {}): Promise<{ status?: number; body?: any; ws?: WebSocket; first?: any; closed?: Promise<{ code: number; reason: string }> }> {
+function stream(
+  s: VoxServer,
+  opts: { query?: string; protocols?: string[]; headers?: Record<string, string> } = {},
+): Promise<{
+  status?: number;
+  body?: any;
+  ws?: WebSocket;
+  first?: any;
+  closed?: Promise<{ code: number; reason: string }>;
+}> {
   return new Promise((done, fail) => {
-    const ws = new WebSocket(`${s.url.replace('http', 'ws')}/v1/stream?${opts.query ?? 'model=silero-vad'}`, opts.protocols ?? [], { headers: opts.headers });
-    const closed = new Promise<{ code: number; reason: string }>((r) => ws.on('close', (code, reason) => r({ code, reason: reason.toString() })));
+    const ws = new WebSocket(
+      `${s.url.replace('http', 'ws')}/v1/stream?${opts.query ?? 'model=silero-vad'}`,
+      opts.protocols ?? [],
+      { headers: opts.headers },
+    );
+    const closed = new Promise<{ code: number; reason: string }>((r) =>
+      ws.on('close', (code, reason) => r({ code, reason: reason.toString() })),
+    );
     ws.on('unexpected-response', (_req, res) => {
       let text = '';
       res.on('data', (c: Buffer) => (text += c.toString('utf8')));
@@ -69,7 +97,8 @@ function stream(s: VoxServer, opts: { query?: string; protocols?: string[]; head
     ws.once('message', (d) => done({ ws, first: JSON.parse(d.toString()), closed }));
   });
 }
-const loaded = async (s: VoxServer, id = 'silero-vad'): Promise<boolean> => (await call(`${s.url}/v1/models/${id}`)).body.loaded;
+const loaded = async (s: VoxServer, id = 'silero-vad'): Promise<boolean> =>
+  (await call(`${s.url}/v1/models/${id}`)).body.loaded;
 /** `seconds` of silence, 16 kHz mono 16-bit. */
 const silence = (seconds: number): Buffer => {
   const w = new WaveFile();
@@ -87,7 +116,8 @@ async function cutting(): Promise<{ url: string; close: () => void }> {
   return { url: `http://127.0.0.1:${(early.address() as AddressInfo).port}`, close: () => early.close() };
 }
 const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
-const runCli = (args: string[]): Promise<{ code?: number; stdout: string; stderr: string }> => promisify(execFile)(process.execPath, [cli, ...args]).catch((e) => e);
+const runCli = (args: string[]): Promise<{ code?: number; stdout: string; stderr: string }> =>
+  promisify(execFile)(process.execPath, [cli, ...args]).catch((e) => e);
 
 describe('Host check (DNS rebinding)', () => {
   let s: VoxServer;
@@ -104,7 +134,11 @@ describe('Host check (DNS rebinding)', () => {
       await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: { ...rebind, ...json } }),
     ]) {
       expect(r.status).toBe(403);
-      expect(r.body.error).toEqual({ type: 'forbidden', code: 'host_not_allowed', message: expect.stringMatching(/^Host 'rebind\.attacker\.example' is not served here: add it to allowed_hosts/) });
+      expect(r.body.error).toEqual({
+        type: 'forbidden',
+        code: 'host_not_allowed',
+        message: expect.stringMatching(/^Host 'rebind\.attacker\.example' is not served here: add it to allowed_hosts/),
+      });
     }
     expect(await loaded(s)).toBe(true);
   });
@@ -117,7 +151,15 @@ describe('Host check (DNS rebinding)', () => {
 
   it('serves loopback names, the configured host and allowed_hosts, with or without a port', async () => {
     const port = new URL(s.url).port;
-    for (const host of [`localhost:${port}`, 'LOCALHOST', `127.0.0.1:${port}`, '127.8.9.10', `[::1]:${port}`, 'voice.example.internal', `Voice.Example.Internal:${port}`]) {
+    for (const host of [
+      `localhost:${port}`,
+      'LOCALHOST',
+      `127.0.0.1:${port}`,
+      '127.8.9.10',
+      `[::1]:${port}`,
+      'voice.example.internal',
+      `Voice.Example.Internal:${port}`,
+    ]) {
       expect((await call(`${s.url}/v1/models`, { headers: { host } })).status, host).toBe(200);
     }
     const open = await stream(s, { headers: { host: 'voice.example.internal' } });
@@ -146,11 +188,18 @@ describe('Origin policy, CORS and 415', () => {
   it('a cross-site POST unload_all with no body (Origin: https://any-website.example) gets 403; every model stays loaded', async () => {
     const r = await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: foreign });
     expect(r.status).toBe(403);
-    expect(r.body.error).toMatchObject({ code: 'origin_not_allowed', message: expect.stringMatching(/^Origin 'https:\/\/any-website\.example' may not call this server: add it to allowed_origins/) });
+    expect(r.body.error).toMatchObject({
+      code: 'origin_not_allowed',
+      message: expect.stringMatching(
+        /^Origin 'https:\/\/any-website\.example' may not call this server: add it to allowed_origins/,
+      ),
+    });
     expect(r.headers['access-control-allow-origin']).toBeUndefined();
     expect(await loaded(s)).toBe(true);
     // Even declared as JSON, and on every other route.
-    expect((await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: { ...foreign, ...json } })).status).toBe(403);
+    expect(
+      (await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: { ...foreign, ...json } })).status,
+    ).toBe(403);
     expect((await runWav(s, foreign)).status).toBe(403);
     expect((await call(`${s.url}/v1/models`, { headers: foreign })).status).toBe(403);
     expect((await call(`${s.url}/v1/models`, { headers: { origin: 'null' } })).status).toBe(403);
@@ -160,7 +209,10 @@ describe('Origin policy, CORS and 415', () => {
   it('a WebSocket from a foreign Origin gets 403; the own origin and allowed origins stream', async () => {
     const refused = await stream(s, { headers: foreign });
     expect(refused.status).toBe(403);
-    expect(refused.body.error).toMatchObject({ code: 'origin_not_allowed', message: expect.stringMatching(/^Origin 'https:\/\/any-website\.example' may not call/) });
+    expect(refused.body.error).toMatchObject({
+      code: 'origin_not_allowed',
+      message: expect.stringMatching(/^Origin 'https:\/\/any-website\.example' may not call/),
+    });
     for (const origin of [app, s.url]) {
       const r = await stream(s, { headers: { origin } });
       expect(r.first.type, origin).toBe('ready');
@@ -171,13 +223,25 @@ describe('Origin policy, CORS and 415', () => {
   it('an allowed origin gets CORS headers, on its preflight too; a foreign preflight gets 403', async () => {
     const get = await call(`${s.url}/v1/models`, { headers: { origin: app } });
     expect(get.status).toBe(200);
-    expect(get.headers).toMatchObject({ 'access-control-allow-origin': app, vary: 'Origin', 'access-control-expose-headers': expect.stringContaining('retry-after') });
-    const preflight = { 'access-control-request-method': 'POST', 'access-control-request-headers': 'authorization,content-type' };
+    expect(get.headers).toMatchObject({
+      'access-control-allow-origin': app,
+      vary: 'Origin',
+      'access-control-expose-headers': expect.stringContaining('retry-after'),
+    });
+    const preflight = {
+      'access-control-request-method': 'POST',
+      'access-control-request-headers': 'authorization,content-type',
+    };
     const ok = await call(`${s.url}/v1/models/load`, { method: 'OPTIONS', headers: { origin: app, ...preflight } });
     expect(ok.status).toBe(204);
-    expect(ok.headers).toMatchObject({ 'access-control-allow-origin': app, 'access-control-allow-methods': 'GET, POST' });
+    expect(ok.headers).toMatchObject({
+      'access-control-allow-origin': app,
+      'access-control-allow-methods': 'GET, POST',
+    });
     expect(ok.headers['access-control-allow-headers']).toMatch(/authorization.*content-type/);
-    expect((await call(`${s.url}/v1/models/load`, { method: 'OPTIONS', headers: { ...foreign, ...preflight } })).status).toBe(403);
+    expect(
+      (await call(`${s.url}/v1/models/load`, { method: 'OPTIONS', headers: { ...foreign, ...preflight } })).status,
+    ).toBe(403);
     // The page's own origin (same Host) is always allowed.
     const own = await runWav(s, { origin: s.url });
     expect(own.status).toBe(200);
@@ -186,15 +250,36 @@ describe('Origin policy, CORS and 415', () => {
 
   it('a load sent as text/plain (a JSON body) gets 415 and loads nothing; so do a text/plain batch and run', async () => {
     const body = JSON.stringify({ id: 'plain', task: 'vad', path: silero, slots: 16 });
-    const r = await call(`${s.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body });
+    const r = await call(`${s.url}/v1/models/load`, {
+      method: 'POST',
+      headers: { 'content-type': 'text/plain' },
+      body,
+    });
     expect(r.status).toBe(415);
-    expect(r.body.error).toEqual({ type: 'unsupported_media_type', code: 'unsupported_media_type', message: "content-type: expected application/json, got 'text/plain'" });
+    expect(r.body.error).toEqual({
+      type: 'unsupported_media_type',
+      code: 'unsupported_media_type',
+      message: "content-type: expected application/json, got 'text/plain'",
+    });
     expect((await call(`${s.url}/v1/models/plain`)).status).toBe(404);
-    const batch = await call(`${s.url}/v1/tasks/batch`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: JSON.stringify({ model: 'silero-vad', files: [wav.toString('base64')] }) });
+    const batch = await call(`${s.url}/v1/tasks/batch`, {
+      method: 'POST',
+      headers: { 'content-type': 'text/plain' },
+      body: JSON.stringify({ model: 'silero-vad', files: [wav.toString('base64')] }),
+    });
     expect(batch.status).toBe(415);
-    const run = await call(`${s.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: wav });
+    const run = await call(`${s.url}/v1/tasks/run?model=silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'text/plain' },
+      body: wav,
+    });
     expect(run.status).toBe(415);
-    expect(run.body.error).toEqual({ type: 'unsupported_media_type', code: 'unsupported_media_type', message: "content-type: expected application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got 'text/plain'" });
+    expect(run.body.error).toEqual({
+      type: 'unsupported_media_type',
+      code: 'unsupported_media_type',
+      message:
+        "content-type: expected application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got 'text/plain'",
+    });
     // unload_all with no body and no Content-Type: 415 too.
     expect((await call(`${s.url}/v1/models/unload_all`, { method: 'POST' })).status).toBe(415);
     expect(await loaded(s)).toBe(true);
@@ -211,14 +296,22 @@ describe('models_root by default', () => {
     copyFileSync(silero, join(outside, 'real.onnx'));
     symlinkSync(outside, join(dir, 'models', 'out'));
     execFileSync('mkfifo', [join(outside, 'blocks.fifo')]); // opening it would hang
-    writeFileSync(join(dir, 'voxserve.json'), JSON.stringify({ port: 0, log_level: 'silent', management: { enabled: true } }));
+    writeFileSync(
+      join(dir, 'voxserve.json'),
+      JSON.stringify({ port: 0, log_level: 'silent', management: { enabled: true } }),
+    );
     const config = loadServerConfig(join(dir, 'voxserve.json'));
     expect(config.models_root).toBe(join(dir, 'models'));
     s = await startServer(config);
     servers.push(s);
   });
-  const load = (body: Record<string, unknown>): Promise<Answer> => call(`${s.url}/v1/models/load`, { method: 'POST', headers: json, body: JSON.stringify({ task: 'vad', ...body }) });
-  const refusal = (path: string) => ({ type: 'invalid_request_error', code: 'invalid_model_file', message: `path: '${path}' is outside models_root (${join(dir, 'models')}); put the model there, or set models_root in the config` });
+  const load = (body: Record<string, unknown>): Promise<Answer> =>
+    call(`${s.url}/v1/models/load`, { method: 'POST', headers: json, body: JSON.stringify({ task: 'vad', ...body }) });
+  const refusal = (path: string) => ({
+    type: 'invalid_request_error',
+    code: 'invalid_model_file',
+    message: `path: '${path}' is outside models_root (${join(dir, 'models')}); put the model there, or set models_root in the config`,
+  });
 
   it('is models/ beside the config file, or in the working directory without one', () => {
     expect(ServerConfig.parse({}).models_root).toBe(resolve('models'));
@@ -226,7 +319,13 @@ describe('models_root by default', () => {
   });
 
   it('refuses /etc/shadow with 400 before opening it, with the same message as a missing file', async () => {
-    for (const path of ['/etc/shadow', '/etc/voxserve-no-such-file', join(outside, 'real.onnx'), join(outside, 'blocks.fifo'), '../../etc/passwd']) {
+    for (const path of [
+      '/etc/shadow',
+      '/etc/voxserve-no-such-file',
+      join(outside, 'real.onnx'),
+      join(outside, 'blocks.fifo'),
+      '../../etc/passwd',
+    ]) {
       const r = await load({ id: 'escape', path });
       expect(r.status, path).toBe(400);
       expect(r.body.error, path).toEqual(refusal(path));
@@ -242,26 +341,46 @@ describe('models_root by default', () => {
     expect((await load({ id: 'mine', path: 'mine.onnx' })).status).toBe(200);
     expect((await load({ id: 'vad-copy', path: silero })).status).toBe(200); // a file the catalog ships
     expect((await runWav(s)).status).toBe(200);
-    const jarvis = await call(`${s.url}/v1/tasks/run?model=hey-jarvis`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: fixture('espeak_hey_jarvis_22k.wav') });
+    const jarvis = await call(`${s.url}/v1/tasks/run?model=hey-jarvis`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: fixture('espeak_hey_jarvis_22k.wav'),
+    });
     expect(jarvis.body.detections).toEqual([expect.objectContaining({ label: 'hey-jarvis' })]);
   });
 
   it('a path inside the root that does not exist, or is a folder -> 400 naming path (was a 500 from the loader)', async () => {
     const missing = await load({ id: 'missing', path: 'no-such-model.onnx' });
     expect(missing.status).toBe(400);
-    expect(missing.body.error).toEqual({ type: 'invalid_request_error', code: 'invalid_model_file', message: `path: 'no-such-model.onnx' does not exist in models_root (${join(dir, 'models')})` });
+    expect(missing.body.error).toEqual({
+      type: 'invalid_request_error',
+      code: 'invalid_model_file',
+      message: `path: 'no-such-model.onnx' does not exist in models_root (${join(dir, 'models')})`,
+    });
     mkdirSync(join(dir, 'models', 'folder'));
     const folder = await load({ id: 'folder', path: 'folder' });
-    expect(folder.body.error).toEqual({ type: 'invalid_request_error', code: 'invalid_model_file', message: "path: 'folder' is not a regular file" });
+    expect(folder.body.error).toEqual({
+      type: 'invalid_request_error',
+      code: 'invalid_model_file',
+      message: "path: 'folder' is not a regular file",
+    });
     // An empty path names the root itself: it is not "outside" it, it names no file.
     const empty = await load({ id: 'empty', path: '' });
-    expect(empty.body.error).toEqual({ type: 'invalid_request_error', code: 'invalid_field', message: "path: must name a model file, got ''" });
+    expect(empty.body.error).toEqual({
+      type: 'invalid_request_error',
+      code: 'invalid_field',
+      message: "path: must name a model file, got ''",
+    });
     expect((await call(`${s.url}/v1/models/missing`)).status).toBe(404);
   });
 
   it('models_root: false opts out: any readable path loads', async () => {
     const open = await serve({ management: { enabled: true }, models_root: false });
-    const r = await call(`${open.url}/v1/models/load`, { method: 'POST', headers: json, body: JSON.stringify({ id: 'anywhere', task: 'vad', path: join(outside, 'real.onnx') }) });
+    const r = await call(`${open.url}/v1/models/load`, {
+      method: 'POST',
+      headers: json,
+      body: JSON.stringify({ id: 'anywhere', task: 'vad', path: join(outside, 'real.onnx') }),
+    });
     expect(r.status).toBe(200);
   });
 });
@@ -270,7 +389,10 @@ describe('auth.api_keys', () => {
   const key = 'k3y-0123456789abcdef';
   let s: VoxServer;
   beforeAll(async () => {
-    s = await serve({ management: { enabled: true, token: 'management-token' }, auth: { api_keys: ['another-key-0123456789', key] } });
+    s = await serve({
+      management: { enabled: true, token: 'management-token' },
+      auth: { api_keys: ['another-key-0123456789', key] },
+    });
   });
   const bearer = (k: string) => ({ authorization: `Bearer ${k}` });
 
@@ -278,17 +400,34 @@ describe('auth.api_keys', () => {
     const none = await runWav(s);
     expect(none.status).toBe(401);
     expect(none.headers['www-authenticate']).toBe('Bearer realm="voxserve"');
-    expect(none.body.error).toEqual({ type: 'unauthorized', code: 'api_key_required', message: 'this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol voxserve.key.<key> (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)' });
-    expect((await runWav(s, bearer(`${key}x`))).body.error).toEqual({ type: 'unauthorized', code: 'api_key_invalid', message: "the API key is not valid: it is not one of the server's auth.api_keys (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)" });
+    expect(none.body.error).toEqual({
+      type: 'unauthorized',
+      code: 'api_key_required',
+      message:
+        'this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol voxserve.key.<key> (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)',
+    });
+    expect((await runWav(s, bearer(`${key}x`))).body.error).toEqual({
+      type: 'unauthorized',
+      code: 'api_key_invalid',
+      message:
+        "the API key is not valid: it is not one of the server's auth.api_keys (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)",
+    });
     expect((await runWav(s, bearer('management-token'))).status).toBe(401); // the management token is not an API key
     expect((await runWav(s, bearer(key))).status).toBe(200);
-    const batch = (h: Record<string, string>) => call(`${s.url}/v1/tasks/batch`, { method: 'POST', headers: { ...json, ...h }, body: JSON.stringify({ model: 'silero-vad', files: [wav.toString('base64')] }) });
+    const batch = (h: Record<string, string>) =>
+      call(`${s.url}/v1/tasks/batch`, {
+        method: 'POST',
+        headers: { ...json, ...h },
+        body: JSON.stringify({ model: 'silero-vad', files: [wav.toString('base64')] }),
+      });
     expect((await batch({})).status).toBe(401);
     expect((await batch(bearer(key))).status).toBe(200);
   });
 
   it('an API key does not open management; status stays open', async () => {
-    expect((await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: { ...json, ...bearer(key) } })).status).toBe(403);
+    expect(
+      (await call(`${s.url}/v1/models/unload_all`, { method: 'POST', headers: { ...json, ...bearer(key) } })).status,
+    ).toBe(403);
     expect((await call(`${s.url}/v1/models`)).status).toBe(200);
   });
 
@@ -296,7 +435,9 @@ describe('auth.api_keys', () => {
     const none = await stream(s, { protocols: ['voxserve.v1.json'] });
     expect(none.status).toBe(401);
     expect(none.body.error).toMatchObject({ type: 'unauthorized', code: 'api_key_required' });
-    expect((await stream(s, { protocols: ['voxserve.v1.json', 'voxserve.key.wrong-key-0123456789'] })).status).toBe(401);
+    expect((await stream(s, { protocols: ['voxserve.v1.json', 'voxserve.key.wrong-key-0123456789'] })).status).toBe(
+      401,
+    );
     const sub = await stream(s, { protocols: ['voxserve.v1.json', `voxserve.key.${key}`] });
     expect(sub.first.type).toBe('ready');
     expect(sub.ws!.protocol).toBe('voxserve.v1.json'); // the key is never echoed as the chosen subprotocol
@@ -335,9 +476,16 @@ describe('max_queued', () => {
     expect(performance.now() - t).toBeLessThan(1000); // at once, not after the busy timeout
     expect(full.status).toBe(503);
     expect(full.headers['retry-after']).toBe('1');
-    expect(full.body.error).toEqual({ type: 'server_busy', code: 'queue_full', message: 'the queue is full: 2 requests already wait for this model (max_queued); retry later' });
+    expect(full.body.error).toEqual({
+      type: 'server_busy',
+      code: 'queue_full',
+      message: 'the queue is full: 2 requests already wait for this model (max_queued); retry later',
+    });
     const late = await stream(s, { query: 'model=capped' });
-    expect(late.first).toEqual({ type: 'error', error: { type: 'server_busy', code: 'queue_full', message: expect.stringMatching(/^the queue is full/) } });
+    expect(late.first).toEqual({
+      type: 'error',
+      error: { type: 'server_busy', code: 'queue_full', message: expect.stringMatching(/^the queue is full/) },
+    });
     expect((await late.closed!).code).toBe(1013);
     holder.ws!.send(JSON.stringify({ type: 'end' }));
     expect((await Promise.all(waiting)).map((r) => r.status)).toEqual([200, 200]);
@@ -363,14 +511,30 @@ describe('limits that agree', () => {
     const longest = silence(1800);
     expect(longest.length).toBe(57_600_044);
     // An unknown model is answered after the body is read: 404 (not 413) shows the body was admitted.
-    const asWav = await call(`${s.url}/v1/tasks/run?model=no-such-model`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: longest });
+    const asWav = await call(`${s.url}/v1/tasks/run?model=no-such-model`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: longest,
+    });
     expect(asWav.status).toBe(404);
-    const asJson = await call(`${s.url}/v1/tasks/run`, { method: 'POST', headers: json, body: JSON.stringify({ model: 'no-such-model', audio: longest.toString('base64') }) });
+    const asJson = await call(`${s.url}/v1/tasks/run`, {
+      method: 'POST',
+      headers: json,
+      body: JSON.stringify({ model: 'no-such-model', audio: longest.toString('base64') }),
+    });
     expect(asJson.status).toBe(404);
     // One second more is refused as too long, by the documented limit, not by the body limit.
-    const over = await call(`${s.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: silence(1801) });
+    const over = await call(`${s.url}/v1/tasks/run?model=silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: silence(1801),
+    });
     expect(over.status).toBe(400);
-    expect(over.body.error).toEqual({ type: 'invalid_request_error', code: 'audio_too_long', message: 'audio: 1801 s is longer than the limit of 1800 s per file' });
+    expect(over.body.error).toEqual({
+      type: 'invalid_request_error',
+      code: 'audio_too_long',
+      message: 'audio: 1801 s is longer than the limit of 1800 s per file',
+    });
   });
 
   it('a client still uploading when the server answers 413 gets the answer, not a reset', async () => {
@@ -381,7 +545,11 @@ describe('limits that agree', () => {
     onTestFinished(() => void child.kill('SIGKILL'));
     const big = new Uint8Array(silence(600)); // 19.2 MB
     for (let i = 0; i < 10; i++) {
-      const r = await fetch(`${url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: big });
+      const r = await fetch(`${url}/v1/tasks/run?model=silero-vad`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: big,
+      });
       expect(r.status).toBe(413);
       expect((await r.json()).error).toMatchObject({ type: 'payload_too_large', code: 'body_too_large' });
     }
@@ -416,21 +584,44 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
     }
   };
 
-  it('apiKey: run, batch and streams need it (401 unauthorized with the server\'s message), work with it; management takes the token, with JSON on every call', async () => {
+  it("apiKey: run, batch and streams need it (401 unauthorized with the server's message), work with it; management takes the token, with JSON on every call", async () => {
     const s = await serve({ management: { enabled: true, token: 'management-token-0123' }, auth: { api_keys: [key] } });
     const open = new VoxClient({ url: s.url });
-    for (const attempt of [() => open.run(wav, { model }), () => drain(open.batch([wav], { model })), () => open.stream({ model })]) {
-      expect(await attempt().then(() => 'no error', (e) => e)).toMatchObject({ name: 'VoxClientError', type: 'unauthorized', status: 401, message: expect.stringMatching(/^this server needs an API key/) });
+    for (const attempt of [
+      () => open.run(wav, { model }),
+      () => drain(open.batch([wav], { model })),
+      () => open.stream({ model }),
+    ]) {
+      expect(
+        await attempt().then(
+          () => 'no error',
+          (e) => e,
+        ),
+      ).toMatchObject({
+        name: 'VoxClientError',
+        type: 'unauthorized',
+        status: 401,
+        message: expect.stringMatching(/^this server needs an API key/),
+      });
     }
-    expect(await new VoxClient({ url: s.url, apiKey: 'wrong-key-0123456789' }).stream({ model }).catch((e) => e)).toMatchObject({ type: 'unauthorized', status: 401, message: expect.stringMatching(/^the API key is not valid/) });
+    expect(
+      await new VoxClient({ url: s.url, apiKey: 'wrong-key-0123456789' }).stream({ model }).catch((e) => e),
+    ).toMatchObject({ type: 'unauthorized', status: 401, message: expect.stringMatching(/^the API key is not valid/) });
     const keyed = new VoxClient({ url: s.url, apiKey: key });
     expect((await keyed.run(wav, { model })).task).toBe('vad');
-    expect(await keyed.run(wav, { model, contentType: 'text/plain' }).catch((e) => e)).toMatchObject({ type: 'unsupported_media_type', status: 415 });
+    expect(await keyed.run(wav, { model, contentType: 'text/plain' }).catch((e) => e)).toMatchObject({
+      type: 'unsupported_media_type',
+      status: 415,
+    });
     const events = [];
     for await (const e of keyed.batch([wav], { model })) events.push(e.type);
     expect(events).toEqual(['result', 'done']);
     // Streams: the header under Node, the subprotocol from the browser client (here with ws's constructor, which it gives no headers).
-    const browser = new BrowserClient({ url: s.url, apiKey: key, WebSocket: WebSocket as unknown as WebSocketConstructor });
+    const browser = new BrowserClient({
+      url: s.url,
+      apiKey: key,
+      WebSocket: WebSocket as unknown as WebSocketConstructor,
+    });
     for (const client of [keyed, browser]) {
       const stream = await client.stream({ model });
       expect(stream.ready.type).toBe('ready');
@@ -439,7 +630,9 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
     }
     // Management: the token, not the key; unload_all is sent as JSON too (the server answers 415 otherwise).
     expect(await keyed.unloadAll().catch((e) => e)).toMatchObject({ type: 'forbidden', status: 403 });
-    expect(await new VoxClient({ url: s.url, token: 'management-token-0123' }).unloadAll()).toEqual({ unloaded: expect.arrayContaining([model]) });
+    expect(await new VoxClient({ url: s.url, token: 'management-token-0123' }).unloadAll()).toEqual({
+      unloaded: expect.arrayContaining([model]),
+    });
     expect(() => new VoxClient({ apiKey: 'has a space 0123456789' })).toThrow(/^apiKey:/);
   });
 
@@ -454,7 +647,11 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
     });
     const url = `http://127.0.0.1:${(wss.address() as AddressInfo).port}`;
     (await new VoxClient({ url, apiKey: key }).stream({ model })).close();
-    (await new BrowserClient({ url, apiKey: key, WebSocket: WebSocket as unknown as WebSocketConstructor }).stream({ model })).close();
+    (
+      await new BrowserClient({ url, apiKey: key, WebSocket: WebSocket as unknown as WebSocketConstructor }).stream({
+        model,
+      })
+    ).close();
     expect(seen, JSON.stringify(seen)).toEqual([
       { authorization: `Bearer ${key}`, protocols: 'voxserve.v1.json' },
       { authorization: undefined, protocols: `voxserve.v1.json,voxserve.key.${key}` },
@@ -464,7 +661,15 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
   it('run() under Node gets an answer given before the upload ends (401, 413) as a VoxClientError with its status and type, also from a server that then cuts the connection', async () => {
     // The client in a process of its own (in one process its writes and the server's close do not race).
     const config = join(mkdtempSync(join(tmpdir(), 'voxserve-early-')), 'voxserve.json');
-    writeFileSync(config, JSON.stringify({ port: 0, log_level: 'silent', limits: { max_body_bytes: 1024 * 1024 }, auth: { api_keys: [key] } }));
+    writeFileSync(
+      config,
+      JSON.stringify({
+        port: 0,
+        log_level: 'silent',
+        limits: { max_body_bytes: 1024 * 1024 },
+        auth: { api_keys: [key] },
+      }),
+    );
     const { child, url } = await spawnServer(['--config', config]);
     onTestFinished(() => void child.kill('SIGKILL'));
     const early = await cutting();
@@ -479,7 +684,9 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
         for (let i = 0; i < 6; i++) out.push(await new VoxClient({ url, apiKey }).run(audio, { model: 'silero-vad' }).then(() => 'ok', (e) => e.name + ' ' + e.type + ' ' + e.status));
       console.log(JSON.stringify(out));`;
     const root = fileURLToPath(new URL('../..', import.meta.url));
-    const { stdout } = await promisify(execFile)(process.execPath, ['--input-type=module', '-e', script], { cwd: root });
+    const { stdout } = await promisify(execFile)(process.execPath, ['--input-type=module', '-e', script], {
+      cwd: root,
+    });
     expect(JSON.parse(stdout)).toEqual([
       ...Array(6).fill('VoxClientError payload_too_large 413'),
       ...Array(6).fill('VoxClientError unauthorized 401'),
@@ -494,12 +701,20 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
       const refused = await runCli([command, model, file, '--url', s.url]);
       expect(refused.code, command).toBe(1);
       expect(refused.stderr, command).toBe('');
-      expect(JSON.parse(refused.stdout).error, command).toMatchObject({ type: 'unauthorized', message: expect.stringMatching(/^this server needs an API key/) });
+      expect(JSON.parse(refused.stdout).error, command).toMatchObject({
+        type: 'unauthorized',
+        message: expect.stringMatching(/^this server needs an API key/),
+      });
     }
     const run = await runCli(['run', model, file, '--url', s.url, '--api-key', key]);
     expect(JSON.parse(run.stdout).task).toBe('vad');
     const stream = await runCli(['stream', model, file, '--url', s.url, '--api-key', key]);
-    expect(stream.stdout.trim().split('\n').map((l) => JSON.parse(l).type)).toEqual(expect.arrayContaining(['ready', 'done']));
+    expect(
+      stream.stdout
+        .trim()
+        .split('\n')
+        .map((l) => JSON.parse(l).type),
+    ).toEqual(expect.arrayContaining(['ready', 'done']));
     expect(stream.code).toBeUndefined();
   });
 });
@@ -508,11 +723,20 @@ describe('in a browser (headless Chromium)', () => {
   it('a page of an allowed origin runs a model (preflight, key) and streams (key as subprotocol); a foreign page can do neither, nor unload', async () => {
     const key = 'browser-key-0123456789';
     // One page server, reached under two origins: http://localhost:P is allowed, http://127.0.0.1:P is not.
-    const pages = createServer((_req, res) => res.writeHead(200, { 'content-type': 'text/html' }).end('<!doctype html><title>page</title>'));
+    const pages = createServer((_req, res) =>
+      res.writeHead(200, { 'content-type': 'text/html' }).end('<!doctype html><title>page</title>'),
+    );
     await new Promise<void>((r) => pages.listen(0, '127.0.0.1', r));
     const port = (pages.address() as AddressInfo).port;
-    const s = await serve({ management: { enabled: true }, allowed_origins: [`http://localhost:${port}`], auth: { api_keys: [key] } });
-    const browser = await chromium.launch({ executablePath: '/usr/bin/chromium', args: ['--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking'] });
+    const s = await serve({
+      management: { enabled: true },
+      allowed_origins: [`http://localhost:${port}`],
+      auth: { api_keys: [key] },
+    });
+    const browser = await chromium.launch({
+      executablePath: '/usr/bin/chromium',
+      args: ['--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking'],
+    });
     try {
       const page = await browser.newPage();
       /** In the page (a string: the page has its own WebSocket): a run with the key (a preflight: audio/wav and Authorization), a stream's first event, an unload_all. */
@@ -537,7 +761,11 @@ describe('in a browser (headless Chromium)', () => {
         await page.goto(origin);
         return page.evaluate(`(${script})(${JSON.stringify({ url: s.url, key, audio: wav.toString('base64') })})`);
       };
-      expect(await tryAll(`http://127.0.0.1:${port}/`)).toEqual({ run: 'refused: TypeError', stream: 'refused', unload: 'refused: TypeError' });
+      expect(await tryAll(`http://127.0.0.1:${port}/`)).toEqual({
+        run: 'refused: TypeError',
+        stream: 'refused',
+        unload: 'refused: TypeError',
+      });
       expect(await tryAll(`http://localhost:${port}/`)).toEqual({ run: '200 vad', stream: 'ready', unload: '200' });
     } finally {
       await browser.close();

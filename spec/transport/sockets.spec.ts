@@ -17,11 +17,19 @@ beforeAll(async () => {
   mkdirSync(join(root, 'sub'));
   symlinkSync('/etc', join(root, 'sub', 'out'));
   server = await startServer(
-    ServerConfig.parse({ log_level: 'silent', 
+    ServerConfig.parse({
+      log_level: 'silent',
       port: 0,
       management: { enabled: true, token: 'sesame' },
       models_root: root,
-      limits: { headers_timeout_ms: 300, idle_ms: 400, send_timeout_ms: 500, ws_max_buffered_bytes: 64 * 1024, heartbeat_ms: 200, max_ws_connections: 2000 },
+      limits: {
+        headers_timeout_ms: 300,
+        idle_ms: 400,
+        send_timeout_ms: 500,
+        ws_max_buffered_bytes: 64 * 1024,
+        heartbeat_ms: 200,
+        max_ws_connections: 2000,
+      },
     }),
   );
 });
@@ -33,12 +41,19 @@ const leases = (): number => server.supervisor.statuses().reduce((n, m) => n + m
 /** A healthy client: one real request, its status and latency (ms). */
 const healthy = async (): Promise<{ status: number; ms: number }> => {
   const t = performance.now();
-  const res = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('Front_Left.wav')) });
+  const res = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav' },
+    body: new Uint8Array(fixture('Front_Left.wav')),
+  });
   await res.arrayBuffer();
   return { status: res.status, ms: performance.now() - t };
 };
 /** A raw TCP client: writes `data`, resolves with everything read until the server closes. */
-function raw(data: string | Buffer, opts: { keepOpenMs?: number } = {}): Promise<{ text: string; closedAfterMs: number }> {
+function raw(
+  data: string | Buffer,
+  opts: { keepOpenMs?: number } = {},
+): Promise<{ text: string; closedAfterMs: number }> {
   return new Promise((resolve, reject) => {
     const { port } = new URL(server.url);
     const t = performance.now();
@@ -53,11 +68,16 @@ function raw(data: string | Buffer, opts: { keepOpenMs?: number } = {}): Promise
     }, opts.keepOpenMs ?? 5000).unref();
   });
 }
-function openStream(query = 'model=silero-vad', srv: VoxServer = server): Promise<{ ws: WebSocket; events: any[]; closed: Promise<{ code: number; reason: string }> }> {
+function openStream(
+  query = 'model=silero-vad',
+  srv: VoxServer = server,
+): Promise<{ ws: WebSocket; events: any[]; closed: Promise<{ code: number; reason: string }> }> {
   return new Promise((resolve, reject) => {
     const ws = new WebSocket(`${srv.url.replace('http', 'ws')}/v1/stream?${query}`);
     const events: any[] = [];
-    const closed = new Promise<{ code: number; reason: string }>((r) => ws.on('close', (code, why) => r({ code, reason: why.toString() })));
+    const closed = new Promise<{ code: number; reason: string }>((r) =>
+      ws.on('close', (code, why) => r({ code, reason: why.toString() })),
+    );
     ws.on('error', () => {});
     ws.on('message', (d) => {
       const e = JSON.parse(d.toString());
@@ -70,7 +90,10 @@ function openStream(query = 'model=silero-vad', srv: VoxServer = server): Promis
 
 describe('deadlines: a stalled client is cut off, its lease released, and others do not notice', () => {
   it('a stalled request header -> 408 at headers_timeout_ms', async () => {
-    const [r, h] = await Promise.all([raw('POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\n'), healthy()]);
+    const [r, h] = await Promise.all([
+      raw('POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\n'),
+      healthy(),
+    ]);
     expect(r.text).toMatch(/^HTTP\/1\.1 408/);
     expect(r.closedAfterMs).toBeLessThan(2000);
     expect(h.status).toBe(200);
@@ -78,7 +101,9 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
 
   it('a stalled body -> 400 naming limits.idle_ms, connection closed, no lease held', async () => {
     const [r, h] = await Promise.all([
-      raw('POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\nRIFF'),
+      raw(
+        'POST /v1/tasks/run?model=silero-vad HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\nRIFF',
+      ),
       healthy(),
     ]);
     expect(r.text).toMatch(/^HTTP\/1\.1 400/);
@@ -101,7 +126,19 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
   it('a client that stops reading its event stream is cut off; lease released; a healthy client is served meanwhile', async () => {
     // No heartbeat and no idle deadline here: the send deadline and the buffer cap must do it.
     // No message-rate limit either: the junk that makes the server write is 60,000 messages.
-    const quiet = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 500, ws_max_buffered_bytes: 64 * 1024, ws_max_messages_per_s: 0 } }));
+    const quiet = await startServer(
+      ServerConfig.parse({
+        log_level: 'silent',
+        port: 0,
+        limits: {
+          idle_ms: 0,
+          heartbeat_ms: 0,
+          send_timeout_ms: 500,
+          ws_max_buffered_bytes: 64 * 1024,
+          ws_max_messages_per_s: 0,
+        },
+      }),
+    );
     const s = await openStream('model=silero-vad', quiet);
     const conn = [...quiet.streams][0];
     (s.ws as unknown as { _socket: Socket })._socket.pause(); // stop reading
@@ -112,7 +149,9 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
     expect(h.status).toBe(200);
     await until(() => quiet.streams.size === 0, 10_000);
     expect(quiet.supervisor.status('silero-vad')).toMatchObject({ active_leases: 0, queued_requests: 0 });
-    expect(conn.actor.getSnapshot().context.cutReason).toMatch(/client is not reading: (over limits\.ws_max_buffered_bytes|a send waited over limits\.send_timeout_ms)/);
+    expect(conn.actor.getSnapshot().context.cutReason).toMatch(
+      /client is not reading: (over limits\.ws_max_buffered_bytes|a send waited over limits\.send_timeout_ms)/,
+    );
     s.ws.terminate();
     await quiet.close();
   });
@@ -131,7 +170,14 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
 
 describe('deadlines and limits, each alone (the test fails with the feature off)', () => {
   /** A server with only the limits given: every other deadline is off, so only the one tested can close a stream. */
-  const alone = (limits: Record<string, number>) => startServer(ServerConfig.parse({ log_level: 'silent', port: 0, limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 0, ...limits } }));
+  const alone = (limits: Record<string, number>) =>
+    startServer(
+      ServerConfig.parse({
+        log_level: 'silent',
+        port: 0,
+        limits: { idle_ms: 0, heartbeat_ms: 0, send_timeout_ms: 0, ...limits },
+      }),
+    );
 
   it('heartbeat: a peer that stops answering pings is cut off with 1001 "no pong: peer is gone", its lease released', async () => {
     const srv = await alone({ heartbeat_ms: 150 });
@@ -188,7 +234,9 @@ describe('deadlines and limits, each alone (the test fails with the feature off)
 
 describe('shutdown and keep-alive', () => {
   it('an idle keep-alive connection outlives the drain a little: a request sent on it just after gets 503 with Connection: close, not a reset', async () => {
-    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, drain_timeout_ms: 5000, limits: { idle_ms: 0 } }));
+    const s = await startServer(
+      ServerConfig.parse({ log_level: 'silent', port: 0, drain_timeout_ms: 5000, limits: { idle_ms: 0 } }),
+    );
     const { port } = new URL(s.url);
     const socket = connect(Number(port), '127.0.0.1');
     let got = '';
@@ -211,7 +259,12 @@ describe('shutdown and keep-alive', () => {
 
 describe('limits and fuzz: clear errors, the server keeps serving', () => {
   it('garbage HTTP request lines -> 400 and the connection closed', async () => {
-    for (const junk of ['GARBAGE\r\n\r\n', '\x00\x01\x02\x03\r\n\r\n', 'GET / HTTP/9.9\r\n\r\n', 'POST /v1/tasks/run HTTP/1.1\r\nContent-Length: -5\r\n\r\n']) {
+    for (const junk of [
+      'GARBAGE\r\n\r\n',
+      '\x00\x01\x02\x03\r\n\r\n',
+      'GET / HTTP/9.9\r\n\r\n',
+      'POST /v1/tasks/run HTTP/1.1\r\nContent-Length: -5\r\n\r\n',
+    ]) {
       const r = await raw(junk);
       expect(r.text).toMatch(/^HTTP\/1\.1 400/);
     }
@@ -226,13 +279,20 @@ describe('limits and fuzz: clear errors, the server keeps serving', () => {
   it('random bytes as audio frames, invalid UTF-8 text, truncated frames: handled, nothing leaks', async () => {
     // Random bytes are valid PCM: the stream processes them and finishes normally.
     const a = await openStream();
-    for (let i = 0; i < 20; i++) a.ws.send(Buffer.from(Array.from({ length: 1 + Math.floor(Math.random() * 5000) }, () => Math.floor(Math.random() * 256))));
+    for (let i = 0; i < 20; i++)
+      a.ws.send(
+        Buffer.from(
+          Array.from({ length: 1 + Math.floor(Math.random() * 5000) }, () => Math.floor(Math.random() * 256)),
+        ),
+      );
     a.ws.send(JSON.stringify({ type: 'end' }));
     expect((await a.closed).code).toBe(1000);
     expect(a.events.at(-1).type).toBe('done');
     // Invalid UTF-8 in a text frame: the WebSocket layer closes with 1007.
     const b = await openStream();
-    (b.ws as unknown as { _sender: { sendFrame: (f: Buffer[], cb?: () => void) => void } })._sender.sendFrame([Buffer.from([0x81, 0x82, 0, 0, 0, 0, 0xff, 0xfe])]);
+    (b.ws as unknown as { _sender: { sendFrame: (f: Buffer[], cb?: () => void) => void } })._sender.sendFrame([
+      Buffer.from([0x81, 0x82, 0, 0, 0, 0, 0xff, 0xfe]),
+    ]);
     expect((await b.closed).code).toBe(1007);
     // A truncated frame, then the TCP connection drops.
     const c = await openStream();
@@ -272,7 +332,8 @@ describe('limits and fuzz: clear errors, the server keeps serving', () => {
           ws.on('message', () => {
             if (point >= 2) {
               ws.send(Buffer.alloc(3200));
-              if (point === 2) ws.terminate(); // mid-stream
+              if (point === 2)
+                ws.terminate(); // mid-stream
               else setTimeout(() => ws.close(), 5); // a clean close mid-stream
             }
           });
@@ -288,7 +349,11 @@ describe('limits and fuzz: clear errors, the server keeps serving', () => {
 
 describe('management authorisation and models_root', () => {
   const load = (body: unknown, auth?: string) =>
-    fetch(`${server.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json', ...(auth ? { authorization: auth } : {}) }, body: JSON.stringify(body) });
+    fetch(`${server.url}/v1/models/load`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', ...(auth ? { authorization: auth } : {}) },
+      body: JSON.stringify(body),
+    });
 
   it('needs the bearer token', async () => {
     expect((await load({ id: 'x' })).status).toBe(403);
@@ -314,6 +379,8 @@ describe('management authorisation and models_root', () => {
   });
 
   it('refuses to start beyond loopback with management on and no token', async () => {
-    await expect(startServer(ServerConfig.parse({ log_level: 'silent',  host: '0.0.0.0', port: 0, management: { enabled: true } }))).rejects.toThrow(/no management.token/);
+    await expect(
+      startServer(ServerConfig.parse({ log_level: 'silent', host: '0.0.0.0', port: 0, management: { enabled: true } })),
+    ).rejects.toThrow(/no management.token/);
   });
 });

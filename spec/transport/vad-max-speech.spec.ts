@@ -26,7 +26,11 @@ interface Params {
 }
 
 /** get_speech_timestamps (utils_vad.py) after its probability loop, at 16 kHz, in samples. */
-function getSpeechTimestamps(speechProbs: number[], audioLengthSamples: number, p: Params): { start: number; end: number }[] {
+function getSpeechTimestamps(
+  speechProbs: number[],
+  audioLengthSamples: number,
+  p: Params,
+): { start: number; end: number }[] {
   const threshold = p.threshold ?? 0.5;
   const minSpeechDurationMs = p.min_speech_duration_ms ?? 250;
   const maxSpeechDurationS = p.max_speech_duration_s ?? Infinity;
@@ -102,7 +106,8 @@ function getSpeechTimestamps(speechProbs: number[], audioLengthSamples: number, 
       if (!useMaxPossSilAtMaxSpeech && silDurNow > minSilenceSamplesAtMaxSpeech) prevEnd = tempEnd;
       if (silDurNow < minSilenceSamples) continue;
       currentSpeech.end = tempEnd;
-      if (currentSpeech.end - currentSpeech.start! > minSpeechSamples) speeches.push(currentSpeech as { start: number });
+      if (currentSpeech.end - currentSpeech.start! > minSpeechSamples)
+        speeches.push(currentSpeech as { start: number });
       currentSpeech = {};
       prevEnd = nextStart = tempEnd = 0;
       triggered = false;
@@ -138,8 +143,14 @@ const CASES: { name: string; params: Params }[] = [
   { name: 'max 4 s, longest silence (Silero default)', params: { max_speech_duration_s: 4 } },
   { name: 'max 4 s, last silence', params: { max_speech_duration_s: 4, use_max_poss_sil_at_max_speech: false } },
   { name: 'max 1.5 s, longest silence (cuts)', params: { max_speech_duration_s: 1.5 } },
-  { name: 'max 1.5 s, last silence, 60 ms pad (cuts, short gaps)', params: { max_speech_duration_s: 1.5, use_max_poss_sil_at_max_speech: false, speech_pad_ms: 60 } },
-  { name: 'max 3 s, min_silence_at_max_speech 200 ms', params: { max_speech_duration_s: 3, min_silence_at_max_speech: 200 } },
+  {
+    name: 'max 1.5 s, last silence, 60 ms pad (cuts, short gaps)',
+    params: { max_speech_duration_s: 1.5, use_max_poss_sil_at_max_speech: false, speech_pad_ms: 60 },
+  },
+  {
+    name: 'max 3 s, min_silence_at_max_speech 200 ms',
+    params: { max_speech_duration_s: 3, min_silence_at_max_speech: 200 },
+  },
 ];
 
 let server: VoxServer;
@@ -158,12 +169,16 @@ afterAll(async () => {
   await server?.close();
 });
 
-const samples = (segs: { start_sample: number; end_sample: number }[]): { start: number; end: number }[] => segs.map((s) => ({ start: s.start_sample, end: s.end_sample }));
-const ms = (segs: { start: number; end: number }[]): { start_ms: number; end_ms: number }[] => segs.map((s) => ({ start_ms: Math.round((s.start * 1000) / SR), end_ms: Math.round((s.end * 1000) / SR) }));
+const samples = (segs: { start_sample: number; end_sample: number }[]): { start: number; end: number }[] =>
+  segs.map((s) => ({ start: s.start_sample, end: s.end_sample }));
+const ms = (segs: { start: number; end: number }[]): { start_ms: number; end_ms: number }[] =>
+  segs.map((s) => ({ start_ms: Math.round((s.start * 1000) / SR), end_ms: Math.round((s.end * 1000) / SR) }));
 
 /** Streams the fixture's PCM in 100 ms frames with `params` as query options; resolves with every event. */
 function stream(params: Params): Promise<Record<string, unknown>[]> {
-  const q = new URLSearchParams(Object.entries({ model: 'silero-vad', sample_rate: '16000', ...params }).map(([k, v]) => [k, String(v)]));
+  const q = new URLSearchParams(
+    Object.entries({ model: 'silero-vad', sample_rate: '16000', ...params }).map(([k, v]) => [k, String(v)]),
+  );
   return new Promise((resolve, reject) => {
     const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?${q}`);
     const events: Record<string, unknown>[] = [];
@@ -175,7 +190,9 @@ function stream(params: Params): Promise<Record<string, unknown>[]> {
       for (let o = 0; o < pcm.length; o += 3200) ws.send(pcm.subarray(o, o + 3200));
       ws.send(JSON.stringify({ type: 'end' }));
     });
-    ws.on('close', (code) => (code === 1000 ? resolve(events) : reject(new Error(`closed ${code}: ${JSON.stringify(events.at(-1))}`))));
+    ws.on('close', (code) =>
+      code === 1000 ? resolve(events) : reject(new Error(`closed ${code}: ${JSON.stringify(events.at(-1))}`)),
+    );
   });
 }
 
@@ -205,7 +222,9 @@ describe(`max_speech_duration_s on ${FILE} against get_speech_timestamps`, () =>
     const ends = events.filter((e) => e.type === 'speech_end').map((e) => ({ start_ms: e.start_ms, end_ms: e.end_ms }));
     expect(ends).toEqual(ms(want));
     // Each speech_start comes before its speech_end, with the same start.
-    const order = events.filter((e) => e.type === 'speech_start' || e.type === 'speech_end').map((e) => (e.type === 'speech_start' ? `s${e.at_ms}` : `e${e.start_ms}`));
+    const order = events
+      .filter((e) => e.type === 'speech_start' || e.type === 'speech_end')
+      .map((e) => (e.type === 'speech_start' ? `s${e.at_ms}` : `e${e.start_ms}`));
     expect(order).toEqual(ms(want).flatMap((s) => [`s${s.start_ms}`, `e${s.start_ms}`]));
   });
 
@@ -220,7 +239,11 @@ describe(`max_speech_duration_s on ${FILE} against get_speech_timestamps`, () =>
       ['max_speech_duration_s=abc', 'options.max_speech_duration_s'],
       ['use_max_poss_sil_at_max_speech=yes', 'options.use_max_poss_sil_at_max_speech'],
     ]) {
-      const res = await fetch(`${server.url}/v1/tasks/run?model=silero-vad&${q}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('silence_3s_16k.wav')) });
+      const res = await fetch(`${server.url}/v1/tasks/run?model=silero-vad&${q}`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(fixture('silence_3s_16k.wav')),
+      });
       expect(res.status).toBe(400);
       expect((await res.json()).error.message).toContain(field);
     }

@@ -24,7 +24,12 @@ afterAll(async () => {
 type Event = Record<string, unknown> & { type: string };
 
 /** Streams s16le `pcm` at `rate` in 100 ms frames; resolves with every event and the close code. */
-function stream(query: string, pcm: Buffer, rate: number, protocol = 'voxserve.v1.json'): Promise<{ events: Event[]; code: number }> {
+function stream(
+  query: string,
+  pcm: Buffer,
+  rate: number,
+  protocol = 'voxserve.v1.json',
+): Promise<{ events: Event[]; code: number }> {
   return new Promise((resolve, reject) => {
     const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?sample_rate=${rate}&${query}`, protocol);
     const events: Event[] = [];
@@ -88,7 +93,12 @@ describe('probability events against onnxruntime run in the test', () => {
   it('16 kHz, msgpack, probability_interval_ms=100: one event per 100 ms span carrying its windows', async () => {
     const s16 = s16Of(fixture('espeak_sentence_16k.wav'));
     const want = await sileroWindowProbs(floats(s16));
-    const { events, code } = await stream('model=silero-vad&probability_interval_ms=100', bytes(s16), 16_000, 'voxserve.v1.msgpack');
+    const { events, code } = await stream(
+      'model=silero-vad&probability_interval_ms=100',
+      bytes(s16),
+      16_000,
+      'voxserve.v1.msgpack',
+    );
     expect(code).toBe(1000);
     const spans = events.filter((e) => e.type === 'probability');
     // Each event: the windows whose start falls in its 100 ms span, at_ms = the first one's start.
@@ -118,8 +128,12 @@ describe('probability events against onnxruntime run in the test', () => {
       // Bad values of known parameters are reported on the open stream (unknown ones are refused at the handshake).
       const bad = await stream(`model=silero-vad&${q}`, bytes(s16), 16_000);
       expect(bad.code).toBe(1008);
-      expect((bad.events.find((e) => e.type === 'error') as unknown as { error: { message: string } }).error.message).toMatch(new RegExp(`^${name}:`));
+      expect(
+        (bad.events.find((e) => e.type === 'error') as unknown as { error: { message: string } }).error.message,
+      ).toMatch(new RegExp(`^${name}:`));
     }
-    expect((await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&probability=true`)).status).toBe(400);
+    expect(
+      (await handshake(`${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad&probability=true`)).status,
+    ).toBe(400);
   });
 });

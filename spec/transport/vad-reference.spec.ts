@@ -37,7 +37,9 @@ function streamSegments(model: string, wav: Buffer): Promise<{ start_ms: number;
   const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
   const frame = (sampleRate / 10) * 2 * numChannels;
   return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${sampleRate}&channels=${numChannels}`);
+    const ws = new WebSocket(
+      `${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=${sampleRate}&channels=${numChannels}`,
+    );
     const segments: { start_ms: number; end_ms: number }[] = [];
     ws.on('error', reject);
     ws.on('message', (d) => {
@@ -55,7 +57,11 @@ function streamSegments(model: string, wav: Buffer): Promise<{ start_ms: number;
 describe.each(MODELS)('$model against REFERENCE.jsonl ($segments)', ({ model, segments }) => {
   it.each(wavs.map((r) => [r.file, r] as const))('file route: %s', async (_f, ref) => {
     const wav = fixture(ref.file);
-    const res = await fetch(`${server.url}/v1/tasks/run?model=${model}`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(wav) });
+    const res = await fetch(`${server.url}/v1/tasks/run?model=${model}`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wav),
+    });
     expect(res.status).toBe(200);
     const body = await res.json();
     expect(body).toMatchObject({ model, task: 'vad', sample_rate: 16000 });

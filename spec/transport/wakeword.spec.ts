@@ -28,20 +28,33 @@ interface Detection {
 }
 
 async function run(model: string, file: string, options: Record<string, unknown> = {}): Promise<Detection[]> {
-  const res = await fetch(`${server.url}/v1/tasks/run`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model, audio: fixture(file).toString('base64'), options }) });
+  const res = await fetch(`${server.url}/v1/tasks/run`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ model, audio: fixture(file).toString('base64'), options }),
+  });
   const body = await res.json();
   expect(res.status, JSON.stringify(body)).toBe(200);
   return body.detections;
 }
 
 /** Streams a fixture's PCM in frames of `frameMs` (100 ms); returns the detections and the `ready` event. */
-function stream(model: string, file: string, options: Record<string, unknown> = {}, frameMs = 100): Promise<{ ready: any; detections: Detection[] }> {
+function stream(
+  model: string,
+  file: string,
+  options: Record<string, unknown> = {},
+  frameMs = 100,
+): Promise<{ ready: any; detections: Detection[] }> {
   const w = new WaveFile(fixture(file));
   const fmt = w.fmt as { sampleRate: number };
   const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
   const frame = Math.round((fmt.sampleRate * frameMs) / 1000) * 2;
   return new Promise((resolve, reject) => {
-    const query = new URLSearchParams({ model, sample_rate: String(fmt.sampleRate), ...Object.fromEntries(Object.entries(options).map(([k, v]) => [k, String(v)])) });
+    const query = new URLSearchParams({
+      model,
+      sample_rate: String(fmt.sampleRate),
+      ...Object.fromEntries(Object.entries(options).map(([k, v]) => [k, String(v)])),
+    });
     const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?${query}`);
     let ready: any;
     const detections: Detection[] = [];
@@ -74,27 +87,37 @@ describe('wake-word scores', () => {
   // after the warm-up is reported, so the highest score over the file can be read off.
   const SINGLE = ['alexa', 'hey-jarvis', 'hey-mycroft', 'hey-rhasspy'];
   const ALL = { threshold: 1e-6, refractory_ms: 0 };
-  const highest = (ds: Detection[], label: string): number => Math.max(0, ...ds.filter((d) => d.label === label).map((d) => d.score));
+  const highest = (ds: Detection[], label: string): number =>
+    Math.max(0, ...ds.filter((d) => d.label === label).map((d) => d.score));
   const wavs = references().filter((r) => r.file.endsWith('.wav') && r.wakeword_max);
 
-  it.each(wavs.map((r) => r.file))('each head\'s highest score matches REFERENCE.jsonl, as a file and as a stream of 100 ms frames: %s', async (file) => {
-    const want = wavs.find((r) => r.file === file)!.wakeword_max;
-    const asFile = await run(SINGLE.join(','), file, ALL);
-    const asStream = (await stream(SINGLE.join(','), file, ALL)).detections;
-    // Streamed, a step's 480 samples of look-back come from the previous job (of 1 or 2 steps in
-    // 100 ms frames, up to 9 in 700 ms frames): the stream must score every step as the file does.
-    expect(rounded(asStream)).toEqual(rounded(asFile));
-    expect(rounded((await stream(SINGLE.join(','), file, ALL, 700)).detections)).toEqual(rounded(asFile));
-    for (const head of SINGLE) {
-      const ref = want[head.replace(/-/g, '_')];
-      // 0.02: the reference is rounded to 3 decimals, its 22.05 kHz file resampled by sox, and a
-      // low score moves with the 80 ms step grid (hey-rhasspy on the sentence: 0.016 vs 0.002).
-      // Enough to catch a missed phrase (0.999) or a false score such as the 0.14 that "alexa"
-      // had on silence before the noise-initialised embedding history.
-      expect(Math.abs(highest(asFile, head) - ref), `${head} as a file: ${highest(asFile, head)} vs ${ref}`).toBeLessThan(0.02);
-      expect(Math.abs(highest(asStream, head) - ref), `${head} as a stream: ${highest(asStream, head)} vs ${ref}`).toBeLessThan(0.02);
-    }
-  });
+  it.each(wavs.map((r) => r.file))(
+    "each head's highest score matches REFERENCE.jsonl, as a file and as a stream of 100 ms frames: %s",
+    async (file) => {
+      const want = wavs.find((r) => r.file === file)!.wakeword_max;
+      const asFile = await run(SINGLE.join(','), file, ALL);
+      const asStream = (await stream(SINGLE.join(','), file, ALL)).detections;
+      // Streamed, a step's 480 samples of look-back come from the previous job (of 1 or 2 steps in
+      // 100 ms frames, up to 9 in 700 ms frames): the stream must score every step as the file does.
+      expect(rounded(asStream)).toEqual(rounded(asFile));
+      expect(rounded((await stream(SINGLE.join(','), file, ALL, 700)).detections)).toEqual(rounded(asFile));
+      for (const head of SINGLE) {
+        const ref = want[head.replace(/-/g, '_')];
+        // 0.02: the reference is rounded to 3 decimals, its 22.05 kHz file resampled by sox, and a
+        // low score moves with the 80 ms step grid (hey-rhasspy on the sentence: 0.016 vs 0.002).
+        // Enough to catch a missed phrase (0.999) or a false score such as the 0.14 that "alexa"
+        // had on silence before the noise-initialised embedding history.
+        expect(
+          Math.abs(highest(asFile, head) - ref),
+          `${head} as a file: ${highest(asFile, head)} vs ${ref}`,
+        ).toBeLessThan(0.02);
+        expect(
+          Math.abs(highest(asStream, head) - ref),
+          `${head} as a stream: ${highest(asStream, head)} vs ${ref}`,
+        ).toBeLessThan(0.02);
+      }
+    },
+  );
 });
 
 describe('wake-word groups', () => {
@@ -142,7 +165,7 @@ describe('wake-word groups', () => {
     expect(await run('alexa,hey-jarvis', 'espeak_alexa_16k.wav')).toEqual([every[0]]);
   });
 
-  it('a configured group uses each head\'s own threshold', async () => {
+  it("a configured group uses each head's own threshold", async () => {
     // house = alexa (0.5) + hey-jarvis at 0.9: the hey-jarvis fixture peaks at 0.955 at 2000 ms, after 0.46 at 1920 ms.
     const low = await run('house', 'espeak_hey_jarvis_22k.wav', {});
     expect(low).toEqual([expect.objectContaining({ label: 'hey-jarvis', at_ms: 2000 })]);
@@ -154,11 +177,24 @@ describe('wake-word groups', () => {
   });
 
   it('a group registered and reconfigured by POST /v1/models/load', async () => {
-    const load = async (body: unknown): Promise<any> => (await fetch(`${server.url}/v1/models/load`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) })).json();
+    const load = async (body: unknown): Promise<any> =>
+      (
+        await fetch(`${server.url}/v1/models/load`, {
+          method: 'POST',
+          headers: { 'content-type': 'application/json' },
+          body: JSON.stringify(body),
+        })
+      ).json();
     // A client's head path is not taken: the head's file is that of the model it names.
-    expect(await load({ id: 'pair', task: 'wakeword', heads: ['hey-mycroft', { model: 'alexa', path: '/etc/passwd' }] })).toEqual({ id: 'pair', loaded: true, reconfigured: false });
+    expect(
+      await load({ id: 'pair', task: 'wakeword', heads: ['hey-mycroft', { model: 'alexa', path: '/etc/passwd' }] }),
+    ).toEqual({ id: 'pair', loaded: true, reconfigured: false });
     expect((await run('pair', 'espeak_alexa_16k.wav')).map((d) => d.label)).toEqual(['alexa']);
-    expect(await load({ id: 'pair', heads: ['hey-mycroft', { model: 'alexa', refractory_ms: 0 }] })).toEqual({ id: 'pair', loaded: true, reconfigured: true });
+    expect(await load({ id: 'pair', heads: ['hey-mycroft', { model: 'alexa', refractory_ms: 0 }] })).toEqual({
+      id: 'pair',
+      loaded: true,
+      reconfigured: true,
+    });
     expect((await run('pair', 'espeak_alexa_16k.wav')).length).toBeGreaterThan(5);
   });
 
@@ -175,10 +211,18 @@ describe('wake-word groups', () => {
   });
 
   it('a group naming an unknown or non-wake-word model is refused with the name', async () => {
-    const unknown = await fetch(`${server.url}/v1/tasks/run?model=alexa,nope`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('silence_3s_16k.wav')) });
+    const unknown = await fetch(`${server.url}/v1/tasks/run?model=alexa,nope`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture('silence_3s_16k.wav')),
+    });
     expect(unknown.status).toBe(404);
     expect((await unknown.json()).error.message).toContain("'nope'");
-    const vad = await fetch(`${server.url}/v1/tasks/run?model=alexa,silero-vad`, { method: 'POST', headers: { 'content-type': 'audio/wav' }, body: new Uint8Array(fixture('silence_3s_16k.wav')) });
+    const vad = await fetch(`${server.url}/v1/tasks/run?model=alexa,silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture('silence_3s_16k.wav')),
+    });
     expect(vad.status).toBe(400);
     expect((await vad.json()).error.message).toContain('silero-vad');
     expect(() => ServerConfig.parse({ models: [{ id: 'g', task: 'vad', heads: ['alexa'] }] })).toThrow(/heads/);

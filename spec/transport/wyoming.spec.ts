@@ -35,7 +35,10 @@ class Client {
         const dl = header.data_length ?? 0;
         const pl = header.payload_length ?? 0;
         if (this.buf.length < nl + 1 + dl + pl) break;
-        const data = { ...(header.data ?? {}), ...(dl ? JSON.parse(this.buf.subarray(nl + 1, nl + 1 + dl).toString()) : {}) };
+        const data = {
+          ...(header.data ?? {}),
+          ...(dl ? JSON.parse(this.buf.subarray(nl + 1, nl + 1 + dl).toString()) : {}),
+        };
         this.events.push({ type: header.type, data, payload: this.buf.subarray(nl + 1 + dl, nl + 1 + dl + pl) });
         this.buf = this.buf.subarray(nl + 1 + dl + pl);
       }
@@ -65,7 +68,8 @@ class Client {
     for (;;) {
       const e = this.events.find((x) => x.type === type);
       if (e) return e;
-      if (Date.now() > end || this.socket.destroyed) throw new Error(`no ${type} event; got ${this.events.map((x) => x.type).join(', ')}`);
+      if (Date.now() > end || this.socket.destroyed)
+        throw new Error(`no ${type} event; got ${this.events.map((x) => x.type).join(', ')}`);
       await new Promise<void>((r) => {
         this.wake = r;
         setTimeout(r, 50);
@@ -81,7 +85,8 @@ class Client {
     const fmt = { rate, width: 2, channels };
     this.send('audio-start', { ...fmt, timestamp: 0 });
     const step = (rate / 10) * 2 * channels;
-    for (let off = 0, t = 0; off < pcm.length; off += step, t += 100) this.send('audio-chunk', { ...fmt, timestamp: t }, pcm.subarray(off, off + step));
+    for (let off = 0, t = 0; off < pcm.length; off += step, t += 100)
+      this.send('audio-chunk', { ...fmt, timestamp: t }, pcm.subarray(off, off + step));
     if (stop) this.send('audio-stop', { timestamp: Math.round((pcm.length / 2 / channels / rate) * 1000) });
   }
 }
@@ -118,8 +123,22 @@ describe('Wyoming', () => {
     const models = info.data.wake[0].models;
     // wyoming-openwakeword 2.1.0 (handler.py _get_info): names are pyopen_wakeword's Model values
     // (`hey_jarvis`), phrases its _get_phrase of them (`Hey Jarvis`), version "v0.1".
-    expect(models.map((m: { name: string }) => m.name)).toEqual(['alexa', 'hey_jarvis', 'hey_mycroft', 'hey_rhasspy', 'timer', 'weather']);
-    expect(models[1]).toMatchObject({ name: 'hey_jarvis', phrase: 'Hey Jarvis', version: 'v0.1', languages: ['en'], installed: true, attribution: { url: 'https://github.com/dscripka/openWakeWord' } });
+    expect(models.map((m: { name: string }) => m.name)).toEqual([
+      'alexa',
+      'hey_jarvis',
+      'hey_mycroft',
+      'hey_rhasspy',
+      'timer',
+      'weather',
+    ]);
+    expect(models[1]).toMatchObject({
+      name: 'hey_jarvis',
+      phrase: 'Hey Jarvis',
+      version: 'v0.1',
+      languages: ['en'],
+      installed: true,
+      attribution: { url: 'https://github.com/dscripka/openWakeWord' },
+    });
     expect(models[1].description).toContain('CC BY-NC-SA 4.0');
     c.socket.end();
   });
@@ -155,7 +174,8 @@ describe('Wyoming', () => {
   });
 
   it('detect {names: ["house"]}: the configured group itself (no new model entry), its heads named as describe names them', async () => {
-    const idsNow = async (): Promise<string[]> => ((await (await fetch(`${server.url}/v1/models`)).json()).models as { id: string }[]).map((m) => m.id).sort();
+    const idsNow = async (): Promise<string[]> =>
+      ((await (await fetch(`${server.url}/v1/models`)).json()).models as { id: string }[]).map((m) => m.id).sort();
     const before = await idsNow();
     const c = await Client.open(port);
     c.send('detect', { names: ['house'] });
@@ -209,13 +229,41 @@ describe('Wyoming', () => {
 
   const malformed: [string, (s: Socket) => void, RegExp][] = [
     ['a header line that is not JSON', (s) => s.write('{"type": "describe"\n'), /not valid JSON/],
-    ['a header line over the size limit', (s) => s.write(`{"type":"audio-chunk","pad":"${'x'.repeat(5000)}`), /header line over 4096 bytes/],
-    ['payload_length over the frame limit', (s) => s.write(JSON.stringify({ type: 'audio-chunk', payload_length: 65 * 1024 }) + '\n'), /payload_length 66560 is over the limit/],
-    ['data that is not an object (header)', (s) => s.write(JSON.stringify({ type: 'detect', data: [1, 2] }) + '\n'), /data must be a JSON object/],
-    ['data that is not an object (data section)', (s) => s.write(JSON.stringify({ type: 'detect', data_length: 5 }) + '\n"abc"'), /data section must be a JSON object/],
-    ['a negative data_length', (s) => s.write(JSON.stringify({ type: 'detect', data_length: -1 }) + '\n'), /non-negative integer/],
-    ['an unknown wake word', (s) => s.write(JSON.stringify({ type: 'detect', data: { names: ['ok-nabu'] } }) + '\n'), /detect\.names: model 'ok-nabu' does not exist/],
-    ['16-bit only', (s) => s.write(JSON.stringify({ type: 'audio-start', data: { rate: 16000, width: 4, channels: 1 } }) + '\n'), /width: only 2/],
+    [
+      'a header line over the size limit',
+      (s) => s.write(`{"type":"audio-chunk","pad":"${'x'.repeat(5000)}`),
+      /header line over 4096 bytes/,
+    ],
+    [
+      'payload_length over the frame limit',
+      (s) => s.write(JSON.stringify({ type: 'audio-chunk', payload_length: 65 * 1024 }) + '\n'),
+      /payload_length 66560 is over the limit/,
+    ],
+    [
+      'data that is not an object (header)',
+      (s) => s.write(JSON.stringify({ type: 'detect', data: [1, 2] }) + '\n'),
+      /data must be a JSON object/,
+    ],
+    [
+      'data that is not an object (data section)',
+      (s) => s.write(JSON.stringify({ type: 'detect', data_length: 5 }) + '\n"abc"'),
+      /data section must be a JSON object/,
+    ],
+    [
+      'a negative data_length',
+      (s) => s.write(JSON.stringify({ type: 'detect', data_length: -1 }) + '\n'),
+      /non-negative integer/,
+    ],
+    [
+      'an unknown wake word',
+      (s) => s.write(JSON.stringify({ type: 'detect', data: { names: ['ok-nabu'] } }) + '\n'),
+      /detect\.names: model 'ok-nabu' does not exist/,
+    ],
+    [
+      '16-bit only',
+      (s) => s.write(JSON.stringify({ type: 'audio-start', data: { rate: 16000, width: 4, channels: 1 } }) + '\n'),
+      /width: only 2/,
+    ],
   ];
   it.each(malformed)('%s: an error event, then the close; nothing leaks', async (_, write, message) => {
     const c = await Client.open(port);
@@ -240,13 +288,23 @@ describe('Wyoming', () => {
 
 describe('Wyoming deadlines and limits (those of WebSocket streams)', () => {
   it('a silent connection is cut at limits.idle_ms; past limits.max_ws_connections a connection gets an error', async () => {
-    const small = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0 }, limits: { idle_ms: 300, max_ws_connections: 2 } }));
+    const small = await startServer(
+      ServerConfig.parse({
+        log_level: 'silent',
+        port: 0,
+        wyoming: { enabled: true, port: 0 },
+        limits: { idle_ms: 300, max_ws_connections: 2 },
+      }),
+    );
     onTestFinished(() => small.close());
     await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
     const [a, b] = await Promise.all([Client.open(small.wyoming!.port), Client.open(small.wyoming!.port)]);
     await until(() => small.wyoming!.links.size === 2);
     const c = await Client.open(small.wyoming!.port);
-    expect((await c.next('error')).data).toMatchObject({ code: 'server_busy', text: expect.stringContaining('max_ws_connections') });
+    expect((await c.next('error')).data).toMatchObject({
+      code: 'server_busy',
+      text: expect.stringContaining('max_ws_connections'),
+    });
     await c.closed;
     // a keeps talking (describe counts as a message), b stays silent.
     const talk = setInterval(() => a.send('describe'), 100);
@@ -270,13 +328,24 @@ describe('Wyoming drain', () => {
     const dir = mkdtempSync(join(tmpdir(), 'voxserve-wyoming-'));
     const config = join(dir, 'config.json');
     const path = defaultCatalog().find((m) => m.id === 'hey-jarvis')!.path;
-    writeFileSync(config, JSON.stringify({ port: 0, drain_timeout_ms: 8000, wyoming: { enabled: true, port: wyomingPort }, models: [{ id: 'hey-jarvis', lazy: false, task: 'wakeword', path }] }));
+    writeFileSync(
+      config,
+      JSON.stringify({
+        port: 0,
+        drain_timeout_ms: 8000,
+        wyoming: { enabled: true, port: wyomingPort },
+        models: [{ id: 'hey-jarvis', lazy: false, task: 'wakeword', path }],
+      }),
+    );
     const { child } = await spawnServer(['--config', config]);
     onTestFinished(() => void child.kill('SIGKILL'));
     const exited = new Promise<number | null>((r) => child.on('exit', (code) => r(code)));
     // Neither sends audio-stop: the drain ends their audio streams.
     const [phrase, silence] = await Promise.all([Client.open(wyomingPort), Client.open(wyomingPort)]);
-    for (const [c, file] of [[phrase, 'espeak_hey_jarvis_22k.wav'], [silence, 'silence_3s_16k.wav']] as const) {
+    for (const [c, file] of [
+      [phrase, 'espeak_hey_jarvis_22k.wav'],
+      [silence, 'silence_3s_16k.wav'],
+    ] as const) {
       c.send('detect', { names: ['hey-jarvis'] });
       c.sendWav(file, false);
     }

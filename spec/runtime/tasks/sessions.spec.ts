@@ -15,24 +15,50 @@ const INFO = { heads: [{ window: 16, labels: ['@model'] }], initialEmbeddings: n
 
 /** A slot's answer to `job`: every wake-word step scores 0.5; VAD windows alternate 20 of speech (0.9) and 10 of silence (0.05). */
 function answer(job: Job): JobResult {
-  if (job.kind === 'wakeword') return { kind: 'wakeword', scores: new Float32Array((job.audio.length - OWW.LOOKBACK) / OWW.STEP).fill(0.5), mel: job.mel, embeddings: job.embeddings };
+  if (job.kind === 'wakeword')
+    return {
+      kind: 'wakeword',
+      scores: new Float32Array((job.audio.length - OWW.LOOKBACK) / OWW.STEP).fill(0.5),
+      mel: job.mel,
+      embeddings: job.embeddings,
+    };
   const n = job.windows.length / SILERO.WINDOW;
-  return { kind: 'vad', probs: Float32Array.from({ length: n }, () => (windows++ % 30 < 20 ? 0.9 : 0.05)), state: job.state, context: job.context };
+  return {
+    kind: 'vad',
+    probs: Float32Array.from({ length: n }, () => (windows++ % 30 < 20 ? 0.9 : 0.05)),
+    state: job.state,
+    context: job.context,
+  };
 }
 let windows = 0;
 
 /** Runs `seconds` of audio through a session; returns its events and what it kept for a result. */
-async function run(config: ModelConfig, options: object, seconds: number, keepResults: boolean): Promise<{ events: TaskEvent[]; kept: unknown[] }> {
+async function run(
+  config: ModelConfig,
+  options: object,
+  seconds: number,
+  keepResults: boolean,
+): Promise<{ events: TaskEvent[]; kept: unknown[] }> {
   windows = 0;
   const session = createTaskSession(config, INFO, options, keepResults);
   const events: TaskEvent[] = [];
   const step = 16_000 * 60;
   for (let at = 0; at < seconds * 16_000; at += step) {
     session.push(new Float32Array(step));
-    await drain(session, async (job) => answer(job), (e) => events.push(e), 64);
+    await drain(
+      session,
+      async (job) => answer(job),
+      (e) => events.push(e),
+      64,
+    );
   }
   events.push(...session.end());
-  await drain(session, async (job) => answer(job), (e) => events.push(e), 64);
+  await drain(
+    session,
+    async (job) => answer(job),
+    (e) => events.push(e),
+    64,
+  );
   const result = taskResult(session);
   return { events, kept: (result.detections ?? result.segments) as unknown[] };
 }

@@ -36,19 +36,37 @@ describe('VadSegmenter (Silero get_speech_timestamps)', () => {
 
   it('bridges pauses shorter than min_silence_duration_ms', () => {
     // 2 windows (64 ms) of silence inside speech: under 100 ms, one segment.
-    const { seg } = run([...repeat(0.05, 5), ...repeat(0.9, 10), ...repeat(0.05, 2), ...repeat(0.9, 10), ...repeat(0.05, 10)]);
+    const { seg } = run([
+      ...repeat(0.05, 5),
+      ...repeat(0.9, 10),
+      ...repeat(0.05, 2),
+      ...repeat(0.9, 10),
+      ...repeat(0.05, 10),
+    ]);
     expect(seg.segments).toHaveLength(1);
   });
 
   it('splits on pauses of min_silence_duration_ms or more', () => {
-    const { seg } = run([...repeat(0.05, 5), ...repeat(0.9, 10), ...repeat(0.05, 6), ...repeat(0.9, 10), ...repeat(0.05, 10)]);
+    const { seg } = run([
+      ...repeat(0.05, 5),
+      ...repeat(0.9, 10),
+      ...repeat(0.05, 6),
+      ...repeat(0.9, 10),
+      ...repeat(0.05, 10),
+    ]);
     expect(seg.segments).toHaveLength(2);
     expect(seg.segments[0].end_sample).toBe(15 * W + 480);
     expect(seg.segments[1].start_sample).toBe(21 * W - 480);
   });
 
   it('keeps speech between neg_threshold and threshold as speech (hysteresis)', () => {
-    const { seg } = run([...repeat(0.05, 5), ...repeat(0.9, 10), ...repeat(0.4, 10), ...repeat(0.9, 5), ...repeat(0.05, 10)]);
+    const { seg } = run([
+      ...repeat(0.05, 5),
+      ...repeat(0.9, 10),
+      ...repeat(0.4, 10),
+      ...repeat(0.9, 5),
+      ...repeat(0.05, 10),
+    ]);
     expect(seg.segments).toHaveLength(1);
   });
 
