@@ -611,13 +611,19 @@ export class Supervisor {
    */
   private headModel(name: string, field: string, atStart = false): ModelConfig {
     const ref = this.entries.get(name)?.config ?? this.catalog.get(name);
-    if (!ref)
+    if (!ref) {
+      // At start (a config file's model) there is no server to ask yet: the wake words are named instead of the route.
+      const hint = atStart
+        ? `the wake-word models this server knows: ${this.knownIds('wakeword').join(', ')}`
+        : undefined;
       throw voxError('model_not_found', {
         id: name,
         field,
         kind: 'wake-word',
-        hint: this.modelHint(name, 'wakeword', atStart),
+        similar: this.similarModels(name, 'wakeword'),
+        hint,
       });
+    }
     if (ref.task !== 'wakeword' || ref.heads)
       throw invalid(
         field,
@@ -663,20 +669,18 @@ export class Supervisor {
 
   /** The 404 (`model_not_found`) for a model id this server does not know, with the ids it probably meant ({@link similarIds}). */
   unknownModel(id: string): VoxError {
-    return voxError('model_not_found', { id, hint: this.modelHint(id) });
+    return voxError('model_not_found', { id, similar: this.similarModels(id) });
   }
 
-  /**
-   * The advice of a `model_not_found`: `did you mean 'a' or 'b'? ` for the known model ids (single
-   * wake-word models for `task` 'wakeword') close to `id`, then where to find the ids: the route
-   * listing them, or (`atStart`, a config checked before the server listens) the wake words themselves.
-   */
-  private modelHint(id: string, task?: 'wakeword', atStart = false): string {
+  /** The known model ids close to `id` ({@link similarIds}); only single wake-word models for `task` 'wakeword'. */
+  private similarModels(id: string, task?: 'wakeword'): string[] {
+    return similarIds(id, this.knownIds(task));
+  }
+
+  /** Every model id this server knows (catalog and registered); only single wake-word models for `task` 'wakeword'. */
+  private knownIds(task?: 'wakeword'): string[] {
     const configs = [...this.catalog.values(), ...[...this.entries.values()].map((e) => e.config)];
-    const known = [...new Set(configs.filter((c) => !task || (c.task === task && !c.heads)).map((c) => c.id))];
-    const similar = similarIds(id, known);
-    const mean = similar.length ? `did you mean ${similar.map((s) => `'${s}'`).join(' or ')}? ` : '';
-    return `${mean}${atStart ? `the wake-word models this server knows: ${known.join(', ')}` : 'GET /v1/models lists the models'}`;
+    return [...new Set(configs.filter((c) => !task || (c.task === task && !c.heads)).map((c) => c.id))];
   }
 
   /** Registers `config` (`REGISTER`: the supervisor spawns its chart as `model:<id>`) and publishes the entry. */

@@ -133,8 +133,8 @@ export const ERRORS = {
   // 404
   model_not_found: {
     type: 'not_found',
-    message: (p: { id: string; field?: string; kind?: string; hint?: string }) =>
-      `${p.field ? `${p.field}: ` : ''}${p.kind ? `${p.kind} ` : ''}model '${clip(p.id)}' does not exist; ${p.hint ?? 'GET /v1/models lists the models'}`,
+    message: (p: { id: string; field?: string; kind?: string; similar?: readonly string[]; hint?: string }) =>
+      `${p.field ? `${p.field}: ` : ''}${p.kind ? `${p.kind} ` : ''}model '${clip(p.id)}' does not exist${p.similar?.length ? ` (did you mean ${p.similar.map((s) => `'${s}'`).join(' or ')}?)` : ''}; ${p.hint ?? 'GET /v1/models lists the models'}`,
   },
   route_not_found: {
     type: 'not_found',

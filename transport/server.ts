@@ -258,6 +258,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
   const addr = http.address() as AddressInfo;
   const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
+  // The log's own record of the address (the CLI also tells the person at the terminal, on stderr).
+  log.info({ url: `http://${host}:${addr.port}` }, 'listening');
   let wyoming: WyomingService | null = null;
   if (config.wyoming.enabled) {
     try {

@@ -67,6 +67,30 @@ describe('voxserve serve: why it cannot start', () => {
   });
 });
 
+describe('voxserve serve: what it prints', () => {
+  it('stdout is the log, JSON lines only (its first says where it listens); stderr has the plain lines for a person', async () => {
+    const child = spawn(process.execPath, [cli, 'serve', '--port', '0'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let stdout = '';
+    let stderr = '';
+    child.stdout.on('data', (d) => (stdout += d));
+    child.stderr.on('data', (d) => (stderr += d));
+    const exited = new Promise<number | null>((r) => child.on('exit', r));
+    try {
+      await until(() => stderr.includes('\n') && stdout.includes('\n'), 30_000);
+    } finally {
+      child.kill('SIGTERM');
+    }
+    expect(await exited).toBe(0);
+    const url = /^voxserve listening on (http:\/\/127\.0\.0\.1:\d+) /.exec(stderr)?.[1];
+    expect(url, stderr).toBeDefined();
+    const lines = stdout.trim().split('\n');
+    const log = lines.map((l) => JSON.parse(l) as { msg: string; url?: string });
+    expect(log[0]).toMatchObject({ msg: 'listening', url });
+    expect(log.at(-1)!.msg).toBe('stopped');
+    expect(stderr.split('\n').every((l) => l === '' || l.startsWith('voxserve'))).toBe(true);
+  });
+});
+
 describe('a running server', () => {
   let server: VoxServer;
   let keyed: VoxServer;
@@ -101,7 +125,7 @@ describe('a running server', () => {
     for (const [model, message] of cases) {
       const r = await run(server.url, model);
       expect(r.status, model).toBe(404);
-      expect((await r.json()).error, model).toEqual({ type: 'not_found', message });
+      expect((await r.json()).error, model).toEqual({ type: 'not_found', code: 'model_not_found', message });
     }
     const one = await fetch(`${server.url}/v1/models/silero_vad`);
     expect(one.status).toBe(404);
