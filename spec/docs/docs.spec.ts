@@ -6,6 +6,7 @@
  */
 import { execFile } from 'node:child_process';
 import { readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { connect } from 'node:net';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
@@ -168,6 +169,31 @@ describe('examples', () => {
       rmSync(file, { force: true });
     }
   }, 90_000);
+});
+
+describe('wyoming.md', () => {
+  it("its wake-word table is what describe answers: each name and phrase of info's models, in order", async () => {
+    const { hostname, port } = new URL(server.wyoming!.uri.replace('tcp:', 'http:'));
+    const socket = connect(Number(port), hostname);
+    socket.on('error', () => {});
+    socket.write('{"type":"describe"}\n');
+    let text = '';
+    socket.on('data', (d) => (text += d));
+    // The header line, then the data (data_length bytes of JSON) on the next line.
+    await until(() => {
+      const [header, rest = ''] = text.split(/\n(.*)/s);
+      return !!header && Buffer.byteLength(rest) >= (JSON.parse(header) as { data_length: number }).data_length;
+    }, 10_000);
+    socket.destroy();
+    const data = JSON.parse(text.split(/\n(.*)/s)[1]) as { wake: { models: { name: string; phrase: string }[] }[] };
+    const rows = read('docs/wyoming.md')
+      .split('\n')
+      .filter((l) => /^\| `[a-z_]+` \|/.test(l))
+      .map((l) => l.split(' | ').map((c) => c.replace(/^\| /, '').replaceAll('`', '')));
+    expect(rows.map((r) => ({ name: r[0], phrase: r[1] }))).toEqual(
+      data.wake[0].models.map((m) => ({ name: m.name, phrase: m.phrase })),
+    );
+  });
 });
 
 /** A zod schema without its wrappers (optional, default, preprocess, refinements). */
