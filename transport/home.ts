@@ -1,26 +1,23 @@
-import { readFileSync } from 'node:fs';
+import { readdirSync, readFileSync } from 'node:fs';
 import type { ServerResponse } from 'node:http';
 import { basename, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
 /** The package's folder: this file runs from dist/transport, or from transport/ in tests. */
 const up = fileURLToPath(new URL('..', import.meta.url));
-const { version } = JSON.parse(
-  readFileSync(join(basename(up) === 'dist' ? join(up, '..') : up, 'package.json'), 'utf8'),
-) as { version: string };
+const packageDir = basename(up) === 'dist' ? join(up, '..') : up;
+const { version } = JSON.parse(readFileSync(join(packageDir, 'package.json'), 'utf8')) as { version: string };
 
-/** The reference pages shipped with voxserve (`docs/` in its package and repository). */
-const DOCS = [
-  'cli',
-  'configuration',
-  'models',
-  'http-api',
-  'websocket-api',
-  'wyoming',
-  'client',
-  'operations',
-  'benchmarks',
-];
+/** The reference pages shipped with voxserve (`docs/*.md` in its package and repository), read once. */
+const DOCS = (() => {
+  try {
+    return readdirSync(join(packageDir, 'docs'))
+      .filter((f) => f.endsWith('.md'))
+      .map((f) => f.slice(0, -3));
+  } catch {
+    return [];
+  }
+})();
 
 const page = (title: string, body: string): string => `<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>${title}</title>
