@@ -485,6 +485,8 @@ export interface ModelStatus {
   last_eviction: { reason: EvictReason; at: number } | null;
   /** Streams: last sample arrival to result, over the last 4,096 windows, ms; null before any. */
   processing_lag_ms: { p50: number; p99: number; windows: number } | null;
+  /** The model's licence in plain words (config `licence`); null when not given. */
+  licence: string | null;
 }
 
 /** Key order-independent JSON, to compare configs. */
@@ -889,6 +891,7 @@ export class ModelEntry {
       retiring: state === 'unloading',
       last_eviction: s.context.evicted,
       processing_lag_ms: this.lagPercentiles(),
+      licence: s.context.config.licence ?? null,
     };
   }
 

@@ -409,9 +409,14 @@ export class VoxClient {
     return (await (await this.request(path, init)).json()) as T;
   }
 
-  /** `GET /v1/models`: the registered models and the catalog models not yet used. */
+  /** The `models` array of `GET /v1/models`: the registered models and the catalog models not yet used (see {@link modelList}). */
   async models(): Promise<ModelStatus[]> {
-    return (await this.json<{ models: ModelStatus[] }>('/v1/models')).models;
+    return (await this.modelList()).models;
+  }
+
+  /** `GET /v1/models` as it is: `models`, and `failed_models` (configured models that failed to load, with the error). */
+  modelList(): Promise<{ models: ModelStatus[]; failed_models: { id: string; error: string }[] }> {
+    return this.json('/v1/models');
   }
 
   /** `GET /v1/models/{id}`. @throws VoxClientError `not_found`. */
@@ -757,15 +762,30 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
    * @throws VoxClientError once the stream has closed.
    */
   send(pcm: ArrayBuffer | ArrayBufferView): Promise<void> {
-    if (this.info || this.closedByUs)
-      return Promise.reject(
-        this.info?.error ?? new VoxClientError('invalid_request_error', 'send after the stream closed'),
-      );
+    if (this.info || this.closedByUs) return Promise.reject(this.afterClose());
     if (this.waiting === 0 && this.ws.bufferedAmount < this.highWaterMark) {
       this.ws.send(pcm);
       return Promise.resolve();
     }
     return this.enqueue(() => this.ws.send(pcm));
+  }
+
+  /**
+   * Why a send cannot go: the stream's failure; else, when the server closed a stream that had
+   * finished (a shutdown drain ends a stream with `done`, then close 1001), that close with its
+   * type (`shutting_down`, ...); else (this side closed or ended it) `invalid_request_error`.
+   */
+  private afterClose(): VoxClientError {
+    const info = this.info;
+    if (info?.error) return info.error;
+    if (info && !this.closedByUs && info.code !== 1000) {
+      return new VoxClientError(
+        CLOSE_TYPE[info.code] ?? 'server_error',
+        `the server closed the stream (${info.code}${info.reason ? `: ${info.reason}` : ''}) before all audio was sent`,
+        { closeCode: info.code },
+      );
+    }
+    return new VoxClientError('invalid_request_error', 'send after the stream closed');
   }
 
   /** Runs `write` after every earlier waiting send, once the socket is below its high-water mark. */
@@ -774,8 +794,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     const p = this.tail.then(async () => {
       try {
         while (!this.info && this.ws.bufferedAmount >= this.highWaterMark) await new Promise((r) => setTimeout(r, 10));
-        if (this.info)
-          throw this.info.error ?? new VoxClientError('invalid_request_error', 'send after the stream closed');
+        if (this.info) throw this.afterClose();
         write();
       } finally {
         this.waiting--;
