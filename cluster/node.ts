@@ -143,6 +143,8 @@ export class ClusterNode {
    */
   private readonly backing = new Map<string, LoadedModel>();
   private readonly adopting = new Map<string, Promise<void>>();
+  /** When this node last served another node's job, per model (local clock). */
+  private readonly lastServed = new Map<string, number>();
   private seq = 0;
   private viewChanged: (() => void)[] = [];
   private metrics: {
@@ -990,6 +992,7 @@ export class ClusterNode {
       });
     } finally {
       this.metrics?.served.inc({ model: msg.model, outcome });
+      this.lastServed.set(msg.model, Date.now());
     }
   }
 
@@ -1329,10 +1332,76 @@ export class ClusterNode {
     return out;
   }
 
-  /** Marks this node draining at once (others stop sending it work). */
+  /**
+   * Marks this node draining at once (others stop sending it work, placements skip it) and hands
+   * over the models only it holds that other nodes used in the last minute: each is placed on
+   * another live node (by most free memory; an ingress running it on a remote pool loads it behind
+   * that pool), so their jobs move there before this node unloads ({@link handedOver}).
+   */
   drain(): void {
+    if (this.draining) return;
     this.draining = true;
     void this.publish();
+    if (this.supervisor && this.connected) this.handover = this.handOver();
+  }
+
+  /**
+   * Resolves once the models this node handed over at {@link drain} are held elsewhere and the
+   * other nodes have had a heartbeat to hear of it (or the hand-over gave up: it is bounded by the
+   * drain deadline). The server awaits it before unloading its models.
+   */
+  handedOver(): Promise<void> {
+    return this.handover;
+  }
+
+  private handover: Promise<void> = Promise.resolve();
+
+  private async handOver(): Promise<void> {
+    const sup = this.supervisor!;
+    const bound = this.config.drain_timeout_ms || this.config.busy_timeout_ms || 60_000;
+    const end = Date.now() + bound;
+    const used = (id: string): boolean => Date.now() - (this.lastServed.get(id) ?? -Infinity) < 60_000;
+    const sole = sup
+      .statuses()
+      .filter((m) => m.state === 'ready' && (!this.remote.has(m.id) || this.backing.has(m.id)) && used(m.id))
+      .map((m) => m.id)
+      .filter((id) => !this.nodes().some((r) => r.node !== this.name && !r.draining && r.models[id]?.state === 'ready'));
+    const moved: string[] = [];
+    await Promise.all(
+      sole.map(async (id) => {
+        const config = sup.configOf(id);
+        if (!config) return;
+        const lock = await this.takeLock(id);
+        if (!lock) return;
+        try {
+          for (const n of this.nodes()
+            .filter((r) => r.node !== this.name && !r.draining)
+            .sort((a, b) => b.free_bytes - a.free_bytes)) {
+            if (Date.now() >= end) return;
+            try {
+              this.log.info({ model: id, on: n.node }, 'cluster: draining; handing the model over');
+              await this.ask(
+                n.node,
+                'load',
+                { id, config: this.registrationOf(config), adopt: true },
+                Math.max(1, end - Date.now()),
+              );
+              if (await this.until(() => this.holders(id).some((h) => h.node === n.node), end - Date.now())) {
+                moved.push(id);
+                return;
+              }
+            } catch (e) {
+              this.log.info({ model: id, on: n.node, why: (e as Error).message }, 'cluster: hand-over refused');
+            }
+          }
+        } finally {
+          await lock.release();
+        }
+      }),
+    );
+    // The other ingresses hear of the new holders at their heartbeat: one more before this node unloads.
+    if (moved.length) await sleep(Math.min(this.settings.heartbeat_ms, Math.max(0, end - Date.now())));
+    this.log.info({ moved, sole }, 'cluster: hand-over done');
   }
 
   /** Leaves the cluster: stops the heartbeat, removes this node's entry, closes the connection. */

@@ -453,3 +453,50 @@ describe('NATS stopped for 5 s and started again under load', () => {
     expect(after.body.segments).toEqual(want.vadFile);
   }, 120_000);
 });
+
+describe('SIGTERM on the only holder (a step of a rolling restart)', () => {
+  let nats: NatsServer;
+  let A: Node;
+  let B: Node;
+  let C: Node;
+
+  beforeAll(async () => {
+    nats = await startNats();
+    [A, B, C] = await Promise.all(['A', 'B', 'C'].map((n) => startNode(nats.url, n)));
+    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'C' });
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    for (const n of [A, B]) await until(async () => (await holders(n.url, 'silero-vad')).join() === 'C', 5000);
+  }, 120_000);
+  afterAll(async () => {
+    for (const n of [A, B, C]) n?.child.kill('SIGKILL');
+    await nats?.stop();
+  });
+
+  it('hands its model over before it exits: the streams go on with no job sent again', async () => {
+    for (const n of [A, B]) expect((await runFile(n.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+    framesSent = 0;
+    const streams = Array.from({ length: 8 }, (_, i) => stream([A, B][i % 2].url, 'silero-vad', VAD_FILE, 12));
+    await until(() => framesSent > 8 * 120, 30_000);
+    const exited = new Promise<number | null>((r) => C.child.once('exit', (code) => r(code)));
+    C.child.kill('SIGTERM');
+    // Draining at once in the registry.
+    await until(async () => {
+      const { body } = await json(`${A.url}/v1/cluster`);
+      return body.nodes.find((n: { node: string }) => n.node === 'C')?.draining === true;
+    }, 2 * HEARTBEAT_MS);
+    expect(await exited).toBe(0);
+    const s = await Promise.all(streams);
+    for (const x of s) {
+      expect(x.code).toBe(1000);
+      expect(x.events).toEqual(want.vad);
+    }
+    const h = await holders(A.url, 'silero-vad');
+    expect(h.length).toBe(1);
+    expect(['A', 'B']).toContain(h[0]);
+    // The model was held elsewhere before C unloaded: no job met a gone or unloaded holder.
+    for (const n of [A, B]) {
+      expect(await metric(n.url, 'voxserve_remote_failovers_total')).toBe(0);
+      expect(await metric(n.url, 'voxserve_remote_jobs_sent_total', { outcome: 'not_held' })).toBe(0);
+    }
+  }, 120_000);
+});
