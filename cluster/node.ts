@@ -82,6 +82,8 @@ interface Pending {
 
 /** The most concurrent jobs one ingress sends to the holders of a model (its remote pool's size). */
 const MAX_REMOTE_WINDOW = 32;
+/** How often an ingress checks the nodes it has jobs in flight to (a ping; missed heartbeats), ms. */
+const PROBE_MS = 50;
 /** Pause before asking busy holders again, ms. */
 const BUSY_RETRY_MS = 25;
 
@@ -132,8 +134,6 @@ export class ClusterNode {
   private readonly pending = new Map<string, Pending>();
   /** The reply subject prefix of this node's job attempts (`<inbox>.<seq>.<attempt>`). */
   private readonly jobInbox = createInbox();
-  /** Nodes being probed (a ping in flight). */
-  private readonly probing = new Set<string>();
   private probe: NodeJS.Timeout | null = null;
   /** When NATS was lost (local clock), while it is. */
   private disconnectedAt = 0;
@@ -152,7 +152,7 @@ export class ClusterNode {
     served: Counter<'model' | 'outcome'>;
     hop: Histogram<'model'>;
     nats: Gauge;
-    late: Counter<'model'>;
+    late: Counter;
     failovers: Counter<'model' | 'why'>;
   } | null = null;
 
@@ -278,7 +278,6 @@ export class ClusterNode {
       late: new Counter({
         name: 'voxserve_remote_late_replies_total',
         help: 'Replies to job attempts this ingress had already given up (holder taken for gone, or NATS lost): dropped',
-        labelNames: ['model'],
         registers: [reg],
       }),
       failovers: new Counter({
@@ -324,7 +323,7 @@ export class ClusterNode {
     await this.publish();
     this.heartbeat = setInterval(() => void this.publish(), this.settings.heartbeat_ms);
     this.heartbeat.unref();
-    this.probe = setInterval(() => this.checkHolders(), Math.max(50, Math.round(this.settings.heartbeat_ms / 4)));
+    this.probe = setInterval(() => this.checkHolders(), PROBE_MS);
     this.probe.unref();
     this.log.info(
       { nats: redact(this.settings.nats, this.settings), heartbeat_ms: this.settings.heartbeat_ms },
@@ -420,7 +419,7 @@ export class ClusterNode {
   }
 
   /**
-   * Every quarter heartbeat, for each node with jobs from here in flight: gone when missing from
+   * Every {@link PROBE_MS}, for each node with jobs from here in flight: gone when missing from
    * the registry for 3 heartbeats, or when NATS says nobody listens on its subjects (a ping with no
    * responders: its process died and its connection closed). Not judged while NATS is away.
    */
@@ -434,17 +433,16 @@ export class ClusterNode {
         this.markGone(node, `missed ${3} heartbeats`);
         continue;
       }
-      if (this.probing.has(node)) continue;
-      this.probing.add(node);
+      // Not waiting for an earlier ping: one in flight when its node died is never answered (at most two per node at a time).
       this.link.nc
-        .request(this.subject(node, 'ping'), undefined, { timeout: this.settings.heartbeat_ms })
+        // Short: an unanswered ping says nothing (a busy node), and a ping in flight when its node dies must not hold up the next.
+        .request(this.subject(node, 'ping'), undefined, { timeout: 2 * PROBE_MS })
         .then(
           () => {},
           (e: Error) => {
             if (isNoResponders(e) && this.connected) this.markGone(node, 'no responders');
           },
-        )
-        .finally(() => this.probing.delete(node));
+        );
     }
   }
 
@@ -455,14 +453,8 @@ export class ClusterNode {
     const noResponders = m.data.length === 0 && m.headers?.code === 503;
     if (!p) {
       if (!noResponders) {
-        let model = '';
-        try {
-          model = decodeMessage<RemoteReply & { model?: string }>(m.data).model ?? '';
-        } catch {
-          // not a reply of ours
-        }
-        this.metrics?.late.inc({ model });
-        this.log.info({ token, model }, 'cluster: a late reply to a job attempt given up: dropped');
+        this.metrics?.late.inc();
+        this.log.info({ token }, 'cluster: a late reply to a job attempt given up: dropped');
       }
       return;
     }
@@ -1365,7 +1357,9 @@ export class ClusterNode {
       .statuses()
       .filter((m) => m.state === 'ready' && (!this.remote.has(m.id) || this.backing.has(m.id)) && used(m.id))
       .map((m) => m.id)
-      .filter((id) => !this.nodes().some((r) => r.node !== this.name && !r.draining && r.models[id]?.state === 'ready'));
+      .filter(
+        (id) => !this.nodes().some((r) => r.node !== this.name && !r.draining && r.models[id]?.state === 'ready'),
+      );
     const moved: string[] = [];
     await Promise.all(
       sole.map(async (id) => {

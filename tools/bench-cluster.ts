@@ -330,6 +330,7 @@ async function part3(): Promise<void> {
     return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))];
   };
   const rows: string[] = [];
+  const each: [string, number[]][] = [];
 
   // Case 1: another holder remains: the job is sent again to it.
   {
@@ -383,8 +384,10 @@ async function part3(): Promise<void> {
     'case                          | job p50 ms, no failure | kill -> first result p50 ms | p99 ms | extra lag p50 ms | failed jobs',
   );
   for (const r of rows) console.log(r);
+  for (const [name, t] of each) console.log(`${name}, each kill (ms): ${t.map((x) => x.toFixed(0)).join(' ')}`);
 
   function row(name: string, base: number[], times: number[], failed: number): string {
+    each.push([name, times]);
     const b = pct(base, 50);
     return `${name.padEnd(29)} | ${b.toFixed(1).padStart(22)} | ${pct(times, 50).toFixed(1).padStart(27)} | ${pct(times, 99).toFixed(1).padStart(6)} | ${(pct(times, 50) - b).toFixed(1).padStart(16)} | ${failed}`;
   }
