@@ -77,11 +77,12 @@ describe('voxserve serve: what it prints', () => {
     child.stderr.on('data', (d) => (stderr += d));
     const exited = new Promise<number | null>((r) => child.on('exit', r));
     try {
-      await until(() => stderr.includes('\n') && stdout.includes('\n'), 30_000);
+      // The CLI sets its signal handlers right after it prints where it listens.
+      await until(() => /voxserve listening on .*\n/.test(stderr) && stdout.includes('\n'), 30_000);
     } finally {
       child.kill('SIGTERM');
     }
-    expect(await exited).toBe(0);
+    expect(await exited, `${stderr}${stdout}`).toBe(0);
     const url = /^voxserve listening on (http:\/\/127\.0\.0\.1:\d+) /.exec(stderr)?.[1];
     expect(url, stderr).toBeDefined();
     const lines = stdout.trim().split('\n');
