@@ -504,9 +504,10 @@ export class Supervisor {
   /**
    * The loader every model entry's `residency` actor calls once the gate granted its load. The
    * footprint is measured as the growth of process RSS over the load (noisy when unguarded loads
-   * overlap); the model counts as resident from then until its pool has closed.
+   * overlap); the model counts as resident from then until its pool has closed. Public for the
+   * cluster, which loads a pool behind a remote one when a model's holders are gone (cluster/node.ts).
    */
-  private readonly loadPool = async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
+  readonly loadPool = async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
     const before = process.memoryUsage().rss;
     const t0 = performance.now();
     let loaded: LoadedModel;

@@ -259,6 +259,11 @@ export const ClusterConfig = z.strictObject({
   connect_timeout_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(5000),
   /** A cold-load lock's deadline, ms: its holder renews it; past it another node takes it over. */
   lock_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(10_000),
+  /**
+   * A remote job's deadline, ms: a holder answers within its wait at admission (at most this) plus
+   * this, or it is taken for gone and the job is sent to another holder (docs/cluster.md).
+   */
+  job_deadline_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(10_000),
   user: z.string().min(1).optional(),
   pass: z.string().min(1).optional(),
   token: z.string().min(1).optional(),
