@@ -99,6 +99,12 @@ export const ERRORS = {
     status: 408,
     message: (p: { reason: string }) => `malformed request: ${p.reason}`,
   },
+  request_timeout: {
+    type: 'invalid_request_error',
+    status: 408,
+    message: (p: { ms: number }) =>
+      `the request was not received in full within limits.request_timeout_ms (${p.ms} ms)`,
+  },
   // 401, 403: who may call.
   api_key_required: {
     type: 'unauthorized',
