@@ -310,6 +310,14 @@ export const ServerConfig = z.strictObject({
    * cannot be stopped: it is left to finish and then closed).
    */
   load_timeout_ms: nonNegInt.default(60_000),
+  /**
+   * A model whose slot hosts keep crashing (its pool fails: 3 crashes within a minute, or a host
+   * that crashes while loading) is held back this long before a request may load it again, ms;
+   * doubled for each such failure in a row (one within 10 min of the previous), at most 5 min
+   * (or this value, if larger). Meanwhile requests get 503 `model_cooling_down`. 0 = off (every
+   * request reloads it).
+   */
+  crash_cooldown_ms: nonNegInt.default(10_000),
   management: z
     .strictObject({ enabled: z.boolean().default(false), token: z.string().min(1).optional() })
     .default({ enabled: false }),

@@ -12,6 +12,7 @@ import type { ModelLoader } from '../../runtime/loader.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fakeLoader } from '../fuzz/fakes.js';
+import { fixture } from '../helpers.js';
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
@@ -115,5 +116,50 @@ describe('issue 25 HTTP robustness', () => {
     } finally {
       clearInterval(drip);
     }
+  });
+
+  it('issue 25 item 10: shutdown during a cold load (a request and a management load waiting on it) ends within drain_timeout_ms + 1 s; the load is abandoned, both answered 503 shutting_down', async () => {
+    const signals: AbortSignal[] = [];
+    // A load that would take far longer than the drain (as 4 slots of a big model on a busy machine do), until abandoned.
+    const endless: ModelLoader = (_config, signal) =>
+      new Promise((_resolve, reject) => {
+        signals.push(signal!);
+        signal!.addEventListener('abort', () => reject(new Error('abandoned')), { once: true });
+      });
+    const root = mkdtempSync(join(tmpdir(), 'voxserve-cold-'));
+    writeFileSync(join(root, 'big.onnx'), 'not read by the fake loader');
+    server = await startServer(
+      ServerConfig.parse({
+        log_level: 'silent',
+        port: 0,
+        drain_timeout_ms: 3000,
+        management: { enabled: true },
+        models_root: root,
+      }),
+      { loader: endless },
+    );
+    const url = server.url;
+    const task = fetch(`${url}/v1/tasks/run?model=silero-vad`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture('Front_Left.wav')),
+    }).then(async (r) => ({ status: r.status, body: await r.json() }));
+    const managed = fetch(`${url}/v1/models/load`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ id: 'big', task: 'vad', path: 'big.onnx', slots: 4 }),
+    }).then(async (r) => ({ status: r.status, body: await r.json() }));
+    const t0 = performance.now();
+    while (signals.length < 2 && performance.now() - t0 < 5000) await sleep(10);
+    expect(signals).toHaveLength(2);
+    const s0 = performance.now();
+    await server.close();
+    const ms = performance.now() - s0;
+    expect(ms).toBeLessThan(3000 + 1000);
+    expect(signals.every((s) => s.aborted)).toBe(true);
+    expect(await task).toMatchObject({ status: 503, body: { error: { code: 'shutting_down' } } });
+    expect(await managed).toMatchObject({ status: 503, body: { error: { code: 'shutting_down' } } });
+    expect(server.supervisor.status('big')).toMatchObject({ state: 'unloaded', loaded: false });
+    server = null;
   });
 });
