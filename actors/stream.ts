@@ -779,7 +779,13 @@ export const streamSocketMachine = setup({
                   {
                     guard: 'idleExpired',
                     actions: raise(({ context }) =>
-                      cutFor(voxError('stream_idle', { idleMs: context.limits.idle_ms })),
+                      cutFor(
+                        voxError('stream_idle', {
+                          idleMs: context.limits.idle_ms,
+                          // A Wyoming connection's idle deadline is its own setting.
+                          setting: live.get(context.id)?.route === 'wyoming' ? 'wyoming.idle_ms' : 'limits.idle_ms',
+                        }),
+                      ),
                     ),
                   },
                   {

@@ -1,7 +1,7 @@
 import { fromCallback, type InspectionEvent } from 'xstate';
 import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
 import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
-import type { Limits, ModelConfig } from '../runtime/config.js';
+import { headsOf, type Limits, type ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, voxError } from '../runtime/errors.js';
 import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
 import { JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
@@ -157,6 +157,105 @@ export function wyomingInfo(registry: Supervisor, version: string): Record<strin
   };
 }
 
+/**
+ * The head each detection label of a wake-word model comes from: a single head's label is its
+ * model id; a multi-class head's classes (`timer`: `1_minute_timer`, `5_minute_timer`, ...) are
+ * the head's id (`timer`), the name `describe` lists and Home Assistant asks by.
+ */
+function headOfLabel(granted: Granted): Map<string, string> {
+  const heads = headsOf(granted.config);
+  const slotHeads = granted.info.heads ?? [{ window: 0, labels: ['@model'] }];
+  const map = new Map<string, string>();
+  slotHeads.forEach((h, i) => {
+    for (const l of h.labels) if (l && heads[i]) map.set(l === '@model' ? heads[i].label : l, heads[i].label);
+  });
+  return map;
+}
+
+/** The PCM format an `audio-start` or `audio-chunk` declares: rate (Hz), width (bytes per sample), channels. */
+export interface PcmFormat {
+  rate: number;
+  width: number;
+  channels: number;
+}
+
+/**
+ * The format an `audio-start` or `audio-chunk` declares in its `rate`, `width` and `channels`; a
+ * field a chunk leaves out is its audio stream's (`fallback`). Only 16-bit PCM (width 2).
+ * @throws VoxError `invalid_field` naming the field (`audio-chunk.rate`, ...).
+ */
+export function pcmFormat(
+  kind: 'audio-start' | 'audio-chunk',
+  data: Record<string, unknown>,
+  fallback?: PcmFormat,
+): PcmFormat {
+  const field = (k: keyof PcmFormat): number => {
+    const v = data[k] ?? fallback?.[k];
+    if (typeof v !== 'number' || !Number.isInteger(v))
+      throw invalid(`${kind}.${k}`, `required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
+    return v;
+  };
+  const f = { rate: field('rate'), width: field('width'), channels: field('channels') };
+  if (f.width !== 2) throw invalid(`${kind}.width`, `only 2 (16-bit PCM) is supported, got ${f.width}`);
+  checkFormat(f.rate, f.channels, { rate: `${kind}.rate`, channels: `${kind}.channels` });
+  return f;
+}
+
+/**
+ * Where an audio stream's samples (16 kHz, after conversion) fall on the client's clock: each
+ * `audio-chunk`'s first sample and its `timestamp`, ms. A chunk without one continues the
+ * previous chunk's (the first: the `audio-start` timestamp, else 0), so a client that sends none
+ * gets positions in its audio, ms.
+ */
+export class ClientClock {
+  /** Per chunk: its first sample, and its timestamp (ms); the oldest are dropped past {@link ClientClock.KEEP}. */
+  private marks: { at: number; ts: number }[] = [];
+  private samples = 0;
+  /** Chunks remembered (about 7 minutes of 100 ms chunks); older positions are counted back from the oldest. */
+  static readonly KEEP = 4096;
+
+  /** @param base the `audio-start` timestamp, ms (0 when it has none). */
+  constructor(private readonly base: number) {}
+
+  /** The next chunk: `samples` 16 kHz samples, the client's `timestamp` (ms) when it gave one. */
+  chunk(samples: number, timestamp: unknown): void {
+    const last = this.marks.at(-1);
+    const ts =
+      typeof timestamp === 'number' && Number.isFinite(timestamp)
+        ? timestamp
+        : last
+          ? last.ts + (this.samples - last.at) / 16
+          : this.base + this.samples / 16;
+    if (this.marks.length >= 2 * ClientClock.KEEP) this.marks = this.marks.slice(ClientClock.KEEP);
+    this.marks.push({ at: this.samples, ts });
+    this.samples += samples;
+  }
+
+  /**
+   * The client time of the audio up to `ms` (ms of 16 kHz audio since the stream's start).
+   * `chunk`: the timestamp of the chunk that holds its last sample, as wyoming-openwakeword
+   * gives a detection the timestamp of the chunk it came in (1.x: the chunk's own, 2.x: the
+   * audio's position at the chunk's start); else that timestamp plus the offset into the chunk.
+   */
+  at(ms: number, chunk: boolean): number {
+    const s = ms * 16;
+    // The last chunk starting before sample s (s - 1 is the last sample the position covers).
+    let lo = 0;
+    let hi = this.marks.length - 1;
+    if (hi < 0 || this.marks[0].at > s - 1) {
+      const first = this.marks[0] ?? { at: 0, ts: this.base };
+      return Math.round(first.ts + (s - first.at) / 16);
+    }
+    while (lo < hi) {
+      const mid = (lo + hi + 1) >> 1;
+      if (this.marks[mid].at <= s - 1) lo = mid;
+      else hi = mid - 1;
+    }
+    const m = this.marks[lo];
+    return Math.round(chunk ? m.ts : m.ts + (s - m.at) / 16);
+  }
+}
+
 /** One model a connection holds a lease on, and its current audio stream's job pump. */
 interface Lane {
   kind: 'wake' | 'vad';
@@ -185,9 +284,11 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     let laneKey = '';
     /** The name each head was asked by in the last `detect` (detections carry it back). */
     let asked = new Map<string, string>();
+    /** The head (model id) of each detection label of the wake lane. */
+    let headOf = new Map<string, string>();
     let decoder: PcmStreamDecoder | null = null;
-    /** The current audio stream: its detections so far and the client's start timestamp, ms. */
-    let audio: { detections: number; base: number } | null = null;
+    /** The current audio stream: its detections so far, its format (the decoder's), and the client's clock. */
+    let audio: { detections: number; format: PcmFormat; clock: ClientClock } | null = null;
     let ready = false;
     let ended = false;
     let paused = false;
@@ -213,15 +314,16 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       if (!audio) return;
       if (e.type === 'detection') {
         audio.detections++;
+        const head = headOf.get(e.label) ?? e.label;
         channel.write({
           type: 'detection',
-          name: asked.get(e.label) ?? wyomingName(e.label),
-          timestamp: Math.round(audio.base + e.at_ms),
+          name: asked.get(head) ?? wyomingName(head),
+          timestamp: audio.clock.at(e.at_ms, true),
         });
       } else if (e.type === 'speech_start')
-        channel.write({ type: 'voice-started', timestamp: Math.round(audio.base + e.at_ms) });
+        channel.write({ type: 'voice-started', timestamp: audio.clock.at(e.at_ms, false) });
       else if (e.type === 'speech_end')
-        channel.write({ type: 'voice-stopped', timestamp: Math.round(audio.base + e.end_ms) });
+        channel.write({ type: 'voice-stopped', timestamp: audio.clock.at(e.end_ms, false) });
     };
 
     /** Takes the leases for what `names` asks (keeps them when unchanged); the models are loaded. */
@@ -247,31 +349,30 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
         lanes.push(lane);
         lane.granted = await granted;
         stats.model = stats.model ?? lane.granted.model;
+        if (kind === 'wake') headOf = headOfLabel(lane.granted);
       }
       laneKey = key;
     };
 
-    /** `audio-start` (or a first `audio-chunk` that carries its format): a new audio stream. */
-    const start = async (data: Record<string, unknown>): Promise<void> => {
+    /** `audio-start` (or a first `audio-chunk`, which carries its format): a new audio stream. */
+    const start = async (kind: 'audio-start' | 'audio-chunk', data: Record<string, unknown>): Promise<void> => {
       if (audio) await stop(false);
-      const { rate, width, channels } = data;
-      for (const [k, v] of Object.entries({ rate, width, channels })) {
-        if (typeof v !== 'number' || !Number.isInteger(v))
-          throw invalid(`audio-start.${k}`, `required integer, got ${JSON.stringify(v)?.slice(0, 32)}`);
-      }
-      if (width !== 2) throw invalid('audio-start.width', `only 2 (16-bit PCM) is supported, got ${width}`);
-      checkFormat(rate as number, channels as number);
+      const format = pcmFormat(kind, data);
       await admit();
       if (stopped) return;
       decoder?.close();
-      decoder = await PcmStreamDecoder.create('s16le', rate as number, channels as number);
+      decoder = null;
+      const next = await PcmStreamDecoder.create('s16le', format.rate, format.channels);
+      if (stopped) return next.close();
+      decoder = next;
       for (const l of lanes)
         l.pump = new JobPump(createTaskSession(l.granted.config, l.granted.info, undefined, false), l.granted, {
           emit,
           accepted: backlog,
           fail,
         });
-      audio = { detections: 0, base: typeof data.timestamp === 'number' ? data.timestamp : 0 };
+      const base = typeof data.timestamp === 'number' && Number.isFinite(data.timestamp) ? data.timestamp : 0;
+      audio = { detections: 0, format, clock: new ClientClock(kind === 'audio-start' ? base : 0) };
       if (!ready) {
         ready = true;
         send({
@@ -286,6 +387,8 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     const stop = async (answer: boolean): Promise<void> => {
       if (audio) {
         const current = audio;
+        const held = decoder?.end();
+        if (held?.length) feed(held, undefined);
         await Promise.all(
           lanes.map((l) => {
             for (const e of l.pump!.session.end()) emit(e);
@@ -299,9 +402,11 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       for (const l of lanes) l.pump = null;
     };
 
-    const chunk = (e: WyomingEvent): void => {
-      if (!audio || !decoder) return;
-      const samples = decoder.push(e.payload ?? Buffer.alloc(0));
+    /** Converted samples (16 kHz mono) to every lane; `timestamp` is the client's for their chunk. */
+    const feed = (samples: Float32Array, timestamp: unknown): void => {
+      if (!audio) return;
+      audio.clock.chunk(samples.length, timestamp);
+      if (samples.length === 0) return;
       const at = performance.now();
       for (const l of lanes) {
         l.pump!.session.push(samples);
@@ -312,6 +417,27 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       backlog();
     };
 
+    /**
+     * An `audio-chunk`, converted by its own `rate`, `width` and `channels` (as wyoming-openwakeword
+     * converts each chunk): a chunk whose format differs from the stream's so far ends the old
+     * converter (its held-back samples go on first) and starts one for the new format.
+     */
+    const chunk = async (e: WyomingEvent): Promise<void> => {
+      if (!audio || !decoder) return;
+      const format = pcmFormat('audio-chunk', e.data, audio.format);
+      if (format.rate !== audio.format.rate || format.channels !== audio.format.channels) {
+        const held = decoder.end();
+        if (held.length) feed(held, undefined);
+        decoder.close();
+        decoder = null;
+        const next = await PcmStreamDecoder.create('s16le', format.rate, format.channels);
+        if (stopped || !audio) return next.close();
+        decoder = next;
+        audio.format = format;
+      }
+      feed(decoder.push(e.payload ?? Buffer.alloc(0)), e.data.timestamp);
+    };
+
     const handle = async (e: WyomingEvent): Promise<void> => {
       if (stopped || ended) return;
       switch (e.type) {
@@ -320,10 +446,10 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
           resolveNames(registry, names); // a bad name is an error now, not at audio-start
           return;
         case 'audio-start':
-          return start(e.data);
+          return start('audio-start', e.data);
         case 'audio-chunk':
           // A client that sends chunks without audio-start: the chunk's own format starts the stream.
-          if (!audio) await start(e.data);
+          if (!audio) await start('audio-chunk', e.data);
           return chunk(e);
         case 'audio-stop':
           return stop(true);
@@ -384,18 +510,20 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
 
 /**
  * Creates the socket actor of one Wyoming connection (unstarted, as {@link createStreamSocket}).
- * Heartbeats are off (Wyoming has no ping the peers must answer); the other limits are the server's.
+ * Heartbeats are off (Wyoming has no ping the peers must answer) and the idle deadline is
+ * `idleMs` (`wyoming.idle_ms`, default 0: none; a satellite may rightly be quiet for minutes);
+ * the other limits are the server's.
  */
 export function createWyomingSocket(
-  input: { limits: Limits; registry: Supervisor },
+  input: { limits: Limits; registry: Supervisor; idleMs: number },
   inspect?: (e: InspectionEvent) => void,
 ): StreamSocketHandle & { channel: WyomingChannel } {
   const channel = new WyomingChannel();
-  const handle = createStreamSocket(
-    { url: '', limits: { ...input.limits, heartbeat_ms: 0 }, registry: input.registry, route: 'wyoming' },
-    inspect,
-    { work: wyomingWork, channel },
-  );
+  const limits = { ...input.limits, heartbeat_ms: 0, idle_ms: input.idleMs };
+  const handle = createStreamSocket({ url: '', limits, registry: input.registry, route: 'wyoming' }, inspect, {
+    work: wyomingWork,
+    channel,
+  });
   return { ...handle, channel };
 }
 

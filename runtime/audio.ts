@@ -126,14 +126,19 @@ function audioChunks(bytes: Uint8Array): Uint8Array {
 
 /**
  * Checks a declared sample rate (Hz) and channel count.
+ * @param fields the names the caller's input gives the two (a Wyoming event's are `audio-chunk.rate`, ...).
  * @throws VoxError `invalid_request_error` naming the field.
  */
-export function checkFormat(sampleRate: number, channels: number): void {
+export function checkFormat(
+  sampleRate: number,
+  channels: number,
+  fields: { rate: string; channels: string } = { rate: 'sample_rate', channels: 'channels' },
+): void {
   if (!Number.isInteger(sampleRate) || sampleRate < MIN_SAMPLE_RATE || sampleRate > MAX_SAMPLE_RATE) {
-    throw invalid('sample_rate', `${sampleRate} Hz is out of range ${MIN_SAMPLE_RATE}-${MAX_SAMPLE_RATE}`);
+    throw invalid(fields.rate, `${sampleRate} Hz is out of range ${MIN_SAMPLE_RATE}-${MAX_SAMPLE_RATE}`);
   }
   if (!Number.isInteger(channels) || channels < 1 || channels > MAX_CHANNELS) {
-    throw invalid('channels', `${channels} is out of range 1-${MAX_CHANNELS}`);
+    throw invalid(fields.channels, `${channels} is out of range 1-${MAX_CHANNELS}`);
   }
 }
 

@@ -373,8 +373,14 @@ export const ServerConfig = z.strictObject({
       enabled: z.boolean().default(false),
       host: z.string().min(1).default('127.0.0.1'),
       port: z.number().int().min(0).max(65535).default(10400),
+      /**
+       * A connection with no event for this long is cut, ms; 0 (the default) = never, as
+       * wyoming-openwakeword: a satellite sends the wake service nothing while a pipeline runs or
+       * while it is muted. Not `limits.idle_ms`. A peer that vanished is found by TCP keep-alive.
+       */
+      idle_ms: nonNegInt.default(0),
     })
-    .default({ enabled: false, host: '127.0.0.1', port: 10400 }),
+    .default({ enabled: false, host: '127.0.0.1', port: 10400, idle_ms: 0 }),
   /**
    * Models registered at start, in addition to (or replacing, by id) the embedded catalog. A model
    * whose id is in the catalog may omit `task` and `path`: it inherits them.

@@ -61,7 +61,7 @@ export const ERRORS = {
   },
   stream_idle: {
     type: 'invalid_request_error',
-    message: (p: { idleMs: number }) => `no message for limits.idle_ms (${p.idleMs} ms)`,
+    message: (p: { idleMs: number; setting: string }) => `no message for ${p.setting} (${p.idleMs} ms)`,
   },
   stream_too_long: {
     type: 'invalid_request_error',

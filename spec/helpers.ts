@@ -144,3 +144,133 @@ export async function sileroWindowProbs(audio: Float32Array): Promise<number[]> 
   await session.release();
   return probs;
 }
+
+const SR = 16_000;
+
+/** get_speech_timestamps's segmentation parameters (utils_vad.py names; absent = its defaults). */
+export interface SileroParams {
+  threshold?: number;
+  min_speech_duration_ms?: number;
+  max_speech_duration_s?: number;
+  min_silence_duration_ms?: number;
+  speech_pad_ms?: number;
+  min_silence_at_max_speech?: number;
+  use_max_poss_sil_at_max_speech?: boolean;
+}
+
+/**
+ * get_speech_timestamps (silero-vad src/silero_vad/utils_vad.py, commit 806dcba) after its
+ * probability loop, at 16 kHz, in samples: written out from Silero's Python, line by line, as the
+ * independent reference for the server's VAD segments (fed with {@link sileroWindowProbs}).
+ */
+export function getSpeechTimestamps(
+  speechProbs: number[],
+  audioLengthSamples: number,
+  p: SileroParams,
+): { start: number; end: number }[] {
+  const threshold = p.threshold ?? 0.5;
+  const minSpeechDurationMs = p.min_speech_duration_ms ?? 250;
+  const maxSpeechDurationS = p.max_speech_duration_s ?? Infinity;
+  const minSilenceDurationMs = p.min_silence_duration_ms ?? 100;
+  const speechPadMs = p.speech_pad_ms ?? 30;
+  const minSilenceAtMaxSpeech = p.min_silence_at_max_speech ?? 98;
+  const useMaxPossSilAtMaxSpeech = p.use_max_poss_sil_at_max_speech ?? true;
+  const windowSizeSamples = 512;
+  const minSpeechSamples = (SR * minSpeechDurationMs) / 1000;
+  const speechPadSamples = (SR * speechPadMs) / 1000;
+  const maxSpeechSamples = SR * maxSpeechDurationS - windowSizeSamples - 2 * speechPadSamples;
+  const minSilenceSamples = (SR * minSilenceDurationMs) / 1000;
+  const minSilenceSamplesAtMaxSpeech = (SR * minSilenceAtMaxSpeech) / 1000;
+
+  let triggered = false;
+  const speeches: { start: number; end?: number }[] = [];
+  let currentSpeech: { start?: number; end?: number } = {};
+  const negThreshold = Math.max(threshold - 0.15, 0.01);
+  let tempEnd = 0;
+  let prevEnd = 0;
+  let nextStart = 0;
+  let possibleEnds: [number, number][] = [];
+
+  for (let i = 0; i < speechProbs.length; i++) {
+    const speechProb = speechProbs[i];
+    const curSample = windowSizeSamples * i;
+    if (speechProb >= threshold && tempEnd) {
+      const silDur = curSample - tempEnd;
+      if (silDur > minSilenceSamplesAtMaxSpeech) possibleEnds.push([tempEnd, silDur]);
+      tempEnd = 0;
+      if (nextStart < prevEnd) nextStart = curSample;
+    }
+    if (speechProb >= threshold && !triggered) {
+      triggered = true;
+      currentSpeech.start = curSample;
+      continue;
+    }
+    if (triggered && curSample - currentSpeech.start! > maxSpeechSamples) {
+      if (useMaxPossSilAtMaxSpeech && possibleEnds.length) {
+        let best = possibleEnds[0];
+        for (const e of possibleEnds) if (e[1] > best[1]) best = e;
+        const dur = best[1];
+        prevEnd = best[0];
+        currentSpeech.end = prevEnd;
+        speeches.push(currentSpeech as { start: number });
+        currentSpeech = {};
+        nextStart = prevEnd + dur;
+        if (nextStart < prevEnd + curSample) currentSpeech.start = nextStart;
+        else triggered = false;
+        prevEnd = nextStart = tempEnd = 0;
+        possibleEnds = [];
+      } else if (prevEnd) {
+        currentSpeech.end = prevEnd;
+        speeches.push(currentSpeech as { start: number });
+        currentSpeech = {};
+        if (nextStart < prevEnd) triggered = false;
+        else currentSpeech.start = nextStart;
+        prevEnd = nextStart = tempEnd = 0;
+        possibleEnds = [];
+      } else {
+        currentSpeech.end = curSample;
+        speeches.push(currentSpeech as { start: number });
+        currentSpeech = {};
+        prevEnd = nextStart = tempEnd = 0;
+        triggered = false;
+        possibleEnds = [];
+        continue;
+      }
+    }
+    if (speechProb < negThreshold && triggered) {
+      if (!tempEnd) tempEnd = curSample;
+      const silDurNow = curSample - tempEnd;
+      if (!useMaxPossSilAtMaxSpeech && silDurNow > minSilenceSamplesAtMaxSpeech) prevEnd = tempEnd;
+      if (silDurNow < minSilenceSamples) continue;
+      currentSpeech.end = tempEnd;
+      if (currentSpeech.end - currentSpeech.start! > minSpeechSamples)
+        speeches.push(currentSpeech as { start: number });
+      currentSpeech = {};
+      prevEnd = nextStart = tempEnd = 0;
+      triggered = false;
+      possibleEnds = [];
+    }
+  }
+  if (currentSpeech.start !== undefined && audioLengthSamples - currentSpeech.start > minSpeechSamples) {
+    currentSpeech.end = audioLengthSamples;
+    speeches.push(currentSpeech as { start: number });
+  }
+  const out = speeches as { start: number; end: number }[];
+  for (let i = 0; i < out.length; i++) {
+    const speech = out[i];
+    if (i === 0) speech.start = Math.trunc(Math.max(0, speech.start - speechPadSamples));
+    if (i !== out.length - 1) {
+      const silenceDuration = out[i + 1].start - speech.end;
+      if (silenceDuration < 2 * speechPadSamples) {
+        speech.end += Math.trunc(Math.floor(silenceDuration / 2));
+        out[i + 1].start = Math.trunc(Math.max(0, out[i + 1].start - Math.floor(silenceDuration / 2)));
+      } else {
+        speech.end = Math.trunc(Math.min(audioLengthSamples, speech.end + speechPadSamples));
+        out[i + 1].start = Math.trunc(Math.max(0, out[i + 1].start - speechPadSamples));
+      }
+    } else {
+      speech.end = Math.trunc(Math.min(audioLengthSamples, speech.end + speechPadSamples));
+    }
+  }
+  return out;
+}

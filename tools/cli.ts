@@ -185,6 +185,7 @@ program
       if (opts.wyoming !== true && (!m || Number(m[2]) > 65535))
         die(`--wyoming: expected host:port, got '${opts.wyoming}'`);
       config.wyoming = {
+        ...config.wyoming,
         enabled: true,
         host: m?.[1] ?? config.wyoming.host,
         port: m ? Number(m[2]) : config.wyoming.port,

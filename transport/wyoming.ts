@@ -23,6 +23,9 @@ const VERSION = ((): string => {
   return 'unknown';
 })();
 
+/** A Wyoming connection's TCP keep-alive delay: idle time before the first probe, ms. */
+export const KEEPALIVE_MS = 30_000;
+
 /** Malformed Wyoming input: the connection gets an `error` event and is closed. */
 export class WyomingFramingError extends Error {}
 
@@ -33,11 +36,23 @@ const isObject = (v: unknown): v is Record<string, unknown> => typeof v === 'obj
  * a JSON header line (`type`, optional `data`, `data_length`, `payload_length`), then exactly
  * `data_length` bytes of JSON merged over the header's `data`, then `payload_length` bytes of
  * payload. Blank lines between events are skipped.
+ *
+ * Each byte is looked at once and copied at most once, however the stream is cut into segments:
+ * the pieces of a header line or of an event's body are kept as they came and joined once, when
+ * the last one is there (1 MB in 50-byte pieces costs what 1 MB at once does, not 20,000 joins of
+ * everything buffered so far).
  */
 export class WyomingParser {
-  private buf: Buffer = Buffer.alloc(0);
+  /** Pieces of the current header line (no newline yet), and their length. */
+  private line: Buffer[] = [];
+  private lineBytes = 0;
+  /** The current event's header once its line is complete, and the pieces of its body so far. */
   private header: { type: string; data: Record<string, unknown>; dataLength: number; payloadLength: number } | null =
     null;
+  private body: Buffer[] = [];
+  private bodyBytes = 0;
+  /** Bytes copied so far (joining pieces, or copying a payload out of a segment): linear in the input. */
+  copiedBytes = 0;
 
   /**
    * @param maxHeaderBytes longest header line, and the largest data section, bytes.
@@ -54,39 +69,62 @@ export class WyomingParser {
    *   `payload_length` over the frame limit, `data` that is not an object, ...).
    */
   push(chunk: Buffer): WyomingEvent[] {
-    this.buf = this.buf.length ? Buffer.concat([this.buf, chunk]) : chunk;
     const out: WyomingEvent[] = [];
-    for (;;) {
+    let at = 0;
+    while (
+      at < chunk.length ||
+      (this.header && this.bodyBytes === this.header.dataLength + this.header.payloadLength)
+    ) {
       if (!this.header) {
-        const nl = this.buf.indexOf(10);
-        if (nl < 0 ? this.buf.length > this.maxHeaderBytes : nl > this.maxHeaderBytes)
+        const nl = chunk.indexOf(10, at);
+        const end = nl < 0 ? chunk.length : nl;
+        if (this.lineBytes + end - at > this.maxHeaderBytes)
           throw new WyomingFramingError(`header line over ${this.maxHeaderBytes} bytes`);
+        this.line.push(chunk.subarray(at, end));
+        this.lineBytes += end - at;
+        at = end;
         if (nl < 0) break;
-        const line = this.buf.subarray(0, nl).toString('utf8');
-        this.buf = this.buf.subarray(nl + 1);
-        if (!line.trim()) continue;
-        this.header = this.parseHeader(line);
+        at++; // the newline
+        const line = this.join(this.line, this.lineBytes).toString('utf8');
+        this.line = [];
+        this.lineBytes = 0;
+        if (line.trim()) this.header = this.parseHeader(line);
+        continue;
       }
-      const { dataLength, payloadLength } = this.header;
-      if (this.buf.length < dataLength + payloadLength) break;
+      const { type, dataLength, payloadLength } = this.header;
+      const take = Math.min(dataLength + payloadLength - this.bodyBytes, chunk.length - at);
+      if (take > 0) {
+        this.body.push(chunk.subarray(at, at + take));
+        this.bodyBytes += take;
+        at += take;
+      }
+      if (this.bodyBytes < dataLength + payloadLength) break;
+      // The body as one buffer of its own (a copy: the segments are not kept alive by the payload).
+      const body = this.join(this.body, this.bodyBytes, true);
+      this.body = [];
+      this.bodyBytes = 0;
       let data = this.header.data;
       if (dataLength > 0) {
         let extra: unknown;
         try {
-          extra = JSON.parse(this.buf.subarray(0, dataLength).toString('utf8'));
+          extra = JSON.parse(body.subarray(0, dataLength).toString('utf8'));
         } catch {
-          throw new WyomingFramingError(`${this.header.type}: the data section is not valid JSON`);
+          throw new WyomingFramingError(`${type}: the data section is not valid JSON`);
         }
-        if (!isObject(extra))
-          throw new WyomingFramingError(`${this.header.type}: the data section must be a JSON object`);
+        if (!isObject(extra)) throw new WyomingFramingError(`${type}: the data section must be a JSON object`);
         data = { ...data, ...extra };
       }
-      const payload = payloadLength > 0 ? Buffer.from(this.buf.subarray(dataLength, dataLength + payloadLength)) : null;
-      this.buf = this.buf.subarray(dataLength + payloadLength);
-      out.push({ type: this.header.type, data, payload });
+      out.push({ type, data, payload: payloadLength > 0 ? body.subarray(dataLength) : null });
       this.header = null;
     }
     return out;
+  }
+
+  /** The pieces as one buffer: a view when there is one piece (unless `copy`), else one join. */
+  private join(pieces: Buffer[], bytes: number, copy = false): Buffer {
+    if (pieces.length === 1 && !copy) return pieces[0];
+    this.copiedBytes += bytes;
+    return pieces.length === 1 ? Buffer.from(pieces[0]) : Buffer.concat(pieces, bytes);
   }
 
   private parseHeader(line: string): NonNullable<WyomingParser['header']> {
@@ -219,7 +257,12 @@ export function bindWyoming(
   socket.on('error', () => {});
   socket.on('close', () => tell({ type: 'PEER_CLOSED', code: 1006 }));
   socket.setNoDelay(true);
-  socket.setKeepAlive(true, 30_000);
+  // The liveness bound of a quiet connection (there is no idle deadline by default): TCP
+  // keep-alive. After 30 s without a packet the kernel probes the peer; Node 20 sets the probes
+  // 1 s apart and gives up after 10 (TCP_KEEPINTVL 1, TCP_KEEPCNT 10), so a satellite that
+  // vanished without closing is dropped about 40 s after its last packet, and a quiet one that
+  // is still there (its kernel answers) never is.
+  socket.setKeepAlive(true, KEEPALIVE_MS);
   actor.subscribe({ error: () => {} });
   actor.start();
   return { actor, socket, released };
@@ -261,7 +304,7 @@ export async function startWyoming(
       const e = voxError('too_many_streams', { max: config.limits.max_ws_connections });
       return refuse(e.type, e.message);
     }
-    const handle = createWyomingSocket({ limits: config.limits, registry }, inspect);
+    const handle = createWyomingSocket({ limits: config.limits, registry, idleMs: config.wyoming.idle_ms }, inspect);
     drainOnShutdown(registry.root, handle.actor);
     const link = bindWyoming(socket, handle, config, registry);
     links.add(link);

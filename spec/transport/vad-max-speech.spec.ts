@@ -3,140 +3,17 @@
  * against Silero's own definition: on 37 s of nearly unbroken espeak-ng speech
  * (spec/fixtures/espeak_long_speech_16k.wav), the server's segments, on the file route and over a
  * stream, equal those of `get_speech_timestamps` (silero-vad src/silero_vad/utils_vad.py, commit
- * 806dcba) written out below, fed with window probabilities that onnxruntime-node computes here,
+ * 806dcba) written out in spec/helpers.ts, fed with window probabilities that onnxruntime-node computes here,
  * in the test ({@link sileroWindowProbs}: Silero's own ONNX wrapper).
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, sileroWindowProbs, WaveFile } from '../helpers.js';
+import { fixture, getSpeechTimestamps, type SileroParams as Params, sileroWindowProbs, WaveFile } from '../helpers.js';
 
 const FILE = 'espeak_long_speech_16k.wav';
 const SR = 16_000;
-
-interface Params {
-  threshold?: number;
-  min_speech_duration_ms?: number;
-  max_speech_duration_s?: number;
-  min_silence_duration_ms?: number;
-  speech_pad_ms?: number;
-  min_silence_at_max_speech?: number;
-  use_max_poss_sil_at_max_speech?: boolean;
-}
-
-/** get_speech_timestamps (utils_vad.py) after its probability loop, at 16 kHz, in samples. */
-function getSpeechTimestamps(
-  speechProbs: number[],
-  audioLengthSamples: number,
-  p: Params,
-): { start: number; end: number }[] {
-  const threshold = p.threshold ?? 0.5;
-  const minSpeechDurationMs = p.min_speech_duration_ms ?? 250;
-  const maxSpeechDurationS = p.max_speech_duration_s ?? Infinity;
-  const minSilenceDurationMs = p.min_silence_duration_ms ?? 100;
-  const speechPadMs = p.speech_pad_ms ?? 30;
-  const minSilenceAtMaxSpeech = p.min_silence_at_max_speech ?? 98;
-  const useMaxPossSilAtMaxSpeech = p.use_max_poss_sil_at_max_speech ?? true;
-  const windowSizeSamples = 512;
-  const minSpeechSamples = (SR * minSpeechDurationMs) / 1000;
-  const speechPadSamples = (SR * speechPadMs) / 1000;
-  const maxSpeechSamples = SR * maxSpeechDurationS - windowSizeSamples - 2 * speechPadSamples;
-  const minSilenceSamples = (SR * minSilenceDurationMs) / 1000;
-  const minSilenceSamplesAtMaxSpeech = (SR * minSilenceAtMaxSpeech) / 1000;
-
-  let triggered = false;
-  const speeches: { start: number; end?: number }[] = [];
-  let currentSpeech: { start?: number; end?: number } = {};
-  const negThreshold = Math.max(threshold - 0.15, 0.01);
-  let tempEnd = 0;
-  let prevEnd = 0;
-  let nextStart = 0;
-  let possibleEnds: [number, number][] = [];
-
-  for (let i = 0; i < speechProbs.length; i++) {
-    const speechProb = speechProbs[i];
-    const curSample = windowSizeSamples * i;
-    if (speechProb >= threshold && tempEnd) {
-      const silDur = curSample - tempEnd;
-      if (silDur > minSilenceSamplesAtMaxSpeech) possibleEnds.push([tempEnd, silDur]);
-      tempEnd = 0;
-      if (nextStart < prevEnd) nextStart = curSample;
-    }
-    if (speechProb >= threshold && !triggered) {
-      triggered = true;
-      currentSpeech.start = curSample;
-      continue;
-    }
-    if (triggered && curSample - currentSpeech.start! > maxSpeechSamples) {
-      if (useMaxPossSilAtMaxSpeech && possibleEnds.length) {
-        let best = possibleEnds[0];
-        for (const e of possibleEnds) if (e[1] > best[1]) best = e;
-        const dur = best[1];
-        prevEnd = best[0];
-        currentSpeech.end = prevEnd;
-        speeches.push(currentSpeech as { start: number });
-        currentSpeech = {};
-        nextStart = prevEnd + dur;
-        if (nextStart < prevEnd + curSample) currentSpeech.start = nextStart;
-        else triggered = false;
-        prevEnd = nextStart = tempEnd = 0;
-        possibleEnds = [];
-      } else if (prevEnd) {
-        currentSpeech.end = prevEnd;
-        speeches.push(currentSpeech as { start: number });
-        currentSpeech = {};
-        if (nextStart < prevEnd) triggered = false;
-        else currentSpeech.start = nextStart;
-        prevEnd = nextStart = tempEnd = 0;
-        possibleEnds = [];
-      } else {
-        currentSpeech.end = curSample;
-        speeches.push(currentSpeech as { start: number });
-        currentSpeech = {};
-        prevEnd = nextStart = tempEnd = 0;
-        triggered = false;
-        possibleEnds = [];
-        continue;
-      }
-    }
-    if (speechProb < negThreshold && triggered) {
-      if (!tempEnd) tempEnd = curSample;
-      const silDurNow = curSample - tempEnd;
-      if (!useMaxPossSilAtMaxSpeech && silDurNow > minSilenceSamplesAtMaxSpeech) prevEnd = tempEnd;
-      if (silDurNow < minSilenceSamples) continue;
-      currentSpeech.end = tempEnd;
-      if (currentSpeech.end - currentSpeech.start! > minSpeechSamples)
-        speeches.push(currentSpeech as { start: number });
-      currentSpeech = {};
-      prevEnd = nextStart = tempEnd = 0;
-      triggered = false;
-      possibleEnds = [];
-    }
-  }
-  if (currentSpeech.start !== undefined && audioLengthSamples - currentSpeech.start > minSpeechSamples) {
-    currentSpeech.end = audioLengthSamples;
-    speeches.push(currentSpeech as { start: number });
-  }
-  const out = speeches as { start: number; end: number }[];
-  for (let i = 0; i < out.length; i++) {
-    const speech = out[i];
-    if (i === 0) speech.start = Math.trunc(Math.max(0, speech.start - speechPadSamples));
-    if (i !== out.length - 1) {
-      const silenceDuration = out[i + 1].start - speech.end;
-      if (silenceDuration < 2 * speechPadSamples) {
-        speech.end += Math.trunc(Math.floor(silenceDuration / 2));
-        out[i + 1].start = Math.trunc(Math.max(0, out[i + 1].start - Math.floor(silenceDuration / 2)));
-      } else {
-        speech.end = Math.trunc(Math.min(audioLengthSamples, speech.end + speechPadSamples));
-        out[i + 1].start = Math.trunc(Math.max(0, out[i + 1].start - speechPadSamples));
-      }
-    } else {
-      speech.end = Math.trunc(Math.min(audioLengthSamples, speech.end + speechPadSamples));
-    }
-  }
-  return out;
-}
 
 /** The cases: each splits or cuts differently (checked below against the unlimited segments). */
 const CASES: { name: string; params: Params }[] = [
@@ -247,5 +124,41 @@ describe(`max_speech_duration_s on ${FILE} against get_speech_timestamps`, () =>
       expect(res.status).toBe(400);
       expect((await res.json()).error.message).toContain(field);
     }
+  });
+});
+
+/** Pads the issue named (200, 500, 1,000 ms), and one past the file's end. */
+const PADS = [200, 500, 1000, 1500];
+
+describe(`item 13 (#25): speech_pad_ms on ${FILE} against get_speech_timestamps`, () => {
+  it('the reference pads the last segment by the full pad, up to the file length: its end grows with the pad', () => {
+    const unpadded = getSpeechTimestamps(probs, audio.length, { speech_pad_ms: 0 }).at(-1)!.end;
+    const ends = PADS.map((pad) => getSpeechTimestamps(probs, audio.length, { speech_pad_ms: pad }).at(-1)!.end);
+    expect(ends).toEqual(PADS.map((pad) => Math.min(audio.length, unpadded + (pad * SR) / 1000)));
+    // 200, 500 and 1,000 ms end at three different samples; 1,500 ms at the file's end.
+    expect(new Set(ends.slice(0, 3)).size).toBe(3);
+    expect(ends[3]).toBe(audio.length);
+  });
+
+  it.each(PADS)(
+    'file route: speech_pad_ms %i (min_silence_duration_ms 100, under 2 x pad) gives get_speech_timestamps exactly',
+    async (pad) => {
+      const want = getSpeechTimestamps(probs, audio.length, { speech_pad_ms: pad });
+      const res = await fetch(`${server.url}/v1/tasks/run?model=silero-vad&speech_pad_ms=${pad}`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(fixture(FILE)),
+      });
+      const body = await res.json();
+      expect(res.status, JSON.stringify(body)).toBe(200);
+      expect(samples(body.segments)).toEqual(want);
+    },
+  );
+
+  it.each(PADS)('stream: speech_pad_ms %i gives the same segments as the file', async (pad) => {
+    const want = getSpeechTimestamps(probs, audio.length, { speech_pad_ms: pad });
+    const events = await stream({ speech_pad_ms: pad });
+    const ends = events.filter((e) => e.type === 'speech_end').map((e) => ({ start_ms: e.start_ms, end_ms: e.end_ms }));
+    expect(ends).toEqual(ms(want));
   });
 });

@@ -77,17 +77,29 @@ class Client {
     }
   }
 
-  /** audio-start, the file's PCM in 100 ms audio-chunks, then audio-stop (unless `stop` is false). */
-  sendWav(file: string, stop = true): void {
+  /**
+   * audio-start, the file's PCM in 100 ms audio-chunks, then audio-stop (unless `stop` is false).
+   * `start`: the audio-start's data (default: the file's format, timestamp 0); `timestamp(i)`:
+   * chunk i's timestamp (default: 100 i, the ms of audio before it). Returns the chunks' timestamps.
+   */
+  sendWav(
+    file: string,
+    stop = true,
+    { start, timestamp = (i) => 100 * i }: { start?: Record<string, unknown>; timestamp?: (i: number) => number } = {},
+  ): number[] {
     const w = new WaveFile(fixture(file));
     const { sampleRate: rate, numChannels: channels } = w.fmt as { sampleRate: number; numChannels: number };
     const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
     const fmt = { rate, width: 2, channels };
-    this.send('audio-start', { ...fmt, timestamp: 0 });
+    this.send('audio-start', start ?? { ...fmt, timestamp: 0 });
     const step = (rate / 10) * 2 * channels;
-    for (let off = 0, t = 0; off < pcm.length; off += step, t += 100)
-      this.send('audio-chunk', { ...fmt, timestamp: t }, pcm.subarray(off, off + step));
+    const sent: number[] = [];
+    for (let off = 0, i = 0; off < pcm.length; off += step, i++) {
+      sent.push(timestamp(i));
+      this.send('audio-chunk', { ...fmt, timestamp: timestamp(i) }, pcm.subarray(off, off + step));
+    }
     if (stop) this.send('audio-stop', { timestamp: Math.round((pcm.length / 2 / channels / rate) * 1000) });
+    return sent;
   }
 }
 
@@ -227,6 +239,73 @@ describe('Wyoming', () => {
     await until(async () => (await leases()) === 0);
   });
 
+  it('item 1 (#25): detect {names: ["timer"]} (a multi-class head) answers detection {name: "timer"}, the name Home Assistant asked by', async () => {
+    const c = await Client.open(port);
+    // What Home Assistant's wyoming/wake_word.py sends: detect with the id it keeps (describe's
+    // name), audio-start 16 kHz without a timestamp; it drops every detection whose name differs.
+    c.send('detect', { names: ['timer'] });
+    c.sendWav('espeak_timer_16k.wav', true, { start: { rate: 16000, width: 2, channels: 1 } });
+    // "set a timer for five minutes": the timer head's class `5_minute_timer` fires.
+    const d = await c.next('detection');
+    expect(d.data.name).toBe('timer');
+    c.socket.end();
+    await c.closed;
+    expect(new Set(c.events.filter((e) => e.type === 'detection').map((e) => e.data.name))).toEqual(new Set(['timer']));
+  });
+
+  it('item 2 (#25): audio-chunks whose rate differs from audio-start are converted by their own header (22.05 kHz chunks after a 16 kHz start are detected)', async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['hey_jarvis'] });
+    // The start claims 16 kHz; every chunk says 22050 Hz, as its audio is.
+    c.sendWav('espeak_hey_jarvis_22k.wav', true, { start: { rate: 16000, width: 2, channels: 1, timestamp: 0 } });
+    expect((await c.next('detection')).data.name).toBe('hey_jarvis');
+    expect(c.events.some((e) => e.type === 'not-detected')).toBe(false);
+    c.socket.end();
+  });
+
+  it('item 2 (#25): a stream whose chunks change format midway (16 kHz mono, then 22.05 kHz, then 16 kHz stereo) is heard throughout', async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['alexa', 'hey_jarvis'] });
+    c.send('audio-start', { rate: 16000, width: 2, channels: 1, timestamp: 0 });
+    c.send('audio-chunk', { rate: 16000, width: 2, channels: 1, timestamp: 0 }, Buffer.alloc(16000));
+    // hey jarvis at 22.05 kHz (the chunks' own format), no new audio-start.
+    const jarvis = new WaveFile(fixture('espeak_hey_jarvis_22k.wav'));
+    const pcm22 = Buffer.from((jarvis.data as { samples: Uint8Array }).samples);
+    for (let off = 0; off < pcm22.length; off += 4410)
+      c.send('audio-chunk', { rate: 22050, width: 2, channels: 1 }, pcm22.subarray(off, off + 4410));
+    // alexa as 16 kHz stereo (each sample twice).
+    const alexa = new WaveFile(fixture('espeak_alexa_16k.wav'));
+    const mono = new Int16Array(
+      Buffer.from((alexa.data as { samples: Uint8Array }).samples).buffer.slice(0) as ArrayBuffer,
+    );
+    const stereo = new Int16Array(mono.length * 2);
+    mono.forEach((v, i) => stereo.set([v, v], 2 * i));
+    const pcm2 = Buffer.from(stereo.buffer);
+    for (let off = 0; off < pcm2.length; off += 6400)
+      c.send('audio-chunk', { rate: 16000, width: 2, channels: 2 }, pcm2.subarray(off, off + 6400));
+    c.send('audio-stop');
+    await until(() => c.events.filter((e) => e.type === 'detection').length === 2, 20_000);
+    expect(c.events.filter((e) => e.type === 'detection').map((e) => e.data.name)).toEqual(['hey_jarvis', 'alexa']);
+    c.socket.end();
+  });
+
+  it("item 5 (#25): a detection echoes the timestamp of the client audio-chunk it came in (wyoming-openwakeword), not a position in voxserve's audio", async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['alexa'] });
+    // As Home Assistant: no audio-start timestamp; chunk timestamps on the pipeline's clock (here
+    // starting at 7 s, 100 ms apart with a few ms of jitter).
+    const sent = c.sendWav('espeak_alexa_16k.wav', true, {
+      start: { rate: 16000, width: 2, channels: 1 },
+      timestamp: (i) => 7000 + 100 * i + (i % 3),
+    });
+    const d = await c.next('detection');
+    expect(sent).toContain(d.data.timestamp);
+    // The espeak phrase ends at 1.6 s of the file; openWakeWord fires within about a second of the end.
+    expect(d.data.timestamp).toBeGreaterThanOrEqual(7000 + 1500);
+    expect(d.data.timestamp).toBeLessThan(7000 + 2600);
+    c.socket.end();
+  });
+
   const malformed: [string, (s: Socket) => void, RegExp][] = [
     ['a header line that is not JSON', (s) => s.write('{"type": "describe"\n'), /not valid JSON/],
     [
@@ -264,6 +343,43 @@ describe('Wyoming', () => {
       (s) => s.write(JSON.stringify({ type: 'audio-start', data: { rate: 16000, width: 4, channels: 1 } }) + '\n'),
       /width: only 2/,
     ],
+    // Item 2 (#25): each chunk's own header is read, and a bad one named.
+    [
+      'item 2 (#25): an audio-chunk rate that is not a number',
+      (s) =>
+        s.write(
+          JSON.stringify({ type: 'audio-chunk', data: { rate: 'fast', width: 2, channels: 1 }, payload_length: 4 }) +
+            '\n\0\0\0\0',
+        ),
+      /audio-chunk\.rate: required integer, got "fast"/,
+    ],
+    [
+      'item 2 (#25): an audio-chunk rate out of range',
+      (s) =>
+        s.write(
+          JSON.stringify({ type: 'audio-chunk', data: { rate: 1000, width: 2, channels: 1 }, payload_length: 4 }) +
+            '\n\0\0\0\0',
+        ),
+      /audio-chunk\.rate: 1000 Hz is out of range/,
+    ],
+    [
+      'item 2 (#25): an audio-chunk width other than 2',
+      (s) =>
+        s.write(
+          JSON.stringify({ type: 'audio-chunk', data: { rate: 16000, width: 3, channels: 1 }, payload_length: 6 }) +
+            '\n\0\0\0\0\0\0',
+        ),
+      /audio-chunk\.width: only 2/,
+    ],
+    [
+      'item 2 (#25): an audio-chunk with 0 channels',
+      (s) =>
+        s.write(
+          JSON.stringify({ type: 'audio-chunk', data: { rate: 16000, width: 2, channels: 0 }, payload_length: 4 }) +
+            '\n\0\0\0\0',
+        ),
+      /audio-chunk\.channels: 0 is out of range/,
+    ],
   ];
   it.each(malformed)('%s: an error event, then the close; nothing leaks', async (_, write, message) => {
     const c = await Client.open(port);
@@ -286,8 +402,8 @@ describe('Wyoming', () => {
   });
 });
 
-describe('Wyoming deadlines and limits (those of WebSocket streams)', () => {
-  it('a silent connection is cut at limits.idle_ms; past limits.max_ws_connections a connection gets an error', async () => {
+describe('Wyoming deadlines and limits', () => {
+  it('item 4 (#25): a quiet connection is not cut at limits.idle_ms (wyoming-openwakeword does not cut): mid-stream, quiet for 5 x idle_ms, it is still heard; past limits.max_ws_connections a connection gets an error', async () => {
     const small = await startServer(
       ServerConfig.parse({
         log_level: 'silent',
@@ -306,10 +422,34 @@ describe('Wyoming deadlines and limits (those of WebSocket streams)', () => {
       text: expect.stringContaining('max_ws_connections'),
     });
     await c.closed;
+    // b starts an audio stream, then says nothing for 1.5 s (as a satellite whose pipeline runs).
+    b.send('detect', { names: ['alexa'] });
+    b.send('audio-start', { rate: 16000, width: 2, channels: 1, timestamp: 0 });
+    b.send('audio-chunk', { rate: 16000, width: 2, channels: 1, timestamp: 0 }, Buffer.alloc(3200));
+    await new Promise((r) => setTimeout(r, 1500));
+    expect(b.socket.destroyed).toBe(false);
+    expect(b.events).toEqual([]);
+    b.sendWav('espeak_alexa_16k.wav');
+    expect((await b.next('detection')).data.name).toBe('alexa');
+    // a, silent from the start, is still there too.
+    expect(a.socket.destroyed).toBe(false);
+    a.send('describe');
+    await a.next('info');
+    a.socket.end();
+    b.socket.end();
+  });
+
+  it('item 4 (#25): wyoming.idle_ms, when set, cuts a silent connection (its own setting, named in the error)', async () => {
+    const small = await startServer(
+      ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0, idle_ms: 300 } }),
+    );
+    onTestFinished(() => small.close());
+    await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
+    const [a, b] = await Promise.all([Client.open(small.wyoming!.port), Client.open(small.wyoming!.port)]);
     // a keeps talking (describe counts as a message), b stays silent.
     const talk = setInterval(() => a.send('describe'), 100);
     onTestFinished(() => clearInterval(talk));
-    expect((await b.next('error', 3000)).data.text).toContain('limits.idle_ms (300 ms)');
+    expect((await b.next('error', 3000)).data.text).toContain('wyoming.idle_ms (300 ms)');
     await b.closed;
     expect(a.socket.destroyed).toBe(false);
     clearInterval(talk);
