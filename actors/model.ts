@@ -632,6 +632,8 @@ export interface ModelStatus {
    * the epoch), the failures in a row and the last one's reason; null otherwise.
    */
   cool_down: { until: number; failures: number; reason: string } | null;
+  /** The model's licence in plain words (config `licence`); null when not given. */
+  licence: string | null;
 }
 
 /** Key order-independent JSON, to compare configs. */
@@ -1047,6 +1049,7 @@ export class ModelEntry {
               reason: s.context.coolDown.reason,
             }
           : null,
+      licence: s.context.config.licence ?? null,
     };
   }
 

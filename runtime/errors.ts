@@ -21,6 +21,9 @@ interface ErrorSpec {
   readonly message: (params: never) => string;
 }
 
+/** How the command line sends a key (named in 401s). */
+const CLI_KEY = 'voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY';
+
 /** Shortens a client-supplied string quoted back in a message. */
 const clip = (s: string, n = 128): string => (s.length > n ? `${s.slice(0, n)}...` : s);
 
@@ -109,9 +112,12 @@ export const ERRORS = {
   api_key_required: {
     type: 'unauthorized',
     message: (p: { keyProtocol: string }) =>
-      `this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol ${p.keyProtocol}<key>`,
+      `this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol ${p.keyProtocol}<key> (${CLI_KEY})`,
   },
-  api_key_invalid: { type: 'unauthorized', message: () => 'the API key is not valid' },
+  api_key_invalid: {
+    type: 'unauthorized',
+    message: () => `the API key is not valid: it is not one of the server's auth.api_keys (${CLI_KEY})`,
+  },
   host_not_allowed: {
     type: 'forbidden',
     message: (p: { host: string }) =>
@@ -133,8 +139,8 @@ export const ERRORS = {
   // 404
   model_not_found: {
     type: 'not_found',
-    message: (p: { id: string; field?: string; kind?: string; hint?: string }) =>
-      `${p.field ? `${p.field}: ` : ''}${p.kind ? `${p.kind} ` : ''}model '${clip(p.id)}' does not exist; ${p.hint ?? 'GET /v1/models lists the models'}`,
+    message: (p: { id: string; field?: string; kind?: string; similar?: readonly string[]; hint?: string }) =>
+      `${p.field ? `${p.field}: ` : ''}${p.kind ? `${p.kind} ` : ''}model '${clip(p.id)}' does not exist${p.similar?.length ? ` (did you mean ${p.similar.map((s) => `'${s}'`).join(' or ')}?)` : ''}; ${p.hint ?? 'GET /v1/models lists the models'}`,
   },
   route_not_found: {
     type: 'not_found',

@@ -1,4 +1,5 @@
-import { readFile, stat } from 'node:fs/promises';
+import { closeSync, openSync, readSync, statSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
 import { headsOf, modelFiles, type ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
 import { SlotPool, slotFactory, type SlotFactory } from './slots.js';
@@ -22,22 +23,99 @@ export interface LoadedModel {
 export type ModelLoader = (config: ModelConfig, signal?: AbortSignal) => Promise<LoadedModel>;
 
 /**
- * Checks that `path` is a regular file before anything opens it: a FIFO or a device would block
- * the reader (a thread of libuv's pool, or a slot host) forever.
- * @throws Error `cannot read model file <path>: <code>` (ENOENT, EACCES...) or `... is not a regular file`.
+ * The top-level fields of an ONNX `ModelProto` (onnx/onnx.proto: ir_version 1, producer_name 2,
+ * producer_version 3, domain 4, model_version 5, doc_string 6, graph 7, opset_import 8,
+ * metadata_props 14, training_info 20, functions 25) with their protobuf wire types (0 varint,
+ * 2 length-delimited).
  */
-async function regularFile(path: string): Promise<void> {
+const MODEL_PROTO_FIELDS = new Map([
+  [1, 0],
+  [2, 2],
+  [3, 2],
+  [4, 2],
+  [5, 0],
+  [6, 2],
+  [7, 2],
+  [8, 2],
+  [14, 2],
+  [20, 2],
+  [25, 2],
+]);
+
+/**
+ * Whether `head` (a file's first bytes) can start an ONNX model: a protobuf message whose first
+ * tag (a varint: field number << 3 | wire type) is one of `ModelProto`'s fields with its wire
+ * type. Serializers write fields in field-number order, so a real model starts with 0x08
+ * (ir_version); a text file, an archive or a TFLite file does not.
+ */
+export function looksLikeOnnx(head: Uint8Array): boolean {
+  let tag = 0;
+  for (let i = 0, shift = 0; i < Math.min(head.length, 5); i++, shift += 7) {
+    tag |= (head[i]! & 0x7f) << shift;
+    if ((head[i]! & 0x80) === 0) return MODEL_PROTO_FIELDS.get(tag >>> 3) === (tag & 7);
+  }
+  return false;
+}
+
+/**
+ * Checks a model file before anything loads it: it exists, is a regular file (a FIFO or a device
+ * would block the reader, a thread of libuv's pool or a slot host, forever; it is not opened) and
+ * starts like an ONNX model ({@link looksLikeOnnx}). Synchronous (a stat and a read of 16 bytes),
+ * so the server's start can check every configured model before it accepts work.
+ * @param path an absolute path (the message shows it as given).
+ * @throws Error `cannot read model file <path>: it does not exist` (or the errno code: EACCES...),
+ *   `... it is not a regular file`, or `model file <path> is not an ONNX model (...)`.
+ */
+export function checkModelFile(path: string): void {
   let isFile: boolean;
   try {
-    isFile = (await stat(path)).isFile();
+    isFile = statSync(path).isFile();
+  } catch (e) {
+    const code = (e as NodeJS.ErrnoException).code;
+    throw new Error(
+      `cannot read model file ${path}: ${code === 'ENOENT' ? 'it does not exist' : (code ?? (e as Error).message)}`,
+    );
+  }
+  if (!isFile) throw new Error(`cannot read model file ${path}: it is not a regular file`);
+  const head = new Uint8Array(16);
+  let n = 0;
+  try {
+    const fd = openSync(path, 'r');
+    try {
+      n = readSync(fd, head, 0, head.length, 0);
+    } finally {
+      closeSync(fd);
+    }
   } catch (e) {
     throw new Error(`cannot read model file ${path}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
   }
-  if (!isFile) throw new Error(`cannot read model file ${path}: it is not a regular file`);
+  if (!looksLikeOnnx(head.subarray(0, n)))
+    throw new Error(
+      `model file ${path} is not an ONNX model (${n === 0 ? 'it is empty' : 'its first bytes are not an ONNX ModelProto'})`,
+    );
+}
+
+/**
+ * Every file a model needs (its file or its heads' files, and the wake-word feature models it
+ * names), checked as {@link checkModelFile} does.
+ * @returns the first problem's message, or null when every file looks loadable.
+ */
+export function modelFileProblem(config: ModelConfig): string | null {
+  const files = [...modelFiles(config)];
+  if (config.task === 'wakeword')
+    files.push(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
+  for (const file of files) {
+    try {
+      checkModelFile(file);
+    } catch (e) {
+      return (e as Error).message;
+    }
+  }
+  return null;
 }
 
 async function readModelFile(path: string): Promise<Uint8Array> {
-  await regularFile(path);
+  checkModelFile(path);
   let bytes: Buffer;
   try {
     bytes = await readFile(path);
@@ -115,7 +193,7 @@ export function createLoader(
   factory?: SlotFactory,
 ): ModelLoader {
   return async (config, signal) => {
-    for (const file of modelFiles(config)) await regularFile(file);
+    for (const file of modelFiles(config)) checkModelFile(file);
     let spec: LoadSpec;
     let release = (): void => {};
     if (config.task === 'wakeword') {

@@ -7,7 +7,7 @@ import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { extname } from 'node:path';
 import { Command, InvalidArgumentError, Option } from 'commander';
-import { VoxClient, VoxClientError, type VoxStream } from '../client/node.js';
+import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
 import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
 import { LOG_LEVELS } from '../runtime/telemetry.js';
 import { VoxError } from '../runtime/errors.js';
@@ -84,6 +84,36 @@ function failed(url: string, e: unknown): never {
     die(`stream closed ${e.closeCode} (${e.type}): ${e.message}`);
   process.stdout.write(`${JSON.stringify({ error: { type: e.type, code: e.code, message: e.message } })}\n`);
   process.exit(1);
+}
+
+/**
+ * What `serve` says when the server cannot start: a config problem found at start (an unknown
+ * wake-word head, ...) as such; an address in use or refused, naming which listener (HTTP or
+ * Wyoming) and how to choose another.
+ */
+function startFailure(e: unknown, config: ServerConfig): string {
+  if (e instanceof VoxError) return `invalid configuration: ${e.message}`;
+  const err = e as NodeJS.ErrnoException & { address?: string; port?: number };
+  if (err.syscall === 'listen' && err.port !== undefined) {
+    const wyoming =
+      config.wyoming.enabled &&
+      err.port === config.wyoming.port &&
+      (err.port !== config.port || err.address === config.wyoming.host);
+    const what = wyoming
+      ? `the Wyoming address ${err.address}:${err.port}`
+      : `the HTTP address ${err.address}:${err.port}`;
+    const how = wyoming
+      ? 'choose another with --wyoming HOST:PORT (or wyoming.port in the config)'
+      : 'choose another with --port (or VOXSERVE_PORT, or port in the config)';
+    const why =
+      err.code === 'EADDRINUSE'
+        ? 'is already in use (another voxserve?)'
+        : err.code === 'EACCES'
+          ? 'is not allowed for this user (ports below 1024 need privileges)'
+          : `cannot be listened on (${err.code})`;
+    return `cannot start: ${what} ${why}; ${how}`;
+  }
+  return `cannot start on ${config.host}:${config.port}: ${err.message}`;
 }
 
 interface ServeOptions {
@@ -207,7 +237,7 @@ program
     try {
       server = await startServer(config);
     } catch (e) {
-      die(`cannot start on ${config.host}:${config.port}: ${(e as Error).message}`);
+      die(startFailure(e, config));
     }
     process.stderr.write(
       `voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`,
@@ -241,7 +271,7 @@ program
   .argument('<model>', 'model id, e.g. silero-vad or alexa')
   .argument('<file>', 'audio file')
   .option('--url <url>', 'server URL', DEFAULT_URL)
-  .option('--api-key <key>', "one of the server's auth.api_keys")
+  .addOption(new Option('--api-key <key>', "one of the server's auth.api_keys").env('VOXSERVE_API_KEY'))
   .option('--option <key=value>', 'task option (repeatable), e.g. --option threshold=0.7', collectOption, {})
   .option('--progress', 'draw a progress bar on stderr even when it is not a terminal')
   .option('--no-progress', 'no progress bar (default: one on stderr when it is a terminal)')
@@ -276,6 +306,29 @@ program
   );
 
 program
+  .command('models')
+  .description('list the models of a running server: id, task, state, licence (and the models that failed to load)')
+  .option('--url <url>', 'server URL', DEFAULT_URL)
+  .option('--json', 'print the GET /v1/models answer as it is')
+  .action(async (opts: { url: string; json?: boolean }) => {
+    let list: { models: ModelStatus[]; failed_models: { id: string; error: string }[] };
+    try {
+      list = await client(opts.url).modelList();
+    } catch (e) {
+      failed(opts.url, e);
+    }
+    if (opts.json) return void process.stdout.write(`${JSON.stringify(list)}\n`);
+    const rows = [
+      ['ID', 'TASK', 'STATE', 'LICENCE'],
+      ...list.models.map((m) => [m.id, m.task, m.state, m.licence ?? '-']),
+    ];
+    const widths = rows[0].map((_, i) => Math.max(...rows.map((r) => r[i].length)));
+    for (const r of rows)
+      process.stdout.write(`${r.map((c, i) => (i === r.length - 1 ? c : c.padEnd(widths[i]))).join('  ')}\n`);
+    for (const f of list.failed_models) process.stdout.write(`failed to load: ${f.id}: ${f.error}\n`);
+  });
+
+program
   .command('stream')
   .description('stream a WAV file to a running server over WebSocket and print events as they arrive')
   .argument('<model>', 'model id')
@@ -284,7 +337,7 @@ program
   .option('--realtime', 'send each frame when its audio has elapsed')
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
-  .option('--api-key <key>', "one of the server's auth.api_keys")
+  .addOption(new Option('--api-key <key>', "one of the server's auth.api_keys").env('VOXSERVE_API_KEY'))
   .action(
     async (
       model: string,

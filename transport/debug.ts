@@ -238,7 +238,7 @@ let selected = null;
 function fill(card, chartId, active) { const el = card.querySelector('.svg'); if (layouts[chartId]) el.innerHTML = svgOf(layouts[chartId], active); }
 async function refresh() {
   const r = await fetch('/debug/state', { headers });
-  if (!r.ok) { document.getElementById('phase').textContent = 'HTTP ' + r.status; return; }
+  if (!r.ok) { document.getElementById('phase').textContent = r.status === 403 ? (token ? 'HTTP 403: the token is not the management.token of this server' : 'this server has a management token: open /debug?token=<management.token>') : 'HTTP ' + r.status; return; }
   const d = await r.json();
   document.getElementById('phase').textContent = 'system: ' + d.root.state + ', supervisor: ' + d.supervisor.active.at(-1);
   fill(document.getElementById('root-card'), 'system', d.root.active);

@@ -8,6 +8,8 @@ import type { ServerConfig } from '../runtime/config.js';
 import { invalid, voxError } from '../runtime/errors.js';
 import type { Access } from './access.js';
 import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
+import { demoRoute } from './demo.js';
+import { DEBUG_OFF_PAGE, homePage, sendHtml } from './home.js';
 import {
   parseBatchRequest,
   parseJsonObject,
@@ -54,6 +56,8 @@ export interface Route<B = undefined> {
   readonly auth: RouteAuth;
   /** Body media types it takes, checked before the body is read (415 otherwise); a function for a rule of its own. */
   readonly accepts?: readonly string[] | ((req: IncomingMessage) => void);
+  /** A page for a person with a browser: the HTML answered (403) instead of the JSON error when management is off (auth `managementPage`). */
+  readonly offPage?: string;
   /** Work that a server that does not accept work (starting, draining) refuses with 503. */
   readonly work?: boolean;
   /** Reads and validates the body (the route's schema); `undefined` for a route without one. */
@@ -131,7 +135,8 @@ export interface RouteDeps {
   /** Open `/debug/actors` event streams (ended at shutdown). */
   readonly sse: Set<ServerResponse>;
   readonly inspected: Inspection;
-  readonly demo: (path: string, res: ServerResponse) => void;
+  /** Whether `/demo` is served (config `demo.enabled`; by default on a loopback address). */
+  readonly demo: boolean;
   /** This node of a cluster, or null. */
   readonly cluster: ClusterNode | null;
 }
@@ -144,8 +149,9 @@ export interface RouteDeps {
 export function createDispatch(
   deps: RouteDeps,
 ): (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number) => Promise<void> {
-  const { config, supervisor, access, streams, sse, inspected, demo, cluster } = deps;
+  const { config, supervisor, access, streams, sse, inspected, cluster } = deps;
   const { metrics } = supervisor;
+  const demo = demoRoute(deps.demo);
 
   /** In a cluster, each model's status gains the nodes holding it; models held only elsewhere are listed too. */
   const withNodes = <T extends { id: string }>(list: T[]): (T & { nodes?: unknown[] })[] => {
@@ -209,6 +215,13 @@ export function createDispatch(
 
   /** Every HTTP route (the WebSocket upgrade of `/v1/stream` is handled on `upgrade`). */
   const routes: Route<unknown>[] = [
+    // A person who opens the server's address in a browser: what it is and where to go.
+    route({
+      method: 'GET',
+      path: '/',
+      auth: 'none',
+      handle: ({ res }) => sendHtml(res, 200, homePage(deps.demo, config.management.enabled)),
+    }),
     route({
       method: 'GET',
       path: '/health',
@@ -255,7 +268,7 @@ export function createDispatch(
       auth: 'none',
       handle: ({ res, params }) => {
         const status = supervisor.status(params.id);
-        if (!status) throw voxError('model_not_found', { id: params.id });
+        if (!status) throw supervisor.unknownModel(params.id);
         sendJson(res, 200, cluster ? withNodes([status])[0] : status);
       },
     }),
@@ -281,6 +294,7 @@ export function createDispatch(
       method: 'GET',
       path: '/debug',
       auth: 'managementPage',
+      offPage: DEBUG_OFF_PAGE,
       handle: ({ res }) => page(res, 'text/html; charset=utf-8', 'no-store', DEBUG_PAGE),
     }),
     route({
@@ -407,6 +421,7 @@ export function createDispatch(
     }
     const { route: r, params } = found;
     if (r.auth === 'apiKey') access.apiKey(req);
+    else if (r.offPage && !config.management.enabled) return sendHtml(res, 403, r.offPage);
     else if (r.auth !== 'none') access.management(req, r.auth === 'managementPage');
     if (typeof r.accepts === 'function') r.accepts(req);
     else if (r.accepts) requireMediaType(req, [...r.accepts]);

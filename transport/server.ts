@@ -14,7 +14,6 @@ import { bindHttp, errorHeaders, sendError, type HttpLink } from './http.js';
 import { createAccess, isLoopback } from './access.js';
 import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
-import { demoRoute } from './demo.js';
 import { createDispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
 import { ClusterNode } from '../cluster/node.js';
@@ -121,7 +120,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     sse,
     inspected,
     cluster,
-    demo: demoRoute(config.demo.enabled ?? isLoopback(config.host)),
+    demo: config.demo.enabled ?? isLoopback(config.host),
   });
 
   const headersTimeout = config.limits.headers_timeout_ms;
@@ -278,6 +277,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
   const addr = http.address() as AddressInfo;
   const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
+  // The log's own record of the address (the CLI also tells the person at the terminal, on stderr).
+  log.info({ url: `http://${host}:${addr.port}` }, 'listening');
   let wyoming: WyomingService | null = null;
   if (config.wyoming.enabled) {
     try {

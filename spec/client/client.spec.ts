@@ -3,11 +3,12 @@ import { readFileSync } from 'node:fs';
 import { createServer, type AddressInfo } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import WebSocket, { WebSocketServer } from 'ws';
 import { VoxClient, VoxClientError, type StreamEvent } from '../../client/node.js';
 import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
+import { spawnServer } from '../../tools/spawn-server.js';
 import { fixture, loopWav, WaveFile } from '../helpers.js';
 
 const exec = promisify(execFile);
@@ -300,6 +301,71 @@ describe('errors are typed with the wire type', () => {
 
   it('a URL without a scheme is refused with a hint', () => {
     expect(() => new VoxClient({ url: '127.0.0.1:8080' })).toThrow(/did you mean http:\/\/127\.0\.0\.1:8080/);
+  });
+});
+
+describe('heartbeat (heartbeatMs)', () => {
+  /** Settles with the rejection of `p`, or with a timeout error after `ms` (a promise that never settles). */
+  const outcome = (p: Promise<unknown>, ms: number): Promise<unknown> =>
+    Promise.race([
+      p.then(
+        () => 'resolved',
+        (e) => e,
+      ),
+      new Promise((r) => setTimeout(() => r(new Error(`still pending after ${ms} ms`)), ms)),
+    ]);
+
+  it('item 12 (#25): a frozen server (SIGSTOP): end() and the event iterator reject with connection_error heartbeat_timeout', async () => {
+    const { child, url } = await spawnServer(['--port', '0']);
+    const exited = new Promise((r) => child.once('exit', r));
+    onTestFinished(async () => {
+      child.kill('SIGCONT');
+      child.kill('SIGTERM');
+      await exited;
+    });
+    const stream = await new VoxClient({ url, heartbeatMs: 300 }).stream({ model: 'silero-vad' });
+    await stream.send(Buffer.alloc(3200));
+    child.kill('SIGSTOP');
+    const iterated = (async () => {
+      for await (const _ of stream);
+    })();
+    const ended = stream.end();
+    // Without a heartbeat both wait for ever (the frozen server's kernel keeps the TCP connection up).
+    const [endError, iterError] = await Promise.all([outcome(ended, 10_000), outcome(iterated, 10_000)]);
+    for (const e of [endError, iterError]) {
+      expect(e).toBeInstanceOf(VoxClientError);
+      expect(e).toMatchObject({ type: 'connection_error', code: 'heartbeat_timeout' });
+      expect((e as Error).message).toMatch(/no answer from .* for 300 ms after a ping \(heartbeatMs\)/);
+    }
+    expect((await stream.closed).error?.code).toBe('heartbeat_timeout');
+  });
+
+  it('item 12 (#25): a server that is quiet but alive answers the pings: a silent stream lives through many intervals', async () => {
+    const stream = await new VoxClient({ url: server.url, heartbeatMs: 400 }).stream({ model: 'silero-vad' });
+    // 2.4 s of silence, sent slowly: no event from the server, only pongs (6 intervals).
+    for (let i = 0; i < 24; i++) {
+      await stream.send(Buffer.alloc(3200));
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    expect((await stream.end()).type).toBe('done');
+    expect((await stream.closed).error).toBeUndefined();
+  });
+
+  it('item 12 (#25): a ws server that stops answering pings fails the stream; heartbeatMs 0 turns it off; a bad value is a TypeError', async () => {
+    // A server that opens the stream, sends ready, then never answers a ping (autoPong off).
+    const wss = new WebSocketServer({ port: 0, autoPong: false, handleProtocols: (p) => [...p][0] });
+    onTestFinished(() => new Promise<void>((r) => wss.close(() => r())));
+    wss.on('connection', (ws) => {
+      ws.on('error', () => {});
+      ws.send(JSON.stringify({ type: 'ready', session_id: 'x', model: 'm', task: 'vad', sample_rate: 16000 }));
+    });
+    const url = `http://127.0.0.1:${(wss.address() as AddressInfo).port}`;
+    const failing = await new VoxClient({ url, heartbeatMs: 100 }).stream({ model: 'm' });
+    expect(await outcome(failing.end(), 5000)).toMatchObject({ code: 'heartbeat_timeout' });
+    const off = await new VoxClient({ url, heartbeatMs: 0 }).stream({ model: 'm' });
+    expect(await outcome(off.end(), 600)).toMatchObject({ message: 'still pending after 600 ms' });
+    off.close();
+    expect(() => new VoxClient({ url, heartbeatMs: -1 })).toThrow(/heartbeatMs: a number of ms/);
   });
 });
 

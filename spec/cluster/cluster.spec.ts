@@ -412,6 +412,7 @@ describe('NATS credentials and reachability', () => {
       await expect(startServer(config('wrong-token'))).rejects.toThrow(
         new RegExp(`cannot connect to NATS at ${nats.url}.*[Aa]uthorization`),
       );
+      await expect(startServer(config('wrong-token'))).rejects.not.toThrow(/wrong-token/);
       const ok = await startServer(config('s3cret-token'));
       expect((await json(`${ok.url}/v1/cluster`)).body.nodes.map((n: { node: string }) => n.node)).toEqual(['X']);
       await ok.close();
@@ -432,6 +433,30 @@ describe('NATS credentials and reachability', () => {
     const code = await new Promise<number | null>((r) => child.on('exit', (c) => r(c)));
     expect(code).toBe(1);
     expect(err).toContain(`cannot connect to NATS at nats://127.0.0.1:${port}`);
+  });
+
+  it('credentials in the NATS URL or the config never appear in a start-up error', async () => {
+    const port = await freePort();
+    const child = spawn(
+      process.execPath,
+      [
+        'dist/tools/cli.js',
+        'serve',
+        '--port',
+        '0',
+        '--cluster',
+        `nats://tok-s3cret@127.0.0.1:${port},nats://bob:pw-s3cret@127.0.0.1:${port}`,
+        '--node',
+        'lonely',
+      ],
+      { stdio: ['ignore', 'pipe', 'pipe'] },
+    );
+    let out = '';
+    child.stderr.on('data', (d) => (out += d));
+    child.stdout.on('data', (d) => (out += d));
+    expect(await new Promise<number | null>((r) => child.on('exit', (c) => r(c)))).toBe(1);
+    expect(out).toContain(`cannot connect to NATS at nats://***@127.0.0.1:${port},nats://***@127.0.0.1:${port}`);
+    expect(out).not.toMatch(/s3cret/);
   });
 });
 

@@ -26,6 +26,10 @@ export interface NatsServer {
   proc: ChildProcess;
   /** Stops the server (SIGTERM, then SIGKILL) and removes its store. */
   stop(): Promise<void>;
+  /** Stops the server but keeps its store (for {@link restart}). */
+  halt(): Promise<void>;
+  /** Starts the server again on the same port with the same store (its buckets survive). */
+  restart(): Promise<void>;
 }
 
 /**
@@ -36,34 +40,44 @@ export interface NatsServer {
 export async function startNats(args: string[] = [], port?: number): Promise<NatsServer> {
   const p = port ?? (await freePort());
   const dir = mkdtempSync(join(tmpdir(), 'voxserve-nats-'));
-  const proc = spawn('/usr/sbin/nats-server', ['-js', '-a', '127.0.0.1', '-p', String(p), '-sd', dir, ...args], {
-    stdio: ['ignore', 'pipe', 'pipe'],
-  });
-  let out = '';
-  const ready = new Promise<void>((resolve, reject) => {
-    const on = (d: Buffer): void => {
-      out += d.toString();
-      if (out.includes('Server is ready')) resolve();
-    };
-    proc.stdout!.on('data', on);
-    proc.stderr!.on('data', on);
-    proc.once('exit', (code) => reject(new Error(`nats-server exited with ${code}: ${out}`)));
-    setTimeout(() => reject(new Error(`nats-server not ready in 10 s: ${out}`)), 10_000).unref();
-  });
-  await ready;
-  const exited = new Promise<void>((r) => proc.once('exit', () => r()));
-  return {
+  const launch = async (): Promise<ChildProcess> => {
+    const proc = spawn('/usr/sbin/nats-server', ['-js', '-a', '127.0.0.1', '-p', String(p), '-sd', dir, ...args], {
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    let out = '';
+    await new Promise<void>((resolve, reject) => {
+      const on = (d: Buffer): void => {
+        out += d.toString();
+        if (out.includes('Server is ready')) resolve();
+      };
+      proc.stdout!.on('data', on);
+      proc.stderr!.on('data', on);
+      proc.once('exit', (code) => reject(new Error(`nats-server exited with ${code}: ${out}`)));
+      setTimeout(() => reject(new Error(`nats-server not ready in 10 s: ${out}`)), 10_000).unref();
+    });
+    return proc;
+  };
+  const halt = async (proc: ChildProcess): Promise<void> => {
+    if (proc.exitCode !== null || proc.signalCode !== null) return;
+    const exited = new Promise<void>((r) => proc.once('exit', () => r()));
+    proc.kill('SIGTERM');
+    const t = setTimeout(() => proc.kill('SIGKILL'), 3000);
+    await exited;
+    clearTimeout(t);
+  };
+  const server: NatsServer = {
     url: `nats://127.0.0.1:${p}`,
     port: p,
-    proc,
+    proc: await launch(),
     stop: async () => {
-      if (proc.exitCode === null && proc.signalCode === null) {
-        proc.kill('SIGTERM');
-        const t = setTimeout(() => proc.kill('SIGKILL'), 3000);
-        await exited;
-        clearTimeout(t);
-      }
+      await halt(server.proc);
       rmSync(dir, { recursive: true, force: true });
     },
+    halt: () => halt(server.proc),
+    restart: async () => {
+      await halt(server.proc);
+      server.proc = await launch();
+    },
   };
+  return server;
 }

@@ -54,11 +54,11 @@ describe('decodeWav', () => {
     expect(decodeWav(w).samples.length).toBe(1600);
   });
 
-  it('rejects a compressed encoding (mu-law) by its format code', () => {
+  it('rejects a compressed encoding (MS ADPCM) by its format code', () => {
     const w = toneWav({ rate: 8000, channels: 1, bitDepth: '16', frames: 800 });
-    w.writeUInt16LE(7, 20); // fmt audioFormat = 7 (mu-law)
-    w.writeUInt16LE(8, 34); // bitsPerSample 8
-    expect(() => decodeWav(w)).toThrow(/unsupported WAV encoding \(format code 7\)/);
+    w.writeUInt16LE(2, 20); // fmt audioFormat = 2 (MS ADPCM)
+    w.writeUInt16LE(4, 34); // bitsPerSample 4
+    expect(() => decodeWav(w)).toThrow(/unsupported WAV encoding \(format code 2\); send PCM, float, mu-law or A-law/);
   });
 
   it('rejects a sample rate out of range', () => {
@@ -157,4 +157,60 @@ describe('decodeWav: chunks it does not need (found by spec/fuzz)', () => {
       expect(a.samples.length).toBe(32);
     },
   );
+});
+
+/**
+ * G.711 expansion written out from the reference C code (Sun Microsystems' g711.c, public domain,
+ * the implementation CCITT G.711 software tools are based on): `ulaw2linear` and `alaw2linear`.
+ */
+function ulaw2linear(byte: number): number {
+  const u = ~byte & 0xff;
+  let t = ((u & 0x0f) << 3) + 0x84;
+  t <<= (u & 0x70) >> 4;
+  return u & 0x80 ? 0x84 - t : t - 0x84;
+}
+function alaw2linear(byte: number): number {
+  const a = byte ^ 0x55;
+  let t = (a & 0x0f) << 4;
+  const seg = (a & 0x70) >> 4;
+  if (seg === 0) t += 8;
+  else if (seg === 1) t += 0x108;
+  else t = (t + 0x108) << (seg - 1);
+  return a & 0x80 ? t : -t;
+}
+
+/** A mono 8 kHz WAV of 8-bit G.711 samples with format code `code` (6 A-law, 7 mu-law), built by hand. */
+function g711Wav(code: number, samples: Uint8Array): Buffer {
+  const h = Buffer.alloc(44);
+  h.write('RIFF', 0, 'latin1');
+  h.writeUInt32LE(36 + samples.length, 4);
+  h.write('WAVEfmt ', 8, 'latin1');
+  h.writeUInt32LE(16, 16);
+  h.writeUInt16LE(code, 20);
+  h.writeUInt16LE(1, 22);
+  h.writeUInt32LE(8000, 24);
+  h.writeUInt32LE(8000, 28);
+  h.writeUInt16LE(1, 32);
+  h.writeUInt16LE(8, 34);
+  h.write('data', 36, 'latin1');
+  h.writeUInt32LE(samples.length, 40);
+  return Buffer.concat([h, samples]);
+}
+
+describe('decodeWav: G.711 telephone audio', () => {
+  const every = Uint8Array.from({ length: 256 }, (_, i) => i);
+  it.each([
+    ['mu-law', 7, ulaw2linear],
+    ['A-law', 6, alaw2linear],
+  ] as const)('expands every %s code to the 16-bit value of the reference decoder', (_name, code, reference) => {
+    const a = decodeWav(g711Wav(code, every));
+    expect(a.sampleRate).toBe(8000);
+    expect(Array.from(a.samples, (v) => Math.round(v * 32768))).toEqual(Array.from(every, reference));
+  });
+
+  it('refuses G.711 at another bit depth, naming it', () => {
+    const w = g711Wav(7, every);
+    w.writeUInt16LE(16, 34);
+    expect(() => decodeWav(w)).toThrow('audio: unsupported bit depth 16 for mu-law samples; expected 8');
+  });
 });

@@ -404,12 +404,13 @@ describe('auth.api_keys', () => {
       type: 'unauthorized',
       code: 'api_key_required',
       message:
-        'this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol voxserve.key.<key>',
+        'this server needs an API key: Authorization: Bearer <key>, or on a stream the subprotocol voxserve.key.<key> (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)',
     });
     expect((await runWav(s, bearer(`${key}x`))).body.error).toEqual({
       type: 'unauthorized',
       code: 'api_key_invalid',
-      message: 'the API key is not valid',
+      message:
+        "the API key is not valid: it is not one of the server's auth.api_keys (voxserve run/stream: --api-key KEY or VOXSERVE_API_KEY)",
     });
     expect((await runWav(s, bearer('management-token'))).status).toBe(401); // the management token is not an API key
     expect((await runWav(s, bearer(key))).status).toBe(200);
@@ -605,7 +606,7 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
     }
     expect(
       await new VoxClient({ url: s.url, apiKey: 'wrong-key-0123456789' }).stream({ model }).catch((e) => e),
-    ).toMatchObject({ type: 'unauthorized', status: 401, message: 'the API key is not valid' });
+    ).toMatchObject({ type: 'unauthorized', status: 401, message: expect.stringMatching(/^the API key is not valid/) });
     const keyed = new VoxClient({ url: s.url, apiKey: key });
     expect((await keyed.run(wav, { model })).task).toBe('vad');
     expect(await keyed.run(wav, { model, contentType: 'text/plain' }).catch((e) => e)).toMatchObject({

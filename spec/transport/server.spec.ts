@@ -8,7 +8,7 @@ import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import type { ModelLoader } from '../../runtime/loader.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fakeLoader } from '../fuzz/fakes.js';
-import { fixture, handshake, toneWav, WaveFile } from '../helpers.js';
+import { expectSegments, fixture, handshake, reference, toneWav, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 const MAX_BODY = 4 * 1024 * 1024;
@@ -127,6 +127,7 @@ describe('server basics', () => {
         'last_error',
         'last_eviction',
         'last_used_at',
+        'licence',
         'loaded',
         'max_streams',
         'oldest_wait_ms',
@@ -400,12 +401,22 @@ describe('bad input: a clear error, and the server keeps serving', () => {
     await stillWorks();
   });
 
+  it.each(['espeak_sentence_8k_mulaw.wav', 'espeak_sentence_8k_alaw.wav'])(
+    'telephone audio (%s, 8 kHz G.711 made by sox) gives the speech of its source',
+    async (file) => {
+      const r = await runWav('silero-vad', fixture(file));
+      expect(r.status).toBe(200);
+      // Another sample rate goes through the resampler: boundaries within 300 ms (spec/fixtures/README.md).
+      expectSegments(r.body.segments, reference('espeak_sentence_16k.wav').segments_v6, 300);
+    },
+  );
+
   it('unsupported encoding, sample rate or channels -> 400', async () => {
-    const mulaw = toneWav({ rate: 8000, channels: 1, bitDepth: '16', frames: 800 });
-    mulaw.writeUInt16LE(7, 20);
-    expect((await runWav('silero-vad', mulaw)).body.error).toMatchObject({
+    const adpcm = toneWav({ rate: 8000, channels: 1, bitDepth: '16', frames: 800 });
+    adpcm.writeUInt16LE(2, 20); // MS ADPCM
+    expect((await runWav('silero-vad', adpcm)).body.error).toMatchObject({
       code: 'unsupported_audio',
-      message: expect.stringMatching(/format code 7/),
+      message: expect.stringMatching(/format code 2/),
     });
     const rate = toneWav({ rate: 16000, channels: 1, bitDepth: '16', frames: 800 });
     rate.writeUInt32LE(1000, 24);
