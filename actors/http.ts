@@ -1,4 +1,5 @@
 import {
+  and,
   assign,
   createActor,
   emit,
@@ -62,8 +63,12 @@ type ExchangeEvent =
 
 /** Events the transport sends an HTTP socket actor. */
 export type HttpInput =
-  /** A request started (`rid` numbers the requests of the connection): the connection is busy until its response closes. */
-  | { type: 'REQUEST_STARTED'; rid: number }
+  /**
+   * A request arrived (`rid` numbers the requests of the connection, in order): the connection is
+   * busy until its response closes. `safe`: its method is GET, HEAD, OPTIONS or TRACE. It may be
+   * handled once the actor emits `start` for it (pipelining, {@link httpSocketMachine}).
+   */
+  | { type: 'REQUEST_STARTED'; rid: number; safe: boolean }
   /** A started request is a task request, parsed: an exchange runs it. */
   | { type: 'TASK'; rid: number; request: TaskRequest }
   /** The response to `rid` is fully written, or its client went away: its lease is released. */
@@ -76,6 +81,8 @@ export type HttpInput =
 
 /** What an HTTP socket actor emits for the transport to write. */
 export type HttpOutput =
+  /** Request `rid` may be handled now (its turn among the pipelined requests of the connection). */
+  | { type: 'start'; rid: number }
   | { type: 'respond'; rid: number; status: number; body: unknown }
   | { type: 'sse-start'; rid: number }
   | { type: 'sse-event'; rid: number; name: string; data: unknown }
@@ -296,11 +303,25 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
   },
 );
 
+/** What an HTTP socket actor is created with. */
+export interface HttpSocketInput {
+  limits: Limits;
+  registry: Supervisor;
+  /** Bytes read from the connection so far (a request's headers still arriving count as activity); default: never changes. */
+  bytesRead?: () => number;
+}
+
 interface HttpContext {
   limits: Limits;
   registry: Supervisor;
-  /** Requests in flight on this connection (task exchanges and other routes). */
+  bytesRead: () => number;
+  /** Requests handled now on this connection (task exchanges and other routes), oldest first, and which of them are unsafe. */
   active: number[];
+  unsafe: number[];
+  /** Requests that arrived (pipelined) and wait for their turn, oldest first. */
+  waiting: { rid: number; safe: boolean }[];
+  /** {@link HttpSocketInput.bytesRead} when the connection last went idle. */
+  readMark: number;
 }
 
 /**
@@ -309,35 +330,72 @@ interface HttpContext {
  * (requests in flight; each task request runs in an `exchange` child that holds its lease) ->
  * `draining` (the root's `drain`: in-flight responses finish, then the connection closes; an idle
  * connection lingers until the drain ends, answering what arrives) ->
- * `closed`. An idle keep-alive connection is closed after `limits.idle_ms` (`after`). When the
- * peer goes, every exchange is stopped: pending inference dropped, leases released.
- * (The request-headers deadline is node's own parser deadline, `limits.headers_timeout_ms`, answered 408.)
+ * `closed`. When the peer goes, every exchange is stopped: pending inference dropped, leases released.
+ *
+ * Pipelining (RFC 9112 section 9.3.2): requests of one connection are started (`start`) in
+ * arrival order by `startWaiting`; safe ones (GET, HEAD, OPTIONS, TRACE) run together, an unsafe
+ * one (POST: loads, unloads, tasks) starts only once every earlier one has finished, and nothing
+ * after it starts before it has finished. So `load` then `unload` pipelined run in that order.
+ *
+ * Keep-alive: an idle connection is closed after `limits.idle_ms` (`after`) with no byte from the
+ * peer; a next request whose headers are still arriving is not idle (`bytesArrived`): its
+ * deadline is node's headers timeout (`limits.headers_timeout_ms`, answered 408).
  */
 export const httpSocketMachine = setup({
   types: {
     context: {} as HttpContext,
     events: {} as HttpInput | ExchangeEvent,
-    input: {} as { limits: Limits; registry: Supervisor },
+    input: {} as HttpSocketInput,
     emitted: {} as HttpOutput,
   },
   actors: { exchange },
   guards: {
-    busy: ({ context }) => context.active.length > 0,
-    quiet: ({ context }) => context.active.length === 0,
+    busy: ({ context }) => context.active.length > 0 || context.waiting.length > 0,
+    quiet: ({ context }) => context.active.length === 0 && context.waiting.length === 0,
     keepAliveOn: ({ context }) => context.limits.idle_ms > 0,
+    /** Bytes came from the peer since the connection went idle: a request is on its way. */
+    bytesArrived: ({ context }) => context.bytesRead() > context.readMark,
   },
   delays: { keepAlive: ({ context }) => context.limits.idle_ms },
   actions: {
+    markRead: assign({ readMark: ({ context }) => context.bytesRead() }),
+    /** Starts waiting requests from the oldest while the pipelining rule allows: a safe one when no unsafe one runs, an unsafe one when nothing runs. */
+    startWaiting: enqueueActions(({ enqueue, context }) => {
+      const active = [...context.active];
+      const unsafe = [...context.unsafe];
+      let n = 0;
+      for (const w of context.waiting) {
+        if (w.safe ? unsafe.length > 0 : active.length > 0) break;
+        active.push(w.rid);
+        if (!w.safe) unsafe.push(w.rid);
+        enqueue.emit({ type: 'start', rid: w.rid } as HttpOutput);
+        n++;
+      }
+      if (n) enqueue.assign({ active, unsafe, waiting: context.waiting.slice(n) });
+    }),
     finished: enqueueActions(({ enqueue, context, event }) => {
       const rid = (event as { rid: number }).rid;
+      if (context.waiting.some((w) => w.rid === rid))
+        return void enqueue.assign({ waiting: context.waiting.filter((w) => w.rid !== rid) });
       if (!context.active.includes(rid)) return;
       enqueue(stopChild(`exchange:${rid}`));
-      enqueue.assign({ active: context.active.filter((r) => r !== rid) });
+      enqueue.assign({
+        active: context.active.filter((r) => r !== rid),
+        unsafe: context.unsafe.filter((r) => r !== rid),
+      });
     }),
   },
 }).createMachine({
   id: 'http',
-  context: ({ input }) => ({ limits: input.limits, registry: input.registry, active: [] }),
+  context: ({ input }) => ({
+    limits: input.limits,
+    registry: input.registry,
+    bytesRead: input.bytesRead ?? (() => 0),
+    active: [],
+    unsafe: [],
+    waiting: [],
+    readMark: input.bytesRead?.() ?? 0,
+  }),
   initial: 'open',
   on: {
     TASK: {
@@ -349,8 +407,13 @@ export const httpSocketMachine = setup({
           });
       }),
     },
-    REQUEST_STARTED: { actions: assign({ active: ({ context, event }) => [...context.active, event.rid] }) },
-    RESPONSE_CLOSED: { actions: 'finished' },
+    REQUEST_STARTED: {
+      actions: [
+        assign({ waiting: ({ context, event }) => [...context.waiting, { rid: event.rid, safe: event.safe }] }),
+        'startWaiting',
+      ],
+    },
+    RESPONSE_CLOSED: { actions: ['finished', 'startWaiting'] },
     RESPONSE: {
       actions: emit(
         ({ event }) => ({ type: 'respond', rid: event.rid, status: event.status, body: event.body }) as HttpOutput,
@@ -369,17 +432,30 @@ export const httpSocketMachine = setup({
   },
   states: {
     open: {
+      entry: 'markRead',
       always: { guard: 'busy', target: 'streaming' },
       on: { DRAIN: 'lingering' },
-      after: { keepAlive: { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) } },
+      after: {
+        keepAlive: [
+          // Bytes arrived: a request's headers are on their way (node's headers timeout bounds them).
+          { guard: and(['keepAliveOn', 'bytesArrived']), target: 'open', reenter: true },
+          { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) },
+        ],
+      },
     },
     // Idle while the server drains. Closing now could cut a request the peer has already sent
     // (its bytes unread while the server handles SIGTERM): the peer would see a reset, not an
     // answer. So a request that arrives is answered (503 shutting_down, `Connection: close`),
     // and the connection otherwise stays until the drain ends (the server closes idle ones).
     lingering: {
+      entry: 'markRead',
       always: { guard: 'busy', target: 'draining' },
-      after: { keepAlive: { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) } },
+      after: {
+        keepAlive: [
+          { guard: and(['keepAliveOn', 'bytesArrived']), target: 'lingering', reenter: true },
+          { guard: 'keepAliveOn', target: 'closed', actions: emit({ type: 'close' }) },
+        ],
+      },
     },
     streaming: {
       always: { guard: 'quiet', target: 'open' },
@@ -401,9 +477,6 @@ let httpSeq = 0;
  * Creates an HTTP socket actor as its own root actor (`socket:http:<n>`), sharing the server's
  * inspector; unstarted, so the transport can listen to what it emits first.
  */
-export function createHttpSocket(
-  input: { limits: Limits; registry: Supervisor },
-  inspect?: (e: InspectionEvent) => void,
-): HttpSocket {
+export function createHttpSocket(input: HttpSocketInput, inspect?: (e: InspectionEvent) => void): HttpSocket {
   return createActor(httpSocketMachine, { input, inspect, id: `socket:http:${++httpSeq}` });
 }

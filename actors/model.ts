@@ -50,6 +50,39 @@ export interface ModelContext {
   evicted: { reason: EvictReason; at: number } | null;
   /** Measured footprint of the current pool, bytes (0 when nothing is resident). */
   residentBytes: number;
+  /** The server's `crash_cooldown_ms`, ms (0 = off). */
+  serverCrashCooldownMs: number;
+  /** Why the pool is failing now (a `SLOT_FAILED` in `ready`), until it has closed. */
+  slotFailure: string | null;
+  /** The last crash-loop failure: how many in a row, when, until when the model is held back, ms since the epoch, and why. */
+  coolDown: CoolDown | null;
+  /** The server drains (shutdown): a load in progress is abandoned and no new one starts. */
+  draining: boolean;
+}
+
+/** A crash-looping model's cool-down (issue 25 item 9), ms since the epoch. */
+export interface CoolDown {
+  /** Crash-loop failures in a row (each within {@link COOL_DOWN_STREAK_MS} of the previous). */
+  failures: number;
+  at: number;
+  until: number;
+  reason: string;
+}
+
+/** A crash-loop failure within this long of the previous one doubles the cool-down, ms. */
+export const COOL_DOWN_STREAK_MS = 600_000;
+/** The longest cool-down, ms (unless `crash_cooldown_ms` itself is longer). */
+export const COOL_DOWN_MAX_MS = 300_000;
+
+/**
+ * The cool-down after a crash-loop failure at `now`: `base` x 2^(failures in a row - 1), at most
+ * {@link COOL_DOWN_MAX_MS} (or `base`). The usual exponential back-off of restart loops
+ * (Kubernetes' CrashLoopBackOff: 10 s doubling to 5 min).
+ */
+export function nextCoolDown(previous: CoolDown | null, base: number, now: number, reason: string): CoolDown {
+  const failures = previous && now - previous.at < COOL_DOWN_STREAK_MS ? previous.failures + 1 : 1;
+  const ms = Math.min(Math.max(base, COOL_DOWN_MAX_MS), base * 2 ** Math.min(failures - 1, 30));
+  return { failures, at: now, until: now + ms, reason };
 }
 
 export type ModelEvent =
@@ -59,6 +92,8 @@ export type ModelEvent =
   /** Give up the slots for the supervisor; refused (`EVICT_REFUSED` to `replyTo`) unless idle. */
   | { type: 'EVICT'; reason: EvictReason; replyTo?: AnyActorRef }
   | { type: 'SLOT_FAILED'; message: string }
+  /** The server drains (shutdown): a load in progress is abandoned (its slot hosts killed), a `LOAD` is refused `shutting_down`. */
+  | { type: 'DRAIN' }
   | { type: 'LEASES'; active: number; queued: number; exclusive: boolean }
   /** From the `residency` actor: the cold-load gate let the load through. */
   | { type: 'LOAD_GRANTED' }
@@ -110,6 +145,8 @@ export interface ModelInput {
   serverIdleUnloadMs?: number;
   /** `load_timeout_ms` (0 = none). */
   serverLoadTimeoutMs?: number;
+  /** `crash_cooldown_ms` (0 = off). */
+  serverCrashCooldownMs?: number;
 }
 
 /** What a model chart emits: it has settled `ready` (the pool is live) or `unloaded` (after a failed load, `failure` says why). */
@@ -269,6 +306,15 @@ export const modelMachine = setup({
     evictable: ({ context }) => context.leases.active === 0 && context.leases.queued === 0 && !context.leases.exclusive,
     keepAliveOn: ({ context }) => (context.config.keep_alive_ms ?? context.serverIdleUnloadMs) > 0,
     hasNext: ({ context }) => context.next !== null,
+    draining: ({ context }) => context.draining,
+    /** The pool closed because it failed (a crash loop), and cool-downs are on. */
+    crashLooped: ({ context }) => context.slotFailure !== null && context.serverCrashCooldownMs > 0,
+    /** A slot host crashed while the pool was being built (`slot_failed`), and cool-downs are on. */
+    crashedLoading: ({ context, event }) =>
+      context.serverCrashCooldownMs > 0 &&
+      (event as { error?: unknown }).error instanceof VoxError &&
+      ((event as { error: VoxError }).error.code === 'slot_failed' ||
+        (event as { error: VoxError }).error.code === 'slot_crash_loop'),
     loadTimeoutOn: ({ context }) => (context.config.load_timeout_ms ?? context.serverLoadTimeoutMs) > 0,
   },
   delays: {
@@ -276,6 +322,8 @@ export const modelMachine = setup({
     keepAlive: ({ context }) => Math.max(1, context.config.keep_alive_ms ?? context.serverIdleUnloadMs),
     /** Load timeout, ms: `load_timeout_ms`, else the server's (guarded off at 0). */
     loadTimeout: ({ context }) => Math.max(1, context.config.load_timeout_ms ?? context.serverLoadTimeoutMs),
+    /** The rest of the cool-down, ms. */
+    coolDown: ({ context }) => Math.max(1, (context.coolDown?.until ?? 0) - (context.deps.now ?? Date.now)()),
   },
 }).createMachine({
   id: 'model',
@@ -291,9 +339,14 @@ export const modelMachine = setup({
     serverLoadTimeoutMs: input.serverLoadTimeoutMs ?? 0,
     evicted: null,
     residentBytes: 0,
+    serverCrashCooldownMs: input.serverCrashCooldownMs ?? 0,
+    slotFailure: null,
+    coolDown: null,
+    draining: false,
   }),
   initial: 'unloaded',
   on: {
+    DRAIN: { actions: assign({ draining: true }) },
     LEASES: {
       actions: assign({
         leases: ({ event }) => ({ active: event.active, queued: event.queued, exclusive: event.exclusive }),
@@ -318,8 +371,45 @@ export const modelMachine = setup({
     unloaded: {
       entry: emit({ type: 'unloaded' }),
       on: {
-        LOAD: 'resident',
+        LOAD: [
+          // While the server drains, nothing loads (the waiter hears `unloaded` with the refusal).
+          {
+            guard: 'draining',
+            actions: [assign({ failure: () => voxError('shutting_down') }), emit({ type: 'unloaded' })],
+          },
+          { target: 'resident' },
+        ],
         RECONFIGURE: { actions: assign({ config: ({ event }) => event.config }) },
+      },
+    },
+    /**
+     * Unloaded and held back after a crash loop (issue 25 item 9; reported `unloaded` with
+     * `cool_down`): a `LOAD` is refused 503 `model_cooling_down` (Retry-After: the rest) until
+     * `coolDown` ms have passed; a changed config (a manager's reconfiguration) ends it at once.
+     */
+    coolingDown: {
+      entry: emit({ type: 'unloaded' }),
+      after: { coolDown: 'unloaded' },
+      on: {
+        LOAD: {
+          actions: [
+            assign({
+              failure: ({ context }) => {
+                const c = context.coolDown!;
+                const restS = Math.max(1, Math.ceil((c.until - (context.deps.now ?? Date.now)()) / 1000));
+                return voxError('model_cooling_down', {
+                  id: context.config.id,
+                  failures: c.failures,
+                  restS,
+                  reason: c.reason,
+                  retryAfterS: restS,
+                });
+              },
+            }),
+            emit({ type: 'unloaded' }),
+          ],
+        },
+        RECONFIGURE: { target: 'unloaded', actions: assign({ config: ({ event }) => event.config, coolDown: null }) },
       },
     },
     resident: {
@@ -332,6 +422,12 @@ export const modelMachine = setup({
       states: {
         loading: {
           initial: 'queued',
+          // Shutdown: the load is abandoned (leaving `resident` stops the `residency` actor, which kills the hosts still loading).
+          always: {
+            guard: 'draining',
+            target: '#model.unloaded',
+            actions: assign({ failure: () => voxError('shutting_down') }),
+          },
           states: {
             /** Waiting at the supervisor's cold-load gate (at once past it when no limit is set). */
             queued: { on: { LOAD_GRANTED: 'building' } },
@@ -360,14 +456,31 @@ export const modelMachine = setup({
               target: 'ready',
               actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }),
             },
-            LOAD_FAILED: {
-              target: '#model.unloaded',
-              actions: assign({
-                failure: ({ event }) => event.error,
-                lastError: ({ context, event }) =>
-                  refused(event.error) ? context.lastError : errorMessage(event.error),
-              }),
-            },
+            LOAD_FAILED: [
+              {
+                // A host that crashes while loading crashes again on the next request's load: held back too.
+                guard: 'crashedLoading',
+                target: '#model.coolingDown',
+                actions: assign(({ context, event }) => ({
+                  failure: event.error,
+                  lastError: errorMessage(event.error),
+                  coolDown: nextCoolDown(
+                    context.coolDown,
+                    context.serverCrashCooldownMs,
+                    (context.deps.now ?? Date.now)(),
+                    errorMessage(event.error),
+                  ),
+                })),
+              },
+              {
+                target: '#model.unloaded',
+                actions: assign({
+                  failure: ({ event }) => event.error,
+                  lastError: ({ context, event }) =>
+                    refused(event.error) ? context.lastError : errorMessage(event.error),
+                }),
+              },
+            ],
           },
         },
         ready: {
@@ -375,7 +488,10 @@ export const modelMachine = setup({
           initial: 'idle',
           on: {
             UNLOAD: 'unloading',
-            SLOT_FAILED: { target: 'unloading', actions: assign({ lastError: ({ event }) => event.message }) },
+            SLOT_FAILED: {
+              target: 'unloading',
+              actions: assign({ lastError: ({ event }) => event.message, slotFailure: ({ event }) => event.message }),
+            },
             RECONFIGURE: { target: 'reconfiguring', actions: assign({ next: ({ event }) => event.config }) },
           },
           states: {
@@ -416,13 +532,38 @@ export const modelMachine = setup({
         unloading: {
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
-            CLOSED: {
-              target: '#model.unloaded',
-              actions: [
-                'releaseEviction',
-                assign({ residentBytes: 0, lastError: ({ context, event }) => event.error ?? context.lastError }),
-              ],
-            },
+            CLOSED: [
+              {
+                // The pool failed (a crash loop): held back instead of reloaded by the next request.
+                guard: 'crashLooped',
+                target: '#model.coolingDown',
+                actions: [
+                  'releaseEviction',
+                  assign(({ context, event }) => ({
+                    residentBytes: 0,
+                    lastError: event.error ?? context.lastError,
+                    coolDown: nextCoolDown(
+                      context.coolDown,
+                      context.serverCrashCooldownMs,
+                      (context.deps.now ?? Date.now)(),
+                      context.slotFailure!,
+                    ),
+                    slotFailure: null,
+                  })),
+                ],
+              },
+              {
+                target: '#model.unloaded',
+                actions: [
+                  'releaseEviction',
+                  assign({
+                    residentBytes: 0,
+                    lastError: ({ context, event }) => event.error ?? context.lastError,
+                    slotFailure: null,
+                  }),
+                ],
+              },
+            ],
           },
         },
         reconfiguring: {
@@ -458,6 +599,7 @@ export type ModelState = 'unloaded' | 'loading' | 'ready' | 'unloading' | 'recon
 
 /** The reported state of a model chart's value (`{resident: {ready: 'idle'}}` -> `ready`, `{resident: {loading: 'queued'}}` -> `loading`). */
 export function stateName(value: unknown): ModelState {
+  if (value === 'coolingDown') return 'unloaded';
   if (typeof value === 'string') return value as ModelState;
   const inner = (value as { resident?: unknown } | undefined)?.resident;
   if (typeof inner === 'string') return inner as ModelState;
@@ -485,6 +627,11 @@ export interface ModelStatus {
   last_eviction: { reason: EvictReason; at: number } | null;
   /** Streams: last sample arrival to result, over the last 4,096 windows, ms; null before any. */
   processing_lag_ms: { p50: number; p99: number; windows: number } | null;
+  /**
+   * While the model is held back after a crash loop (`crash_cooldown_ms`): until when (ms since
+   * the epoch), the failures in a row and the last one's reason; null otherwise.
+   */
+  cool_down: { until: number; failures: number; reason: string } | null;
   /** The model's licence in plain words (config `licence`); null when not given. */
   licence: string | null;
 }
@@ -524,6 +671,8 @@ export interface EntryOptions {
   serverIdleUnloadMs?: number;
   /** The server's `load_timeout_ms`, ms (0 = none). */
   serverLoadTimeoutMs?: number;
+  /** The server's `crash_cooldown_ms`, ms (0 = off). */
+  serverCrashCooldownMs?: number;
   /** The server's `max_queued`, the default of the model's (0 = unbounded). */
   serverMaxQueued?: number;
   /** Called after every change of state and of the admission queue. */
@@ -621,6 +770,7 @@ export class ModelEntry {
       deps,
       serverIdleUnloadMs: options.serverIdleUnloadMs,
       serverLoadTimeoutMs: options.serverLoadTimeoutMs,
+      serverCrashCooldownMs: options.serverCrashCooldownMs,
     };
     this.actor = options.spawn
       ? options.spawn(input)
@@ -891,8 +1041,24 @@ export class ModelEntry {
       retiring: state === 'unloading',
       last_eviction: s.context.evicted,
       processing_lag_ms: this.lagPercentiles(),
+      cool_down:
+        s.matches('coolingDown') && s.context.coolDown
+          ? {
+              until: s.context.coolDown.until,
+              failures: s.context.coolDown.failures,
+              reason: s.context.coolDown.reason,
+            }
+          : null,
       licence: s.context.config.licence ?? null,
     };
+  }
+
+  /**
+   * The server drains (shutdown phase 1): a load in progress is abandoned (its slot hosts
+   * killed; its waiters get 503 `shutting_down`) and no new load starts.
+   */
+  drain(): void {
+    this.actor.send({ type: 'DRAIN' });
   }
 
   /**

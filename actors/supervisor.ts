@@ -694,6 +694,7 @@ export class Supervisor {
       serverBusyTimeoutMs: this.config.busy_timeout_ms,
       serverIdleUnloadMs: this.config.idle_unload_ms,
       serverLoadTimeoutMs: this.config.load_timeout_ms,
+      serverCrashCooldownMs: this.config.crash_cooldown_ms,
       serverMaxQueued: this.config.max_queued,
       onChange: () => this.changed(),
       resolve: this.resolveHeads,
@@ -706,6 +707,7 @@ export class Supervisor {
     });
     before?.(entry);
     this.entries.set(config.id, entry);
+    if (this.draining) entry.drain();
     return entry;
   }
   /**
@@ -807,9 +809,18 @@ export class Supervisor {
     return c ? unregisteredStatus(c) : undefined;
   }
 
-  /** Stops accepting work (`/ready` answers 503): the root goes `draining` and emits `drain`. */
+  /** True once shutdown has begun: nothing loads any more. */
+  private draining = false;
+
+  /**
+   * Stops accepting work (`/ready` answers 503): the root goes `draining` and emits `drain`; every
+   * model entry drains (a cold load in progress is abandoned, its slot hosts killed, its waiters
+   * answered 503 `shutting_down`; no new load starts), so the drain never waits for a load.
+   */
   beginShutdown(): void {
     this.root.send({ type: 'SHUTDOWN' });
+    this.draining = true;
+    for (const e of this.entries.values()) e.drain();
   }
 
   /** Shutdown past the drain deadline: every queued request gets `err`, every lease holder is revoked. */
@@ -843,6 +854,7 @@ function unregisteredStatus(c: ModelConfig): ModelStatus {
     retiring: false,
     last_eviction: null,
     processing_lag_ms: null,
+    cool_down: null,
     licence: c.licence ?? null,
   };
 }

@@ -102,6 +102,12 @@ export const ERRORS = {
     status: 408,
     message: (p: { reason: string }) => `malformed request: ${p.reason}`,
   },
+  request_timeout: {
+    type: 'invalid_request_error',
+    status: 408,
+    message: (p: { ms: number }) =>
+      `the request was not received in full within limits.request_timeout_ms (${p.ms} ms)`,
+  },
   // 401, 403: who may call.
   api_key_required: {
     type: 'unauthorized',
@@ -171,6 +177,12 @@ export const ERRORS = {
     type: 'shutting_down',
     retryAfterS: 5,
     message: (p: { id?: string }) => (p.id ? `model ${p.id} stopped` : 'the model entry stopped'),
+  },
+  model_cooling_down: {
+    type: 'server_busy',
+    retryAfterS: 10,
+    message: (p: { id: string; failures: number; restS: number; reason: string }) =>
+      `model ${p.id} is held back for another ${p.restS} s (crash_cooldown_ms): its slot hosts kept crashing (${p.failures} time${p.failures === 1 ? '' : 's'} in a row; the last: ${p.reason}); it is not reloaded until then`,
   },
   queue_full: {
     type: 'server_busy',
@@ -306,8 +318,10 @@ export type ErrorCode = keyof typeof ERRORS;
 /** The parameters of a code's message template (`undefined` when it takes none). */
 export type ErrorParams<C extends ErrorCode> = Parameters<(typeof ERRORS)[C]['message']>[0];
 
+/** What every code takes besides its template's parameters: a cause, and the `Retry-After` of this answer when it is known (s; a cool-down's rest). */
+type Extra = { cause?: unknown; retryAfterS?: number };
 type ErrorArgs<C extends ErrorCode> =
-  ErrorParams<C> extends undefined ? [params?: { cause?: unknown }] : [params: ErrorParams<C> & { cause?: unknown }];
+  ErrorParams<C> extends undefined ? [params?: Extra] : [params: ErrorParams<C> & Extra];
 
 /** The wire body of an error: `{"error":{"type","code","message"}}` (HTTP bodies, SSE and stream `error` events). */
 export interface WireError {
@@ -322,10 +336,13 @@ export interface WireError {
  */
 export class VoxError extends Error {
   readonly code: ErrorCode;
-  constructor(code: ErrorCode, message: string, options: { cause?: unknown } = {}) {
+  /** This answer's own `Retry-After`, s, when it knows better than its code's. */
+  private readonly retryAfter?: number;
+  constructor(code: ErrorCode, message: string, options: Extra = {}) {
     super(message, { cause: options.cause });
     this.name = 'VoxError';
     this.code = code;
+    this.retryAfter = options.retryAfterS;
   }
   /** The wire type of this error's code. */
   get type(): ErrorType {
@@ -339,7 +356,7 @@ export class VoxError extends Error {
   /** `Retry-After` of a 503, s. */
   get retryAfterS(): number | undefined {
     const spec: ErrorSpec = ERRORS[this.code];
-    return spec.retryAfterS;
+    return this.retryAfter ?? spec.retryAfterS;
   }
   /**
    * The WebSocket close code of a stream that fails with this error: the client's mistake 1008,
@@ -362,9 +379,9 @@ export class VoxError extends Error {
  * error's cause, not rendered). `voxError('model_not_found', { id })`.
  */
 export function voxError<C extends ErrorCode>(code: C, ...args: ErrorArgs<C>): VoxError {
-  const params = args[0] as { cause?: unknown } | undefined;
+  const params = args[0] as Extra | undefined;
   const render = ERRORS[code].message as (p: unknown) => string;
-  return new VoxError(code, render(params), { cause: params?.cause });
+  return new VoxError(code, render(params), { cause: params?.cause, retryAfterS: params?.retryAfterS });
 }
 
 /** Shorthand for `voxError('invalid_field', { field, problem })`: a 400 naming the field. */

@@ -239,10 +239,6 @@ program
     } catch (e) {
       die(startFailure(e, config));
     }
-    process.stderr.write(
-      `voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`,
-    );
-    if (server.wyoming) process.stderr.write(`voxserve wyoming on ${server.wyoming.uri}\n`);
     let signals = 0;
     const stop = (sig: string): void => {
       const first = ++signals === 1;
@@ -261,6 +257,11 @@ program
     };
     process.on('SIGTERM', () => stop('SIGTERM'));
     process.on('SIGINT', () => stop('SIGINT'));
+    // Announced once the signals are handled: whoever reads this line may stop the server at once.
+    process.stderr.write(
+      `voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`,
+    );
+    if (server.wyoming) process.stderr.write(`voxserve wyoming on ${server.wyoming.uri}\n`);
   });
 
 program

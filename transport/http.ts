@@ -88,6 +88,7 @@ export function readBody(req: IncomingMessage, res: ServerResponse, limit: numbe
     const cleanup = (): void => {
       if (timer) clearTimeout(timer);
       req.off('data', onData).off('end', onEnd).off('error', fail).off('close', onClose);
+      res.off('close', onClose);
     };
     const fail = (e: Error): void => {
       cleanup();
@@ -105,6 +106,8 @@ export function readBody(req: IncomingMessage, res: ServerResponse, limit: numbe
     };
     const onClose = (): void => fail(new DOMException('the client went away', 'AbortError'));
     req.on('data', onData).on('end', onEnd).on('error', fail).on('close', onClose);
+    // Answered already (limits.request_timeout_ms) or the connection is gone: the rest is not awaited.
+    res.on('close', onClose);
     arm();
   });
 }
@@ -254,8 +257,12 @@ export function parseBatchRequest(url: URL, body: Buffer, t0: number): TaskReque
 /** One connection's HTTP socket actor and the responses it writes to, by request number. */
 export interface HttpLink {
   readonly actor: HttpSocket;
-  /** Registers a request's response with the actor; returns its number. */
-  begin(res: ServerResponse): number;
+  /**
+   * Registers a request's response with the actor (`safe`: a GET, HEAD, OPTIONS or TRACE).
+   * @returns its number, and `started`: true once the actor lets it be handled (its turn among the
+   *   connection's pipelined requests), false if its response closed first (the peer went away).
+   */
+  begin(res: ServerResponse, safe: boolean): { rid: number; started: Promise<boolean> };
   /** Sends the actor an event if it still runs. */
   tell(e: HttpInput): void;
 }
@@ -268,12 +275,18 @@ export interface HttpLink {
  */
 export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: HttpSocket): HttpLink {
   const responses = new Map<number, ServerResponse>();
+  /** Requests waiting for their `start`, by number. */
+  const starts = new Map<number, (started: boolean) => void>();
   let seq = 0;
   const tell = (e: HttpInput): void => {
     if (actor.getSnapshot().status === 'active') actor.send(e);
   };
   actor.on('*', (o: HttpOutput) => {
     if (o.type === 'close') return void (socket.destroyed || socket.end());
+    if (o.type === 'start') {
+      starts.get(o.rid)?.(true);
+      return void starts.delete(o.rid);
+    }
     const res = responses.get(o.rid);
     if (!res || res.writableEnded) return;
     // The last response of a draining connection says so: the peer opens a new connection next time.
@@ -302,15 +315,18 @@ export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: Htt
   return {
     actor,
     tell,
-    begin(res) {
+    begin(res, safe) {
       const rid = ++seq;
       responses.set(rid, res);
-      tell({ type: 'REQUEST_STARTED', rid });
+      const started = new Promise<boolean>((resolve) => starts.set(rid, resolve));
+      tell({ type: 'REQUEST_STARTED', rid, safe });
       res.on('close', () => {
         responses.delete(rid);
+        starts.get(rid)?.(false);
+        starts.delete(rid);
         tell({ type: 'RESPONSE_CLOSED', rid });
       });
-      return rid;
+      return { rid, started };
     },
   };
 }

@@ -55,6 +55,9 @@ export interface VoxServer {
 /** Test seams: a loader (fake slots), the catalog of lazily registered models, the memory probe, a logger. */
 export type ServerOptions = Pick<SupervisorOptions, 'loader' | 'catalog' | 'memoryProbe' | 'log'>;
 
+/** Methods RFC 9110 section 9.2.1 calls safe: pipelined, they may be handled together (RFC 9112 section 9.3.2). */
+const SAFE_METHODS = ['GET', 'HEAD', 'OPTIONS', 'TRACE'];
+
 /** After an error answered before its request body was read, how long the rest is read and discarded before the connection is cut, ms. */
 const LINGER_MS = 5000;
 
@@ -121,14 +124,17 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
 
   const headersTimeout = config.limits.headers_timeout_ms;
+  const requestTimeout = config.limits.request_timeout_ms;
+  const shortest = Math.min(...[headersTimeout, requestTimeout].filter((ms) => ms > 0));
   const http = createServer(
     {
       maxHeaderSize: config.limits.max_header_bytes,
       headersTimeout: headersTimeout || undefined,
-      requestTimeout: 0, // bodies have their own idle deadline (readBody)
+      // The whole request's deadline (a body also has its idle deadline, readBody): answered 408 on 'clientError'.
+      requestTimeout,
       keepAliveTimeout: 0, // an idle keep-alive connection is closed by its socket actor (limits.idle_ms)
-      // How often node checks the headers deadline (its default, 30 s, would make it useless).
-      connectionsCheckingInterval: headersTimeout ? Math.max(50, Math.min(1000, headersTimeout / 4)) : undefined,
+      // How often node checks these deadlines (its default, 30 s, would make short ones useless).
+      connectionsCheckingInterval: Number.isFinite(shortest) ? Math.max(50, Math.min(1000, shortest / 4)) : undefined,
     },
     (req, res) => handle(req, res),
   );
@@ -148,7 +154,10 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const linkOf = (socket: Socket): HttpLink => {
     let link = links.get(socket);
     if (link) return link;
-    const actor = createHttpSocket({ limits: config.limits, registry: supervisor }, inspected.inspect);
+    const actor = createHttpSocket(
+      { limits: config.limits, registry: supervisor, bytesRead: () => socket.bytesRead },
+      inspected.inspect,
+    );
     link = bindHttp(socket, actor);
     links.set(socket, link);
     drainOnShutdown(supervisor.root, actor);
@@ -160,10 +169,12 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   function handle(req: IncomingMessage, res: ServerResponse): void {
     if (!supervisor.accepting) res.setHeader('connection', 'close');
     const link = linkOf(req.socket);
-    const rid = link.begin(res);
+    const { rid, started } = link.begin(res, SAFE_METHODS.includes(req.method ?? ''));
     // In flight until the response has closed (task responses are written after `route` returns).
     const closed = new Promise<void>((resolve) => res.once('close', resolve));
-    const handled: Promise<void> = dispatch(req, res, link, rid)
+    // Pipelined requests are handled when the connection's socket actor says (RFC 9112 section 9.3.2).
+    const handled: Promise<void> = started
+      .then((go) => (go ? dispatch(req, res, link, rid) : undefined))
       .catch((err) => {
         sendError(res, err);
         // A body we did not read (e.g. over the size limit) is read and discarded after the
@@ -182,6 +193,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   http.on('clientError', (err: NodeJS.ErrnoException, socket) => {
     // Garbage request lines, oversized headers, header timeouts: answer if the socket can still take it.
     if (!socket.writable) return socket.destroy();
+    // Past limits.request_timeout_ms with the headers in and the body still arriving: the request's
+    // own response answers 408, and the connection closes (the rest of the body is not read).
+    const res = (socket as { _httpMessage?: ServerResponse | null })._httpMessage;
+    if (err.code === 'ERR_HTTP_REQUEST_TIMEOUT' && res?.req && !res.req.complete) {
+      if (res.headersSent) return socket.destroy();
+      res.shouldKeepAlive = false;
+      return sendError(res, voxError('request_timeout', { ms: requestTimeout }));
+    }
     const status = err.code === 'HPE_HEADER_OVERFLOW' ? 431 : err.code === 'ERR_HTTP_REQUEST_TIMEOUT' ? 408 : 400;
     const reason = err.code ?? err.message;
     const e = voxError(

@@ -12,7 +12,10 @@ import type { LoadedModel } from '../../runtime/loader.js';
 
 const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
 
-function chart(fields: Record<string, unknown> = {}, server: { idle?: number; loadTimeout?: number } = {}) {
+function chart(
+  fields: Record<string, unknown> = {},
+  server: { idle?: number; loadTimeout?: number; crashCooldown?: number } = {},
+) {
   const clock = new SimulatedClock();
   const loads: {
     config: ModelConfig;
@@ -53,7 +56,13 @@ function chart(fields: Record<string, unknown> = {}, server: { idle?: number; lo
   const config = ModelConfig.parse({ id: 'm', task: 'vad', path: '/m.onnx', ...fields });
   const actor = createActor(modelMachine, {
     clock,
-    input: { config, deps, serverIdleUnloadMs: server.idle ?? 0, serverLoadTimeoutMs: server.loadTimeout ?? 0 },
+    input: {
+      config,
+      deps,
+      serverIdleUnloadMs: server.idle ?? 0,
+      serverLoadTimeoutMs: server.loadTimeout ?? 0,
+      serverCrashCooldownMs: server.crashCooldown ?? 0,
+    },
   });
   actor.start();
   const emitted: string[] = [];
@@ -336,5 +345,82 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(loads).toHaveLength(1);
     model.send({ type: 'UNLOAD' }); // ignored while loading
     expect(stateName(model.getSnapshot().value)).toBe('loading');
+  });
+});
+
+describe('model chart: crash-loop cool-down and shutdown (issue 25)', () => {
+  it('issue 25 item 9: a pool that fails (crash loop) holds the model back for crash_cooldown_ms, doubled per failure in a row; LOAD meanwhile is refused 503 model_cooling_down with Retry-After', async () => {
+    const c = chart({}, { crashCooldown: 10_000 });
+    const refusal = (): VoxError => {
+      c.actor.send({ type: 'LOAD' });
+      return c.actor.getSnapshot().context.failure as VoxError;
+    };
+    await c.load();
+    c.failSlot(new Error('3 slot crashes within a minute'));
+    await flush();
+    expect(c.value()).toBe('coolingDown');
+    expect(stateName(c.value())).toBe('unloaded');
+    expect(c.actor.getSnapshot().context.coolDown).toMatchObject({ failures: 1, until: c.clock.now() + 10_000 });
+    c.clock.increment(4_000);
+    const e = refusal();
+    expect(e).toMatchObject({ code: 'model_cooling_down', status: 503, retryAfterS: 6 });
+    expect(e.message).toMatch(/held back for another 6 s .*crash_cooldown_ms.*3 slot crashes within a minute/);
+    expect(c.loads).toHaveLength(1); // not reloaded
+    expect(c.emitted.at(-1)).toBe('unloaded'); // the waiter hears the refusal
+    c.clock.increment(6_000);
+    expect(c.value()).toBe('unloaded');
+    // The second failure in a row: 20 s.
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.loads[1].resolve(c.pool('m'));
+    await flush();
+    c.failSlot(new Error('again'));
+    await flush();
+    expect(c.actor.getSnapshot().context.coolDown).toMatchObject({ failures: 2, until: c.clock.now() + 20_000 });
+    c.clock.increment(19_999);
+    expect(refusal().code).toBe('model_cooling_down');
+    c.clock.increment(1);
+    expect(c.value()).toBe('unloaded');
+  });
+
+  it('issue 25 item 9: a host that crashes while loading (slot_failed) is held back too; a changed config ends the cool-down; 0 = off', async () => {
+    const c = chart({}, { crashCooldown: 10_000 });
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.loads[0].reject(new VoxError('slot_failed', 'slot failed: slot host was killed by SIGABRT'));
+    await flush();
+    expect(c.value()).toBe('coolingDown');
+    c.actor.send({ type: 'RECONFIGURE', config: ModelConfig.parse({ id: 'm', task: 'vad', path: '/fixed.onnx' }) });
+    expect(c.value()).toBe('unloaded');
+    expect(c.actor.getSnapshot().context.config.path).toBe('/fixed.onnx');
+
+    const off = chart();
+    await off.load();
+    off.failSlot(new Error('crash loop'));
+    await flush();
+    expect(off.value()).toBe('unloaded');
+    off.actor.send({ type: 'LOAD' });
+    await flush();
+    expect(off.loads).toHaveLength(2); // reloaded at once, as before
+  });
+
+  it('issue 25 item 10: DRAIN during a cold load abandons it at once (its signal aborts: the hosts still loading are killed) and refuses later loads 503 shutting_down', async () => {
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    expect(stateName(c.value())).toBe('loading');
+    c.actor.send({ type: 'DRAIN' });
+    expect(c.value()).toBe('unloaded');
+    expect(c.loads[0].signal.aborted).toBe(true);
+    expect(c.actor.getSnapshot().context.failure).toMatchObject({ code: 'shutting_down' });
+    // The load finishing late changes nothing: it is closed, never resident.
+    c.loads[0].resolve(c.pool('late'));
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(c.resident.filter(Boolean)).toEqual([]); // never marked resident
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    expect(c.loads).toHaveLength(1);
+    expect(c.emitted.at(-1)).toBe('unloaded');
   });
 });

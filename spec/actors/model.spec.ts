@@ -79,6 +79,28 @@ describe('ModelEntry', () => {
     expect(e.state).toBe('ready');
   });
 
+  it('issue 25 item 9: with crash_cooldown_ms, a crash-looping model is held back: the next request is refused 503 model_cooling_down with Retry-After, not reloaded; /v1/models shows cool_down', async () => {
+    const f = fakeLoader();
+    const e = new ModelEntry(config, { loader: f.loader, serverCrashCooldownMs: 10_000 });
+    await e.ensureReady();
+    for (let i = 0; i < 3; i++) {
+      f.kills[i](new Error('slot host was killed by SIGABRT'));
+      if (i < 2) await until(() => f.kills.length === i + 2); // respawned
+    }
+    await until(() => e.status().cool_down !== null);
+    const t = Date.now();
+    expect(e.status()).toMatchObject({
+      state: 'unloaded',
+      cool_down: { failures: 1, reason: expect.stringMatching(/3 slot crashes within a minute/) },
+    });
+    expect(e.status().cool_down!.until).toBeGreaterThan(t + 9_000);
+    const refused = await e.ensureReady().catch((err) => err);
+    expect(refused).toMatchObject({ code: 'model_cooling_down', status: 503 });
+    expect(refused.retryAfterS).toBeGreaterThanOrEqual(9);
+    expect(refused.retryAfterS).toBeLessThanOrEqual(10);
+    expect(f.calls).toHaveLength(1); // not reloaded
+  });
+
   it('configure: an identical config does nothing; a changed one reloads with the merged config', async () => {
     const f = fakeLoader();
     const e = new ModelEntry(config, { loader: f.loader });

@@ -5,6 +5,7 @@ import { createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { chromium } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
@@ -76,11 +77,12 @@ describe('voxserve serve: what it prints', () => {
     child.stderr.on('data', (d) => (stderr += d));
     const exited = new Promise<number | null>((r) => child.on('exit', r));
     try {
-      await until(() => stderr.includes('\n') && stdout.includes('\n'), 30_000);
+      // The CLI sets its signal handlers right after it prints where it listens.
+      await until(() => /voxserve listening on .*\n/.test(stderr) && stdout.includes('\n'), 30_000);
     } finally {
       child.kill('SIGTERM');
     }
-    expect(await exited).toBe(0);
+    expect(await exited, `${stderr}${stdout}`).toBe(0);
     const url = /^voxserve listening on (http:\/\/127\.0\.0\.1:\d+) /.exec(stderr)?.[1];
     expect(url, stderr).toBeDefined();
     const lines = stdout.trim().split('\n');
@@ -176,6 +178,35 @@ describe('a running server', () => {
     expect(JSON.parse(withEnv.stdout).task).toBe('vad');
     const stream = await voxserve(['stream', 'silero-vad', file, '--url', keyed.url], { VOXSERVE_API_KEY: key });
     expect(stream.code).toBe(0);
+  });
+});
+
+describe('/debug with a management token, in headless Chromium', () => {
+  it('says to add ?token= when it is missing, and that it is wrong when it is', async () => {
+    const token = 't'.repeat(32);
+    const s = await startServer(
+      ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true, token } }),
+    );
+    const browser = await chromium.launch({
+      executablePath: '/usr/bin/chromium',
+      args: ['--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking'],
+    });
+    try {
+      const page = await browser.newPage();
+      const phase = async (query: string): Promise<string> => {
+        await page.goto(`${s.url}/debug${query}`);
+        await page.waitForFunction(() => (document.getElementById('phase')?.textContent ?? '') !== '', null, {
+          timeout: 10_000,
+        });
+        return (await page.textContent('#phase')) ?? '';
+      };
+      expect(await phase('')).toBe('this server has a management token: open /debug?token=<management.token>');
+      expect(await phase('?token=wrong')).toBe('HTTP 403: the token is not the management.token of this server');
+      expect(await phase(`?token=${token}`)).toMatch(/^system: /);
+    } finally {
+      await browser.close();
+      await s.close();
+    }
   });
 });
 

@@ -122,6 +122,7 @@ describe('server basics', () => {
       [
         'active_leases',
         'active_slots',
+        'cool_down',
         'id',
         'last_error',
         'last_eviction',
