@@ -173,7 +173,7 @@ function headOfLabel(granted: Granted): Map<string, string> {
 }
 
 /** The PCM format an `audio-start` or `audio-chunk` declares: rate (Hz), width (bytes per sample), channels. */
-export interface PcmFormat {
+interface PcmFormat {
   rate: number;
   width: number;
   channels: number;
@@ -184,7 +184,7 @@ export interface PcmFormat {
  * field a chunk leaves out is its audio stream's (`fallback`). Only 16-bit PCM (width 2).
  * @throws VoxError `invalid_field` naming the field (`audio-chunk.rate`, ...).
  */
-export function pcmFormat(
+function pcmFormat(
   kind: 'audio-start' | 'audio-chunk',
   data: Record<string, unknown>,
   fallback?: PcmFormat,
@@ -207,7 +207,7 @@ export function pcmFormat(
  * previous chunk's (the first: the `audio-start` timestamp, else 0), so a client that sends none
  * gets positions in its audio, ms.
  */
-export class ClientClock {
+class ClientClock {
   /** Per chunk: its first sample, and its timestamp (ms); the oldest are dropped past {@link ClientClock.KEEP}. */
   private marks: { at: number; ts: number }[] = [];
   private samples = 0;

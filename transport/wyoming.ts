@@ -24,7 +24,7 @@ const VERSION = ((): string => {
 })();
 
 /** A Wyoming connection's TCP keep-alive delay: idle time before the first probe, ms. */
-export const KEEPALIVE_MS = 30_000;
+const KEEPALIVE_MS = 30_000;
 
 /** Malformed Wyoming input: the connection gets an `error` event and is closed. */
 export class WyomingFramingError extends Error {}
