@@ -720,7 +720,9 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     }
     if (code === CLOSE.ABNORMAL && !this.ready) {
       const sys = this.socketError?.error?.code;
-      return new VoxClientError('connection_error', `cannot reach ${this.url}${sys ? `: ${sys}` : ''}`, {
+      // The system code (ECONNREFUSED, ...), else what the socket said (`ws`: 'Opening handshake has timed out').
+      const why = sys ?? this.socketError?.message;
+      return new VoxClientError('connection_error', `cannot reach ${this.url}${why ? `: ${why}` : ''}`, {
         closeCode: code,
         code: sys,
       });

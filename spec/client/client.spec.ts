@@ -1,6 +1,6 @@
 import { execFile } from 'node:child_process';
 import { readFileSync } from 'node:fs';
-import { createServer, type AddressInfo } from 'node:net';
+import { createServer, type AddressInfo, type Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
@@ -366,6 +366,22 @@ describe('heartbeat (heartbeatMs)', () => {
     expect(await outcome(off.end(), 600)).toMatchObject({ message: 'still pending after 600 ms' });
     off.close();
     expect(() => new VoxClient({ url, heartbeatMs: -1 })).toThrow(/heartbeatMs: a number of ms/);
+  });
+
+  it('item 12 (#25): heartbeatMs is the deadline of the opening handshake (a server that accepts the connection and never answers)', async () => {
+    const sockets: Socket[] = [];
+    const mute = createServer((socket) => sockets.push(socket.on('error', () => {}))).listen(0, '127.0.0.1');
+    await new Promise((r) => mute.once('listening', r));
+    onTestFinished(() => {
+      for (const socket of sockets) socket.destroy();
+      mute.close();
+    });
+    const url = `http://127.0.0.1:${(mute.address() as AddressInfo).port}`;
+    const opened = new VoxClient({ url, heartbeatMs: 200 }).stream({ model: 'm' });
+    expect(await outcome(opened, 5000)).toMatchObject({
+      type: 'connection_error',
+      message: expect.stringContaining('Opening handshake has timed out'),
+    });
   });
 });
 
