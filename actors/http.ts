@@ -186,7 +186,7 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
       model = entry.id;
       const asked = leaseGranted(
         entry,
-        { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics },
+        { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
         (e) => (revoked = e.error),
       );
       lease = asked.handle;

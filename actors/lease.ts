@@ -59,24 +59,72 @@ export interface LeaseHandle {
   release(): void;
 }
 
+/** A place in a model's line of first jobs: `before` resolves once every earlier holder's first job is submitted (or its lease ended); `done()` passes the turn on. */
+interface Turn {
+  readonly before: Promise<void>;
+  done(): void;
+}
+
+/**
+ * A model's line of first jobs (DESIGN.md section 3: every inference of every leased request runs
+ * on the model's slots in arrival order). Requests that waited for a cold load are granted
+ * together when it ends, then each prepares its input (a file is decoded in a decode worker):
+ * without a line, whichever decodes first takes the slot (issue 25 item 15). A file request
+ * that had to wait for the model to load, and any file request arriving while such turns are
+ * still held, takes a turn in arrival order; its first job waits for every earlier turn. Warm
+ * requests with nobody in line go as they come (unchanged), and streams never take turns (their
+ * jobs follow their audio as it arrives; a silent stream would hold the line).
+ */
+class FirstJobs {
+  private tail: Promise<void> = Promise.resolve();
+  private held = 0;
+
+  /** A turn if `cold` (the request waits for a load) or turns are held; otherwise null. */
+  take(cold: boolean): Turn | null {
+    if (!cold && this.held === 0) return null;
+    this.held++;
+    const before = this.tail;
+    let pass!: () => void;
+    const mine = new Promise<void>((resolve) => (pass = resolve));
+    this.tail = before.then(() => mine);
+    let over = false;
+    return {
+      before,
+      done: () => {
+        if (over) return;
+        over = true;
+        this.held--;
+        pass();
+      },
+    };
+  }
+}
+
+/** Each model's line of first jobs. */
+const firstJobs = new WeakMap<ModelEntry, FirstJobs>();
+
 /**
  * Asks `entry` for a lease (FIFO, within the busy timeout min(request, model, server)), loads the
  * model if needed, and answers by `deliver` (see {@link LeaseEvent}). The time queued is counted
  * in `voxserve_queue_wait_seconds`.
  * @param opts.requestTimeoutMs the request's own `busy_timeout_ms`, if it gave one.
+ * @param opts.ordered a file request: its first job keeps its arrival order among requests that
+ *   waited for a cold load ({@link FirstJobs}).
  */
 export function requestLease(
   entry: ModelEntry,
-  opts: { requestTimeoutMs?: number; metrics?: Metrics },
+  opts: { requestTimeoutMs?: number; metrics?: Metrics; ordered?: boolean },
   deliver: (e: LeaseEvent) => void,
 ): LeaseHandle {
   const t0 = performance.now();
   const ended = new AbortController();
   let answered: 'granted' | 'done' | null = null;
   let release: (() => void) | null = null;
+  let turn: Turn | null = null;
   const answer = (e: LeaseEvent): void => {
     if (answered === 'done') return;
     answered = e.type === 'LEASE_GRANTED' ? 'granted' : 'done';
+    if (answered === 'done') turn?.done();
     deliver(e);
   };
   void (async () => {
@@ -96,10 +144,28 @@ export function requestLease(
     if (ended.signal.aborted) return release();
     const queueMs = performance.now() - t0;
     opts.metrics?.queueWait.observe({ model: entry.id }, queueMs / 1000);
+    // Leases are granted in arrival order: the turn is taken now, before the load is awaited.
+    if (opts.ordered) {
+      let line = firstJobs.get(entry);
+      if (!line) firstJobs.set(entry, (line = new FirstJobs()));
+      turn = line.take(entry.state !== 'ready');
+      if (turn) ended.signal.addEventListener('abort', () => turn?.done(), { once: true });
+    }
     const { pool, batcher } = await entry.ensureReady(ended.signal);
     const signal = ended.signal;
-    const run = (job: Job, waitMs?: number): Promise<JobResult> =>
+    const submit = (job: Job, waitMs?: number): Promise<JobResult> =>
       batcher && waitMs === undefined ? batcher.run(job, signal) : pool.run(job, signal, waitMs);
+    // The first job waits for its turn; once submitted (queued at the pool in order), the turn passes on.
+    let gate: Promise<void> | null = turn?.before ?? null;
+    const run = (job: Job, waitMs?: number): Promise<JobResult> => {
+      if (!gate) return submit(job, waitMs);
+      return untilAborted(gate, signal).then(() => {
+        gate = null;
+        const result = submit(job, waitMs);
+        turn?.done();
+        return result;
+      });
+    };
     answer({
       type: 'LEASE_GRANTED',
       granted: {
@@ -130,7 +196,7 @@ export function requestLease(
  */
 export function leaseGranted(
   entry: ModelEntry,
-  opts: { requestTimeoutMs?: number; metrics?: Metrics },
+  opts: { requestTimeoutMs?: number; metrics?: Metrics; ordered?: boolean },
   onRevoke: (e: Extract<LeaseEvent, { type: 'LEASE_REVOKED' }>) => void,
 ): { handle: LeaseHandle; granted: Promise<Granted> } {
   let handle!: LeaseHandle;
@@ -144,6 +210,16 @@ export function leaseGranted(
   });
   granted.catch(() => {});
   return { handle, granted };
+}
+
+/** `work`, or the signal's reason as soon as it aborts. */
+function untilAborted<T>(work: Promise<T>, signal: AbortSignal): Promise<T> {
+  if (signal.aborted) return Promise.reject(signal.reason);
+  return new Promise<T>((resolve, reject) => {
+    const onAbort = (): void => reject(signal.reason);
+    signal.addEventListener('abort', onAbort, { once: true });
+    work.then(resolve, reject).finally(() => signal.removeEventListener('abort', onAbort));
+  });
 }
 
 /** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */

@@ -4,6 +4,7 @@ import {
   createActor,
   sendTo,
   setup,
+  stopChild,
   type Actor,
   type ActorRefFrom,
   type AnyActorLogic,
@@ -94,6 +95,8 @@ export interface RoomFigures {
 /** Events of the supervisor chart. */
 export type SupervisorEvent =
   | { type: 'REGISTER'; id: string; logic: typeof modelMachine; input: ModelInput }
+  /** An unused, unloaded ad hoc wake-word group leaves the registry (its chart stops). */
+  | { type: 'UNREGISTER'; id: string }
   | ({ type: 'LOAD_REQUESTED' } & Omit<PendingLoad, 'since'>)
   /** The load granted to `id` ended (loaded or failed), or its requester went away. */
   | { type: 'LOAD_FINISHED'; id: string }
@@ -244,6 +247,15 @@ export const supervisorMachine = setup({
           }),
         }),
       }),
+    },
+    UNREGISTER: {
+      actions: [
+        stopChild(({ context, event }) => context.entries[event.id]),
+        assign({
+          entries: ({ context, event }) =>
+            Object.fromEntries(Object.entries(context.entries).filter(([id]) => id !== event.id)),
+        }),
+      ],
     },
     LOAD_REQUESTED: [
       {
@@ -591,19 +603,61 @@ export class Supervisor {
     return config ? this.publish(this.resolveHeads(config)) : undefined;
   }
 
-  /** The entry of an ad-hoc group `a,b,...` (see {@link getOrRegister}). */
+  /** Ad hoc groups registered by requests (not configured), by id. */
+  private readonly adHoc = new Set<string>();
+
+  /**
+   * The entry of an ad-hoc group `a,b,...` (see {@link getOrRegister}). What any client can make
+   * the server load is bounded (issue 25 item 11): an ad hoc group idle for
+   * `ad_hoc_keep_alive_ms` unloads, unloaded unused ones leave the registry, and at most
+   * `max_ad_hoc_groups` are loaded: a new one past it unloads the least recently used idle one.
+   * @throws VoxError `too_many_groups` (503) when that many are loaded and none is idle; as
+   *   {@link headModel} for a head that is unknown or not a single wake-word model.
+   */
   private group(id: string): ModelEntry {
     const names = [...new Set(id.split(',').map((s) => s.trim()))].sort();
     const canonical = names.join(',');
     if (canonical !== id) return this.entries.get(canonical) ?? this.group(canonical);
     const refs = names.map((n) => this.headModel(n, 'model'));
+    this.makeRoomForGroup(canonical);
+    const keepAlive = this.config.ad_hoc_keep_alive_ms;
     const config = ModelConfig.parse({
       id: 'group',
       task: 'wakeword',
       heads: names,
       slots: Math.max(...refs.map((r) => r.slots)),
+      ...(keepAlive > 0 ? { keep_alive_ms: keepAlive } : {}),
     });
-    return this.publish(this.resolveHeads({ ...config, id: canonical }));
+    const entry = this.publish(this.resolveHeads({ ...config, id: canonical }));
+    this.adHoc.add(canonical);
+    return entry;
+  }
+
+  /**
+   * Before a new ad hoc group registers: drops from the registry the ones that are unloaded and
+   * unused (no lease, no waiter; not cooling down after a crash loop); the rest are loaded,
+   * loading, unloading or about to load (a request that registers a group takes its lease at
+   * once). With `max_ad_hoc_groups` of those, it asks the least recently used idle ones to
+   * `EVICT` (they unload while the new one loads; the ones already unloading count as freed).
+   * @throws VoxError `too_many_groups` when too few of them are idle.
+   */
+  private makeRoomForGroup(id: string): void {
+    for (const g of [...this.adHoc]) {
+      const e = this.entries.get(g)!;
+      const a = e.admission;
+      if (e.state !== 'unloaded' || a.activeLeases > 0 || a.queued > 0 || a.exclusive || e.status().cool_down) continue;
+      this.entries.delete(g);
+      this.adHoc.delete(g);
+      this.actor.send({ type: 'UNREGISTER', id: g });
+    }
+    const max = this.config.max_ad_hoc_groups;
+    if (max === 0) return;
+    const held = [...this.adHoc].map((g) => this.entries.get(g)!);
+    const needed = held.length + 1 - max - held.filter((e) => e.state === 'unloading').length;
+    if (needed <= 0) return;
+    const idle = held.filter((e) => e.idle).sort((a, b) => (a.lastUsed ?? 0) - (b.lastUsed ?? 0));
+    if (idle.length < needed) throw voxError('too_many_groups', { max, id });
+    for (const e of idle.slice(0, needed)) e.actor.send({ type: 'EVICT', reason: 'lru' });
   }
 
   /**

@@ -327,6 +327,14 @@ export const ServerConfig = z.strictObject({
    * request reloads it).
    */
   crash_cooldown_ms: nonNegInt.default(10_000),
+  /**
+   * Ad hoc wake-word groups (`model=a,b,...`, registered on first use by any client) loaded at
+   * once. A new one past it unloads the least recently used idle one; with none idle, 503
+   * `too_many_groups`. Configured groups do not count. 0 = no limit.
+   */
+  max_ad_hoc_groups: nonNegInt.default(8),
+  /** An ad hoc group idle (no lease) this long is unloaded, ms; 0 = the server's `idle_unload_ms`. */
+  ad_hoc_keep_alive_ms: nonNegInt.default(300_000),
   management: z
     .strictObject({ enabled: z.boolean().default(false), token: z.string().min(1).optional() })
     .default({ enabled: false }),

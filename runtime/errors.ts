@@ -235,6 +235,12 @@ export const ERRORS = {
     message: (p: { id: string; needed: string; headroom: string; free: string }) =>
       `cannot load ${p.id}: needs about ${p.needed} plus ${p.headroom} of headroom (min_free_memory_mb), but only ${p.free} is available`,
   },
+  too_many_groups: {
+    type: 'server_busy',
+    retryAfterS: 5,
+    message: (p: { max: number; id: string }) =>
+      `cannot load wake-word group '${clip(p.id)}': ${p.max} ad hoc groups are loaded and in use (max_ad_hoc_groups); retry later, or configure the group in models[]`,
+  },
   too_many_streams: {
     type: 'server_busy',
     retryAfterS: 1,

@@ -22,6 +22,12 @@ import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protoc
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 
 const RUNS = Number(process.env.FC_RUNS ?? 1000);
+/**
+ * Each property's time limit: 1000 runs took 9-53 s at load average 8 and over 60 s at load average
+ * 14 on a 2-core machine. The clock inside a run is fake, so the limit only guards against a hang; a test cut by
+ * it leaves its property running into the next test (whose fake timers it then restores).
+ */
+const RUN_TIMEOUT_MS = 300_000;
 const replay = process.env.FC_SEED
   ? {
       seed: Number(process.env.FC_SEED),
@@ -627,13 +633,21 @@ async function checkInvariants(
 const fresh = () => ({ runs: 0, interleavings: 0, commands: 0 });
 
 describe('model lifecycle under random interleavings (fast-check scheduler, fake slot hosts, controlled time)', () => {
-  it(`holds the contract invariants (${RUNS} runs)`, async () => {
-    await checkInvariants({ limit: 0 }, fresh());
-  });
+  it(
+    `holds the contract invariants (${RUNS} runs)`,
+    async () => {
+      await checkInvariants({ limit: 0 }, fresh());
+    },
+    RUN_TIMEOUT_MS,
+  );
 
-  it(`holds them with dynamic batching on, a busy timeout and idle unload (${RUNS} runs)`, async () => {
-    await checkInvariants({ limit: 0, batch: 4, busyTimeoutMs: 40, idleUnloadMs: 30 }, fresh());
-  });
+  it(
+    `holds them with dynamic batching on, a busy timeout and idle unload (${RUNS} runs)`,
+    async () => {
+      await checkInvariants({ limit: 0, batch: 4, busyTimeoutMs: 40, idleUnloadMs: 30 }, fresh());
+    },
+    RUN_TIMEOUT_MS,
+  );
 
   it.each([
     { limit: 1, busyTimeoutMs: 60 },
@@ -644,6 +658,7 @@ describe('model lifecycle under random interleavings (fast-check scheduler, fake
     async (setup) => {
       await checkInvariants(setup, fresh());
     },
+    RUN_TIMEOUT_MS,
   );
 });
 

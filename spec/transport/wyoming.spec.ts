@@ -253,6 +253,14 @@ describe('Wyoming', () => {
     expect(new Set(c.events.filter((e) => e.type === 'detection').map((e) => e.data.name))).toEqual(new Set(['timer']));
   });
 
+  it('item 1 (#25): the timer head among others (detect {names: ["alexa", "timer"]}, one group of two heads): still named "timer"', async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['alexa', 'timer'] });
+    c.sendWav('espeak_timer_16k.wav');
+    expect((await c.next('detection')).data.name).toBe('timer');
+    c.socket.end();
+  });
+
   it('item 2 (#25): audio-chunks whose rate differs from audio-start are converted by their own header (22.05 kHz chunks after a 16 kHz start are detected)', async () => {
     const c = await Client.open(port);
     c.send('detect', { names: ['hey_jarvis'] });
