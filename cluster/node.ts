@@ -477,7 +477,13 @@ export class ClusterNode {
   private attempt(node: string, token: string, data: Uint8Array, deadlineMs: number): Promise<Attempt> {
     return new Promise((resolve) => {
       const timer = setTimeout(() => {
-        if (this.pending.has(token)) this.markGone(node, `no reply within the job deadline (${deadlineMs} ms)`);
+        const p = this.pending.get(token);
+        if (!p) return;
+        // Without NATS this node cannot tell: the attempt is lost (sent again once NATS is back, within the busy timeout).
+        if (!this.connected) {
+          this.pending.delete(token);
+          p.settle({ lost: true });
+        } else this.markGone(node, `no reply within the job deadline (${deadlineMs} ms)`);
       }, deadlineMs);
       this.pending.set(token, {
         node,
