@@ -420,7 +420,8 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     /**
      * An `audio-chunk`, converted by its own `rate`, `width` and `channels` (as wyoming-openwakeword
      * converts each chunk): a chunk whose format differs from the stream's so far ends the old
-     * converter (its held-back samples go on first) and starts one for the new format.
+     * stream of the converter (its held-back samples go on first) and re-initialises it for the
+     * new format (no new converter: see {@link PcmStreamDecoder.reformat}).
      */
     const chunk = async (e: WyomingEvent): Promise<void> => {
       if (!audio || !decoder) return;
@@ -428,11 +429,11 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
       if (format.rate !== audio.format.rate || format.channels !== audio.format.channels) {
         const held = decoder.end();
         if (held.length) feed(held, undefined);
-        decoder.close();
-        decoder = null;
-        const next = await PcmStreamDecoder.create('s16le', format.rate, format.channels);
-        if (stopped || !audio) return next.close();
-        decoder = next;
+        // The same converter, re-initialised for the new format: a new one is a WASM instance
+        // (~15 ms of main-thread CPU), which a client switching format on every chunk could
+        // make the server pay per chunk (#25).
+        await decoder.reformat(format.rate, format.channels);
+        if (stopped || !audio) return;
         audio.format = format;
       }
       feed(decoder.push(e.payload ?? Buffer.alloc(0)), e.data.timestamp);

@@ -193,26 +193,51 @@ export class Resampler {
   /** Samples pushed in, and samples given out, so far. */
   private inCount = 0;
   private outCount = 0;
+  /**
+   * libsamplerate converters created in this process so far. Each is its own WASM module
+   * instance (~15 ms of main-thread CPU), so a stream that changes format reuses its converter
+   * ({@link Resampler.reset}) instead; tests count creations here.
+   */
+  static created = 0;
 
   private constructor(
-    private readonly src: SRC | null,
-    private readonly fromHz: number,
+    private src: SRC | null,
+    private fromHz: number,
     private readonly toHz: number,
   ) {}
 
   /** @param fromHz input rate, Hz. @param toHz output rate, Hz. */
   static async create(fromHz: number, toHz: number = MODEL_SAMPLE_RATE): Promise<Resampler> {
     if (fromHz === toHz) return new Resampler(null, fromHz, toHz);
-    const src = await LibSampleRate.create(1, fromHz, toHz, {
-      converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST,
-    });
-    return new Resampler(src, fromHz, toHz);
+    return new Resampler(await Resampler.converter(fromHz, toHz), fromHz, toHz);
+  }
+
+  private static converter(fromHz: number, toHz: number): Promise<SRC> {
+    Resampler.created++;
+    return LibSampleRate.create(1, fromHz, toHz, { converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST });
+  }
+
+  /**
+   * Starts a new stream at `fromHz` (call {@link Resampler.flush} first for the old one's held-back
+   * samples): the converter is re-initialised in place (libsamplerate's src_delete + src_new in the
+   * same WASM instance, microseconds) rather than a new WASM instance created; one is created only
+   * when this resampler had none (it began at `toHz`), and kept from then on.
+   */
+  async reset(fromHz: number): Promise<void> {
+    this.inCount = 0;
+    this.outCount = 0;
+    if (fromHz !== this.toHz) {
+      if (!this.src) this.src = await Resampler.converter(fromHz, this.toHz);
+      // The setter re-initialises the converter (fresh filter state) at the new ratio.
+      else this.src.inputSampleRate = fromHz;
+    }
+    this.fromHz = fromHz;
   }
 
   /** Resamples the next chunk of a stream (mono float32). */
   push(samples: Float32Array): Float32Array {
     this.inCount += samples.length;
-    if (!this.src || samples.length === 0) return samples;
+    if (!this.src || this.fromHz === this.toHz || samples.length === 0) return samples;
     return this.take(this.src.full(samples));
   }
 
@@ -221,7 +246,7 @@ export class Resampler {
    * that the stream's total output is round(input x toHz / fromHz) samples. Call once, last.
    */
   flush(): Float32Array {
-    if (!this.src) return new Float32Array(0);
+    if (!this.src || this.fromHz === this.toHz) return new Float32Array(0);
     // 20 ms of silence pushes out the filter delay (a few ms at SINC_FASTEST).
     return this.take(this.src.full(new Float32Array(Math.ceil(this.fromHz / 50))));
   }
@@ -321,13 +346,13 @@ export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
  */
 export class PcmStreamDecoder {
   private remainder: Buffer = Buffer.alloc(0);
-  private readonly frameBytes: number;
+  private frameBytes: number;
   /** The decoded samples of the last chunk, reused from chunk to chunk (grown to the largest). */
   private scratch = new Float32Array(0);
 
   private constructor(
     private readonly encoding: PcmEncoding,
-    private readonly channels: number,
+    private channels: number,
     private readonly resampler: Resampler,
   ) {
     this.frameBytes = (encoding === 's16le' ? 2 : 4) * channels;
@@ -377,6 +402,19 @@ export class PcmStreamDecoder {
   end(): Float32Array {
     this.remainder = Buffer.alloc(0);
     return this.resampler.flush();
+  }
+
+  /**
+   * Starts a new stream in another format, reusing this decoder's converter ({@link Resampler.reset}):
+   * call {@link PcmStreamDecoder.end} first for the old stream's held-back samples.
+   * @throws VoxError `invalid_request_error` for a rate or channel count out of range.
+   */
+  async reformat(sampleRate: number, channels: number): Promise<void> {
+    checkFormat(sampleRate, channels);
+    this.remainder = EMPTY;
+    this.channels = channels;
+    this.frameBytes = (this.encoding === 's16le' ? 2 : 4) * channels;
+    await this.resampler.reset(sampleRate);
   }
 
   /** Frees the resampler. */

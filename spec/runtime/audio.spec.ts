@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { decodeWav, PcmStreamDecoder, resample } from '../../runtime/audio.js';
+import { decodeWav, PcmStreamDecoder, Resampler, resample } from '../../runtime/audio.js';
 import { VoxError } from '../../runtime/errors.js';
 import { fixture, toneWav } from '../helpers.js';
 
@@ -103,6 +103,44 @@ describe('PcmStreamDecoder', () => {
     bytes.writeFloatLE(0.5, 0);
     bytes.writeFloatLE(-0.25, 4);
     expect([...d.push(bytes)]).toEqual([0.5, -0.25]);
+  });
+
+  it('item 2 (#25): reformat() re-initialises the converter in place: the new format decodes as a fresh decoder of it does, and no converter is created', async () => {
+    const tone = (rate: number, channels: number, n: number): Buffer => {
+      const b = Buffer.alloc(n * 2 * channels);
+      for (let i = 0; i < n; i++)
+        for (let c = 0; c < channels; c++)
+          b.writeInt16LE(Math.round(12000 * Math.sin((2 * Math.PI * 440 * i) / rate)), 2 * (i * channels + c));
+      return b;
+    };
+    const run = (d: PcmStreamDecoder, pcm: Buffer): number[] => [
+      ...d.push(pcm.subarray(0, 3000)),
+      ...d.push(pcm.subarray(3000)),
+      ...d.end(),
+    ];
+    const d = await PcmStreamDecoder.create('s16le', 48000, 1);
+    d.push(tone(48000, 1, 4800));
+    d.end();
+    const created = Resampler.created;
+    for (const [rate, channels] of [
+      [22050, 2],
+      [16000, 1],
+      [44100, 1],
+    ]) {
+      await d.reformat(rate, channels);
+      const pcm = tone(rate, channels, Math.floor(rate / 4));
+      const fresh = await PcmStreamDecoder.create('s16le', rate, channels);
+      const want = run(fresh, pcm);
+      fresh.close();
+      const got = run(d, pcm);
+      expect(got.length).toBe(want.length);
+      expect(Math.max(...got.map((v, i) => Math.abs(v - want[i])))).toBeLessThan(1e-6);
+    }
+    // The three fresh decoders above made two converters (16 kHz needs none); the reused one none.
+    expect(Resampler.created - created).toBe(2);
+    for (let i = 0; i < 200; i++) await d.reformat(i % 2 ? 16000 : 48000, 1);
+    expect(Resampler.created - created).toBe(2);
+    d.close();
   });
 
   it.each([

@@ -7,6 +7,7 @@ import { connect, createServer, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
+import { Resampler } from '../../runtime/audio.js';
 import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { spawnServer } from '../../tools/spawn-server.js';
@@ -294,6 +295,22 @@ describe('Wyoming', () => {
     c.send('audio-stop');
     await until(() => c.events.filter((e) => e.type === 'detection').length === 2, 20_000);
     expect(c.events.filter((e) => e.type === 'detection').map((e) => e.data.name)).toEqual(['hey_jarvis', 'alexa']);
+    c.socket.end();
+  });
+
+  it('item 2 (#25): a client switching between 16 and 48 kHz on every tiny chunk makes the server create no converter per switch (one per connection at most), and is still heard', async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['alexa'] });
+    c.send('audio-start', { rate: 16000, width: 2, channels: 1, timestamp: 0 });
+    c.send('audio-chunk', { rate: 16000, width: 2, channels: 1 }, Buffer.alloc(320));
+    await until(async () => (await leases()) === 1); // the stream has begun
+    const created = Resampler.created;
+    for (let i = 0; i < 500; i++)
+      c.send('audio-chunk', { rate: i % 2 ? 16000 : 48000, width: 2, channels: 1 }, Buffer.alloc(96));
+    c.sendWav('espeak_alexa_16k.wav');
+    expect((await c.next('detection')).data.name).toBe('alexa');
+    // 500 switches on one connection: at most the one converter its first 48 kHz chunk needed.
+    expect(Resampler.created - created).toBeLessThanOrEqual(1);
     c.socket.end();
   });
 
