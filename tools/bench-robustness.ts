@@ -96,11 +96,21 @@ async function shutdown(): Promise<void> {
   const exited = new Promise<number>((r) => child.on('exit', () => r(performance.now())));
   // How long the load takes here, alone (the baseline): a management load of the same model under another id.
   const t0 = performance.now();
-  const warm = await post(url, '/v1/models/load', JSON.stringify({ id: 'probe', task: 'vad', path: 'big.onnx', slots: 4 }), 'application/json');
+  const warm = await post(
+    url,
+    '/v1/models/load',
+    JSON.stringify({ id: 'probe', task: 'vad', path: 'big.onnx', slots: 4 }),
+    'application/json',
+  );
   out.load_alone_ms = round(performance.now() - t0, 0);
   out.load_alone_status = warm.status;
   await post(url, '/v1/models/unload', JSON.stringify({ id: 'probe' }), 'application/json');
-  const managed = post(url, '/v1/models/load', JSON.stringify({ id: 'big', task: 'vad', path: 'big.onnx', slots: 4 }), 'application/json');
+  const managed = post(
+    url,
+    '/v1/models/load',
+    JSON.stringify({ id: 'big', task: 'vad', path: 'big.onnx', slots: 4 }),
+    'application/json',
+  );
   await sleep(300); // the load is under way
   const task = post(url, '/v1/tasks/run?model=big', toneWav(16000));
   await sleep(100);
@@ -232,7 +242,11 @@ async function crashloop(): Promise<void> {
   const withCoolDown = await measure('crash-default', {});
   const without = await measure('crash-off', { crash_cooldown_ms: 0 });
   console.log(
-    JSON.stringify({ figure: 'crash loop', default_crash_cooldown_ms_10000: withCoolDown, crash_cooldown_off: without }),
+    JSON.stringify({
+      figure: 'crash loop',
+      default_crash_cooldown_ms_10000: withCoolDown,
+      crash_cooldown_off: without,
+    }),
   );
 }
 
