@@ -82,6 +82,8 @@ interface Pending {
 
 /** The most concurrent jobs one ingress sends to the holders of a model (its remote pool's size). */
 const MAX_REMOTE_WINDOW = 32;
+/** How often an ingress checks the nodes it has jobs in flight to (a ping; missed heartbeats), ms. */
+const PROBE_MS = 50;
 /** Pause before asking busy holders again, ms. */
 const BUSY_RETRY_MS = 25;
 
@@ -132,8 +134,6 @@ export class ClusterNode {
   private readonly pending = new Map<string, Pending>();
   /** The reply subject prefix of this node's job attempts (`<inbox>.<seq>.<attempt>`). */
   private readonly jobInbox = createInbox();
-  /** Nodes being probed (a ping in flight). */
-  private readonly probing = new Set<string>();
   private probe: NodeJS.Timeout | null = null;
   /** When NATS was lost (local clock), while it is. */
   private disconnectedAt = 0;
@@ -143,6 +143,8 @@ export class ClusterNode {
    */
   private readonly backing = new Map<string, LoadedModel>();
   private readonly adopting = new Map<string, Promise<void>>();
+  /** When this node last served another node's job, per model (local clock). */
+  private readonly lastServed = new Map<string, number>();
   private seq = 0;
   private viewChanged: (() => void)[] = [];
   private metrics: {
@@ -150,7 +152,7 @@ export class ClusterNode {
     served: Counter<'model' | 'outcome'>;
     hop: Histogram<'model'>;
     nats: Gauge;
-    late: Counter<'model'>;
+    late: Counter;
     failovers: Counter<'model' | 'why'>;
   } | null = null;
 
@@ -276,7 +278,6 @@ export class ClusterNode {
       late: new Counter({
         name: 'voxserve_remote_late_replies_total',
         help: 'Replies to job attempts this ingress had already given up (holder taken for gone, or NATS lost): dropped',
-        labelNames: ['model'],
         registers: [reg],
       }),
       failovers: new Counter({
@@ -322,7 +323,7 @@ export class ClusterNode {
     await this.publish();
     this.heartbeat = setInterval(() => void this.publish(), this.settings.heartbeat_ms);
     this.heartbeat.unref();
-    this.probe = setInterval(() => this.checkHolders(), Math.max(50, Math.round(this.settings.heartbeat_ms / 4)));
+    this.probe = setInterval(() => this.checkHolders(), PROBE_MS);
     this.probe.unref();
     this.log.info(
       { nats: redact(this.settings.nats, this.settings), heartbeat_ms: this.settings.heartbeat_ms },
@@ -418,7 +419,7 @@ export class ClusterNode {
   }
 
   /**
-   * Every quarter heartbeat, for each node with jobs from here in flight: gone when missing from
+   * Every {@link PROBE_MS}, for each node with jobs from here in flight: gone when missing from
    * the registry for 3 heartbeats, or when NATS says nobody listens on its subjects (a ping with no
    * responders: its process died and its connection closed). Not judged while NATS is away.
    */
@@ -432,17 +433,16 @@ export class ClusterNode {
         this.markGone(node, `missed ${3} heartbeats`);
         continue;
       }
-      if (this.probing.has(node)) continue;
-      this.probing.add(node);
+      // Not waiting for an earlier ping: one in flight when its node died is never answered (at most two per node at a time).
       this.link.nc
-        .request(this.subject(node, 'ping'), undefined, { timeout: this.settings.heartbeat_ms })
+        // Short: an unanswered ping says nothing (a busy node), and a ping in flight when its node dies must not hold up the next.
+        .request(this.subject(node, 'ping'), undefined, { timeout: 2 * PROBE_MS })
         .then(
           () => {},
           (e: Error) => {
             if (isNoResponders(e) && this.connected) this.markGone(node, 'no responders');
           },
-        )
-        .finally(() => this.probing.delete(node));
+        );
     }
   }
 
@@ -453,14 +453,8 @@ export class ClusterNode {
     const noResponders = m.data.length === 0 && m.headers?.code === 503;
     if (!p) {
       if (!noResponders) {
-        let model = '';
-        try {
-          model = decodeMessage<RemoteReply & { model?: string }>(m.data).model ?? '';
-        } catch {
-          // not a reply of ours
-        }
-        this.metrics?.late.inc({ model });
-        this.log.info({ token, model }, 'cluster: a late reply to a job attempt given up: dropped');
+        this.metrics?.late.inc();
+        this.log.info({ token }, 'cluster: a late reply to a job attempt given up: dropped');
       }
       return;
     }
@@ -990,6 +984,7 @@ export class ClusterNode {
       });
     } finally {
       this.metrics?.served.inc({ model: msg.model, outcome });
+      this.lastServed.set(msg.model, Date.now());
     }
   }
 
@@ -1329,10 +1324,78 @@ export class ClusterNode {
     return out;
   }
 
-  /** Marks this node draining at once (others stop sending it work). */
+  /**
+   * Marks this node draining at once (others stop sending it work, placements skip it) and hands
+   * over the models only it holds that other nodes used in the last minute: each is placed on
+   * another live node (by most free memory; an ingress running it on a remote pool loads it behind
+   * that pool), so their jobs move there before this node unloads ({@link handedOver}).
+   */
   drain(): void {
+    if (this.draining) return;
     this.draining = true;
     void this.publish();
+    if (this.supervisor && this.connected) this.handover = this.handOver();
+  }
+
+  /**
+   * Resolves once the models this node handed over at {@link drain} are held elsewhere and the
+   * other nodes have had a heartbeat to hear of it (or the hand-over gave up: it is bounded by the
+   * drain deadline). The server awaits it before unloading its models.
+   */
+  handedOver(): Promise<void> {
+    return this.handover;
+  }
+
+  private handover: Promise<void> = Promise.resolve();
+
+  private async handOver(): Promise<void> {
+    const sup = this.supervisor!;
+    const bound = this.config.drain_timeout_ms || this.config.busy_timeout_ms || 60_000;
+    const end = Date.now() + bound;
+    const used = (id: string): boolean => Date.now() - (this.lastServed.get(id) ?? -Infinity) < 60_000;
+    const sole = sup
+      .statuses()
+      .filter((m) => m.state === 'ready' && (!this.remote.has(m.id) || this.backing.has(m.id)) && used(m.id))
+      .map((m) => m.id)
+      .filter(
+        (id) => !this.nodes().some((r) => r.node !== this.name && !r.draining && r.models[id]?.state === 'ready'),
+      );
+    const moved: string[] = [];
+    await Promise.all(
+      sole.map(async (id) => {
+        const config = sup.configOf(id);
+        if (!config) return;
+        const lock = await this.takeLock(id);
+        if (!lock) return;
+        try {
+          for (const n of this.nodes()
+            .filter((r) => r.node !== this.name && !r.draining)
+            .sort((a, b) => b.free_bytes - a.free_bytes)) {
+            if (Date.now() >= end) return;
+            try {
+              this.log.info({ model: id, on: n.node }, 'cluster: draining; handing the model over');
+              await this.ask(
+                n.node,
+                'load',
+                { id, config: this.registrationOf(config), adopt: true },
+                Math.max(1, end - Date.now()),
+              );
+              if (await this.until(() => this.holders(id).some((h) => h.node === n.node), end - Date.now())) {
+                moved.push(id);
+                return;
+              }
+            } catch (e) {
+              this.log.info({ model: id, on: n.node, why: (e as Error).message }, 'cluster: hand-over refused');
+            }
+          }
+        } finally {
+          await lock.release();
+        }
+      }),
+    );
+    // The other ingresses hear of the new holders at their heartbeat: one more before this node unloads.
+    if (moved.length) await sleep(Math.min(this.settings.heartbeat_ms, Math.max(0, end - Date.now())));
+    this.log.info({ moved, sole }, 'cluster: hand-over done');
   }
 
   /** Leaves the cluster: stops the heartbeat, removes this node's entry, closes the connection. */

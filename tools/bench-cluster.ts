@@ -10,8 +10,15 @@
  *    child) against 2 nodes on the same cores (an ingress child A, a holder child C): the
  *    processing lag (last sample of a window to its result, p50/p99) and the CPU time the
  *    server processes spent per second of audio. The ratio shows the hop's cost, not throughput.
+ * 3. Failover (issue 20): an ingress (this process, node A) runs Silero VAD jobs of 8 windows one
+ *    after another on a remote pool while a holder (a child process) is killed with SIGKILL,
+ *    `--kills` times in each of two cases: another node still holds the model (the job is sent
+ *    again to it), and no node does (A loads the model behind its remote pool, then runs the job).
+ *    Prints, over the kills, the time from the kill to the result of the first job answered after
+ *    it (the job that was in flight, sent again), p50/p99, against the round trip of a job with
+ *    no failure measured in the same run (the extra lag a failover adds is the difference).
  *
- *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10]
+ *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--kills 20] [--parts 1,2,3]
  *
  * Needs Debian's nats-server at /usr/sbin/nats-server. Other processes load the CPU: say so next
  * to any figure.
@@ -35,8 +42,12 @@ const { values } = parseArgs({
     jobs: { type: 'string', default: '300' },
     streams: { type: 'string', default: '50' },
     seconds: { type: 'string', default: '10' },
+    kills: { type: 'string', default: '20' },
+    parts: { type: 'string', default: '1,2,3' },
   },
 });
+const KILLS = Number(values.kills);
+const PARTS = new Set(values.parts.split(','));
 const JOBS = Number(values.jobs);
 const STREAMS = Number(values.streams);
 const SECONDS = Number(values.seconds);
@@ -125,7 +136,18 @@ async function perJob(run: (j: VadJob) => Promise<unknown>, windows: number, n: 
 
 const nats = await startNats();
 try {
-  // ---- 1. remote job against local job ---------------------------------------------------------
+  if (PARTS.has('1')) await part1();
+  if (PARTS.has('2')) await part2();
+  if (PARTS.has('3')) await part3();
+} finally {
+  for (const ch of children) ch.kill('SIGTERM');
+  await new Promise((r) => setTimeout(r, 500));
+  for (const ch of children) if (ch.exitCode === null) ch.kill('SIGKILL');
+  rmSync(dir, { recursive: true, force: true });
+}
+
+/** Part 1: a remote job against a local one. */
+async function part1(): Promise<void> {
   const holder = await serve('C', {
     models: [{ id: 'silero-vad', lazy: false }],
     cluster: { nats, node: 'C', heartbeat_ms: 500 },
@@ -154,8 +176,10 @@ try {
   await local.close();
   await ingress.close();
   holder.child.kill('SIGTERM');
+}
 
-  // ---- 2. live VAD streams: 1 node against 2 nodes ---------------------------------------------
+/** Part 2: live VAD streams, 1 node against 2 nodes. */
+async function part2(): Promise<void> {
   const frameMs = 100;
   const frames = (SECONDS * 1000) / frameMs;
   const pcm = Buffer.alloc(((16000 * frameMs) / 1000) * 2);
@@ -224,11 +248,149 @@ try {
   console.log(
     `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2)}`,
   );
-} finally {
-  for (const ch of children) ch.kill('SIGTERM');
-  await new Promise((r) => setTimeout(r, 500));
-  for (const ch of children) if (ch.exitCode === null) ch.kill('SIGKILL');
-  rmSync(dir, { recursive: true, force: true });
+  a.child.kill('SIGTERM');
+  c.child.kill('SIGTERM');
+}
+
+/** Part 3: failover, the time from a holder's SIGKILL to the result of the job it had. */
+async function part3(): Promise<void> {
+  const hb = 500;
+  let n = 0;
+  /** A holder child process that loads silero-vad itself (management load naming it). */
+  const holder = async (): Promise<{ name: string; child: ChildProcess }> => {
+    const name = `H${++n}`;
+    const s = await serve(name, {
+      isolation: 'thread',
+      management: { enabled: true },
+      cluster: { nats, node: name, heartbeat_ms: hb },
+    });
+    const r = await fetch(`${s.url}/v1/models/load`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ id: 'silero-vad', node: name }),
+    });
+    if (r.status !== 200) throw new Error(`${name} could not load silero-vad: ${await r.text()}`);
+    return { name, child: s.child };
+  };
+  const ingress = await startServer(
+    ServerConfig.parse({
+      port: 0,
+      log_level: 'error',
+      isolation: 'thread',
+      cluster: { nats, node: 'A', heartbeat_ms: hb },
+    }),
+  );
+  const sees = async (names: string[]): Promise<void> => {
+    while (!names.every((x) => ingress.cluster!.holders('silero-vad').some((h) => h.node === x)))
+      await new Promise((r) => setTimeout(r, 20));
+  };
+  const entry = ingress.supervisor.getOrRegister('silero-vad')!;
+  const job = vadJob(8);
+
+  /** Runs jobs one after another until `stop`; each job's [start, end] (performance.now()). */
+  const driver = (pool: SlotPool) => {
+    const done: [number, number][] = [];
+    let stop = false;
+    let failed = 0;
+    const running = (async () => {
+      while (!stop) {
+        const t0 = performance.now();
+        try {
+          await pool.run(job);
+          done.push([t0, performance.now()]);
+        } catch {
+          failed++;
+        }
+      }
+    })();
+    return {
+      done,
+      failed: () => failed,
+      stop: async () => {
+        stop = true;
+        await running;
+      },
+    };
+  };
+  /** Kill `victim` mid-run; resolves with the kill-to-first-result time, ms. */
+  const kill = async (d: ReturnType<typeof driver>, victim: ChildProcess): Promise<number> => {
+    await new Promise((r) => setTimeout(r, 200 + Math.random() * 300));
+    const tKill = performance.now();
+    victim.kill('SIGKILL');
+    const end = Date.now() + 60_000;
+    for (;;) {
+      const first = d.done.find(([, e]) => e > tKill);
+      if (first) return first[1] - tKill;
+      if (Date.now() > end) throw new Error('no result within 60 s of the kill');
+      await new Promise((r) => setTimeout(r, 5));
+    }
+  };
+  const pct = (xs: number[], p: number): number => {
+    const s = [...xs].sort((a, b) => a - b);
+    return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))];
+  };
+  const rows: string[] = [];
+  const each: [string, number[]][] = [];
+
+  // Case 1: another holder remains: the job is sent again to it.
+  {
+    let hs = [await holder(), await holder()];
+    await sees(hs.map((h) => h.name));
+    const lease = await entry.admit({});
+    const { pool } = await entry.ensureReady();
+    const d = driver(pool);
+    await new Promise((r) => setTimeout(r, 1000));
+    const base = d.done.map(([s0, e]) => e - s0);
+    const times: number[] = [];
+    for (let i = 0; i < KILLS; i++) {
+      const [victim, rest] = [hs[0], hs[1]];
+      times.push(await kill(d, victim.child));
+      const next = await holder();
+      hs = [rest, next];
+      await sees([next.name]);
+    }
+    await d.stop();
+    lease.release();
+    rows.push(row('another holder remains', base, times, d.failed()));
+    for (const h of hs) h.child.kill('SIGKILL');
+    await entry.unload(60_000);
+  }
+  // Case 2: no other holder: A loads the model behind its remote pool and runs the job there.
+  {
+    const times: number[] = [];
+    let base: number[] = [];
+    let failed = 0;
+    for (let i = 0; i < KILLS; i++) {
+      const h = await holder();
+      await sees([h.name]);
+      const lease = await entry.admit({});
+      const { pool } = await entry.ensureReady();
+      const d = driver(pool);
+      await new Promise((r) => setTimeout(r, 300));
+      base = base.concat(d.done.map(([s0, e]) => e - s0));
+      times.push(await kill(d, h.child));
+      await d.stop();
+      failed += d.failed();
+      lease.release();
+      await entry.unload(60_000);
+    }
+    rows.push(row('no other holder (A loads it)', base, times, failed));
+  }
+  await ingress.close();
+  console.log(
+    `\nfailover: SIGKILL of the holder while an ingress runs 8-window Silero VAD jobs one after another on it (${KILLS} kills per case, heartbeat ${hb} ms; other agents load this machine's 2 cores)`,
+  );
+  console.log(
+    'case                          | job p50 ms, no failure | kill -> first result p50 ms | p99 ms | extra lag p50 ms | failed jobs',
+  );
+  for (const r of rows) console.log(r);
+  for (const [name, t] of each) console.log(`${name}, each kill (ms): ${t.map((x) => x.toFixed(0)).join(' ')}`);
+
+  function row(name: string, base: number[], times: number[], failed: number): string {
+    each.push([name, times]);
+    const b = pct(base, 50);
+    return `${name.padEnd(29)} | ${b.toFixed(1).padStart(22)} | ${pct(times, 50).toFixed(1).padStart(27)} | ${pct(times, 99).toFixed(1).padStart(6)} | ${(pct(times, 50) - b).toFixed(1).padStart(16)} | ${failed}`;
+  }
 }
 
 /** A 16 kHz mono s16 WAV of `pcm`. */

@@ -356,7 +356,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     http.closeAllConnections();
     for (const c of wss.clients) c.terminate();
     for (const socket of wyoming?.sockets ?? []) socket.destroy();
-    // Phase 4: unload every model.
+    // Phase 4: unload every model (in a cluster, once the models only this node held are held elsewhere).
+    await cluster?.handedOver();
     await supervisor.stop(0);
     await cluster?.close();
     await closeListener();

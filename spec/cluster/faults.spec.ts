@@ -10,6 +10,8 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Kvm } from '@nats-io/kv';
+import { connect } from '@nats-io/transport-node';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { spawnServer } from '../../tools/spawn-server.js';
@@ -378,4 +380,124 @@ describe('a holder paused (SIGSTOP) past its heartbeats, then resumed (SIGCONT)'
     for (const n of [A, B, D]) expect(await holders(n.url, 'silero-vad')).toEqual([]);
     expect(await loads()).toBe(before);
   }, 60_000);
+});
+
+describe('NATS stopped for 5 s and started again under load', () => {
+  let nats: NatsServer;
+  let A: Node;
+  let C: Node;
+
+  beforeAll(async () => {
+    nats = await startNats();
+    [A, C] = await Promise.all(['A', 'C'].map((n) => startNode(nats.url, n)));
+    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'C' });
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    await until(async () => (await holders(A.url, 'silero-vad')).join() === 'C', 5000);
+  }, 120_000);
+  afterAll(async () => {
+    for (const n of [A, C]) n?.child.kill('SIGKILL');
+    await nats?.stop();
+  });
+
+  it("local work goes on, remote work resumes with the single node's events, and no lease or lock is left", async () => {
+    expect((await runFile(A.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+    framesSent = 0;
+    // Remote: streams on A whose jobs run on C. Local: streams on C itself.
+    const remote = Array.from({ length: 4 }, () => stream(A.url, 'silero-vad', VAD_FILE, 12));
+    const local = Array.from({ length: 4 }, () => stream(C.url, 'silero-vad', VAD_FILE, 12));
+    await until(() => framesSent > 8 * 100, 30_000);
+    // Killed: what it had in flight (jobs, replies) is lost with it.
+    await nats.halt('SIGKILL');
+    const down = Date.now();
+    // While NATS is away, a file request on the holder is served at once.
+    const during = await runFile(C.url, 'silero-vad', 'Front_Center.wav');
+    expect(during.status).toBe(200);
+    expectSegments(during.body.segments, reference('Front_Center.wav').segments_v6, 40);
+    expect(Date.now() - down).toBeLessThan(5000);
+    const l = await Promise.all(local);
+    await new Promise((r) => setTimeout(r, Math.max(0, 5000 - (Date.now() - down))));
+    await nats.restart();
+    const r = await Promise.all(remote);
+    for (const x of [...l, ...r]) {
+      expect(x.code).toBe(1000);
+      expect(x.events).toEqual(want.vad);
+    }
+    // After the outage: every lease given back, and no load lock held.
+    for (const n of [A, C])
+      await until(async () => {
+        const { body } = await json(`${n.url}/v1/models`);
+        return body.models.every((m: { active_leases: number }) => m.active_leases === 0);
+      }, 5000);
+    // The registry is back: each node hears the other's heartbeats again.
+    for (const n of [A, C])
+      await until(async () => {
+        const { body } = await json(`${n.url}/v1/cluster`);
+        return (
+          body.nats.connected === true &&
+          body.nodes.length === 2 &&
+          body.nodes.every((x: { last_seen_ms: number }) => x.last_seen_ms <= 2 * HEARTBEAT_MS)
+        );
+      }, 10_000);
+    // No load lock is held (a lock left by the outage would have a deadline still ahead).
+    const nc = await connect({ servers: nats.url });
+    try {
+      const locks = await new Kvm(nc).open('voxserve_locks');
+      for await (const key of await locks.keys()) {
+        const e = await locks.get(key);
+        if (e?.operation === 'PUT') expect(e.json<{ deadline: number }>().deadline).toBeLessThan(Date.now());
+      }
+    } finally {
+      await nc.close();
+    }
+    const after = await runFile(A.url, 'silero-vad', VAD_FILE);
+    expect(after.status).toBe(200);
+    expect(after.body.segments).toEqual(want.vadFile);
+  }, 120_000);
+});
+
+describe('SIGTERM on the only holder (a step of a rolling restart)', () => {
+  let nats: NatsServer;
+  let A: Node;
+  let B: Node;
+  let C: Node;
+
+  beforeAll(async () => {
+    nats = await startNats();
+    [A, B, C] = await Promise.all(['A', 'B', 'C'].map((n) => startNode(nats.url, n)));
+    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'C' });
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    for (const n of [A, B]) await until(async () => (await holders(n.url, 'silero-vad')).join() === 'C', 5000);
+  }, 120_000);
+  afterAll(async () => {
+    for (const n of [A, B, C]) n?.child.kill('SIGKILL');
+    await nats?.stop();
+  });
+
+  it('hands its model over before it exits: the streams go on with no job sent again', async () => {
+    for (const n of [A, B]) expect((await runFile(n.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+    framesSent = 0;
+    const streams = Array.from({ length: 8 }, (_, i) => stream([A, B][i % 2].url, 'silero-vad', VAD_FILE, 12));
+    await until(() => framesSent > 8 * 120, 30_000);
+    const exited = new Promise<number | null>((r) => C.child.once('exit', (code) => r(code)));
+    C.child.kill('SIGTERM');
+    // Draining at once in the registry.
+    await until(async () => {
+      const { body } = await json(`${A.url}/v1/cluster`);
+      return body.nodes.find((n: { node: string }) => n.node === 'C')?.draining === true;
+    }, 2 * HEARTBEAT_MS);
+    expect(await exited).toBe(0);
+    const s = await Promise.all(streams);
+    for (const x of s) {
+      expect(x.code).toBe(1000);
+      expect(x.events).toEqual(want.vad);
+    }
+    const h = await holders(A.url, 'silero-vad');
+    expect(h.length).toBe(1);
+    expect(['A', 'B']).toContain(h[0]);
+    // The model was held elsewhere before C unloaded: no job met a gone or unloaded holder.
+    for (const n of [A, B]) {
+      expect(await metric(n.url, 'voxserve_remote_failovers_total')).toBe(0);
+      expect(await metric(n.url, 'voxserve_remote_jobs_sent_total', { outcome: 'not_held' })).toBe(0);
+    }
+  }, 120_000);
 });

@@ -26,8 +26,8 @@ export interface NatsServer {
   proc: ChildProcess;
   /** Stops the server (SIGTERM, then SIGKILL) and removes its store. */
   stop(): Promise<void>;
-  /** Stops the server but keeps its store (for {@link restart}). */
-  halt(): Promise<void>;
+  /** Stops the server (SIGTERM, or `signal`) but keeps its store (for {@link restart}). */
+  halt(signal?: NodeJS.Signals): Promise<void>;
   /** Starts the server again on the same port with the same store (its buckets survive). */
   restart(): Promise<void>;
 }
@@ -57,10 +57,10 @@ export async function startNats(args: string[] = [], port?: number): Promise<Nat
     });
     return proc;
   };
-  const halt = async (proc: ChildProcess): Promise<void> => {
+  const halt = async (proc: ChildProcess, signal: NodeJS.Signals = 'SIGTERM'): Promise<void> => {
     if (proc.exitCode !== null || proc.signalCode !== null) return;
     const exited = new Promise<void>((r) => proc.once('exit', () => r()));
-    proc.kill('SIGTERM');
+    proc.kill(signal);
     const t = setTimeout(() => proc.kill('SIGKILL'), 3000);
     await exited;
     clearTimeout(t);
@@ -73,7 +73,7 @@ export async function startNats(args: string[] = [], port?: number): Promise<Nat
       await halt(server.proc);
       rmSync(dir, { recursive: true, force: true });
     },
-    halt: () => halt(server.proc),
+    halt: (signal) => halt(server.proc, signal),
     restart: async () => {
       await halt(server.proc);
       server.proc = await launch();
