@@ -477,7 +477,13 @@ export class ClusterNode {
   private attempt(node: string, token: string, data: Uint8Array, deadlineMs: number): Promise<Attempt> {
     return new Promise((resolve) => {
       const timer = setTimeout(() => {
-        if (this.pending.has(token)) this.markGone(node, `no reply within the job deadline (${deadlineMs} ms)`);
+        const p = this.pending.get(token);
+        if (!p) return;
+        // Without NATS this node cannot tell: the attempt is lost (sent again once NATS is back, within the busy timeout).
+        if (!this.connected) {
+          this.pending.delete(token);
+          p.settle({ lost: true });
+        } else this.markGone(node, `no reply within the job deadline (${deadlineMs} ms)`);
       }, deadlineMs);
       this.pending.set(token, {
         node,
@@ -777,6 +783,7 @@ export class ClusterNode {
     let lastGone = '';
     let replaced = 0;
     for (let attempt = 1; ; attempt++) {
+      if (this.closed) throw voxError('shutting_down');
       const backing = this.backing.get(id);
       if (backing) return backing.pool.run(job, undefined, end === Infinity ? 0 : Math.max(1, end - Date.now()));
       if (!(await this.connectedBy(end)))
@@ -1408,6 +1415,11 @@ export class ClusterNode {
       if (this.connected) await this.link.nodes.delete(nodeKey(this.name)).catch(() => {});
     } finally {
       this.closed = true;
+      // Jobs still waiting for a holder's reply end (their requests get 503 shutting_down).
+      for (const [token, p] of this.pending) {
+        this.pending.delete(token);
+        p.settle({ lost: true });
+      }
       for (const s of this.subs) s.unsubscribe();
       await this.link.nc.close().catch(() => {});
     }
