@@ -1,5 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { freemem } from 'node:os';
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import type { ModelConfig } from './config.js';
 
 const MiB = 1024 * 1024;
@@ -54,3 +56,67 @@ export function estimateFootprint(config: Pick<ModelConfig, 'slots'>, fileBytes:
 
 /** Bytes as whole MiB, for messages. */
 export const mib = (bytes: number): string => `${Math.round(bytes / MiB)} MiB`;
+
+/** V8's full garbage collection, reached without `--expose-gc` on the command line (the flag set at run time, read from a new context). */
+let gcFn: (() => void) | null = null;
+
+/**
+ * Runs one full garbage collection now (blocks for its duration: ~10-50 ms for the server's
+ * heap). V8 collects when JavaScript allocates; an idle server allocates nothing, so the
+ * off-heap buffers its streams left behind (audio frames, results: hundreds of MiB after an
+ * hour of wake-word streams) stayed in RSS until the next burst of work (issue 25 item 14).
+ * Chrome runs such collections in idle time; Node has no idle notification, so the server calls
+ * this once it has been idle a while ({@link IdleCollector}).
+ */
+export function collectGarbage(): void {
+  if (!gcFn) {
+    setFlagsFromString('--expose-gc');
+    gcFn = runInNewContext('gc') as () => void;
+  }
+  gcFn();
+}
+
+/**
+ * Collects garbage once after each spell of work, when the server has been idle for `idleMs`:
+ * `busy()` says whether work is in flight (requests, streams; checked every `idleMs` / 5);
+ * `touch()` marks work too short to be seen that way.
+ */
+export class IdleCollector {
+  private worked = false;
+  private readonly timer: NodeJS.Timeout;
+  /** Collections run (for tests). */
+  runs = 0;
+
+  constructor(
+    private readonly busy: () => boolean,
+    idleMs = 5000,
+  ) {
+    let quietSince = 0;
+    this.timer = setInterval(
+      () => {
+        if (this.busy()) {
+          this.worked = true;
+          return void (quietSince = 0);
+        }
+        if (!this.worked) return;
+        const now = Date.now();
+        if (!quietSince) return void (quietSince = now);
+        if (now - quietSince < idleMs) return;
+        this.worked = false;
+        quietSince = 0;
+        this.runs++;
+        collectGarbage();
+      },
+      Math.max(10, idleMs / 5),
+    ).unref();
+  }
+
+  /** Work happened (a request or a stream started). */
+  touch(): void {
+    this.worked = true;
+  }
+
+  stop(): void {
+    clearInterval(this.timer);
+  }
+}

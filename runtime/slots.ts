@@ -306,12 +306,18 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       },
       jobTimeoutMs,
     );
+    // Results are read into one reused buffer per host (issue 25 item 14): a fresh one per frame
+    // was garbage that nothing collected while the server idled (hundreds of MiB of external
+    // memory after wake-word streams). The host answers one job at a time and gets the next only
+    // after its answer, and every consumer copies what it keeps (task sessions, the batcher's
+    // rows) before that answer's promise chain ends.
     channel = new FrameChannel<FromSlot, ToSlot>(
       socket,
       files[0].fd,
       files[1].fd,
       (m) => slot.onMessage(m),
       (e) => slot.fail(e),
+      true,
     );
     child.on('message', (m: FromSlot) => slot.onMessage(m));
     child.on('error', (e) => slot.fail(e));

@@ -19,7 +19,7 @@ import { startWyoming, type WyomingService } from './wyoming.js';
 import { ClusterNode } from '../cluster/node.js';
 import { clusterSettings } from '../cluster/nats.js';
 import { createLogger } from '../runtime/telemetry.js';
-import { availableMemory } from '../runtime/memory.js';
+import { availableMemory, IdleCollector } from '../runtime/memory.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -112,6 +112,9 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const sse = new Set<ServerResponse>();
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
+  let wyoming: WyomingService | null = null;
+  // Off-heap garbage left by streams and requests is collected once the server idles (issue 25 item 14).
+  const idleGc = new IdleCollector(() => streams.size > 0 || inflight.size > 0 || (wyoming?.links.size ?? 0) > 0);
   const dispatch = createDispatch({
     config,
     supervisor,
@@ -189,6 +192,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       .then(() => closed)
       .finally(() => inflight.delete(handled));
     inflight.add(handled);
+    idleGc.touch();
   }
   http.on('clientError', (err: NodeJS.ErrnoException, socket) => {
     // Garbage request lines, oversized headers, header timeouts: answer if the socket can still take it.
@@ -261,6 +265,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       drainOnShutdown(supervisor.root, socketActor.actor);
       const link = bindStream(ws, socketActor, protocol, config.limits);
       streams.add(link);
+      idleGc.touch();
       void link.released.then(() => streams.delete(link));
     });
   });
@@ -279,7 +284,6 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
   // The log's own record of the address (the CLI also tells the person at the terminal, on stderr).
   log.info({ url: `http://${host}:${addr.port}` }, 'listening');
-  let wyoming: WyomingService | null = null;
   if (config.wyoming.enabled) {
     try {
       wyoming = await startWyoming(config, supervisor, inspected.inspect);
@@ -359,6 +363,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     await closeListener();
     await wyomingClosed;
     inspected.stop();
+    idleGc.stop();
     log.info('stopped');
     log.flush();
   };

@@ -280,8 +280,9 @@ export class VadSession extends WindowedSession {
   accept(result: JobResult): TaskEvent[] {
     const r = result as VadResult;
     this.inFlight = false;
-    this.state = r.state;
-    this.context = r.context;
+    // Copied, not kept: a result's arrays are views into a receive buffer the next result reuses.
+    this.state.set(r.state);
+    this.context.set(r.context);
     const events: TaskEvent[] = [];
     for (const p of r.probs) {
       this.processed = Math.min(this.processed + SILERO.WINDOW, this.received);

@@ -4,7 +4,9 @@ import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { defaultCatalog } from '../../runtime/config.js';
 import type { Job, JobResult, LoadSpec, SlotInfo } from '../../runtime/slot-protocol.js';
-import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import { processSlots, SlotPool, type SlotHost } from '../../runtime/slots.js';
+import { createTaskSession } from '../../runtime/tasks/index.js';
+import { ModelConfig } from '../../runtime/config.js';
 import { until } from '../helpers.js';
 
 const vadPath = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
@@ -139,5 +141,32 @@ describe('SlotPool.start', () => {
     await until(() => respawn !== undefined, 2000);
     await pool.close();
     expect(respawn!.aborted).toBe(true);
+  });
+});
+
+describe('main-process memory of process slot hosts (issue 25 item 14)', () => {
+  it('issue 25 item 14: results from a process host are read into one reused buffer, not a fresh one per frame; a VAD session keeps copies, not views', async () => {
+    const pool = await SlotPool.start(vadSpec(), 1, processSlots(0));
+    try {
+      const a = await pool.run(vadJob(64));
+      const aState = (a as { state: Float32Array }).state.slice();
+      const b = await pool.run(vadJob(4)); // smaller: it fits the buffer a grew
+      // One buffer for every frame of the host: no garbage per result (which nothing collected while idle).
+      expect((b as { probs: Float32Array }).probs.buffer).toBe((a as { probs: Float32Array }).probs.buffer);
+      // So a's arrays now hold b's values: whoever keeps a result's arrays must copy them.
+      expect(Array.from((a as { state: Float32Array }).state)).not.toEqual(Array.from(aState));
+      // A VAD session does: its state after accepting a result does not change when the next result arrives.
+      const config = ModelConfig.parse({ id: 'v', task: 'vad', path: vadPath });
+      const session = createTaskSession(config, pool.info, {}, true);
+      session.push(new Float32Array(512 * 4).map((_, i) => Math.sin(i / 7) * 0.3));
+      session.accept(await pool.run(session.nextJob(64)!));
+      const state = (): number[] => Array.from((session as unknown as { state: Float32Array }).state);
+      const kept = state();
+      expect(kept.some((v) => v !== 0)).toBe(true);
+      await pool.run(vadJob(8)); // the next result lands in the same buffer
+      expect(state()).toEqual(kept);
+    } finally {
+      await pool.close();
+    }
   });
 });

@@ -52,7 +52,7 @@ const run = async (s: VoxServer, model: string, body: Buffer) => {
     headers: { 'content-type': 'audio/wav' },
     body: new Uint8Array(body),
   });
-  return { status: res.status, body: await res.json() };
+  return { status: res.status, body: await res.json(), retryAfter: res.headers.get('retry-after') };
 };
 const status = async (s: VoxServer, id: string) => (await fetch(`${s.url}/v1/models/${id}`)).json();
 
@@ -106,8 +106,11 @@ describe('process isolation', () => {
     expect(await status(s, 'slow')).toMatchObject({ state: 'ready', last_error: null });
   });
 
-  it('a host that aborts mid-job: 500 naming the signal, the server and other models serve on, the slot respawns; three crashes in a minute unload the model with last_error; the next request loads it again', async () => {
-    const s = await serve({ models: [{ id: 'crashy', task: 'vad', path: silero, lazy: false, max_batch_size: 1 }] });
+  it('a host that aborts mid-job: 500 naming the signal, the server and other models serve on, the slot respawns; three crashes in a minute unload the model with last_error and hold it back for crash_cooldown_ms (503 model_cooling_down with Retry-After; issue 25 item 9); then the next request loads it again', async () => {
+    const s = await serve({
+      crash_cooldown_ms: 2000,
+      models: [{ id: 'crashy', task: 'vad', path: silero, lazy: false, max_batch_size: 1 }],
+    });
     const marker = wav(0.5, 12345);
     const first = await run(s, 'crashy', marker);
     expect(first.status).toBe(500);
@@ -122,6 +125,13 @@ describe('process isolation', () => {
     expect((await status(s, 'crashy')).last_error).toMatch(
       /^3 slot crashes within a minute; the last: slot failed: slot host was killed by SIGABRT/,
     );
+    const held = await run(s, 'crashy', fixture('Front_Left.wav'));
+    expect(held).toMatchObject({ status: 503, body: { error: { code: 'model_cooling_down' } } });
+    expect(Number(held.retryAfter)).toBeGreaterThanOrEqual(1);
+    expect(Number(held.retryAfter)).toBeLessThanOrEqual(2);
+    expect((await status(s, 'crashy')).cool_down).toMatchObject({ failures: 1 });
+    expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200); // others unaffected
+    await until(async () => (await status(s, 'crashy')).cool_down === null, 5000);
     const again = await run(s, 'crashy', fixture('Front_Left.wav'));
     expect(again.status).toBe(200);
     expect(again.body.segments.length).toBeGreaterThan(0);
