@@ -202,6 +202,23 @@ function pcmFormat(
 }
 
 /**
+ * The `timestamp` an `audio-start` or `audio-chunk` carries, ms on the client's clock: absent
+ * (undefined or null) when it gives none; else a finite number from 0 to 2^53 - 1 (a fraction is
+ * kept, and detections echo it rounded to whole ms).
+ * @throws VoxError `invalid_field` naming the field (`audio-chunk.timestamp`).
+ */
+function clientTimestamp(kind: 'audio-start' | 'audio-chunk', data: Record<string, unknown>): number | undefined {
+  const v = data.timestamp;
+  if (v === undefined || v === null) return undefined;
+  if (typeof v !== 'number' || !Number.isFinite(v) || v < 0 || v > Number.MAX_SAFE_INTEGER)
+    throw invalid(
+      `${kind}.timestamp`,
+      `must be a number of ms from 0 to ${Number.MAX_SAFE_INTEGER}, got ${JSON.stringify(v)?.slice(0, 32)}`,
+    );
+  return v;
+}
+
+/**
  * Where an audio stream's samples (16 kHz, after conversion) fall on the client's clock: each
  * `audio-chunk`'s first sample and its `timestamp`, ms. A chunk without one continues the
  * previous chunk's (the first: the `audio-start` timestamp, else 0), so a client that sends none
@@ -218,10 +235,10 @@ class ClientClock {
   constructor(private readonly base: number) {}
 
   /** The next chunk: `samples` 16 kHz samples, the client's `timestamp` (ms) when it gave one. */
-  chunk(samples: number, timestamp: unknown): void {
+  chunk(samples: number, timestamp: number | undefined): void {
     const last = this.marks.at(-1);
     const ts =
-      typeof timestamp === 'number' && Number.isFinite(timestamp)
+      timestamp !== undefined
         ? timestamp
         : last
           ? last.ts + (this.samples - last.at) / 16
@@ -358,6 +375,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     const start = async (kind: 'audio-start' | 'audio-chunk', data: Record<string, unknown>): Promise<void> => {
       if (audio) await stop(false);
       const format = pcmFormat(kind, data);
+      const base = clientTimestamp(kind, data) ?? 0;
       await admit();
       if (stopped) return;
       decoder?.close();
@@ -371,7 +389,6 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
           accepted: backlog,
           fail,
         });
-      const base = typeof data.timestamp === 'number' && Number.isFinite(data.timestamp) ? data.timestamp : 0;
       audio = { detections: 0, format, clock: new ClientClock(kind === 'audio-start' ? base : 0) };
       if (!ready) {
         ready = true;
@@ -403,7 +420,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     };
 
     /** Converted samples (16 kHz mono) to every lane; `timestamp` is the client's for their chunk. */
-    const feed = (samples: Float32Array, timestamp: unknown): void => {
+    const feed = (samples: Float32Array, timestamp: number | undefined): void => {
       if (!audio) return;
       audio.clock.chunk(samples.length, timestamp);
       if (samples.length === 0) return;
@@ -426,6 +443,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
     const chunk = async (e: WyomingEvent): Promise<void> => {
       if (!audio || !decoder) return;
       const format = pcmFormat('audio-chunk', e.data, audio.format);
+      const timestamp = clientTimestamp('audio-chunk', e.data);
       if (format.rate !== audio.format.rate || format.channels !== audio.format.channels) {
         const held = decoder.end();
         if (held.length) feed(held, undefined);
@@ -436,7 +454,7 @@ const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 
         if (stopped || !audio) return;
         audio.format = format;
       }
-      feed(decoder.push(e.payload ?? Buffer.alloc(0)), e.data.timestamp);
+      feed(decoder.push(e.payload ?? Buffer.alloc(0)), timestamp);
     };
 
     const handle = async (e: WyomingEvent): Promise<void> => {

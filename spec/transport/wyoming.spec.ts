@@ -405,6 +405,78 @@ describe('Wyoming', () => {
         ),
       /audio-chunk\.channels: 0 is out of range/,
     ],
+    [
+      'item 5 (#25): an audio-chunk timestamp that is a string',
+      (s) =>
+        s.write(
+          JSON.stringify({
+            type: 'audio-chunk',
+            data: { rate: 16000, width: 2, channels: 1, timestamp: 'x' },
+            payload_length: 4,
+          }) + '\n\0\0\0\0',
+        ),
+      /audio-chunk\.timestamp: must be a number of ms from 0 to 9007199254740991, got "x"/,
+    ],
+    [
+      'item 5 (#25): an audio-chunk timestamp that is an array',
+      (s) =>
+        s.write(
+          JSON.stringify({
+            type: 'audio-chunk',
+            data: { rate: 16000, width: 2, channels: 1, timestamp: [1] },
+            payload_length: 4,
+          }) + '\n\0\0\0\0',
+        ),
+      /audio-chunk\.timestamp: must be a number of ms from 0 to 9007199254740991, got \[1\]/,
+    ],
+    [
+      'item 5 (#25): an audio-chunk timestamp that is an object',
+      (s) =>
+        s.write(
+          JSON.stringify({
+            type: 'audio-chunk',
+            data: { rate: 16000, width: 2, channels: 1, timestamp: {} },
+            payload_length: 4,
+          }) + '\n\0\0\0\0',
+        ),
+      /audio-chunk\.timestamp: must be a number of ms from 0 to 9007199254740991, got \{\}/,
+    ],
+    [
+      'item 5 (#25): an audio-chunk timestamp that is a boolean',
+      (s) =>
+        s.write(
+          JSON.stringify({
+            type: 'audio-chunk',
+            data: { rate: 16000, width: 2, channels: 1, timestamp: true },
+            payload_length: 4,
+          }) + '\n\0\0\0\0',
+        ),
+      /audio-chunk\.timestamp: must be a number of ms from 0 to 9007199254740991, got true/,
+    ],
+    [
+      'item 5 (#25): an audio-chunk timestamp that is negative',
+      (s) =>
+        s.write(
+          JSON.stringify({
+            type: 'audio-chunk',
+            data: { rate: 16000, width: 2, channels: 1, timestamp: -5000 },
+            payload_length: 4,
+          }) + '\n\0\0\0\0',
+        ),
+      /audio-chunk\.timestamp: must be a number of ms from 0 to 9007199254740991, got -5000/,
+    ],
+    [
+      'item 5 (#25): an audio-chunk timestamp that is huge',
+      (s) =>
+        s.write(
+          JSON.stringify({
+            type: 'audio-chunk',
+            data: { rate: 16000, width: 2, channels: 1, timestamp: 1e300 },
+            payload_length: 4,
+          }) + '\n\0\0\0\0',
+        ),
+      /audio-chunk\.timestamp: must be a number of ms from 0 to 9007199254740991, got 1e\+300/,
+    ],
   ];
   it.each(malformed)('%s: an error event, then the close; nothing leaks', async (_, write, message) => {
     const c = await Client.open(port);
