@@ -152,68 +152,58 @@ export function modelFiles(config: ModelConfig): string[] {
 }
 
 /** Connection limits and deadlines (ms; 0 = no deadline). */
-export const Limits = z
-  .strictObject({
-    /**
-     * HTTP request body, bytes (413 past it). The default admits the longest file accepted
-     * (30 min at 16 kHz mono 16-bit: 57.6 MB as WAV, 76.8 MB as base64 in JSON).
-     */
-    max_body_bytes: z
-      .number()
-      .int()
-      .positive()
-      .default(100 * 1024 * 1024),
-    /** HTTP request headers, bytes (431 past it). */
-    max_header_bytes: z
-      .number()
-      .int()
-      .min(1024)
-      .default(16 * 1024),
-    /** Time to receive a request's headers. */
-    headers_timeout_ms: nonNegInt.default(10_000),
-    /**
-     * Time to receive a whole request, headers and body (408 past it; node's `requestTimeout`). The
-     * default, node's own, uploads the largest body (`max_body_bytes`) at 350 KB/s. 0 = no deadline
-     * (then a client dripping a byte just inside `idle_ms` holds its connection forever).
-     */
-    request_timeout_ms: nonNegInt.default(300_000),
-    max_ws_connections: z.number().int().positive().default(1024),
-    /** One WebSocket message, bytes (close 1009 past it). */
-    ws_max_frame_bytes: z
-      .number()
-      .int()
-      .positive()
-      .default(1024 * 1024),
-    /** Outbound bytes a client may leave unread before it is cut off (close 1013). */
-    ws_max_buffered_bytes: z
-      .number()
-      .int()
-      .positive()
-      .default(4 * 1024 * 1024),
-    /**
-     * Messages (binary, text, ping, pong) one WebSocket client may send per second, with bursts of
-     * a second's worth; past it the stream is closed 1008. 0 = no limit. The default is well above
-     * what real clients send (an AudioWorklet posting every 128-sample quantum at 48 kHz: 375/s).
-     */
-    ws_max_messages_per_s: nonNegInt.default(1000),
-    /** No data on a request body, or no message on a stream, for this long cuts it off. */
-    idle_ms: nonNegInt.default(30_000),
-    /** Longest stream. */
-    total_ms: nonNegInt.default(0),
-    /** Longest wait for one send to a client to be written out. */
-    send_timeout_ms: nonNegInt.default(10_000),
-    /** WebSocket ping interval; a peer that has not answered the previous ping is dropped. */
-    heartbeat_ms: nonNegInt.default(30_000),
-  })
-  .superRefine((l, ctx) => {
-    // node refuses a headers deadline past the whole request's.
-    if (l.request_timeout_ms > 0 && l.headers_timeout_ms > l.request_timeout_ms)
-      ctx.addIssue({
-        code: 'custom',
-        path: ['request_timeout_ms'],
-        message: `must be 0 or at least headers_timeout_ms (${l.headers_timeout_ms})`,
-      });
-  });
+export const Limits = z.strictObject({
+  /**
+   * HTTP request body, bytes (413 past it). The default admits the longest file accepted
+   * (30 min at 16 kHz mono 16-bit: 57.6 MB as WAV, 76.8 MB as base64 in JSON).
+   */
+  max_body_bytes: z
+    .number()
+    .int()
+    .positive()
+    .default(100 * 1024 * 1024),
+  /** HTTP request headers, bytes (431 past it). */
+  max_header_bytes: z
+    .number()
+    .int()
+    .min(1024)
+    .default(16 * 1024),
+  /** Time to receive a request's headers. */
+  headers_timeout_ms: nonNegInt.default(10_000),
+  /**
+   * Time to receive a whole request, headers and body (408 past it; node's `requestTimeout`). The
+   * default, node's own, uploads the largest body (`max_body_bytes`) at 350 KB/s. 0 = no deadline
+   * (then a client dripping a byte just inside `idle_ms` holds its connection forever).
+   */
+  request_timeout_ms: nonNegInt.default(300_000),
+  max_ws_connections: z.number().int().positive().default(1024),
+  /** One WebSocket message, bytes (close 1009 past it). */
+  ws_max_frame_bytes: z
+    .number()
+    .int()
+    .positive()
+    .default(1024 * 1024),
+  /** Outbound bytes a client may leave unread before it is cut off (close 1013). */
+  ws_max_buffered_bytes: z
+    .number()
+    .int()
+    .positive()
+    .default(4 * 1024 * 1024),
+  /**
+   * Messages (binary, text, ping, pong) one WebSocket client may send per second, with bursts of
+   * a second's worth; past it the stream is closed 1008. 0 = no limit. The default is well above
+   * what real clients send (an AudioWorklet posting every 128-sample quantum at 48 kHz: 375/s).
+   */
+  ws_max_messages_per_s: nonNegInt.default(1000),
+  /** No data on a request body, or no message on a stream, for this long cuts it off. */
+  idle_ms: nonNegInt.default(30_000),
+  /** Longest stream. */
+  total_ms: nonNegInt.default(0),
+  /** Longest wait for one send to a client to be written out. */
+  send_timeout_ms: nonNegInt.default(10_000),
+  /** WebSocket ping interval; a peer that has not answered the previous ping is dropped. */
+  heartbeat_ms: nonNegInt.default(30_000),
+});
 export type Limits = z.infer<typeof Limits>;
 
 /**

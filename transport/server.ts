@@ -127,7 +127,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
 
   const headersTimeout = config.limits.headers_timeout_ms;
-  const requestTimeout = config.limits.request_timeout_ms;
+  // node refuses a headers deadline past the whole request's: the request's is raised to the headers'.
+  const requestTimeout = config.limits.request_timeout_ms && Math.max(config.limits.request_timeout_ms, headersTimeout);
   const shortest = Math.min(...[headersTimeout, requestTimeout].filter((ms) => ms > 0));
   const http = createServer(
     {
