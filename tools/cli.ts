@@ -142,7 +142,7 @@ process.stdout.on('error', (e: NodeJS.ErrnoException) => {
 });
 
 const program = new Command('voxserve')
-  .description('Voice models (Silero VAD, openWakeWord) over HTTP and WebSocket')
+  .description('Voice models (Silero VAD, openWakeWord) over HTTP, WebSocket and Wyoming')
   .version(version, '-V, --version');
 
 program
