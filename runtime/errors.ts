@@ -100,7 +100,7 @@ export const ERRORS = {
   headers_timeout: {
     type: 'invalid_request_error',
     status: 408,
-    message: (p: { reason: string }) => `malformed request: ${p.reason}`,
+    message: (p: { ms: number }) => `the request headers did not arrive within limits.headers_timeout_ms (${p.ms} ms)`,
   },
   request_timeout: {
     type: 'invalid_request_error',

@@ -205,12 +205,11 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       res.shouldKeepAlive = false;
       return sendError(res, voxError('request_timeout', { ms: requestTimeout }));
     }
-    const status = err.code === 'HPE_HEADER_OVERFLOW' ? 431 : err.code === 'ERR_HTTP_REQUEST_TIMEOUT' ? 408 : 400;
     const reason = err.code ?? err.message;
-    const e = voxError(
-      status === 431 ? 'headers_too_large' : status === 408 ? 'headers_timeout' : 'malformed_request',
-      { reason },
-    );
+    const e =
+      err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+        ? voxError('headers_timeout', { ms: headersTimeout })
+        : voxError(err.code === 'HPE_HEADER_OVERFLOW' ? 'headers_too_large' : 'malformed_request', { reason });
     endWithJson(socket, e.status, errorBody(e));
   });
 

@@ -95,6 +95,9 @@ describe('deadlines: a stalled client is cut off, its lease released, and others
       healthy(),
     ]);
     expect(r.text).toMatch(/^HTTP\/1\.1 408/);
+    // The error names the limit that ran out (issue 25 adversarial finding: it said ERR_HTTP_REQUEST_TIMEOUT).
+    expect(r.text).toContain('"code":"headers_timeout"');
+    expect(r.text).toContain('limits.headers_timeout_ms (300 ms)');
     expect(r.closedAfterMs).toBeLessThan(2000);
     expect(h.status).toBe(200);
   });
