@@ -386,8 +386,16 @@ export const ServerConfig = z.strictObject({
        * while it is muted. Not `limits.idle_ms`. A peer that vanished is found by TCP keep-alive.
        */
       idle_ms: nonNegInt.default(0),
+      /**
+       * An event begun and not finished (part of a header line, or of a data section or payload)
+       * for this long cuts the connection (`invalid_framing` naming this setting), ms; 0 = never.
+       * Applies even with no idle deadline: a half-sent event holds up to a frame of memory, and
+       * TCP keep-alive does not drop a live but silent peer. A quiet satellite between events is
+       * not affected.
+       */
+      event_timeout_ms: nonNegInt.default(10_000),
     })
-    .default({ enabled: false, host: '127.0.0.1', port: 10400, idle_ms: 0 }),
+    .default({ enabled: false, host: '127.0.0.1', port: 10400, idle_ms: 0, event_timeout_ms: 10_000 }),
   /**
    * Models registered at start, in addition to (or replacing, by id) the embedded catalog. A model
    * whose id is in the catalog may omit `task` and `path`: it inherits them.

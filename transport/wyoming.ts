@@ -63,6 +63,11 @@ export class WyomingParser {
     private readonly maxPayloadBytes: number,
   ) {}
 
+  /** Bytes of an event begun and not finished (a header line without its newline, or a body not all here). */
+  get partialBytes(): number {
+    return this.lineBytes + (this.header ? this.bodyBytes + 1 : 0);
+  }
+
   /**
    * Takes the next bytes; returns the events they complete, in order.
    * @throws WyomingFramingError naming what is wrong (bad JSON, a header over the limit, a
@@ -231,18 +236,45 @@ export function bindWyoming(
     }
   });
   let parser: WyomingParser | null = new WyomingParser(limits.max_header_bytes, limits.ws_max_frame_bytes);
+  /** Nothing more is read from a peer that broke the framing: error event, then the close. */
+  const framingError = (reason: string): void => {
+    parser = null;
+    clearTimeout(unfinished);
+    socket.pause();
+    channel.write({ type: 'error', error: voxError('invalid_framing', { reason }).toWire() });
+    tell({ type: 'CUT', code: CLOSE.POLICY, reason });
+  };
+  // An event begun and not finished (part of a header line, or of a body) has a deadline even
+  // with no idle deadline (wyoming.idle_ms 0): a quiet satellite between events stays, but a
+  // half-sent event holds its bytes (up to a frame) until the peer goes on. Not counted while
+  // the server itself has paused reading (back-pressure).
+  const eventMs = config.wyoming.event_timeout_ms;
+  let unfinished: NodeJS.Timeout | undefined;
+  const checkUnfinished = (): void => {
+    unfinished = undefined;
+    if (!parser || !parser.partialBytes) return;
+    if (socket.isPaused()) return void (unfinished = setTimeout(checkUnfinished, eventMs));
+    framingError(
+      `an event begun was not finished within wyoming.event_timeout_ms (${eventMs} ms): ${parser.partialBytes} bytes of it received`,
+    );
+  };
   socket.on('data', (chunk: Buffer) => {
     if (!parser) return;
     let events: WyomingEvent[];
     try {
       events = parser.push(chunk);
     } catch (e) {
-      // Nothing more is read from a peer that broke the framing: error event, then the close.
-      parser = null;
-      socket.pause();
-      const reason = e instanceof WyomingFramingError ? e.message : String(e);
-      channel.write({ type: 'error', error: voxError('invalid_framing', { reason }).toWire() });
-      return tell({ type: 'CUT', code: CLOSE.POLICY, reason });
+      return framingError(e instanceof WyomingFramingError ? e.message : String(e));
+    }
+    if (eventMs > 0) {
+      if (!parser.partialBytes) {
+        clearTimeout(unfinished);
+        unfinished = undefined;
+      } else if (!unfinished || events.length) {
+        // The deadline runs from the start of the unfinished event.
+        clearTimeout(unfinished);
+        unfinished = setTimeout(checkUnfinished, eventMs);
+      }
     }
     for (const e of events) {
       if (e.type === 'describe') {
@@ -255,7 +287,11 @@ export function bindWyoming(
     }
   });
   socket.on('error', () => {});
-  socket.on('close', () => tell({ type: 'PEER_CLOSED', code: 1006 }));
+  socket.on('close', () => {
+    clearTimeout(unfinished);
+    parser = null;
+    tell({ type: 'PEER_CLOSED', code: 1006 });
+  });
   socket.setNoDelay(true);
   // The liveness bound of a quiet connection (there is no idle deadline by default): TCP
   // keep-alive. After 30 s without a packet the kernel probes the peer; Node 20 sets the probes

@@ -554,6 +554,35 @@ describe('Wyoming deadlines and limits', () => {
   });
 });
 
+describe('Wyoming half-sent events', () => {
+  it('item 4 (#25): an event begun and not finished (part of a header line, or a body one byte short) is cut at wyoming.event_timeout_ms even with idle_ms 0; a quiet connection between events stays', async () => {
+    const small = await startServer(
+      ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0, event_timeout_ms: 400 } }),
+    );
+    onTestFinished(() => small.close());
+    await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
+    const p = small.wyoming!.port;
+    const [line, body, quiet] = await Promise.all([Client.open(p), Client.open(p), Client.open(p)]);
+    line.socket.write('{"type": "describe", "da');
+    body.socket.write(`${JSON.stringify({ type: 'audio-chunk', payload_length: 1000 })}\n`);
+    body.socket.write(Buffer.alloc(999));
+    quiet.send('describe');
+    await quiet.next('info');
+    for (const c of [line, body]) {
+      expect((await c.next('error', 3000)).data.text).toMatch(
+        /not finished within wyoming\.event_timeout_ms \(400 ms\)/,
+      );
+      await c.closed;
+    }
+    await new Promise((r) => setTimeout(r, 800));
+    expect(quiet.socket.destroyed).toBe(false);
+    quiet.send('describe');
+    await until(() => quiet.events.filter((e) => e.type === 'info').length === 2);
+    await until(() => small.wyoming!.links.size === 1);
+    quiet.socket.end();
+  });
+});
+
 describe('Wyoming drain', () => {
   it('SIGTERM: live audio streams are finished as if audio-stop had come (detection, or not-detected), then closed; exit 0 before the drain deadline', async () => {
     const wyomingPort = await new Promise<number>((resolve) => {
