@@ -98,6 +98,12 @@ export function parseStreamParams(url: URL): StreamParams {
 
 /** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
 const MAX_EARLY_BYTES = 4 * 1024 * 1024;
+/**
+ * While the server has paused reading a stream's socket (backpressure), it pings at least this often,
+ * ms, though no pong is awaited: the client's heartbeat (`heartbeatMs`, 10 s by default) counts a
+ * ping from the server as a sign of life, so a server that is only behind is not taken for frozen.
+ */
+export const PAUSED_PING_MS = 5000;
 
 /** Unprocessed audio (16 kHz samples) above which a stream stops reading its socket: 10 s. */
 export const MAX_PENDING_SAMPLES = 160_000;
@@ -516,7 +522,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
  *   cuts it off (1001 "no pong: peer is gone");
  * - `send`: a backlog of writes not flushed within `limits.send_timeout_ms` cuts it off (1013).
  * Deadlines count only the peer's time: while `intake` is `paused` the three deadline regions
- * are `suspended` (no pings) and start a full period when reading resumes; `work` counts the
+ * are `suspended` (pings go on as a beacon, none awaited) and start a full period when reading resumes; `work` counts the
  * client's silence only from when the server caught up with what it sent; and a deadline that
  * falls due is judged in `due`, one event-loop turn later (`settle`), so input not yet read
  * counts. Events the server cannot send while it is not reading close 1013 "server is behind".
@@ -591,6 +597,8 @@ export const streamSocketMachine = setup({
     /** What is left of the idle deadline since the last message, ms (from the last `IDLE_REPORT`). */
     idleLeft: ({ context }) => context.idleLeftMs,
     heartbeat: ({ context }) => context.limits.heartbeat_ms,
+    /** The beacon ping's interval while the server has paused reading, ms: `heartbeat_ms`, at most {@link PAUSED_PING_MS}. */
+    pausedPing: ({ context }) => Math.min(context.limits.heartbeat_ms, PAUSED_PING_MS),
     total: ({ context }) => context.limits.total_ms,
     /** Until the next send check, ms: the deadline of the oldest unflushed write at the last check, else a full period. */
     sendLeft: ({ context }) => context.sendLeftMs,
@@ -824,8 +832,13 @@ export const streamSocketMachine = setup({
               },
               on: { PAUSE: 'suspended' },
             },
-            // The server is not reading: pongs cannot be heard. No pings; a full period again once it reads.
-            suspended: { on: { RESUME: { target: 'waiting', actions: assign({ alive: true }) } } },
+            // The server is not reading: pongs cannot be heard, so none is awaited; a full period again once
+            // it reads. It still pings, as a beacon (every `pausedPing`), so that the client's own heartbeat
+            // (voxserve/client `heartbeatMs`, 10 s by default) hears a server that is only behind.
+            suspended: {
+              after: { pausedPing: { target: 'suspended', reenter: true, actions: emit({ type: 'ping' }) } },
+              on: { RESUME: { target: 'waiting', actions: assign({ alive: true }) } },
+            },
             off: {},
           },
         },

@@ -137,8 +137,8 @@ export interface WebSocketLike {
   addEventListener(type: 'open' | 'message' | 'close' | 'error', listener: (event: any) => void): void;
   /** `ws` only (a browser's WebSocket cannot send pings): sends a ping frame. */
   ping?(): void;
-  /** `ws` only: `pong` frames (answers to `ping`). */
-  on?(type: 'pong', listener: () => void): unknown;
+  /** `ws` only: `pong` frames (answers to `ping`) and the server's own `ping` frames. */
+  on?(type: 'pong' | 'ping', listener: () => void): unknown;
   /** `ws` only: drops the connection at once, without the closing handshake. */
   terminate?(): void;
 }
@@ -661,7 +661,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
   /**
    * Pings the server every `ms` once the socket is open; when a whole interval after a ping
-   * passes with nothing from the server (no pong, no event), the socket is dropped and the
+   * passes with nothing from the server (no pong, no ping, no event), the socket is dropped and the
    * stream fails with `connection_error` `heartbeat_timeout`. A no-op (returns a no-op) when `ms`
    * is 0 or the WebSocket cannot ping (a browser's). @returns what stops it.
    */
@@ -673,6 +673,8 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     let timer: ReturnType<typeof setInterval> | null = null;
     const heard = (): void => void (waiting = false);
     ws.on('pong', heard);
+    // A server that has paused reading (backpressure) cannot read our pings, but pings us (its beacon).
+    ws.on('ping', heard);
     ws.addEventListener('message', heard);
     ws.addEventListener('open', () => {
       timer = setInterval(() => {

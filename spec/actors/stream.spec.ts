@@ -41,12 +41,14 @@ describe('stream deadlines count only the peer time', () => {
     ],
   ] as const)(
     '%s is suspended while the server has paused reading, and runs a full period once it reads again',
-    async (_name, limits, cut) => {
+    async (name, limits, cut) => {
       const s = start(limits);
       s.actor.send({ type: 'PAUSE' });
       await vi.advanceTimersByTimeAsync(10_000);
       expect(s.closes()).toEqual([]);
-      expect(s.out.filter((o) => o.type === 'ping')).toEqual([]);
+      // While paused the server still pings (a beacon for the client's heartbeat), every heartbeat_ms
+      // (100 ms here: 10,000 / 100 = 100 pings), but awaits no pong; without a heartbeat, none.
+      expect(s.out.filter((o) => o.type === 'ping').length).toBe(name === 'heartbeat_ms' ? 100 : 0);
       s.actor.send({ type: 'RESUME' });
       await vi.advanceTimersByTimeAsync(90);
       expect(s.closes()).toEqual([]);
@@ -54,6 +56,15 @@ describe('stream deadlines count only the peer time', () => {
       expect(s.closes()).toEqual([{ type: 'close', ...cut }]);
     },
   );
+
+  it('issue 25 (client heartbeat): while paused, the server pings every 5 s at the most (heartbeat_ms 30 s) and cuts nobody', async () => {
+    const s = start({ heartbeat_ms: 30_000 });
+    s.actor.send({ type: 'PAUSE' });
+    await vi.advanceTimersByTimeAsync(60_000);
+    // 60 s paused, a ping every 5 s (not every 30 s: a client's heartbeat of 10 s must hear one).
+    expect(s.out.filter((o) => o.type === 'ping').length).toBe(12);
+    expect(s.closes()).toEqual([]);
+  });
 
   it('a client over ws_max_buffered_bytes while the server has paused reading: 1013 "server is behind" (the server gives up); while reading: "client is not reading"', async () => {
     const paused = start({});

@@ -368,6 +368,32 @@ describe('heartbeat (heartbeatMs)', () => {
     expect(() => new VoxClient({ url, heartbeatMs: -1 })).toThrow(/heartbeatMs: a number of ms/);
   });
 
+  it('item 12 (#25): a server that has paused reading (backpressure) but pings is not failed; once its pings stop, it is', async () => {
+    // The server reads nothing after ready (so our pings go unread and unanswered), as voxserve does
+    // while more than 10 s of audio waits for a stuck model, and pings every 50 ms until told to stop.
+    let beacon: ReturnType<typeof setInterval> | undefined;
+    const wss = new WebSocketServer({ port: 0, handleProtocols: (p) => [...p][0] });
+    onTestFinished(() => {
+      clearInterval(beacon);
+      // Its sockets are paused: they would never read the close; ws's close waits for them.
+      for (const ws of wss.clients) ws.terminate();
+      return new Promise<void>((r) => wss.close(() => r()));
+    });
+    wss.on('connection', (ws) => {
+      ws.on('error', () => {});
+      ws.send(JSON.stringify({ type: 'ready', session_id: 'x', model: 'm', task: 'vad', sample_rate: 16000 }));
+      (ws as unknown as { _socket: Socket })._socket.pause();
+      beacon = setInterval(() => ws.ping(), 50);
+    });
+    const url = `http://127.0.0.1:${(wss.address() as AddressInfo).port}`;
+    const stream = await new VoxClient({ url, heartbeatMs: 100 }).stream({ model: 'm' });
+    const ended = stream.end();
+    // Ten heartbeat intervals with no pong and no event, only the server's pings: still open.
+    expect(await outcome(ended, 1000)).toMatchObject({ message: 'still pending after 1000 ms' });
+    clearInterval(beacon);
+    expect(await outcome(ended, 5000)).toMatchObject({ type: 'connection_error', code: 'heartbeat_timeout' });
+  });
+
   it('item 12 (#25): heartbeatMs is the deadline of the opening handshake (a server that accepts the connection and never answers)', async () => {
     const sockets: Socket[] = [];
     const mute = createServer((socket) => sockets.push(socket.on('error', () => {}))).listen(0, '127.0.0.1');
