@@ -839,7 +839,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     for (const e of this.held.splice(0)) this.deliver(e);
     const upTo = Math.floor(ms / this.gridMs) * this.gridBytes;
     let n = 0;
-    while (n < this.chunks.length && this.chunks[n].start + this.chunks[n].data.byteLength <= Math.min(upTo, this.written))
+    while (
+      n < this.chunks.length &&
+      this.chunks[n].start + this.chunks[n].data.byteLength <= Math.min(upTo, this.written)
+    )
       n++;
     if (n) this.chunks.splice(0, n);
   }
@@ -857,7 +860,8 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     this.pendingDone = null;
     if (this.plan && !this.closedByUs) {
       // The node that drained has processed every sample sent: its done is the stream's.
-      const finished = done && (c.code === CLOSE.NORMAL || (this.ending && done.processed_ms >= this.msOf(this.given) - 1));
+      const finished =
+        done && (c.code === CLOSE.NORMAL || (this.ending && done.processed_ms >= this.msOf(this.given) - 1));
       if (this.resuming && !wasReady) {
         const error = this.silent ?? this.failure(c.code, c.reason, false);
         this.resuming.error = error;
@@ -922,8 +926,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
         this.url = url;
         return this.attach(ws);
       } catch (e) {
-        r.error =
-          e instanceof VoxClientError ? e : new VoxClientError('connection_error', String(e), { cause: e });
+        r.error = e instanceof VoxClientError ? e : new VoxClientError('connection_error', String(e), { cause: e });
       }
       if (Date.now() >= r.deadline) break;
       await new Promise((res) => setTimeout(res, 250));
