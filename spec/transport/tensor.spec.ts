@@ -49,7 +49,7 @@ async function runMsgpack(body: unknown): Promise<{ status: number; type: string
   const r = await fetch(`${server.url}/v1/tasks/run`, {
     method: 'POST',
     headers: { 'content-type': 'application/msgpack' },
-    body: pack(body),
+    body: new Uint8Array(pack(body)),
   });
   const type = r.headers.get('content-type') ?? '';
   const bytes = Buffer.from(await r.arrayBuffer());
@@ -243,7 +243,7 @@ describe('a request the model cannot take is a 400 naming the input and what the
     const r = await fetch(`${server.url}/v1/tasks/run?model=mel`, {
       method: 'POST',
       headers: { 'content-type': 'audio/wav' },
-      body: fixture('espeak_alexa_16k.wav'),
+      body: new Uint8Array(fixture('espeak_alexa_16k.wav')),
     });
     expect(r.status).toBe(400);
     expect(((await r.json()) as { error: { code: string } }).error.code).toBe('wrong_task');
