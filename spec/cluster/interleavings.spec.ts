@@ -100,6 +100,8 @@ class World {
   /** Per `node/model`: pools resident, slots started and not closed. */
   readonly livePools = new Map<string, number>();
   readonly liveSlots = new Map<string, number>();
+  /** Per `node/model`: pools whose load was abandoned after they were built, until they have closed. */
+  readonly abandonedPools = new Map<string, number>();
   readonly violations: string[] = [];
   readonly grants = new Map<Admission, number[]>();
   readonly ops: Op[] = [];
@@ -273,12 +275,22 @@ function fakeLoader(w: World, node: string): ModelLoader {
       const pool = await SlotPool.start({ kind: 'vad', model: '/fake.onnx' }, config.slots, factory, { signal });
       w.bump(w.livePools, key, 1, 1, 'two pools resident');
       let closed = false;
+      // A pool built but abandoned before its entry took it (the load timeout passed while its placement
+      // still released the lock) is no longer the model's: it is closed in the background (reported).
+      let owned = true;
+      const disown = (): void => {
+        if (!owned || closed) return;
+        owned = false;
+        w.bump(w.livePools, key, -1, 1, '');
+        w.bump(w.abandonedPools, key, 1, 16, '');
+      };
+      signal?.addEventListener('abort', disown, { once: true });
       return {
         pool,
         residentBytes: 1000 * config.slots,
         close: async () => {
           await pool.close();
-          if (!closed) w.bump(w.livePools, key, -1, 1, '');
+          if (!closed) w.bump(owned ? w.livePools : w.abandonedPools, key, -1, 16, '');
           closed = true;
         },
       };
@@ -648,7 +660,10 @@ afterEach(() => {
   current = null;
 });
 
-const log = pino({ level: process.env.CLUSTER_LOG ?? 'silent' });
+/** The nodes' log lines of the current run (with `CLUSTER_LOG=<level>`, those of the last failing run are printed). */
+let runLog: string[] = [];
+let failedLog: string[] = [];
+const log = pino({ level: process.env.CLUSTER_LOG ?? 'silent' }, { write: (line: string) => void runLog.push(line) });
 
 /** Starts the nodes of a run over `bus`, formed (each has heard the others) before the scheduler takes over. */
 async function startNodes(w: World, names: string[], memory: number[]): Promise<void> {
@@ -669,8 +684,9 @@ async function startNodes(w: World, names: string[], memory: number[]): Promise<
       },
     });
     const node = { name, memory: memory[i], dead: false } as Node;
+    const nodeLog = log.child({ node: name });
     node.cluster = await ClusterNode.connect(config, {
-      log,
+      log: nodeLog,
       memoryProbe: () => node.memory,
       link: w.bus.connect(name),
     });
@@ -679,7 +695,7 @@ async function startNodes(w: World, names: string[], memory: number[]): Promise<
       catalog: CATALOG,
       memoryProbe: () => node.memory,
       footprint: async (c) => c.slots * 1000,
-      log,
+      log: nodeLog,
       place: node.cluster.place,
     });
     await node.sup.start();
@@ -717,126 +733,138 @@ const fresh = () => ({
 /** One property: random commands, faults and clock moves against `names.length` nodes. */
 async function checkCluster(names: string[]): Promise<void> {
   const totals = fresh();
-  await fc.assert(
-    fc.asyncProperty(
-      fc.scheduler(),
-      fc.commands([commandArb], { maxCommands: 16, size: '+1' }),
-      fc.array(fc.constantFrom<LoadFault>('ok', 'ok', 'ok', 'throws', 'hangs'), { maxLength: 4 }),
-      fc.array(fc.constantFrom<RunFault>('ok', 'ok', 'ok', 'ok', 'throws'), { maxLength: 6 }),
-      fc.array(fc.constantFrom(1e12, 2e12, 3e12), { minLength: names.length, maxLength: names.length }),
-      // Models held when the commands start: a on the first node, b on the second.
-      fc.constantFrom(0, 1, 2),
-      async (s, cmds, loadFaults, runFaults, memory, held) => {
-        vi.useFakeTimers({
-          toFake: ['setTimeout', 'clearTimeout', 'setInterval', 'clearInterval', 'Date', 'performance'],
-        });
-        let scheduled = false;
-        const bus = new FakeNats((label) =>
-          scheduled ? s.schedule(Promise.resolve(), label).then(() => {}) : Promise.resolve(),
-        );
-        const w = new World(s, bus, loadFaults, runFaults);
-        current = w;
-        bus.onWrite = ({ bucket, before, after, by }) => {
-          // A lock written by a node over another node's live lock entry: a take-over.
-          if (bucket !== 'locks' || after.operation !== 'PUT' || before?.operation !== 'PUT') return;
-          const owner = before.json<{ owner: string; model: string }>();
-          if (owner.owner === by) return;
-          w.takenOver.add(owner.model);
-          w.takeovers++;
-        };
-        try {
-          await startNodes(w, names, memory);
-          w.faulty = false;
-          for (const [i, id] of IDS.slice(0, held).entries())
-            await drive(
-              s,
-              w.nodes[i].cluster.loadHere(id, {}).catch(() => {}),
+  await fc
+    .assert(
+      fc.asyncProperty(
+        fc.scheduler(),
+        fc.commands([commandArb], { maxCommands: 16, size: '+1' }),
+        fc.array(fc.constantFrom<LoadFault>('ok', 'ok', 'ok', 'throws', 'hangs'), { maxLength: 4 }),
+        fc.array(fc.constantFrom<RunFault>('ok', 'ok', 'ok', 'ok', 'throws'), { maxLength: 6 }),
+        fc.array(fc.constantFrom(1e12, 2e12, 3e12), { minLength: names.length, maxLength: names.length }),
+        // Models held when the commands start: a on the first node, b on the second.
+        fc.constantFrom(0, 1, 2),
+        async (s, cmds, loadFaults, runFaults, memory, held) => {
+          vi.useFakeTimers({
+            toFake: ['setTimeout', 'clearTimeout', 'setInterval', 'clearInterval', 'Date', 'performance'],
+          });
+          let scheduled = false;
+          runLog = [];
+          const bus = new FakeNats((label) =>
+            scheduled ? s.schedule(Promise.resolve(), label).then(() => {}) : Promise.resolve(),
+          );
+          const w = new World(s, bus, loadFaults, runFaults);
+          current = w;
+          bus.onWrite = ({ bucket, before, after, by }) => {
+            // A lock written by a node over another node's live lock entry: a take-over.
+            if (bucket !== 'locks' || after.operation !== 'PUT' || before?.operation !== 'PUT') return;
+            const owner = before.json<{ owner: string; model: string }>();
+            if (owner.owner === by) return;
+            w.takenOver.add(owner.model);
+            w.takeovers++;
+          };
+          try {
+            await startNodes(w, names, memory);
+            w.faulty = false;
+            for (const [i, id] of IDS.slice(0, held).entries())
+              await drive(
+                s,
+                w.nodes[i].cluster.loadHere(id, {}).catch(() => {}),
+              );
+            // Every node hears the holders' heartbeats before the commands start.
+            await vi.advanceTimersByTimeAsync(HEARTBEAT_MS);
+            scheduled = true;
+            w.faulty = true;
+            await fc.scheduledModelRun(s, () => ({ model: {}, real: { w } }), cmds);
+            // Cut-off nodes come back, memory comes back, open streams' clients go away, and the clock
+            // runs past every deadline (busy timeouts, job deadlines, load timeouts, lock deadlines).
+            for (const n of w.nodes) {
+              bus.heal(n.name);
+              n.memory = 3e12;
+            }
+            await settle(s);
+            for (const socket of w.sockets)
+              if (socket.getSnapshot().status === 'active') socket.send({ type: 'PEER_CLOSED', code: 1006 });
+            await runClock(s, 2000);
+            // No job lost without an answer: every operation on a live node has settled.
+            const hung = w.ops.filter(
+              (o) => !o.done && !o.hangsOnDeath && !w.nodes.find((n) => n.name === o.node)!.dead,
             );
-          // Every node hears the holders' heartbeats before the commands start.
-          await vi.advanceTimersByTimeAsync(HEARTBEAT_MS);
-          scheduled = true;
-          w.faulty = true;
-          await fc.scheduledModelRun(s, () => ({ model: {}, real: { w } }), cmds);
-          // Cut-off nodes come back, memory comes back, open streams' clients go away, and the clock
-          // runs past every deadline (busy timeouts, job deadlines, load timeouts, lock deadlines).
-          for (const n of w.nodes) {
-            bus.heal(n.name);
-            n.memory = 3e12;
-          }
-          await settle(s);
-          for (const socket of w.sockets)
-            if (socket.getSnapshot().status === 'active') socket.send({ type: 'PEER_CLOSED', code: 1006 });
-          await runClock(s, 2000);
-          // No job lost without an answer: every operation on a live node has settled.
-          const hung = w.ops.filter((o) => !o.done && !o.hangsOnDeath && !w.nodes.find((n) => n.name === o.node)!.dead);
-          if (hung.length && process.env.FC_DEBUG)
-            console.log(
-              'HUNG',
+            if (hung.length && process.env.FC_DEBUG)
+              console.log(
+                'HUNG',
+                hung.map((o) => o.name),
+                s.count(),
+                w.nodes.map((n) =>
+                  n.sup.statuses().map((x) => `${n.name}/${x.id}:${x.state}:${x.active_leases}:${x.queued_requests}`),
+                ),
+                [...cmds].map(String),
+              );
+            expect(
               hung.map((o) => o.name),
-              s.count(),
-              w.nodes.map((n) =>
-                n.sup.statuses().map((x) => `${n.name}/${x.id}:${x.state}:${x.active_leases}:${x.queued_requests}`),
-              ),
-              [...cmds].map(String),
-            );
-          expect(
-            hung.map((o) => o.name),
-            'operations still pending on live nodes',
-          ).toEqual([]);
-          // Everything is unloaded on every live node, then every node leaves (a dead one: as its process is gone).
-          for (const n of w.nodes)
-            if (!n.dead) w.launch('unload_all', n, () => n.sup.unloadMany(n.sup.registeredIds, 0));
-          await runClock(s, 200);
-          for (const n of w.nodes) w.launch('leave', n, () => n.cluster.close());
-          await runClock(s, 500);
-          for (const n of w.nodes) {
-            if (!n.dead) continue;
-            n.sup.revokeAll(voxError('shutting_down'));
-            w.launch('stop', n, () => n.sup.stop(0));
-          }
-          await runClock(s, 500);
-          expect(
-            w.ops.filter((o) => !o.done).map((o) => o.name),
-            'operations still pending at the end',
-          ).toEqual([]);
-          expect(w.violations).toEqual([]);
-          expect(bus.errors).toEqual([]);
-          for (const n of w.nodes) {
-            for (const id of n.dead ? [] : n.sup.registeredIds) {
-              expect(n.sup.status(id), `status of ${id} on ${n.name}`).toMatchObject({
-                state: 'unloaded',
-                loaded: false,
-                resident_bytes: 0,
-                active_leases: 0,
-                queued_requests: 0,
-                active_slots: 0,
-              });
+              'operations still pending on live nodes',
+            ).toEqual([]);
+            // Everything is unloaded on every live node, then every node leaves (a dead one: as its process is gone).
+            for (const n of w.nodes)
+              if (!n.dead) w.launch('unload_all', n, () => n.sup.unloadMany(n.sup.registeredIds, 0));
+            await runClock(s, 200);
+            for (const n of w.nodes) w.launch('leave', n, () => n.cluster.close());
+            await runClock(s, 500);
+            for (const n of w.nodes) {
+              if (!n.dead) continue;
+              n.sup.revokeAll(voxError('shutting_down'));
+              w.launch('stop', n, () => n.sup.stop(0));
             }
-            for (const id of IDS) {
-              expect(w.livePools.get(`${n.name}/${id}`) ?? 0, `pools of ${id} on ${n.name}`).toBe(0);
-              expect(w.liveSlots.get(`${n.name}/${id}`) ?? 0, `slots of ${id} on ${n.name}`).toBe(0);
+            await runClock(s, 500);
+            expect(
+              w.ops.filter((o) => !o.done).map((o) => o.name),
+              'operations still pending at the end',
+            ).toEqual([]);
+            expect(w.violations).toEqual([]);
+            expect(bus.errors).toEqual([]);
+            for (const n of w.nodes) {
+              for (const id of n.dead ? [] : n.sup.registeredIds) {
+                expect(n.sup.status(id), `status of ${id} on ${n.name}`).toMatchObject({
+                  state: 'unloaded',
+                  loaded: false,
+                  resident_bytes: 0,
+                  active_leases: 0,
+                  queued_requests: 0,
+                  active_slots: 0,
+                });
+              }
+              for (const id of IDS) {
+                expect(w.livePools.get(`${n.name}/${id}`) ?? 0, `pools of ${id} on ${n.name}`).toBe(0);
+                expect(w.liveSlots.get(`${n.name}/${id}`) ?? 0, `slots of ${id} on ${n.name}`).toBe(0);
+                expect(w.abandonedPools.get(`${n.name}/${id}`) ?? 0, `abandoned pools of ${id} on ${n.name}`).toBe(0);
+              }
             }
+            // No load lock left by a node that lived to leave.
+            const locks = [...bus.locks.entries.values()]
+              .filter((e) => e.operation === 'PUT')
+              .map((e) => e.json<{ owner: string; model: string }>())
+              .filter((l) => !w.nodes.find((n) => n.name === l.owner)?.dead);
+            expect(locks, 'load locks left').toEqual([]);
+            for (const order of w.grants.values()) expect(order).toEqual([...order].sort((x, y) => x - y));
+            totals.runs++;
+            totals.commands += [...cmds].length;
+            totals.steps += s.report().length;
+            totals.takeovers += w.takeovers;
+            for (const k of Object.keys(w.excused) as (keyof World['excused'])[]) totals.overlaps[k] += w.excused[k];
+            for (const [k, v] of Object.entries(bus.sent)) totals.sent[k] = (totals.sent[k] ?? 0) + v;
+          } catch (e) {
+            failedLog = runLog;
+            throw e;
+          } finally {
+            vi.useRealTimers();
           }
-          // No load lock left by a node that lived to leave.
-          const locks = [...bus.locks.entries.values()]
-            .filter((e) => e.operation === 'PUT')
-            .map((e) => e.json<{ owner: string; model: string }>())
-            .filter((l) => !w.nodes.find((n) => n.name === l.owner)?.dead);
-          expect(locks, 'load locks left').toEqual([]);
-          for (const order of w.grants.values()) expect(order).toEqual([...order].sort((x, y) => x - y));
-          totals.runs++;
-          totals.commands += [...cmds].length;
-          totals.steps += s.report().length;
-          totals.takeovers += w.takeovers;
-          for (const k of Object.keys(w.excused) as (keyof World['excused'])[]) totals.overlaps[k] += w.excused[k];
-          for (const [k, v] of Object.entries(bus.sent)) totals.sent[k] = (totals.sent[k] ?? 0) + v;
-        } finally {
-          vi.useRealTimers();
-        }
-      },
-    ),
-    { numRuns: RUNS, ...replay },
-  );
+        },
+      ),
+      { numRuns: RUNS, ...replay },
+    )
+    .catch((e) => {
+      if (process.env.CLUSTER_LOG) console.log(`the last failing run's log:\n${failedLog.join('')}`);
+      throw e;
+    });
   console.log(
     `cluster interleavings (${names.length} nodes): ${totals.runs} runs, ${totals.commands} commands, ${totals.steps} scheduled steps in random order; messages ${JSON.stringify(totals.sent)}; overlapping loads excused ${JSON.stringify(totals.overlaps)}; ${totals.takeovers} lock take-overs`,
   );
