@@ -131,10 +131,12 @@ export function headProblem(bytes: Uint8Array): string | null {
     if (!graph) return 'not an ONNX model: it has no graph';
     const g = fields(graph.bytes);
     const weights = new Set(
-      g.filter((f) => f.n === 5 && f.wire === 2).flatMap((f) => {
-        const name = fields(f.bytes).find((x) => x.n === 8 && x.wire === 2);
-        return name ? [text(name.bytes)] : [];
-      }),
+      g
+        .filter((f) => f.n === 5 && f.wire === 2)
+        .flatMap((f) => {
+          const name = fields(f.bytes).find((x) => x.n === 8 && x.wire === 2);
+          return name ? [text(name.bytes)] : [];
+        }),
     );
     const inputs = g
       .filter((f) => f.n === 11 && f.wire === 2)

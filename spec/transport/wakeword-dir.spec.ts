@@ -42,7 +42,11 @@ async function highest(model: string, file: string): Promise<{ status: number; s
   });
   const body = (await r.json()) as { detections?: { label: string; score: number }[] };
   const ds = body.detections ?? [];
-  return { status: r.status, score: Math.max(0, ...ds.map((d) => d.score)), labels: [...new Set(ds.map((d) => d.label))] };
+  return {
+    status: r.status,
+    score: Math.max(0, ...ds.map((d) => d.score)),
+    labels: [...new Set(ds.map((d) => d.label))],
+  };
 }
 
 /** The wake-word names Wyoming `describe` lists. */
@@ -88,7 +92,9 @@ describe('wakeword_dir', () => {
     const { models, failed_models } = await listing();
     const error = (id: string): string => failed_models.find((f) => f.id === id)?.error ?? '';
     expect(error('garbage')).toMatch(/garbage\.onnx: not an ONNX model/);
-    expect(error('wrong-shape')).toMatch(/wrong_shape\.onnx: not an openWakeWord head: it takes float \[.*, 76, 32, 1\]/);
+    expect(error('wrong-shape')).toMatch(
+      /wrong_shape\.onnx: not an openWakeWord head: it takes float \[.*, 76, 32, 1\]/,
+    );
     expect(error('my-alexa')).toMatch(/my_alexa_v0\.1\.tflite: a TFLite model/);
     expect(models.map((m) => m.id)).not.toContain('garbage');
     expect((await highest('my-jarvis', 'espeak_hey_jarvis_22k.wav')).score).toBeGreaterThan(0.9);
@@ -96,7 +102,8 @@ describe('wakeword_dir', () => {
     copyFileSync(join(OWW_MODELS, 'alexa_v0.1.onnx'), join(dir, 'alexa_v0.1.onnx'));
     await until(async () => (await listing()).failed_models.some((f) => f.id === 'alexa'), 5000);
     expect((await listing()).failed_models.find((f) => f.id === 'alexa')!.error).toContain('already a model');
-    for (const f of ['garbage.onnx', 'wrong_shape.onnx', 'my_alexa_v0.1.tflite', 'alexa_v0.1.onnx']) rmSync(join(dir, f));
+    for (const f of ['garbage.onnx', 'wrong_shape.onnx', 'my_alexa_v0.1.tflite', 'alexa_v0.1.onnx'])
+      rmSync(join(dir, f));
     await until(async () => (await listing()).failed_models.length === 0, 5000);
   });
 
@@ -105,7 +112,9 @@ describe('wakeword_dir', () => {
     const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=my-jarvis&sample_rate=16000`);
     ws.on('error', () => {});
     const closed = new Promise<number>((resolve) => ws.on('close', (code) => resolve(code)));
-    await new Promise<void>((resolve) => ws.on('message', (d: Buffer) => JSON.parse(d.toString()).type === 'ready' && resolve()));
+    await new Promise<void>((resolve) =>
+      ws.on('message', (d: Buffer) => JSON.parse(d.toString()).type === 'ready' && resolve()),
+    );
     ws.send(Buffer.alloc(3200));
     rmSync(join(dir, 'my_jarvis_v0.1.onnx'));
     // Rescanned (at most a second), but still registered while the stream runs.
