@@ -139,6 +139,8 @@ export class ClusterNode {
   private probe: NodeJS.Timeout | null = null;
   /** When NATS was lost (local clock), while it is. */
   private disconnectedAt = 0;
+  /** How often NATS came back (requests in flight meanwhile are sent again). */
+  private reconnects = 0;
   /**
    * Models run here on a remote pool whose holders all went: loaded here too, behind that pool
    * (its jobs and other nodes' run on it), so the streams on the pool go on (docs/cluster.md).
@@ -241,6 +243,7 @@ export class ClusterNode {
     for (const v of this.view.values())
       if (v.seen >= this.disconnectedAt - 3 * v.record.heartbeat_ms) v.seen = Math.max(v.seen, now);
     this.connected = true;
+    this.reconnects++;
     for (const f of this.viewChanged.splice(0)) f();
     for (const [token, p] of this.pending) {
       this.pending.delete(token);
@@ -1134,20 +1137,27 @@ export class ClusterNode {
   /**
    * Sends a request to a node's subject and decodes its answer. Its answer is not waited for once
    * the node is no longer live (a dead node's load or unload would otherwise hold its caller, and a
-   * placement's lock, for the whole timeout).
+   * placement's lock, for the whole timeout); the request is sent again when NATS comes back (its
+   * answer may have been lost with the connection; info, load and unload may be asked twice).
    * @throws VoxError the node's error (with its type), `server_busy` when nobody answers for it.
    */
   private async ask<T>(node: string, what: 'info' | 'load' | 'unload', body: unknown, timeoutMs: number): Promise<T> {
     let m: Msg;
     try {
-      const reply = this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+      let sent = -1;
+      let reply!: Promise<Msg>;
       for (;;) {
+        if (sent !== this.reconnects) {
+          sent = this.reconnects;
+          reply = this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+        }
         const r = await Promise.race([reply, this.changed(this.settings.heartbeat_ms).then(() => null)]);
         if (r) {
           m = r;
           break;
         }
-        if (!this.nodes().some((n) => n.node === node)) throw new Error('it left the cluster (no heartbeat heard)');
+        if (this.connected && !this.nodes().some((n) => n.node === node))
+          throw new Error('it left the cluster (no heartbeat heard)');
       }
     } catch (e) {
       throw voxError('node_unreachable', { node, reason: (e as Error).message, cause: e });

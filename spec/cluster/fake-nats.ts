@@ -31,7 +31,13 @@ type Callback = (err: Error | null, m: Msg) => void;
 
 /** One client connection. */
 class Conn {
-  state: 'up' | 'stalled' | 'dead' | 'closed' = 'up';
+  /** `lost`: NATS lost it (see {@link FakeNats.lose}). */
+  state: 'up' | 'stalled' | 'lost' | 'dead' | 'closed' = 'up';
+  /** Bumped when the connection is lost: messages routed to it before are dropped. */
+  epoch = 0;
+  /** Status events not yet read, and the reader waiting for one. */
+  private readonly events: { type: string; server?: string }[] = [];
+  private wakeStatus: (() => void) | null = null;
   /** Traffic held while stalled, released in order by `heal`. */
   held: (() => void)[] = [];
   /** The connection's outgoing messages, in order. */
@@ -47,7 +53,21 @@ class Conn {
 
   /** Resolves once the connection is not stalled. */
   async gate(): Promise<void> {
-    while (this.state === 'stalled') await new Promise<void>((r) => this.held.push(r));
+    while (this.state === 'stalled' || this.state === 'lost') await new Promise<void>((r) => this.held.push(r));
+  }
+  /** A status event for `status()` (nats.js: `disconnect`, `reconnect`). */
+  emit(e: { type: string; server?: string }): void {
+    this.events.push(e);
+    this.wakeStatus?.();
+  }
+  /** The next status event, or null once the connection has closed. */
+  async nextStatus(): Promise<{ type: string; server?: string } | null> {
+    for (;;) {
+      const e = this.events.shift();
+      if (e) return e;
+      if (this.state === 'dead' || this.state === 'closed') return null;
+      await Promise.race([new Promise<void>((r) => (this.wakeStatus = r)), this.closedP]);
+    }
   }
   end(): void {
     this.ended();
@@ -155,9 +175,10 @@ class Bucket {
   /** The bucket as one connection sees it: every operation is a step, held while the connection is stalled. */
   view(conn: Conn): unknown {
     const op = async <T>(label: string, apply: () => T): Promise<T> => {
-      await conn.gate();
+      if (conn.state !== 'lost') await conn.gate();
       await this.bus.step(`${conn.name} kv ${this.name} ${label}`);
       if (conn.state === 'dead' || conn.state === 'closed') throw new errors.ClosedConnectionError();
+      if (conn.state === 'lost') throw new errors.TimeoutError();
       this.bus.count(`${this.name} ${label.split(' ')[0]}`);
       return apply();
     };
@@ -272,12 +293,12 @@ export class FakeNats {
         conn.state = 'closed';
         for (const fail of [...conn.requests]) fail(new errors.ClosedConnectionError());
       },
-      // No status event ever (the connection never drops by itself); the iteration ends when it closes.
+      // `disconnect` when it is lost, `reconnect` when it is back; the iteration ends when it closes.
       status: () => ({
         [Symbol.asyncIterator]: () => ({
           next: async () => {
-            await conn.closedP;
-            return { value: undefined, done: true };
+            const e = await conn.nextStatus();
+            return e ? { value: e, done: false } : { value: undefined, done: true };
           },
         }),
       }),
@@ -294,10 +315,26 @@ export class FakeNats {
     for (const c of this.conns) if (c.name === name && c.state === 'up') c.state = 'stalled';
   }
 
-  /** Lets a stalled connection's traffic go, in the order it was held. */
+  /**
+   * NATS loses `name`'s connection (a server restart, a cut noticed by the client): the client
+   * says `disconnect`; its subscriptions are gone from the server meanwhile (requests to them get
+   * "no responders", messages to them are lost), what it sends waits in its buffer, its key-value
+   * operations fail, and its watches resume where they were when it is back ({@link heal}).
+   */
+  lose(name: string): void {
+    for (const c of this.conns) {
+      if (c.name !== name || (c.state !== 'up' && c.state !== 'stalled')) continue;
+      c.state = 'lost';
+      c.epoch++;
+      c.emit({ type: 'disconnect' });
+    }
+  }
+
+  /** Lets a stalled or lost connection's traffic go, in the order it was held (a lost one says `reconnect` first). */
   heal(name: string): void {
     for (const c of this.conns) {
-      if (c.name !== name || c.state !== 'stalled') continue;
+      if (c.name !== name || (c.state !== 'stalled' && c.state !== 'lost')) continue;
+      if (c.state === 'lost') c.emit({ type: 'reconnect', server: 'nats://fake:4222' });
       c.state = 'up';
       for (const go of c.held.splice(0)) go();
     }
@@ -315,7 +352,7 @@ export class FakeNats {
 
   /** Whether `name`'s connection is up or stalled (not killed or closed). */
   alive(name: string): boolean {
-    return [...this.conns].some((c) => c.name === name && (c.state === 'up' || c.state === 'stalled'));
+    return [...this.conns].some((c) => c.name === name && c.state !== 'dead' && c.state !== 'closed');
   }
 
   private drop(conn: Conn): void {
@@ -342,7 +379,9 @@ export class FakeNats {
   }
 
   private route(subject: string, data: Uint8Array, reply?: string, headers?: { code: number }): void {
-    const targets = [...this.conns].flatMap((c) => [...c.subs].filter((s) => matches(s.subject, subject)));
+    const targets = [...this.conns]
+      .filter((c) => c.state !== 'lost')
+      .flatMap((c) => [...c.subs].filter((s) => matches(s.subject, subject)));
     this.count(headers ? 'no responders' : subject.startsWith('_INBOX.') ? 'reply' : subject.split('.').pop()!);
     if (!targets.length) {
       // nats-server answers a request nobody listens to with a 503 status on its reply subject.
@@ -365,10 +404,12 @@ export class FakeNats {
         json: <T>() => JSON.parse(text()) as T,
         string: text,
       } as unknown as Msg;
+      const epoch = sub.conn.epoch;
       sub.chain = sub.chain
         .then(() => sub.conn.gate())
         .then(() => {
-          if (!sub.closed) sub.callback(null, msg);
+          // Lost with the connection if it dropped meanwhile.
+          if (!sub.closed && sub.conn.epoch === epoch) sub.callback(null, msg);
         })
         .catch((e: unknown) => void this.errors.push(e));
     }

@@ -7,8 +7,8 @@
  * random points. Commands: file requests and streams on either node for a model held there, held
  * by the other node, or held nowhere (placement, remote load); a holder kept busy (`max_queued`);
  * a node killed (its subscriptions gone: "no responders") or cut off for a while (stalled, then
- * healed: its lock may expire meanwhile); management loads and unloads naming a node or not; the
- * memory guard refusing; clients going away.
+ * healed: its lock may expire meanwhile) or losing NATS for a while (`disconnect`, `reconnect`);
+ * management loads and unloads naming a node or not; the memory guard refusing; clients going away.
  *
  * Invariants: those of spec/actors/interleavings.spec.ts that apply per node (one load and one pool
  * of a model per node at a time, FIFO admission, nothing resident, leased or queued at the end, a
@@ -79,6 +79,8 @@ interface Loading {
   sees: Set<string>;
   /** It started while a management load of its model was in flight (that takes no lock). */
   managed: boolean;
+  /** It started while its node had lost NATS (it then loads what its own requests need, with no lock). */
+  offline: boolean;
 }
 
 /** An operation of a run: a request, a stream, a management call. */
@@ -114,10 +116,12 @@ class World {
   readonly sockets: ReturnType<typeof createStreamSocket>['actor'][] = [];
   /** Management loads in flight, per model: they take no lock, so a load beside them is no violation. */
   readonly managing = new Map<string, number>();
+  /** Nodes that lost NATS during the run. */
+  readonly lostNats = new Set<string>();
   /** Models whose load lock was taken over from another node (two loads may then overlap: a documented limit). */
   readonly takenOver = new Set<string>();
   /** How often the single-flight check was excused, and why (reported). */
-  readonly excused = { managing: 0, takenOver: 0, gone: 0 };
+  readonly excused = { managing: 0, takenOver: 0, gone: 0, offline: 0 };
   faultsUsed = 0;
   takeovers = 0;
   private seq = 0;
@@ -179,6 +183,7 @@ class World {
     const both = others.filter(peers);
     if (!both.length) this.excused.gone++;
     else if (l.managed || both.every((o) => o.managed)) this.excused.managing++;
+    else if (l.offline || both.every((o) => o.offline)) this.excused.offline++;
     else if (this.takenOver.has(l.model)) this.excused.takenOver++;
     else
       this.violations.push(
@@ -228,7 +233,13 @@ function fakeLoader(w: World, node: string): ModelLoader {
     const self = w.nodes.find((n) => n.name === node);
     // While the nodes start, before the first command, the view is not there yet: every node is taken for live.
     const sees = new Set(self ? self.cluster.nodes().map((r) => r.node) : w.nodes.map((n) => n.name));
-    const loading: Loading = { node, model: id, sees, managed: (w.managing.get(id) ?? 0) > 0 };
+    const loading: Loading = {
+      node,
+      model: id,
+      sees,
+      managed: (w.managing.get(id) ?? 0) > 0,
+      offline: self ? !self.cluster.connected : false,
+    };
     w.loadStarts(loading);
     // An abandoned load (the load timeout, an unload) is no longer the model's load: its process hosts are being killed.
     const uncount = (): void => void w.loading.delete(loading);
@@ -546,6 +557,19 @@ class Stall implements Cmd {
   toString = (): string => `stall(${this.node}${this.expire ? ', past the lock deadline' : ''})`;
 }
 
+/** NATS loses a node's connection (the client says `disconnect`) until `heal` (`reconnect`). */
+class LoseNats implements Cmd {
+  constructor(readonly node: number) {}
+  check = (): boolean => true;
+  async run(_m: object, { w }: Real): Promise<void> {
+    const n = w.node(this.node);
+    if (n.dead) return;
+    w.bus.lose(n.name);
+    w.lostNats.add(n.name);
+  }
+  toString = (): string => `loseNats(${this.node})`;
+}
+
 class Heal implements Cmd {
   constructor(readonly node: number) {}
   check = (): boolean => true;
@@ -594,7 +618,8 @@ const commandArb = fc.oneof(
   },
   { weight: 1, arbitrary: nodeArb.map((n) => new Kill(n) as Cmd) },
   { weight: 1, arbitrary: fc.tuple(nodeArb, fc.boolean()).map(([n, e]) => new Stall(n, e) as Cmd) },
-  { weight: 1, arbitrary: nodeArb.map((n) => new Heal(n) as Cmd) },
+  { weight: 1, arbitrary: nodeArb.map((n) => new LoseNats(n) as Cmd) },
+  { weight: 2, arbitrary: nodeArb.map((n) => new Heal(n) as Cmd) },
 );
 
 /** Records, per admission queue, the order in which acquisitions are granted (as spec/actors/interleavings does). */
@@ -728,12 +753,27 @@ const fresh = () => ({
   commands: 0,
   steps: 0,
   /** Loads of one model on two nodes at once that were excused, by why (see World.loadStarts). */
-  overlaps: { managing: 0, takenOver: 0, gone: 0 },
+  overlaps: { managing: 0, takenOver: 0, gone: 0, offline: 0 },
   /** Messages sent over the fake NATS, by kind (what the runs exercised). */
   sent: {} as Record<string, number>,
   /** Load locks taken over from another node (its deadline passed). */
   takeovers: 0,
+  /** The nodes' cluster metrics summed over the runs: remote jobs served by outcome, job attempts sent again by why. */
+  served: {} as Record<string, number>,
+  failovers: {} as Record<string, number>,
 });
+
+/** Adds a counter's values, by `label`, from every node's registry into `into`. */
+async function tally(w: World, metric: string, label: string, into: Record<string, number>): Promise<void> {
+  for (const n of w.nodes) {
+    const m = n.sup.metrics.registry.getSingleMetric(metric);
+    if (!m) continue;
+    for (const v of (await m.get()).values) {
+      const k = String(v.labels[label]);
+      into[k] = (into[k] ?? 0) + v.value;
+    }
+  }
+}
 
 /** One property: random commands, faults and clock moves against `names.length` nodes. */
 async function checkCluster(names: string[]): Promise<void> {
@@ -846,17 +886,20 @@ async function checkCluster(names: string[]): Promise<void> {
                 expect(w.abandonedPools.get(`${n.name}/${id}`) ?? 0, `abandoned pools of ${id} on ${n.name}`).toBe(0);
               }
             }
-            // No load lock left by a node that lived to leave.
+            // No load lock left by a node that lived to leave, unless it lost NATS during the run (a
+            // release it made meanwhile failed: the lock lasts until its deadline, by design).
             const locks = [...bus.locks.entries.values()]
               .filter((e) => e.operation === 'PUT')
               .map((e) => e.json<{ owner: string; model: string }>())
-              .filter((l) => !w.nodes.find((n) => n.name === l.owner)?.dead);
+              .filter((l) => !w.nodes.find((n) => n.name === l.owner)?.dead && !w.lostNats.has(l.owner));
             expect(locks, 'load locks left').toEqual([]);
             for (const order of w.grants.values()) expect(order).toEqual([...order].sort((x, y) => x - y));
             totals.runs++;
             totals.commands += [...cmds].length;
             totals.steps += s.report().length;
             totals.takeovers += w.takeovers;
+            await tally(w, 'voxserve_remote_jobs_served_total', 'outcome', totals.served);
+            await tally(w, 'voxserve_remote_failovers_total', 'why', totals.failovers);
             for (const k of Object.keys(w.excused) as (keyof World['excused'])[]) totals.overlaps[k] += w.excused[k];
             for (const [k, v] of Object.entries(bus.sent)) totals.sent[k] = (totals.sent[k] ?? 0) + v;
           } catch (e) {
@@ -874,7 +917,7 @@ async function checkCluster(names: string[]): Promise<void> {
       throw e;
     });
   console.log(
-    `cluster interleavings (${names.length} nodes): ${totals.runs} runs, ${totals.commands} commands, ${totals.steps} scheduled steps in random order; messages ${JSON.stringify(totals.sent)}; overlapping loads excused ${JSON.stringify(totals.overlaps)}; ${totals.takeovers} lock take-overs`,
+    `cluster interleavings (${names.length} nodes): ${totals.runs} runs, ${totals.commands} commands, ${totals.steps} scheduled steps in random order; messages ${JSON.stringify(totals.sent)}; overlapping loads excused ${JSON.stringify(totals.overlaps)}; ${totals.takeovers} lock take-overs; remote jobs served ${JSON.stringify(totals.served)}, sent again ${JSON.stringify(totals.failovers)}`,
   );
 }
 
