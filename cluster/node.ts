@@ -415,7 +415,10 @@ export class ClusterNode {
   private fingerprint(id: string): string {
     const config = this.supervisor?.configOf(id);
     if (!config) return '';
-    return createHash('sha256').update(JSON.stringify(this.registrationOf(config))).digest('hex').slice(0, 12);
+    return createHash('sha256')
+      .update(JSON.stringify(this.registrationOf(config)))
+      .digest('hex')
+      .slice(0, 12);
   }
 
   private async publish(): Promise<void> {
@@ -618,7 +621,10 @@ export class ClusterNode {
           if (!(e as { superseded?: boolean }).superseded) throw e;
           // Split brain: this node was paused past the lock's deadline and another took it over and
           // placed the model; this placement is given up and the other's is used.
-          this.log.warn({ model: id }, 'cluster: the load lock was taken over while placing; using the other placement');
+          this.log.warn(
+            { model: id },
+            'cluster: the load lock was taken over while placing; using the other placement',
+          );
           lost = true;
         } finally {
           await lock.release();
