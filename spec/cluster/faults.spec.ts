@@ -358,6 +358,7 @@ describe('a holder dies (SIGKILL) mid-work', () => {
       Promise.all(files),
       Promise.all(wyoming),
     ]);
+    for (const s of w) expect(s).toEqual(want.wyoming);
     for (const s of [...v, ...k]) {
       expect(s.code).toBe(1000);
       expect(s.done).toBe(true);
@@ -368,7 +369,6 @@ describe('a holder dies (SIGKILL) mid-work', () => {
       // Detections with the single node's file result's labels, at_ms and scores.
       expect(detections(s.events)).toEqual(want.wakeFile);
     }
-    for (const s of w) expect(s).toEqual(want.wyoming);
     f.forEach((r, i) => {
       expect(r.status, JSON.stringify(r.body)).toBe(200);
       expect(i % 2 ? r.body.segments : r.body.detections).toEqual(i % 2 ? want.vadFile : want.wakeFile);
@@ -556,12 +556,12 @@ describe('NATS stopped for 5 s and started again under load', () => {
     const [upStretch, outage] = [share(s0, s1), share(s1, s2)];
     const figures = `C's local windows over 50 ms: NATS up ${upStretch.over50.toFixed(3)} of ${upStretch.windows}, NATS down ${outage.over50.toFixed(3)} of ${outage.windows}; event lateness at the client: NATS up ${lateness(down - 5000, down)}, down ${lateness(down, up + 1000)}`;
     console.info(figures);
-    // 4 streams of ~6 s at one window per 32 ms.
-    expect(outage.windows).toBeGreaterThan(4 * 150);
     // Local work does not wait for NATS: the outage makes no more of C's windows late by over 50 ms
     // than the same streams with NATS up (on a quiet machine both are 0; another agent's load on the
     // 2 cores makes some late either way, so the outage is compared with the 5 s before it).
     expect(outage.over50, figures).toBeLessThanOrEqual(upStretch.over50 + 0.1);
+    // 4 streams of ~6 s at one window per 32 ms.
+    expect(outage.windows).toBeGreaterThan(4 * 150);
     // After the outage: every lease given back, and no load lock held.
     for (const n of [A, C])
       await until(async () => {
@@ -689,100 +689,4 @@ describe('split brain of a load lock: its owner paused (SIGSTOP) past the deadli
       await nc.close();
     }
   }, 120_000);
-});
-
-describe('a rolling restart of every node under continuous streams and file requests', () => {
-  const c = useCluster(['A', 'B', 'C'], 'C', ['silero-vad']);
-
-  it("SIGTERM, restart, ready, next: 0 failed, every stream's events and file result the single node's", async () => {
-    // The nodes taking new work (a load balancer's rotation): a node leaves it before its SIGTERM and
-    // comes back once ready and heard by the others.
-    const rotation = new Set(Object.keys(c.nodes));
-    const open = new Map<string, number>(Object.keys(c.nodes).map((n) => [n, 0]));
-    let turn = 0;
-    /** Runs `work` on the next node in rotation, counted as open there while it runs. */
-    const inFlight = new Set<string>();
-    const onNext = async <T>(what: string, work: (n: Node) => Promise<T>): Promise<T> => {
-      const names = [...rotation];
-      const name = names[turn++ % names.length];
-      const tag = `${what} on ${name} #${turn}`;
-      open.set(name, open.get(name)! + 1);
-      inFlight.add(tag);
-      try {
-        return await work(c.nodes[name]);
-      } finally {
-        open.set(name, open.get(name)! - 1);
-        inFlight.delete(tag);
-      }
-    };
-    let rolling = true;
-    const failures: string[] = [];
-    let streams = 0;
-    let files = 0;
-    const t0 = Date.now();
-    const steps: string[] = [];
-    const step = (what: string): number => steps.push(`${what} ${((Date.now() - t0) / 1000).toFixed(1)} s`);
-    // 30 streams at all times (Front_Center.wav in real time, 100 ms frames), one after another per lane.
-    const lanes = Array.from({ length: 30 }, async () => {
-      while (rolling) {
-        const r = await onNext('stream', (n) =>
-          stream(n.url, 'silero-vad', SHORT_FILE, 100).then((x) => ({ ...x, n: n.name })),
-        ).catch((e: Error) => ({ code: 0, done: false, events: [], n: e.message }));
-        streams++;
-        if (r.code !== 1000 || !r.done || JSON.stringify(r.events) !== JSON.stringify(want.short))
-          failures.push(`stream on ${r.n}: close ${r.code}, done ${r.done}, ${JSON.stringify(r.events)}`);
-      }
-    });
-    // A file request every 200 ms.
-    const requests: Promise<void>[] = [];
-    const timer = setInterval(() => {
-      requests.push(
-        onNext('file', async (n) => {
-          const r = await runFile(n.url, 'silero-vad', SHORT_FILE);
-          files++;
-          if (r.status !== 200 || JSON.stringify(r.body.segments) !== JSON.stringify(want.shortFile))
-            failures.push(`file on ${n.name}: ${r.status} ${JSON.stringify(r.body)}`);
-        }).catch((e: Error) => void failures.push(`file: ${e.message}`)),
-      );
-    }, 200);
-    try {
-      await new Promise((r) => setTimeout(r, 2000));
-      for (const name of ['C', 'A', 'B']) {
-        rotation.delete(name);
-        step(`${name} out`);
-        await until(() => open.get(name) === 0, 30_000).catch(() => {
-          throw new Error(`still open: ${[...inFlight].filter((t) => t.includes(` on ${name} `)).join(', ')}`);
-        });
-        const old = c.nodes[name].child;
-        const exited = new Promise<number | null>((r) => old.once('exit', (code) => r(code)));
-        old.kill('SIGTERM');
-        step('SIGTERM');
-        expect(await exited).toBe(0);
-        step('exited');
-        c.nodes[name] = await startNode(c.nats.url, name);
-        step('ready');
-        for (const n of Object.values(c.nodes))
-          await until(async () => {
-            const { body } = await json(`${n.url}/v1/cluster`);
-            return body.nodes.some((x: { node: string }) => x.node === name);
-          }, 10_000);
-        rotation.add(name);
-        await new Promise((r) => setTimeout(r, 1000));
-      }
-    } finally {
-      rolling = false;
-      clearInterval(timer);
-    }
-    await Promise.all([...lanes, ...requests]);
-    console.info(
-      `rolling restart: ${streams} streams and ${files} file requests, ${failures.length} failed; ${steps.join(', ')}`,
-    );
-    expect(failures).toEqual([]);
-    expect(streams).toBeGreaterThan(100);
-    expect(files).toBeGreaterThan(50);
-    // A node holds silero-vad at the end, and every node agrees which.
-    const h = await holders(c.nodes.A.url, 'silero-vad');
-    expect(h.length).toBeGreaterThan(0);
-    for (const n of Object.values(c.nodes)) expect(await holders(n.url, 'silero-vad')).toEqual(h);
-  }, 180_000);
 });
