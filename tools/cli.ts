@@ -5,7 +5,7 @@
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
-import { extname } from 'node:path';
+import { basename, extname, relative } from 'node:path';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
 import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
@@ -69,6 +69,15 @@ function client(url: string, apiKey?: string): VoxClient {
 }
 
 /**
+ * How this CLI was started, for messages that tell the user a command to run: `voxserve` when
+ * installed as a command, else `node <path to cli.js>` (a checkout: `node dist/tools/cli.js`).
+ */
+function invocation(): string {
+  const script = process.argv[1] ?? '';
+  return basename(script) === 'cli.js' ? `node ${relative(process.cwd(), script) || script}` : 'voxserve';
+}
+
+/**
  * Ends a client command that failed: a server error (an HTTP answer, a refused stream
  * handshake included) is printed as its wire body on stdout (`{"error":{type,code,message}}`), a
  * closed stream as its close code on stderr; exit 1.
@@ -77,7 +86,7 @@ function failed(url: string, e: unknown): never {
   if (!(e instanceof VoxClientError)) die((e as Error).message);
   if (e.type === 'connection_error') {
     if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH')
-      die(`no voxserve is running at ${url} (${e.code}); start one with: voxserve serve`);
+      die(`no voxserve is running at ${url} (${e.code}); start one with: ${invocation()} serve`);
     die(e.message);
   }
   if (e.closeCode !== undefined && e.status === undefined)
