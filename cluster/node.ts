@@ -613,7 +613,12 @@ export class ClusterNode {
     for (;;) {
       signal.throwIfAborted();
       // Asked to hold it (by a placement elsewhere, or a load naming this node), also while waiting here.
-      if (this.pinned.has(id)) return this.fenced(id, local, this.pinned.get(id));
+      // The pin is for one load: a retry after it failed (a request of this node waiting) takes the lock.
+      if (this.pinned.has(id)) {
+        const ref = this.pinned.get(id);
+        this.pinned.delete(id);
+        return this.fenced(id, local, ref);
+      }
       if (this.holders(id).length) return this.remotePool(config);
       const lock = await this.takeLock(id);
       if (lock) {

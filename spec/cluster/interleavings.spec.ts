@@ -13,9 +13,9 @@
  * Invariants: those of spec/actors/interleavings.spec.ts that apply per node (one load and one pool
  * of a model per node at a time, FIFO admission, nothing resident, leased or queued at the end, a
  * 500 only after an injected fault, an operation fails only with a VoxError); plus, cluster-wide: at
- * most one load of a model in flight at a time (excused while a management load of it runs, which
- * takes no lock, and once its lock was taken over, a documented limit: docs/cluster.md "What
- * survives what"); a load lock is never written over by another node before its deadline; every
+ * most one load of a model in flight at a time among nodes that take each other for live (excused
+ * once a management load of it was asked for, which takes no lock, or its lock was taken over past
+ * its deadline, or its node had lost NATS: documented limits, docs/cluster.md); a load lock is never written over by another node before its deadline; every
  * request and stream on a live node settles, with its own results or a definite wire error, once
  * the clock has run past every deadline; no load lock left at the end.
  *
@@ -87,15 +87,17 @@ interface Loading {
 interface Op {
   name: string;
   node: string;
-  /** A management call: it asks other nodes over NATS with no deadline of its own (see `hangsOnDeath`). */
+  /** A management call. */
   manage: boolean;
   done: boolean;
   /**
-   * A management call in flight when a node died: it may wait for the dead node's reply until its
-   * own node leaves (cluster/node.ts `ask` waits up to an hour for a load or unload; reported to the
-   * lead), so it is not counted as lost while the others are checked.
+   * In flight on another node when a node lost NATS: a request it made to that node (an info, a
+   * placement's load, a management call) may have been lost with the connection while the node
+   * stays live, and is then waited for up to its own timeout (10 s, `lock_ms` x 100, an hour:
+   * cluster/node.ts `ask`; reported to the lead), so it is not counted as lost while the others are
+   * checked (it must still settle once its node leaves).
    */
-  hangsOnDeath: boolean;
+  mayLoseAnswer: boolean;
   promise: Promise<void>;
 }
 
@@ -114,8 +116,12 @@ class World {
   readonly ops: Op[] = [];
   readonly controllers: AbortController[] = [];
   readonly sockets: ReturnType<typeof createStreamSocket>['actor'][] = [];
-  /** Management loads in flight, per model: they take no lock, so a load beside them is no violation. */
-  readonly managing = new Map<string, number>();
+  /**
+   * Models a management load was asked for in the run: it takes no lock, so a load beside it is no
+   * violation; its request may reach the node it names late (the caller cut off, then healed), after
+   * the call has ended, so the model is excused from then on.
+   */
+  readonly managed = new Set<string>();
   /** Nodes that lost NATS during the run. */
   readonly lostNats = new Set<string>();
   /** Models whose load lock was taken over from another node (two loads may then overlap: a documented limit). */
@@ -201,7 +207,7 @@ class World {
       node: node.name,
       manage,
       done: false,
-      hangsOnDeath: false,
+      mayLoseAnswer: false,
       promise: Promise.resolve(),
     };
     rec.promise = (async () => {
@@ -237,7 +243,7 @@ function fakeLoader(w: World, node: string): ModelLoader {
       node,
       model: id,
       sees,
-      managed: (w.managing.get(id) ?? 0) > 0,
+      managed: w.managed.has(id),
       offline: self ? !self.cluster.connected : false,
     };
     w.loadStarts(loading);
@@ -460,20 +466,15 @@ class ManageLoad implements Cmd {
     const body: Record<string, unknown> = { id: this.id, slots: 1 };
     if (this.target !== null) body.node = w.node(this.target).name;
     if (this.replicas) body.replicas = this.replicas;
-    w.managing.set(this.id, (w.managing.get(this.id) ?? 0) + 1);
+    w.managed.add(this.id);
     w.launch(
       this.toString(),
       n,
-      async () => {
-        try {
-          await n.cluster.manageLoad(body, (fields) => {
-            const known = typeof fields.id === 'string' ? n.sup.configOf(fields.id) : undefined;
-            return validateModelConfig(known ? { ...known, ...fields } : fields);
-          });
-        } finally {
-          w.managing.set(this.id, w.managing.get(this.id)! - 1);
-        }
-      },
+      () =>
+        n.cluster.manageLoad(body, (fields) => {
+          const known = typeof fields.id === 'string' ? n.sup.configOf(fields.id) : undefined;
+          return validateModelConfig(known ? { ...known, ...fields } : fields);
+        }),
       true,
     );
   }
@@ -533,7 +534,6 @@ class Kill implements Cmd {
     if (n.dead || w.nodes.filter((x) => !x.dead).length < 2) return;
     n.dead = true;
     w.bus.kill(n.name);
-    for (const o of w.ops) if (o.manage && !o.done) o.hangsOnDeath = true;
   }
   toString = (): string => `kill(${this.node})`;
 }
@@ -566,6 +566,7 @@ class LoseNats implements Cmd {
     if (n.dead) return;
     w.bus.lose(n.name);
     w.lostNats.add(n.name);
+    for (const o of w.ops) if (!o.done && o.node !== n.name) o.mayLoseAnswer = true;
   }
   toString = (): string => `loseNats(${this.node})`;
 }
@@ -835,7 +836,7 @@ async function checkCluster(names: string[]): Promise<void> {
             await runClock(s, 2000);
             // No job lost without an answer: every operation on a live node has settled.
             const hung = w.ops.filter(
-              (o) => !o.done && !o.hangsOnDeath && !w.nodes.find((n) => n.name === o.node)!.dead,
+              (o) => !o.done && !o.mayLoseAnswer && !w.nodes.find((n) => n.name === o.node)!.dead,
             );
             if (hung.length && process.env.FC_DEBUG)
               console.log(
