@@ -40,8 +40,6 @@ export interface ModelContext {
   lastError: string | null;
   /** Why the last load ended without a pool (also capacity refusals, which are not `lastError`). */
   failure: unknown;
-  /** Mirror of the admission queue (sent by it on every change): leases held, waiters, an exclusive holder. */
-  leases: { active: number; queued: number; exclusive: boolean };
   /** The server's `idle_unload_ms`, ms (0 = off); the model's `keep_alive_ms` overrides it. */
   serverIdleUnloadMs: number;
   /** The server's `load_timeout_ms`, ms (0 = none); the model's own overrides it. */
@@ -94,7 +92,8 @@ export type ModelEvent =
   | { type: 'SLOT_FAILED'; message: string }
   /** The server drains (shutdown): a load in progress is abandoned (its slot hosts killed), a `LOAD` is refused `shutting_down`. */
   | { type: 'DRAIN' }
-  | { type: 'LEASES'; active: number; queued: number; exclusive: boolean }
+  /** The admission queue changed (a lease granted or released, a waiter came or left): `ready.idle` / `ready.busy` look again. */
+  | { type: 'LEASES' }
   /** From the `residency` actor: the cold-load gate let the load through. */
   | { type: 'LOAD_GRANTED' }
   /** From the `residency` actor: the pool is complete (`residentBytes` measured). */
@@ -112,8 +111,12 @@ export interface ModelDeps {
   loader: ModelLoader;
   /** Estimated footprint of a config, bytes, sent to the supervisor's cold-load gate (0 when the memory guard is off). */
   footprint: (config: ModelConfig) => Promise<number>;
-  /** The model's admission queue: an accepted eviction holds its exclusive lease until the pool is closed. */
-  admission: Pick<Admission, 'tryAcquire'>;
+  /**
+   * The model's admission queue, the one home of its leases: the guards read what it holds and
+   * who waits (it sends `LEASES` on every change); an accepted eviction holds its exclusive lease
+   * until the pool is closed.
+   */
+  admission: Pick<Admission, 'tryAcquire' | 'activeLeases' | 'queued' | 'exclusive'>;
   /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
   busyTimeoutMs: () => number;
   /** The pool is live (`model`), or is being closed (null): not resident from that moment (C9). */
@@ -267,7 +270,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
  * - The `residency` actor, invoked for as long as the entry is `resident`, loads the pool (through
  *   the supervisor's cold-load gate), holds it, and closes it on `CLOSE` or when stopped. It
  *   answers `LOADED`, `LOAD_FAILED`, `CLOSED` and, when a slot dies, `SLOT_FAILED`.
- * - `ready.idle` / `ready.busy` follow the admission queue's mirror (`LEASES`).
+ * - `ready.idle` / `ready.busy` follow the admission queue (its guards read it; it sends `LEASES` on every change).
  * - `EVICT {reason}` is taken only in `ready.idle` through the guard `evictable` (no lease held, no
  *   waiter, no exclusive holder); anywhere else it is answered `EVICT_REFUSED`: that refusal is
  *   the try-acquire of eviction (C12). An accepted eviction takes the exclusive lease
@@ -300,10 +303,11 @@ export const modelMachine = setup({
     recordEviction: ({ context }, params: { reason: EvictReason }) => context.deps.evicted(params.reason),
   },
   guards: {
-    /** Leases held or waiting: the model is in use. */
-    inUse: ({ context }) => context.leases.active > 0 || context.leases.queued > 0,
+    /** Leases held or waiting (read from the admission queue): the model is in use. */
+    inUse: ({ context: { deps } }) => deps.admission.activeLeases > 0 || deps.admission.queued > 0,
     /** Idle: no lease, no waiter, no exclusive holder. */
-    evictable: ({ context }) => context.leases.active === 0 && context.leases.queued === 0 && !context.leases.exclusive,
+    evictable: ({ context: { deps } }) =>
+      deps.admission.activeLeases === 0 && deps.admission.queued === 0 && !deps.admission.exclusive,
     keepAliveOn: ({ context }) => (context.config.keep_alive_ms ?? context.serverIdleUnloadMs) > 0,
     hasNext: ({ context }) => context.next !== null,
     draining: ({ context }) => context.draining,
@@ -334,7 +338,6 @@ export const modelMachine = setup({
     next: null,
     lastError: null,
     failure: null,
-    leases: { active: 0, queued: 0, exclusive: false },
     serverIdleUnloadMs: input.serverIdleUnloadMs ?? 0,
     serverLoadTimeoutMs: input.serverLoadTimeoutMs ?? 0,
     evicted: null,
@@ -347,11 +350,8 @@ export const modelMachine = setup({
   initial: 'unloaded',
   on: {
     DRAIN: { actions: assign({ draining: true }) },
-    LEASES: {
-      actions: assign({
-        leases: ({ event }) => ({ active: event.active, queued: event.queued, exclusive: event.exclusive }),
-      }),
-    },
+    // No action: taking the event is enough for `ready.idle` / `ready.busy` to look at the queue again.
+    LEASES: {},
     // Taken only where a state does not take it first (ready.idle, through `evictable`).
     EVICT: {
       actions: enqueueActions(({ enqueue, event, context, self }) => {
@@ -726,8 +726,7 @@ export class ModelEntry {
     const batchSize = metrics?.batchSize.labels({ model: config.id });
     this.lagMetric = metrics?.processingLag.labels({ model: config.id });
     this.admission = new Admission(config.max_streams, () => {
-      const a = this.admission;
-      this.actor?.send({ type: 'LEASES', active: a.activeLeases, queued: a.queued, exclusive: a.exclusive !== null });
+      this.actor?.send({ type: 'LEASES' });
       onChange();
     });
     const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;

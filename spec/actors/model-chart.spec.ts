@@ -37,17 +37,22 @@ function chart(
   const leases: { exclusive: boolean; released: boolean }[] = [];
   const evictions: EvictReason[] = [];
   const resident: (LoadedModel | null)[] = [];
+  /** The fake admission queue's leases held and waiters (the chart reads them); `exclusive` a holder's lease or null. */
+  const admission = {
+    activeLeases: 0,
+    queued: 0,
+    exclusive: null as { exclusive: boolean; grantedAt: number; release: () => void } | null,
+    tryAcquire: (exclusive = false) => {
+      const l = { exclusive, released: false };
+      leases.push(l);
+      return { exclusive, grantedAt: 0, release: () => void (l.released = true) };
+    },
+  };
   const deps: ModelDeps = {
     loader: (config, signal) =>
       new Promise((resolve, reject) => loads.push({ config: config as ModelConfig, signal: signal!, resolve, reject })),
     footprint: async () => 0,
-    admission: {
-      tryAcquire: (exclusive = false) => {
-        const l = { exclusive, released: false };
-        leases.push(l);
-        return { exclusive, grantedAt: 0, release: () => void (l.released = true) };
-      },
-    },
+    admission,
     busyTimeoutMs: () => 0,
     resident: (m) => void resident.push(m),
     evicted: (reason) => void evictions.push(reason),
@@ -78,8 +83,18 @@ function chart(
     loads.at(-1)!.resolve(pool(id));
     await flush();
   };
+  /** The admission queue changes to `active` leases held, `queued` waiters, an exclusive holder or not, and says so (`LEASES`). */
+  const setLeases = (active: number, queued: number, exclusive: boolean): void => {
+    Object.assign(admission, {
+      activeLeases: active,
+      queued,
+      exclusive: exclusive ? { exclusive: true, grantedAt: 0, release: () => {} } : null,
+    });
+    actor.send({ type: 'LEASES' });
+  };
   return {
     actor,
+    setLeases,
     clock,
     loads,
     closed,
@@ -171,14 +186,14 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(stateName(off.value())).toBe('loading');
   });
 
-  it('ready.idle <-LEASES-> ready.busy follows the admission mirror (held or queued)', async () => {
+  it('ready.idle <-LEASES-> ready.busy follows the admission queue (held or queued)', async () => {
     const c = chart();
     await c.load();
-    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    c.setLeases(1, 0, false);
     expect(c.value()).toEqual({ resident: { ready: 'busy' } });
-    c.actor.send({ type: 'LEASES', active: 0, queued: 1, exclusive: false });
+    c.setLeases(0, 1, false);
     expect(c.value()).toEqual({ resident: { ready: 'busy' } });
-    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: false });
+    c.setLeases(0, 0, false);
     expect(stateName(c.value())).toBe('ready');
     expect((c.value() as { resident: { ready: unknown } }).resident.ready).toEqual({ idle: 'keepAliveOff' });
   });
@@ -204,9 +219,9 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const c = chart();
     c.actor.send({ type: 'EVICT', reason: 'memory', replyTo: c.inbox });
     await c.load();
-    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    c.setLeases(1, 0, false);
     c.actor.send({ type: 'EVICT', reason: 'lru', replyTo: c.inbox });
-    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: true });
+    c.setLeases(0, 0, true);
     c.actor.send({ type: 'EVICT', reason: 'lru', replyTo: c.inbox });
     expect(c.replies).toEqual([
       { type: 'EVICT_REFUSED', id: 'm', reason: 'memory', state: 'unloaded' },
@@ -221,9 +236,9 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const c = chart({ keep_alive_ms: 1000 });
     await c.load();
     c.clock.increment(600);
-    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    c.setLeases(1, 0, false);
     c.clock.increment(5000);
-    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: false });
+    c.setLeases(0, 0, false);
     c.clock.increment(999);
     expect(stateName(c.value())).toBe('ready');
     c.clock.increment(1);
@@ -325,7 +340,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const chartDeps = (): ModelDeps => ({
       loader: () => new Promise(() => void loads.push(1)),
       footprint: async () => 5,
-      admission: { tryAcquire: () => null },
+      admission: { tryAcquire: () => null, activeLeases: 0, queued: 0, exclusive: null },
       busyTimeoutMs: () => 700,
       resident: () => {},
       evicted: () => {},
