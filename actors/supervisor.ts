@@ -2,6 +2,7 @@ import { stat } from 'node:fs/promises';
 import {
   assign,
   createActor,
+  enqueueActions,
   sendTo,
   setup,
   stopChild,
@@ -110,8 +111,6 @@ export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error
 export interface SupervisorContext {
   /** The live dependencies it was created with. */
   deps: Required<SupervisorInput>;
-  /** The model entry actors, by id (each spawned with `systemId` `model:<id>`). */
-  entries: Record<string, AnyActorRef>;
   /** Cold loads waiting for the gate, FIFO. */
   pending: PendingLoad[];
   /** The cold load the gate is working for (making room, then loading). */
@@ -226,7 +225,6 @@ export const supervisorMachine = setup({
   id: 'supervisor',
   context: ({ input }) => ({
     deps: { now: Date.now, ...input },
-    entries: {},
     pending: [],
     current: null,
     refused: [],
@@ -235,28 +233,19 @@ export const supervisorMachine = setup({
     waitingFor: null,
   }),
   on: {
+    // A model entry is the chart's child `model:<id>` (its ref: `snapshot.children['model:<id>']`,
+    // or `system.get('model:<id>')`): the logic comes with the event (the model chart; a test gives
+    // fakes), its live dependencies with its input.
     REGISTER: {
-      actions: assign({
-        entries: ({ context, event, spawn }) => ({
-          ...context.entries,
-          // The logic comes with the event (the model chart; a test gives fakes), its live dependencies with its input.
-          [event.id]: (spawn as (logic: AnyActorLogic, options: object) => AnyActorRef)(event.logic, {
-            id: `model:${event.id}`,
-            systemId: `model:${event.id}`,
-            input: event.input,
-          }),
+      actions: enqueueActions(({ enqueue, event }) =>
+        (enqueue.spawnChild as (logic: AnyActorLogic, options: object) => void)(event.logic, {
+          id: `model:${event.id}`,
+          systemId: `model:${event.id}`,
+          input: event.input,
         }),
-      }),
+      ),
     },
-    UNREGISTER: {
-      actions: [
-        stopChild(({ context, event }) => context.entries[event.id]),
-        assign({
-          entries: ({ context, event }) =>
-            Object.fromEntries(Object.entries(context.entries).filter(([id]) => id !== event.id)),
-        }),
-      ],
-    },
+    UNREGISTER: { actions: stopChild(({ event }) => `model:${event.id}`) },
     LOAD_REQUESTED: [
       {
         guard: 'guarded',
@@ -756,7 +745,7 @@ export class Supervisor {
       metrics: this.metrics,
       spawn: (input) => {
         this.actor.send({ type: 'REGISTER', id: config.id, logic: modelMachine, input });
-        return this.actor.getSnapshot().context.entries[config.id] as ModelActor;
+        return (this.actor.getSnapshot().children as Record<string, ModelActor>)[`model:${config.id}`];
       },
     });
     before?.(entry);
