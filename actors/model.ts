@@ -48,6 +48,8 @@ export interface ModelContext {
   evicted: { reason: EvictReason; at: number } | null;
   /** Measured footprint of the current pool, bytes (0 when nothing is resident). */
   residentBytes: number;
+  /** The current pool runs its jobs on other nodes (a cluster placement): its slots are not here. */
+  remote: boolean;
   /** The server's `crash_cooldown_ms`, ms (0 = off). */
   serverCrashCooldownMs: number;
   /** Why the pool is failing now (a `SLOT_FAILED` in `ready`), until it has closed. */
@@ -96,8 +98,8 @@ export type ModelEvent =
   | { type: 'LEASES' }
   /** From the `residency` actor: the cold-load gate let the load through. */
   | { type: 'LOAD_GRANTED' }
-  /** From the `residency` actor: the pool is complete (`residentBytes` measured). */
-  | { type: 'LOADED'; residentBytes: number }
+  /** From the `residency` actor: the pool is complete (`residentBytes` measured; `remote`: its slots are on other nodes). */
+  | { type: 'LOADED'; residentBytes: number; remote: boolean }
   | { type: 'LOAD_FAILED'; error: unknown }
   /** From the `residency` actor: the pool is closed (`error` if closing failed). */
   | { type: 'CLOSED'; error?: string };
@@ -200,6 +202,8 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
         deps.resident(null);
         await model?.close();
       })());
+    /** The pool `local` loaded here (a placement may return another, whose slots are on other nodes). */
+    let here: LoadedModel | null = null;
     /** Loads here: through the cold-load gate, then the loader. */
     const local = async (): Promise<LoadedModel> => {
       if (gate) {
@@ -217,11 +221,8 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
         await granted;
       }
       sendBack({ type: 'LOAD_GRANTED' });
-      try {
-        return await deps.loader(config, abandon.signal);
-      } finally {
-        leaveGate();
-      }
+      here = await deps.loader(config, abandon.signal);
+      return here;
     };
     void (async () => {
       try {
@@ -235,7 +236,9 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
         model = m;
         m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
         deps.resident(m);
-        sendBack({ type: 'LOADED', residentBytes: m.residentBytes });
+        sendBack({ type: 'LOADED', residentBytes: m.residentBytes, remote: m !== here });
+        // The gate opens for the next load once this one holds its slots (`slots` tag): it counts them.
+        leaveGate();
       } catch (error) {
         leaveGate();
         if (!stopped) sendBack({ type: 'LOAD_FAILED', error });
@@ -277,6 +280,8 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
  *   (`holdForEviction`), so requests arriving meanwhile queue and load the model again.
  * - Keep-alive (C14): `ready.idle` raises `EVICT {reason: "idle"}` after `keepAlive` ms
  *   (`keep_alive_ms`, else the server's `idle_unload_ms`; never when 0).
+ * - The tag `slots` marks the states whose pool exists (`ready`, and `unloading` / `reconfiguring`
+ *   until it has closed): residency as the supervisor counts it (C12).
  * - A failed load returns to `unloaded` with `lastError` (not for a 503 refusal) and can be
  *   retried; so does a load still building after `loadTimeout` ms (`load_timeout_ms`); a slot that dies in `ready` unloads the model with `lastError` set.
  * Live resources come as input ({@link ModelDeps}); {@link ModelEntry} gives the real ones.
@@ -287,6 +292,7 @@ export const modelMachine = setup({
     events: {} as ModelEvent,
     input: {} as ModelInput,
     emitted: {} as ModelEmitted,
+    tags: {} as 'slots',
   },
   actors: { residency },
   actions: {
@@ -342,6 +348,7 @@ export const modelMachine = setup({
     serverLoadTimeoutMs: input.serverLoadTimeoutMs ?? 0,
     evicted: null,
     residentBytes: 0,
+    remote: false,
     serverCrashCooldownMs: input.serverCrashCooldownMs ?? 0,
     slotFailure: null,
     coolDown: null,
@@ -454,7 +461,12 @@ export const modelMachine = setup({
           on: {
             LOADED: {
               target: 'ready',
-              actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }),
+              actions: assign({
+                residentBytes: ({ event }) => event.residentBytes,
+                remote: ({ event }) => event.remote,
+                lastError: null,
+                failure: null,
+              }),
             },
             LOAD_FAILED: [
               {
@@ -484,6 +496,7 @@ export const modelMachine = setup({
           },
         },
         ready: {
+          tags: ['slots'],
           entry: emit({ type: 'ready' }),
           initial: 'idle',
           on: {
@@ -530,6 +543,7 @@ export const modelMachine = setup({
           },
         },
         unloading: {
+          tags: ['slots'],
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
             CLOSED: [
@@ -567,6 +581,7 @@ export const modelMachine = setup({
           },
         },
         reconfiguring: {
+          tags: ['slots'],
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
             CLOSED: [
@@ -808,6 +823,17 @@ export class ModelEntry {
 
   get state(): ModelState {
     return stateName(this.actor.getSnapshot().value);
+  }
+
+  /**
+   * True while the model's slots exist on this node (DESIGN.md C12, the one home of residency):
+   * the chart's `slots` tag (`ready`, and `unloading` / `reconfiguring` until the pool has closed:
+   * a retiring model's memory counts until its workers are gone), for a pool loaded here (not a
+   * cluster placement's remote one).
+   */
+  get holdsSlots(): boolean {
+    const s = this.actor.getSnapshot();
+    return s.hasTag('slots') && !s.context.remote;
   }
 
   /** True in `ready.idle`: resident, no lease held, nobody waiting. */

@@ -382,8 +382,6 @@ export class Supervisor {
   private readonly probe: MemoryProbe;
   private readonly estimate: (config: ModelConfig) => Promise<number>;
   private readonly place?: PlaceHook;
-  /** Models whose slots exist: from the end of their load until their pool has closed (retiring included). */
-  private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
   private readonly measuredPerSlot = new Map<string, number>();
   /** Lazy config models whose files failed the check at start (see {@link start}), with the problem. */
@@ -484,7 +482,8 @@ export class Supervisor {
 
   /** The chart's `measureRoom`: what is resident, retiring and evictable now, and the free memory. */
   private measureRoom(target: PendingLoad, refused: string[]): RoomFigures {
-    const others = [...this.resident].filter((id) => id !== target.id).map((id) => this.entries.get(id)!);
+    // Resident: models whose slots exist here, retiring ones included (the charts' `slots` tag).
+    const others = [...this.entries.values()].filter((e) => e.id !== target.id && e.holdsSlots);
     const headroom = this.config.min_free_memory_mb * 1024 * 1024;
     return {
       target: target.id,
@@ -505,8 +504,8 @@ export class Supervisor {
   /**
    * The loader every model entry's `residency` actor calls once the gate granted its load. The
    * footprint is measured as the growth of process RSS over the load (noisy when unguarded loads
-   * overlap); the model counts as resident from then until its pool has closed. Public for the
-   * cluster, which loads a pool behind a remote one when a model's holders are gone (cluster/node.ts).
+   * overlap). Public for the cluster, which loads a pool behind a remote one when a model's
+   * holders are gone (cluster/node.ts).
    */
   readonly loadPool = async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
     const before = process.memoryUsage().rss;
@@ -524,16 +523,6 @@ export class Supervisor {
       // The server's own growth plus the slot hosts' processes (0 for threads: they are in the first).
       loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before) + loaded.pool.residentBytes();
       if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
-      this.resident.add(config.id);
-      const close = loaded.close;
-      loaded.close = async () => {
-        try {
-          await close();
-        } finally {
-          // The gate hears of it when the entry reaches `unloaded` (its `onChange`).
-          this.resident.delete(config.id);
-        }
-      };
     }
     return loaded;
   };

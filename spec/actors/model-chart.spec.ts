@@ -274,6 +274,33 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(e.actor.getSnapshot().context.lastError).toBe('close failed');
   });
 
+  it('residency (the `slots` tag): from LOADED until the pool has closed, retiring included; not while loading or unloaded', async () => {
+    const c = chart();
+    const slots = (): boolean => c.actor.getSnapshot().hasTag('slots');
+    expect(slots()).toBe(false);
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    expect(slots()).toBe(false); // loading: no pool yet
+    c.loads[0].resolve(c.pool('m'));
+    await flush();
+    expect(slots()).toBe(true);
+    c.setLeases(1, 0, false);
+    expect(slots()).toBe(true); // ready.busy
+    c.setLeases(0, 0, false);
+    c.actor.send({ type: 'UNLOAD' });
+    expect(stateName(c.value())).toBe('unloading');
+    expect(slots()).toBe(true); // retiring: its memory counts until its workers are gone
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(slots()).toBe(false);
+    await c.load('old');
+    c.actor.send({ type: 'RECONFIGURE', config: ModelConfig.parse({ id: 'm', task: 'vad', path: '/b.onnx' }) });
+    expect(slots()).toBe(true); // reconfiguring: the old pool is closing
+    await flush();
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(slots()).toBe(false);
+  });
+
   it('SLOT_FAILED in ready unloads the model with lastError', async () => {
     const c = chart();
     await c.load();
