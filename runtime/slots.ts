@@ -209,7 +209,7 @@ class MessageSlot implements SlotHost {
 }
 
 /** Loads `spec` into a new slot; rejects (and stops it) if the load fails. */
-async function started(slot: MessageSlot, spec: LoadSpec): Promise<SlotHost> {
+async function loadSlot(slot: MessageSlot, spec: LoadSpec): Promise<SlotHost> {
   try {
     await slot.load(spec);
     return slot;
@@ -240,7 +240,7 @@ export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> 
   worker.on('message', (m: FromSlot) => slot.onMessage(m));
   worker.on('error', (e) => slot.fail(e));
   worker.on('exit', (code) => slot.gone(`slot worker exited with code ${code}`));
-  return started(slot, spec);
+  return loadSlot(slot, spec);
 }
 
 /**
@@ -325,7 +325,7 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       slot.gone(signal ? `slot host was killed by ${signal}` : `slot host exited with code ${code}`),
     );
     try {
-      return await started(slot, spec);
+      return await loadSlot(slot, spec);
     } finally {
       signal?.removeEventListener('abort', abandon);
     }
