@@ -92,6 +92,10 @@ export type ModelEvent =
   /** Give up the slots for the supervisor; refused (`EVICT_REFUSED` to `replyTo`) unless idle. */
   | { type: 'EVICT'; reason: EvictReason; replyTo?: AnyActorRef }
   | { type: 'SLOT_FAILED'; message: string }
+  /** From the `residency` actor: every slot has run its job longer than the busy timeout (C4; the pool's timer decides). */
+  | { type: 'SLOTS_STUCK' }
+  /** From the `residency` actor: the stuck slots move again (a job ended, a slot freed). */
+  | { type: 'SLOTS_FLOWING' }
   /** The server drains (shutdown): a load in progress is abandoned (its slot hosts killed), a `LOAD` is refused `shutting_down`. */
   | { type: 'DRAIN' }
   /** The admission queue changed (a lease granted or released, a waiter came or left): `ready.idle` / `ready.busy` look again. */
@@ -235,6 +239,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
         if (stopped) return void (await m.close());
         model = m;
         m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
+        m.pool.onStuck = (stuck) => sendBack({ type: stuck ? 'SLOTS_STUCK' : 'SLOTS_FLOWING' });
         deps.resident(m);
         sendBack({ type: 'LOADED', residentBytes: m.residentBytes, remote: m !== here });
         // The gate opens for the next load once this one holds its slots (`slots` tag): it counts them.
@@ -495,10 +500,15 @@ export const modelMachine = setup({
             ],
           },
         },
+        /**
+         * Two regions: `leases` (`idle` / `busy`, from the admission queue) and `work` (`flowing` /
+         * `stuck`, from the pool's slot-wait timer: every slot has run its job longer than the busy
+         * timeout, C4).
+         */
         ready: {
           tags: ['slots'],
           entry: emit({ type: 'ready' }),
-          initial: 'idle',
+          type: 'parallel',
           on: {
             UNLOAD: 'unloading',
             SLOT_FAILED: {
@@ -508,38 +518,54 @@ export const modelMachine = setup({
             RECONFIGURE: { target: 'reconfiguring', actions: assign({ next: ({ event }) => event.config }) },
           },
           states: {
-            idle: {
-              always: { guard: 'inUse', target: 'busy' },
-              // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; `keepAliveOff`: no timer at all.
-              initial: 'init',
+            leases: {
+              initial: 'idle',
               states: {
-                init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'keepAliveOff' }] },
-                waiting: { after: { keepAlive: { actions: raise({ type: 'EVICT', reason: 'idle' }) } } },
-                keepAliveOff: {},
-              },
-              on: {
-                EVICT: {
-                  guard: 'evictable',
-                  target: '#model.resident.unloading',
-                  actions: [
-                    'holdForEviction',
-                    assign({
-                      evicted: ({ context, event }) => ({ reason: event.reason, at: (context.deps.now ?? Date.now)() }),
-                    }),
-                    { type: 'recordEviction', params: ({ event }) => ({ reason: event.reason }) },
-                    enqueueActions(({ enqueue, event, context }) => {
-                      if (event.replyTo)
-                        enqueue.sendTo(event.replyTo, {
-                          type: 'EVICTED',
-                          id: context.config.id,
-                          reason: event.reason,
-                        } satisfies EvictReply);
-                    }),
-                  ],
+                idle: {
+                  always: { guard: 'inUse', target: 'busy' },
+                  // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; `keepAliveOff`: no timer at all.
+                  initial: 'init',
+                  states: {
+                    init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'keepAliveOff' }] },
+                    waiting: { after: { keepAlive: { actions: raise({ type: 'EVICT', reason: 'idle' }) } } },
+                    keepAliveOff: {},
+                  },
+                  on: {
+                    EVICT: {
+                      guard: 'evictable',
+                      target: '#model.resident.unloading',
+                      actions: [
+                        'holdForEviction',
+                        assign({
+                          evicted: ({ context, event }) => ({
+                            reason: event.reason,
+                            at: (context.deps.now ?? Date.now)(),
+                          }),
+                        }),
+                        { type: 'recordEviction', params: ({ event }) => ({ reason: event.reason }) },
+                        enqueueActions(({ enqueue, event, context }) => {
+                          if (event.replyTo)
+                            enqueue.sendTo(event.replyTo, {
+                              type: 'EVICTED',
+                              id: context.config.id,
+                              reason: event.reason,
+                            } satisfies EvictReply);
+                        }),
+                      ],
+                    },
+                  },
                 },
+                busy: { always: { guard: not('inUse'), target: 'idle' } },
               },
             },
-            busy: { always: { guard: not('inUse'), target: 'idle' } },
+            work: {
+              initial: 'flowing',
+              states: {
+                flowing: { on: { SLOTS_STUCK: 'stuck' } },
+                /** New requests are refused 503 `model_stuck` at once (C4) until a job ends or a slot frees. */
+                stuck: { on: { SLOTS_FLOWING: 'flowing' } },
+              },
+            },
           },
         },
         unloading: {
@@ -838,7 +864,7 @@ export class ModelEntry {
 
   /** True in `ready.idle`: resident, no lease held, nobody waiting. */
   get idle(): boolean {
-    return this.actor.getSnapshot().matches({ resident: { ready: 'idle' } });
+    return this.actor.getSnapshot().matches({ resident: { ready: { leases: 'idle' } } });
   }
 
   /** Marks use (request start and end, load), for `last_used_at` and LRU eviction. */
@@ -872,15 +898,16 @@ export class ModelEntry {
   }
 
   /**
-   * True while the model is stuck (DESIGN.md C4): every slot has been running one inference
-   * for longer than the busy timeout, or the exclusive holder has held its lease that long.
+   * True while the model is stuck (DESIGN.md C4): its chart is `ready.work.stuck` (every slot has
+   * been running one inference for longer than the busy timeout: the pool's timer says so), or the
+   * exclusive holder has held its lease that long.
    */
-  stuck(now = Date.now()): boolean {
+  private stuck(): boolean {
     const limit = this.busyTimeoutMs;
     if (limit <= 0) return false;
     const ex = this.admission.exclusive;
-    if (ex && now - ex.grantedAt > limit) return true;
-    return this.loaded?.pool.allOverdue(limit, now) ?? false;
+    if (ex && Date.now() - ex.grantedAt > limit) return true;
+    return this.actor.getSnapshot().matches({ resident: { ready: { work: 'stuck' } } });
   }
 
   /**

@@ -25,9 +25,11 @@ function chart(
   }[] = [];
   const closed: string[] = [];
   let failSlot: ((e: Error) => void) | null = null;
+  /** The latest pool's `onStuck`, set by the residency actor. */
+  let latest: { onStuck?: ((stuck: boolean) => void) | null } = {};
   const pool = (id: string, closeError?: Error): LoadedModel =>
     ({
-      pool: { slots: [{}], info: {}, onFailure: (cb: (e: Error) => void) => (failSlot = cb) },
+      pool: (latest = { slots: [{}], info: {}, onFailure: (cb: (e: Error) => void) => (failSlot = cb) } as never),
       residentBytes: 1234,
       close: async () => {
         closed.push(id);
@@ -108,6 +110,8 @@ function chart(
     load,
     pool,
     failSlot: (e: Error) => failSlot!(e),
+    /** The pool's slot-wait timer says the slots turned stuck (true) or move again (false). */
+    stuckSlots: (stuck: boolean) => latest.onStuck!(stuck),
   };
 }
 
@@ -121,7 +125,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(c.loads).toHaveLength(1);
     c.loads[0].resolve(c.pool('m'));
     await flush();
-    expect(c.value()).toEqual({ resident: { ready: { idle: 'keepAliveOff' } } });
+    expect(c.value()).toEqual({ resident: { ready: { leases: { idle: 'keepAliveOff' }, work: 'flowing' } } });
     expect(c.actor.getSnapshot().context.residentBytes).toBe(1234);
     expect(c.resident).toHaveLength(1);
     expect(c.emitted).toEqual(['ready']);
@@ -190,12 +194,15 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const c = chart();
     await c.load();
     c.setLeases(1, 0, false);
-    expect(c.value()).toEqual({ resident: { ready: 'busy' } });
+    expect(c.value()).toEqual({ resident: { ready: { leases: 'busy', work: 'flowing' } } });
     c.setLeases(0, 1, false);
-    expect(c.value()).toEqual({ resident: { ready: 'busy' } });
+    expect(c.value()).toEqual({ resident: { ready: { leases: 'busy', work: 'flowing' } } });
     c.setLeases(0, 0, false);
     expect(stateName(c.value())).toBe('ready');
-    expect((c.value() as { resident: { ready: unknown } }).resident.ready).toEqual({ idle: 'keepAliveOff' });
+    expect((c.value() as { resident: { ready: unknown } }).resident.ready).toEqual({
+      leases: { idle: 'keepAliveOff' },
+      work: 'flowing',
+    });
   });
 
   it('EVICT in ready.idle: the exclusive lease is held until the pool closed, EVICTED answered, counted; -> unloaded', async () => {
@@ -299,6 +306,25 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     await flush();
     expect(c.value()).toEqual({ resident: { loading: 'building' } });
     expect(slots()).toBe(false);
+  });
+
+  it('ready.work: the pool saying its slots are stuck -> stuck (C4), moving again -> flowing; beside idle/busy, which it leaves alone', async () => {
+    const c = chart({ keep_alive_ms: 1000 });
+    await c.load();
+    const ready = () => (c.value() as { resident: { ready: { leases: unknown; work: string } } }).resident.ready;
+    expect(ready().work).toBe('flowing');
+    c.stuckSlots(true);
+    expect(ready()).toEqual({ leases: { idle: 'waiting' }, work: 'stuck' });
+    c.setLeases(1, 0, false);
+    expect(ready()).toEqual({ leases: 'busy', work: 'stuck' });
+    c.stuckSlots(false);
+    expect(ready()).toEqual({ leases: 'busy', work: 'flowing' });
+    // Stuck and idle (its requests went away): keep-alive still unloads it.
+    c.setLeases(0, 0, false);
+    c.stuckSlots(true);
+    c.clock.increment(1000);
+    expect(c.evictions).toEqual(['idle']);
+    expect(stateName(c.value())).toBe('unloading');
   });
 
   it('SLOT_FAILED in ready unloads the model with lastError', async () => {
