@@ -573,7 +573,8 @@ export class SlotPool {
     let at = Infinity;
     for (const q of this.queue) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
     // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
-    if (limit > 0 && this.running.size > 0 && this.running.size >= this.live.length && (!this.stuck || this.queue.length))
+    const saturated = this.running.size > 0 && this.running.size >= this.live.length;
+    if (limit > 0 && saturated && (!this.stuck || this.queue.length))
       at = Math.min(at, Math.max(...this.running.values()) + limit);
     if (at === Infinity) return;
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
