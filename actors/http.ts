@@ -14,8 +14,15 @@ import { effectiveTimeout } from '../runtime/admission.js';
 import { decodeAudio } from '../runtime/decode.js';
 import type { Limits } from '../runtime/config.js';
 import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
-import type { Job, JobResult } from '../runtime/slot-protocol.js';
-import { createTaskSession, drain, taskResult } from '../runtime/tasks/index.js';
+import type { Job, JobResult, TensorResult } from '../runtime/slot-protocol.js';
+import {
+  createTaskSession,
+  drain,
+  taskResult,
+  tensorJob,
+  tensorOutputs,
+  type TensorRequest,
+} from '../runtime/tasks/index.js';
 import { leaseGranted, type Granted, type LeaseHandle } from './lease.js';
 import type { Supervisor } from './supervisor.js';
 
@@ -38,6 +45,8 @@ export interface TaskRequest {
   busyTimeoutMs?: number;
   /** Task options (`threshold`, ...), validated against the model's task. */
   options?: unknown;
+  /** `run` to a `tensor` model: its input tensors (then `files` is empty). */
+  tensor?: TensorRequest;
   /** `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent `Accept: text/event-stream`). */
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
@@ -53,8 +62,8 @@ export interface ResponseError {
 
 /** What an exchange (one request) tells its socket actor; the socket actor emits it as {@link HttpOutput}. */
 type ExchangeEvent =
-  /** The whole JSON response (`run`). */
-  | { type: 'RESPONSE'; rid: number; status: number; body: unknown }
+  /** The whole response (`run`): JSON, or msgpack (a tensor request that asked for it). */
+  | { type: 'RESPONSE'; rid: number; status: number; body: unknown; msgpack?: boolean }
   /** Server-sent events (`batch`): headers, then each event, then the end. */
   | { type: 'SSE_START'; rid: number }
   | { type: 'SSE_EVENT'; rid: number; name: string; data: unknown }
@@ -83,7 +92,7 @@ export type HttpInput =
 export type HttpOutput =
   /** Request `rid` may be handled now (its turn among the pipelined requests of the connection). */
   | { type: 'start'; rid: number }
-  | { type: 'respond'; rid: number; status: number; body: unknown }
+  | { type: 'respond'; rid: number; status: number; body: unknown; msgpack?: boolean }
   | { type: 'sse-start'; rid: number }
   | { type: 'sse-event'; rid: number; name: string; data: unknown }
   | { type: 'sse-end'; rid: number; error?: ResponseError['body'] }
@@ -195,6 +204,30 @@ const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequ
       figures.queueMs = granted.queueMs;
       // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
       const waitMs = effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0);
+      if (request.tensor) {
+        // A tensor model's run: one job, checked against the model's own inputs first.
+        const job = tensorJob(granted.config, granted.info, request.tensor);
+        signal.throwIfAborted();
+        const r = await untilAborted(granted.run(job, waitMs), signal);
+        if (r.ran) figures.inferenceMs += r.ran[1] - r.ran[0];
+        figures.queueMs += r.waitedMs ?? 0;
+        return send({
+          type: 'RESPONSE',
+          rid,
+          status: 200,
+          msgpack: request.tensor.binary,
+          body: {
+            model: entry.id,
+            task: 'tensor',
+            outputs: tensorOutputs(r as TensorResult, request.tensor.binary),
+            timing: {
+              wall_ms: round(performance.now() - t0),
+              queue_ms: round(figures.queueMs),
+              inference_ms: round(figures.inferenceMs),
+            },
+          },
+        });
+      }
       if (request.kind === 'run' && !request.progress) {
         const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs);
         return send({
@@ -416,7 +449,14 @@ export const httpSocketMachine = setup({
     RESPONSE_CLOSED: { actions: ['finished', 'startWaiting'] },
     RESPONSE: {
       actions: emit(
-        ({ event }) => ({ type: 'respond', rid: event.rid, status: event.status, body: event.body }) as HttpOutput,
+        ({ event }) =>
+          ({
+            type: 'respond',
+            rid: event.rid,
+            status: event.status,
+            body: event.body,
+            msgpack: event.msgpack,
+          }) as HttpOutput,
       ),
     },
     SSE_START: { actions: emit(({ event }) => ({ type: 'sse-start', rid: event.rid }) as HttpOutput) },

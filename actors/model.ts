@@ -782,7 +782,8 @@ export class ModelEntry {
       m.pool.waitTimeoutMs = this.busyTimeoutMs;
       m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
       if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
-      if (c.max_batch_size > 1) {
+      // A tensor request is one job of its own: never batched.
+      if (c.max_batch_size > 1 && c.task !== 'tensor') {
         const packing = (c.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
         m.batcher = new Batcher(m.pool, packing, c.max_batch_size, c.max_batch_delay_ms, (n) => batchSize?.observe(n));
       }

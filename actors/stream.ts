@@ -41,7 +41,17 @@ export interface StreamParams {
   options?: Record<string, unknown>;
   /** `probabilities=true` / `probability_interval_ms=N` (VAD): stream speech probabilities (docs/vad.md). */
   probabilities?: ProbabilityStream;
+  /**
+   * `offset_ms=N`: where the stream's clock starts, ms (a resumed stream: docs/websocket-api.md).
+   * Every time the stream reports (`at_ms`, `start_ms`, `end_ms`, `done.processed_ms`) is N more.
+   */
+  offsetMs: number;
+  /** `progress=true`: a `progress {processed_ms}` event after each job's events (docs/websocket-api.md). */
+  progress: boolean;
 }
+
+/** The largest `offset_ms`: a week of audio. */
+export const MAX_OFFSET_MS = 7 * 24 * 3600 * 1000;
 
 /** Query parameters of `/v1/stream` besides task options. */
 export const STREAM_QUERY = [
@@ -52,6 +62,8 @@ export const STREAM_QUERY = [
   'busy_timeout_ms',
   'probabilities',
   'probability_interval_ms',
+  'offset_ms',
+  'progress',
 ] as const;
 
 /**
@@ -70,7 +82,8 @@ function intParam(url: URL, name: string, dflt: number | undefined, min: number,
 }
 
 /**
- * Parses `/v1/stream?model=&sample_rate=&encoding=&channels=&busy_timeout_ms=` and task options.
+ * Parses `/v1/stream?model=&sample_rate=&encoding=&channels=&busy_timeout_ms=&offset_ms=&progress=`
+ * and task options.
  * @throws VoxError `invalid_request_error` naming the bad (or unknown) query parameter.
  */
 export function parseStreamParams(url: URL): StreamParams {
@@ -83,6 +96,9 @@ export function parseStreamParams(url: URL): StreamParams {
   const probabilities = url.searchParams.get('probabilities');
   if (probabilities !== null && probabilities !== 'true' && probabilities !== 'false')
     throw invalid('probabilities', `must be true or false, got '${probabilities.slice(0, 32)}'`);
+  const progress = url.searchParams.get('progress');
+  if (progress !== null && progress !== 'true' && progress !== 'false')
+    throw invalid('progress', `must be true or false, got '${progress.slice(0, 32)}'`);
   // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
   const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
   return {
@@ -93,6 +109,8 @@ export function parseStreamParams(url: URL): StreamParams {
     busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined, 0, MAX_TIMEOUT_MS),
     options,
     probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
+    offsetMs: intParam(url, 'offset_ms', 0, 0, MAX_OFFSET_MS)!,
+    progress: progress === 'true',
   };
 }
 
@@ -352,6 +370,12 @@ function closeReason(text: string): string {
 
 const errorEvent = (error: WireError): WireEvent => ({ type: 'error', error });
 
+/** A task event with its times moved `ms` later (a stream whose clock starts at `offset_ms`). */
+function shifted(e: TaskEvent, ms: number): WireEvent {
+  if (e.type === 'speech_end') return { ...e, start_ms: e.start_ms + ms, end_ms: e.end_ms + ms };
+  return { ...e, at_ms: e.at_ms + ms };
+}
+
 /**
  * The `work` actor of a stream: it owns the live resources (the lease, the PCM decoder, the task
  * session) from the stream's first moment to its last. It asks for the lease before preparing
@@ -396,7 +420,9 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       if (paused) send({ type: 'RESUME' });
       paused = false;
     };
-    const emitTask = (e: TaskEvent): void => channel.write({ ...e });
+    /** The stream's clock starts here, ms (`offset_ms`); 0 but for a resumed stream. */
+    let offsetMs = 0;
+    const emitTask = (e: TaskEvent): void => channel.write(offsetMs ? shifted(e, offsetMs) : { ...e });
 
     /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
     const push = (data: Buffer, at: number): void => {
@@ -418,7 +444,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
         const audioMs = session.receivedSamples / 16;
         send({
           type: 'DONE',
-          processed_ms: Math.round(audioMs),
+          processed_ms: offsetMs + Math.round(audioMs),
           timing: {
             wall_ms: Math.round(wallMs),
             queue_ms: Math.round(queueMs),
@@ -441,12 +467,16 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */
     const start = async (params: StreamParams, granted: Granted): Promise<void> => {
       queueMs = granted.queueMs;
+      offsetMs = params.offsetMs;
       decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
       if (gone()) return;
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
       pump = new JobPump(session, granted, {
         emit: emitTask,
         accepted: () => {
+          // After the job's events, so a client that saw this has seen every event of the audio before it.
+          if (params.progress)
+            channel.write({ type: 'progress', processed_ms: offsetMs + Math.round(session.processedSamples / 16) });
           if (paused && session.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
         },
         idle,

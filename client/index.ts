@@ -100,7 +100,28 @@ export type StreamEvent =
   | { type: 'probability'; at_ms: number; p: number | number[] }
   /** A bad control frame (the stream goes on), or the reason of the close that follows. */
   | { type: 'error'; error: WireError }
-  | { type: 'done'; processed_ms: number; timing: Timing };
+  | { type: 'done'; processed_ms: number; timing: Timing }
+  /**
+   * Streams with `resume` (they ask for it with `progress=true`): the server has processed the
+   * audio up to `processed_ms` on the stream's clock, and every event of it before this one was sent.
+   */
+  | { type: 'progress'; processed_ms: number }
+  /**
+   * Made by the client, not sent by a server (streams with `resume`): the stream's node went away
+   * and the stream goes on at `url` (new `session_id`). `gap`: the audio sent but not confirmed
+   * by the old node (its events, if any, were lost with it); `resent`: what was sent again to the
+   * new node, whose clock starts at `resent.start_ms` (`offset_ms`); `dropped`: the part of the
+   * gap no longer kept (older than `bufferMs`), never analysed, or null. ms on the stream's clock.
+   */
+  | {
+      type: 'resumed';
+      url: string;
+      previous_url: string;
+      session_id: string;
+      gap: { start_ms: number; end_ms: number };
+      resent: { start_ms: number; end_ms: number };
+      dropped: { start_ms: number; end_ms: number } | null;
+    };
 
 export type StreamEventOf<T extends StreamEvent['type']> = Extract<StreamEvent, { type: T }>;
 
@@ -222,7 +243,22 @@ export interface StreamOptions {
   probabilities?: boolean | number;
   /** Bytes the socket may hold unsent before `send` waits. Default 256 KiB (8 s of 16 kHz s16le). */
   highWaterMark?: number;
+  /**
+   * Resume the stream on another node when its node goes away (the connection drops, close 1001,
+   * or the heartbeat fails): `true`, or `{ bufferMs, timeoutMs }`; default `true` when the client
+   * was given several `urls`, else off. The stream asks the server for `progress` events, keeps
+   * the audio the server has not confirmed (the newest `bufferMs` of it, default 30000), and on a
+   * loss opens the stream again on a node answering `/ready` (trying for `timeoutMs`, default
+   * 30000) with its clock at the confirmed audio (`offset_ms`), re-sends the rest, and reports
+   * the gap as a `resumed` event (docs/client.md).
+   */
+  resume?: boolean | { bufferMs?: number; timeoutMs?: number };
 }
+
+/** Audio a resumable stream keeps for re-sending by default, ms. */
+export const DEFAULT_RESUME_BUFFER_MS = 30_000;
+/** How long a stream tries to resume by default, ms. */
+export const DEFAULT_RESUME_TIMEOUT_MS = 30_000;
 
 const DEFAULT_URL = 'http://127.0.0.1:8080';
 const SUBPROTOCOL = { json: SUBPROTOCOLS[0], msgpack: SUBPROTOCOLS[1] } as const;
@@ -554,19 +590,49 @@ export class VoxClient {
     for (const [k, v] of Object.entries(opts.options ?? {})) q.set(k, String(v));
     if (typeof opts.probabilities === 'number') q.set('probability_interval_ms', String(opts.probabilities));
     else if (opts.probabilities) q.set('probabilities', 'true');
-    const base = await this.node();
-    const url = `${base.replace(/^http/, 'ws')}/v1/stream?${q}`;
-    const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };
-    const wsOptions = {
-      ...(auth.headers ? { headers: auth.headers } : {}),
-      ...(this.heartbeatMs ? { handshakeTimeout: this.heartbeatMs } : {}),
+    const resume = opts.resume ?? this.urls.length > 1;
+    if (resume) q.set('progress', 'true');
+    const open = (base: string, offsetMs: number): WebSocketLike => {
+      if (offsetMs) q.set('offset_ms', String(offsetMs));
+      else q.delete('offset_ms');
+      const url = `${base.replace(/^http/, 'ws')}/v1/stream?${q}`;
+      const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };
+      const wsOptions = {
+        ...(auth.headers ? { headers: auth.headers } : {}),
+        ...(this.heartbeatMs ? { handshakeTimeout: this.heartbeatMs } : {}),
+      };
+      return new this.WS!(
+        url,
+        [SUBPROTOCOL[opts.protocol ?? 'json'], ...auth.protocols],
+        Object.keys(wsOptions).length ? wsOptions : undefined,
+      );
     };
-    const ws = new this.WS(
-      url,
-      [SUBPROTOCOL[opts.protocol ?? 'json'], ...auth.protocols],
-      Object.keys(wsOptions).length ? wsOptions : undefined,
-    );
-    const stream = new VoxStream(ws, base, opts.highWaterMark ?? 256 * 1024, this.heartbeatMs);
+    let plan: ResumePlan | undefined;
+    if (resume) {
+      const o = typeof resume === 'object' ? resume : {};
+      const bufferMs = o.bufferMs ?? DEFAULT_RESUME_BUFFER_MS;
+      const timeoutMs = o.timeoutMs ?? DEFAULT_RESUME_TIMEOUT_MS;
+      for (const [name, v] of [
+        ['resume.bufferMs', bufferMs],
+        ['resume.timeoutMs', timeoutMs],
+      ] as const)
+        if (typeof v !== 'number' || !(v >= 0) || v > 2_147_483_647)
+          throw new TypeError(`${name}: a number of ms from 0 to 2147483647, got ${String(v)}`);
+      plan = {
+        bufferMs,
+        timeoutMs,
+        sampleRate: opts.sampleRate ?? 16000,
+        frameBytes: (opts.channels ?? 1) * (opts.encoding === 'f32le' ? 4 : 2),
+        reopen: async (offsetMs) => {
+          // The node in use went away: pick again among `urls`.
+          this.picked = null;
+          const base = await this.node();
+          return { ws: open(base, offsetMs), url: base };
+        },
+      };
+    }
+    const base = await this.node();
+    const stream = new VoxStream(open(base, 0), base, opts.highWaterMark ?? 256 * 1024, this.heartbeatMs, plan);
     try {
       await stream.opened;
     } catch (e) {
@@ -580,17 +646,63 @@ export class VoxClient {
 type Listener = (e: never) => void;
 
 /**
+ * How a stream resumes on another node (see {@link StreamOptions.resume}); made by
+ * {@link VoxClient.stream}. @internal
+ */
+export interface ResumePlan {
+  /** Audio kept for re-sending, ms of the stream's audio (the newest that much). */
+  bufferMs: number;
+  /** How long to try nodes before the stream fails, ms. */
+  timeoutMs: number;
+  /** Frames per second of the PCM sent (`sampleRate`). */
+  sampleRate: number;
+  /** Bytes per frame: channels x 2 (s16le) or 4 (f32le). */
+  frameBytes: number;
+  /**
+   * Opens the stream again, on a node answering `/ready`, its clock starting at `offsetMs`.
+   * @throws VoxClientError when no node answers.
+   */
+  reopen(offsetMs: number): Promise<{ ws: WebSocketLike; url: string }>;
+}
+
+/** Close codes after which a stream with `resume` tries another node: the server went away or the connection dropped. */
+const RESUMABLE_CLOSE = new Set<number>([CLOSE.GOING_AWAY, CLOSE.ABNORMAL]);
+
+/** A resume under way: where the new session starts, and what is reported once it does. */
+interface Resuming {
+  previousUrl: string;
+  /** Where the new session's audio starts: byte of the PCM sent, and ms on the stream's clock. */
+  byte: number;
+  ms: number;
+  gap: { start_ms: number; end_ms: number };
+  deadline: number;
+  /** The error of the last failed attempt. */
+  error: VoxClientError;
+}
+
+const greatestCommonDivisor = (a: number, b: number): number => (b ? greatestCommonDivisor(b, a % b) : a);
+
+/**
  * One live stream. Events come as an async iterator (`for await (const e of stream)`, from
  * `ready` to `done`; it throws the stream's VoxClientError if the stream fails) and as callbacks
  * (`on`). Events wait in memory until the iterator reads them.
+ *
+ * With a {@link ResumePlan} (`resume`), the stream outlives its connection: when the node goes
+ * away (the connection drops, close 1001, or the heartbeat fails), it opens the stream again on a
+ * node answering `/ready` with `offset_ms` at the audio the old one had confirmed (`progress`
+ * events), re-sends the audio sent since (the newest `bufferMs` of it), and reports the gap as a
+ * `resumed` event. Events are handed on once a `progress` (or `done`) after them confirms them, so
+ * an event whose confirmation was lost with the node is said once, by the new session.
  */
 export class VoxStream implements AsyncIterable<StreamEvent> {
-  /** The `ready` event. */
+  /** The `ready` event (of the first session; a resumed one's is in its `resumed` event). */
   ready!: StreamEventOf<'ready'>;
   /** Resolves once `ready` came; rejects if the stream closed before. */
   readonly opened: Promise<void>;
-  /** Resolves when the socket closed, with the code and, for a failure, the error. Never rejects. */
+  /** Resolves when the stream closed for good, with the code and, for a failure, the error. Never rejects. */
   readonly closed: Promise<CloseInfo>;
+  private ws!: WebSocketLike;
+  private url: string;
   private readonly queue: StreamEvent[] = [];
   private wake: (() => void) | null = null;
   private readonly listeners = new Map<string, Set<Listener>>();
@@ -602,26 +714,70 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private closedByUs = false;
   /** The socket's last `error` event; under Node a refused handshake's answer is in `error.body`. */
   private socketError: { message?: string; error?: { code?: string; body?: string } } | null = null;
-  /** The heartbeat's verdict: the server did not answer a ping in time (the stream's error). */
+  /** The heartbeat's verdict: the server did not answer a ping in time (the socket's error). */
   private silent: VoxClientError | null = null;
+  /** The current socket's session sent `ready` and has not closed. */
+  private connected = false;
+  private readonly markOpened: () => void;
+  private readonly markRefused: (e: VoxClientError) => void;
+  private readonly markClosed: (c: CloseInfo) => void;
+  // With `resume` only:
+  /** Events received since the last confirmation (`progress`, `done`). */
+  private held: StreamEvent[] = [];
+  /** The stream's clock up to which the server has processed the audio, ms. */
+  private confirmedMs = 0;
+  /** Bytes of PCM given to `send`, and written to the current socket. */
+  private given = 0;
+  private written = 0;
+  /** The PCM not yet confirmed (copied), from byte `start` of the stream. */
+  private chunks: { data: Uint8Array; start: number }[] = [];
+  /** `end()` was called; the socket its frame was written to. */
+  private ending = false;
+  private endSentOn: WebSocketLike | null = null;
+  /** The `done` of the current session, until its close says whether it is the last. */
+  private pendingDone: StreamEventOf<'done'> | null = null;
+  private resuming: Resuming | null = null;
+  /** ms per step at which a whole number of frames starts (1 at 16 kHz, 10 at 44.1 kHz), and its bytes. */
+  private readonly gridMs: number = 1;
+  private readonly gridBytes: number = 0;
 
   /** @internal use {@link VoxClient.stream}. */
   constructor(
-    private readonly ws: WebSocketLike,
-    private readonly url: string,
+    ws: WebSocketLike,
+    url: string,
     /** Bytes the socket may hold unsent before `send` waits. */
     readonly highWaterMark: number,
     /** Ping interval and answer deadline, ms; 0 = none (see {@link ClientOptions.heartbeatMs}). */
-    heartbeatMs = 0,
+    private readonly heartbeatMs = 0,
+    private readonly plan?: ResumePlan,
   ) {
-    ws.binaryType = 'arraybuffer';
+    this.url = url;
     let opened!: () => void;
     let refused!: (e: VoxClientError) => void;
     this.opened = new Promise((resolve, reject) => ((opened = resolve), (refused = reject)));
     this.opened.catch(() => {});
+    this.markOpened = opened;
+    this.markRefused = refused;
     let closed!: (c: CloseInfo) => void;
     this.closed = new Promise((resolve) => (closed = resolve));
+    this.markClosed = closed;
+    if (plan) {
+      this.gridMs = 1000 / greatestCommonDivisor(plan.sampleRate, 1000);
+      this.gridBytes = ((this.gridMs * plan.sampleRate) / 1000) * plan.frameBytes;
+    }
+    this.attach(ws);
+  }
+
+  /** Makes `ws` the stream's socket: its events are the stream's from now on (those of an earlier one are ignored). */
+  private attach(ws: WebSocketLike): void {
+    this.ws = ws;
+    this.last = null;
+    this.socketError = null;
+    this.silent = null;
+    this.connected = false;
+    ws.binaryType = 'arraybuffer';
     ws.addEventListener('message', (m: { data: string | ArrayBuffer }) => {
+      if (ws !== this.ws) return;
       let event: StreamEvent;
       try {
         event = (typeof m.data === 'string' ? JSON.parse(m.data) : unpack(new Uint8Array(m.data))) as StreamEvent;
@@ -634,39 +790,185 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
         return ws.close(1002, 'undecodable event frame');
       }
       this.last = event;
-      if (event.type === 'ready') {
-        this.ready = event;
-        opened();
-      }
-      if (event.type === 'done') this.doneEvent = event;
-      this.queue.push(event);
-      this.notify(event.type, event);
+      this.received(event);
     });
-    ws.addEventListener(
-      'error',
-      (e: { message?: string; error?: { code?: string; body?: string } }) => (this.socketError = e),
-    );
-    const stopHeartbeat = this.heartbeat(heartbeatMs);
+    ws.addEventListener('error', (e: { message?: string; error?: { code?: string; body?: string } }) => {
+      if (ws === this.ws) this.socketError = e;
+    });
+    const stopHeartbeat = this.heartbeat(ws, this.heartbeatMs);
     ws.addEventListener('close', (c: { code: number; reason: string }) => {
       stopHeartbeat();
-      const info: CloseInfo = { code: c.code, reason: c.reason };
-      if (this.silent) info.error = this.silent;
-      else if (!this.doneEvent && !this.closedByUs) info.error = this.failure(c.code, c.reason);
-      this.info = info;
-      if (info.error) refused(info.error);
-      this.notify('close', info);
-      closed(info);
+      if (ws === this.ws) this.socketClosed(c);
     });
   }
 
+  /** An event from the current socket. */
+  private received(event: StreamEvent): void {
+    if (event.type === 'ready') {
+      this.connected = true;
+      if (this.resuming) return this.resumed(event);
+      this.ready = event;
+      this.markOpened();
+      return this.deliver(event);
+    }
+    if (!this.plan) {
+      if (event.type === 'done') this.doneEvent = event;
+      return this.deliver(event);
+    }
+    switch (event.type) {
+      case 'progress':
+        this.confirm(event.processed_ms);
+        return this.deliver(event);
+      case 'done':
+        // The last event, or a draining node's (close 1001 follows): the socket's close tells.
+        this.confirm(event.processed_ms);
+        this.pendingDone = event;
+        return;
+      case 'error':
+        // A bad control frame's (the stream goes on), or the reason of the close that follows: in order.
+        for (const e of this.held.splice(0)) this.deliver(e);
+        return this.deliver(event);
+      default:
+        this.held.push(event);
+    }
+  }
+
+  /** The server processed the audio up to `ms` on the stream's clock: the events before are handed on, the audio before is let go. */
+  private confirm(ms: number): void {
+    this.confirmedMs = ms;
+    for (const e of this.held.splice(0)) this.deliver(e);
+    const upTo = Math.floor(ms / this.gridMs) * this.gridBytes;
+    let n = 0;
+    while (
+      n < this.chunks.length &&
+      this.chunks[n].start + this.chunks[n].data.byteLength <= Math.min(upTo, this.written)
+    )
+      n++;
+    if (n) this.chunks.splice(0, n);
+  }
+
+  private deliver(event: StreamEvent): void {
+    this.queue.push(event);
+    this.notify(event.type, event);
+  }
+
+  /** The current socket closed: the end of the stream, or (with `resume`) a resume, or the next attempt of one. */
+  private socketClosed(c: { code: number; reason: string }): void {
+    const wasReady = this.connected;
+    this.connected = false;
+    const done = this.pendingDone;
+    this.pendingDone = null;
+    if (this.plan && !this.closedByUs) {
+      // The node that drained has processed every sample sent: its done is the stream's.
+      const finished =
+        done && (c.code === CLOSE.NORMAL || (this.ending && done.processed_ms >= this.msOf(this.given) - 1));
+      if (this.resuming && !wasReady) {
+        const error = this.silent ?? this.failure(c.code, c.reason, false);
+        this.resuming.error = error;
+        if (retryable(error) && Date.now() < this.resuming.deadline) return void this.retry();
+        return this.finish({ code: c.code, reason: c.reason, error });
+      }
+      // A stream that never opened fails as without `resume` (the client picked a node that answered /ready).
+      if (this.ready && !finished && (this.silent || RESUMABLE_CLOSE.has(c.code))) return this.resume();
+      if (done) this.doneEvent = done;
+    }
+    const info: CloseInfo = { code: c.code, reason: c.reason };
+    if (this.silent) info.error = this.silent;
+    else if (!this.doneEvent && !this.closedByUs) info.error = this.failure(c.code, c.reason, !this.ready);
+    this.finish(info, this.doneEvent && this.plan ? this.doneEvent : undefined);
+  }
+
+  /** The stream is over: held events (and a last `done`) are handed on, then the close. */
+  private finish(info: CloseInfo, done?: StreamEventOf<'done'>): void {
+    if (this.info) return;
+    for (const e of this.held.splice(0)) this.deliver(e);
+    if (done) this.deliver(done);
+    this.info = info;
+    this.resuming = null;
+    if (info.error) this.markRefused(info.error);
+    this.notify('close', info);
+    this.markClosed(info);
+  }
+
+  /** ms on the stream's clock of byte `b` of the PCM sent. */
+  private msOf(b: number): number {
+    return (b / this.plan!.frameBytes / this.plan!.sampleRate) * 1000;
+  }
+
+  /** The node went away: starts a resume from the confirmed audio (the held events are dropped: the new session says them again). */
+  private resume(): void {
+    const plan = this.plan!;
+    this.held = [];
+    const head = this.chunks[0]?.start ?? this.given;
+    // At the confirmed ms, on a whole frame; later if the buffer no longer reaches back there.
+    const k = Math.max(Math.floor(this.confirmedMs / this.gridMs), Math.ceil(head / this.gridBytes));
+    const byte = Math.max(head, Math.min(k * this.gridBytes, this.given));
+    const sentMs = Math.round(this.msOf(this.given));
+    this.resuming = {
+      previousUrl: this.url,
+      byte,
+      ms: k * this.gridMs,
+      gap: { start_ms: this.confirmedMs, end_ms: Math.max(sentMs, this.confirmedMs) },
+      deadline: Date.now() + plan.timeoutMs,
+      error: new VoxClientError('connection_error', `the stream on ${this.url} was lost`),
+    };
+    void this.retry(true);
+  }
+
+  /** One attempt to open the stream on a node (after a pause, but for the first). */
+  private async retry(first = false): Promise<void> {
+    const r = this.resuming!;
+    if (!first) await new Promise((res) => setTimeout(res, 250));
+    while (!this.closedByUs && !this.info) {
+      try {
+        const { ws, url } = await this.plan!.reopen(r.ms);
+        if (this.closedByUs) return ws.close(1000, 'client closed');
+        this.url = url;
+        return this.attach(ws);
+      } catch (e) {
+        r.error = e instanceof VoxClientError ? e : new VoxClientError('connection_error', String(e), { cause: e });
+      }
+      if (Date.now() >= r.deadline) break;
+      await new Promise((res) => setTimeout(res, 250));
+    }
+    this.finish({ code: CLOSE.ABNORMAL, reason: '', error: this.resumeFailed(r) });
+  }
+
+  private resumeFailed(r: Resuming): VoxClientError {
+    return new VoxClientError(
+      r.error.type,
+      `the stream on ${r.previousUrl} was lost and could not be resumed within ${this.plan!.timeoutMs} ms: ${r.error.message}`,
+      { closeCode: r.error.closeCode, status: r.error.status, code: r.error.code, cause: r.error },
+    );
+  }
+
+  /** The new session is ready: say so, and send it the audio from where it starts. */
+  private resumed(ready: StreamEventOf<'ready'>): void {
+    const r = this.resuming!;
+    this.resuming = null;
+    const end = Math.max(r.gap.end_ms, r.ms);
+    this.deliver({
+      type: 'resumed',
+      url: this.url,
+      previous_url: r.previousUrl,
+      session_id: ready.session_id,
+      gap: r.gap,
+      resent: { start_ms: r.ms, end_ms: end },
+      dropped: r.ms > r.gap.start_ms ? { start_ms: r.gap.start_ms, end_ms: Math.min(r.ms, end) } : null,
+    });
+    this.confirmedMs = r.ms;
+    this.written = r.byte;
+    this.writeUpTo(this.given);
+    if (this.ending) this.writeEnd();
+  }
+
   /**
-   * Pings the server every `ms` once the socket is open; when a whole interval after a ping
-   * passes with nothing from the server (no pong, no ping, no event), the socket is dropped and the
-   * stream fails with `connection_error` `heartbeat_timeout`. A no-op (returns a no-op) when `ms`
+   * Pings the server on `ws` every `ms` once it is open; when a whole interval after a ping
+   * passes with nothing from the server (no pong, no ping, no event), the socket is dropped and it
+   * fails with `connection_error` `heartbeat_timeout`. A no-op (returns a no-op) when `ms`
    * is 0 or the WebSocket cannot ping (a browser's). @returns what stops it.
    */
-  private heartbeat(ms: number): () => void {
-    const ws = this.ws;
+  private heartbeat(ws: WebSocketLike, ms: number): () => void {
     if (!ms || typeof ws.ping !== 'function' || typeof ws.on !== 'function') return () => {};
     /** A ping is out and nothing has come from the server since. */
     let waiting = false;
@@ -678,7 +980,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     ws.addEventListener('message', heard);
     ws.addEventListener('open', () => {
       timer = setInterval(() => {
-        if (this.info || this.silent) return;
+        if (this.info || ws !== this.ws || this.silent) return;
         if (!waiting) {
           waiting = true;
           try {
@@ -704,8 +1006,11 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     };
   }
 
-  /** The error a close stands for: the `error` event just before it, else the handshake's HTTP status, else the close code. */
-  private failure(code: number, reason: string): VoxClientError {
+  /**
+   * The error a close stands for: the `error` event just before it, else the handshake's HTTP
+   * status, else the close code. `handshake`: the socket never opened a session (`ready`).
+   */
+  private failure(code: number, reason: string, handshake: boolean): VoxClientError {
     if (this.last?.type === 'error')
       return new VoxClientError(this.last.error.type, this.last.error.message, {
         closeCode: code,
@@ -720,7 +1025,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
         { status: Number(status), closeCode: code, code: error.code },
       );
     }
-    if (code === CLOSE.ABNORMAL && !this.ready) {
+    if (code === CLOSE.ABNORMAL && handshake) {
       const sys = this.socketError?.error?.code;
       // The system code (ECONNREFUSED, ...), else what the socket said (`ws`: 'Opening handshake has timed out').
       const why = sys ?? this.socketError?.message;
@@ -739,7 +1044,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     this.wake?.();
   }
 
-  /** Calls `fn` for each event of this type (`close` with {@link CloseInfo} when the socket closes). */
+  /** Calls `fn` for each event of this type (`close` with {@link CloseInfo} when the stream closes for good). */
   on<T extends StreamEvent['type']>(type: T, fn: (e: StreamEventOf<T>) => void): this;
   on(type: 'close', fn: (c: CloseInfo) => void): this;
   on(type: string, fn: Listener): this {
@@ -759,19 +1064,66 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     return this.ws.bufferedAmount;
   }
 
+  /** The server the stream is on (with `resume`, the node it resumed on). */
+  get serverUrl(): string {
+    return this.url;
+  }
+
   /**
    * Sends a frame of PCM in the stream's encoding (a frame may end mid-sample). Resolves at once
    * while the socket holds less than `highWaterMark` unsent; otherwise it waits until it drains
-   * below (frames keep their order). Await it: that is what bounds memory.
+   * below (frames keep their order); with `resume`, also while the stream resumes on another
+   * node. Await it: that is what bounds memory. With `resume`, the frame is copied (kept until the
+   * server confirms it), so the caller may reuse its buffer.
    * @throws VoxClientError once the stream has closed.
    */
   send(pcm: ArrayBuffer | ArrayBufferView): Promise<void> {
     if (this.info || this.closedByUs) return Promise.reject(this.afterClose());
+    if (this.plan) {
+      const bytes = ArrayBuffer.isView(pcm)
+        ? new Uint8Array(pcm.buffer, pcm.byteOffset, pcm.byteLength)
+        : new Uint8Array(pcm);
+      this.chunks.push({ data: bytes.slice(), start: this.given });
+      this.given += bytes.byteLength;
+      this.trim();
+      const end = this.given;
+      if (this.waiting === 0 && this.connected && this.ws.bufferedAmount < this.highWaterMark) {
+        this.writeUpTo(end);
+        return Promise.resolve();
+      }
+      return this.enqueue(() => this.writeUpTo(end));
+    }
     if (this.waiting === 0 && this.ws.bufferedAmount < this.highWaterMark) {
       this.ws.send(pcm);
       return Promise.resolve();
     }
     return this.enqueue(() => this.ws.send(pcm));
+  }
+
+  /** Writes the kept PCM from `written` up to byte `end` to the current socket. */
+  private writeUpTo(end: number): void {
+    for (const c of this.chunks) {
+      const cEnd = c.start + c.data.byteLength;
+      if (cEnd <= this.written) continue;
+      if (c.start >= end) break;
+      const from = Math.max(this.written, c.start) - c.start;
+      const to = Math.min(end, cEnd) - c.start;
+      this.ws.send(from === 0 && to === c.data.byteLength ? c.data : c.data.subarray(from, to));
+      this.written = c.start + to;
+    }
+  }
+
+  /** Keeps the newest `bufferMs` of the PCM not confirmed (and all that is not written yet). */
+  private trim(): void {
+    const keep = (this.plan!.bufferMs * this.plan!.sampleRate * this.plan!.frameBytes) / 1000;
+    let n = 0;
+    while (
+      n + 1 < this.chunks.length &&
+      this.given - this.chunks[n + 1].start >= keep &&
+      this.chunks[n].start + this.chunks[n].data.byteLength <= this.written
+    )
+      n++;
+    if (n) this.chunks.splice(0, n);
   }
 
   /**
@@ -792,12 +1144,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     return new VoxClientError('invalid_request_error', 'send after the stream closed');
   }
 
-  /** Runs `write` after every earlier waiting send, once the socket is below its high-water mark. */
+  /** Runs `write` after every earlier waiting send, once the socket is below its high-water mark (and, with `resume`, connected). */
   private enqueue(write: () => void): Promise<void> {
     this.waiting++;
     const p = this.tail.then(async () => {
       try {
-        while (!this.info && this.ws.bufferedAmount >= this.highWaterMark) await new Promise((r) => setTimeout(r, 10));
+        while (!this.info && ((this.plan && !this.connected) || this.ws.bufferedAmount >= this.highWaterMark))
+          await new Promise((r) => setTimeout(r, 10));
         if (this.info) throw this.afterClose();
         write();
       } finally {
@@ -808,12 +1161,20 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     return p;
   }
 
+  /** Writes `{"type":"end"}` to the current socket, once. */
+  private writeEnd(): void {
+    if (this.endSentOn === this.ws) return;
+    this.endSentOn = this.ws;
+    this.ws.send('{"type":"end"}');
+  }
+
   /**
    * Sends `{"type":"end"}` after every frame sent so far; resolves with `done` once the server
    * processed everything. @throws VoxClientError if the stream fails first.
    */
   async end(): Promise<StreamEventOf<'done'>> {
-    if (!this.info) await this.enqueue(() => this.ws.send('{"type":"end"}'));
+    this.ending = true;
+    if (!this.info) await this.enqueue(() => (this.plan ? this.writeEnd() : this.ws.send('{"type":"end"}')));
     const info = this.info ?? (await this.closed);
     if (this.doneEvent) return this.doneEvent;
     throw (
@@ -825,6 +1186,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   /** Closes the stream from this side (no `done`); the iterator ends without an error. */
   close(code = 1000, reason = 'client closed'): void {
     this.closedByUs = true;
+    if (this.resuming) this.finish({ code, reason });
     this.ws.close(code, reason);
   }
 
@@ -843,3 +1205,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     }
   }
 }
+
+/** Whether a failed resume attempt is worth another: the node could not be reached, was busy or going away. */
+const retryable = (e: VoxClientError): boolean =>
+  e.type === 'connection_error' || e.type === 'server_busy' || e.type === 'shutting_down' || e.status === 503;

@@ -64,15 +64,23 @@ export const HeadConfig = z.union([
 ]);
 export type HeadConfig = z.infer<typeof HeadConfig>;
 
-export const TASKS = ['vad', 'wakeword'] as const;
+/** A `tensor` model takes no options (its inputs say everything). */
+export const TensorOptions = z.strictObject({});
+export type TensorOptions = z.infer<typeof TensorOptions>;
+
+/** `vad` (Silero VAD), `wakeword` (openWakeWord heads), `tensor` (any ONNX model: named tensors in and out, docs/models.md). */
+export const TASKS = ['vad', 'wakeword', 'tensor'] as const;
 export type Task = (typeof TASKS)[number];
+
+/** Each task's options schema. */
+const OPTIONS_OF = { vad: VadOptions, wakeword: WakewordOptions, tensor: TensorOptions } as const;
 
 /** One model as registered (config file `models[]` or `POST /v1/models/load`). */
 export const ModelConfig = z
   .strictObject({
     id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, 'must be 1-128 characters of A-Z a-z 0-9 . _ -'),
     task: z.enum(TASKS),
-    /** The ONNX file: the Silero VAD model, or the openWakeWord classifier head (a group with `heads` needs none). */
+    /** The ONNX file: the Silero VAD model, the openWakeWord classifier head (a group with `heads` needs none), or any ONNX model (`tensor`). */
     path: z.preprocess((v) => (v === '' ? undefined : v), z.string().min(1).optional()),
     /**
      * Wake word only: a group of several heads on one stream (features computed once per 80 ms step
@@ -162,6 +170,16 @@ export const Limits = z.strictObject({
     .int()
     .positive()
     .default(100 * 1024 * 1024),
+  /**
+   * A `tensor` request's input data, bytes (the sum over its inputs of elements x element size;
+   * 413 `tensor_too_large` past it). A msgpack body longer than this plus 64 KiB is refused by its
+   * Content-Length before it is read.
+   */
+  max_tensor_bytes: z
+    .number()
+    .int()
+    .positive()
+    .default(16 * 1024 * 1024),
   /** HTTP request headers, bytes (431 past it). */
   max_header_bytes: z
     .number()
@@ -216,7 +234,7 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
     if (seen.has(m.id))
       ctx.addIssue({ code: 'custom', path: [i, 'id'], message: `'${m.id}' is already the id of another model` });
     seen.add(m.id);
-    const r = (m.task === 'vad' ? VadOptions : WakewordOptions).safeParse(m.options);
+    const r = OPTIONS_OF[m.task].safeParse(m.options);
     for (const issue of r.error?.issues ?? [])
       ctx.addIssue({ code: 'custom', path: [i, 'options', ...issue.path], message: issue.message });
   });
@@ -335,6 +353,12 @@ export const ServerConfig = z.strictObject({
    * the API load any file the process can read.
    */
   models_root: z.union([z.string().min(1), z.literal(false)]).default(() => resolve('models')),
+  /**
+   * A folder of openWakeWord heads (docs/models.md#a-folder-of-wake-words): each `*.onnx` in it is
+   * a wake-word model (its file name as an id: `hey_computer_v0.1.onnx` -> `hey-computer`), picked
+   * up while the server runs; a relative path is taken from the config file's folder.
+   */
+  wakeword_dir: z.string().min(1).optional(),
   /** Requests (and streams) that may wait for a model's lease, per model; past it, 503 at once. 0 = unbounded. */
   max_queued: z.number().int().min(0).max(1_000_000).default(512),
   /** Host names (without port) accepted in the `Host` header besides loopback names and `host`; `*` accepts any. */
@@ -452,6 +476,8 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
     const dir = dirname(resolve(file));
     const root = raw.models_root ?? 'models';
     if (typeof root === 'string') raw = { ...raw, models_root: resolve(dir, root) };
+    if (typeof raw.wakeword_dir === 'string' && raw.wakeword_dir)
+      raw = { ...raw, wakeword_dir: resolve(dir, raw.wakeword_dir) };
     if (Array.isArray(raw.models)) raw = { ...raw, models: raw.models.map((m: unknown) => fromFolder(dir, m)) };
   }
   return parseWith(ServerConfig, { ...raw, ...defined });
@@ -501,9 +527,7 @@ export function queryOptions(params: URLSearchParams, fields: readonly string[])
 /** Validates a model's `options` for its task (unknown keys are errors), field names prefixed `options.`. */
 export function parseTaskOptions(task: 'vad', options: unknown): VadOptions;
 export function parseTaskOptions(task: 'wakeword', options: unknown): WakewordOptions;
-export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions;
-export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions {
-  return task === 'vad'
-    ? parseWith(VadOptions, options ?? {}, 'options')
-    : parseWith(WakewordOptions, options ?? {}, 'options');
+export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions | TensorOptions;
+export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions | TensorOptions {
+  return parseWith(OPTIONS_OF[task], options ?? {}, 'options');
 }

@@ -39,6 +39,20 @@ export const ERRORS = {
     message: (p: { field: string; problem: string }) => `${clip(p.field, 64)}: ${p.problem}`,
   },
   invalid_json: { type: 'invalid_request_error', message: (p: { problem: string }) => `body ${p.problem}` },
+  invalid_msgpack: { type: 'invalid_request_error', message: (p: { problem: string }) => `body ${p.problem}` },
+  invalid_tensor: {
+    type: 'invalid_request_error',
+    message: (p: { field: string; problem: string }) => `${clip(p.field, 100)}: ${p.problem}`,
+  },
+  unknown_output: {
+    type: 'invalid_request_error',
+    message: (p: { name: string; id: string; outputs: string }) =>
+      `outputs: '${clip(p.name, 64)}' is not an output of model ${p.id}; its outputs: ${p.outputs}`,
+  },
+  wrong_task: {
+    type: 'invalid_request_error',
+    message: (p: { id: string; task: string; problem: string }) => `model ${p.id} is a ${p.task} model: ${p.problem}`,
+  },
   invalid_audio: { type: 'invalid_request_error', message: (p: { problem: string }) => `audio: ${p.problem}` },
   unsupported_audio: { type: 'invalid_request_error', message: (p: { problem: string }) => `audio: ${p.problem}` },
   audio_too_long: { type: 'invalid_request_error', message: (p: { problem: string }) => `audio: ${p.problem}` },
@@ -160,6 +174,11 @@ export const ERRORS = {
     type: 'payload_too_large',
     message: (p: { bytes?: number; limit: number }) =>
       `body ${p.bytes === undefined ? '' : `of ${p.bytes} bytes `}exceeds limits.max_body_bytes (${p.limit})`,
+  },
+  tensor_too_large: {
+    type: 'payload_too_large',
+    message: (p: { bytes?: number; limit: number }) =>
+      `tensor inputs ${p.bytes === undefined ? '' : `(a body of ${p.bytes} bytes) `}exceed limits.max_tensor_bytes (${p.limit})`,
   },
   unsupported_media_type: {
     type: 'unsupported_media_type',

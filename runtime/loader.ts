@@ -209,7 +209,7 @@ export function createLoader(
         embedding: b.bundle.embedding,
       };
     } else {
-      spec = { kind: 'vad', model: config.path! };
+      spec = { kind: config.task, model: config.path };
     }
     try {
       const hosts =

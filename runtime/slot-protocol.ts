@@ -16,7 +16,21 @@ import type { Socket } from 'node:net';
 export type LoadSpec =
   | { kind: 'vad'; model: string }
   /** `heads`: the classifier heads' files, run in this order on the same features each step. */
-  | { kind: 'wakeword'; heads: string[]; melspectrogram: Uint8Array; embedding: Uint8Array };
+  | { kind: 'wakeword'; heads: string[]; melspectrogram: Uint8Array; embedding: Uint8Array }
+  /** Any ONNX model, run as it is: named tensors in, named tensors out. */
+  | { kind: 'tensor'; model: string };
+
+/**
+ * One input or output of a `tensor` model as its session reports it: `dtype` as onnxruntime names
+ * it (`float32`, `int64`, ...; null for a value that is not a tensor: a sequence or a map), and
+ * `shape` with a number for each fixed dimension and a string (its symbolic name, maybe '') for
+ * each dynamic one (null when not a tensor).
+ */
+export interface TensorMeta {
+  name: string;
+  dtype: string | null;
+  shape: (number | string)[] | null;
+}
 
 /** What a slot reports after loading. */
 export interface SlotInfo {
@@ -33,6 +47,8 @@ export interface SlotInfo {
    * embeddings of 4 s of noise, as openWakeWord's AudioFeatures starts (see `noiseEmbeddings`).
    */
   initialEmbeddings?: Float32Array;
+  /** tensor: the model's inputs and outputs, in the session's order. */
+  tensor?: { inputs: TensorMeta[]; outputs: TensorMeta[] };
 }
 
 /**
@@ -83,12 +99,45 @@ export interface WakewordResult {
   embeddings: Float32Array;
 }
 
-export type Job = VadJob | WakewordJob;
+/** The typed arrays a tensor's data may be (onnxruntime-node's: `bool` is a Uint8Array of 0 and 1). */
+export type TensorData =
+  | Float32Array
+  | Float64Array
+  | Int8Array
+  | Uint8Array
+  | Int16Array
+  | Uint16Array
+  | Int32Array
+  | Uint32Array
+  | BigInt64Array
+  | BigUint64Array;
+
+/** One tensor: onnxruntime's dtype name, dimensions, and data in row-major order (string tensors: a list). */
+export interface WireTensor {
+  dtype: string;
+  shape: number[];
+  data: TensorData | string[];
+}
+
+/** A `tensor` model's run: its inputs by name, and the outputs wanted (absent: all). */
+export interface TensorJob {
+  kind: 'tensor';
+  inputs: Record<string, WireTensor>;
+  outputs?: string[];
+  /** A tensor job is one request: never batched or split. */
+  counts?: undefined;
+}
+export interface TensorResult {
+  kind: 'tensor';
+  outputs: Record<string, WireTensor>;
+}
+
+export type Job = VadJob | WakewordJob | TensorJob;
 /**
  * A result, with when the slot ran it: [start, end] in ms since the epoch (sub-ms precision),
  * and (set by the pool) how long the job waited for a slot, ms.
  */
-export type JobResult = (VadResult | WakewordResult) & { ran?: [number, number]; waitedMs?: number };
+export type JobResult = (VadResult | WakewordResult | TensorResult) & { ran?: [number, number]; waitedMs?: number };
 
 export type ToSlot =
   | { type: 'load'; spec: LoadSpec }
@@ -101,11 +150,17 @@ export type FromSlot =
   | { type: 'result'; seq: number; result: JobResult }
   | { type: 'error'; seq?: number; message: string };
 
-/** Float32Arrays in a job or result, for the transfer list. */
+/** The buffers of the typed arrays in a job or result (a tensor result's outputs included), for the transfer list. */
 export function transferList(value: Job | JobResult): ArrayBuffer[] {
   const out: ArrayBuffer[] = [];
-  for (const v of Object.values(value)) {
-    if (v instanceof Float32Array && v.buffer instanceof ArrayBuffer && !out.includes(v.buffer)) out.push(v.buffer);
+  const views =
+    value.kind !== 'tensor'
+      ? Object.values(value)
+      : 'inputs' in value
+        ? Object.values(value.inputs).map((t) => t.data)
+        : Object.values((value as TensorResult).outputs).map((t) => t.data);
+  for (const v of views) {
+    if (ArrayBuffer.isView(v) && v.buffer instanceof ArrayBuffer && !out.includes(v.buffer)) out.push(v.buffer);
   }
   return out;
 }
@@ -122,15 +177,30 @@ export const OWW = {
 /** Silero VAD at 16 kHz: window and (v5) context sizes, samples. */
 export const SILERO = { WINDOW: 512, CONTEXT: 64, STATE: 256 } as const;
 
+/** The typed arrays a frame carries besides Float32Array (`$ta` entries), by constructor name. */
+const TYPED = {
+  Float64Array,
+  Int8Array,
+  Uint8Array,
+  Int16Array,
+  Uint16Array,
+  Int32Array,
+  Uint32Array,
+  BigInt64Array,
+  BigUint64Array,
+} as const;
+type TypedName = keyof typeof TYPED;
+
 /**
  * Encodes one message as a binary frame (for a child-process slot host, see {@link FrameChannel}):
  *
- *     u32le n (bytes after this field) | u32le h | h bytes of JSON | 0-3 zero bytes | arrays
+ *     u32le n (bytes after this field) | u32le h | h bytes of JSON | 0-7 zero bytes | arrays
  *
  * The JSON is the message with each Float32Array replaced by `{"$f32": [offset, length]}`: its
- * byte offset into the arrays region (which starts 4-aligned) and its length in floats. The
- * arrays' bytes follow one after another, not copied here (the buffers are handed to the
- * writer as they are).
+ * byte offset into the arrays region (which starts 8-aligned) and its length in floats; any other
+ * typed array (a tensor job's) by `{"$ta": [offset, length, constructor name]}`, at an 8-aligned
+ * offset. The arrays' bytes follow one after another, not copied here (the buffers are handed to
+ * the writer as they are).
  * Costs one JSON of the small fields; 0.5 MB of audio goes as 0.5 MB.
  * @returns the buffers of one frame, in order (written with one `pwritev`).
  */
@@ -138,13 +208,20 @@ export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
   const arrays: Buffer[] = [];
   let at = 0;
   const json = JSON.stringify(msg, (_key, v: unknown) => {
-    if (!(v instanceof Float32Array)) return v;
+    if (!ArrayBuffer.isView(v)) return v;
+    const name = v.constructor.name;
+    if (name !== 'Float32Array' && !(name in TYPED)) return v;
+    if (name !== 'Float32Array' && at % 8) {
+      arrays.push(Buffer.alloc(8 - (at % 8)));
+      at += 8 - (at % 8);
+    }
     arrays.push(Buffer.from(v.buffer, v.byteOffset, v.byteLength));
     at += v.byteLength;
-    return { $f32: [at - v.byteLength, v.length] };
+    const length = v.byteLength / (v as Float32Array).BYTES_PER_ELEMENT;
+    return name === 'Float32Array' ? { $f32: [at - v.byteLength, length] } : { $ta: [at - v.byteLength, length, name] };
   });
   const head = Buffer.from(json);
-  const prefix = Buffer.alloc(8 + head.length + ((4 - (head.length % 4)) % 4));
+  const prefix = Buffer.alloc(8 + head.length + ((8 - (head.length % 8)) % 8));
   prefix.writeUInt32LE(prefix.length - 4 + at, 0);
   prefix.writeUInt32LE(head.length, 4);
   head.copy(prefix, 8);
@@ -222,14 +299,13 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
 /** Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer); its arrays are views into that buffer. */
 export function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);
-  const base = 8 + h + ((4 - (h % 4)) % 4);
-  return JSON.parse(Buffer.from(frame.buffer, 8, h).toString(), (_key, v: unknown) =>
-    v !== null && typeof v === 'object' && Array.isArray((v as { $f32?: unknown }).$f32)
-      ? new Float32Array(
-          frame.buffer,
-          base + (v as { $f32: [number, number] }).$f32[0],
-          (v as { $f32: [number, number] }).$f32[1],
-        )
-      : v,
-  );
+  const base = 8 + h + ((8 - (h % 8)) % 8);
+  return JSON.parse(Buffer.from(frame.buffer, 8, h).toString(), (_key, v: unknown) => {
+    if (v === null || typeof v !== 'object') return v;
+    const f32 = (v as { $f32?: [number, number] }).$f32;
+    if (Array.isArray(f32)) return new Float32Array(frame.buffer, base + f32[0], f32[1]);
+    const ta = (v as { $ta?: [number, number, TypedName] }).$ta;
+    if (Array.isArray(ta) && ta[2] in TYPED) return new TYPED[ta[2]](frame.buffer as ArrayBuffer, base + ta[0], ta[1]);
+    return v;
+  });
 }

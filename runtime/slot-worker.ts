@@ -22,6 +22,9 @@ import {
   type JobResult,
   type LoadSpec,
   type SlotInfo,
+  type TensorJob,
+  type TensorMeta,
+  type TensorResult,
   type ToSlot,
   type VadJob,
   type WakewordJob,
@@ -292,6 +295,36 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
   return { heads: heads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbeddings };
 }
 
+/** A session's input or output as the slot reports it ({@link TensorMeta}). */
+function tensorMeta(m: ort.InferenceSession.ValueMetadata): TensorMeta {
+  return m.isTensor ? { name: m.name, dtype: m.type, shape: [...m.shape] } : { name: m.name, dtype: null, shape: null };
+}
+
+/**
+ * Any ONNX model as it is (the `tensor` task): a job's inputs are fed as they come (the server
+ * has checked them against the metadata reported here) and the outputs it asks for (else all) go
+ * back with their dtype and dimensions.
+ */
+async function loadTensor(model: string): Promise<SlotInfo> {
+  const session = await create(model);
+  runJob = async (job) => {
+    const { inputs, outputs } = job as TensorJob;
+    const feeds: Record<string, ort.Tensor> = {};
+    for (const [name, t] of Object.entries(inputs))
+      feeds[name] = new ort.Tensor(t.dtype as ort.Tensor.Type, t.data as ort.Tensor.DataType, t.shape);
+    const out = outputs ? await session.run(feeds, outputs) : await session.run(feeds);
+    const result: TensorResult = { kind: 'tensor', outputs: {} };
+    for (const [name, t] of Object.entries(out))
+      result.outputs[name] = {
+        dtype: t.type,
+        shape: [...t.dims],
+        data: t.data as TensorResult['outputs'][string]['data'],
+      };
+    return result;
+  };
+  return { tensor: { inputs: session.inputMetadata.map(tensorMeta), outputs: session.outputMetadata.map(tensorMeta) } };
+}
+
 async function release(): Promise<void> {
   runJob = null;
   const all = sessions;
@@ -302,7 +335,13 @@ async function release(): Promise<void> {
 const onMessage = async (msg: ToSlot): Promise<void> => {
   try {
     if (msg.type === 'load') {
-      const info = msg.spec.kind === 'vad' ? await loadVad(msg.spec.model) : await loadWakeword(msg.spec);
+      const spec = msg.spec;
+      const info =
+        spec.kind === 'vad'
+          ? await loadVad(spec.model)
+          : spec.kind === 'tensor'
+            ? await loadTensor(spec.model)
+            : await loadWakeword(spec);
       post({ type: 'loaded', info });
     } else if (msg.type === 'run') {
       if (!runJob) throw new Error('slot has no model loaded');

@@ -5,7 +5,7 @@
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
-import { extname } from 'node:path';
+import { basename, extname, relative, resolve } from 'node:path';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
 import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
@@ -69,6 +69,15 @@ function client(url: string, apiKey?: string): VoxClient {
 }
 
 /**
+ * How this CLI was started, for messages that tell the user a command to run: `voxserve` when
+ * installed as a command, else `node <path to cli.js>` (a checkout: `node dist/tools/cli.js`).
+ */
+function invocation(): string {
+  const script = process.argv[1] ?? '';
+  return basename(script) === 'cli.js' ? `node ${relative(process.cwd(), script) || script}` : 'voxserve';
+}
+
+/**
  * Ends a client command that failed: a server error (an HTTP answer, a refused stream
  * handshake included) is printed as its wire body on stdout (`{"error":{type,code,message}}`), a
  * closed stream as its close code on stderr; exit 1.
@@ -77,7 +86,7 @@ function failed(url: string, e: unknown): never {
   if (!(e instanceof VoxClientError)) die((e as Error).message);
   if (e.type === 'connection_error') {
     if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH')
-      die(`no voxserve is running at ${url} (${e.code}); start one with: voxserve serve`);
+      die(`no voxserve is running at ${url} (${e.code}); start one with: ${invocation()} serve`);
     die(e.message);
   }
   if (e.closeCode !== undefined && e.status === undefined)
@@ -130,6 +139,7 @@ interface ServeOptions {
   inspect?: boolean;
   statelyInspector?: string;
   wyoming?: string | true;
+  wakewordDir?: string;
   cluster?: string;
   node?: string;
 }
@@ -176,6 +186,10 @@ program
     'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090',
   )
   .option('--wyoming [host:port]', 'serve the Wyoming wake-word protocol (Home Assistant), default 127.0.0.1:10400')
+  .option(
+    '--wakeword-dir <dir>',
+    'a folder of openWakeWord heads (*.onnx): each is a wake-word model, picked up while the server runs',
+  )
   .addOption(
     new Option(
       '--cluster <nats-url>',
@@ -203,6 +217,7 @@ program
         idle_unload_ms: opts.idleUnloadMs,
         drain_timeout_ms: opts.drainTimeoutMs,
         log_level: opts.logLevel as ServerConfig['log_level'] | undefined,
+        wakeword_dir: opts.wakewordDir === undefined ? undefined : resolve(opts.wakewordDir),
       });
     } catch (e) {
       die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e));

@@ -1,8 +1,10 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
+import { pack, unpack } from 'msgpackr';
 import type { AudioFile, HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
 import { MAX_TIMEOUT_MS, queryOptions } from '../runtime/config.js';
 import { isAudioContentType } from '../runtime/decode.js';
 import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
+import { readTensorRequest } from '../runtime/tasks/index.js';
 
 /** Writes a JSON response. */
 export function sendJson(
@@ -15,6 +17,16 @@ export function sendJson(
   res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text), ...headers });
   res.end(text);
 }
+
+/** Writes a msgpack response (a `tensor` answer with binary data). */
+export function sendMsgpack(res: ServerResponse, status: number, body: unknown): void {
+  const bytes = pack(body);
+  res.writeHead(status, { 'content-type': 'application/msgpack', 'content-length': bytes.length });
+  res.end(bytes);
+}
+
+/** Media types of a msgpack body (a `tensor` request): the IANA one and the two in common use. */
+export const MSGPACK_TYPES = ['application/msgpack', 'application/vnd.msgpack', 'application/x-msgpack'];
 
 /** Writes a VoxError (or any error, as `server_error`) in the wire format, with Retry-After on 503s. */
 export function sendError(res: ServerResponse, err: unknown): void {
@@ -56,10 +68,10 @@ export function requireMediaType(req: IncomingMessage, accepted: string[]): void
  */
 export function requireRunMediaType(req: IncomingMessage): void {
   const type = mediaType(req);
-  if (type !== 'application/json' && !isAudioContentType(type)) {
+  if (type !== 'application/json' && !MSGPACK_TYPES.includes(type) && !isAudioContentType(type)) {
     throw voxError('unsupported_media_type', {
       expected:
-        'application/json or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID)',
+        'application/json, application/msgpack (tensors) or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID)',
       got: type,
     });
   }
@@ -142,6 +154,8 @@ function parseTimeout(v: unknown): number | undefined {
 }
 
 const RUN_FIELDS = ['model', 'audio', 'busy_timeout_ms', 'options'];
+/** Fields of a `tensor` request (JSON or msgpack). */
+const TENSOR_FIELDS = ['model', 'inputs', 'outputs', 'busy_timeout_ms'];
 
 /** Query parameters of `/v1/tasks/run` with a raw audio body, besides task options. */
 const RUN_QUERY = ['model', 'busy_timeout_ms'];
@@ -181,23 +195,76 @@ function noQuery(url: URL): void {
  * as query parameters, or JSON `{model, audio: <base64>, busy_timeout_ms?, options?}`. With
  * `Accept: text/event-stream` the answer is server-sent events (`progress {processed_ms,
  * audio_duration_ms}` at most every 100 ms, then `result`, or `error {error}`).
- * @throws VoxError `invalid_request_error` naming the field or query parameter;
- *   `unsupported_media_type` for a `Content-Type` that is neither JSON nor audio.
+ *
+ * A `tensor` model's request is JSON `{model, inputs: {name: {dtype, shape, data}}, outputs?,
+ * busy_timeout_ms?}`, or the same as a msgpack map (`Content-Type: application/msgpack`, `data` as
+ * raw little-endian bytes); the answer is msgpack when the request was, or when `Accept` names
+ * msgpack.
+ * @param maxTensorBytes `limits.max_tensor_bytes`.
+ * @throws VoxError `invalid_request_error` naming the field or query parameter; `tensor_too_large`;
+ *   `unsupported_media_type` for a `Content-Type` that is neither JSON, msgpack nor audio.
  */
-export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
-  const request = parseRunBody(req, url, body, t0);
+export function parseRunRequest(
+  req: IncomingMessage,
+  url: URL,
+  body: Buffer,
+  t0: number,
+  maxTensorBytes = Number.POSITIVE_INFINITY,
+): TaskRequest {
+  const request = parseRunBody(req, url, body, t0, maxTensorBytes);
   // Opt-in progress: a client that accepts server-sent events gets `progress` events, then `result`.
-  return /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '')
+  return !request.tensor && /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '')
     ? { ...request, progress: true }
     : request;
 }
 
-function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
+/** Whether a request's `Accept` asks for msgpack. */
+const acceptsMsgpack = (req: IncomingMessage): boolean =>
+  MSGPACK_TYPES.some((t) => (req.headers.accept ?? '').toLowerCase().includes(t));
+
+/** A `tensor` request's body (JSON or msgpack, decoded): its fields checked, its tensors read. */
+function parseTensorBody(
+  fields: Record<string, unknown>,
+  binary: boolean,
+  t0: number,
+  maxTensorBytes: number,
+): TaskRequest {
+  const unknown = Object.keys(fields).filter((k) => !TENSOR_FIELDS.includes(k));
+  if (unknown.length)
+    throw voxError('unknown_field', {
+      field: unknown[0],
+      problem: `unknown field; a tensor request takes ${TENSOR_FIELDS.join(', ')}`,
+    });
+  if (typeof fields.model !== 'string' || !fields.model) throw invalid('model', 'required, a model id string');
+  return {
+    kind: 'run',
+    model: fields.model,
+    files: [],
+    busyTimeoutMs: parseTimeout(fields.busy_timeout_ms),
+    tensor: readTensorRequest(fields, binary, maxTensorBytes),
+    t0,
+  };
+}
+
+function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number, maxTensorBytes: number): TaskRequest {
   requireRunMediaType(req);
   const type = mediaType(req);
+  if (MSGPACK_TYPES.includes(type)) {
+    noQuery(url);
+    let value: unknown;
+    try {
+      value = unpack(body);
+    } catch (e) {
+      throw voxError('invalid_msgpack', { problem: `is not valid msgpack: ${(e as Error).message}` });
+    }
+    if (!value || typeof value !== 'object' || Array.isArray(value) || ArrayBuffer.isView(value))
+      throw voxError('invalid_msgpack', { problem: 'must be a msgpack map {model, inputs, outputs?}' });
+    return parseTensorBody(value as Record<string, unknown>, true, t0, maxTensorBytes);
+  }
   if (type === 'application/json') {
     noQuery(url);
     const json = parseJsonObject(body);
+    if ('inputs' in json && !('audio' in json)) return parseTensorBody(json, acceptsMsgpack(req), t0, maxTensorBytes);
     const unknown = Object.keys(json).filter((k) => !RUN_FIELDS.includes(k));
     if (unknown.length)
       throw voxError('unknown_field', {
@@ -293,7 +360,7 @@ export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: Htt
     if (!res.headersSent && actor.getSnapshot().matches('draining')) res.shouldKeepAlive = false;
     switch (o.type) {
       case 'respond':
-        return sendJson(res, o.status, o.body);
+        return o.msgpack ? sendMsgpack(res, o.status, o.body) : sendJson(res, o.status, o.body);
       case 'fail':
         if (res.headersSent) return void res.destroy();
         return sendJson(

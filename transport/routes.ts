@@ -5,7 +5,7 @@ import type { Supervisor } from '../actors/supervisor.js';
 import { validateModelConfig } from '../actors/model.js';
 import type { ClusterNode } from '../cluster/node.js';
 import type { ServerConfig } from '../runtime/config.js';
-import { invalid, voxError } from '../runtime/errors.js';
+import { invalid, voxError, type VoxError } from '../runtime/errors.js';
 import type { Access } from './access.js';
 import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
 import { demoRoute } from './demo.js';
@@ -13,6 +13,8 @@ import { DEBUG_OFF_PAGE, homePage, sendHtml } from './home.js';
 import {
   parseBatchRequest,
   parseJsonObject,
+  MSGPACK_TYPES,
+  mediaType,
   parseRunRequest,
   readBody,
   requireMediaType,
@@ -199,7 +201,24 @@ export function createDispatch(
     (parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest) =>
     async (req: IncomingMessage, res: ServerResponse, url: URL): Promise<TaskRequest> => {
       const t0 = performance.now();
-      return parse(req, url, await readBody(req, res, config.limits.max_body_bytes, config.limits.idle_ms), t0);
+      // A msgpack body is a tensor request: its tensors' limit, plus room for names and shapes.
+      const { max_body_bytes, max_tensor_bytes } = config.limits;
+      const tensorLimit = max_tensor_bytes + 64 * 1024;
+      const byTensor = MSGPACK_TYPES.includes(mediaType(req)) && tensorLimit < max_body_bytes;
+      let body: Buffer;
+      try {
+        body = await readBody(req, res, byTensor ? tensorLimit : max_body_bytes, config.limits.idle_ms);
+      } catch (e) {
+        if (byTensor && (e as VoxError).code === 'body_too_large') {
+          const declared = Number(req.headers['content-length']);
+          throw voxError('tensor_too_large', {
+            bytes: Number.isFinite(declared) ? declared : undefined,
+            limit: max_tensor_bytes,
+          });
+        }
+        throw e;
+      }
+      return parse(req, url, body, t0);
     };
   /** Aborts when a manager's client goes away (its request then leaves the model's queue). */
   const goneSignal = (res: ServerResponse): AbortSignal => {
@@ -379,7 +398,7 @@ export function createDispatch(
       auth: 'apiKey',
       accepts: requireRunMediaType,
       work: true,
-      body: taskBody(parseRunRequest),
+      body: taskBody((req, url, body, t0) => parseRunRequest(req, url, body, t0, config.limits.max_tensor_bytes)),
       handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
     }),
     route({

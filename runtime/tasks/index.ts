@@ -1,5 +1,5 @@
 import { headsOf, parseTaskOptions, type ModelConfig } from '../config.js';
-import { invalid } from '../errors.js';
+import { invalid, voxError } from '../errors.js';
 import type { SlotInfo } from '../slot-protocol.js';
 import type { TaskSession } from './task.js';
 import { VadSession, type ProbabilityStream } from './vad.js';
@@ -8,6 +8,7 @@ import { WakewordSession } from './wakeword.js';
 export type { TaskEvent, TaskSession } from './task.js';
 export type { ProbabilityStream } from './vad.js';
 export { drain } from './task.js';
+export { readTensorRequest, tensorJob, tensorOutputs, type TensorRequest } from './tensor.js';
 
 /**
  * Creates the task session for one request or stream of a model. Request `options` override the
@@ -16,7 +17,8 @@ export { drain } from './task.js';
  *   stream's sends them as events and keeps none (they would grow with the stream: an hour at
  *   `threshold` 1e-6 with six heads is 270,000 detections, about 20 MiB).
  * @param probabilities a VAD stream's `probability` events (see {@link ProbabilityStream}); absent: none.
- * @throws VoxError `invalid_request_error` naming the bad `options.*` field, or `probabilities` asked of a model that is not VAD.
+ * @throws VoxError `invalid_request_error` naming the bad `options.*` field, or `probabilities` asked of a model that is not VAD;
+ *   `wrong_task` for a `tensor` model (it takes tensors, not audio).
  */
 export function createTaskSession(
   config: ModelConfig,
@@ -25,6 +27,12 @@ export function createTaskSession(
   keepResults: boolean,
   probabilities?: ProbabilityStream,
 ): TaskSession {
+  if (config.task === 'tensor')
+    throw voxError('wrong_task', {
+      id: config.id,
+      task: 'tensor',
+      problem: 'it takes named tensors, not audio: POST /v1/tasks/run with {"model", "inputs"} (docs/models.md)',
+    });
   if (probabilities && config.task !== 'vad')
     throw invalid(
       'probabilities',

@@ -18,7 +18,7 @@ import { Admission } from '../../runtime/admission.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError, voxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protocol.js';
+import type { Job, JobResult, LoadSpec, TensorJob, VadJob } from '../../runtime/slot-protocol.js';
 import { SlotPool, type SlotHost } from '../../runtime/slots.js';
 
 const RUNS = Number(process.env.FC_RUNS ?? 1000);
@@ -208,6 +208,12 @@ const job = (): VadJob => ({
   context: new Float32Array(64),
 });
 
+/** A tensor model's job (issue 22): one request, never batched. */
+const tensorJob = (): TensorJob => ({
+  kind: 'tensor',
+  inputs: { x: { dtype: 'float32', shape: [1, 4], data: new Float32Array(4) } },
+});
+
 type Real = { w: World; sup: Supervisor };
 type Cmd = fc.AsyncCommand<object, Real, false>;
 
@@ -236,8 +242,15 @@ class Request implements Cmd {
       try {
         exclusiveAlongside();
         const { pool, batcher } = await entry.ensureReady(ctl.signal);
+        const tensor = entry.config.task === 'tensor';
+        if (tensor && batcher) w.violations.push(`${this}: tensor model ${this.id} has a batcher`);
         for (let i = 0; i < this.jobs && !ctl.signal.aborted; i++) {
-          await (batcher ? batcher.run(job(), ctl.signal) : pool.run(job(), ctl.signal)).catch((e: Error) => {
+          const run = tensor
+            ? pool.run(tensorJob(), ctl.signal)
+            : batcher
+              ? batcher.run(job(), ctl.signal)
+              : pool.run(job(), ctl.signal);
+          await run.catch((e: Error) => {
             // Only a forced unload or shutdown (which abort us) may close the pool under a held lease.
             // (A slot that died, an injected fault, unloads the model with its requests' slots.)
             const closed = /model unloaded/.test(e.message) || (/slot is closed/.test(e.message) && w.faultsUsed === 0);
@@ -422,6 +435,13 @@ const commandArb = fc.oneof(
     arbitrary: fc
       .tuple(idArb, slotsArb)
       .map(([id, slots]) => new Load(id, { task: 'vad', path: '/fake.onnx', slots, max_batch_delay_ms: 0 }) as Cmd),
+  },
+  // A tensor model (issue 22): registered, or a model reconfigured into one; its requests run tensor jobs.
+  {
+    weight: 1,
+    arbitrary: fc
+      .tuple(idArb, slotsArb)
+      .map(([id, slots]) => new Load(id, { task: 'tensor', path: '/fake.onnx', slots, max_batch_delay_ms: 0 }) as Cmd),
   },
   {
     weight: 1,

@@ -83,7 +83,12 @@ const filled = (code: string): string => code.replace(/<[^>"]+>/g, 'a0b1c2d3e4f5
 
 let server: VoxServer;
 beforeAll(async () => {
-  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0 } }));
+  // With the tensor model of models.md's example config (its path is from a checkout's root: the cwd here).
+  const tensor = blocks('docs/models.md').find((b) => b.lang === 'json' && b.code.includes('"task": "tensor"'))!;
+  const { models } = JSON.parse(tensor.code) as { models: unknown[] };
+  server = await startServer(
+    ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0 }, models }),
+  );
 });
 afterAll(async () => {
   await server?.close();

@@ -11,7 +11,8 @@ import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixturePath, loopWav } from '../helpers.js';
 
 const exec = promisify(execFile);
-const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
+const root = fileURLToPath(new URL('../..', import.meta.url));
+const cli = join(root, 'dist/tools/cli.js');
 let server: VoxServer;
 
 beforeAll(async () => {
@@ -23,7 +24,7 @@ afterAll(async () => {
 
 async function voxserve(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
   try {
-    const { stdout, stderr } = await exec(process.execPath, [cli, ...args]);
+    const { stdout, stderr } = await exec(process.execPath, [cli, ...args], { cwd: root });
     return { code: 0, stdout, stderr };
   } catch (e) {
     const err = e as { code: number; stdout: string; stderr: string };
@@ -119,7 +120,7 @@ describe('voxserve CLI', () => {
     expect(s.stderr).toMatch(/closed 1008/);
   });
 
-  it('says clearly when no server is running', async () => {
+  it('says clearly when no server is running, with the command that starts one as the README gives it', async () => {
     // A port that was free a moment ago: nothing listens there.
     const probe = createServer();
     await new Promise<void>((r) => probe.listen(0, '127.0.0.1', r));
@@ -129,7 +130,7 @@ describe('voxserve CLI', () => {
       const r = await voxserve(cmd, 'silero-vad', fixturePath('Front_Center.wav'), '--url', `http://127.0.0.1:${port}`);
       expect(r.code).toBe(1);
       expect(r.stderr).toContain(
-        `no voxserve is running at http://127.0.0.1:${port} (ECONNREFUSED); start one with: voxserve serve`,
+        `no voxserve is running at http://127.0.0.1:${port} (ECONNREFUSED); start one with: node dist/tools/cli.js serve`,
       );
     }
   });

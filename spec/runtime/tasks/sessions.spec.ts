@@ -22,6 +22,7 @@ function answer(job: Job): JobResult {
       mel: job.mel,
       embeddings: job.embeddings,
     };
+  if (job.kind !== 'vad') throw new Error(`no answer for a ${job.kind} job`);
   const n = job.windows.length / SILERO.WINDOW;
   return {
     kind: 'vad',

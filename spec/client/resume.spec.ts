@@ -1,0 +1,250 @@
+/**
+ * voxserve/client `resume` against scripted nodes (a `ws` server and `/ready` each): what a
+ * resumed stream sends the next node (`offset_ms`, `progress`, the kept audio byte for byte),
+ * what it reports (`resumed`: gap, resent, dropped), that an event whose confirmation was lost is
+ * said once, that a draining node's `done` hands the stream on, and when it gives up. The real
+ * thing (nodes killed with SIGKILL) is spec/cluster/resume.spec.ts.
+ */
+import { createServer, type Server } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { afterEach, describe, expect, it } from 'vitest';
+import { WebSocketServer, type WebSocket } from 'ws';
+import { VoxClient, VoxClientError, type StreamEvent } from '../../client/node.js';
+import { until } from '../helpers.js';
+
+/** A scripted node: answers `/ready` (200 while `ready`), and hands each stream's socket and query to `onStream`. */
+interface FakeNode {
+  url: string;
+  ready: boolean;
+  /** Each stream opened here: its query, and the binary it received. */
+  streams: { query: URLSearchParams; ws: WebSocket; audio: Buffer[]; texts: string[] }[];
+  onStream: (s: FakeNode['streams'][number]) => void;
+  /** Answer handshakes with this HTTP status instead of upgrading. */
+  refuse: number | null;
+  close(): Promise<void>;
+}
+
+const nodes: FakeNode[] = [];
+afterEach(async () => {
+  await Promise.all(nodes.splice(0).map((n) => n.close()));
+});
+
+async function fakeNode(): Promise<FakeNode> {
+  const http: Server = createServer((req, res) => {
+    res.statusCode = req.url === '/ready' && node.ready ? 200 : 503;
+    res.end('{}');
+  });
+  const wss = new WebSocketServer({ noServer: true, handleProtocols: (p) => [...p][0] });
+  http.on('upgrade', (req, socket, head) => {
+    if (node.refuse) {
+      const body = '{"error":{"type":"not_found","message":"model: no such model"}}';
+      socket.end(
+        `HTTP/1.1 ${node.refuse} No\r\ncontent-type: application/json\r\ncontent-length: ${body.length}\r\nconnection: close\r\n\r\n${body}`,
+      );
+      return;
+    }
+    wss.handleUpgrade(req, socket, head, (ws) => {
+      const s = { query: new URL(req.url!, 'http://x').searchParams, ws, audio: [] as Buffer[], texts: [] as string[] };
+      ws.on('error', () => {});
+      ws.on('message', (d: Buffer, binary) => (binary ? s.audio.push(Buffer.from(d)) : s.texts.push(d.toString())));
+      node.streams.push(s);
+      node.onStream(s);
+    });
+  });
+  await new Promise<void>((r) => http.listen(0, '127.0.0.1', r));
+  const node: FakeNode = {
+    url: `http://127.0.0.1:${(http.address() as AddressInfo).port}`,
+    ready: true,
+    streams: [],
+    refuse: null,
+    onStream: (s) =>
+      s.ws.send(JSON.stringify({ type: 'ready', session_id: 'x', model: 'm', task: 'vad', sample_rate: 16000 })),
+    close: async () => {
+      for (const c of wss.clients) c.terminate();
+      http.closeAllConnections();
+      await new Promise((r) => http.close(r));
+    },
+  };
+  nodes.push(node);
+  return node;
+}
+
+const event = (e: Record<string, unknown>): string => JSON.stringify(e);
+/** `ms` of 16 kHz s16le audio whose every sample is its own index (mod 2^15), from sample `from`. */
+function audio(fromMs: number, ms: number): Buffer {
+  const b = Buffer.alloc(ms * 32);
+  for (let i = 0; i < ms * 16; i++) b.writeInt16LE((fromMs * 16 + i) % 32768, i * 2);
+  return b;
+}
+
+async function collect(stream: AsyncIterable<StreamEvent>, into: StreamEvent[]): Promise<void> {
+  for await (const e of stream) into.push(e);
+}
+
+describe('resume (scripted nodes)', () => {
+  it('with several urls it is on by default: progress asked, no offset on the first node', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const several = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    expect(a.streams[0].query.get('progress')).toBe('true');
+    expect(a.streams[0].query.has('offset_ms')).toBe(false);
+    several.close();
+    const one = await new VoxClient({ url: a.url }).stream({ model: 'm' });
+    expect(a.streams[1].query.has('progress')).toBe(false);
+    one.close();
+    await expect(new VoxClient({ url: a.url }).stream({ model: 'm', resume: { bufferMs: -1 } })).rejects.toThrow(
+      /^resume.bufferMs: a number of ms/,
+    );
+  });
+
+  it('the node drops the connection: the next node gets offset_ms at the confirmed audio and the rest byte for byte; resumed reports the gap', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    const events: StreamEvent[] = [];
+    const reading = collect(stream, events);
+    const sent = audio(0, 3000);
+    for (let o = 0; o < sent.length; o += 3200) await stream.send(sent.subarray(o, o + 3200));
+    await until(() => a.streams[0].audio.reduce((n, d) => n + d.length, 0) === sent.length);
+    const A = a.streams[0].ws;
+    // Confirmed up to 1024 ms; an event after that confirmation is lost with the node.
+    A.send(event({ type: 'speech_start', at_ms: 500 }));
+    A.send(event({ type: 'progress', processed_ms: 1024 }));
+    A.send(event({ type: 'speech_start', at_ms: 1500 }));
+    await new Promise((r) => setTimeout(r, 50));
+    a.ready = false;
+    A.terminate();
+    await until(() => b.streams.length === 1 && b.streams[0].audio.reduce((n, d) => n + d.length, 0) === 1976 * 32);
+    const B = b.streams[0];
+    expect(B.query.get('offset_ms')).toBe('1024');
+    expect(B.query.get('progress')).toBe('true');
+    expect(B.query.get('model')).toBe('m');
+    expect(Buffer.concat(B.audio).equals(sent.subarray(1024 * 32))).toBe(true);
+    expect(stream.serverUrl).toBe(b.url);
+    // The new node says the event again, confirms it; more audio goes to it; then end.
+    B.ws.send(event({ type: 'speech_start', at_ms: 1500 }));
+    B.ws.send(event({ type: 'progress', processed_ms: 2048 }));
+    await stream.send(audio(3000, 100));
+    const ending = stream.end();
+    await until(() => B.texts.includes('{"type":"end"}'));
+    expect(Buffer.concat(B.audio).equals(Buffer.concat([sent.subarray(1024 * 32), audio(3000, 100)]))).toBe(true);
+    B.ws.send(event({ type: 'done', processed_ms: 3100, timing: {} }));
+    B.ws.close(1000, 'done');
+    expect((await ending).processed_ms).toBe(3100);
+    await reading;
+    expect(events.map((e) => e.type)).toEqual([
+      'ready',
+      'speech_start',
+      'progress',
+      'resumed',
+      'speech_start',
+      'progress',
+      'done',
+    ]);
+    expect(events[3]).toEqual({
+      type: 'resumed',
+      url: b.url,
+      previous_url: a.url,
+      session_id: 'x',
+      gap: { start_ms: 1024, end_ms: 3000 },
+      resent: { start_ms: 1024, end_ms: 3000 },
+      dropped: null,
+    });
+    expect((await stream.closed).error).toBeUndefined();
+  });
+
+  it('a gap longer than bufferMs: the newest bufferMs is re-sent, the rest reported as dropped', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm', resume: { bufferMs: 1000 } });
+    const events: StreamEvent[] = [];
+    void collect(stream, events).catch(() => {});
+    const sent = audio(0, 3000);
+    for (let o = 0; o < sent.length; o += 3200) await stream.send(sent.subarray(o, o + 3200));
+    await until(() => a.streams[0].audio.reduce((n, d) => n + d.length, 0) === sent.length);
+    a.ready = false;
+    a.streams[0].ws.terminate();
+    await until(() => events.some((e) => e.type === 'resumed'));
+    expect(events.find((e) => e.type === 'resumed')).toMatchObject({
+      gap: { start_ms: 0, end_ms: 3000 },
+      resent: { start_ms: 2000, end_ms: 3000 },
+      dropped: { start_ms: 0, end_ms: 2000 },
+    });
+    expect(b.streams[0].query.get('offset_ms')).toBe('2000');
+    await until(() => b.streams[0].audio.reduce((n, d) => n + d.length, 0) === 1000 * 32);
+    expect(Buffer.concat(b.streams[0].audio).equals(sent.subarray(2000 * 32))).toBe(true);
+    stream.close();
+  });
+
+  it("a draining node's done (then close 1001) before end(): the stream goes on on the next node, done not handed on", async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    const events: StreamEvent[] = [];
+    const reading = collect(stream, events);
+    await stream.send(audio(0, 500));
+    await until(() => a.streams[0].audio.length > 0);
+    a.ready = false;
+    a.streams[0].ws.send(event({ type: 'speech_start', at_ms: 100 }));
+    a.streams[0].ws.send(event({ type: 'done', processed_ms: 500, timing: {} }));
+    a.streams[0].ws.close(1001, 'server shutting down');
+    await until(() => b.streams.length === 1);
+    expect(b.streams[0].query.get('offset_ms')).toBe('500');
+    const ending = stream.end();
+    await until(() => b.streams[0].texts.length === 1);
+    expect(b.streams[0].audio.length).toBe(0);
+    b.streams[0].ws.send(event({ type: 'done', processed_ms: 500, timing: {} }));
+    b.streams[0].ws.close(1000);
+    expect((await ending).processed_ms).toBe(500);
+    await reading;
+    expect(events.map((e) => e.type)).toEqual(['ready', 'speech_start', 'resumed', 'done']);
+    expect(events[2]).toMatchObject({ gap: { start_ms: 500, end_ms: 500 }, dropped: null });
+  });
+
+  it('no node to resume on within timeoutMs: the stream fails with connection_error saying so', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm', resume: { timeoutMs: 600 } });
+    const events: StreamEvent[] = [];
+    const reading = collect(stream, events);
+    a.ready = false;
+    b.ready = false;
+    const t0 = Date.now();
+    a.streams[0].ws.terminate();
+    const err = await reading.then(
+      () => null,
+      (e) => e,
+    );
+    expect(err).toBeInstanceOf(VoxClientError);
+    expect(err.type).toBe('connection_error');
+    expect(err.message).toMatch(/was lost and could not be resumed within 600 ms: none of .* answers GET \/ready/);
+    expect(Date.now() - t0).toBeGreaterThanOrEqual(550);
+    await expect(stream.send(audio(0, 100))).rejects.toBe(err);
+    expect((await stream.closed).error).toBe(err);
+  });
+
+  it('the next node refuses the stream (404): it fails at once with that error', { timeout: 8000 }, async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    const events: StreamEvent[] = [];
+    const reading = collect(stream, events);
+    a.ready = false;
+    b.refuse = 404;
+    a.streams[0].ws.terminate();
+    const err = await reading.then(
+      () => null,
+      (e) => e,
+    );
+    expect(err).toMatchObject({ type: 'not_found', status: 404 });
+    expect(events.map((e) => e.type)).toEqual(['ready']);
+  });
+
+  it('close() while it resumes stops it', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    a.ready = false;
+    b.ready = false;
+    a.streams[0].ws.terminate();
+    await new Promise((r) => setTimeout(r, 100));
+    stream.close();
+    expect(await stream.closed).toEqual({ code: 1000, reason: 'client closed' });
+    b.ready = true;
+    await new Promise((r) => setTimeout(r, 400));
+    expect(b.streams.length).toBe(0);
+  });
+});
