@@ -26,6 +26,7 @@ import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../ru
 import { createLogger, Metrics } from '../runtime/telemetry.js';
 import { similarIds } from '../runtime/names.js';
 import { confinePath } from '../runtime/paths.js';
+import { WakewordFolder, type FolderProblem, type FolderScan } from '../runtime/wakeword-dir.js';
 
 /** Config fields that name model files. */
 const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
@@ -399,6 +400,14 @@ export class Supervisor {
   private readonly measuredPerSlot = new Map<string, number>();
   /** Lazy config models whose files failed the check at start (see {@link start}), with the problem. */
   private readonly fileProblems = new Map<string, string>();
+  /** `wakeword_dir`, watched from {@link start} (null without one). */
+  private folder: WakewordFolder | null = null;
+  /** The ids of `wakeword_dir`'s heads (in the catalog while their file is there). */
+  private folderIds = new Set<string>();
+  /** `wakeword_dir`'s files that are not heads, from its last scan. */
+  private folderProblems: FolderProblem[] = [];
+  /** Folder models whose file is gone: they leave the registry once idle ({@link syncFolder}). */
+  private readonly leaving = new Set<string>();
 
   readonly metrics: Metrics;
   readonly log: Logger;
@@ -453,6 +462,27 @@ export class Supervisor {
       this.fileProblems.set(m.id, problem);
       this.log.warn({ model: m.id, err: problem }, 'model file problem: the model will fail to load');
     }
+    const dir = this.config.wakeword_dir;
+    if (dir) {
+      const logged = new Set<string>();
+      this.folder = new WakewordFolder(
+        dir,
+        (scan) => {
+          this.syncFolder(scan);
+          for (const p of this.folderProblems)
+            if (!logged.has(`${p.path}\n${p.error}`)) {
+              logged.add(`${p.path}\n${p.error}`);
+              this.log.warn({ path: p.path, err: p.error }, 'wakeword_dir: a file that is not a wake word');
+            }
+        },
+        (e) => this.log.warn({ dir, err: e.message }, 'wakeword_dir cannot be read'),
+      );
+      try {
+        await this.folder.start();
+      } catch (e) {
+        throw invalid('wakeword_dir', `'${dir}' cannot be read: ${(e as NodeJS.ErrnoException).code ?? e}`);
+      }
+    }
     const eager = this.config.models.filter((m) => !m.lazy);
     await Promise.allSettled(
       eager.map(async (m) => {
@@ -473,7 +503,8 @@ export class Supervisor {
   /**
    * The config's eager (`lazy: false`) models that are not loaded because their last load
    * failed, with that error: `/ready` and `GET /v1/models` list them. A later successful load
-   * (on first use or `POST /v1/models/load`) takes a model off the list.
+   * (on first use or `POST /v1/models/load`) takes a model off the list. Also `wakeword_dir`'s
+   * files that are not heads (`wakeword_dir file <path>: <why>`) and its heads that failed to load.
    */
   failedModels(): { id: string; error: string }[] {
     const failed: { id: string; error: string }[] = [];
@@ -485,7 +516,57 @@ export class Supervisor {
       else if (problem && (!st || (st.state === 'unloaded' && st.last_used_at === null)))
         failed.push({ id: m.id, error: problem });
     }
+    // wakeword_dir: its files that are not heads, and its heads whose last load failed.
+    for (const p of this.folderProblems) failed.push({ id: p.id, error: `wakeword_dir file ${p.path}: ${p.error}` });
+    for (const id of this.folderIds) {
+      const st = this.entries.get(id)?.status();
+      if (st && st.state === 'unloaded' && st.last_error) failed.push({ id, error: st.last_error });
+    }
     return failed;
+  }
+
+  /**
+   * Applies a scan of `wakeword_dir` (runtime/wakeword-dir.ts): a new head joins the catalog (a
+   * model registered lazily, listed by `GET /v1/models` and Wyoming `describe`); a head whose file
+   * is gone leaves the catalog at once and the registry once idle (unloaded by an `EVICT` when it
+   * is loaded and idle, then dropped when unloaded and unused: a stream on it finishes first). A
+   * head whose id another model already has is a problem, as are the files that are not heads.
+   */
+  syncFolder(scan: FolderScan): void {
+    const now = new Set<string>();
+    const problems = [...scan.problems];
+    for (const h of scan.heads) {
+      const ours = this.folderIds.has(h.id) || this.leaving.has(h.id);
+      if (!ours && (this.catalog.has(h.id) || this.entries.has(h.id))) {
+        problems.push({ ...h, error: `its id '${h.id}' is already a model of this server: rename the file` });
+        continue;
+      }
+      now.add(h.id);
+      this.leaving.delete(h.id);
+      if (this.catalog.get(h.id)?.path === h.path) continue;
+      this.catalog.set(h.id, ModelConfig.parse({ id: h.id, task: 'wakeword', path: h.path }));
+      this.log.info({ model: h.id, path: h.path }, 'wakeword_dir: wake word added');
+    }
+    for (const id of this.folderIds)
+      if (!now.has(id)) {
+        this.catalog.delete(id);
+        this.leaving.add(id);
+        this.log.info({ model: id }, 'wakeword_dir: file removed; the model leaves once idle');
+      }
+    this.folderIds = now;
+    this.folderProblems = problems;
+    for (const id of [...this.leaving]) {
+      const e = this.entries.get(id);
+      const a = e?.admission;
+      if (e && a && (e.state !== 'unloaded' || a.activeLeases > 0 || a.queued > 0 || a.exclusive)) {
+        if (e.idle) e.actor.send({ type: 'EVICT', reason: 'idle' });
+        continue;
+      }
+      this.leaving.delete(id);
+      if (!e) continue;
+      this.entries.delete(id);
+      this.actor.send({ type: 'UNREGISTER', id });
+    }
   }
 
   /** True when cold loads pass through the supervisor's gate one at a time (C11). */
@@ -872,6 +953,7 @@ export class Supervisor {
    * answered 503 `shutting_down`; no new load starts), so the drain never waits for a load.
    */
   beginShutdown(): void {
+    this.folder?.stop();
     this.root.send({ type: 'SHUTDOWN' });
     this.draining = true;
     for (const e of this.entries.values()) e.drain();

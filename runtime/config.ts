@@ -353,6 +353,12 @@ export const ServerConfig = z.strictObject({
    * the API load any file the process can read.
    */
   models_root: z.union([z.string().min(1), z.literal(false)]).default(() => resolve('models')),
+  /**
+   * A folder of openWakeWord heads (docs/models.md#a-folder-of-wake-words): each `*.onnx` in it is
+   * a wake-word model (its file name as an id: `hey_computer_v0.1.onnx` -> `hey-computer`), picked
+   * up while the server runs; a relative path is taken from the config file's folder.
+   */
+  wakeword_dir: z.string().min(1).optional(),
   /** Requests (and streams) that may wait for a model's lease, per model; past it, 503 at once. 0 = unbounded. */
   max_queued: z.number().int().min(0).max(1_000_000).default(512),
   /** Host names (without port) accepted in the `Host` header besides loopback names and `host`; `*` accepts any. */
@@ -470,6 +476,8 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
     const dir = dirname(resolve(file));
     const root = raw.models_root ?? 'models';
     if (typeof root === 'string') raw = { ...raw, models_root: resolve(dir, root) };
+    if (typeof raw.wakeword_dir === 'string' && raw.wakeword_dir)
+      raw = { ...raw, wakeword_dir: resolve(dir, raw.wakeword_dir) };
     if (Array.isArray(raw.models)) raw = { ...raw, models: raw.models.map((m: unknown) => fromFolder(dir, m)) };
   }
   return parseWith(ServerConfig, { ...raw, ...defined });

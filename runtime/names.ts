@@ -4,6 +4,19 @@ import { distance } from 'fastest-levenshtein';
 const MAX_COMPARED = 256;
 
 /**
+ * A wake-word name written as a model id: lower case, `_` and spaces as `-`, a `_v0.1` version
+ * suffix dropped (`hey_jarvis_v0.1` -> `hey-jarvis`), as the embedded heads' files are named and
+ * wyoming-openwakeword and Home Assistant name the wake words.
+ */
+export function spellAsId(name: string): string {
+  return name
+    .trim()
+    .toLowerCase()
+    .replace(/[_\s]+/g, '-')
+    .replace(/-v[0-9.]+$/, '');
+}
+
+/**
  * Model ids a client probably meant by `given` (for a 404's "did you mean"): the id it spells once
  * written as an id (lower case, `_` and spaces as `-`, a `_v0.1` version suffix dropped, as
  * wyoming-openwakeword and Home Assistant name the wake words), else the ids within a small edit
@@ -12,13 +25,7 @@ const MAX_COMPARED = 256;
  * @returns at most three ids, closest first.
  */
 export function similarIds(given: string, known: Iterable<string>): string[] {
-  const spell = (s: string): string =>
-    s
-      .trim()
-      .toLowerCase()
-      .replace(/[_\s]+/g, '-')
-      .replace(/-v[0-9.]+$/, '');
-  const want = spell(given);
+  const want = spellAsId(given);
   const ids = [...known];
   const same = ids.filter((id) => id.toLowerCase() === want);
   if (same.length) return same.slice(0, 3);

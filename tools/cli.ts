@@ -5,7 +5,7 @@
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
-import { basename, extname, relative } from 'node:path';
+import { basename, extname, relative, resolve } from 'node:path';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
 import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
@@ -139,6 +139,7 @@ interface ServeOptions {
   inspect?: boolean;
   statelyInspector?: string;
   wyoming?: string | true;
+  wakewordDir?: string;
   cluster?: string;
   node?: string;
 }
@@ -185,6 +186,10 @@ program
     'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090',
   )
   .option('--wyoming [host:port]', 'serve the Wyoming wake-word protocol (Home Assistant), default 127.0.0.1:10400')
+  .option(
+    '--wakeword-dir <dir>',
+    'a folder of openWakeWord heads (*.onnx): each is a wake-word model, picked up while the server runs',
+  )
   .addOption(
     new Option(
       '--cluster <nats-url>',
@@ -212,6 +217,7 @@ program
         idle_unload_ms: opts.idleUnloadMs,
         drain_timeout_ms: opts.drainTimeoutMs,
         log_level: opts.logLevel as ServerConfig['log_level'] | undefined,
+        wakeword_dir: opts.wakewordDir === undefined ? undefined : resolve(opts.wakewordDir),
       });
     } catch (e) {
       die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e));
