@@ -101,6 +101,8 @@ export interface ClusterNodeOptions {
   log: Logger;
   /** Available memory, bytes (the server's probe; tests give fakes). */
   memoryProbe: MemoryProbe;
+  /** An open link to use instead of connecting to `cluster.nats` (tests give spec/cluster/fake-nats.ts's in-memory NATS). */
+  link?: NatsLink;
 }
 
 /**
@@ -170,7 +172,7 @@ export class ClusterNode {
    * @throws Error `cluster.nats: cannot connect to NATS at <url>: <why>`.
    */
   static async connect(config: ServerConfig, options: ClusterNodeOptions): Promise<ClusterNode> {
-    const link = await connectNats(clusterSettings(config.cluster!));
+    const link = options.link ?? (await connectNats(clusterSettings(config.cluster!)));
     const node = new ClusterNode(link, config, options);
     await node.watch();
     void node.watchStatus();
@@ -676,9 +678,10 @@ export class ClusterNode {
         return null;
       }
     }
+    let renewing: Promise<unknown> = Promise.resolve();
     const renew = setInterval(
       () => {
-        kv.update(key, value(), rev).then(
+        renewing = kv.update(key, value(), rev).then(
           (r) => (rev = r),
           () => {},
         );
@@ -688,6 +691,8 @@ export class ClusterNode {
     return {
       release: async () => {
         clearInterval(renew);
+        // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until its deadline).
+        await renewing;
         await kv.delete(key, { previousSeq: rev }).catch(() => {});
       },
     };
@@ -1127,13 +1132,23 @@ export class ClusterNode {
   }
 
   /**
-   * Sends a request to a node's subject and decodes its answer.
+   * Sends a request to a node's subject and decodes its answer. Its answer is not waited for once
+   * the node is no longer live (a dead node's load or unload would otherwise hold its caller, and a
+   * placement's lock, for the whole timeout).
    * @throws VoxError the node's error (with its type), `server_busy` when nobody answers for it.
    */
   private async ask<T>(node: string, what: 'info' | 'load' | 'unload', body: unknown, timeoutMs: number): Promise<T> {
     let m: Msg;
     try {
-      m = await this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+      const reply = this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+      for (;;) {
+        const r = await Promise.race([reply, this.changed(this.settings.heartbeat_ms).then(() => null)]);
+        if (r) {
+          m = r;
+          break;
+        }
+        if (!this.nodes().some((n) => n.node === node)) throw new Error('it left the cluster (no heartbeat heard)');
+      }
     } catch (e) {
       throw voxError('node_unreachable', { node, reason: (e as Error).message, cause: e });
     }
