@@ -178,4 +178,3 @@ export function headProblem(bytes: Uint8Array): string | null {
   const h = headInfo(bytes);
   return 'problem' in h ? h.problem : null;
 }
-

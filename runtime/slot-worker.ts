@@ -155,7 +155,6 @@ async function loadVad(model: string): Promise<SlotInfo> {
   return { vadVersion: v5 ? 'v5' : 'v4' };
 }
 
-
 /** One openWakeWord classifier head: its session, input name, embedding window and label columns. */
 async function loadHead(
   path: string,

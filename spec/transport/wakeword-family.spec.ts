@@ -103,12 +103,20 @@ describe('wake-word models share one family of slot hosts', () => {
 
     const many = await Promise.all(COMBOS.map((c) => openStream(c.join(','), alexa)));
     // Every stream's audio processed: the combinations with alexa detect it, the others never do.
-    await until(() => many.every((s, i) => !COMBOS[i].includes('alexa') || s.events.some((e) => e.type === 'detection')), 60_000);
-    const models = ((await (await fetch(`${server.url}/v1/models`)).json()) as { models: { id: string; loaded: boolean }[] }).models;
-    for (const c of COMBOS) expect(models.find((m) => m.id === [...c].sort().join(','))?.loaded, c.join(',')).toBe(true);
+    await until(
+      () => many.every((s, i) => !COMBOS[i].includes('alexa') || s.events.some((e) => e.type === 'detection')),
+      60_000,
+    );
+    const models = (
+      (await (await fetch(`${server.url}/v1/models`)).json()) as { models: { id: string; loaded: boolean }[] }
+    ).models;
+    for (const c of COMBOS)
+      expect(models.find((m) => m.id === [...c].sort().join(','))?.loaded, c.join(',')).toBe(true);
     expect(children()).toEqual(hostsOfOne);
     const rssMany = slotHostRss();
-    console.log(`slot hosts: one combination ${(rssOne / 2 ** 20).toFixed(1)} MiB RSS, 21 at once ${(rssMany / 2 ** 20).toFixed(1)} MiB (${(rssMany / rssOne).toFixed(2)}x)`);
+    console.log(
+      `slot hosts: one combination ${(rssOne / 2 ** 20).toFixed(1)} MiB RSS, 21 at once ${(rssMany / 2 ** 20).toFixed(1)} MiB (${(rssMany / rssOne).toFixed(2)}x)`,
+    );
     expect(rssMany / rssOne).toBeLessThanOrEqual(1.2);
     for (const [i, s] of many.entries()) {
       const labels = new Set(s.events.filter((e) => e.type === 'detection').map((e) => e.label));
