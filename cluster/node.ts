@@ -8,6 +8,7 @@
  *   memory, under a cluster-wide compare-and-set lock, and otherwise gives the entry a pool whose
  *   jobs go to the holders (the ingress keeps the socket actor, the lease and the stream's state).
  */
+import { createHash, randomUUID } from 'node:crypto';
 import { createInbox, type Msg, type Subscription } from '@nats-io/transport-node';
 import type { KvEntry } from '@nats-io/kv';
 import { Counter, Gauge, Histogram } from 'prom-client';
@@ -47,6 +48,8 @@ export interface HeldModel {
   queued: number;
   active_leases: number;
   resident_bytes: number;
+  /** The model's config as registered here, a fingerprint (12 hex digits of a SHA-256): holders with the same config report the same. */
+  config: string;
 }
 
 /** A node's registry entry, written at every heartbeat. Times in ms since the epoch. */
@@ -70,6 +73,27 @@ interface Seen {
   record: NodeRecord;
   seen: number;
 }
+
+/** A cold-load lock as a node loading under it names it: its key and the token of that taking (a take-over changes it). */
+interface LockRef {
+  key: string;
+  token: string;
+}
+
+/** A cold-load lock this node holds ({@link ClusterNode.takeLock}). */
+interface LoadLock {
+  ref: LockRef;
+  /**
+   * Compare-and-set on the lock's revision (renewing it): false when another node has taken the
+   * lock over since (this node was paused past its deadline); true when NATS cannot tell.
+   */
+  held(): Promise<boolean>;
+  release(): Promise<void>;
+}
+
+/** Thrown inside a placement whose load lock another node took over: the placement is given up. */
+const superseded = (id: string): Error =>
+  Object.assign(new Error(`the load lock of ${id} was taken over by another node`), { superseded: true });
 
 /** How one attempt at a remote job ended: its holder's reply, the holder known gone, or the reply lost with this node's NATS connection. */
 type Attempt = { reply: RemoteReply } | { gone: string } | { lost: true };
@@ -101,6 +125,8 @@ export interface ClusterNodeOptions {
   log: Logger;
   /** Available memory, bytes (the server's probe; tests give fakes). */
   memoryProbe: MemoryProbe;
+  /** An open link to use instead of connecting to `cluster.nats` (tests give spec/cluster/fake-nats.ts's in-memory NATS). */
+  link?: NatsLink;
 }
 
 /**
@@ -119,8 +145,11 @@ export class ClusterNode {
   private closed = false;
   /** True while NATS is reachable. */
   connected = true;
-  /** Models this node was asked to hold itself (a placement or a `node` load): their next cold load is local. */
-  private readonly pinned = new Set<string>();
+  /**
+   * Models this node was asked to hold itself (a placement or a `node` load): their next cold load
+   * is local; a placement's load lock comes along, checked before the load counts ({@link fenced}).
+   */
+  private readonly pinned = new Map<string, LockRef | undefined>();
   /** Models whose entry here runs on a remote pool (not held here), with that pool's holders' job counts. */
   private readonly remote = new Map<string, true>();
   /** Jobs in flight from here to each node (spreads jobs between heartbeats). */
@@ -170,7 +199,7 @@ export class ClusterNode {
    * @throws Error `cluster.nats: cannot connect to NATS at <url>: <why>`.
    */
   static async connect(config: ServerConfig, options: ClusterNodeOptions): Promise<ClusterNode> {
-    const link = await connectNats(clusterSettings(config.cluster!));
+    const link = options.link ?? (await connectNats(clusterSettings(config.cluster!)));
     const node = new ClusterNode(link, config, options);
     await node.watch();
     void node.watchStatus();
@@ -355,6 +384,7 @@ export class ClusterNode {
           queued: 0,
           active_leases: 0,
           resident_bytes: backing.residentBytes,
+          config: this.fingerprint(s.id),
         };
         continue;
       }
@@ -367,6 +397,7 @@ export class ClusterNode {
         queued: s.queued_requests,
         active_leases: s.active_leases,
         resident_bytes: s.resident_bytes,
+        config: this.fingerprint(s.id),
       };
     }
     return {
@@ -380,6 +411,16 @@ export class ClusterNode {
       min_free_memory_mb: this.config.min_free_memory_mb,
       models,
     };
+  }
+
+  /** The fingerprint of the config `id` is registered with here ({@link HeldModel.config}). */
+  private fingerprint(id: string): string {
+    const config = this.supervisor?.configOf(id);
+    if (!config) return '';
+    return createHash('sha256')
+      .update(JSON.stringify(this.registrationOf(config)))
+      .digest('hex')
+      .slice(0, 12);
   }
 
   private async publish(): Promise<void> {
@@ -569,17 +610,29 @@ export class ClusterNode {
     for (;;) {
       signal.throwIfAborted();
       // Asked to hold it (by a placement elsewhere, or a load naming this node), also while waiting here.
-      if (this.pinned.has(id)) return local();
+      if (this.pinned.has(id)) return this.fenced(id, local, this.pinned.get(id));
       if (this.holders(id).length) return this.remotePool(config);
       const lock = await this.takeLock(id);
       if (lock) {
+        let lost = false;
         try {
           // A placement that finished just before the lock was ours.
           if (this.holders(id).length) return this.remotePool(config);
-          return await this.placeUnderLock(config, signal, local);
+          return await this.placeUnderLock(config, signal, local, lock);
+        } catch (e) {
+          if (!(e as { superseded?: boolean }).superseded) throw e;
+          // Split brain: this node was paused past the lock's deadline and another took it over and
+          // placed the model; this placement is given up and the other's is used.
+          this.log.warn(
+            { model: id },
+            'cluster: the load lock was taken over while placing; using the other placement',
+          );
+          lost = true;
         } finally {
           await lock.release();
         }
+        // The other placement is heard of at its holder's next heartbeat (this node may have been paused).
+        if (lost) await this.until(() => this.holders(id).length > 0, 3 * this.settings.heartbeat_ms);
       }
       if (Date.now() >= end) throw voxError('cluster_load_timeout', { id, ms: timeout });
       await this.changed(Math.min(this.settings.heartbeat_ms, end - Date.now()));
@@ -591,10 +644,39 @@ export class ClusterNode {
     return values.length ? Math.min(...values) : 0;
   }
 
+  /**
+   * Loads here (`local`) for a placement, which counts only if its load lock (`ref`, when the load
+   * comes with one) is still the one it was taken with: else (another node took the lock over
+   * meanwhile, so its placement is the one that counts) the load is closed before it is ever
+   * registered, and this throws.
+   * @throws the placement's error; `superseded` when the lock was taken over.
+   */
+  private async fenced(id: string, local: () => Promise<LoadedModel>, ref?: LockRef): Promise<LoadedModel> {
+    const m = await local();
+    if (ref && !(await this.lockHolds(ref))) {
+      await m.close();
+      this.log.warn({ model: id }, 'cluster: the load lock of this placement was taken over; the load is given up');
+      throw superseded(id);
+    }
+    return m;
+  }
+
+  /** Whether the lock `ref` names is still that taking (its token); true when NATS cannot tell. */
+  private async lockHolds(ref: LockRef): Promise<boolean> {
+    let e: KvEntry | null;
+    try {
+      e = await this.link.locks.get(ref.key);
+    } catch {
+      return true;
+    }
+    return e?.operation === 'PUT' && e.json<{ token?: string }>().token === ref.token;
+  }
+
   private async placeUnderLock(
     config: ModelConfig,
     signal: AbortSignal,
     local: () => Promise<LoadedModel>,
+    lock: LoadLock,
   ): Promise<LoadedModel> {
     const id = config.id;
     const here = this.record();
@@ -606,10 +688,15 @@ export class ClusterNode {
     let memory = true;
     for (const n of candidates) {
       signal.throwIfAborted();
+      if (!(await lock.held())) throw superseded(id);
       if (n.node === this.name) {
         try {
           this.log.info({ model: id, free_bytes: n.free_bytes }, 'cluster: placing here');
-          return await local();
+          const m = await local();
+          // Compare-and-set on the lock before the load counts (split brain: see fenced()).
+          if (await lock.held()) return m;
+          await m.close();
+          throw superseded(id);
         } catch (e) {
           if (!is503(e)) throw e;
           memory &&= (e as VoxError).type === 'insufficient_memory';
@@ -622,7 +709,7 @@ export class ClusterNode {
       const reply = await this.ask<{ ok: true }>(
         n.node,
         'load',
-        { id, config: this.registrationOf(config) },
+        { id, config: this.registrationOf(config), lock: lock.ref },
         this.settings.lock_ms * 100,
       ).catch((e: unknown) => e as Error);
       if (reply instanceof Error) {
@@ -657,11 +744,12 @@ export class ClusterNode {
    * `lock_ms` until released.
    * @returns the lock, or null when another node holds it.
    */
-  private async takeLock(model: string): Promise<{ release: () => Promise<void> } | null> {
+  private async takeLock(model: string): Promise<LoadLock | null> {
     const kv = this.link.locks;
     const key = lockKey(model);
+    const token = randomUUID();
     const value = (): Uint8Array =>
-      encodeJson({ owner: this.name, model, deadline: Date.now() + this.settings.lock_ms });
+      encodeJson({ owner: this.name, token, model, deadline: Date.now() + this.settings.lock_ms });
     let rev: number;
     try {
       rev = await kv.create(key, value());
@@ -676,18 +764,32 @@ export class ClusterNode {
         return null;
       }
     }
+    let renewing: Promise<unknown> = Promise.resolve();
     const renew = setInterval(
       () => {
-        kv.update(key, value(), rev).then(
+        renewing = kv.update(key, value(), rev).then(
           (r) => (rev = r),
           () => {},
         );
       },
       Math.max(50, this.settings.lock_ms / 3),
     );
+    const ref = { key, token };
     return {
+      ref,
+      held: async () => {
+        try {
+          rev = await kv.update(key, value(), rev);
+          return true;
+        } catch {
+          // A renewal raced this one, NATS is away, or the lock is another's now: its token tells.
+          return this.lockHolds(ref);
+        }
+      },
       release: async () => {
         clearInterval(renew);
+        // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until its deadline).
+        await renewing;
         await kv.delete(key, { previousSeq: rev }).catch(() => {});
       },
     };
@@ -888,7 +990,7 @@ export class ClusterNode {
           await this.ask(
             n.node,
             'load',
-            { id, config: this.registrationOf(config), adopt: true },
+            { id, config: this.registrationOf(config), adopt: true, lock: lock.ref },
             this.busyTimeout(config) || 3_600_000,
           );
           await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
@@ -981,6 +1083,12 @@ export class ClusterNode {
       }
     } catch (e) {
       const v = toVoxError(e);
+      if (this.draining && v.status >= 500) {
+        // A draining node unloading its models fails the jobs still on them: it holds the model no
+        // more, so the ingress sends the job (which gave no result) to another holder.
+        outcome = 'not_held';
+        return encodeMessage({ type: 'error', error: 'not_held', message: `${this.name} is stopping: ${v.message}` });
+      }
       outcome = v.type;
       return encodeMessage({
         type: 'error',
@@ -1022,9 +1130,11 @@ export class ClusterNode {
       fields?: Record<string, unknown>;
       /** A placement after the holders went: a node running the model on a remote pool loads it behind that pool. */
       adopt?: boolean;
+      /** The placement's load lock: the load counts only while it is still that taking. */
+      lock?: LockRef;
     };
     if (body.adopt && this.remote.has(body.id)) await this.adopt(body.id);
-    else await this.loadHere(body.id, body.fields ?? {}, body.config);
+    else await this.loadHere(body.id, body.fields ?? {}, body.config, body.lock);
     return encodeMessage({ type: 'info', info: {} });
   }
 
@@ -1032,18 +1142,21 @@ export class ClusterNode {
    * Loads (or reconfigures) `id` on this node with a local pool.
    * @param fields management fields (`POST /v1/models/load` minus `node`, `replicas`).
    * @param registration a config to register the model with if this node does not know it.
+   * @param lock the load lock of the placement asking for it: a cold load counts only while the
+   *   lock is still that taking ({@link fenced}).
    */
   async loadHere(
     id: string,
     fields: Record<string, unknown>,
     registration?: Record<string, unknown>,
+    lock?: LockRef,
   ): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
     const sup = this.supervisor!;
     const timeout = this.config.busy_timeout_ms;
     const entry = sup.getOrRegister(id);
     if (!entry && registration) {
       // A model registered on another node: its config comes along (model files are the same paths on every node).
-      this.pinned.add(id);
+      this.pinned.set(id, lock);
       try {
         return await sup.load({ ...registration, ...fields, id }, timeout);
       } finally {
@@ -1053,7 +1166,7 @@ export class ClusterNode {
     }
     if (!entry) throw voxError('model_not_found', { id, hint: `not on ${this.name}` });
     if (this.remote.has(id)) await entry.unload(timeout);
-    this.pinned.add(id);
+    this.pinned.set(id, lock);
     // A placement of this model waiting here (for the lock another node holds) loads it now.
     for (const f of this.viewChanged.splice(0)) f();
     try {
@@ -1127,13 +1240,23 @@ export class ClusterNode {
   }
 
   /**
-   * Sends a request to a node's subject and decodes its answer.
+   * Sends a request to a node's subject and decodes its answer. Its answer is not waited for once
+   * the node is no longer live (a dead node's load or unload would otherwise hold its caller, and a
+   * placement's lock, for the whole timeout).
    * @throws VoxError the node's error (with its type), `server_busy` when nobody answers for it.
    */
   private async ask<T>(node: string, what: 'info' | 'load' | 'unload', body: unknown, timeoutMs: number): Promise<T> {
     let m: Msg;
     try {
-      m = await this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+      const reply = this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+      for (;;) {
+        const r = await Promise.race([reply, this.changed(this.settings.heartbeat_ms).then(() => null)]);
+        if (r) {
+          m = r;
+          break;
+        }
+        if (!this.nodes().some((n) => n.node === node)) throw new Error('it left the cluster (no heartbeat heard)');
+      }
     } catch (e) {
       throw voxError('node_unreachable', { node, reason: (e as Error).message, cause: e });
     }
@@ -1384,7 +1507,7 @@ export class ClusterNode {
               await this.ask(
                 n.node,
                 'load',
-                { id, config: this.registrationOf(config), adopt: true },
+                { id, config: this.registrationOf(config), adopt: true, lock: lock.ref },
                 Math.max(1, end - Date.now()),
               );
               if (await this.until(() => this.holders(id).some((h) => h.node === n.node), end - Date.now())) {

@@ -2,6 +2,7 @@ import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import type { ServerResponse } from 'node:http';
 import type { AnyStateMachine } from 'xstate';
+import type { ClusterNode, HeldModel } from '../cluster/node.js';
 import { httpSocketMachine } from '../actors/http.js';
 import type { InspectionLog } from '../actors/inspection.js';
 import { modelMachine } from '../actors/model.js';
@@ -81,15 +82,56 @@ export function activePaths(value: unknown, prefix = ''): string[] {
   return Object.entries(value as Record<string, unknown>).flatMap(([k, v]) => [join(k), ...activePaths(v, join(k))]);
 }
 
+/** One node as `/debug` shows it: `GET /v1/cluster`'s entry, with each model it holds and its figures. */
+export interface DebugClusterNode {
+  node: string;
+  url: string;
+  free_bytes: number;
+  draining: boolean;
+  last_seen_ms: number;
+  max_loaded_models: number;
+  models: ({ id: string } & HeldModel)[];
+}
+
+/**
+ * The cluster as this node's registry view has it (`GET /v1/cluster`, with each node's models
+ * and their figures from the registry, as `GET /v1/models` lists them per model).
+ */
+export function clusterView(cluster: ClusterNode): {
+  node: string;
+  nats: { url: string; connected: boolean };
+  heartbeat_ms: number;
+  nodes: DebugClusterNode[];
+} {
+  const status = cluster.status() as ReturnType<typeof clusterView> & {
+    nodes: (Omit<DebugClusterNode, 'models'> & { models: string[] })[];
+  };
+  const held = new Map<string, ({ id: string } & HeldModel)[]>();
+  for (const [id, holders] of cluster.holdersByModel())
+    for (const { node, ...figures } of holders) {
+      if (!held.has(node)) held.set(node, []);
+      held.get(node)!.push({ id, ...figures });
+    }
+  return {
+    ...status,
+    nodes: status.nodes.map((n) => ({
+      ...n,
+      models: (held.get(n.node) ?? []).sort((a, b) => a.id.localeCompare(b.id)),
+    })),
+  };
+}
+
 /**
  * `GET /debug/state`: the root's and the supervisor's states (with the supervisor's figures: the
  * load it works for, what it waits for, the victim), every model's status and active states,
- * streams counted by phase with a sample of their states, and the last transitions.
+ * streams counted by phase with a sample of their states, the last transitions, and the cluster
+ * ({@link clusterView}; null for a single node).
  */
 export function debugState(
   supervisor: Supervisor,
   streams: ReadonlySet<StreamLink>,
   inspection: InspectionLog | null,
+  cluster: ClusterNode | null = null,
 ): unknown {
   const counts: Record<string, number> = { open: 0, streaming: 0, draining: 0, closing: 0 };
   const sample: { id: string; phase: string; active: string[] }[] = [];
@@ -117,6 +159,7 @@ export function debugState(
     streams: counts,
     sockets: sample,
     transitions: inspection ? inspection.recent().slice(-80) : [],
+    cluster: cluster ? clusterView(cluster) : null,
   };
 }
 
@@ -152,8 +195,9 @@ export const ELK_SCRIPT = readFileSync(createRequire(import.meta.url).resolve('e
  * `GET /debug`: a self-contained page. It fetches `/debug/charts` (every machine's definition),
  * lays each out once with elkjs (layered, hierarchy included), and redraws the active states from
  * `/debug/state` twice a second: the root, the supervisor with the figures of the load it works
- * for, one card per model, stream sockets counted by phase (click one to see its chart), and the
- * last transitions with their event payloads.
+ * for, one card per model, in a cluster one card per node (the models it holds, free memory,
+ * draining), stream sockets counted by phase (click one to see its chart), and the last
+ * transitions with their event payloads.
  */
 export const DEBUG_PAGE = `<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>voxserve /debug</title>
@@ -179,6 +223,7 @@ code { font-size: 11px; } #off { color: #a60; } .sock { cursor: pointer; text-de
   <div class="card" id="sup-card" data-chart="supervisor"><h2>supervisor</h2><div id="figures" class="meta"></div><div class="svg"></div></div>
 </div>
 <h2>models</h2><div id="models" class="row"></div>
+<h2>cluster <span id="cluster-meta" class="meta"></span></h2><div id="cluster" class="row"></div>
 <h2>sockets <span id="off"></span></h2>
 <div class="meta">streams: <span id="streams"></span></div><div id="socklist" class="meta"></div>
 <div class="row"><div class="card" id="sock-card" data-chart="stream"><h2 id="sock-title">stream socket (click one above)</h2><div class="svg"></div></div>
@@ -253,6 +298,12 @@ async function refresh() {
     '<div class="meta">slots ' + m.active_slots + '/' + m.slots + ', leases ' + m.active_leases + '/' + m.max_streams + ', queued ' + m.queued_requests +
     (m.last_eviction ? ', evicted (' + m.last_eviction.reason + ')' : '') + (m.last_error ? ', last error: ' + esc(m.last_error) : '') + '</div>' +
     (layouts.model ? svgOf(layouts.model, m.active) : '') + '</div>').join('');
+  const c = d.cluster;
+  document.getElementById('cluster-meta').textContent = c ? 'this node: ' + c.node + ', NATS ' + (c.nats.connected ? 'connected' : 'disconnected') + ' (' + c.nats.url + '), heartbeat ' + c.heartbeat_ms + ' ms' : '(a single node: no cluster configured)';
+  document.getElementById('cluster').innerHTML = c ? c.nodes.map((n) =>
+    '<div class="card node" data-node="' + esc(n.node) + '"><h2>' + esc(n.node) + ' <span class="meta">' + (n.node === c.node ? 'this node' : 'seen ' + n.last_seen_ms + ' ms ago') + (n.draining ? ', <b>draining</b>' : '') + '</span></h2>' +
+    '<div class="meta">' + esc(n.url) + '<br>free memory ' + (n.free_bytes / 1048576).toFixed(0) + ' MiB' + (n.max_loaded_models ? ', at most ' + n.max_loaded_models + ' models' : '') + '</div>' +
+    '<table><tbody>' + (n.models.length ? n.models.map((m) => '<tr data-model="' + esc(m.id) + '"><td><b>' + esc(m.id) + '</b></td><td>' + esc(m.state) + '</td><td>slots ' + (m.slots - m.free_slots) + '/' + m.slots + '</td><td>queued ' + m.queued + '</td><td>' + (m.resident_bytes / 1048576).toFixed(1) + ' MiB</td></tr>').join('') : '<tr><td class="meta">holds no model</td></tr>') + '</tbody></table></div>').join('') : '';
   document.getElementById('streams').textContent = Object.entries(d.streams).map(([k, v]) => k + ' ' + v).join(', ');
   document.getElementById('off').textContent = d.inspect ? '' : '(inspection is off: start with --inspect to see transitions)';
   document.getElementById('socklist').innerHTML = d.sockets.map((k) => '<span class="sock" data-socket="' + esc(k.id) + '">' + esc(k.id) + ' (' + k.phase + ')</span>').join('');

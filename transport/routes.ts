@@ -332,7 +332,7 @@ export function createDispatch(
       method: 'GET',
       path: '/debug/state',
       auth: 'management',
-      handle: ({ res }) => sendJson(res, 200, debugState(supervisor, streams, inspected.log)),
+      handle: ({ res }) => sendJson(res, 200, debugState(supervisor, streams, inspected.log, cluster)),
     }),
     route({
       method: 'GET',

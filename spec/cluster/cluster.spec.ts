@@ -4,7 +4,6 @@
  * Expected results come from a single node without a cluster (S) running the same recordings.
  */
 import { spawn } from 'node:child_process';
-import { connect } from 'node:net';
 import { unpack } from 'msgpackr';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
@@ -13,6 +12,7 @@ import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, until, WaveFile } from '../helpers.js';
 import { freePort, startNats, type NatsServer } from './nats-server.js';
+import { wyomingSession } from './wyoming-client.js';
 
 const GB = 1024 ** 3;
 const HEARTBEAT_MS = 500;
@@ -106,52 +106,6 @@ async function metric(server: VoxServer, name: string, labels: Record<string, st
     if (Object.entries(labels).every(([k, v]) => line.includes(`${k}="${v}"`))) sum += Number(line.split(' ').pop());
   }
   return sum;
-}
-
-/** A Wyoming session: `detect` hey_jarvis, the fixture in 100 ms audio-chunks, `audio-stop`; resolves with the events up to `detection` or `not-detected`. */
-async function wyoming(server: VoxServer, file: string): Promise<Record<string, unknown>[]> {
-  const socket = connect(server.wyoming!.port, '127.0.0.1');
-  const events: Record<string, unknown>[] = [];
-  let buf = Buffer.alloc(0);
-  socket.on('data', (d: Buffer) => {
-    buf = Buffer.concat([buf, d]);
-    for (let nl = buf.indexOf('\n'); nl >= 0; nl = buf.indexOf('\n')) {
-      const header = JSON.parse(buf.subarray(0, nl).toString());
-      const dl = header.data_length ?? 0;
-      if (buf.length < nl + 1 + dl + (header.payload_length ?? 0)) break;
-      events.push({
-        type: header.type,
-        ...header.data,
-        ...(dl ? JSON.parse(buf.subarray(nl + 1, nl + 1 + dl).toString()) : {}),
-      });
-      buf = buf.subarray(nl + 1 + dl + (header.payload_length ?? 0));
-    }
-  });
-  const send = (type: string, data: Record<string, unknown>, payload?: Buffer): void => {
-    const body = Buffer.from(JSON.stringify(data));
-    socket.write(
-      Buffer.concat([
-        Buffer.from(`${JSON.stringify({ type, data_length: body.length, payload_length: payload?.length ?? 0 })}\n`),
-        body,
-        payload ?? Buffer.alloc(0),
-      ]),
-    );
-  };
-  const w = new WaveFile(fixture(file));
-  const rate = (w.fmt as { sampleRate: number }).sampleRate;
-  const pcm = Buffer.from((w.data as { samples: Uint8Array }).samples);
-  const step = (rate / 10) * 2;
-  send('detect', { names: ['hey_jarvis'] });
-  send('audio-start', { rate, width: 2, channels: 1, timestamp: 0 });
-  for (let o = 0, t = 0; o < pcm.length; o += step, t += 100)
-    send('audio-chunk', { rate, width: 2, channels: 1, timestamp: t }, pcm.subarray(o, o + step));
-  send('audio-stop', { timestamp: Math.round((pcm.length / 2 / rate) * 1000) });
-  await until(
-    () => events.some((e) => e.type === 'detection' || e.type === 'not-detected' || e.type === 'error'),
-    30_000,
-  );
-  socket.end();
-  return events;
 }
 
 let single: VoxServer;
@@ -254,7 +208,10 @@ describe('three nodes and one NATS server', () => {
     expect(remote).toEqual(await streamEvents(single, 'hey-jarvis', file));
     expect(remote.filter((e) => e.type === 'detection').map(({ type: _t, ...d }) => d)).toEqual(want);
     // Wyoming on A, against Wyoming on the single node.
-    const [wa, ws] = await Promise.all([wyoming(A, file), wyoming(single, file)]);
+    const [wa, ws] = await Promise.all([
+      wyomingSession(A.wyoming!.port, file),
+      wyomingSession(single.wyoming!.port, file),
+    ]);
     expect(wa.some((e) => e.type === 'detection')).toBe(true);
     expect(wa).toEqual(ws);
   });

@@ -17,25 +17,30 @@ import { ServerConfig } from '../../runtime/config.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { expectSegments, fixture, reference, until, WaveFile } from '../helpers.js';
-import { startNats, type NatsServer } from './nats-server.js';
+import { freePort, startNats, type NatsServer } from './nats-server.js';
+import { wyomingSession } from './wyoming-client.js';
 
 const HEARTBEAT_MS = 500;
 const VAD_FILE = 'silero_test.wav';
 const WAKE_FILE = 'espeak_hey_jarvis_22k.wav';
+const SHORT_FILE = 'Front_Center.wav';
 
 type Event = Record<string, unknown>;
 interface Node {
   name: string;
   url: string;
+  /** The node's Wyoming port. */
+  wyoming: number;
   child: ChildProcess;
 }
 
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-faults-'));
 const children: ChildProcess[] = [];
 
-/** `voxserve serve --cluster` as a child process named `name` (threads for slots: a killed node leaves no orphan). */
+/** `voxserve serve --cluster` as a child process named `name` (threads for slots: a killed node leaves no orphan), with Wyoming on. */
 async function startNode(nats: string, name: string, extra: Record<string, unknown> = {}): Promise<Node> {
   const file = join(dir, `${name}.json`);
+  const wyoming = await freePort();
   writeFileSync(
     file,
     JSON.stringify({
@@ -44,14 +49,21 @@ async function startNode(nats: string, name: string, extra: Record<string, unkno
       isolation: 'thread',
       management: { enabled: true },
       limits: { max_ws_connections: 100 },
-      cluster: { nats, node: name, heartbeat_ms: HEARTBEAT_MS, job_deadline_ms: 3000 },
+      wyoming: { enabled: true, port: wyoming },
       ...extra,
+      cluster: {
+        nats,
+        node: name,
+        heartbeat_ms: HEARTBEAT_MS,
+        job_deadline_ms: 3000,
+        ...(extra.cluster as Record<string, unknown> | undefined),
+      },
     }),
   );
   const { child, url } = await spawnServer(['--config', file]);
   children.push(child);
   if (process.env.CLUSTER_LOG) child.stderr!.on('data', (d) => process.stderr.write(`[${name}] ${d}`));
-  return { name, url, child };
+  return { name, url, wyoming, child };
 }
 
 async function json(url: string, init?: RequestInit): Promise<{ status: number; body: any }> {
@@ -125,6 +137,72 @@ async function holders(url: string, model: string): Promise<string[]> {
     .sort();
 }
 
+/**
+ * Warms the remote pools of `ingresses` (a short silero-vad file request on each), then starts `n`
+ * VAD streams of the fixture over them in turn, 12 ms apart per 100 ms frame, and resolves once
+ * about a fifth of their audio is sent.
+ */
+async function vadStreams(
+  ingresses: Node[],
+  n: number,
+): Promise<Promise<{ events: Event[]; done: boolean; code: number }>[]> {
+  for (const x of ingresses) expect((await runFile(x.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+  framesSent = 0;
+  const streams = Array.from({ length: n }, (_, i) =>
+    stream(ingresses[i % ingresses.length].url, 'silero-vad', VAD_FILE, 12),
+  );
+  await until(() => framesSent > n * 120, 30_000);
+  return streams;
+}
+
+/**
+ * A real-time VAD stream with `probabilities=true` on `url`: a 100 ms frame of the fixture every
+ * 100 ms (on a fixed schedule) until `stop()`. For each 32 ms window it measures how late its
+ * `probability` event came after the frame holding the window's last sample was sent (docs/vad.md:
+ * the window starting at `at_ms` ends at `at_ms + 32`).
+ * @returns `stop`, and `windows`: per window that frame's send time (ms since the epoch) and the lateness (ms).
+ */
+function realtimeProbe(url: string): {
+  stop: () => void;
+  windows: Promise<{ sent: number; late: number }[]>;
+} {
+  const pcm = Buffer.from((new WaveFile(fixture(VAD_FILE)).data as { samples: Uint8Array }).samples);
+  const frame = 1600 * 2;
+  const sent: number[] = [];
+  const out: { sent: number; late: number }[] = [];
+  let stopped = false;
+  const ws = new WebSocket(
+    `${url.replace('http', 'ws')}/v1/stream?model=silero-vad&sample_rate=16000&probabilities=true`,
+  );
+  const windows = new Promise<{ sent: number; late: number }[]>((resolve, reject) => {
+    let timer: NodeJS.Timeout | undefined;
+    ws.on('error', reject);
+    ws.on('message', (d: Buffer) => {
+      const e = JSON.parse(d.toString());
+      if (e.type === 'ready') {
+        const t0 = Date.now();
+        const next = (): void => {
+          if (ws.readyState !== WebSocket.OPEN) return;
+          const k = sent.length;
+          if (stopped || (k + 1) * frame > pcm.length) return void ws.send(JSON.stringify({ type: 'end' }));
+          sent.push(Date.now());
+          ws.send(pcm.subarray(k * frame, (k + 1) * frame));
+          timer = setTimeout(next, Math.max(0, t0 + 100 * (k + 1) - Date.now()));
+        };
+        next();
+      } else if (e.type === 'probability') {
+        const k = Math.ceil((e.at_ms + 32) / 100) - 1;
+        out.push({ sent: sent[k], late: Date.now() - sent[k] });
+      }
+    });
+    ws.on('close', () => {
+      clearTimeout(timer);
+      resolve(out);
+    });
+  });
+  return { stop: () => void (stopped = true), windows };
+}
+
 /** A metric's value in a node's `/metrics`, summed over the series matching every label given. */
 async function metric(url: string, name: string, labels: Record<string, string> = {}): Promise<number> {
   const text = await (await fetch(`${url}/metrics`)).text();
@@ -139,27 +217,87 @@ async function metric(url: string, name: string, labels: Record<string, string> 
 const speechEnds = (events: Event[]): { start_ms: unknown; end_ms: unknown }[] =>
   events.filter((e) => e.type === 'speech_end').map((e) => ({ start_ms: e.start_ms, end_ms: e.end_ms }));
 
+/** A nats-server and nodes of a describe block, filled in by its `beforeAll` ({@link useCluster}). */
+interface Cluster {
+  nats: NatsServer;
+  nodes: Record<string, Node>;
+}
+
+/**
+ * Registers the describe block's `beforeAll` and `afterAll`: a nats-server, the nodes `names`
+ * (each with `extra[name]` in its config), `models` loaded on `holder` alone, and every other node
+ * seeing `holder` as their only holder; afterwards every node is killed and NATS stopped.
+ */
+function useCluster(
+  names: string[],
+  holder: string,
+  models: string[],
+  extra: Record<string, Record<string, unknown>> = {},
+): Cluster {
+  const c = { nodes: {} } as Cluster;
+  beforeAll(async () => {
+    c.nats = await startNats();
+    const started = await Promise.all(names.map((n) => startNode(c.nats.url, n, extra[n])));
+    for (const n of started) c.nodes[n.name] = n;
+    for (const model of models) {
+      const r = await post(`${started[0].url}/v1/models/load`, { id: model, node: holder });
+      expect(r.status, JSON.stringify(r.body)).toBe(200);
+      for (const n of started)
+        if (n.name !== holder) await until(async () => (await holders(n.url, model)).join() === holder, 5000);
+    }
+  }, 120_000);
+  afterAll(async () => {
+    for (const n of Object.values(c.nodes)) {
+      n.child.kill('SIGCONT');
+      n.child.kill('SIGKILL');
+    }
+    await c.nats?.stop();
+  });
+  return c;
+}
+
 let single: VoxServer;
 /** The single node's stream events and file results: what every stream and request must give. */
-const want: { vad: Event[]; wake: Event[]; vadFile: unknown; wakeFile: unknown } = {
+const want: {
+  vad: Event[];
+  wake: Event[];
+  vadFile: unknown;
+  wakeFile: { label: string; at_ms: number; score: number }[];
+  wyoming: Event[];
+  /** Front_Center.wav (1.4 s): a stream's events and a file's segments. */
+  short: Event[];
+  shortFile: unknown;
+} = {
   vad: [],
   wake: [],
   vadFile: null,
-  wakeFile: null,
+  wakeFile: [],
+  wyoming: [],
+  short: [],
+  shortFile: null,
 };
 
 beforeAll(async () => {
-  single = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, isolation: 'thread' }));
-  const [vad, wake, vadFile, wakeFile] = await Promise.all([
+  single = await startServer(
+    ServerConfig.parse({ log_level: 'silent', port: 0, isolation: 'thread', wyoming: { enabled: true, port: 0 } }),
+  );
+  const [vad, wake, vadFile, wakeFile, wyoming, short, shortFile] = await Promise.all([
     stream(single.url, 'silero-vad', VAD_FILE, 0),
     stream(single.url, 'hey-jarvis', WAKE_FILE, 0),
     runFile(single.url, 'silero-vad', VAD_FILE),
     runFile(single.url, 'hey-jarvis', WAKE_FILE),
+    wyomingSession(single.wyoming!.port, WAKE_FILE),
+    stream(single.url, 'silero-vad', SHORT_FILE, 0),
+    runFile(single.url, 'silero-vad', SHORT_FILE),
   ]);
+  want.short = short.events;
+  want.shortFile = shortFile.body.segments;
+  expectSegments(shortFile.body.segments, reference(SHORT_FILE).segments_v6, 40);
   want.vad = vad.events;
   want.wake = wake.events;
   want.vadFile = vadFile.body.segments;
   want.wakeFile = wakeFile.body.detections;
+  want.wyoming = wyoming;
   // The single node itself agrees with the independent reference (REFERENCE.jsonl).
   expectSegments(vadFile.body.segments, reference(VAD_FILE).segments_v6, 40);
   expect(speechEnds(want.vad)).toEqual(
@@ -168,8 +306,19 @@ beforeAll(async () => {
       end_ms: x.end_ms,
     })),
   );
-  expect(wakeFile.body.detections.length).toBeGreaterThan(0);
+  // hey_jarvis scores 0.998 on its fixture (REFERENCE.jsonl): it is detected.
+  expect(reference(WAKE_FILE).wakeword_max.hey_jarvis).toBeGreaterThan(0.5);
+  expect(want.wakeFile.length).toBeGreaterThan(0);
+  // Wyoming stamps a detection with the timestamp of a 100 ms chunk (the one it came in): within a
+  // chunk of the file result's at_ms (the 22.05 kHz audio is resampled, so chunk edges move a little).
+  const det = wyoming.filter((e) => e.type === 'detection');
+  expect(det.length).toBe(1);
+  expect(Math.abs((det[0].timestamp as number) - want.wakeFile[0].at_ms)).toBeLessThanOrEqual(100);
 }, 120_000);
+
+/** A stream's wake-word detections in the form of a file request's (`{label, at_ms, score}`). */
+const detections = (events: Event[]): Event[] =>
+  events.filter((e) => e.type === 'detection').map(({ type: _t, ...d }) => d);
 
 afterAll(async () => {
   await single?.close();
@@ -178,26 +327,10 @@ afterAll(async () => {
 });
 
 describe('a holder dies (SIGKILL) mid-work', () => {
-  let nats: NatsServer;
-  let A: Node;
-  let B: Node;
-  let C: Node;
+  const c = useCluster(['A', 'B', 'C'], 'C', ['silero-vad', 'hey-jarvis']);
 
-  beforeAll(async () => {
-    nats = await startNats();
-    [A, B, C] = await Promise.all(['A', 'B', 'C'].map((n) => startNode(nats.url, n)));
-    for (const model of ['silero-vad', 'hey-jarvis']) {
-      const r = await post(`${A.url}/v1/models/load`, { id: model, node: 'C' });
-      expect(r.status, JSON.stringify(r.body)).toBe(200);
-    }
-    for (const n of [A, B]) await until(async () => (await holders(n.url, 'hey-jarvis')).join() === 'C', 5000);
-  }, 120_000);
-  afterAll(async () => {
-    for (const n of [A, B, C]) n?.child.kill('SIGKILL');
-    await nats?.stop();
-  });
-
-  it('streams on A and B through C and file requests in flight give the single node results when C is killed', async () => {
+  it('streams (WebSocket and Wyoming) on A and B through C and file requests in flight give the single node results when C is killed', async () => {
+    const { A, B, C } = c.nodes;
     // Warm: each ingress has its remote pool to C.
     for (const n of [A, B]) {
       expect((await runFile(n.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
@@ -212,15 +345,30 @@ describe('a holder dies (SIGKILL) mid-work', () => {
     const files = Array.from({ length: 10 }, (_, i) =>
       i % 2 ? runFile(B.url, 'silero-vad', VAD_FILE) : runFile(A.url, 'hey-jarvis', WAKE_FILE),
     );
+    // Wyoming sessions on A and B (100 ms chunks 40 ms apart: 1.3 s, the wake word at ~1.9 s of audio).
+    let chunks = 0;
+    const wyoming = [A, B].map((n) => wyomingSession(n.wyoming, WAKE_FILE, 40, () => chunks++));
     await new Promise((r) => setTimeout(r, 100));
     C.child.kill('SIGKILL');
-    const [v, k, f] = await Promise.all([Promise.all(vad), Promise.all(wake), Promise.all(files)]);
+    // The Wyoming sessions had not reached their wake word when C died.
+    expect(chunks).toBeLessThan(2 * 19);
+    const [v, k, f, w] = await Promise.all([
+      Promise.all(vad),
+      Promise.all(wake),
+      Promise.all(files),
+      Promise.all(wyoming),
+    ]);
+    for (const s of w) expect(s).toEqual(want.wyoming);
     for (const s of [...v, ...k]) {
       expect(s.code).toBe(1000);
       expect(s.done).toBe(true);
     }
     for (const s of v) expect(s.events).toEqual(want.vad);
-    for (const s of k) expect(s.events).toEqual(want.wake);
+    for (const s of k) {
+      expect(s.events).toEqual(want.wake);
+      // Detections with the single node's file result's labels, at_ms and scores.
+      expect(detections(s.events)).toEqual(want.wakeFile);
+    }
     f.forEach((r, i) => {
       expect(r.status, JSON.stringify(r.body)).toBe(200);
       expect(i % 2 ? r.body.segments : r.body.detections).toEqual(i % 2 ? want.vadFile : want.wakeFile);
@@ -240,27 +388,13 @@ describe('a holder dies (SIGKILL) mid-work', () => {
 });
 
 describe('no node can take the model when its holder dies', () => {
-  let nats: NatsServer;
-  let A: Node;
-  let C: Node;
-
-  beforeAll(async () => {
-    nats = await startNats();
-    // A's memory guard refuses any load (1 TB of headroom): when C dies, nobody can hold silero-vad.
-    [A, C] = await Promise.all([
-      startNode(nats.url, 'A', { min_free_memory_mb: 1_000_000, busy_timeout_ms: 3000 }),
-      startNode(nats.url, 'C'),
-    ]);
-    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'C' });
-    expect(r.status, JSON.stringify(r.body)).toBe(200);
-    await until(async () => (await holders(A.url, 'silero-vad')).join() === 'C', 5000);
-  }, 120_000);
-  afterAll(async () => {
-    for (const n of [A, C]) n?.child.kill('SIGKILL');
-    await nats?.stop();
+  // A's memory guard refuses any load (1 TB of headroom): when C dies, nobody can hold silero-vad.
+  const c = useCluster(['A', 'C'], 'C', ['silero-vad'], {
+    A: { min_free_memory_mb: 1_000_000, busy_timeout_ms: 3000 },
   });
 
   it('streams get an error event and close 1013, file requests 503, within the busy timeout', async () => {
+    const { A, C } = c.nodes;
     expect((await runFile(A.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
     framesSent = 0;
     const streams = Array.from({ length: 4 }, () => stream(A.url, 'silero-vad', VAD_FILE, 12));
@@ -288,31 +422,11 @@ describe('no node can take the model when its holder dies', () => {
 });
 
 describe('a holder paused (SIGSTOP) past its heartbeats, then resumed (SIGCONT)', () => {
-  let nats: NatsServer;
-  let A: Node;
-  let B: Node;
-  let D: Node;
-
-  beforeAll(async () => {
-    nats = await startNats();
-    [A, B, D] = await Promise.all(['A', 'B', 'D'].map((n) => startNode(nats.url, n)));
-    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'D' });
-    expect(r.status, JSON.stringify(r.body)).toBe(200);
-    for (const n of [A, B]) await until(async () => (await holders(n.url, 'silero-vad')).join() === 'D', 5000);
-  }, 120_000);
-  afterAll(async () => {
-    for (const n of [A, B, D]) {
-      n?.child.kill('SIGCONT');
-      n?.child.kill('SIGKILL');
-    }
-    await nats?.stop();
-  });
+  const c = useCluster(['A', 'B', 'D'], 'D', ['silero-vad']);
 
   it("the streams go on elsewhere with the single node's events; D's late replies are dropped; the registry converges", async () => {
-    for (const n of [A, B]) expect((await runFile(n.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
-    framesSent = 0;
-    const streams = Array.from({ length: 8 }, (_, i) => stream([A, B][i % 2].url, 'silero-vad', VAD_FILE, 12));
-    await until(() => framesSent > 8 * 120, 30_000);
+    const { A, B, D } = c.nodes;
+    const streams = await vadStreams([A, B], 8);
     D.child.kill('SIGSTOP');
     // Past D's 3 heartbeats (1.5 s): its jobs are sent again and the model is held by A or B.
     await until(async () => (await holders(A.url, 'silero-vad')).some((n) => n !== 'D'), 15_000);
@@ -340,6 +454,7 @@ describe('a holder paused (SIGSTOP) past its heartbeats, then resumed (SIGCONT)'
   }, 120_000);
 
   it('a cluster-wide unload waits for a stream still open on another node, then nothing holds the model', async () => {
+    const { A, B, D } = c.nodes;
     // D alone holds silero-vad again.
     let r = await post(`${A.url}/v1/models/unload`, { id: 'silero-vad' });
     expect(r.status, JSON.stringify(r.body)).toBe(200);
@@ -383,45 +498,70 @@ describe('a holder paused (SIGSTOP) past its heartbeats, then resumed (SIGCONT)'
 });
 
 describe('NATS stopped for 5 s and started again under load', () => {
-  let nats: NatsServer;
-  let A: Node;
-  let C: Node;
+  const c = useCluster(['A', 'C'], 'C', ['silero-vad']);
 
-  beforeAll(async () => {
-    nats = await startNats();
-    [A, C] = await Promise.all(['A', 'C'].map((n) => startNode(nats.url, n)));
-    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'C' });
-    expect(r.status, JSON.stringify(r.body)).toBe(200);
-    await until(async () => (await holders(A.url, 'silero-vad')).join() === 'C', 5000);
-  }, 120_000);
-  afterAll(async () => {
-    for (const n of [A, C]) n?.child.kill('SIGKILL');
-    await nats?.stop();
-  });
-
-  it("local work goes on, remote work resumes with the single node's events, and no lease or lock is left", async () => {
+  it("local work never pauses over 50 ms, remote work resumes with the single node's events, and no lease or lock is left", async () => {
+    const { A, C } = c.nodes;
+    const nats = c.nats;
     expect((await runFile(A.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
+    // Local: real-time streams on C itself (the holder), each window's event timed at the client.
+    const probes = Array.from({ length: 4 }, () => realtimeProbe(C.url));
+    // Remote: streams on A whose jobs run on C (faster than real time: 15 s for the 60 s fixture).
     framesSent = 0;
-    // Remote: streams on A whose jobs run on C. Local: streams on C itself.
-    const remote = Array.from({ length: 4 }, () => stream(A.url, 'silero-vad', VAD_FILE, 12));
-    const local = Array.from({ length: 4 }, () => stream(C.url, 'silero-vad', VAD_FILE, 12));
-    await until(() => framesSent > 8 * 100, 30_000);
+    const remote = Array.from({ length: 4 }, () => stream(A.url, 'silero-vad', VAD_FILE, 25));
+    await until(() => framesSent > 4 * 100, 30_000);
+    // C's own account of its local stream windows (voxserve_processing_lag_seconds: a window's last
+    // sample in to its result out): how many, and how many took over 50 ms.
+    const lag = async (): Promise<{ windows: number; over50: number }> => {
+      const windows = await metric(C.url, 'voxserve_processing_lag_seconds_count', { model: 'silero-vad' });
+      const within = await metric(C.url, 'voxserve_processing_lag_seconds_bucket', { model: 'silero-vad', le: '0.05' });
+      return { windows, over50: windows - within };
+    };
+    const share = (a: { windows: number; over50: number }, b: { windows: number; over50: number }) => ({
+      windows: b.windows - a.windows,
+      over50: (b.over50 - a.over50) / Math.max(1, b.windows - a.windows),
+    });
+    // 5 s with NATS up: the same streams' figures on this machine as it is loaded now.
+    const s0 = await lag();
+    await new Promise((r) => setTimeout(r, 5000));
+    const s1 = await lag();
     // Killed: what it had in flight (jobs, replies) is lost with it.
     await nats.halt('SIGKILL');
     const down = Date.now();
-    // While NATS is away, a file request on the holder is served at once.
-    const during = await runFile(C.url, 'silero-vad', 'Front_Center.wav');
-    expect(during.status).toBe(200);
-    expectSegments(during.body.segments, reference('Front_Center.wav').segments_v6, 40);
-    expect(Date.now() - down).toBeLessThan(5000);
-    const l = await Promise.all(local);
+    // While NATS is away, a file request on the holder is served (asked now, checked below).
+    const during = runFile(C.url, 'silero-vad', 'Front_Center.wav');
     await new Promise((r) => setTimeout(r, Math.max(0, 5000 - (Date.now() - down))));
     await nats.restart();
+    const up = Date.now();
+    const file = await during;
+    expect(file.status).toBe(200);
+    expectSegments(file.body.segments, reference('Front_Center.wav').segments_v6, 40);
+    // The local streams ran through the outage and a second past it.
+    await new Promise((res) => setTimeout(res, Math.max(0, up + 1000 - Date.now())));
+    const s2 = await lag();
+    for (const p of probes) p.stop();
     const r = await Promise.all(remote);
-    for (const x of [...l, ...r]) {
+    for (const x of r) {
       expect(x.code).toBe(1000);
       expect(x.events).toEqual(want.vad);
     }
+    const windows = (await Promise.all(probes.map((p) => p.windows))).flat();
+    const lateness = (from: number, to: number): string => {
+      const l = windows
+        .filter((w) => w.sent >= from && w.sent < to)
+        .map((w) => w.late)
+        .sort((x, y) => x - y);
+      return `p50 ${l[l.length >> 1]} ms, p99 ${l[Math.floor(l.length * 0.99)]} ms, max ${l.at(-1)} ms`;
+    };
+    const [upStretch, outage] = [share(s0, s1), share(s1, s2)];
+    const figures = `C's local windows over 50 ms: NATS up ${upStretch.over50.toFixed(3)} of ${upStretch.windows}, NATS down ${outage.over50.toFixed(3)} of ${outage.windows}; event lateness at the client: NATS up ${lateness(down - 5000, down)}, down ${lateness(down, up + 1000)}`;
+    console.info(figures);
+    // Local work does not wait for NATS: the outage makes no more of C's windows late by over 50 ms
+    // than the same streams with NATS up (on a quiet machine both are 0; another agent's load on the
+    // 2 cores makes some late either way, so the outage is compared with the 5 s before it).
+    expect(outage.over50, figures).toBeLessThanOrEqual(upStretch.over50 + 0.1);
+    // 4 streams of ~6 s at one window per 32 ms.
+    expect(outage.windows).toBeGreaterThan(4 * 150);
     // After the outage: every lease given back, and no load lock held.
     for (const n of [A, C])
       await until(async () => {
@@ -442,42 +582,27 @@ describe('NATS stopped for 5 s and started again under load', () => {
     const nc = await connect({ servers: nats.url });
     try {
       const locks = await new Kvm(nc).open('voxserve_locks');
+      let held = 0;
       for await (const key of await locks.keys()) {
         const e = await locks.get(key);
-        if (e?.operation === 'PUT') expect(e.json<{ deadline: number }>().deadline).toBeLessThan(Date.now());
+        if (e?.operation === 'PUT' && e.json<{ deadline: number }>().deadline >= Date.now()) held++;
       }
+      expect(held).toBe(0);
     } finally {
       await nc.close();
     }
-    const after = await runFile(A.url, 'silero-vad', VAD_FILE);
-    expect(after.status).toBe(200);
-    expect(after.body.segments).toEqual(want.vadFile);
+    const last = await runFile(A.url, 'silero-vad', VAD_FILE);
+    expect(last.status).toBe(200);
+    expect(last.body.segments).toEqual(want.vadFile);
   }, 120_000);
 });
 
 describe('SIGTERM on the only holder (a step of a rolling restart)', () => {
-  let nats: NatsServer;
-  let A: Node;
-  let B: Node;
-  let C: Node;
-
-  beforeAll(async () => {
-    nats = await startNats();
-    [A, B, C] = await Promise.all(['A', 'B', 'C'].map((n) => startNode(nats.url, n)));
-    const r = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'C' });
-    expect(r.status, JSON.stringify(r.body)).toBe(200);
-    for (const n of [A, B]) await until(async () => (await holders(n.url, 'silero-vad')).join() === 'C', 5000);
-  }, 120_000);
-  afterAll(async () => {
-    for (const n of [A, B, C]) n?.child.kill('SIGKILL');
-    await nats?.stop();
-  });
+  const c = useCluster(['A', 'B', 'C'], 'C', ['silero-vad']);
 
   it('hands its model over before it exits: the streams go on with no job sent again', async () => {
-    for (const n of [A, B]) expect((await runFile(n.url, 'silero-vad', 'Front_Center.wav')).status).toBe(200);
-    framesSent = 0;
-    const streams = Array.from({ length: 8 }, (_, i) => stream([A, B][i % 2].url, 'silero-vad', VAD_FILE, 12));
-    await until(() => framesSent > 8 * 120, 30_000);
+    const { A, B, C } = c.nodes;
+    const streams = await vadStreams([A, B], 8);
     const exited = new Promise<number | null>((r) => C.child.once('exit', (code) => r(code)));
     C.child.kill('SIGTERM');
     // Draining at once in the registry.
@@ -498,6 +623,70 @@ describe('SIGTERM on the only holder (a step of a rolling restart)', () => {
     for (const n of [A, B]) {
       expect(await metric(n.url, 'voxserve_remote_failovers_total')).toBe(0);
       expect(await metric(n.url, 'voxserve_remote_jobs_sent_total', { outcome: 'not_held' })).toBe(0);
+    }
+  }, 120_000);
+});
+
+describe('split brain of a load lock: its owner paused (SIGSTOP) past the deadline, then resumed', () => {
+  // X and Y register jarvis-sb with different configs (X's 4 slots load slowly enough to be paused mid-load).
+  const head = { id: 'jarvis-sb', task: 'wakeword', heads: ['hey-jarvis'] };
+  const lock = { cluster: { lock_ms: 1000 } };
+  const c = useCluster(['X'], 'X', [], { X: { ...lock, models: [{ ...head, slots: 4 }] } });
+
+  it('the paused owner gives its load up: one holder, one config in the registry, every request answered', async () => {
+    const { X } = c.nodes;
+    const nc = await connect({ servers: c.nats.url });
+    try {
+      const locks = await new Kvm(nc).open('voxserve_locks');
+      const watch = await locks.watch({ key: 'load.>' });
+      // X places jarvis-sb on itself (the only node) under its lock: paused as soon as the lock is taken.
+      const onX = runFile(X.url, 'jarvis-sb', WAKE_FILE);
+      let paused = 0;
+      for await (const e of watch) {
+        if (e.operation !== 'PUT') continue;
+        const v = e.json<{ owner: string; model: string }>();
+        if (v.owner === 'X' && v.model === 'jarvis-sb') {
+          X.child.kill('SIGSTOP');
+          paused = Date.now();
+          break;
+        }
+      }
+      // Past the lock's deadline (1 s) and X's 3 heartbeats: Y joins, and a request on Y takes the lock over.
+      const Y = await startNode(c.nats.url, 'Y', { ...lock, models: [{ ...head, slots: 1, max_batch_size: 8 }] });
+      c.nodes.Y = Y;
+      await new Promise((r) => setTimeout(r, Math.max(0, paused + 2000 - Date.now())));
+      const onY = await runFile(Y.url, 'jarvis-sb', WAKE_FILE);
+      expect(onY.status, JSON.stringify(onY.body)).toBe(200);
+      expect(onY.body.detections).toEqual(want.wakeFile);
+      expect(await holders(Y.url, 'jarvis-sb')).toEqual(['Y']);
+      // X resumes, still believing the lock is its own; its load finishes.
+      X.child.kill('SIGCONT');
+      const r = await onX;
+      expect(r.status, JSON.stringify(r.body)).toBe(200);
+      expect(r.body.detections).toEqual(want.wakeFile);
+      // X loaded it but never registered it: within a heartbeat every node lists Y alone, with Y's
+      // config, and it stays so.
+      await new Promise((res) => setTimeout(res, HEARTBEAT_MS));
+      for (let i = 0; i < 4; i++) {
+        for (const n of [X, Y]) {
+          const { body } = await json(`${n.url}/v1/models`);
+          const nodes = body.models.find((m: { id: string }) => m.id === 'jarvis-sb').nodes as {
+            node: string;
+            config: string;
+          }[];
+          expect(nodes.map((h) => h.node)).toEqual(['Y']);
+          expect(new Set(nodes.map((h) => h.config)).size).toBe(1);
+        }
+        await new Promise((res) => setTimeout(res, HEARTBEAT_MS));
+      }
+      // X runs it on Y: a later request there is a remote job.
+      const again = await runFile(X.url, 'jarvis-sb', WAKE_FILE);
+      expect(again.body.detections).toEqual(want.wakeFile);
+      expect(await metric(X.url, 'voxserve_remote_jobs_sent_total', { model: 'jarvis-sb', node: 'Y' })).toBeGreaterThan(
+        0,
+      );
+    } finally {
+      await nc.close();
     }
   }, 120_000);
 });
