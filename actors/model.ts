@@ -40,8 +40,6 @@ export interface ModelContext {
   lastError: string | null;
   /** Why the last load ended without a pool (also capacity refusals, which are not `lastError`). */
   failure: unknown;
-  /** Mirror of the admission queue (sent by it on every change): leases held, waiters, an exclusive holder. */
-  leases: { active: number; queued: number; exclusive: boolean };
   /** The server's `idle_unload_ms`, ms (0 = off); the model's `keep_alive_ms` overrides it. */
   serverIdleUnloadMs: number;
   /** The server's `load_timeout_ms`, ms (0 = none); the model's own overrides it. */
@@ -50,6 +48,8 @@ export interface ModelContext {
   evicted: { reason: EvictReason; at: number } | null;
   /** Measured footprint of the current pool, bytes (0 when nothing is resident). */
   residentBytes: number;
+  /** The current pool runs its jobs on other nodes (a cluster placement): its slots are not here. */
+  remote: boolean;
   /** The server's `crash_cooldown_ms`, ms (0 = off). */
   serverCrashCooldownMs: number;
   /** Why the pool is failing now (a `SLOT_FAILED` in `ready`), until it has closed. */
@@ -92,13 +92,18 @@ export type ModelEvent =
   /** Give up the slots for the supervisor; refused (`EVICT_REFUSED` to `replyTo`) unless idle. */
   | { type: 'EVICT'; reason: EvictReason; replyTo?: AnyActorRef }
   | { type: 'SLOT_FAILED'; message: string }
+  /** From the `residency` actor: every slot has run its job longer than the busy timeout (C4; the pool's timer decides). */
+  | { type: 'SLOTS_STUCK' }
+  /** From the `residency` actor: the stuck slots move again (a job ended, a slot freed). */
+  | { type: 'SLOTS_FLOWING' }
   /** The server drains (shutdown): a load in progress is abandoned (its slot hosts killed), a `LOAD` is refused `shutting_down`. */
   | { type: 'DRAIN' }
-  | { type: 'LEASES'; active: number; queued: number; exclusive: boolean }
+  /** The admission queue changed (a lease granted or released, a waiter came or left): `ready.idle` / `ready.busy` look again. */
+  | { type: 'LEASES' }
   /** From the `residency` actor: the cold-load gate let the load through. */
   | { type: 'LOAD_GRANTED' }
-  /** From the `residency` actor: the pool is complete (`residentBytes` measured). */
-  | { type: 'LOADED'; residentBytes: number }
+  /** From the `residency` actor: the pool is complete (`residentBytes` measured; `remote`: its slots are on other nodes). */
+  | { type: 'LOADED'; residentBytes: number; remote: boolean }
   | { type: 'LOAD_FAILED'; error: unknown }
   /** From the `residency` actor: the pool is closed (`error` if closing failed). */
   | { type: 'CLOSED'; error?: string };
@@ -112,8 +117,12 @@ export interface ModelDeps {
   loader: ModelLoader;
   /** Estimated footprint of a config, bytes, sent to the supervisor's cold-load gate (0 when the memory guard is off). */
   footprint: (config: ModelConfig) => Promise<number>;
-  /** The model's admission queue: an accepted eviction holds its exclusive lease until the pool is closed. */
-  admission: Pick<Admission, 'tryAcquire'>;
+  /**
+   * The model's admission queue, the one home of its leases: the guards read what it holds and
+   * who waits (it sends `LEASES` on every change); an accepted eviction holds its exclusive lease
+   * until the pool is closed.
+   */
+  admission: Pick<Admission, 'tryAcquire' | 'activeLeases' | 'queued' | 'exclusive'>;
   /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
   busyTimeoutMs: () => number;
   /** The pool is live (`model`), or is being closed (null): not resident from that moment (C9). */
@@ -197,6 +206,8 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
         deps.resident(null);
         await model?.close();
       })());
+    /** The pool `local` loaded here (a placement may return another, whose slots are on other nodes). */
+    let here: LoadedModel | null = null;
     /** Loads here: through the cold-load gate, then the loader. */
     const local = async (): Promise<LoadedModel> => {
       if (gate) {
@@ -214,11 +225,8 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
         await granted;
       }
       sendBack({ type: 'LOAD_GRANTED' });
-      try {
-        return await deps.loader(config, abandon.signal);
-      } finally {
-        leaveGate();
-      }
+      here = await deps.loader(config, abandon.signal);
+      return here;
     };
     void (async () => {
       try {
@@ -231,8 +239,11 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
         if (stopped) return void (await m.close());
         model = m;
         m.pool.onFailure((err) => sendBack({ type: 'SLOT_FAILED', message: err.message }));
+        m.pool.onStuck = (stuck) => sendBack({ type: stuck ? 'SLOTS_STUCK' : 'SLOTS_FLOWING' });
         deps.resident(m);
-        sendBack({ type: 'LOADED', residentBytes: m.residentBytes });
+        sendBack({ type: 'LOADED', residentBytes: m.residentBytes, remote: m !== here });
+        // The gate opens for the next load once this one holds its slots (`slots` tag): it counts them.
+        leaveGate();
       } catch (error) {
         leaveGate();
         if (!stopped) sendBack({ type: 'LOAD_FAILED', error });
@@ -267,13 +278,15 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
  * - The `residency` actor, invoked for as long as the entry is `resident`, loads the pool (through
  *   the supervisor's cold-load gate), holds it, and closes it on `CLOSE` or when stopped. It
  *   answers `LOADED`, `LOAD_FAILED`, `CLOSED` and, when a slot dies, `SLOT_FAILED`.
- * - `ready.idle` / `ready.busy` follow the admission queue's mirror (`LEASES`).
+ * - `ready.idle` / `ready.busy` follow the admission queue (its guards read it; it sends `LEASES` on every change).
  * - `EVICT {reason}` is taken only in `ready.idle` through the guard `evictable` (no lease held, no
  *   waiter, no exclusive holder); anywhere else it is answered `EVICT_REFUSED`: that refusal is
  *   the try-acquire of eviction (C12). An accepted eviction takes the exclusive lease
  *   (`holdForEviction`), so requests arriving meanwhile queue and load the model again.
  * - Keep-alive (C14): `ready.idle` raises `EVICT {reason: "idle"}` after `keepAlive` ms
  *   (`keep_alive_ms`, else the server's `idle_unload_ms`; never when 0).
+ * - The tag `slots` marks the states whose pool exists (`ready`, and `unloading` / `reconfiguring`
+ *   until it has closed): residency as the supervisor counts it (C12).
  * - A failed load returns to `unloaded` with `lastError` (not for a 503 refusal) and can be
  *   retried; so does a load still building after `loadTimeout` ms (`load_timeout_ms`); a slot that dies in `ready` unloads the model with `lastError` set.
  * Live resources come as input ({@link ModelDeps}); {@link ModelEntry} gives the real ones.
@@ -284,6 +297,7 @@ export const modelMachine = setup({
     events: {} as ModelEvent,
     input: {} as ModelInput,
     emitted: {} as ModelEmitted,
+    tags: {} as 'slots',
   },
   actors: { residency },
   actions: {
@@ -300,10 +314,11 @@ export const modelMachine = setup({
     recordEviction: ({ context }, params: { reason: EvictReason }) => context.deps.evicted(params.reason),
   },
   guards: {
-    /** Leases held or waiting: the model is in use. */
-    inUse: ({ context }) => context.leases.active > 0 || context.leases.queued > 0,
+    /** Leases held or waiting (read from the admission queue): the model is in use. */
+    inUse: ({ context: { deps } }) => deps.admission.activeLeases > 0 || deps.admission.queued > 0,
     /** Idle: no lease, no waiter, no exclusive holder. */
-    evictable: ({ context }) => context.leases.active === 0 && context.leases.queued === 0 && !context.leases.exclusive,
+    evictable: ({ context: { deps } }) =>
+      deps.admission.activeLeases === 0 && deps.admission.queued === 0 && !deps.admission.exclusive,
     keepAliveOn: ({ context }) => (context.config.keep_alive_ms ?? context.serverIdleUnloadMs) > 0,
     hasNext: ({ context }) => context.next !== null,
     draining: ({ context }) => context.draining,
@@ -334,11 +349,11 @@ export const modelMachine = setup({
     next: null,
     lastError: null,
     failure: null,
-    leases: { active: 0, queued: 0, exclusive: false },
     serverIdleUnloadMs: input.serverIdleUnloadMs ?? 0,
     serverLoadTimeoutMs: input.serverLoadTimeoutMs ?? 0,
     evicted: null,
     residentBytes: 0,
+    remote: false,
     serverCrashCooldownMs: input.serverCrashCooldownMs ?? 0,
     slotFailure: null,
     coolDown: null,
@@ -347,11 +362,8 @@ export const modelMachine = setup({
   initial: 'unloaded',
   on: {
     DRAIN: { actions: assign({ draining: true }) },
-    LEASES: {
-      actions: assign({
-        leases: ({ event }) => ({ active: event.active, queued: event.queued, exclusive: event.exclusive }),
-      }),
-    },
+    // No action: taking the event is enough for `ready.idle` / `ready.busy` to look at the queue again.
+    LEASES: {},
     // Taken only where a state does not take it first (ready.idle, through `evictable`).
     EVICT: {
       actions: enqueueActions(({ enqueue, event, context, self }) => {
@@ -454,7 +466,12 @@ export const modelMachine = setup({
           on: {
             LOADED: {
               target: 'ready',
-              actions: assign({ residentBytes: ({ event }) => event.residentBytes, lastError: null, failure: null }),
+              actions: assign({
+                residentBytes: ({ event }) => event.residentBytes,
+                remote: ({ event }) => event.remote,
+                lastError: null,
+                failure: null,
+              }),
             },
             LOAD_FAILED: [
               {
@@ -483,9 +500,15 @@ export const modelMachine = setup({
             ],
           },
         },
+        /**
+         * Two regions: `leases` (`idle` / `busy`, from the admission queue) and `work` (`flowing` /
+         * `stuck`, from the pool's slot-wait timer: every slot has run its job longer than the busy
+         * timeout, C4).
+         */
         ready: {
+          tags: ['slots'],
           entry: emit({ type: 'ready' }),
-          initial: 'idle',
+          type: 'parallel',
           on: {
             UNLOAD: 'unloading',
             SLOT_FAILED: {
@@ -495,41 +518,58 @@ export const modelMachine = setup({
             RECONFIGURE: { target: 'reconfiguring', actions: assign({ next: ({ event }) => event.config }) },
           },
           states: {
-            idle: {
-              always: { guard: 'inUse', target: 'busy' },
-              // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; `keepAliveOff`: no timer at all.
-              initial: 'init',
+            leases: {
+              initial: 'idle',
               states: {
-                init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'keepAliveOff' }] },
-                waiting: { after: { keepAlive: { actions: raise({ type: 'EVICT', reason: 'idle' }) } } },
-                keepAliveOff: {},
-              },
-              on: {
-                EVICT: {
-                  guard: 'evictable',
-                  target: '#model.resident.unloading',
-                  actions: [
-                    'holdForEviction',
-                    assign({
-                      evicted: ({ context, event }) => ({ reason: event.reason, at: (context.deps.now ?? Date.now)() }),
-                    }),
-                    { type: 'recordEviction', params: ({ event }) => ({ reason: event.reason }) },
-                    enqueueActions(({ enqueue, event, context }) => {
-                      if (event.replyTo)
-                        enqueue.sendTo(event.replyTo, {
-                          type: 'EVICTED',
-                          id: context.config.id,
-                          reason: event.reason,
-                        } satisfies EvictReply);
-                    }),
-                  ],
+                idle: {
+                  always: { guard: 'inUse', target: 'busy' },
+                  // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; `keepAliveOff`: no timer at all.
+                  initial: 'init',
+                  states: {
+                    init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'keepAliveOff' }] },
+                    waiting: { after: { keepAlive: { actions: raise({ type: 'EVICT', reason: 'idle' }) } } },
+                    keepAliveOff: {},
+                  },
+                  on: {
+                    EVICT: {
+                      guard: 'evictable',
+                      target: '#model.resident.unloading',
+                      actions: [
+                        'holdForEviction',
+                        assign({
+                          evicted: ({ context, event }) => ({
+                            reason: event.reason,
+                            at: (context.deps.now ?? Date.now)(),
+                          }),
+                        }),
+                        { type: 'recordEviction', params: ({ event }) => ({ reason: event.reason }) },
+                        enqueueActions(({ enqueue, event, context }) => {
+                          if (event.replyTo)
+                            enqueue.sendTo(event.replyTo, {
+                              type: 'EVICTED',
+                              id: context.config.id,
+                              reason: event.reason,
+                            } satisfies EvictReply);
+                        }),
+                      ],
+                    },
+                  },
                 },
+                busy: { always: { guard: not('inUse'), target: 'idle' } },
               },
             },
-            busy: { always: { guard: not('inUse'), target: 'idle' } },
+            work: {
+              initial: 'flowing',
+              states: {
+                flowing: { on: { SLOTS_STUCK: 'stuck' } },
+                /** New requests are refused 503 `model_stuck` at once (C4) until a job ends or a slot frees. */
+                stuck: { on: { SLOTS_FLOWING: 'flowing' } },
+              },
+            },
           },
         },
         unloading: {
+          tags: ['slots'],
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
             CLOSED: [
@@ -567,6 +607,7 @@ export const modelMachine = setup({
           },
         },
         reconfiguring: {
+          tags: ['slots'],
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
             CLOSED: [
@@ -726,8 +767,7 @@ export class ModelEntry {
     const batchSize = metrics?.batchSize.labels({ model: config.id });
     this.lagMetric = metrics?.processingLag.labels({ model: config.id });
     this.admission = new Admission(config.max_streams, () => {
-      const a = this.admission;
-      this.actor?.send({ type: 'LEASES', active: a.activeLeases, queued: a.queued, exclusive: a.exclusive !== null });
+      this.actor?.send({ type: 'LEASES' });
       onChange();
     });
     const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;
@@ -812,9 +852,20 @@ export class ModelEntry {
     return stateName(this.actor.getSnapshot().value);
   }
 
+  /**
+   * True while the model's slots exist on this node (DESIGN.md C12, the one home of residency):
+   * the chart's `slots` tag (`ready`, and `unloading` / `reconfiguring` until the pool has closed:
+   * a retiring model's memory counts until its workers are gone), for a pool loaded here (not a
+   * cluster placement's remote one).
+   */
+  get holdsSlots(): boolean {
+    const s = this.actor.getSnapshot();
+    return s.hasTag('slots') && !s.context.remote;
+  }
+
   /** True in `ready.idle`: resident, no lease held, nobody waiting. */
   get idle(): boolean {
-    return this.actor.getSnapshot().matches({ resident: { ready: 'idle' } });
+    return this.actor.getSnapshot().matches({ resident: { ready: { leases: 'idle' } } });
   }
 
   /** Marks use (request start and end, load), for `last_used_at` and LRU eviction. */
@@ -848,15 +899,16 @@ export class ModelEntry {
   }
 
   /**
-   * True while the model is stuck (DESIGN.md C4): every slot has been running one inference
-   * for longer than the busy timeout, or the exclusive holder has held its lease that long.
+   * True while the model is stuck (DESIGN.md C4): its chart is `ready.work.stuck` (every slot has
+   * been running one inference for longer than the busy timeout: the pool's timer says so), or the
+   * exclusive holder has held its lease that long.
    */
-  stuck(now = Date.now()): boolean {
+  private stuck(): boolean {
     const limit = this.busyTimeoutMs;
     if (limit <= 0) return false;
     const ex = this.admission.exclusive;
-    if (ex && now - ex.grantedAt > limit) return true;
-    return this.loaded?.pool.allOverdue(limit, now) ?? false;
+    if (ex && Date.now() - ex.grantedAt > limit) return true;
+    return this.actor.getSnapshot().matches({ resident: { ready: { work: 'stuck' } } });
   }
 
   /**

@@ -2,6 +2,7 @@ import { stat } from 'node:fs/promises';
 import {
   assign,
   createActor,
+  enqueueActions,
   sendTo,
   setup,
   stopChild,
@@ -111,8 +112,6 @@ export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error
 export interface SupervisorContext {
   /** The live dependencies it was created with. */
   deps: Required<SupervisorInput>;
-  /** The model entry actors, by id (each spawned with `systemId` `model:<id>`). */
-  entries: Record<string, AnyActorRef>;
   /** Cold loads waiting for the gate, FIFO. */
   pending: PendingLoad[];
   /** The cold load the gate is working for (making room, then loading). */
@@ -227,7 +226,6 @@ export const supervisorMachine = setup({
   id: 'supervisor',
   context: ({ input }) => ({
     deps: { now: Date.now, ...input },
-    entries: {},
     pending: [],
     current: null,
     refused: [],
@@ -236,28 +234,19 @@ export const supervisorMachine = setup({
     waitingFor: null,
   }),
   on: {
+    // A model entry is the chart's child `model:<id>` (its ref: `snapshot.children['model:<id>']`,
+    // or `system.get('model:<id>')`): the logic comes with the event (the model chart; a test gives
+    // fakes), its live dependencies with its input.
     REGISTER: {
-      actions: assign({
-        entries: ({ context, event, spawn }) => ({
-          ...context.entries,
-          // The logic comes with the event (the model chart; a test gives fakes), its live dependencies with its input.
-          [event.id]: (spawn as (logic: AnyActorLogic, options: object) => AnyActorRef)(event.logic, {
-            id: `model:${event.id}`,
-            systemId: `model:${event.id}`,
-            input: event.input,
-          }),
+      actions: enqueueActions(({ enqueue, event }) =>
+        (enqueue.spawnChild as (logic: AnyActorLogic, options: object) => void)(event.logic, {
+          id: `model:${event.id}`,
+          systemId: `model:${event.id}`,
+          input: event.input,
         }),
-      }),
+      ),
     },
-    UNREGISTER: {
-      actions: [
-        stopChild(({ context, event }) => context.entries[event.id]),
-        assign({
-          entries: ({ context, event }) =>
-            Object.fromEntries(Object.entries(context.entries).filter(([id]) => id !== event.id)),
-        }),
-      ],
-    },
+    UNREGISTER: { actions: stopChild(({ event }) => `model:${event.id}`) },
     LOAD_REQUESTED: [
       {
         guard: 'guarded',
@@ -394,8 +383,6 @@ export class Supervisor {
   private readonly probe: MemoryProbe;
   private readonly estimate: (config: ModelConfig) => Promise<number>;
   private readonly place?: PlaceHook;
-  /** Models whose slots exist: from the end of their load until their pool has closed (retiring included). */
-  private readonly resident = new Set<string>();
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
   private readonly measuredPerSlot = new Map<string, number>();
   /** Lazy config models whose files failed the check at start (see {@link start}), with the problem. */
@@ -576,7 +563,8 @@ export class Supervisor {
 
   /** The chart's `measureRoom`: what is resident, retiring and evictable now, and the free memory. */
   private measureRoom(target: PendingLoad, refused: string[]): RoomFigures {
-    const others = [...this.resident].filter((id) => id !== target.id).map((id) => this.entries.get(id)!);
+    // Resident: models whose slots exist here, retiring ones included (the charts' `slots` tag).
+    const others = [...this.entries.values()].filter((e) => e.id !== target.id && e.holdsSlots);
     const headroom = this.config.min_free_memory_mb * 1024 * 1024;
     return {
       target: target.id,
@@ -597,8 +585,8 @@ export class Supervisor {
   /**
    * The loader every model entry's `residency` actor calls once the gate granted its load. The
    * footprint is measured as the growth of process RSS over the load (noisy when unguarded loads
-   * overlap); the model counts as resident from then until its pool has closed. Public for the
-   * cluster, which loads a pool behind a remote one when a model's holders are gone (cluster/node.ts).
+   * overlap). Public for the cluster, which loads a pool behind a remote one when a model's
+   * holders are gone (cluster/node.ts).
    */
   readonly loadPool = async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
     const before = process.memoryUsage().rss;
@@ -616,16 +604,6 @@ export class Supervisor {
       // The server's own growth plus the slot hosts' processes (0 for threads: they are in the first).
       loaded.residentBytes = Math.max(0, process.memoryUsage().rss - before) + loaded.pool.residentBytes();
       if (loaded.residentBytes > 0) this.measuredPerSlot.set(config.id, loaded.residentBytes / config.slots);
-      this.resident.add(config.id);
-      const close = loaded.close;
-      loaded.close = async () => {
-        try {
-          await close();
-        } finally {
-          // The gate hears of it when the entry reaches `unloaded` (its `onChange`).
-          this.resident.delete(config.id);
-        }
-      };
     }
     return loaded;
   };
@@ -837,7 +815,7 @@ export class Supervisor {
       metrics: this.metrics,
       spawn: (input) => {
         this.actor.send({ type: 'REGISTER', id: config.id, logic: modelMachine, input });
-        return this.actor.getSnapshot().context.entries[config.id] as ModelActor;
+        return (this.actor.getSnapshot().children as Record<string, ModelActor>)[`model:${config.id}`];
       },
     });
     before?.(entry);

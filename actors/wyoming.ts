@@ -11,6 +11,7 @@ import {
   StreamChannel,
   streamResources,
   type StreamInput,
+  type StreamResources,
   type StreamSocketHandle,
   type WireEvent,
   type WorkEvent,
@@ -282,250 +283,281 @@ interface Lane {
   pump: JobPump | null;
 }
 
+/** The current audio stream of a connection: its detections so far, its format (the decoder's), and the client's clock. */
+interface AudioStream {
+  detections: number;
+  format: PcmFormat;
+  clock: ClientClock;
+}
+
+/** What the `work` actor of a Wyoming connection receives from its chart. */
+type WyomingWorkEvent = StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' };
+
 /**
- * The `work` actor of a Wyoming connection (see the module comment). Events are handled one at a
- * time in arrival order (`queue`); audio is decoded once and pushed to every lane's session, and
- * each lane pumps its jobs like a WebSocket stream. On `END` (the root's drain) the current audio
- * stream finishes as if `audio-stop` had come, then `DONE`. Stopping it releases every lease.
+ * One Wyoming connection's work (see the module comment). Events are handled one at a time in
+ * arrival order (`queue`); audio is decoded once and pushed to every lane's session, and each
+ * lane pumps its jobs like a WebSocket stream. On `END` (the root's drain) the current audio
+ * stream finishes as if `audio-stop` had come, then `DONE`. {@link close} releases every lease.
  */
-const wyomingWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' }, { id: string }>(
-  ({ input: { id }, sendBack, receive }) => {
-    const res = streamResources(id)!;
-    const channel = res.channel as WyomingChannel;
-    const { registry, stats } = res;
-    const send = (e: WorkEvent): void => sendBack(e);
-    let stopped = false;
-    const t0 = performance.now();
-    let names: unknown;
-    let lanes: Lane[] = [];
-    let laneKey = '';
-    /** The name each head was asked by in the last `detect` (detections carry it back). */
-    let asked = new Map<string, string>();
-    /** The head (model id) of each detection label of the wake lane. */
-    let headOf = new Map<string, string>();
-    let decoder: PcmStreamDecoder | null = null;
-    /** The current audio stream: its detections so far, its format (the decoder's), and the client's clock. */
-    let audio: { detections: number; format: PcmFormat; clock: ClientClock } | null = null;
-    let ready = false;
-    let ended = false;
-    let paused = false;
-    let queued = 0;
-    let queue: Promise<void> = Promise.resolve();
+class WyomingConnection {
+  private stopped = false;
+  private readonly t0 = performance.now();
+  /** The names of the last `detect`. */
+  private names: unknown;
+  private lanes: Lane[] = [];
+  private laneKey = '';
+  /** The name each head was asked by in the last `detect` (detections carry it back). */
+  private asked = new Map<string, string>();
+  /** The head (model id) of each detection label of the wake lane. */
+  private headOf = new Map<string, string>();
+  private decoder: PcmStreamDecoder | null = null;
+  private audio: AudioStream | null = null;
+  private ready = false;
+  private ended = false;
+  private paused = false;
+  /** Payload bytes of the events waiting in `queue`. */
+  private queued = 0;
+  private queue: Promise<void> = Promise.resolve();
 
-    const fail = (e: unknown): void => {
-      if (stopped) return;
-      const err = toVoxError(e);
-      stopped = true;
-      send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
-    };
-    const setPaused = (p: boolean): void => {
-      if (p !== paused) send({ type: p ? 'PAUSE' : 'RESUME' });
-      paused = p;
-    };
-    const backlog = (): void =>
-      setPaused(
-        queued > MAX_EARLY_BYTES || lanes.some((l) => (l.pump?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES),
-      );
+  constructor(
+    private readonly channel: WyomingChannel,
+    private readonly registry: Supervisor,
+    private readonly stats: StreamResources['stats'],
+    private readonly send: (e: WorkEvent) => void,
+  ) {
+    channel.onEvent = (e) => this.enqueue(e);
+  }
 
-    const emit = (e: TaskEvent): void => {
-      if (!audio) return;
-      if (e.type === 'detection') {
-        audio.detections++;
-        const head = headOf.get(e.label) ?? e.label;
-        channel.write({
-          type: 'detection',
-          name: asked.get(head) ?? wyomingName(head),
-          timestamp: audio.clock.at(e.at_ms, true),
-        });
-      } else if (e.type === 'speech_start')
-        channel.write({ type: 'voice-started', timestamp: audio.clock.at(e.at_ms, false) });
-      else if (e.type === 'speech_end')
-        channel.write({ type: 'voice-stopped', timestamp: audio.clock.at(e.end_ms, false) });
-    };
+  /** A parsed event from the client: handled after every earlier one. */
+  private enqueue(e: WyomingEvent): void {
+    const bytes = e.payload?.length ?? 0;
+    this.queued += bytes;
+    this.backlog();
+    this.queue = this.queue
+      .then(() => this.handle(e))
+      .catch(this.fail)
+      .finally(() => {
+        this.queued -= bytes;
+        this.backlog();
+      });
+  }
 
-    /** Takes the leases for what `names` asks (keeps them when unchanged); the models are loaded. */
-    const admit = async (): Promise<void> => {
-      const want = resolveNames(registry, names);
-      asked = want.asked;
-      const key = `${want.wake}|${want.vad}`;
-      if (key === laneKey) return;
-      for (const l of lanes) l.lease.release();
-      lanes = [];
-      laneKey = '';
-      for (const [kind, mid] of [
-        ['wake', want.wake],
-        ['vad', want.vad],
-      ] as const) {
-        if (!mid) continue;
-        const { handle, granted } = leaseGranted(registry.require(mid), { metrics: registry.metrics }, (e) => {
-          if (stopped) return;
-          stopped = true;
-          send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
-        });
-        const lane = { kind, lease: handle } as Lane;
-        lanes.push(lane);
-        lane.granted = await granted;
-        stats.model = stats.model ?? lane.granted.model;
-        if (kind === 'wake') headOf = headOfLabel(lane.granted);
-      }
-      laneKey = key;
-    };
+  /** An event from the chart: the idle and send deadlines' checks, and `END` (the root's drain). */
+  receive(e: WyomingWorkEvent): void {
+    if (e.type === 'CHECK_IDLE') {
+      this.send({ type: 'IDLE_REPORT', silentMs: performance.now() - this.channel.heardAt });
+    } else if (e.type === 'CHECK_SEND') {
+      const since = this.channel.unflushedSince;
+      this.send({ type: 'SEND_REPORT', waitingMs: since === null ? 0 : performance.now() - since });
+    } else if (e.type === 'END' && !this.ended) {
+      this.queue = this.queue.then(() => this.end());
+    }
+  }
 
-    /** `audio-start` (or a first `audio-chunk`, which carries its format): a new audio stream. */
-    const start = async (kind: 'audio-start' | 'audio-chunk', data: Record<string, unknown>): Promise<void> => {
-      if (audio) await stop(false);
-      const format = pcmFormat(kind, data);
-      const base = clientTimestamp(kind, data) ?? 0;
-      await admit();
-      if (stopped) return;
-      decoder?.close();
-      decoder = null;
-      const next = await PcmStreamDecoder.create('s16le', format.rate, format.channels);
-      if (stopped) return next.close();
-      decoder = next;
-      for (const l of lanes)
-        l.pump = new JobPump(createTaskSession(l.granted.config, l.granted.info, undefined, false), l.granted, {
-          emit,
-          accepted: backlog,
-          fail,
-        });
-      audio = { detections: 0, format, clock: new ClientClock(kind === 'audio-start' ? base : 0) };
-      if (!ready) {
-        ready = true;
-        send({
-          type: 'READY',
-          model: lanes.map((l) => l.granted.model).join('+'),
-          task: lanes[0]?.granted.config.task ?? 'wakeword',
-        });
-      }
-    };
-
-    /** `audio-stop`: the last partial step is processed, then `not-detected` if nothing fired. */
-    const stop = async (answer: boolean): Promise<void> => {
-      if (audio) {
-        const current = audio;
-        const held = decoder?.end();
-        if (held?.length) feed(held, undefined);
-        await Promise.all(
-          lanes.map((l) => {
-            for (const e of l.pump!.session.end()) emit(e);
-            return l.pump!.pump();
-          }),
-        );
-        if (answer && current.detections === 0 && lanes.some((l) => l.kind === 'wake'))
-          channel.write({ type: 'not-detected' });
-      } else if (answer && !lanes.some((l) => l.kind === 'vad')) channel.write({ type: 'not-detected' });
-      audio = null;
-      for (const l of lanes) l.pump = null;
-    };
-
-    /** Converted samples (16 kHz mono) to every lane; `timestamp` is the client's for their chunk. */
-    const feed = (samples: Float32Array, timestamp: number | undefined): void => {
-      if (!audio) return;
-      audio.clock.chunk(samples.length, timestamp);
-      if (samples.length === 0) return;
-      const at = performance.now();
-      for (const l of lanes) {
-        l.pump!.session.push(samples);
-        l.pump!.arrived(at);
-        void l.pump!.pump();
-      }
-      stats.receivedSamples += samples.length;
-      backlog();
-    };
-
-    /**
-     * An `audio-chunk`, converted by its own `rate`, `width` and `channels` (as wyoming-openwakeword
-     * converts each chunk): a chunk whose format differs from the stream's so far ends the old
-     * stream of the converter (its held-back samples go on first) and re-initialises it for the
-     * new format (no new converter: see {@link PcmStreamDecoder.reformat}).
-     */
-    const chunk = async (e: WyomingEvent): Promise<void> => {
-      if (!audio || !decoder) return;
-      const format = pcmFormat('audio-chunk', e.data, audio.format);
-      const timestamp = clientTimestamp('audio-chunk', e.data);
-      if (format.rate !== audio.format.rate || format.channels !== audio.format.channels) {
-        const held = decoder.end();
-        if (held.length) feed(held, undefined);
-        // The same converter, re-initialised for the new format: a new one is a WASM instance
-        // (~15 ms of main-thread CPU), which a client switching format on every chunk could
-        // make the server pay per chunk (#25).
-        await decoder.reformat(format.rate, format.channels);
-        if (stopped || !audio) return;
-        audio.format = format;
-      }
-      feed(decoder.push(e.payload ?? Buffer.alloc(0)), timestamp);
-    };
-
-    const handle = async (e: WyomingEvent): Promise<void> => {
-      if (stopped || ended) return;
-      switch (e.type) {
-        case 'detect':
-          names = e.data.names;
-          resolveNames(registry, names); // a bad name is an error now, not at audio-start
-          return;
-        case 'audio-start':
-          return start('audio-start', e.data);
-        case 'audio-chunk':
-          // A client that sends chunks without audio-start: the chunk's own format starts the stream.
-          if (!audio) await start('audio-chunk', e.data);
-          return chunk(e);
-        case 'audio-stop':
-          return stop(true);
-        default:
-          // Unknown events are ignored, as the Wyoming README asks of peers.
-          return;
-      }
-    };
-
-    channel.onEvent = (e) => {
-      const bytes = e.payload?.length ?? 0;
-      queued += bytes;
-      backlog();
-      queue = queue
-        .then(() => handle(e))
-        .catch(fail)
-        .finally(() => {
-          queued -= bytes;
-          backlog();
-        });
-    };
-    receive((e) => {
-      if (e.type === 'CHECK_IDLE') {
-        send({ type: 'IDLE_REPORT', silentMs: performance.now() - channel.heardAt });
-      } else if (e.type === 'CHECK_SEND') {
-        send({
-          type: 'SEND_REPORT',
-          waitingMs: channel.unflushedSince === null ? 0 : performance.now() - channel.unflushedSince,
-        });
-      } else if (e.type === 'END' && !ended) {
-        // The root's drain: finish the current audio stream as if audio-stop had come, then `done`.
-        queue = queue.then(async () => {
-          await stop(true).catch(fail);
-          ended = true;
-          if (stopped) return;
-          const audioMs = stats.receivedSamples / 16;
-          send({
-            type: 'DONE',
-            processed_ms: Math.round(audioMs),
-            timing: {
-              wall_ms: Math.round(performance.now() - t0),
-              queue_ms: 0,
-              audio_duration_ms: Math.round(audioMs),
-              rtf: 0,
-            },
-          });
-        });
-      }
+  /** The root's drain: finishes the current audio stream as if audio-stop had come, then `DONE`. */
+  private async end(): Promise<void> {
+    await this.stop(true).catch(this.fail);
+    this.ended = true;
+    if (this.stopped) return;
+    const audioMs = this.stats.receivedSamples / 16;
+    this.send({
+      type: 'DONE',
+      processed_ms: Math.round(audioMs),
+      timing: {
+        wall_ms: Math.round(performance.now() - this.t0),
+        queue_ms: 0,
+        audio_duration_ms: Math.round(audioMs),
+        rtf: 0,
+      },
     });
-    return () => {
-      channel.onEvent = null;
-      stopped = true;
-      decoder?.close();
-      for (const l of lanes) l.lease.release();
-    };
-  },
-);
+  }
+
+  /** The actor stops: nothing more is sent, the decoder is freed, every lease released. */
+  close(): void {
+    this.channel.onEvent = null;
+    this.stopped = true;
+    this.decoder?.close();
+    for (const l of this.lanes) l.lease.release();
+  }
+
+  private readonly fail = (e: unknown): void => {
+    if (this.stopped) return;
+    const err = toVoxError(e);
+    this.stopped = true;
+    this.send({ type: 'FAILED', error: err.toWire(), code: err.closeCode });
+  };
+
+  /** Pauses reading while too much is queued or a lane's session has too much audio waiting; resumes below. */
+  private readonly backlog = (): void => {
+    const p =
+      this.queued > MAX_EARLY_BYTES ||
+      this.lanes.some((l) => (l.pump?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES);
+    if (p !== this.paused) this.send({ type: p ? 'PAUSE' : 'RESUME' });
+    this.paused = p;
+  };
+
+  /** A task event of the current audio stream, as its Wyoming event. */
+  private readonly emit = (e: TaskEvent): void => {
+    const audio = this.audio;
+    if (!audio) return;
+    if (e.type === 'detection') {
+      audio.detections++;
+      const head = this.headOf.get(e.label) ?? e.label;
+      this.channel.write({
+        type: 'detection',
+        name: this.asked.get(head) ?? wyomingName(head),
+        timestamp: audio.clock.at(e.at_ms, true),
+      });
+    } else if (e.type === 'speech_start')
+      this.channel.write({ type: 'voice-started', timestamp: audio.clock.at(e.at_ms, false) });
+    else if (e.type === 'speech_end')
+      this.channel.write({ type: 'voice-stopped', timestamp: audio.clock.at(e.end_ms, false) });
+  };
+
+  private async handle(e: WyomingEvent): Promise<void> {
+    if (this.stopped || this.ended) return;
+    switch (e.type) {
+      case 'detect':
+        this.names = e.data.names;
+        resolveNames(this.registry, this.names); // a bad name is an error now, not at audio-start
+        return;
+      case 'audio-start':
+        return this.start('audio-start', e.data);
+      case 'audio-chunk':
+        // A client that sends chunks without audio-start: the chunk's own format starts the stream.
+        if (!this.audio) await this.start('audio-chunk', e.data);
+        return this.chunk(e);
+      case 'audio-stop':
+        return this.stop(true);
+      default:
+        // Unknown events are ignored, as the Wyoming README asks of peers.
+        return;
+    }
+  }
+
+  /** Takes the leases for what `names` asks (keeps them when unchanged); the models are loaded. */
+  private async admit(): Promise<void> {
+    const want = resolveNames(this.registry, this.names);
+    this.asked = want.asked;
+    const key = `${want.wake}|${want.vad}`;
+    if (key === this.laneKey) return;
+    for (const l of this.lanes) l.lease.release();
+    this.lanes = [];
+    this.laneKey = '';
+    for (const [kind, mid] of [
+      ['wake', want.wake],
+      ['vad', want.vad],
+    ] as const) {
+      if (!mid) continue;
+      const { handle, granted } = leaseGranted(this.registry.require(mid), { metrics: this.registry.metrics }, (e) => {
+        if (this.stopped) return;
+        this.stopped = true;
+        this.send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
+      });
+      const lane = { kind, lease: handle } as Lane;
+      this.lanes.push(lane);
+      lane.granted = await granted;
+      this.stats.model = this.stats.model ?? lane.granted.model;
+      if (kind === 'wake') this.headOf = headOfLabel(lane.granted);
+    }
+    this.laneKey = key;
+  }
+
+  /** `audio-start` (or a first `audio-chunk`, which carries its format): a new audio stream. */
+  private async start(kind: 'audio-start' | 'audio-chunk', data: Record<string, unknown>): Promise<void> {
+    if (this.audio) await this.stop(false);
+    const format = pcmFormat(kind, data);
+    const base = clientTimestamp(kind, data) ?? 0;
+    await this.admit();
+    if (this.stopped) return;
+    this.decoder?.close();
+    this.decoder = null;
+    const next = await PcmStreamDecoder.create('s16le', format.rate, format.channels);
+    if (this.stopped) return next.close();
+    this.decoder = next;
+    for (const l of this.lanes)
+      l.pump = new JobPump(createTaskSession(l.granted.config, l.granted.info, undefined, false), l.granted, {
+        emit: this.emit,
+        accepted: this.backlog,
+        fail: this.fail,
+      });
+    this.audio = { detections: 0, format, clock: new ClientClock(kind === 'audio-start' ? base : 0) };
+    if (!this.ready) {
+      this.ready = true;
+      this.send({
+        type: 'READY',
+        model: this.lanes.map((l) => l.granted.model).join('+'),
+        task: this.lanes[0]?.granted.config.task ?? 'wakeword',
+      });
+    }
+  }
+
+  /** `audio-stop`: the last partial step is processed, then `not-detected` if nothing fired (when `answer`). */
+  private async stop(answer: boolean): Promise<void> {
+    const current = this.audio;
+    if (current) {
+      const held = this.decoder?.end();
+      if (held?.length) this.feed(held, undefined);
+      await Promise.all(
+        this.lanes.map((l) => {
+          for (const e of l.pump!.session.end()) this.emit(e);
+          return l.pump!.pump();
+        }),
+      );
+      if (answer && current.detections === 0 && this.lanes.some((l) => l.kind === 'wake'))
+        this.channel.write({ type: 'not-detected' });
+    } else if (answer && !this.lanes.some((l) => l.kind === 'vad')) this.channel.write({ type: 'not-detected' });
+    this.audio = null;
+    for (const l of this.lanes) l.pump = null;
+  }
+
+  /** Converted samples (16 kHz mono) to every lane; `timestamp` is the client's for their chunk. */
+  private feed(samples: Float32Array, timestamp: number | undefined): void {
+    if (!this.audio) return;
+    this.audio.clock.chunk(samples.length, timestamp);
+    if (samples.length === 0) return;
+    const at = performance.now();
+    for (const l of this.lanes) {
+      l.pump!.session.push(samples);
+      l.pump!.arrived(at);
+      void l.pump!.pump();
+    }
+    this.stats.receivedSamples += samples.length;
+    this.backlog();
+  }
+
+  /**
+   * An `audio-chunk`, converted by its own `rate`, `width` and `channels` (as wyoming-openwakeword
+   * converts each chunk): a chunk whose format differs from the stream's so far ends the old
+   * stream of the converter (its held-back samples go on first) and re-initialises it for the
+   * new format (no new converter: see {@link PcmStreamDecoder.reformat}).
+   */
+  private async chunk(e: WyomingEvent): Promise<void> {
+    const decoder = this.decoder;
+    if (!this.audio || !decoder) return;
+    const format = pcmFormat('audio-chunk', e.data, this.audio.format);
+    const timestamp = clientTimestamp('audio-chunk', e.data);
+    if (format.rate !== this.audio.format.rate || format.channels !== this.audio.format.channels) {
+      const held = decoder.end();
+      if (held.length) this.feed(held, undefined);
+      // The same converter, re-initialised for the new format: a new one is a WASM instance
+      // (~15 ms of main-thread CPU), which a client switching format on every chunk could
+      // make the server pay per chunk (#25).
+      await decoder.reformat(format.rate, format.channels);
+      if (this.stopped || !this.audio) return;
+      this.audio.format = format;
+    }
+    this.feed(decoder.push(e.payload ?? Buffer.alloc(0)), timestamp);
+  }
+}
+
+/** The `work` actor of a Wyoming connection: a {@link WyomingConnection} for as long as it runs. */
+const wyomingWork = fromCallback<WyomingWorkEvent, { id: string }>(({ input: { id }, sendBack, receive }) => {
+  const { channel, registry, stats } = streamResources(id)!;
+  const connection = new WyomingConnection(channel as WyomingChannel, registry, stats, sendBack);
+  receive((e) => connection.receive(e));
+  return () => connection.close();
+});
 
 /**
  * Creates the socket actor of one Wyoming connection (unstarted, as {@link createStreamSocket}).

@@ -209,7 +209,7 @@ class MessageSlot implements SlotHost {
 }
 
 /** Loads `spec` into a new slot; rejects (and stops it) if the load fails. */
-async function started(slot: MessageSlot, spec: LoadSpec): Promise<SlotHost> {
+async function loadSlot(slot: MessageSlot, spec: LoadSpec): Promise<SlotHost> {
   try {
     await slot.load(spec);
     return slot;
@@ -240,7 +240,7 @@ export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> 
   worker.on('message', (m: FromSlot) => slot.onMessage(m));
   worker.on('error', (e) => slot.fail(e));
   worker.on('exit', (code) => slot.gone(`slot worker exited with code ${code}`));
-  return started(slot, spec);
+  return loadSlot(slot, spec);
 }
 
 /**
@@ -325,7 +325,7 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       slot.gone(signal ? `slot host was killed by ${signal}` : `slot host exited with code ${code}`),
     );
     try {
-      return await started(slot, spec);
+      return await loadSlot(slot, spec);
     } finally {
       signal?.removeEventListener('abort', abandon);
     }
@@ -393,8 +393,9 @@ const RESPAWN_BACKOFF_MS = 100;
  * A slot whose host dies (a crash, or a kill for a job over `job_timeout_ms`) is respawned, one
  * for one, after a backoff; three crashes within a minute, or a respawn that fails, fail the
  * pool (the model unloads with the error). A job waiting for a slot longer than `waitTimeoutMs`
- * is answered 503; once every slot has run one job longer than that (stuck work, C4), every
- * waiting job is answered 503 at once.
+ * is answered 503; once every slot has run one job longer than that (stuck work, C4: the pool's
+ * slot-wait timer is the one place that decides it, and `onStuck` says so), every waiting job is
+ * answered 503 at once.
  */
 export class SlotPool {
   /** Slots the pool keeps (a respawning one included). */
@@ -418,8 +419,15 @@ export class SlotPool {
   onRun: ((ms: number) => void) | null = null;
   /** Called when a slot host dies: why, and whether it is respawned (for logs). */
   onHostExit: ((why: string, respawn: boolean) => void) | null = null;
-  /** Longest wait for a slot, ms (the model's busy timeout); 0 = unbounded. */
+  /** Longest wait for a slot, ms (the model's busy timeout); 0 = unbounded. Also the overdue limit of C4. */
   waitTimeoutMs = 0;
+  /**
+   * Called when the slots turn stuck (true: every slot has run its job longer than `waitTimeoutMs`)
+   * and when they move again (false: a job ended, a slot freed). The model chart shows it.
+   */
+  onStuck: ((stuck: boolean) => void) | null = null;
+  /** The slots are stuck now (see {@link onStuck}). */
+  private stuck = false;
 
   /** Aborted at close: kills the hosts of respawns still loading. */
   private readonly closed = new AbortController();
@@ -490,7 +498,7 @@ export class SlotPool {
    * Stuck work (DESIGN.md C4): true when every slot is running a job that started more than
    * `timeoutMs` ago. Always false for `timeoutMs` 0 (unbounded).
    */
-  allOverdue(timeoutMs: number, now = Date.now()): boolean {
+  private allOverdue(timeoutMs: number, now = Date.now()): boolean {
     if (timeoutMs <= 0 || this.running.size === 0 || this.running.size < this.live.length) return false;
     for (const started of this.running.values()) if (now - started <= timeoutMs) return false;
     return true;
@@ -564,7 +572,7 @@ export class SlotPool {
         .finally(() => {
           this.running.delete(slot);
           if (lost) this.removeLive(slot);
-          if (this.failure || !this.live.includes(slot)) return;
+          if (this.failure || !this.live.includes(slot)) return this.armWait();
           this.idle.push(slot);
           this.dispatch();
         });
@@ -572,16 +580,21 @@ export class SlotPool {
     this.armWait();
   }
 
-  /** Arms the slot-wait deadline: the earliest waiter's, or the moment the running jobs turn stuck. */
+  /**
+   * Arms the slot-wait deadline: the earliest waiter's, or the moment the running jobs turn stuck
+   * (then, while stuck, at once for any waiter). Called after every change of the running jobs.
+   */
   private armWait(): void {
     if (this.waitTimer) clearTimeout(this.waitTimer);
     this.waitTimer = null;
-    if (!this.queue.length || this.failure) return;
+    if (this.failure) return;
+    const limit = this.waitTimeoutMs;
+    if (this.stuck && !this.allOverdue(limit)) this.setStuck(false);
     let at = Infinity;
     for (const q of this.queue) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
     // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
-    const limit = this.waitTimeoutMs;
-    if (limit > 0 && this.running.size > 0 && this.running.size >= this.live.length)
+    const saturated = this.running.size > 0 && this.running.size >= this.live.length;
+    if (limit > 0 && saturated && (!this.stuck || this.queue.length))
       at = Math.min(at, Math.max(...this.running.values()) + limit);
     if (at === Infinity) return;
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
@@ -592,6 +605,7 @@ export class SlotPool {
     const limit = this.waitTimeoutMs;
     const now = Date.now();
     const stuck = this.allOverdue(limit, now);
+    this.setStuck(stuck);
     for (const q of [...this.queue]) {
       if (!stuck && (q.limit <= 0 || now - q.queuedAt <= q.limit)) continue;
       this.queue.splice(this.queue.indexOf(q), 1);
@@ -601,6 +615,12 @@ export class SlotPool {
       );
     }
     this.armWait();
+  }
+
+  private setStuck(stuck: boolean): void {
+    if (stuck === this.stuck) return;
+    this.stuck = stuck;
+    this.onStuck?.(stuck);
   }
 
   /** Respawns a slot whose host died, or fails the pool past the crash limit. */

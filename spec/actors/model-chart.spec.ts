@@ -25,9 +25,11 @@ function chart(
   }[] = [];
   const closed: string[] = [];
   let failSlot: ((e: Error) => void) | null = null;
+  /** The latest pool's `onStuck`, set by the residency actor. */
+  let latest: { onStuck?: ((stuck: boolean) => void) | null } = {};
   const pool = (id: string, closeError?: Error): LoadedModel =>
     ({
-      pool: { slots: [{}], info: {}, onFailure: (cb: (e: Error) => void) => (failSlot = cb) },
+      pool: (latest = { slots: [{}], info: {}, onFailure: (cb: (e: Error) => void) => (failSlot = cb) } as never),
       residentBytes: 1234,
       close: async () => {
         closed.push(id);
@@ -37,17 +39,22 @@ function chart(
   const leases: { exclusive: boolean; released: boolean }[] = [];
   const evictions: EvictReason[] = [];
   const resident: (LoadedModel | null)[] = [];
+  /** The fake admission queue's leases held and waiters (the chart reads them); `exclusive` a holder's lease or null. */
+  const admission = {
+    activeLeases: 0,
+    queued: 0,
+    exclusive: null as { exclusive: boolean; grantedAt: number; release: () => void } | null,
+    tryAcquire: (exclusive = false) => {
+      const l = { exclusive, released: false };
+      leases.push(l);
+      return { exclusive, grantedAt: 0, release: () => void (l.released = true) };
+    },
+  };
   const deps: ModelDeps = {
     loader: (config, signal) =>
       new Promise((resolve, reject) => loads.push({ config: config as ModelConfig, signal: signal!, resolve, reject })),
     footprint: async () => 0,
-    admission: {
-      tryAcquire: (exclusive = false) => {
-        const l = { exclusive, released: false };
-        leases.push(l);
-        return { exclusive, grantedAt: 0, release: () => void (l.released = true) };
-      },
-    },
+    admission,
     busyTimeoutMs: () => 0,
     resident: (m) => void resident.push(m),
     evicted: (reason) => void evictions.push(reason),
@@ -78,8 +85,18 @@ function chart(
     loads.at(-1)!.resolve(pool(id));
     await flush();
   };
+  /** The admission queue changes to `active` leases held, `queued` waiters, an exclusive holder or not, and says so (`LEASES`). */
+  const setLeases = (active: number, queued: number, exclusive: boolean): void => {
+    Object.assign(admission, {
+      activeLeases: active,
+      queued,
+      exclusive: exclusive ? { exclusive: true, grantedAt: 0, release: () => {} } : null,
+    });
+    actor.send({ type: 'LEASES' });
+  };
   return {
     actor,
+    setLeases,
     clock,
     loads,
     closed,
@@ -93,6 +110,8 @@ function chart(
     load,
     pool,
     failSlot: (e: Error) => failSlot!(e),
+    /** The pool's slot-wait timer says the slots turned stuck (true) or move again (false). */
+    stuckSlots: (stuck: boolean) => latest.onStuck!(stuck),
   };
 }
 
@@ -106,7 +125,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(c.loads).toHaveLength(1);
     c.loads[0].resolve(c.pool('m'));
     await flush();
-    expect(c.value()).toEqual({ resident: { ready: { idle: 'keepAliveOff' } } });
+    expect(c.value()).toEqual({ resident: { ready: { leases: { idle: 'keepAliveOff' }, work: 'flowing' } } });
     expect(c.actor.getSnapshot().context.residentBytes).toBe(1234);
     expect(c.resident).toHaveLength(1);
     expect(c.emitted).toEqual(['ready']);
@@ -171,16 +190,19 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(stateName(off.value())).toBe('loading');
   });
 
-  it('ready.idle <-LEASES-> ready.busy follows the admission mirror (held or queued)', async () => {
+  it('ready.idle <-LEASES-> ready.busy follows the admission queue (held or queued)', async () => {
     const c = chart();
     await c.load();
-    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
-    expect(c.value()).toEqual({ resident: { ready: 'busy' } });
-    c.actor.send({ type: 'LEASES', active: 0, queued: 1, exclusive: false });
-    expect(c.value()).toEqual({ resident: { ready: 'busy' } });
-    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: false });
+    c.setLeases(1, 0, false);
+    expect(c.value()).toEqual({ resident: { ready: { leases: 'busy', work: 'flowing' } } });
+    c.setLeases(0, 1, false);
+    expect(c.value()).toEqual({ resident: { ready: { leases: 'busy', work: 'flowing' } } });
+    c.setLeases(0, 0, false);
     expect(stateName(c.value())).toBe('ready');
-    expect((c.value() as { resident: { ready: unknown } }).resident.ready).toEqual({ idle: 'keepAliveOff' });
+    expect((c.value() as { resident: { ready: unknown } }).resident.ready).toEqual({
+      leases: { idle: 'keepAliveOff' },
+      work: 'flowing',
+    });
   });
 
   it('EVICT in ready.idle: the exclusive lease is held until the pool closed, EVICTED answered, counted; -> unloaded', async () => {
@@ -204,9 +226,9 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const c = chart();
     c.actor.send({ type: 'EVICT', reason: 'memory', replyTo: c.inbox });
     await c.load();
-    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    c.setLeases(1, 0, false);
     c.actor.send({ type: 'EVICT', reason: 'lru', replyTo: c.inbox });
-    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: true });
+    c.setLeases(0, 0, true);
     c.actor.send({ type: 'EVICT', reason: 'lru', replyTo: c.inbox });
     expect(c.replies).toEqual([
       { type: 'EVICT_REFUSED', id: 'm', reason: 'memory', state: 'unloaded' },
@@ -221,9 +243,9 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const c = chart({ keep_alive_ms: 1000 });
     await c.load();
     c.clock.increment(600);
-    c.actor.send({ type: 'LEASES', active: 1, queued: 0, exclusive: false });
+    c.setLeases(1, 0, false);
     c.clock.increment(5000);
-    c.actor.send({ type: 'LEASES', active: 0, queued: 0, exclusive: false });
+    c.setLeases(0, 0, false);
     c.clock.increment(999);
     expect(stateName(c.value())).toBe('ready');
     c.clock.increment(1);
@@ -257,6 +279,52 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     e.actor.send({ type: 'UNLOAD' });
     await flush();
     expect(e.actor.getSnapshot().context.lastError).toBe('close failed');
+  });
+
+  it('residency (the `slots` tag): from LOADED until the pool has closed, retiring included; not while loading or unloaded', async () => {
+    const c = chart();
+    const slots = (): boolean => c.actor.getSnapshot().hasTag('slots');
+    expect(slots()).toBe(false);
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    expect(slots()).toBe(false); // loading: no pool yet
+    c.loads[0].resolve(c.pool('m'));
+    await flush();
+    expect(slots()).toBe(true);
+    c.setLeases(1, 0, false);
+    expect(slots()).toBe(true); // ready.busy
+    c.setLeases(0, 0, false);
+    c.actor.send({ type: 'UNLOAD' });
+    expect(stateName(c.value())).toBe('unloading');
+    expect(slots()).toBe(true); // retiring: its memory counts until its workers are gone
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(slots()).toBe(false);
+    await c.load('old');
+    c.actor.send({ type: 'RECONFIGURE', config: ModelConfig.parse({ id: 'm', task: 'vad', path: '/b.onnx' }) });
+    expect(slots()).toBe(true); // reconfiguring: the old pool is closing
+    await flush();
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(slots()).toBe(false);
+  });
+
+  it('ready.work: the pool saying its slots are stuck -> stuck (C4), moving again -> flowing; beside idle/busy, which it leaves alone', async () => {
+    const c = chart({ keep_alive_ms: 1000 });
+    await c.load();
+    const ready = () => (c.value() as { resident: { ready: { leases: unknown; work: string } } }).resident.ready;
+    expect(ready().work).toBe('flowing');
+    c.stuckSlots(true);
+    expect(ready()).toEqual({ leases: { idle: 'waiting' }, work: 'stuck' });
+    c.setLeases(1, 0, false);
+    expect(ready()).toEqual({ leases: 'busy', work: 'stuck' });
+    c.stuckSlots(false);
+    expect(ready()).toEqual({ leases: 'busy', work: 'flowing' });
+    // Stuck and idle (its requests went away): keep-alive still unloads it.
+    c.setLeases(0, 0, false);
+    c.stuckSlots(true);
+    c.clock.increment(1000);
+    expect(c.evictions).toEqual(['idle']);
+    expect(stateName(c.value())).toBe('unloading');
   });
 
   it('SLOT_FAILED in ready unloads the model with lastError', async () => {
@@ -325,7 +393,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     const chartDeps = (): ModelDeps => ({
       loader: () => new Promise(() => void loads.push(1)),
       footprint: async () => 5,
-      admission: { tryAcquire: () => null },
+      admission: { tryAcquire: () => null, activeLeases: 0, queued: 0, exclusive: null },
       busyTimeoutMs: () => 700,
       resident: () => {},
       evicted: () => {},

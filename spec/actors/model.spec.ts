@@ -101,6 +101,25 @@ describe('ModelEntry', () => {
     expect(f.calls).toHaveLength(1); // not reloaded
   });
 
+  it('residency (holdsSlots): a pool loaded here counts from its load until it has closed; a cluster placement on other nodes does not', async () => {
+    const f = fakeLoader();
+    const e = new ModelEntry(config, { loader: f.loader });
+    expect(e.holdsSlots).toBe(false);
+    await e.ensureReady();
+    expect(e.holdsSlots).toBe(true);
+    await e.unload(1000);
+    expect(e.holdsSlots).toBe(false);
+    // A placement that loads here (`local`) holds slots here; one that returns another pool does not.
+    const here = new ModelEntry(config, { loader: f.loader, place: (_c, _s, local) => local() });
+    await here.ensureReady();
+    expect(here.holdsSlots).toBe(true);
+    const remote = fakeLoader();
+    const away = new ModelEntry(config, { loader: f.loader, place: (c, s) => remote.loader(c, s) });
+    await away.ensureReady();
+    expect(away.state).toBe('ready');
+    expect(away.holdsSlots).toBe(false);
+  });
+
   it('configure: an identical config does nothing; a changed one reloads with the merged config', async () => {
     const f = fakeLoader();
     const e = new ModelEntry(config, { loader: f.loader });

@@ -132,10 +132,12 @@ describe('the ingress node of a stream dies (SIGKILL)', () => {
     await send(0, 20_000);
     await until(() => progress() >= 19_000, 30_000);
     await send(20_000, 30_000);
+    const killedAt = performance.now();
     A.child.kill('SIGKILL');
     const sentAtKill = 30_000;
     // The rest once the stream has resumed (a send meanwhile would wait, and be in the gap), then end.
     await until(() => events.some((e) => e.type === 'resumed'), 30_000);
+    const resumeMs = performance.now() - killedAt;
     await send(30_000, (pcm.length / 32) | 0);
     const done = await stream.end();
     await reading;
@@ -158,7 +160,9 @@ describe('the ingress node of a stream dies (SIGKILL)', () => {
     // All of it was kept and sent again (30 s buffer): nothing dropped.
     expect(r.resent).toEqual({ start_ms: confirmed, end_ms: sentAtKill });
     expect(r.dropped).toBeNull();
-    console.log(`resume: gap ${JSON.stringify(r.gap)} (${r.gap.end_ms - r.gap.start_ms} ms unconfirmed at the kill)`);
+    console.log(
+      `resume: gap ${JSON.stringify(r.gap)} (${r.gap.end_ms - r.gap.start_ms} ms unconfirmed at the kill), resumed ${Math.round(resumeMs)} ms after the kill`,
+    );
 
     // Before the gap: A's events, a prefix of the whole recording's (none lost before the confirmed audio).
     const early = ends(before);

@@ -1,7 +1,7 @@
 import { writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it, vi } from 'vitest';
 import { defaultCatalog } from '../../runtime/config.js';
 import type { Job, JobResult, LoadSpec, SlotInfo } from '../../runtime/slot-protocol.js';
 import { processSlots, SlotPool, type SlotHost } from '../../runtime/slots.js';
@@ -141,6 +141,76 @@ describe('SlotPool.start', () => {
     await until(() => respawn !== undefined, 2000);
     await pool.close();
     expect(respawn!.aborted).toBe(true);
+  });
+});
+
+describe("stuck slots (DESIGN.md C4): the pool's slot-wait timer decides, onStuck says so", () => {
+  afterEach(() => void vi.useRealTimers());
+
+  /** Slots whose jobs run until the test ends them (`finish()`: the oldest running job answers). */
+  function hangingFactory() {
+    const running: (() => void)[] = [];
+    const factory = async (): Promise<SlotHost> => ({
+      info: {} as SlotInfo,
+      run: (job: Job) =>
+        new Promise<JobResult>((resolve) =>
+          running.push(() =>
+            resolve({
+              kind: 'vad',
+              probs: new Float32Array(0),
+              state: (job as { state: Float32Array }).state,
+            } as JobResult),
+          ),
+        ),
+      close: async () => {},
+      onExit: () => {},
+      residentBytes: () => 0,
+    });
+    return { factory, finish: () => running.shift()!() };
+  }
+
+  it('every slot running one job longer than waitTimeoutMs turns the pool stuck (no waiter needed), not a ms before; a job that ends frees it', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const slots = hangingFactory();
+    const pool = await SlotPool.start(vadSpec(), 2, slots.factory);
+    pool.waitTimeoutMs = 100;
+    const said: boolean[] = [];
+    pool.onStuck = (stuck) => void said.push(stuck);
+    const a = pool.run(vadJob(1));
+    await vi.advanceTimersByTimeAsync(30);
+    const b = pool.run(vadJob(1)); // both slots busy from t=30
+    await vi.advanceTimersByTimeAsync(100); // t=130: the job of t=30 has run 100 ms, not more
+    expect(said).toEqual([]);
+    await vi.advanceTimersByTimeAsync(1); // 101 ms
+    expect(said).toEqual([true]);
+    // While stuck, a queued job is answered 503 model_stuck at once.
+    const c = pool.run(vadJob(1));
+    const refused = c.catch((e: unknown) => e);
+    await vi.advanceTimersByTimeAsync(2);
+    expect(await refused).toMatchObject({ code: 'model_stuck', status: 503 });
+    slots.finish();
+    await a;
+    await vi.advanceTimersByTimeAsync(0); // the slot is handed back after the result
+    expect(said).toEqual([true, false]);
+    slots.finish();
+    await b;
+    await vi.advanceTimersByTimeAsync(0);
+    expect(said).toEqual([true, false]);
+    await pool.close();
+  });
+
+  it('waitTimeoutMs 0 (unbounded): never stuck', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const slots = hangingFactory();
+    const pool = await SlotPool.start(vadSpec(), 1, slots.factory);
+    const said: boolean[] = [];
+    pool.onStuck = (stuck) => void said.push(stuck);
+    const a = pool.run(vadJob(1));
+    await vi.advanceTimersByTimeAsync(3_600_000);
+    expect(said).toEqual([]);
+    slots.finish();
+    await a;
+    await pool.close();
   });
 });
 

@@ -79,7 +79,7 @@ describe('observability', () => {
     ac.abort();
     await reader;
 
-    // `resident.ready.idle` and `.busy` are both `ready` here; `resident.loading.queued` and `.building` both `loading`.
+    // `resident.ready.leases.idle` and `.busy` are both `ready` here; `resident.loading.queued` and `.building` both `loading`.
     const states = events
       .filter((e) => e.actor === 'model:obs' && e.kind === '@xstate.snapshot')
       .map((e) => e.state.replace(/^resident\./, '').replace(/^(ready|loading)\..*/, '$1'))
@@ -184,15 +184,10 @@ describe('observability', () => {
       });
       const deadline = Date.now() + 5000;
       const values = () => got.filter((g) => g.type === '@xstate.snapshot').map((g) => statePath(g.snapshot?.value));
-      while (!values().includes('resident.ready.idle.keepAliveOff') && Date.now() < deadline)
-        await new Promise((r) => setTimeout(r, 50));
+      const ready = 'resident.ready.leases.idle.keepAliveOff, work.flowing';
+      while (!values().includes(ready) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
       expect(values()).toEqual(
-        expect.arrayContaining([
-          'running',
-          'resident.loading.queued',
-          'resident.loading.building',
-          'resident.ready.idle.keepAliveOff',
-        ]),
+        expect.arrayContaining(['running', 'resident.loading.queued', 'resident.loading.building', ready]),
       );
     } finally {
       await s.close();
@@ -237,7 +232,7 @@ describe('observability', () => {
       await page.waitForSelector('[data-model="vad-a"][data-state="unloaded"]');
       expect(await page.textContent('[data-model="vad-a"]')).toContain('evicted (lru)');
       await page.waitForSelector(
-        '[data-model="vad-b"][data-state="ready"] .state.current[data-state="resident.ready.idle"]',
+        '[data-model="vad-b"][data-state="ready"] .state.current[data-state="resident.ready.leases.idle"]',
       );
       const log = (await page.textContent('#log')) ?? '';
       expect(log).toMatch(/model:vad-a\s*EVICT\s*\{"reason":"lru","replyTo":"supervisor"\}/);
