@@ -358,7 +358,7 @@ export type ModelPool = Pick<
   | 'slots'
   | 'activeSlots'
   | 'residentBytes'
-  | 'allOverdue'
+  | 'onStuck'
   | 'onFailure'
   | 'run'
   | 'close'

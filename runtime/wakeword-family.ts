@@ -57,6 +57,10 @@ export class WakewordFamilies {
           p.onHostExit = (why, respawn) => {
             for (const v of f.views) v.onHostExit?.(why, respawn);
           };
+          // The slots are shared: stuck for one model, stuck for all (C4).
+          p.onStuck = (stuck) => {
+            for (const v of f.views) v.onStuck?.(stuck);
+          };
         },
         () => {
           if (this.families.get(key) === f) this.families.delete(key);
@@ -65,13 +69,20 @@ export class WakewordFamilies {
     }
     const f = family;
     const pool = await f.pool;
+    // The family's overdue limit: the shortest busy timeout of its models (0 = unbounded).
+    const limits = (): void => {
+      const ms = [...f.views].map((v) => v.waitTimeoutMs).filter((v) => v > 0);
+      pool.waitTimeoutMs = ms.length ? Math.min(...ms) : 0;
+    };
     const view = new FamilyView(
       pool,
       heads,
       { ...info, initialEmbeddings: pool.info.initialEmbeddings },
       () => f.views.size,
+      limits,
       () => {
         f.views.delete(view);
+        limits();
         if (f.views.size > 0) return Promise.resolve();
         if (this.families.get(key) === f) this.families.delete(key);
         return pool.close();
@@ -103,9 +114,11 @@ async function viewInfo(heads: string[]): Promise<SlotInfo> {
  * waits, run times, host exits and failure are its own; closing it releases the family.
  */
 export class FamilyView implements ModelPool {
-  waitTimeoutMs = 0;
   onRun: ((ms: number) => void) | null = null;
   onHostExit: ((why: string, respawn: boolean) => void) | null = null;
+  /** Called when the family's slots turn stuck and when they move again (see `SlotPool.onStuck`). */
+  onStuck: ((stuck: boolean) => void) | null = null;
+  private waitMs = 0;
   private failCb: ((err: Error) => void) | null = null;
   private failure: Error | null = null;
   private closed: Promise<void> | null = null;
@@ -116,8 +129,19 @@ export class FamilyView implements ModelPool {
     private readonly heads: string[],
     readonly info: SlotInfo,
     private readonly members: () => number,
+    private readonly limitsChanged: () => void,
     private readonly release: () => Promise<void>,
   ) {}
+
+  /** This model's longest wait for a slot, ms (its busy timeout; 0 = unbounded); the family's overdue limit is the shortest. */
+  get waitTimeoutMs(): number {
+    return this.waitMs;
+  }
+
+  set waitTimeoutMs(ms: number) {
+    this.waitMs = ms;
+    this.limitsChanged();
+  }
 
   get size(): number {
     return this.pool.size;
@@ -135,10 +159,6 @@ export class FamilyView implements ModelPool {
   /** Its share of the family's slot hosts' memory: theirs divided by the models using them. */
   residentBytes(): number {
     return Math.round(this.pool.residentBytes() / Math.max(1, this.members()));
-  }
-
-  allOverdue(timeoutMs: number, now = Date.now()): boolean {
-    return this.pool.allOverdue(timeoutMs, now);
   }
 
   onFailure(cb: (err: Error) => void): void {
