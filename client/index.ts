@@ -1174,7 +1174,11 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
    */
   async end(): Promise<StreamEventOf<'done'>> {
     this.ending = true;
-    if (!this.info) await this.enqueue(() => (this.plan ? this.writeEnd() : this.ws.send('{"type":"end"}')));
+    if (!this.info) {
+      const ended = this.enqueue(() => (this.plan ? this.writeEnd() : this.ws.send('{"type":"end"}')));
+      // With `resume`, a resumed session is sent `end` as it opens: its `done` may come before this turn.
+      await (this.plan ? ended.catch((e) => (this.info ? undefined : Promise.reject(e))) : ended);
+    }
     const info = this.info ?? (await this.closed);
     if (this.doneEvent) return this.doneEvent;
     throw (

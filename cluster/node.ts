@@ -237,6 +237,23 @@ export class ClusterNode {
     for (const f of this.viewChanged.splice(0)) f();
   }
 
+  /** Reads every node's last heartbeat from the registry bucket itself (after a pause, the watch may lag behind it). */
+  private async refreshView(): Promise<void> {
+    try {
+      const kv = this.link.nodes;
+      for await (const key of await kv.keys('node.>')) {
+        const e = await kv.get(key);
+        if (!e || e.operation !== 'PUT') continue;
+        const name = key.slice('node.'.length);
+        const seen = e.created.getTime();
+        if ((this.view.get(name)?.seen ?? -1) < seen) this.view.set(name, { record: e.json<NodeRecord>(), seen });
+      }
+    } catch (e) {
+      this.log.debug({ err: (e as Error).message }, 'cluster: registry not read');
+    }
+    for (const f of this.viewChanged.splice(0)) f();
+  }
+
   /** Logs and tracks losing and regaining NATS (the client reconnects by itself). */
   private async watchStatus(): Promise<void> {
     for await (const s of this.link.nc.status()) {
@@ -631,8 +648,12 @@ export class ClusterNode {
         } finally {
           await lock.release();
         }
-        // The other placement is heard of at its holder's next heartbeat (this node may have been paused).
-        if (lost) await this.until(() => this.holders(id).length > 0, 3 * this.settings.heartbeat_ms);
+        // The other placement is heard of at its holder's next heartbeat; this node was paused, so its
+        // registry watch may lag: the registry is read afresh first.
+        if (lost) {
+          await this.refreshView();
+          await this.until(() => this.holders(id).length > 0, 3 * this.settings.heartbeat_ms);
+        }
       }
       if (Date.now() >= end) throw voxError('cluster_load_timeout', { id, ms: timeout });
       await this.changed(Math.min(this.settings.heartbeat_ms, end - Date.now()));
@@ -649,14 +670,15 @@ export class ClusterNode {
    * comes with one) is still the one it was taken with: else (another node took the lock over
    * meanwhile, so its placement is the one that counts) the load is closed before it is ever
    * registered, and this throws.
-   * @throws the placement's error; `superseded` when the lock was taken over.
+   * @throws the placement's error; VoxError `no_holder` (503) when the lock was taken over.
    */
   private async fenced(id: string, local: () => Promise<LoadedModel>, ref?: LockRef): Promise<LoadedModel> {
     const m = await local();
     if (ref && !(await this.lockHolds(ref))) {
       await m.close();
       this.log.warn({ model: id }, 'cluster: the load lock of this placement was taken over; the load is given up');
-      throw superseded(id);
+      // A refusal (503) to the placing node, which then finds the other placement.
+      throw voxError('no_holder', { message: `${this.name} gave up loading ${id}: ${superseded(id).message}` });
     }
     return m;
   }
@@ -688,7 +710,6 @@ export class ClusterNode {
     let memory = true;
     for (const n of candidates) {
       signal.throwIfAborted();
-      if (!(await lock.held())) throw superseded(id);
       if (n.node === this.name) {
         try {
           this.log.info({ model: id, free_bytes: n.free_bytes }, 'cluster: placing here');
@@ -722,6 +743,8 @@ export class ClusterNode {
       await this.until(() => this.holders(id).some((h) => h.node === n.node), 3 * this.settings.heartbeat_ms);
       return this.remotePool(config);
     }
+    // The nodes asked refuse a load whose lock was taken over (split brain): the other placement counts.
+    if (!(await lock.held())) throw superseded(id);
     throw voxError(memory ? 'cluster_insufficient_memory' : 'cluster_full', {
       id,
       why: ` (${candidates.length} asked): ${refusals.join('; ')}`,

@@ -204,6 +204,38 @@ describe('resume (scripted nodes)', () => {
     expect(events[2], seen()).toMatchObject({ gap: { start_ms: 500, end_ms: 500 }, dropped: null });
   });
 
+  it('end() while it resumes: the next node is sent the rest and end as it opens, and its done (however soon) is what end() gives', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    // B answers `end` at once: its done and close come before end()'s own turn to write.
+    b.onStream = (s) => {
+      s.ws.on('message', (_d, binary) => {
+        if (binary) return;
+        // Then the connection drops at once (no closing handshake): done covers all 700 ms sent, so it is the end.
+        s.ws.send(event({ type: 'done', processed_ms: 700, timing: {} }), () => s.ws.terminate());
+      });
+    };
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    const events: StreamEvent[] = [];
+    const reading = collect(stream, events);
+    const sent = audio(0, 700);
+    await stream.send(sent);
+    await until(() => a.streams[0].audio.length > 0);
+    a.ready = false;
+    a.streams[0].ws.send(event({ type: 'progress', processed_ms: 320 }));
+    await until(() => events.some((e) => e.type === 'progress'));
+    a.streams[0].ws.terminate();
+    // The client is on B (so it knows A is gone) but B is not ready: end() waits; then B opens.
+    await until(() => b.streams.length === 1);
+    const ending = stream.end();
+    await new Promise((r) => setTimeout(r, 30));
+    b.streams[0].ws.send(event({ type: 'ready', session_id: 'y', model: 'm', task: 'vad', sample_rate: 16000 }));
+    expect((await ending).processed_ms).toBe(700);
+    await reading;
+    expect(Buffer.concat(b.streams[0].audio).equals(sent.subarray(320 * 32))).toBe(true);
+    expect(b.streams[0].texts).toEqual(['{"type":"end"}']);
+    expect(events.map((e) => e.type)).toEqual(['ready', 'progress', 'resumed', 'done']);
+  });
+
   it('no node to resume on within timeoutMs: the stream fails with connection_error saying so', async () => {
     const [a, b] = [await fakeNode(), await fakeNode()];
     const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm', resume: { timeoutMs: 600 } });
