@@ -825,6 +825,9 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
         this.pendingDone = event;
         return;
       case 'error':
+        // A resume attempt refused before its `ready` (a node with no holder yet, busy): the close that
+        // follows decides whether another attempt comes; the application sees it only if the resume fails.
+        if (this.resuming && !this.connected) return;
         // A bad control frame's (the stream goes on), or the reason of the close that follows: in order.
         for (const e of this.held.splice(0)) this.deliver(e);
         return this.deliver(event);

@@ -173,6 +173,33 @@ describe('resume (scripted nodes)', () => {
     stream.close();
   });
 
+  it('a resume attempt refused before ready (error event, close 1013: no holder yet) is tried again, and its error is not handed on', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    const events: StreamEvent[] = [];
+    void collect(stream, events).catch(() => {});
+    const ready = b.onStream;
+    let refusals = 2;
+    b.onStream = (s) => {
+      if (refusals-- > 0) {
+        s.ws.send(
+          event({
+            type: 'error',
+            error: { type: 'server_busy', code: 'no_holder', message: 'no holder of m answered' },
+          }),
+        );
+        s.ws.close(1013, 'no holder');
+      } else ready(s);
+    };
+    a.ready = false;
+    a.streams[0].ws.terminate();
+    await until(() => events.some((e) => e.type === 'resumed'));
+    expect(b.streams).toHaveLength(3);
+    expect(events.map((e) => e.type)).toEqual(['ready', 'resumed']);
+    stream.close();
+    expect((await stream.closed).error).toBeUndefined();
+  });
+
   it("a draining node's done (then close 1001) before end(): the stream goes on on the next node, done not handed on", async () => {
     const [a, b] = [await fakeNode(), await fakeNode()];
     const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
