@@ -8,7 +8,7 @@ import {
   type WakewordJob,
   type WakewordResult,
 } from './slot-protocol.js';
-import type { SlotPool } from './slots.js';
+import type { ModelPool } from './slots.js';
 
 /**
  * How one task's stream jobs become one batched job (a row per stream) and its result becomes
@@ -138,7 +138,7 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
    * @param maxDelayMs longest wait for company, ms. @param onBatch called with each batch's size (for metrics).
    */
   constructor(
-    private readonly pool: SlotPool,
+    private readonly pool: ModelPool,
     private readonly packing: Packing<J, R>,
     private readonly maxBatch: number,
     private readonly maxDelayMs: number,

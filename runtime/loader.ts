@@ -2,13 +2,15 @@ import { closeSync, openSync, readSync, statSync } from 'node:fs';
 import { readFile } from 'node:fs/promises';
 import { headsOf, modelFiles, type ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
-import { SlotPool, slotFactory, type SlotFactory } from './slots.js';
+import { looksLikeOnnx } from './onnx-file.js';
+import { SlotPool, slotFactory, type ModelPool, type SlotFactory } from './slots.js';
+import { WakewordFamilies } from './wakeword-family.js';
 import type { LoadSpec } from './slot-protocol.js';
 import type { Batcher } from './batcher.js';
 
 /** A model's loaded slots plus what they hold. `close()` stops clones, the primary, then drops shared weights. */
 export interface LoadedModel {
-  pool: SlotPool;
+  pool: ModelPool;
   /** With `max_batch_size` > 1: batches stream jobs across streams (set by the model entry). */
   batcher?: Batcher;
   /** Measured footprint: process RSS growth over the load, bytes (set by the supervisor). */
@@ -22,40 +24,7 @@ export interface LoadedModel {
  */
 export type ModelLoader = (config: ModelConfig, signal?: AbortSignal) => Promise<LoadedModel>;
 
-/**
- * The top-level fields of an ONNX `ModelProto` (onnx/onnx.proto: ir_version 1, producer_name 2,
- * producer_version 3, domain 4, model_version 5, doc_string 6, graph 7, opset_import 8,
- * metadata_props 14, training_info 20, functions 25) with their protobuf wire types (0 varint,
- * 2 length-delimited).
- */
-const MODEL_PROTO_FIELDS = new Map([
-  [1, 0],
-  [2, 2],
-  [3, 2],
-  [4, 2],
-  [5, 0],
-  [6, 2],
-  [7, 2],
-  [8, 2],
-  [14, 2],
-  [20, 2],
-  [25, 2],
-]);
-
-/**
- * Whether `head` (a file's first bytes) can start an ONNX model: a protobuf message whose first
- * tag (a varint: field number << 3 | wire type) is one of `ModelProto`'s fields with its wire
- * type. Serializers write fields in field-number order, so a real model starts with 0x08
- * (ir_version); a text file, an archive or a TFLite file does not.
- */
-export function looksLikeOnnx(head: Uint8Array): boolean {
-  let tag = 0;
-  for (let i = 0, shift = 0; i < Math.min(head.length, 5); i++, shift += 7) {
-    tag |= (head[i]! & 0x7f) << shift;
-    if ((head[i]! & 0x80) === 0) return MODEL_PROTO_FIELDS.get(tag >>> 3) === (tag & 7);
-  }
-  return false;
-}
+export { looksLikeOnnx } from './onnx-file.js';
 
 /**
  * Checks a model file before anything loads it: it exists, is a regular file (a FIFO or a device
@@ -184,7 +153,10 @@ export interface SlotDefaults {
 
 /**
  * The loader used by the server: reads the files, starts `config.slots` slot hosts, child
- * processes or worker threads as the model's (else the server's) `isolation` says.
+ * processes or worker threads as the model's (else the server's) `isolation` says. Wake-word
+ * models share their slot hosts: every one with the same feature models, `slots`, isolation and
+ * timeouts is a view of one family that holds the features once and loads heads as they are used
+ * (runtime/wakeword-family.ts).
  * @param factory a fixed slot factory instead (tests).
  */
 export function createLoader(
@@ -192,43 +164,42 @@ export function createLoader(
   defaults: SlotDefaults = { isolation: 'process', jobTimeoutMs: 30_000, loadTimeoutMs: 60_000 },
   factory?: SlotFactory,
 ): ModelLoader {
+  const families = new WakewordFamilies();
   return async (config, signal) => {
     for (const file of modelFiles(config)) checkModelFile(file);
-    let spec: LoadSpec;
-    let release = (): void => {};
+    const isolation = config.isolation ?? defaults.isolation;
+    const jobTimeoutMs = config.job_timeout_ms ?? defaults.jobTimeoutMs;
+    const loadTimeoutMs = config.load_timeout_ms ?? defaults.loadTimeoutMs;
+    const hosts = factory ?? slotFactory(isolation, jobTimeoutMs);
     if (config.task === 'wakeword') {
-      const b = await bundles.acquire(
-        config.melspectrogram_path ?? OWW_MELSPECTROGRAM,
-        config.embedding_path ?? OWW_EMBEDDING,
-      );
-      release = b.release;
-      spec = {
-        kind: 'wakeword',
-        heads: headsOf(config).map((h) => h.path),
-        melspectrogram: b.bundle.melspectrogram,
-        embedding: b.bundle.embedding,
-      };
-    } else {
-      spec = { kind: config.task, model: config.path };
+      const melPath = config.melspectrogram_path ?? OWW_MELSPECTROGRAM;
+      const embPath = config.embedding_path ?? OWW_EMBEDDING;
+      const b = await bundles.acquire(melPath, embPath);
+      try {
+        const key = JSON.stringify([melPath, embPath, config.slots, isolation, jobTimeoutMs, loadTimeoutMs]);
+        const spec: LoadSpec = {
+          kind: 'wakeword',
+          heads: [],
+          melspectrogram: b.bundle.melspectrogram,
+          embedding: b.bundle.embedding,
+        };
+        const heads = headsOf(config).map((h) => h.path);
+        const pool = await families.acquire(key, spec, config.slots, hosts, heads, { signal, loadTimeoutMs });
+        return {
+          pool,
+          residentBytes: 0,
+          close: async () => {
+            await pool.close();
+            b.release();
+          },
+        };
+      } catch (e) {
+        b.release();
+        throw e;
+      }
     }
-    try {
-      const hosts =
-        factory ?? slotFactory(config.isolation ?? defaults.isolation, config.job_timeout_ms ?? defaults.jobTimeoutMs);
-      const pool = await SlotPool.start(spec, config.slots, hosts, {
-        signal,
-        loadTimeoutMs: config.load_timeout_ms ?? defaults.loadTimeoutMs,
-      });
-      return {
-        pool,
-        residentBytes: 0,
-        close: async () => {
-          await pool.close();
-          release();
-        },
-      };
-    } catch (e) {
-      release();
-      throw e;
-    }
+    const spec: LoadSpec = { kind: config.task, model: config.path };
+    const pool = await SlotPool.start(spec, config.slots, hosts, { signal, loadTimeoutMs });
+    return { pool, residentBytes: 0, close: () => pool.close() };
   };
 }

@@ -15,7 +15,10 @@ import type { Socket } from 'node:net';
  */
 export type LoadSpec =
   | { kind: 'vad'; model: string }
-  /** `heads`: the classifier heads' files, run in this order on the same features each step. */
+  /**
+   * `heads`: the classifier heads' files, run in this order on the same features each step (a
+   * job's own `heads` win: a slot host of a wake-word family loads heads as jobs name them).
+   */
   | { kind: 'wakeword'; heads: string[]; melspectrogram: Uint8Array; embedding: Uint8Array }
   /** Any ONNX model, run as it is: named tensors in, named tensors out. */
   | { kind: 'tensor'; model: string };
@@ -43,8 +46,9 @@ export interface SlotInfo {
    */
   heads?: { window: number; labels: string[] }[];
   /**
-   * wakeword: a stream's initial embedding history, the longest head window (N) x 96 floats: the
-   * embeddings of 4 s of noise, as openWakeWord's AudioFeatures starts (see `noiseEmbeddings`).
+   * wakeword: a stream's initial embedding history: the embeddings of 4 s of noise, as
+   * openWakeWord's AudioFeatures starts (see `noiseEmbeddings`), every one of them (41 x 96
+   * floats); a stream takes the last N (its longest head window).
    */
   initialEmbeddings?: Float32Array;
   /** tensor: the model's inputs and outputs, in the session's order. */
@@ -90,6 +94,8 @@ export interface WakewordJob {
   embeddings: Float32Array;
   /** Steps per row; absent: one row. */
   counts?: number[];
+  /** The heads' files to run, in this order (absent: the heads the slot loaded); loaded on first use. */
+  heads?: string[];
 }
 export interface WakewordResult {
   kind: 'wakeword';
@@ -173,6 +179,21 @@ export const OWW = {
   MEL_BINS: 32,
   EMBEDDING: 96,
 } as const;
+
+/**
+ * openWakeWord's label map (`SlotInfo.heads[].labels`): a single-output head is `@model` (its
+ * model id); a multi-class head names its classes in its output's name as JSON
+ * (`{"0": "", "1": "1_minute_timer", ...}`; class 0 is "no wake word", '').
+ */
+export function headLabels(outputName: string, columns: number): string[] {
+  if (columns === 1) return ['@model'];
+  try {
+    const map = JSON.parse(outputName) as Record<string, string>;
+    return Array.from({ length: columns }, (_, i) => map[String(i)] ?? '');
+  } catch {
+    return Array.from({ length: columns }, (_, i) => (i === 0 ? '' : `class_${i}`));
+  }
+}
 
 /** Silero VAD at 16 kHz: window and (v5) context sizes, samples. */
 export const SILERO = { WINDOW: 512, CONTEXT: 64, STATE: 256 } as const;

@@ -14,6 +14,7 @@ import { parentPort } from 'node:worker_threads';
 import ort from 'onnxruntime-node';
 import {
   FrameChannel,
+  headLabels,
   OWW,
   SILERO,
   transferList,
@@ -154,17 +155,6 @@ async function loadVad(model: string): Promise<SlotInfo> {
   return { vadVersion: v5 ? 'v5' : 'v4' };
 }
 
-/** openWakeWord's label map: multi-class heads name their classes in the output name as JSON. */
-function headLabels(outputName: string, columns: number): string[] {
-  if (columns === 1) return ['@model'];
-  try {
-    const map = JSON.parse(outputName) as Record<string, string>;
-    return Array.from({ length: columns }, (_, i) => map[String(i)] ?? '');
-  } catch {
-    return Array.from({ length: columns }, (_, i) => (i === 0 ? '' : `class_${i}`));
-  }
-}
-
 /** One openWakeWord classifier head: its session, input name, embedding window and label columns. */
 async function loadHead(
   path: string,
@@ -205,7 +195,7 @@ async function loadHead(
  * generator (Numerical Recipes' 32-bit LCG), so a stream's scores do not depend on chance.
  * Without it (N copies of the embedding of the all-ones buffer, as before) the "alexa" head
  * scored 0.14 on 3 s of silence in its first steps; openWakeWord scores 0.
- * @returns the last `window` embeddings, window x 96 floats.
+ * @returns every embedding (41) x 96 floats; a stream takes the last N (its longest head window).
  */
 async function noiseEmbeddings(
   melspectrogram: (audio: Float32Array) => Promise<Float32Array>,
@@ -226,22 +216,33 @@ async function noiseEmbeddings(
     all.push(Float32Array.from(await embed(spec.slice(f * OWW.MEL_BINS, f * OWW.MEL_BINS + size))));
   if (all.length < window)
     throw new Error(`4 s of audio gives ${all.length} embeddings, fewer than a head's window of ${window}`);
-  const out = new Float32Array(window * OWW.EMBEDDING);
-  all.slice(-window).forEach((e, i) => out.set(e, i * OWW.EMBEDDING));
+  const out = new Float32Array(all.length * OWW.EMBEDDING);
+  all.forEach((e, i) => out.set(e, i * OWW.EMBEDDING));
   return out;
 }
 
 /**
  * The openWakeWord pipeline with several heads: per 80 ms step the melspectrogram and the
- * embedding run once, and every head reads the last N embeddings of the same buffer.
+ * embedding run once, and every head reads the last N embeddings of the same buffer. The heads
+ * are the spec's, or (a wake-word family's slot host, whose spec has none) the ones each job
+ * names, loaded on first use and kept.
  */
 async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Promise<SlotInfo> {
   const mel = await create(spec.melspectrogram);
   const emb = await create(spec.embedding);
-  const heads: Awaited<ReturnType<typeof loadHead>>[] = [];
-  for (const path of spec.heads) heads.push(await loadHead(path));
-  const window = Math.max(...heads.map((h) => h.window));
-  const columns = heads.reduce((n, h) => n + h.labels.length, 0);
+  type Head = Awaited<ReturnType<typeof loadHead>>;
+  const loaded = new Map<string, Head>();
+  const headsOf = async (paths: string[]): Promise<Head[]> => {
+    const out: Head[] = [];
+    for (const path of paths) {
+      let h = loaded.get(path);
+      if (!h) loaded.set(path, (h = await loadHead(path)));
+      out.push(h);
+    }
+    return out;
+  };
+  const specHeads = await headsOf(spec.heads);
+  const window = Math.max(0, ...specHeads.map((h) => h.window));
   const melIn = mel.inputNames[0];
   const melOut = mel.outputNames[0];
   const embIn = emb.inputNames[0];
@@ -260,6 +261,8 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
 
   runJob = async (job) => {
     const { audio, mel: mels, embeddings: embs } = job as WakewordJob;
+    const heads = (job as WakewordJob).heads ? await headsOf((job as WakewordJob).heads!) : specHeads;
+    const columns = heads.reduce((n, h) => n + h.labels.length, 0);
     const counts = (job as WakewordJob).counts ?? [(audio.length - OWW.LOOKBACK) / OWW.STEP];
     // The job's buffers are this host's own copies (a structured clone or a frame): updated in place and sent back.
     const melSize = OWW.MEL_FRAMES * OWW.MEL_BINS;
@@ -292,7 +295,7 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
     }
     return { kind: 'wakeword', scores, mel: mels, embeddings: embs };
   };
-  return { heads: heads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbeddings };
+  return { heads: specHeads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbeddings };
 }
 
 /** A session's input or output as the slot reports it ({@link TensorMeta}). */

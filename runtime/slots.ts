@@ -347,6 +347,26 @@ export function slotFactory(isolation: 'process' | 'thread', jobTimeoutMs: numbe
   return isolation === 'process' ? processSlots(jobTimeoutMs) : startWorkerSlot;
 }
 
+/**
+ * What a model entry (and its batcher) uses of its slots: a {@link SlotPool} of its own, or a view
+ * of a shared one (a wake-word family, runtime/wakeword-family.ts).
+ */
+export type ModelPool = Pick<
+  SlotPool,
+  | 'size'
+  | 'info'
+  | 'slots'
+  | 'activeSlots'
+  | 'residentBytes'
+  | 'onStuck'
+  | 'onFailure'
+  | 'run'
+  | 'close'
+  | 'onRun'
+  | 'onHostExit'
+  | 'waitTimeoutMs'
+>;
+
 interface QueuedRun {
   job: Job;
   /** Longest wait for a slot, ms (0 = unbounded). */

@@ -1,8 +1,8 @@
 import { type FSWatcher, watch } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import { join } from 'node:path';
-import { looksLikeOnnx } from './loader.js';
 import { spellAsId } from './names.js';
+import { headProblem } from './onnx-file.js';
 
 /**
  * `wakeword_dir` (docs/models.md#a-folder-of-wake-words): a folder of openWakeWord heads, each
@@ -18,8 +18,6 @@ import { spellAsId } from './names.js';
 export const RESCAN_MS = 1000;
 /** Largest file taken for a head (openWakeWord's are 0.2-1.8 MB). */
 const MAX_HEAD_BYTES = 64 * 1024 * 1024;
-/** The size of one openWakeWord embedding: a head reads N of them. */
-const EMBEDDING = 96;
 
 /** One file of the folder that makes a model: its id and path. */
 export interface FolderHead {
@@ -38,126 +36,6 @@ export interface FolderProblem {
 export interface FolderScan {
   heads: FolderHead[];
   problems: FolderProblem[];
-}
-
-/** A protobuf field: its number, wire type, and value (a varint, or the bytes of a length-delimited field). */
-type Field = { n: number; wire: number; value: number; bytes: Uint8Array };
-
-/**
- * The fields of one protobuf message (the wire format of protobuf's encoding guide: varint,
- * 64-bit, length-delimited and 32-bit fields; groups are refused).
- * @throws Error on a truncated or malformed message.
- */
-function fields(buf: Uint8Array): Field[] {
-  const out: Field[] = [];
-  let at = 0;
-  const varint = (): number => {
-    let v = 0;
-    for (let shift = 0; ; shift += 7) {
-      if (at >= buf.length || shift > 63) throw new Error('truncated protobuf');
-      const b = buf[at++];
-      v += (b & 0x7f) * 2 ** shift;
-      if (!(b & 0x80)) return v;
-    }
-  };
-  while (at < buf.length) {
-    const tag = varint();
-    const wire = tag % 8;
-    const n = Math.floor(tag / 8);
-    const empty = buf.subarray(0, 0);
-    if (wire === 0) out.push({ n, wire, value: varint(), bytes: empty });
-    else if (wire === 1 || wire === 5) {
-      at += wire === 1 ? 8 : 4;
-      if (at > buf.length) throw new Error('truncated protobuf');
-    } else if (wire === 2) {
-      const len = varint();
-      if (at + len > buf.length) throw new Error('truncated protobuf');
-      out.push({ n, wire, value: len, bytes: buf.subarray(at, at + len) });
-      at += len;
-    } else throw new Error(`protobuf wire type ${wire} is not supported`);
-  }
-  return out;
-}
-
-const text = (b: Uint8Array): string => Buffer.from(b.buffer, b.byteOffset, b.byteLength).toString('utf8');
-
-/** A graph input or output: its name, element type (onnx.proto TensorProto.DataType, 1 = float) and dimensions (a number, or the name of a dynamic one). */
-interface ValueInfo {
-  name: string;
-  elemType: number;
-  dims: (number | string)[];
-}
-
-/** onnx.proto ValueInfoProto {name 1, type 2: TypeProto {tensor_type 1: {elem_type 1, shape 2: {dim 1: {dim_value 1, dim_param 2}}}}}. */
-function valueInfo(bytes: Uint8Array): ValueInfo {
-  const v: ValueInfo = { name: '', elemType: 0, dims: [] };
-  for (const f of fields(bytes)) {
-    if (f.n === 1 && f.wire === 2) v.name = text(f.bytes);
-    if (f.n !== 2 || f.wire !== 2) continue;
-    for (const t of fields(f.bytes)) {
-      if (t.n !== 1 || t.wire !== 2) continue;
-      for (const tt of fields(t.bytes)) {
-        if (tt.n === 1 && tt.wire === 0) v.elemType = tt.value;
-        if (tt.n !== 2 || tt.wire !== 2) continue;
-        for (const dim of fields(tt.bytes)) {
-          if (dim.n !== 1 || dim.wire !== 2) continue;
-          let d: number | string = '?';
-          for (const x of fields(dim.bytes)) {
-            if (x.n === 1 && x.wire === 0) d = x.value;
-            if (x.n === 2 && x.wire === 2) d = text(x.bytes) || '?';
-          }
-          v.dims.push(d);
-        }
-      }
-    }
-  }
-  return v;
-}
-
-const shown = (v: ValueInfo): string =>
-  `${v.elemType === 1 ? 'float' : `element type ${v.elemType}`} [${v.dims.join(', ')}]`;
-
-/**
- * Why an ONNX file is not an openWakeWord classifier head, or null when it is one: its graph
- * (onnx.proto ModelProto.graph 7: inputs 11, outputs 12, initializers 5 whose names 8 older
- * exporters list among the inputs) takes one float input [batch, N, 96] (N embeddings, a fixed
- * number) and gives one output [batch, classes]: the rule the slot host applies when it loads a head.
- */
-export function headProblem(bytes: Uint8Array): string | null {
-  if (!looksLikeOnnx(bytes.subarray(0, 16)))
-    return bytes.length === 0 ? 'the file is empty' : 'not an ONNX model (its first bytes are not an ONNX ModelProto)';
-  try {
-    const graph = fields(bytes).find((f) => f.n === 7 && f.wire === 2);
-    if (!graph) return 'not an ONNX model: it has no graph';
-    const g = fields(graph.bytes);
-    const weights = new Set(
-      g
-        .filter((f) => f.n === 5 && f.wire === 2)
-        .flatMap((f) => {
-          const name = fields(f.bytes).find((x) => x.n === 8 && x.wire === 2);
-          return name ? [text(name.bytes)] : [];
-        }),
-    );
-    const inputs = g
-      .filter((f) => f.n === 11 && f.wire === 2)
-      .map((f) => valueInfo(f.bytes))
-      .filter((v) => !weights.has(v.name));
-    const outputs = g.filter((f) => f.n === 12 && f.wire === 2).map((f) => valueInfo(f.bytes));
-    const [input] = inputs;
-    const ok =
-      inputs.length === 1 &&
-      input.elemType === 1 &&
-      input.dims.length === 3 &&
-      typeof input.dims[1] === 'number' &&
-      input.dims[1] > 0 &&
-      input.dims[2] === EMBEDDING &&
-      outputs.length === 1 &&
-      outputs[0].dims.length === 2;
-    if (ok) return null;
-    return `not an openWakeWord head: it takes ${inputs.map(shown).join(', ') || 'no input'} and gives ${outputs.map(shown).join(', ') || 'no output'}; a head takes one float input [1, N, 96] (N embeddings) and gives one output [1, classes]`;
-  } catch (e) {
-    return `not a readable ONNX model (${(e as Error).message})`;
-  }
 }
 
 /** A file already checked: its size and modification time when checked, and the outcome. */

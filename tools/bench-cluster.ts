@@ -32,7 +32,7 @@ import { parseArgs } from 'node:util';
 import WebSocket from 'ws';
 import { defaultCatalog, ServerConfig } from '../runtime/config.js';
 import { SILERO, type VadJob } from '../runtime/slot-protocol.js';
-import { processSlots, SlotPool } from '../runtime/slots.js';
+import { type ModelPool, processSlots, SlotPool } from '../runtime/slots.js';
 import { startServer } from '../transport/server.js';
 import { paceFrames } from './pace.js';
 import { spawnServer } from './spawn-server.js';
@@ -288,7 +288,7 @@ async function part3(): Promise<void> {
   const job = vadJob(8);
 
   /** Runs jobs one after another until `stop`; each job's [start, end] (performance.now()). */
-  const driver = (pool: SlotPool) => {
+  const driver = (pool: ModelPool) => {
     const done: [number, number][] = [];
     let stop = false;
     let failed = 0;
