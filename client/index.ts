@@ -404,18 +404,24 @@ export class VoxClient {
    */
   private node(): Promise<string> {
     if (this.urls.length < 2) return Promise.resolve(this.url);
-    this.picked ??= (async () => {
-      for (const u of this.urls) {
-        try {
-          if ((await this.fetchImpl(`${u}/ready`)).ok) return (this.url = u);
-        } catch {
-          // not reachable: the next one
-        }
-      }
-      this.picked = null;
-      throw new VoxClientError('connection_error', `none of ${this.urls.join(', ')} answers GET /ready with 200`);
-    })();
+    this.picked ??= this.firstReady(this.urls);
     return this.picked;
+  }
+
+  /**
+   * Picks the first of `order` (the `urls`, in some order) answering `GET /ready` 200 as the node in use.
+   * @throws VoxClientError `connection_error` when none does (and forgets the pick).
+   */
+  private async firstReady(order: string[]): Promise<string> {
+    for (const u of order) {
+      try {
+        if ((await this.fetchImpl(`${u}/ready`)).ok) return (this.url = u);
+      } catch {
+        // not reachable: the next one
+      }
+    }
+    this.picked = null;
+    throw new VoxClientError('connection_error', `none of ${this.urls.join(', ')} answers GET /ready with 200`);
   }
 
   /** Fetches `path` with the given credential; a response that is not 2xx is thrown as its VoxClientError. */
@@ -623,9 +629,13 @@ export class VoxClient {
         timeoutMs,
         sampleRate: opts.sampleRate ?? 16000,
         frameBytes: (opts.channels ?? 1) * (opts.encoding === 'f32le' ? 4 : 2),
-        reopen: async (offsetMs) => {
-          // The node in use went away: pick again among `urls`.
-          this.picked = null;
+        reopen: async (offsetMs, refused) => {
+          // The node in use went away: pick again among `urls`, the nodes that refused this resume last.
+          if (this.urls.length > 1)
+            this.picked = this.firstReady([
+              ...this.urls.filter((u) => !refused.has(u)),
+              ...this.urls.filter((u) => refused.has(u)),
+            ]);
           const base = await this.node();
           return { ws: open(base, offsetMs), url: base };
         },
@@ -662,7 +672,8 @@ export interface ResumePlan {
    * Opens the stream again, on a node answering `/ready`, its clock starting at `offsetMs`.
    * @throws VoxClientError when no node answers.
    */
-  reopen(offsetMs: number): Promise<{ ws: WebSocketLike; url: string }>;
+  /** Opens the stream on a node answering `/ready`, trying the nodes in `refused` (they refused this resume) last. */
+  reopen(offsetMs: number, refused: ReadonlySet<string>): Promise<{ ws: WebSocketLike; url: string }>;
 }
 
 /** Close codes after which a stream with `resume` tries another node: the server went away or the connection dropped. */
@@ -678,6 +689,8 @@ interface Resuming {
   deadline: number;
   /** The error of the last failed attempt. */
   error: VoxClientError;
+  /** Nodes that refused an attempt (a handshake refused, or closed before `ready`): tried last. */
+  refused: Set<string>;
 }
 
 const greatestCommonDivisor = (a: number, b: number): number => (b ? greatestCommonDivisor(b, a % b) : a);
@@ -868,8 +881,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       if (this.resuming && !wasReady) {
         const error = this.silent ?? this.failure(c.code, c.reason, false);
         this.resuming.error = error;
+        this.resuming.refused.add(this.url);
         if (retryable(error) && Date.now() < this.resuming.deadline) return void this.retry();
-        return this.finish({ code: c.code, reason: c.reason, error });
+        const failed = retryable(error) ? this.resumeFailed(this.resuming) : error;
+        return this.finish({ code: c.code, reason: c.reason, error: failed });
       }
       // A stream that never opened fails as without `resume` (the client picked a node that answered /ready).
       if (this.ready && !finished && (this.silent || RESUMABLE_CLOSE.has(c.code))) return this.resume();
@@ -914,6 +929,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       gap: { start_ms: this.confirmedMs, end_ms: Math.max(sentMs, this.confirmedMs) },
       deadline: Date.now() + plan.timeoutMs,
       error: new VoxClientError('connection_error', `the stream on ${this.url} was lost`),
+      refused: new Set(),
     };
     void this.retry(true);
   }
@@ -924,7 +940,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     if (!first) await new Promise((res) => setTimeout(res, 250));
     while (!this.closedByUs && !this.info) {
       try {
-        const { ws, url } = await this.plan!.reopen(r.ms);
+        const { ws, url } = await this.plan!.reopen(r.ms, r.refused);
         if (this.closedByUs) return ws.close(1000, 'client closed');
         this.url = url;
         return this.attach(ws);

@@ -200,6 +200,35 @@ describe('resume (scripted nodes)', () => {
     expect((await stream.closed).error).toBeUndefined();
   });
 
+  it('a node that answers /ready but refuses the stream (503, e.g. at max_ws_connections) is tried last: the stream resumes on the next', async () => {
+    const [a, b, c] = [await fakeNode(), await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url, c.url] }).stream({ model: 'm' });
+    const events: StreamEvent[] = [];
+    void collect(stream, events).catch(() => {});
+    a.ready = false;
+    b.refuse = 503;
+    a.streams[0].ws.terminate();
+    await until(() => events.some((e) => e.type === 'resumed'));
+    expect(events.find((e) => e.type === 'resumed')).toMatchObject({ url: c.url, previous_url: a.url });
+    expect(c.streams).toHaveLength(1);
+    stream.close();
+  });
+
+  it('every node refuses the stream with 503 until timeoutMs: the stream fails saying the resume failed, with the 503', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm', resume: { timeoutMs: 700 } });
+    const reading = collect(stream, []);
+    a.ready = false;
+    b.refuse = 503;
+    a.streams[0].ws.terminate();
+    const err = await reading.then(
+      () => null,
+      (e) => e,
+    );
+    expect(err).toMatchObject({ status: 503 });
+    expect(err.message).toMatch(/was lost and could not be resumed within 700 ms/);
+  });
+
   it("a draining node's done (then close 1001) before end(): the stream goes on on the next node, done not handed on", async () => {
     const [a, b] = [await fakeNode(), await fakeNode()];
     const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
