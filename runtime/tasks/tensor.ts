@@ -73,7 +73,7 @@ export function readTensor(name: string, value: unknown): WireTensor {
       field: `${at}.${extra}`,
       problem: 'unknown field; expected dtype, shape, data',
     });
-  if (typeof t.dtype !== 'string' || !(t.dtype in DTYPES))
+  if (typeof t.dtype !== 'string' || !Object.hasOwn(DTYPES, t.dtype))
     throw voxError('invalid_tensor', {
       field: `${at}.dtype`,
       problem: `must be one of ${Object.keys(DTYPES).join(', ')}, got ${JSON.stringify(t.dtype) ?? 'nothing'}`,
@@ -92,7 +92,8 @@ export function readTensor(name: string, value: unknown): WireTensor {
   const count = (shape as number[]).reduce((n, d) => n * d, 1);
   const Ctor = DTYPES[dtype];
   const size = Ctor.BYTES_PER_ELEMENT;
-  const data = t.data;
+  // A 0-d tensor as numpy's `tolist()` gives it: the bare value.
+  const data = shape.length === 0 && t.data !== null && typeof t.data !== 'object' ? [t.data] : t.data;
   let out: TensorData;
   if (data instanceof Uint8Array) {
     // Raw bytes (msgpack bin, which msgpackr reads as a Buffer): little-endian, count x element size.
@@ -117,13 +118,7 @@ export function readTensor(name: string, value: unknown): WireTensor {
       });
     out = (data as TensorData).slice();
   } else if (Array.isArray(data)) {
-    const flat = data.flat(MAX_RANK) as unknown[];
-    if (flat.length !== count)
-      throw voxError('invalid_tensor', {
-        field: `${at}.data`,
-        problem: `${plural(flat.length, 'value')}, but shape ${dims(shape as number[])} needs ${count}`,
-      });
-    out = fromList(`${at}.data`, dtype, flat);
+    out = fromList(`${at}.data`, dtype, flatList(`${at}.data`, data, shape as number[], count));
   } else {
     throw voxError('invalid_tensor', {
       field: `${at}.data`,
@@ -131,6 +126,46 @@ export function readTensor(name: string, value: unknown): WireTensor {
     });
   }
   return { dtype, shape: shape as number[], data: out };
+}
+
+/**
+ * `data` as a flat list: flat already with `count` values, or nested exactly as `shape` (a list of
+ * `shape[0]` lists of `shape[1]` ... values, as numpy's `tolist()` gives). Walks at most `shape`'s
+ * rank deep, so a deeper or ragged nesting is an error, not a stack overflow or a silent reshape.
+ * @throws VoxError `invalid_tensor` naming `field` (with the index where the nesting is wrong).
+ */
+function flatList(field: string, data: unknown[], shape: number[], count: number): unknown[] {
+  if (!data.some(Array.isArray)) {
+    if (data.length !== count)
+      throw voxError('invalid_tensor', {
+        field,
+        problem: `${plural(data.length, 'value')}, but shape ${dims(shape)} needs ${count}`,
+      });
+    return data;
+  }
+  const out: unknown[] = [];
+  const at: number[] = [];
+  const where = (): string => `${field}${at.map((i) => `[${i}]`).join('')}`;
+  const walk = (v: unknown, depth: number): void => {
+    if (depth === shape.length) {
+      if (Array.isArray(v))
+        throw voxError('invalid_tensor', { field: where(), problem: `nested deeper than shape ${dims(shape)}` });
+      out.push(v);
+      return;
+    }
+    if (!Array.isArray(v) || v.length !== shape[depth])
+      throw voxError('invalid_tensor', {
+        field: where(),
+        problem: `must be a list of ${shape[depth]} (dimension ${depth} of shape ${dims(shape)}), got ${Array.isArray(v) ? plural(v.length, 'value') : 'a single value'}`,
+      });
+    for (let i = 0; i < v.length; i++) {
+      at.push(i);
+      walk(v[i], depth + 1);
+      at.pop();
+    }
+  };
+  walk(data, 0);
+  return out;
 }
 
 /** A flat list of JSON values as a typed array of `dtype`. @throws VoxError naming `field` and the first bad element. */
