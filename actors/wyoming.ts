@@ -3,6 +3,7 @@ import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
 import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
 import { headsOf, type Limits, type ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, voxError } from '../runtime/errors.js';
+import { spellAsId } from '../runtime/names.js';
 import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
 import { JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
 import {
@@ -51,15 +52,6 @@ export class WyomingChannel extends StreamChannel {
   }
 }
 
-/** `hey_jarvis`, `Hey Jarvis`, `hey_jarvis_v0.1` -> `hey-jarvis` (names as wyoming-openwakeword and Home Assistant spell them). */
-export function normalizeWakeName(name: string): string {
-  return name
-    .trim()
-    .toLowerCase()
-    .replace(/[_\s]+/g, '-')
-    .replace(/-v[0-9.]+$/, '');
-}
-
 /**
  * A wake-word model id as wyoming-openwakeword names its models (its `Model` values and custom
  * file stems, which Home Assistant stores and sends back in `detect`): `hey-jarvis` -> `hey_jarvis`.
@@ -99,7 +91,7 @@ export function resolveNames(
   const wakeIds = new Set<string>();
   let vad: string | null = null;
   for (const raw of wanted) {
-    const id = registry.configOf(raw) ? raw : normalizeWakeName(raw);
+    const id = registry.configOf(raw) ? raw : spellAsId(raw);
     const config = registry.configOf(id);
     if (!config)
       throw voxError('model_not_found', { id: raw, field: 'detect.names', hint: 'describe lists the wake words' });
