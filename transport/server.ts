@@ -148,7 +148,7 @@ function createListener(
 
 /** A connection's HTTP socket actor, created and bound with its first request. */
 function linkOf(run: Running, socket: Socket): HttpLink {
-  let link = run.links.get(socket);
+  const link = run.links.get(socket);
   if (link) return link;
   const { config, supervisor, inspected } = run;
   const actor = createHttpSocket(
