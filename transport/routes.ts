@@ -19,6 +19,7 @@ import {
   readBody,
   requireMediaType,
   requireRunMediaType,
+  requestUrl,
   sendJson,
   type HttpLink,
 } from './http.js';
@@ -471,7 +472,7 @@ export function createDispatch(deps: RouteDeps): Dispatch {
   const { config, supervisor, access } = deps;
   const routes = serverRoutes(deps);
   return async (req, res, link, rid) => {
-    const url = new URL(req.url ?? '/', 'http://localhost');
+    const url = requestUrl(req);
     const path = url.pathname.replace(/\/+$/, '') || '/';
     const method = req.method ?? 'GET';
     access.host(req);

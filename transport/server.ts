@@ -11,7 +11,7 @@ import { startDecoders } from '../runtime/decode.js';
 import { errorBody, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
-import { bindHttp, errorHeaders, sendError, type HttpLink } from './http.js';
+import { bindHttp, errorHeaders, requestUrl, sendError, type HttpLink } from './http.js';
 import { createAccess, isLoopback, type Access } from './access.js';
 import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
@@ -268,7 +268,7 @@ function upgradeHandler(
       return handle(req, res);
     }
     try {
-      checkStreamUpgrade(run, req, new URL(req.url ?? '/', 'http://localhost'));
+      checkStreamUpgrade(run, req, requestUrl(req));
     } catch (e) {
       return refuse(toVoxError(e));
     }
