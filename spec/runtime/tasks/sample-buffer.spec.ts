@@ -17,10 +17,10 @@ describe('SampleBuffer', () => {
     const reference: number[] = [];
     let next = 0;
     let lent: { view: Float32Array; expected: number[] } | null = null;
-    for (let step = 0; step < 4000; step++) {
+    for (let step = 0; step < 1500; step++) {
       const op = rnd(10);
       if (op < 5) {
-        const chunk = Float32Array.from({ length: rnd(3000) }, () => next++);
+        const chunk = Float32Array.from({ length: rnd(1500) }, () => next++);
         buffer.push(chunk);
         reference.push(...chunk);
       } else if (op < 8 && !lent && reference.length) {
