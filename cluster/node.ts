@@ -182,6 +182,8 @@ export class ClusterNode {
    */
   private readonly backing = new Map<string, LoadedModel>();
   private readonly adopting = new Map<string, Promise<void>>();
+  /** Load and unload requests being served, by their body: a request sent again joins its first copy ({@link once}). */
+  private readonly serving = new Map<string, Promise<Uint8Array>>();
   /** When this node last served another node's job, per model (local clock). */
   private readonly lastServed = new Map<string, number>();
   private seq = 0;
@@ -372,8 +374,8 @@ export class ClusterNode {
     };
     on('job', (m) => this.serveJob(m));
     on('info', (m) => this.serveInfo(m));
-    on('load', (m) => this.serveLoad(m));
-    on('unload', (m) => this.serveUnload(m));
+    on('load', (m) => this.once('load', m, () => this.serveLoad(m)));
+    on('unload', (m) => this.once('unload', m, () => this.serveUnload(m)));
     this.subs.push(nc.subscribe(this.subject(this.name, 'ping'), { callback: (_e, m) => void m.respond() }));
     this.subs.push(nc.subscribe(`${this.jobInbox}.>`, { callback: (_e, m) => this.onJobReply(m) }));
     await nc.flush();
@@ -1119,6 +1121,21 @@ export class ClusterNode {
   }
 
   // ---- serving other nodes --------------------------------------------------------------------
+
+  /**
+   * Serves a load or unload request, or joins the same request still being served: the asking node
+   * sends a request again when a NATS connection came back ({@link ask}), and a second copy served
+   * on its own would queue behind the first (a full queue refuses it: the asking node would then
+   * place the model elsewhere while this node still loads it).
+   */
+  private once(what: string, m: Msg, serve: () => Promise<Uint8Array>): Promise<Uint8Array> {
+    const key = `${what} ${new TextDecoder().decode(m.data)}`;
+    const running = this.serving.get(key);
+    if (running) return running;
+    const p = serve().finally(() => this.serving.delete(key));
+    this.serving.set(key, p);
+    return p;
+  }
 
   /** The entry of a model held here ready (a local pool), else a `not_held` error. */
   private held(model: string): ModelEntry {

@@ -87,7 +87,10 @@ interface Loading {
   sees: Set<string>;
   /** It started while a management load of its model was in flight (that takes no lock). */
   managed: boolean;
-  /** It started while its node had lost NATS (it then loads what its own requests need, with no lock). */
+  /**
+   * Its node decided to load it while it had lost NATS (it then loads what its own requests need,
+   * with no lock), even if NATS was back when the load started (it waited at the memory gate).
+   */
   offline: boolean;
 }
 
@@ -98,14 +101,6 @@ interface Op {
   /** A management call. */
   manage: boolean;
   done: boolean;
-  /**
-   * In flight on another node when a node lost NATS: a request it made to that node (an info, a
-   * placement's load, a management call) may have been lost with the connection while the node
-   * stays live, and is then waited for up to its own timeout (10 s, `lock_ms` x 100, an hour:
-   * cluster/node.ts `ask`; reported to the lead), so it is not counted as lost while the others are
-   * checked (it must still settle once its node leaves).
-   */
-  mayLoseAnswer: boolean;
   promise: Promise<void>;
 }
 
@@ -132,6 +127,13 @@ class World {
   readonly managed = new Set<string>();
   /** Nodes that lost NATS during the run. */
   readonly lostNats = new Set<string>();
+  /**
+   * `node/model` of the loads a node's placement sent here while it had lost NATS, until they end.
+   * Such a load may reach the loader only after NATS is back (it waits at the memory gate first), so
+   * its node's state when the loader starts does not tell (FC_SEED=-487407280 FC_RUNS=600, 2 nodes:
+   * A decided offline, waited for memory, loaded b after its reconnect while B's placement loaded it).
+   */
+  readonly decidedOffline = new Set<string>();
   /** Models whose load lock was taken over from another node (two loads may then overlap: a documented limit). */
   readonly takenOver = new Set<string>();
   /** How often the single-flight check was excused, and why (reported). */
@@ -215,7 +217,6 @@ class World {
       node: node.name,
       manage,
       done: false,
-      mayLoseAnswer: false,
       promise: Promise.resolve(),
     };
     rec.promise = (async () => {
@@ -252,7 +253,7 @@ function fakeLoader(w: World, node: string): ModelLoader {
       model: id,
       sees,
       managed: w.managed.has(id),
-      offline: self ? !self.cluster.connected : false,
+      offline: (self ? !self.cluster.connected : false) || w.decidedOffline.has(key),
     };
     w.loadStarts(loading);
     // An abandoned load (the load timeout, an unload) is no longer the model's load: its process hosts are being killed.
@@ -266,10 +267,8 @@ function fakeLoader(w: World, node: string): ModelLoader {
       const factory = async (_spec: LoadSpec, signal?: AbortSignal): Promise<SlotHost> => {
         const n = made++;
         await w.s.schedule(Promise.resolve(), `slot ${key}#${n}`);
-        // Only a load that can be abandoned hangs: a load behind a remote pool (cluster/node.ts `adopt`)
-        // has no abort signal and no load timeout of its own, so a hung one would hold its job and the
-        // model's lock for good (reported to the lead; not modelled here).
-        if (fault === 'hangs' && n === 0 && signal)
+        // Until the load is abandoned (its load timeout; a load behind a remote pool too: cluster/node.ts `adopt`).
+        if (fault === 'hangs' && n === 0)
           await new Promise((resolve) =>
             signal?.aborted ? resolve(null) : signal?.addEventListener('abort', resolve, { once: true }),
           );
@@ -574,7 +573,6 @@ class LoseNats implements Cmd {
     if (n.dead) return;
     w.bus.lose(n.name);
     w.lostNats.add(n.name);
-    for (const o of w.ops) if (!o.done && o.node !== n.name) o.mayLoseAnswer = true;
   }
   toString = (): string => `loseNats(${this.node})`;
 }
@@ -735,7 +733,19 @@ async function startNodes(w: World, names: string[], memory: number[]): Promise<
       memoryProbe: () => node.memory,
       footprint: async (c) => c.slots * 1000,
       log: nodeLog,
-      place: node.cluster.place,
+      place: (c, signal, local) => {
+        // The placement's first step: without NATS, a local load with no lock (a documented limit).
+        if (node.cluster.connected) return node.cluster.place(c, signal, local);
+        const key = `${name}/${c.id}`;
+        return node.cluster.place(c, signal, async () => {
+          w.decidedOffline.add(key);
+          try {
+            return await local();
+          } finally {
+            w.decidedOffline.delete(key);
+          }
+        });
+      },
     });
     await node.sup.start();
     w.nodes.push(node);
@@ -843,9 +853,7 @@ async function checkCluster(names: string[]): Promise<void> {
               if (socket.getSnapshot().status === 'active') socket.send({ type: 'PEER_CLOSED', code: 1006 });
             await runClock(s, 2000);
             // No job lost without an answer: every operation on a live node has settled.
-            const hung = w.ops.filter(
-              (o) => !o.done && !o.mayLoseAnswer && !w.nodes.find((n) => n.name === o.node)!.dead,
-            );
+            const hung = w.ops.filter((o) => !o.done && !w.nodes.find((n) => n.name === o.node)!.dead);
             if (hung.length && process.env.FC_DEBUG)
               console.log(
                 'HUNG',
