@@ -167,7 +167,7 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     // Answered within a few heartbeats of A's return (before: after an hour, the management timeout).
     await vi.advanceTimersByTimeAsync(5 * HEARTBEAT_MS);
     expect(load()).toEqual({ value: { id: 'a', loaded: true, reconfigured: false, nodes: ['A'] } });
-    expect(a.sup.status('a').state).toBe('ready');
+    expect(a.sup.status('a')?.state).toBe('ready');
   });
 
   it('a model loaded behind a remote pool after its holder died is abandoned at its load_timeout_ms', async () => {
