@@ -6,7 +6,7 @@ import type { Tensor } from 'onnxruntime-node';
 import WebSocket from 'ws';
 import { SILERO_V6 } from '../runtime/catalog.js';
 import { ServerConfig } from '../runtime/config.js';
-import { startServer, type VoxServer } from '../transport/server.js';
+import { startServer, type ServerOptions, type VoxServer } from '../transport/server.js';
 
 const require = createRequire(import.meta.url);
 export const { WaveFile } = require('wavefile') as typeof import('wavefile');
@@ -48,9 +48,12 @@ export function loopWav(name: string, seconds: number): Buffer {
   return Buffer.from(w.toBuffer());
 }
 
-/** Starts a server for a spec: `fields` (server config, as in a config file) over a silent log and a free port. */
-export function startTestServer(fields: Record<string, unknown> = {}): Promise<VoxServer> {
-  return startServer(ServerConfig.parse({ log_level: 'silent', port: 0, ...fields }));
+/**
+ * Starts a server for a spec: `fields` (server config, as in a config file) over a silent log and a
+ * free port; `options` are {@link startServer}'s test seams (a fake loader, ...).
+ */
+export function startTestServer(fields: Record<string, unknown> = {}, options?: ServerOptions): Promise<VoxServer> {
+  return startServer(ServerConfig.parse({ log_level: 'silent', port: 0, ...fields }), options);
 }
 
 /** Polls `pred` every 5 ms until it holds; throws after `ms`. */

@@ -368,58 +368,42 @@ function managementRoutes(deps: RouteDeps): Route<unknown>[] {
   /** A management body: a JSON object of at most 1 MiB. */
   const jsonBody = async (req: IncomingMessage, res: ServerResponse): Promise<Record<string, unknown>> =>
     parseJsonObject(await readBody(req, res, 1024 * 1024, config.limits.idle_ms));
-  const management = { auth: 'management', accepts: ['application/json'], work: true, body: jsonBody } as const;
+  /** A management route at `path`: in a cluster by {@link manageCluster}, else by `local`; the answer is 200 JSON. */
+  const manage = (
+    path: string,
+    local: (body: Record<string, unknown>, gone: () => AbortSignal) => Promise<unknown>,
+  ): Route<unknown> =>
+    route({
+      auth: 'management',
+      accepts: ['application/json'],
+      work: true,
+      body: jsonBody,
+      method: 'POST',
+      path,
+      handle: async ({ res, body }) =>
+        sendJson(
+          res,
+          200,
+          cluster ? await manageCluster(supervisor, cluster, path, body) : await local(body, () => goneSignal(res)),
+        ),
+    });
   return [
-    route({
-      ...management,
-      method: 'POST',
-      path: '/v1/models/load',
-      handle: async ({ res, path, body }) =>
-        sendJson(
-          res,
-          200,
-          cluster
-            ? await manageCluster(supervisor, cluster, path, body)
-            : await supervisor.load(body, timeout, goneSignal(res)),
-        ),
+    manage('/v1/models/load', (body, gone) => supervisor.load(body, timeout, gone())),
+    manage('/v1/models/unload', async (body, gone) => {
+      if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
+      if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
+      const entry = supervisor.require(body.id);
+      await (body.force ? entry.forceUnload() : entry.unload(timeout, gone()));
+      return { id: body.id, loaded: false };
     }),
-    route({
-      ...management,
-      method: 'POST',
-      path: '/v1/models/unload',
-      handle: async ({ res, path, body }) => {
-        if (cluster) return sendJson(res, 200, await manageCluster(supervisor, cluster, path, body));
-        if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
-        if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
-        const entry = supervisor.require(body.id);
-        await (body.force ? entry.forceUnload() : entry.unload(timeout, goneSignal(res)));
-        sendJson(res, 200, { id: body.id, loaded: false });
-      },
+    manage('/v1/models/unload_many', async (body, gone) => {
+      if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
+        throw invalid('ids', 'required, an array of model id strings');
+      return supervisor.unloadMany(body.ids as string[], timeout, gone());
     }),
-    route({
-      ...management,
-      method: 'POST',
-      path: '/v1/models/unload_many',
-      handle: async ({ res, path, body }) => {
-        if (cluster) return sendJson(res, 200, await manageCluster(supervisor, cluster, path, body));
-        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
-          throw invalid('ids', 'required, an array of model id strings');
-        sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout, goneSignal(res)));
-      },
-    }),
-    route({
-      ...management,
-      method: 'POST',
-      path: '/v1/models/unload_all',
-      handle: async ({ res, path, body }) =>
-        sendJson(
-          res,
-          200,
-          cluster
-            ? await manageCluster(supervisor, cluster, path, body)
-            : { unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, goneSignal(res))).unloaded },
-        ),
-    }),
+    manage('/v1/models/unload_all', async (_body, gone) => ({
+      unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, gone())).unloaded,
+    })),
   ];
 }
 

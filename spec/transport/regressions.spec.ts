@@ -5,23 +5,19 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';
 import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
-import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, WaveFile } from '../helpers.js';
+import type { VoxServer } from '../../transport/server.js';
+import { fixture, startTestServer, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 const catalog = defaultCatalog();
 const legacyVad = SILERO_V5.replace('silero_vad_v5.onnx', 'silero_vad_legacy.onnx');
 
 beforeAll(async () => {
-  server = await startServer(
-    ServerConfig.parse({
-      log_level: 'silent',
-      port: 0,
-      management: { enabled: true },
-      models_root: dirname(legacyVad),
-      limits: { max_body_bytes: 1024 * 1024 },
-    }),
-  );
+  server = await startTestServer({
+    management: { enabled: true },
+    models_root: dirname(legacyVad),
+    limits: { max_body_bytes: 1024 * 1024 },
+  });
 });
 afterAll(async () => {
   await server?.close();
