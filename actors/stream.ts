@@ -435,8 +435,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       stats.receivedSamples = session.receivedSamples;
       pump!.arrived(at);
       if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
-      // No job out and no whole window: nothing to run yet (a third of 20 ms frames), and nothing to catch up on.
-      if (pump!.running || session.pendingSamples >= session.step) void pump!.pump();
+      void pump!.pump();
     };
 
     /** No job left: the server has caught up; after `END`, `DONE`. */
