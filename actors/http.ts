@@ -19,9 +19,9 @@ import {
   createTaskSession,
   drain,
   taskResult,
+  readTensorRequest,
   tensorJob,
   tensorOutputs,
-  type TensorRequest,
 } from '../runtime/tasks/index.js';
 import { leaseGranted, type Granted, type LeaseHandle } from './lease.js';
 import type { Supervisor } from './supervisor.js';
@@ -45,8 +45,11 @@ export interface TaskRequest {
   busyTimeoutMs?: number;
   /** Task options (`threshold`, ...), validated against the model's task. */
   options?: unknown;
-  /** `run` to a `tensor` model: its input tensors (then `files` is empty). */
-  tensor?: TensorRequest;
+  /**
+   * `run` to a `tensor` model (then `files` is empty): its body's `inputs` and `outputs` as decoded
+   * (JSON or msgpack), read into tensors by the exchange; `binary`: answer in msgpack.
+   */
+  tensor?: { fields: { inputs?: unknown; outputs?: unknown }; binary: boolean };
   /** `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent `Accept: text/event-stream`). */
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
@@ -171,170 +174,173 @@ async function processFile(
  * lease released. A lease revoked (forced unload, shutdown) answers with the revocation's error.
  * Logs one line per request and counts it in `voxserve_requests_total` by outcome.
  */
-const exchange = fromCallback<{ type: 'noop' }, { rid: number; request: TaskRequest; registry: Supervisor }>(
-  ({ input: { rid, request, registry }, sendBack }) => {
-    const send = (e: ExchangeEvent): void => sendBack(e);
-    let lease: LeaseHandle | null = null;
-    let revoked: Error | null = null;
-    let model: string | undefined;
-    const figures = { queueMs: 0, inferenceMs: 0 };
-    let outcome = 'ok';
-    let sseStarted = false;
-    const timing = (t0: number, audioMs: number): Record<string, number> => {
-      const wallMs = performance.now() - t0;
-      return {
-        wall_ms: round(wallMs),
-        queue_ms: round(figures.queueMs),
-        audio_duration_ms: round(audioMs),
-        rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000,
-      };
+const exchange = fromCallback<
+  { type: 'noop' },
+  { rid: number; request: TaskRequest; registry: Supervisor; maxTensorBytes: number }
+>(({ input: { rid, request, registry, maxTensorBytes }, sendBack }) => {
+  const send = (e: ExchangeEvent): void => sendBack(e);
+  let lease: LeaseHandle | null = null;
+  let revoked: Error | null = null;
+  let model: string | undefined;
+  const figures = { queueMs: 0, inferenceMs: 0 };
+  let outcome = 'ok';
+  let sseStarted = false;
+  const timing = (t0: number, audioMs: number): Record<string, number> => {
+    const wallMs = performance.now() - t0;
+    return {
+      wall_ms: round(wallMs),
+      queue_ms: round(figures.queueMs),
+      audio_duration_ms: round(audioMs),
+      rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000,
     };
-    void (async () => {
-      const { t0 } = request;
-      const entry = registry.require(request.model);
-      model = entry.id;
-      const asked = leaseGranted(
-        entry,
-        { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
-        (e) => (revoked = e.error),
-      );
-      lease = asked.handle;
-      const { signal } = lease;
-      const granted = await asked.granted;
-      figures.queueMs = granted.queueMs;
-      // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
-      const waitMs = effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0);
-      if (request.tensor) {
-        // A tensor model's run: one job, checked against the model's own inputs first.
-        const job = tensorJob(granted.config, granted.info, request.tensor);
-        signal.throwIfAborted();
-        const r = await untilAborted(granted.run(job, waitMs), signal);
-        if (r.ran) figures.inferenceMs += r.ran[1] - r.ran[0];
-        figures.queueMs += r.waitedMs ?? 0;
-        return send({
-          type: 'RESPONSE',
-          rid,
-          status: 200,
-          msgpack: request.tensor.binary,
-          body: {
-            model: entry.id,
-            task: 'tensor',
-            outputs: tensorOutputs(r as TensorResult, request.tensor.binary),
-            timing: {
-              wall_ms: round(performance.now() - t0),
-              queue_ms: round(figures.queueMs),
-              inference_ms: round(figures.inferenceMs),
-            },
+  };
+  void (async () => {
+    const { t0 } = request;
+    // A tensor request's tensors are read (and refused, 400) before its model is looked up.
+    const tensors = request.tensor && readTensorRequest(request.tensor.fields, request.tensor.binary, maxTensorBytes);
+    const entry = registry.require(request.model);
+    model = entry.id;
+    const asked = leaseGranted(
+      entry,
+      { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
+      (e) => (revoked = e.error),
+    );
+    lease = asked.handle;
+    const { signal } = lease;
+    const granted = await asked.granted;
+    figures.queueMs = granted.queueMs;
+    // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
+    const waitMs = effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0);
+    if (tensors) {
+      // A tensor model's run: one job, checked against the model's own inputs first.
+      const job = tensorJob(granted.config, granted.info, tensors);
+      signal.throwIfAborted();
+      const r = await untilAborted(granted.run(job, waitMs), signal);
+      if (r.ran) figures.inferenceMs += r.ran[1] - r.ran[0];
+      figures.queueMs += r.waitedMs ?? 0;
+      return send({
+        type: 'RESPONSE',
+        rid,
+        status: 200,
+        msgpack: tensors.binary,
+        body: {
+          model: entry.id,
+          task: 'tensor',
+          outputs: tensorOutputs(r as TensorResult, tensors.binary),
+          timing: {
+            wall_ms: round(performance.now() - t0),
+            queue_ms: round(figures.queueMs),
+            inference_ms: round(figures.inferenceMs),
           },
-        });
-      }
-      if (request.kind === 'run' && !request.progress) {
-        const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs);
-        return send({
-          type: 'RESPONSE',
-          rid,
-          status: 200,
-          body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
-        });
-      }
-      if (request.kind === 'run') {
-        // Server-sent events start once the file is decoded (a bad file still gets its 400).
-        let last = -Infinity;
-        const r = await processFile(
-          granted,
-          request.files[0],
-          request.options,
-          signal,
-          figures,
-          waitMs,
-          (processed, total) => {
-            if (!sseStarted) send({ type: 'SSE_START', rid });
-            sseStarted = true;
-            const now = performance.now();
-            if (now - last < PROGRESS_INTERVAL_MS && processed < total) return;
-            last = now;
-            send({
-              type: 'SSE_EVENT',
-              rid,
-              name: 'progress',
-              data: { processed_ms: round(processed), audio_duration_ms: round(total) },
-            });
-          },
-        );
-        send({
-          type: 'SSE_EVENT',
-          rid,
-          name: 'result',
-          data: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
-        });
-        return send({ type: 'SSE_END', rid });
-      }
-      send({ type: 'SSE_START', rid });
-      sseStarted = true;
-      let failed = 0;
-      await Promise.all(
-        request.files.map(async (file, index) => {
-          const f0 = performance.now();
-          try {
-            const r = await processFile(granted, file, request.options, signal, figures, waitMs);
-            send({
-              type: 'SSE_EVENT',
-              rid,
-              name: 'result',
-              data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) },
-            });
-          } catch (e) {
-            failed++;
-            if (!signal.aborted)
-              send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
-          }
-        }),
+        },
+      });
+    }
+    if (request.kind === 'run' && !request.progress) {
+      const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs);
+      return send({
+        type: 'RESPONSE',
+        rid,
+        status: 200,
+        body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
+      });
+    }
+    if (request.kind === 'run') {
+      // Server-sent events start once the file is decoded (a bad file still gets its 400).
+      let last = -Infinity;
+      const r = await processFile(
+        granted,
+        request.files[0],
+        request.options,
+        signal,
+        figures,
+        waitMs,
+        (processed, total) => {
+          if (!sseStarted) send({ type: 'SSE_START', rid });
+          sseStarted = true;
+          const now = performance.now();
+          if (now - last < PROGRESS_INTERVAL_MS && processed < total) return;
+          last = now;
+          send({
+            type: 'SSE_EVENT',
+            rid,
+            name: 'progress',
+            data: { processed_ms: round(processed), audio_duration_ms: round(total) },
+          });
+        },
       );
-      if (signal.aborted) {
-        outcome = revoked ? toVoxError(revoked).type : 'cancelled';
-        return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
-      }
       send({
         type: 'SSE_EVENT',
         rid,
-        name: 'done',
-        data: {
-          files: request.files.length,
-          failed,
-          wall_ms: round(performance.now() - t0),
+        name: 'result',
+        data: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
+      });
+      return send({ type: 'SSE_END', rid });
+    }
+    send({ type: 'SSE_START', rid });
+    sseStarted = true;
+    let failed = 0;
+    await Promise.all(
+      request.files.map(async (file, index) => {
+        const f0 = performance.now();
+        try {
+          const r = await processFile(granted, file, request.options, signal, figures, waitMs);
+          send({
+            type: 'SSE_EVENT',
+            rid,
+            name: 'result',
+            data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) },
+          });
+        } catch (e) {
+          failed++;
+          if (!signal.aborted)
+            send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
+        }
+      }),
+    );
+    if (signal.aborted) {
+      outcome = revoked ? toVoxError(revoked).type : 'cancelled';
+      return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
+    }
+    send({
+      type: 'SSE_EVENT',
+      rid,
+      name: 'done',
+      data: {
+        files: request.files.length,
+        failed,
+        wall_ms: round(performance.now() - t0),
+        queue_ms: round(figures.queueMs),
+        inference_ms: round(figures.inferenceMs),
+      },
+    });
+    send({ type: 'SSE_END', rid });
+  })()
+    .catch((e) => {
+      const why = revoked ?? e;
+      outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
+      // Once server-sent events have started, the error is the stream's last event.
+      send(
+        sseStarted
+          ? { type: 'SSE_END', rid, error: responseError(why).body }
+          : { type: 'FAILED', rid, error: responseError(why) },
+      );
+    })
+    .finally(() => {
+      if (model) registry.metrics.requests.inc({ model, outcome });
+      registry.log.info(
+        {
+          route: request.kind,
+          model,
+          outcome,
           queue_ms: round(figures.queueMs),
           inference_ms: round(figures.inferenceMs),
+          wall_ms: round(performance.now() - request.t0),
         },
-      });
-      send({ type: 'SSE_END', rid });
-    })()
-      .catch((e) => {
-        const why = revoked ?? e;
-        outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
-        // Once server-sent events have started, the error is the stream's last event.
-        send(
-          sseStarted
-            ? { type: 'SSE_END', rid, error: responseError(why).body }
-            : { type: 'FAILED', rid, error: responseError(why) },
-        );
-      })
-      .finally(() => {
-        if (model) registry.metrics.requests.inc({ model, outcome });
-        registry.log.info(
-          {
-            route: request.kind,
-            model,
-            outcome,
-            queue_ms: round(figures.queueMs),
-            inference_ms: round(figures.inferenceMs),
-            wall_ms: round(performance.now() - request.t0),
-          },
-          'request',
-        );
-      });
-    return () => lease?.release();
-  },
-);
+        'request',
+      );
+    });
+  return () => lease?.release();
+});
 
 /** What an HTTP socket actor is created with. */
 export interface HttpSocketInput {
@@ -436,7 +442,12 @@ export const httpSocketMachine = setup({
         if (context.active.includes(event.rid))
           enqueue.spawnChild('exchange', {
             id: `exchange:${event.rid}`,
-            input: { rid: event.rid, request: event.request, registry: context.registry },
+            input: {
+              rid: event.rid,
+              request: event.request,
+              registry: context.registry,
+              maxTensorBytes: context.limits.max_tensor_bytes,
+            },
           });
       }),
     },

@@ -4,7 +4,6 @@ import type { AudioFile, HttpInput, HttpOutput, HttpSocket, TaskRequest } from '
 import { MAX_TIMEOUT_MS, queryOptions } from '../runtime/config.js';
 import { isAudioContentType } from '../runtime/decode.js';
 import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
-import { readTensorRequest } from '../runtime/tasks/index.js';
 
 /** Writes a JSON response. */
 export function sendJson(
@@ -199,19 +198,12 @@ function noQuery(url: URL): void {
  * A `tensor` model's request is JSON `{model, inputs: {name: {dtype, shape, data}}, outputs?,
  * busy_timeout_ms?}`, or the same as a msgpack map (`Content-Type: application/msgpack`, `data` as
  * raw little-endian bytes); the answer is msgpack when the request was, or when `Accept` names
- * msgpack.
- * @param maxTensorBytes `limits.max_tensor_bytes`.
- * @throws VoxError `invalid_request_error` naming the field or query parameter; `tensor_too_large`;
+ * msgpack. Its tensors are read by the exchange (actors/http.ts), not here.
+ * @throws VoxError `invalid_request_error` naming the field or query parameter;
  *   `unsupported_media_type` for a `Content-Type` that is neither JSON, msgpack nor audio.
  */
-export function parseRunRequest(
-  req: IncomingMessage,
-  url: URL,
-  body: Buffer,
-  t0: number,
-  maxTensorBytes = Number.POSITIVE_INFINITY,
-): TaskRequest {
-  const request = parseRunBody(req, url, body, t0, maxTensorBytes);
+export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
+  const request = parseRunBody(req, url, body, t0);
   // Opt-in progress: a client that accepts server-sent events gets `progress` events, then `result`.
   return !request.tensor && /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '')
     ? { ...request, progress: true }
@@ -222,13 +214,11 @@ export function parseRunRequest(
 const acceptsMsgpack = (req: IncomingMessage): boolean =>
   MSGPACK_TYPES.some((t) => (req.headers.accept ?? '').toLowerCase().includes(t));
 
-/** A `tensor` request's body (JSON or msgpack, decoded): its fields checked, its tensors read. */
-function parseTensorBody(
-  fields: Record<string, unknown>,
-  binary: boolean,
-  t0: number,
-  maxTensorBytes: number,
-): TaskRequest {
+/**
+ * A `tensor` request's body (JSON or msgpack, decoded): its fields checked; its tensors are carried
+ * as decoded, for the exchange to read (actors/http.ts).
+ */
+function parseTensorBody(fields: Record<string, unknown>, binary: boolean, t0: number): TaskRequest {
   const unknown = Object.keys(fields).filter((k) => !TENSOR_FIELDS.includes(k));
   if (unknown.length)
     throw voxError('unknown_field', {
@@ -241,12 +231,12 @@ function parseTensorBody(
     model: fields.model,
     files: [],
     busyTimeoutMs: parseTimeout(fields.busy_timeout_ms),
-    tensor: readTensorRequest(fields, binary, maxTensorBytes),
+    tensor: { fields: { inputs: fields.inputs, outputs: fields.outputs }, binary },
     t0,
   };
 }
 
-function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number, maxTensorBytes: number): TaskRequest {
+function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number): TaskRequest {
   requireRunMediaType(req);
   const type = mediaType(req);
   if (MSGPACK_TYPES.includes(type)) {
@@ -259,12 +249,12 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number, 
     }
     if (!value || typeof value !== 'object' || Array.isArray(value) || ArrayBuffer.isView(value))
       throw voxError('invalid_msgpack', { problem: 'must be a msgpack map {model, inputs, outputs?}' });
-    return parseTensorBody(value as Record<string, unknown>, true, t0, maxTensorBytes);
+    return parseTensorBody(value as Record<string, unknown>, true, t0);
   }
   if (type === 'application/json') {
     noQuery(url);
     const json = parseJsonObject(body);
-    if ('inputs' in json && !('audio' in json)) return parseTensorBody(json, acceptsMsgpack(req), t0, maxTensorBytes);
+    if ('inputs' in json && !('audio' in json)) return parseTensorBody(json, acceptsMsgpack(req), t0);
     const unknown = Object.keys(json).filter((k) => !RUN_FIELDS.includes(k));
     if (unknown.length)
       throw voxError('unknown_field', {

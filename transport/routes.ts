@@ -398,7 +398,7 @@ export function createDispatch(
       auth: 'apiKey',
       accepts: requireRunMediaType,
       work: true,
-      body: taskBody((req, url, body, t0) => parseRunRequest(req, url, body, t0, config.limits.max_tensor_bytes)),
+      body: taskBody(parseRunRequest),
       handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
     }),
     route({
