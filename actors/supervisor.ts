@@ -652,7 +652,8 @@ export class Supervisor {
    * The entry for `id`, registering it from the catalog on first use; undefined if unknown. An id
    * of several wake-word model ids joined by commas (`alexa,hey-jarvis`) is a group of those heads
    * on one stream, registered on first use under its ids sorted (so any order shares one entry).
-   * @throws VoxError `not_found` / `invalid_request_error` for a group naming an unknown or unfit model.
+   * @throws VoxError `not_found` / `invalid_request_error` for a group naming an unknown or unfit model;
+   *   `shutting_down` for a model not registered yet once the supervisor has stopped.
    */
   getOrRegister(id: string): ModelEntry | undefined {
     const found = this.entries.get(id);
@@ -797,8 +798,12 @@ export class Supervisor {
     return [...new Set(configs.filter((c) => !task || (c.task === task && !c.heads)).map((c) => c.id))];
   }
 
-  /** Registers `config` (`REGISTER`: the supervisor spawns its chart as `model:<id>`) and publishes the entry. */
+  /**
+   * Registers `config` (`REGISTER`: the supervisor spawns its chart as `model:<id>`) and publishes the entry.
+   * @throws VoxError `shutting_down` once the supervisor has stopped (its chart spawns nothing any more).
+   */
   private publish(config: ModelConfig, before?: (entry: ModelEntry) => void): ModelEntry {
+    if (this.actor.getSnapshot().status !== 'active') throw voxError('shutting_down');
     const headroom = this.config.min_free_memory_mb > 0;
     const entry = new ModelEntry(config, {
       loader: this.loadPool,

@@ -66,6 +66,12 @@ export interface NodeRecord {
   min_free_memory_mb: number;
   /** Models held here (a local pool), by id. */
   models: Record<string, HeldModel>;
+  /**
+   * This node's NATS session: changes when its connection to NATS came back (or the process
+   * restarted). A request another node sent it before may have been lost with the connection, so
+   * that node sends it again ({@link ClusterNode.ask}).
+   */
+  session?: string;
 }
 
 /** A registry entry plus when this node last heard of it (ms since the epoch, local clock). */
@@ -168,12 +174,16 @@ export class ClusterNode {
   private disconnectedAt = 0;
   /** How often NATS came back (requests in flight meanwhile are sent again). */
   private reconnects = 0;
+  /** Names this process's NATS sessions ({@link NodeRecord.session}: `<boot>.<reconnects>`). */
+  private readonly boot = randomUUID().slice(0, 8);
   /**
    * Models run here on a remote pool whose holders all went: loaded here too, behind that pool
    * (its jobs and other nodes' run on it), so the streams on the pool go on (docs/cluster.md).
    */
   private readonly backing = new Map<string, LoadedModel>();
   private readonly adopting = new Map<string, Promise<void>>();
+  /** Load and unload requests being served, by their body: a request sent again joins its first copy ({@link once}). */
+  private readonly serving = new Map<string, Promise<Uint8Array>>();
   /** When this node last served another node's job, per model (local clock). */
   private readonly lastServed = new Map<string, number>();
   private seq = 0;
@@ -364,8 +374,8 @@ export class ClusterNode {
     };
     on('job', (m) => this.serveJob(m));
     on('info', (m) => this.serveInfo(m));
-    on('load', (m) => this.serveLoad(m));
-    on('unload', (m) => this.serveUnload(m));
+    on('load', (m) => this.once('load', m, () => this.serveLoad(m)));
+    on('unload', (m) => this.once('unload', m, () => this.serveUnload(m)));
     this.subs.push(nc.subscribe(this.subject(this.name, 'ping'), { callback: (_e, m) => void m.respond() }));
     this.subs.push(nc.subscribe(`${this.jobInbox}.>`, { callback: (_e, m) => this.onJobReply(m) }));
     await nc.flush();
@@ -430,6 +440,7 @@ export class ClusterNode {
       max_loaded_models: this.config.max_loaded_models,
       min_free_memory_mb: this.config.min_free_memory_mb,
       models,
+      session: `${this.boot}.${this.reconnects}`,
     };
   }
 
@@ -1043,8 +1054,11 @@ export class ClusterNode {
    * Loads `id` here behind the remote pool this node runs it on (its holders are gone): the remote
    * pool's jobs, and other nodes' jobs, run on this backing pool from then on; it closes with the
    * remote pool. Guarded by this node's `min_free_memory_mb` only (it is not an entry of the
-   * supervisor: no LRU eviction makes room for it, docs/cluster.md).
-   * @throws VoxError `insufficient_memory` when the guard refuses; the loader's error.
+   * supervisor: no LRU eviction makes room for it, docs/cluster.md). Bounded like a local load by
+   * the model's `load_timeout_ms` (else the server's; 0 = none): past it the load is abandoned (its
+   * slot hosts killed through the loader's abort signal).
+   * @throws VoxError `insufficient_memory` when the guard refuses, `load_timeout` past the load
+   *   timeout; the loader's error.
    */
   private adopt(id: string): Promise<void> {
     const running = this.adopting.get(id);
@@ -1062,7 +1076,7 @@ export class ClusterNode {
           headroom: `${this.config.min_free_memory_mb} MB`,
           free: `${Math.round(free / MB)} MB`,
         });
-      const m = await sup.loadPool(config);
+      const m = await this.loadBounded(config);
       if (!this.remote.has(id)) return void (await m.close()); // its remote pool closed meanwhile
       m.pool.waitTimeoutMs = this.busyTimeout(config);
       this.backing.set(id, m);
@@ -1073,7 +1087,55 @@ export class ClusterNode {
     return p;
   }
 
+  /**
+   * The supervisor's loader for `config`, abandoned past the model's `load_timeout_ms` (else the
+   * server's; 0 = none) as a model entry abandons a local load: its abort signal kills the slot
+   * hosts still loading, and a pool that comes up anyway is closed.
+   * @throws VoxError `load_timeout`; the loader's error.
+   */
+  private loadBounded(config: ModelConfig): Promise<LoadedModel> {
+    const ms = config.load_timeout_ms ?? this.config.load_timeout_ms;
+    const ctl = new AbortController();
+    const loading = this.supervisor!.loadPool(config, ctl.signal);
+    if (!(ms > 0)) return loading;
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        ctl.abort();
+        reject(voxError('load_timeout', { ms }));
+        void loading.then(
+          (late) => late.close(),
+          () => {},
+        );
+      }, ms);
+      loading.then(
+        (m) => {
+          clearTimeout(timer);
+          resolve(m);
+        },
+        (e: unknown) => {
+          clearTimeout(timer);
+          reject(e);
+        },
+      );
+    });
+  }
+
   // ---- serving other nodes --------------------------------------------------------------------
+
+  /**
+   * Serves a load or unload request, or joins the same request still being served: the asking node
+   * sends a request again when a NATS connection came back ({@link ask}), and a second copy served
+   * on its own would queue behind the first (a full queue refuses it: the asking node would then
+   * place the model elsewhere while this node still loads it).
+   */
+  private once(what: string, m: Msg, serve: () => Promise<Uint8Array>): Promise<Uint8Array> {
+    const key = `${what} ${new TextDecoder().decode(m.data)}`;
+    const running = this.serving.get(key);
+    if (running) return running;
+    const p = serve().finally(() => this.serving.delete(key));
+    this.serving.set(key, p);
+    return p;
+  }
 
   /** The entry of a model held here ready (a local pool), else a `not_held` error. */
   private held(model: string): ModelEntry {
@@ -1273,18 +1335,24 @@ export class ClusterNode {
   /**
    * Sends a request to a node's subject and decodes its answer. Its answer is not waited for once
    * the node is no longer live (a dead node's load or unload would otherwise hold its caller, and a
-   * placement's lock, for the whole timeout); the request is sent again when NATS comes back (its
-   * answer may have been lost with the connection; info, load and unload may be asked twice).
+   * placement's lock, for the whole timeout); the request is sent again when this node's NATS
+   * connection comes back, and when the node's heartbeat shows that its own came back since the
+   * request was sent ({@link NodeRecord.session}): the request or its answer may have been lost
+   * with the connection (info, load and unload may be asked twice).
    * @throws VoxError the node's error (with its type), `server_busy` when nobody answers for it.
    */
   private async ask<T>(node: string, what: 'info' | 'load' | 'unload', body: unknown, timeoutMs: number): Promise<T> {
     let m: Msg;
     try {
-      let sent = -1;
+      let sent = '';
       let reply!: Promise<Msg>;
       for (;;) {
-        if (sent !== this.reconnects) {
-          sent = this.reconnects;
+        // This node's session and the node's as last heard: either changing may have lost the request.
+        const session = `${this.reconnects}/${this.view.get(node)?.record.session}`;
+        if (sent !== session) {
+          if (sent)
+            this.log.info({ on: node, what }, 'cluster: a NATS connection came back; the request is sent again');
+          sent = session;
           reply = this.link.nc.request(this.subject(node, what), encodeJson(body), { timeout: timeoutMs });
         }
         const r = await Promise.race([reply, this.changed(this.settings.heartbeat_ms).then(() => null)]);

@@ -15,7 +15,7 @@
  * 500 only after an injected fault, an operation fails only with a VoxError); plus, cluster-wide: at
  * most one load of a model in flight at a time among nodes that take each other for live (excused
  * once a management load of it was asked for, which takes no lock, or its lock was taken over past
- * its deadline, or its node had lost NATS: documented limits, docs/cluster.md); a load lock is never written over by another node before its deadline; every
+ * its deadline, or its node decided to load it while it had lost NATS: documented limits, docs/cluster.md); a load lock is never written over by another node before its deadline; every
  * request and stream on a live node settles, with its own results or a definite wire error, once
  * the clock has run past every deadline; no load lock left at the end.
  *
@@ -48,9 +48,10 @@ const RUNS = Number(process.env.FC_RUNS ?? 150);
 const RUN_TIMEOUT_MS = 300_000;
 /**
  * The seed: fixed (42) unless `FC_SEED` says otherwise (`FC_SEED=random` for a new one each run), so
- * CI runs the same 150 cases every time. Random seeds have found a case this suite does not yet
- * settle (`FC_SEED=-487407280 FC_RUNS=600`: "two loads of b at once in the cluster" after a node
- * lost NATS; see the round 3 stop 3 closing note), which would make CI fail at random.
+ * CI runs the same 150 cases every time (a random seed's failure would make CI fail at random).
+ * Seeds that found failures, settled since and worth replaying after a change:
+ * `FC_SEED=-487407280 FC_RUNS=600` (2 nodes: a load decided offline, see {@link World.decidedOffline}),
+ * `FC_SEED=-1056948768 FC_RUNS=600` (3 nodes: a request lost with its node's NATS connection).
  */
 const SEED = process.env.FC_SEED === 'random' ? undefined : Number(process.env.FC_SEED ?? 42);
 const replay =
@@ -87,7 +88,10 @@ interface Loading {
   sees: Set<string>;
   /** It started while a management load of its model was in flight (that takes no lock). */
   managed: boolean;
-  /** It started while its node had lost NATS (it then loads what its own requests need, with no lock). */
+  /**
+   * Its node decided to load it while it had lost NATS (it then loads what its own requests need,
+   * with no lock), even if NATS was back when the load started (it waited at the memory gate).
+   */
   offline: boolean;
 }
 
@@ -98,14 +102,6 @@ interface Op {
   /** A management call. */
   manage: boolean;
   done: boolean;
-  /**
-   * In flight on another node when a node lost NATS: a request it made to that node (an info, a
-   * placement's load, a management call) may have been lost with the connection while the node
-   * stays live, and is then waited for up to its own timeout (10 s, `lock_ms` x 100, an hour:
-   * cluster/node.ts `ask`; reported to the lead), so it is not counted as lost while the others are
-   * checked (it must still settle once its node leaves).
-   */
-  mayLoseAnswer: boolean;
   promise: Promise<void>;
 }
 
@@ -132,6 +128,13 @@ class World {
   readonly managed = new Set<string>();
   /** Nodes that lost NATS during the run. */
   readonly lostNats = new Set<string>();
+  /**
+   * `node/model` of the loads a node's placement sent here while it had lost NATS, until they end.
+   * Such a load may reach the loader only after NATS is back (it waits at the memory gate first), so
+   * its node's state when the loader starts does not tell (FC_SEED=-487407280 FC_RUNS=600, 2 nodes:
+   * A decided offline, waited for memory, loaded b after its reconnect while B's placement loaded it).
+   */
+  readonly decidedOffline = new Set<string>();
   /** Models whose load lock was taken over from another node (two loads may then overlap: a documented limit). */
   readonly takenOver = new Set<string>();
   /** How often the single-flight check was excused, and why (reported). */
@@ -215,7 +218,6 @@ class World {
       node: node.name,
       manage,
       done: false,
-      mayLoseAnswer: false,
       promise: Promise.resolve(),
     };
     rec.promise = (async () => {
@@ -252,7 +254,7 @@ function fakeLoader(w: World, node: string): ModelLoader {
       model: id,
       sees,
       managed: w.managed.has(id),
-      offline: self ? !self.cluster.connected : false,
+      offline: (self ? !self.cluster.connected : false) || w.decidedOffline.has(key),
     };
     w.loadStarts(loading);
     // An abandoned load (the load timeout, an unload) is no longer the model's load: its process hosts are being killed.
@@ -266,10 +268,8 @@ function fakeLoader(w: World, node: string): ModelLoader {
       const factory = async (_spec: LoadSpec, signal?: AbortSignal): Promise<SlotHost> => {
         const n = made++;
         await w.s.schedule(Promise.resolve(), `slot ${key}#${n}`);
-        // Only a load that can be abandoned hangs: a load behind a remote pool (cluster/node.ts `adopt`)
-        // has no abort signal and no load timeout of its own, so a hung one would hold its job and the
-        // model's lock for good (reported to the lead; not modelled here).
-        if (fault === 'hangs' && n === 0 && signal)
+        // Until the load is abandoned (its load timeout; a load behind a remote pool too: cluster/node.ts `adopt`).
+        if (fault === 'hangs' && n === 0)
           await new Promise((resolve) =>
             signal?.aborted ? resolve(null) : signal?.addEventListener('abort', resolve, { once: true }),
           );
@@ -574,7 +574,6 @@ class LoseNats implements Cmd {
     if (n.dead) return;
     w.bus.lose(n.name);
     w.lostNats.add(n.name);
-    for (const o of w.ops) if (!o.done && o.node !== n.name) o.mayLoseAnswer = true;
   }
   toString = (): string => `loseNats(${this.node})`;
 }
@@ -735,7 +734,19 @@ async function startNodes(w: World, names: string[], memory: number[]): Promise<
       memoryProbe: () => node.memory,
       footprint: async (c) => c.slots * 1000,
       log: nodeLog,
-      place: node.cluster.place,
+      place: (c, signal, local) => {
+        // The placement's first step: without NATS, a local load with no lock (a documented limit).
+        if (node.cluster.connected) return node.cluster.place(c, signal, local);
+        const key = `${name}/${c.id}`;
+        return node.cluster.place(c, signal, async () => {
+          w.decidedOffline.add(key);
+          try {
+            return await local();
+          } finally {
+            w.decidedOffline.delete(key);
+          }
+        });
+      },
     });
     await node.sup.start();
     w.nodes.push(node);
@@ -843,9 +854,7 @@ async function checkCluster(names: string[]): Promise<void> {
               if (socket.getSnapshot().status === 'active') socket.send({ type: 'PEER_CLOSED', code: 1006 });
             await runClock(s, 2000);
             // No job lost without an answer: every operation on a live node has settled.
-            const hung = w.ops.filter(
-              (o) => !o.done && !o.mayLoseAnswer && !w.nodes.find((n) => n.name === o.node)!.dead,
-            );
+            const hung = w.ops.filter((o) => !o.done && !w.nodes.find((n) => n.name === o.node)!.dead);
             if (hung.length && process.env.FC_DEBUG)
               console.log(
                 'HUNG',

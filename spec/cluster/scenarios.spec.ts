@@ -1,0 +1,220 @@
+/**
+ * Scripted cluster faults over the in-memory NATS (./fake-nats.ts, every step at once) with a fake
+ * clock: each test plays one sequence that the interleaving suite (./interleavings.spec.ts) found
+ * or that it cannot reach, and checks that the cluster settles it within a bound tied to its
+ * heartbeats and timeouts (docs/cluster.md, issue 20 follow-ups).
+ */
+import { pino } from 'pino';
+import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
+import { validateModelConfig } from '../../actors/model.js';
+import { Supervisor } from '../../actors/supervisor.js';
+import { ClusterNode } from '../../cluster/node.js';
+import { ModelConfig, ServerConfig } from '../../runtime/config.js';
+import { VoxError, voxError } from '../../runtime/errors.js';
+import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
+import type { Job, JobResult, VadJob } from '../../runtime/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import { FakeNats } from './fake-nats.js';
+
+const HEARTBEAT_MS = 100;
+const BUSY_TIMEOUT_MS = 300;
+const LOAD_TIMEOUT_MS = 200;
+
+const CATALOG: ModelConfig[] = [ModelConfig.parse({ id: 'a', task: 'vad', path: '/fake.onnx', max_batch_delay_ms: 0 })];
+
+interface TestNode {
+  name: string;
+  sup: Supervisor;
+  cluster: ClusterNode;
+  /** Loads (pools started) on this node, and those resident now. */
+  loads: number;
+  resident: number;
+  /** The next loads' slot hosts never come up (until the load's signal aborts them). */
+  hang: boolean;
+  /** What its memory probe reports, bytes (placements go to the most free first). */
+  memory: number;
+}
+
+/** A loader of instant fake slots (a job's result is its state, so an answer can be matched to its job). */
+function loader(n: TestNode): ModelLoader {
+  return async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
+    n.loads++;
+    const hang = n.hang;
+    const host = async (): Promise<SlotHost> => {
+      if (hang)
+        await new Promise<void>((resolve) =>
+          signal?.aborted ? resolve() : signal?.addEventListener('abort', () => resolve(), { once: true }),
+        );
+      if (signal?.aborted) throw new Error('slot host was killed by SIGKILL');
+      return {
+        info: {},
+        run: async (job: Job): Promise<JobResult> => {
+          const vad = job as VadJob;
+          return { kind: 'vad', probs: new Float32Array(1), state: vad.state.slice(), context: new Float32Array(64) };
+        },
+        close: async () => {},
+        onExit: () => {},
+        residentBytes: () => 0,
+      };
+    };
+    const pool = await SlotPool.start({ kind: 'vad', model: '/fake.onnx' }, config.slots, host, { signal });
+    n.resident++;
+    return {
+      pool,
+      residentBytes: 1000,
+      close: async () => {
+        await pool.close();
+        n.resident--;
+      },
+    };
+  };
+}
+
+const log = pino({ level: process.env.CLUSTER_LOG ?? 'silent' });
+
+async function startNodes(bus: FakeNats, names: string[], memory: number[] = []): Promise<TestNode[]> {
+  const nodes: TestNode[] = [];
+  for (const [i, name] of names.entries()) {
+    const config = ServerConfig.parse({
+      log_level: 'silent',
+      busy_timeout_ms: BUSY_TIMEOUT_MS,
+      load_timeout_ms: LOAD_TIMEOUT_MS,
+      models_root: false,
+      cluster: { nats: 'nats://fake:4222', node: name, heartbeat_ms: HEARTBEAT_MS, lock_ms: 400, job_deadline_ms: 100 },
+    });
+    const n = { name, loads: 0, resident: 0, hang: false, memory: memory[i] ?? 3e12 } as TestNode;
+    n.cluster = await ClusterNode.connect(config, {
+      log: log.child({ node: name }),
+      memoryProbe: () => n.memory,
+      link: bus.connect(name),
+    });
+    n.sup = new Supervisor(config, {
+      loader: loader(n),
+      catalog: CATALOG,
+      memoryProbe: () => n.memory,
+      footprint: async () => 1000,
+      log: log.child({ node: name }),
+      place: n.cluster.place,
+    });
+    await n.sup.start();
+    nodes.push(n);
+  }
+  for (const n of nodes) await n.cluster.attach(n.sup, `http://${n.name}.invalid`);
+  await vi.advanceTimersByTimeAsync(HEARTBEAT_MS);
+  return nodes;
+}
+
+/** How `p` ended by now: its value, its error, or 'pending'. */
+function watch<T>(p: Promise<T>): () => { value?: T; error?: unknown } | 'pending' {
+  let out: { value?: T; error?: unknown } | 'pending' = 'pending';
+  p.then(
+    (value) => (out = { value }),
+    (error) => (out = { error }),
+  );
+  return () => out;
+}
+
+/** One file request's lease and job on `n` for model `id`: resolves with the job's result state marker. */
+async function request(n: TestNode, id: string, marker: number): Promise<number> {
+  const entry = n.sup.require(id);
+  const lease = await entry.admit({});
+  try {
+    const { pool } = await entry.ensureReady();
+    const state = new Float32Array(256);
+    state[0] = marker;
+    const r = await pool.run({ kind: 'vad', windows: new Float32Array(512), state, context: new Float32Array(64) });
+    return r.kind === 'vad' ? r.state[0] : Number.NaN;
+  } finally {
+    lease.release();
+  }
+}
+
+let bus: FakeNats;
+let nodes: TestNode[] = [];
+
+beforeEach(() => {
+  vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'setInterval', 'clearInterval', 'Date', 'performance'] });
+  bus = new FakeNats();
+});
+
+afterEach(async () => {
+  for (const n of nodes) {
+    if (bus.alive(n.name)) await n.cluster.close();
+    if (n.sup.phase === 'stopped') continue;
+    n.sup.revokeAll(voxError('shutting_down'));
+    const stopped = n.sup.stop(0);
+    await vi.advanceTimersByTimeAsync(1000);
+    await stopped;
+  }
+  nodes = [];
+  vi.useRealTimers();
+});
+
+describe('cluster faults, scripted over the in-memory NATS', () => {
+  it('a request to a node whose NATS drops and comes back is sent again at its next heartbeat (not waited for an hour)', async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a, b] = nodes;
+    // A is cut off: B's load request reaches NATS and waits for A; then NATS loses A's connection
+    // (the request is lost with it) and A reconnects at once, so B keeps taking A for live.
+    bus.stall('A');
+    const load = watch(
+      b.cluster.manageLoad({ id: 'a', node: 'A' }, (fields) => validateModelConfig({ ...CATALOG[0], ...fields })),
+    );
+    await vi.advanceTimersByTimeAsync(10);
+    bus.lose('A');
+    await vi.advanceTimersByTimeAsync(10);
+    bus.heal('A');
+    // Answered within a few heartbeats of A's return (before: after an hour, the management timeout).
+    await vi.advanceTimersByTimeAsync(5 * HEARTBEAT_MS);
+    expect(load()).toEqual({ value: { id: 'a', loaded: true, reconfigured: false, nodes: ['A'] } });
+    expect(a.sup.status('a')?.state).toBe('ready');
+  });
+
+  it('a model loaded behind a remote pool after its holder died is abandoned at its load_timeout_ms', async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a, b] = nodes;
+    await b.cluster.loadHere('a', {});
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+    // A runs a on a remote pool (B holds it).
+    expect(await request(a, 'a', 1)).toBe(1);
+    expect(a.loads).toBe(0);
+    // B dies; A's next job finds no holder and loads a behind its remote pool, whose slot host hangs.
+    bus.kill('B');
+    a.hang = true;
+    const job = watch(request(a, 'a', 2));
+    await vi.advanceTimersByTimeAsync(LOAD_TIMEOUT_MS + BUSY_TIMEOUT_MS + 4 * HEARTBEAT_MS);
+    // The load was abandoned at load_timeout_ms, and the job failed definitely within the busy timeout.
+    expect(a.loads).toBe(1);
+    const r = job();
+    expect(r).not.toBe('pending');
+    expect((r as { error?: VoxError }).error).toBeInstanceOf(VoxError);
+    expect(a.resident).toBe(0);
+    // With the load coming up again, the next job loads it behind the remote pool and runs there.
+    a.hang = false;
+    const next = watch(request(a, 'a', 3));
+    await vi.advanceTimersByTimeAsync(4 * HEARTBEAT_MS);
+    expect(next()).toEqual({ value: 3 });
+    expect(a.resident).toBe(1);
+  });
+
+  it('a management load whose answer arrives after the supervisor stopped is refused there as shutting down (no TypeError)', async () => {
+    nodes = await startNodes(bus, ['A', 'B'], [1e12, 2e12]);
+    const [a] = nodes;
+    // A asks B (the most free memory) first to load a; B answers only after A's supervisor has stopped; A then loads its own
+    // replica (replicas: 2), on a stopped supervisor.
+    bus.stall('B');
+    const load = watch(
+      a.cluster.manageLoad({ id: 'a', replicas: 2 }, (fields) => validateModelConfig({ ...CATALOG[0], ...fields })),
+    );
+    await vi.advanceTimersByTimeAsync(10);
+    const stopped = a.sup.stop(0);
+    await vi.advanceTimersByTimeAsync(10);
+    await stopped;
+    bus.heal('B');
+    await vi.advanceTimersByTimeAsync(5 * HEARTBEAT_MS);
+    // B holds it; A's own replica is refused as shutting down (before: a TypeError in getOrRegister).
+    expect(load()).toMatchObject({
+      value: { nodes: ['B'], replicas: 1, refused: [expect.stringMatching(/^A: .*shutting down/i)] },
+    });
+  });
+});
