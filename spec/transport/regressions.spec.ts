@@ -160,6 +160,17 @@ describe('regressions', () => {
     expect(r.status).toBe(400);
   });
 
+  it('a request target that is not a valid path (//) is a 400 malformed_request, with or without a WebSocket upgrade (the upgrade crashed the process)', async () => {
+    const upgrade =
+      'Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n';
+    for (const headers of [upgrade, 'Connection: close\r\n']) {
+      const text = await raw([`GET // HTTP/1.1\r\nHost: localhost\r\n${headers}\r\n`]);
+      expect(text).toMatch(/^HTTP\/1\.1 400/);
+      expect(text).toContain('"code":"malformed_request"');
+    }
+    await healthy();
+  });
+
   it('a non-WebSocket Upgrade (h2c) is answered over HTTP/1.1', async () => {
     const text = await raw([
       'GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n',
