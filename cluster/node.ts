@@ -647,7 +647,19 @@ export class ClusterNode {
         this.pinned.delete(id);
         return this.fenced(id, local, ref);
       }
-      if (this.holders(id).length) return this.remotePool(config);
+      if (this.holders(id).length) {
+        try {
+          return await this.remotePool(config);
+        } catch (e) {
+          // No holder answered (dead since its last heartbeat: taken for gone, see remotePool): the
+          // model is placed below, or its holders are asked again, within the busy timeout.
+          if (!(e instanceof VoxError && e.code === 'no_holder') || Date.now() >= end) throw e;
+          if (this.holders(id).length) {
+            await this.changed(Math.min(this.settings.heartbeat_ms, end - Date.now()));
+            continue;
+          }
+        }
+      }
       const lock = await this.takeLock(id);
       if (lock) {
         let lost = false;
@@ -853,6 +865,8 @@ export class ClusterNode {
         break;
       } catch (e) {
         why.push(`${h.node}: ${(e as Error).message}`);
+        // Its process died since its last heartbeat (its subjects have no responders): gone now, not 3 heartbeats from now.
+        if (isNoResponders((e as { cause?: unknown }).cause)) this.markGone(h.node, 'no responders');
       }
     }
     if (!info)

@@ -197,6 +197,20 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     expect(a.resident).toBe(1);
   });
 
+  it('a first request on a node for a model whose only holder just died places it at once (not no_holder until the holder misses 3 heartbeats)', async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a, b] = nodes;
+    await b.cluster.loadHere('a', {});
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+    // B dies (with its ingress's streams); A still lists it as a holder for up to 3 heartbeats.
+    bus.kill('B');
+    const job = watch(request(a, 'a', 7));
+    await vi.advanceTimersByTimeAsync(HEARTBEAT_MS);
+    // Placed here within a heartbeat (before: 503 no_holder "no holder of a answered" at once).
+    expect(job()).toEqual({ value: 7 });
+    expect(a.loads).toBe(1);
+  });
+
   it('a management load whose answer arrives after the supervisor stopped is refused there as shutting down (no TypeError)', async () => {
     nodes = await startNodes(bus, ['A', 'B'], [1e12, 2e12]);
     const [a] = nodes;
