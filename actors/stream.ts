@@ -195,8 +195,12 @@ export class StreamChannel {
   heardAt = performance.now();
   /** Since when writes have been waiting to flush (the backlog began), `performance.now()` ms; null when all are flushed (kept by the transport). */
   unflushedSince: number | null = null;
-  /** The `work` actor's handler of coalesced audio while it runs: bytes, and when the last of them arrived (`performance.now()` ms). */
-  sink: ((data: Buffer, arrivedAt: number) => void) | null = null;
+  /**
+   * The `work` actor's handler of coalesced audio while it runs: the turn's frames in order (not
+   * concatenated: a copy and a new buffer per turn), and when the last of them arrived
+   * (`performance.now()` ms).
+   */
+  sink: ((frames: Buffer[], arrivedAt: number) => void) | null = null;
   /** The transport's writer (set by it). */
   write: (event: WireEvent) => void = () => {};
   /** Called once when the client goes over `limits.ws_max_messages_per_s` (set by the transport); later messages are dropped. */
@@ -243,10 +247,10 @@ export class StreamChannel {
     if (this.flushing) clearImmediate(this.flushing);
     this.flushing = null;
     if (this.frameBytes === 0) return;
-    const data = this.frames.length === 1 ? this.frames[0] : Buffer.concat(this.frames, this.frameBytes);
+    const frames = this.frames;
     this.frames = [];
     this.frameBytes = 0;
-    this.sink?.(data, this.heardAt);
+    this.sink?.(frames, this.heardAt);
   };
 
   /** Counts one message; false (and `onFlood` once) past the limit. */
@@ -396,7 +400,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     let decoder: PcmStreamDecoder | null = null;
     let pump: JobPump | null = null;
     let queueMs = 0;
-    let early: { data: Buffer; at: number }[] = [];
+    let early: { frames: Buffer[]; at: number }[] = [];
     let earlyBytes = 0;
     let paused = false;
     let ended = false;
@@ -425,9 +429,9 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
     const emitTask = (e: TaskEvent): void => channel.write(offsetMs ? shifted(e, offsetMs) : { ...e });
 
     /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
-    const push = (data: Buffer, at: number): void => {
+    const push = (frames: Buffer[], at: number): void => {
       const session = pump!.session;
-      session.push(decoder!.push(data));
+      for (const data of frames) session.push(decoder!.push(data));
       stats.receivedSamples = session.receivedSamples;
       pump!.arrived(at);
       if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
@@ -487,7 +491,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       const buffered = early;
       early = [];
       earlyBytes = 0;
-      for (const { data, at } of buffered) push(data, at);
+      for (const { frames, at } of buffered) push(frames, at);
       if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
       if (ended) finishAudio();
     };
@@ -506,13 +510,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' } | { type: '
       queueMicrotask(() => fail(e));
     }
 
-    channel.sink = (data, at) => {
+    channel.sink = (frames, at) => {
       // Audio after `end` is dropped: the stream is finishing what it had.
       if (ended) return;
-      if (pump) return push(data, at);
+      if (pump) return push(frames, at);
       // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
-      early.push({ data, at });
-      earlyBytes += data.length;
+      early.push({ frames, at });
+      for (const data of frames) earlyBytes += data.length;
       if (earlyBytes > MAX_EARLY_BYTES) pause();
     };
     receive((e) => {

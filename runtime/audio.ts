@@ -386,8 +386,9 @@ export class PcmStreamDecoder {
     const bytes = this.encoding === 's16le' ? 2 : 4;
     const aligned = buf.byteOffset % bytes === 0 ? buf : Buffer.from(buf);
     if (this.encoding === 's16le') {
-      const s16 = new Int16Array(aligned.buffer, aligned.byteOffset, n);
-      for (let i = 0; i < n; i++) interleaved[i] = s16[i] / 32768;
+      // The conversion to float is set's (native); scaling by 2^-15 is exact, as dividing by 32768 is.
+      interleaved.set(new Int16Array(aligned.buffer, aligned.byteOffset, n));
+      for (let i = 0; i < n; i++) interleaved[i] *= 1 / 32768;
     } else {
       interleaved.set(new Float32Array(aligned.buffer, aligned.byteOffset, n));
       sanitize(interleaved);

@@ -19,6 +19,13 @@ export interface Packing<J extends Job, R extends JobResult> {
   pack(rows: J[], arena?: Arena): J;
   /** One result per row: views into `result`'s arrays (a session copies what it keeps, or keeps the view). */
   unpack(result: R, rows: J[]): R[];
+  /**
+   * Runs (steps) a slot makes for a batch holding this row, when a batch runs row by row in
+   * lockstep (VAD: a batch makes as many runs as its longest row has windows, a run holding every
+   * row that still has a window): the batcher then keeps rows of more steps out of a full batch.
+   * Absent: rows run one after another, their steps do not matter.
+   */
+  steps?(row: J): number;
 }
 
 /**
@@ -58,6 +65,7 @@ export class Arena {
 
 /** Silero VAD: windows row after row with `counts`, state and context row by row (a ragged batch). */
 export const vadPacking: Packing<VadJob, VadResult> = {
+  steps: (row) => row.windows.length / SILERO.WINDOW,
   pack: (rows, arena = new Arena()) => ({
     kind: 'vad',
     counts: rows.map((r) => r.windows.length / SILERO.WINDOW),
@@ -169,15 +177,43 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
     }, this.maxDelayMs - waited);
   }
 
+  /**
+   * The next batch's jobs, oldest first (jobs whose signal aborted are dropped). When more jobs
+   * wait than a batch holds and rows run in lockstep ({@link Packing.steps}), the batch takes the
+   * oldest job, then the waiting jobs of as many steps, then those of fewer, each in age order;
+   * jobs of more steps wait for a batch led by one like them. Otherwise a run would hold only the
+   * few rows with one window more than the rest: 100 ms frames are 3.125 windows, so nearly
+   * every full batch of 3-window rows held a few 4-window rows, and a fourth run at a few rows
+   * costs nearly what a run of all of them does (a run's fixed cost). Each stream has one job in
+   * flight at a time, so its jobs stay in order.
+   */
+  private take(): Item<J, R>[] {
+    if (this.pending.some((item) => item.signal?.aborted)) {
+      for (const item of this.pending) if (item.signal?.aborted) item.reject(item.signal.reason);
+      this.pending = this.pending.filter((item) => !item.signal?.aborted);
+    }
+    const steps = this.packing.steps;
+    if (!steps || this.pending.length <= this.maxBatch) return this.pending.splice(0, this.maxBatch);
+    const lead = steps(this.pending[0].job);
+    const same: number[] = [];
+    const fewer: number[] = [];
+    for (let i = 0; i < this.pending.length && same.length < this.maxBatch; i++) {
+      const n = steps(this.pending[i].job);
+      if (n === lead) same.push(i);
+      else if (n < lead && fewer.length < this.maxBatch) fewer.push(i);
+    }
+    const taken = new Set([...same, ...fewer.slice(0, this.maxBatch - same.length)]);
+    const batch: Item<J, R>[] = [];
+    const rest: Item<J, R>[] = [];
+    this.pending.forEach((item, i) => (taken.has(i) ? batch : rest).push(item));
+    this.pending = rest;
+    return batch;
+  }
+
   private dispatch(): void {
     if (this.timer) clearTimeout(this.timer);
     this.timer = null;
-    const batch: Item<J, R>[] = [];
-    while (batch.length < this.maxBatch && this.pending.length) {
-      const item = this.pending.shift()!;
-      if (item.signal?.aborted) item.reject(item.signal.reason);
-      else batch.push(item);
-    }
+    const batch = this.take();
     if (!batch.length) return;
     const rows = batch.map((b) => b.job);
     this.inFlight++;

@@ -65,44 +65,57 @@ export async function drain(
 /**
  * Growable float32 buffer with cheap consumption from the front. What `take` returns is a view
  * of the buffer, not a copy: while it is lent (until `release`), making room moves the samples
- * to a new buffer instead of over the view; otherwise in place. A new array per job costs the
- * server more in garbage collection than the copy.
+ * to a second buffer kept for that (the two swap roles) instead of over the view; otherwise in
+ * place. Buffers only grow: a new array every few frames costs the server more in garbage
+ * collection (V8 collects in proportion to the memory allocated outside its heap) than the copy.
  */
 export class SampleBuffer {
   private data = new Float32Array(0);
+  /** The other buffer: the samples move there when room is needed while `data` is lent. */
+  private spare = new Float32Array(0);
   private start = 0;
   private end = 0;
-  private lent = false;
+  /** The buffer the views `take` returned are of (`data` or `spare`), null when none is lent. */
+  private lent: Float32Array | null = null;
 
   get length(): number {
     return this.end - this.start;
   }
 
   push(samples: Float32Array, scale = 1): void {
-    if (this.end + samples.length > this.data.length) {
-      const need = this.length + samples.length;
-      const next = need > this.data.length / 2 || this.lent ? new Float32Array(Math.max(need * 2, 4096)) : this.data;
-      next.set(this.data.subarray(this.start, this.end), 0);
-      this.data = next;
-      this.end -= this.start;
-      this.start = 0;
-    }
+    if (this.end + samples.length > this.data.length) this.makeRoom(this.length + samples.length);
     if (scale === 1) this.data.set(samples, this.end);
     else for (let i = 0; i < samples.length; i++) this.data[this.end + i] = samples[i] * scale;
     this.end += samples.length;
+  }
+
+  /** Moves the samples to the front of a buffer at most half full with `need` samples (so moves are amortized). */
+  private makeRoom(need: number): void {
+    const size = Math.max(need * 2, this.data.length, 4096);
+    const old = this.data;
+    if (this.lent !== old && size === old.length) {
+      old.copyWithin(0, this.start, this.end);
+    } else {
+      const next = this.lent !== this.spare && this.spare.length >= size ? this.spare : new Float32Array(size);
+      next.set(old.subarray(this.start, this.end), 0);
+      this.data = next;
+      this.spare = old;
+    }
+    this.end -= this.start;
+    this.start = 0;
   }
 
   /** Removes and returns the first `n` samples: a view, unchanged until {@link release}. */
   take(n: number): Float32Array {
     const out = this.data.subarray(this.start, this.start + n);
     this.start += n;
-    this.lent = true;
+    this.lent = this.data;
     return out;
   }
 
   /** The views `take` returned are no longer used: room may be made in place again. */
   release(): void {
-    this.lent = false;
+    this.lent = null;
   }
 }
 

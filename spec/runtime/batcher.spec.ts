@@ -69,4 +69,30 @@ describe('Batcher', () => {
     held[2].answer();
     expect([...(await third).probs]).toEqual([9, 9, 9, 9]);
   });
+
+  it('keeps rows of more windows out of a full batch, so that its runs hold every row; each row gets its own result', async () => {
+    const { pool, held } = heldPool(1);
+    const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 2, 0);
+    // The only slot takes the first job; four wait, more than a batch (2 rows) holds.
+    const first = batcher.run(row(1, 3));
+    const waiting = [batcher.run(row(2, 3)), batcher.run(row(3, 4)), batcher.run(row(4, 3)), batcher.run(row(5, 4))];
+    expect(held).toHaveLength(1);
+    held[0].answer();
+    await first;
+    await until(() => held.length === 2);
+    // Led by the oldest (3 windows): the other 3-window job, not the older 4-window one.
+    expect(held[1].job.counts).toEqual([3, 3]);
+    expect([held[1].job.windows[0], held[1].job.windows[3 * 512]]).toEqual([2, 4]);
+    held[1].answer();
+    await until(() => held.length === 3);
+    expect(held[2].job.counts).toEqual([4, 4]);
+    held[2].answer();
+    const results = await Promise.all(waiting);
+    expect(results.map((r) => [...r.probs])).toEqual([
+      [2, 2, 2],
+      [3, 3, 3, 3],
+      [4, 4, 4],
+      [5, 5, 5, 5],
+    ]);
+  });
 });
