@@ -1032,6 +1032,8 @@ export class ClusterNode {
     const lock = await this.takeLock(id);
     if (!lock) return;
     try {
+      // The registry itself, not the watch (it may lag): the previous lock holder may have placed it just now.
+      await this.refreshView();
       if (this.holders(id).length || this.backing.has(id)) return;
       const refusals: string[] = [];
       const here = this.record();
@@ -1042,7 +1044,11 @@ export class ClusterNode {
       for (const n of candidates) {
         try {
           this.log.info({ model: id, on: n.node }, 'cluster: no node holds the model any more; placing it again');
-          if (n.node === this.name) return await this.adopt(id);
+          if (n.node === this.name) {
+            await this.adopt(id);
+            // Registered before the lock is released, so the next node to take it finds this holder.
+            return await this.publish();
+          }
           await this.ask(
             n.node,
             'load',
