@@ -22,6 +22,7 @@ import {
   readTensorRequest,
   tensorJob,
   tensorOutputs,
+  type TensorRequest,
 } from '../runtime/tasks/index.js';
 import { leaseGranted, type Granted, type LeaseHandle } from './lease.js';
 import type { Supervisor } from './supervisor.js';
@@ -166,179 +167,239 @@ async function processFile(
   return { body: taskResult(session), audioMs };
 }
 
+/** One exchange in progress: what its pieces share, and what its log line reports. */
+interface ExchangeRun {
+  readonly rid: number;
+  readonly request: TaskRequest;
+  readonly send: (e: ExchangeEvent) => void;
+  /** Time in queues (the lease, then slots) and in inference so far, ms. */
+  readonly figures: { queueMs: number; inferenceMs: number };
+  /** The model's id, once the request named a registered one. */
+  model?: string;
+  /** Why the lease was revoked (forced unload, shutdown), once it was. */
+  revoked: Error | null;
+  /** Server-sent events have started: an error is then the stream's last event. */
+  sseStarted: boolean;
+  /** `ok`, `cancelled` or the error type, for `voxserve_requests_total` and the log. */
+  outcome: string;
+}
+
+/** What a granted exchange runs its jobs with: the lease's grant and signal, and how long a job may wait for a slot, ms. */
+interface Work {
+  readonly granted: Granted;
+  readonly signal: AbortSignal;
+  readonly waitMs: number;
+}
+
+/** A file result's `timing`: wall time since `t0`, time queued, the audio's duration and the real-time factor. */
+function fileTiming(x: ExchangeRun, t0: number, audioMs: number): Record<string, number> {
+  const wallMs = performance.now() - t0;
+  return {
+    wall_ms: round(wallMs),
+    queue_ms: round(x.figures.queueMs),
+    audio_duration_ms: round(audioMs),
+    rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000,
+  };
+}
+
+/** A tensor model's run: one job, checked against the model's own inputs first; answered as one response. */
+async function answerTensor(x: ExchangeRun, w: Work, tensors: TensorRequest): Promise<void> {
+  const { granted, signal } = w;
+  const job = tensorJob(granted.config, granted.info, tensors);
+  signal.throwIfAborted();
+  const r = await untilAborted(granted.run(job, w.waitMs), signal);
+  if (r.ran) x.figures.inferenceMs += r.ran[1] - r.ran[0];
+  x.figures.queueMs += r.waitedMs ?? 0;
+  x.send({
+    type: 'RESPONSE',
+    rid: x.rid,
+    status: 200,
+    msgpack: tensors.binary,
+    body: {
+      model: granted.model,
+      task: 'tensor',
+      outputs: tensorOutputs(r as TensorResult, tensors.binary),
+      timing: {
+        wall_ms: round(performance.now() - x.request.t0),
+        queue_ms: round(x.figures.queueMs),
+        inference_ms: round(x.figures.inferenceMs),
+      },
+    },
+  });
+}
+
+/** `run` of one file: its result as one response. */
+async function answerFile(x: ExchangeRun, w: Work): Promise<void> {
+  const { request } = x;
+  const r = await processFile(w.granted, request.files[0], request.options, w.signal, x.figures, w.waitMs);
+  x.send({
+    type: 'RESPONSE',
+    rid: x.rid,
+    status: 200,
+    body: { model: w.granted.model, ...r.body, timing: fileTiming(x, request.t0, r.audioMs) },
+  });
+}
+
+/**
+ * `run` of one file with `Accept: text/event-stream`: server-sent events start once the file is
+ * decoded (a bad file still gets its 400), then `progress` at most every {@link PROGRESS_INTERVAL_MS},
+ * then `result`.
+ */
+async function streamFile(x: ExchangeRun, w: Work): Promise<void> {
+  const { rid, request } = x;
+  let last = -Infinity;
+  const r = await processFile(
+    w.granted,
+    request.files[0],
+    request.options,
+    w.signal,
+    x.figures,
+    w.waitMs,
+    (processed, total) => {
+      if (!x.sseStarted) x.send({ type: 'SSE_START', rid });
+      x.sseStarted = true;
+      const now = performance.now();
+      if (now - last < PROGRESS_INTERVAL_MS && processed < total) return;
+      last = now;
+      x.send({
+        type: 'SSE_EVENT',
+        rid,
+        name: 'progress',
+        data: { processed_ms: round(processed), audio_duration_ms: round(total) },
+      });
+    },
+  );
+  x.send({
+    type: 'SSE_EVENT',
+    rid,
+    name: 'result',
+    data: { model: w.granted.model, ...r.body, timing: fileTiming(x, request.t0, r.audioMs) },
+  });
+  x.send({ type: 'SSE_END', rid });
+}
+
+/**
+ * `batch`: every file at once under the one lease, each result (or error) a server-sent event as
+ * soon as it is ready, then `done`; a revoked or abandoned batch ends with the revocation's error.
+ */
+async function streamBatch(x: ExchangeRun, w: Work): Promise<void> {
+  const { rid, request } = x;
+  const { granted, signal } = w;
+  x.send({ type: 'SSE_START', rid });
+  x.sseStarted = true;
+  let failed = 0;
+  await Promise.all(
+    request.files.map(async (file, index) => {
+      const f0 = performance.now();
+      try {
+        const r = await processFile(granted, file, request.options, signal, x.figures, w.waitMs);
+        x.send({
+          type: 'SSE_EVENT',
+          rid,
+          name: 'result',
+          data: { index, model: granted.model, ...r.body, timing: fileTiming(x, f0, r.audioMs) },
+        });
+      } catch (e) {
+        failed++;
+        if (!signal.aborted)
+          x.send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
+      }
+    }),
+  );
+  if (signal.aborted) {
+    x.outcome = x.revoked ? toVoxError(x.revoked).type : 'cancelled';
+    return x.send({ type: 'SSE_END', rid, error: x.revoked ? errorBody(toVoxError(x.revoked)) : undefined });
+  }
+  x.send({
+    type: 'SSE_EVENT',
+    rid,
+    name: 'done',
+    data: {
+      files: request.files.length,
+      failed,
+      wall_ms: round(performance.now() - request.t0),
+      queue_ms: round(x.figures.queueMs),
+      inference_ms: round(x.figures.inferenceMs),
+    },
+  });
+  x.send({ type: 'SSE_END', rid });
+}
+
+/** An exchange that failed: the error (the revocation's, if revoked) as its response, or as the last event once events have started. */
+function failExchange(x: ExchangeRun, e: unknown): void {
+  const why = x.revoked ?? e;
+  x.outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
+  x.send(
+    x.sseStarted
+      ? { type: 'SSE_END', rid: x.rid, error: responseError(why).body }
+      : { type: 'FAILED', rid: x.rid, error: responseError(why) },
+  );
+}
+
+/** Counts a finished exchange in `voxserve_requests_total` and logs its line. */
+function logExchange(x: ExchangeRun, registry: Supervisor): void {
+  const { model, outcome, figures } = x;
+  if (model) registry.metrics.requests.inc({ model, outcome });
+  registry.log.info(
+    {
+      route: x.request.kind,
+      model,
+      outcome,
+      queue_ms: round(figures.queueMs),
+      inference_ms: round(figures.inferenceMs),
+      wall_ms: round(performance.now() - x.request.t0),
+    },
+    'request',
+  );
+}
+
 /**
  * One task request's work (an exchange): it takes the lease before the audio is decoded (C1),
  * loads the model if needed, runs every file and reports the response as events. It holds the
  * lease until it is stopped (the socket actor stops it once the response is written or the
  * client went away, or when the connection closes): then pending inference is dropped and the
  * lease released. A lease revoked (forced unload, shutdown) answers with the revocation's error.
+ * A tensor request's tensors are read here (400 before its model is looked up).
  * Logs one line per request and counts it in `voxserve_requests_total` by outcome.
  */
 const exchange = fromCallback<
   { type: 'noop' },
   { rid: number; request: TaskRequest; registry: Supervisor; maxTensorBytes: number }
 >(({ input: { rid, request, registry, maxTensorBytes }, sendBack }) => {
-  const send = (e: ExchangeEvent): void => sendBack(e);
-  let lease: LeaseHandle | null = null;
-  let revoked: Error | null = null;
-  let model: string | undefined;
-  const figures = { queueMs: 0, inferenceMs: 0 };
-  let outcome = 'ok';
-  let sseStarted = false;
-  const timing = (t0: number, audioMs: number): Record<string, number> => {
-    const wallMs = performance.now() - t0;
-    return {
-      wall_ms: round(wallMs),
-      queue_ms: round(figures.queueMs),
-      audio_duration_ms: round(audioMs),
-      rtf: Math.round((wallMs / audioMs) * 10_000) / 10_000,
-    };
+  const x: ExchangeRun = {
+    rid,
+    request,
+    send: (e) => sendBack(e),
+    figures: { queueMs: 0, inferenceMs: 0 },
+    revoked: null,
+    sseStarted: false,
+    outcome: 'ok',
   };
+  let lease: LeaseHandle | null = null;
   void (async () => {
-    const { t0 } = request;
-    // A tensor request's tensors are read (and refused, 400) before its model is looked up.
     const tensors = request.tensor && readTensorRequest(request.tensor.fields, request.tensor.binary, maxTensorBytes);
     const entry = registry.require(request.model);
-    model = entry.id;
+    x.model = entry.id;
     const asked = leaseGranted(
       entry,
       { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
-      (e) => (revoked = e.error),
+      (e) => (x.revoked = e.error),
     );
     lease = asked.handle;
-    const { signal } = lease;
     const granted = await asked.granted;
-    figures.queueMs = granted.queueMs;
+    x.figures.queueMs = granted.queueMs;
     // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
-    const waitMs = effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0);
-    if (tensors) {
-      // A tensor model's run: one job, checked against the model's own inputs first.
-      const job = tensorJob(granted.config, granted.info, tensors);
-      signal.throwIfAborted();
-      const r = await untilAborted(granted.run(job, waitMs), signal);
-      if (r.ran) figures.inferenceMs += r.ran[1] - r.ran[0];
-      figures.queueMs += r.waitedMs ?? 0;
-      return send({
-        type: 'RESPONSE',
-        rid,
-        status: 200,
-        msgpack: tensors.binary,
-        body: {
-          model: entry.id,
-          task: 'tensor',
-          outputs: tensorOutputs(r as TensorResult, tensors.binary),
-          timing: {
-            wall_ms: round(performance.now() - t0),
-            queue_ms: round(figures.queueMs),
-            inference_ms: round(figures.inferenceMs),
-          },
-        },
-      });
-    }
-    if (request.kind === 'run' && !request.progress) {
-      const r = await processFile(granted, request.files[0], request.options, signal, figures, waitMs);
-      return send({
-        type: 'RESPONSE',
-        rid,
-        status: 200,
-        body: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
-      });
-    }
-    if (request.kind === 'run') {
-      // Server-sent events start once the file is decoded (a bad file still gets its 400).
-      let last = -Infinity;
-      const r = await processFile(
-        granted,
-        request.files[0],
-        request.options,
-        signal,
-        figures,
-        waitMs,
-        (processed, total) => {
-          if (!sseStarted) send({ type: 'SSE_START', rid });
-          sseStarted = true;
-          const now = performance.now();
-          if (now - last < PROGRESS_INTERVAL_MS && processed < total) return;
-          last = now;
-          send({
-            type: 'SSE_EVENT',
-            rid,
-            name: 'progress',
-            data: { processed_ms: round(processed), audio_duration_ms: round(total) },
-          });
-        },
-      );
-      send({
-        type: 'SSE_EVENT',
-        rid,
-        name: 'result',
-        data: { model: entry.id, ...r.body, timing: timing(t0, r.audioMs) },
-      });
-      return send({ type: 'SSE_END', rid });
-    }
-    send({ type: 'SSE_START', rid });
-    sseStarted = true;
-    let failed = 0;
-    await Promise.all(
-      request.files.map(async (file, index) => {
-        const f0 = performance.now();
-        try {
-          const r = await processFile(granted, file, request.options, signal, figures, waitMs);
-          send({
-            type: 'SSE_EVENT',
-            rid,
-            name: 'result',
-            data: { index, model: entry.id, ...r.body, timing: timing(f0, r.audioMs) },
-          });
-        } catch (e) {
-          failed++;
-          if (!signal.aborted)
-            send({ type: 'SSE_EVENT', rid, name: 'error', data: { index, ...errorBody(toVoxError(e)) } });
-        }
-      }),
-    );
-    if (signal.aborted) {
-      outcome = revoked ? toVoxError(revoked).type : 'cancelled';
-      return send({ type: 'SSE_END', rid, error: revoked ? errorBody(toVoxError(revoked)) : undefined });
-    }
-    send({
-      type: 'SSE_EVENT',
-      rid,
-      name: 'done',
-      data: {
-        files: request.files.length,
-        failed,
-        wall_ms: round(performance.now() - t0),
-        queue_ms: round(figures.queueMs),
-        inference_ms: round(figures.inferenceMs),
-      },
-    });
-    send({ type: 'SSE_END', rid });
+    const w: Work = {
+      granted,
+      signal: lease.signal,
+      waitMs: effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0),
+    };
+    if (tensors) return answerTensor(x, w, tensors);
+    if (request.kind === 'batch') return streamBatch(x, w);
+    return request.progress ? streamFile(x, w) : answerFile(x, w);
   })()
-    .catch((e) => {
-      const why = revoked ?? e;
-      outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
-      // Once server-sent events have started, the error is the stream's last event.
-      send(
-        sseStarted
-          ? { type: 'SSE_END', rid, error: responseError(why).body }
-          : { type: 'FAILED', rid, error: responseError(why) },
-      );
-    })
-    .finally(() => {
-      if (model) registry.metrics.requests.inc({ model, outcome });
-      registry.log.info(
-        {
-          route: request.kind,
-          model,
-          outcome,
-          queue_ms: round(figures.queueMs),
-          inference_ms: round(figures.inferenceMs),
-          wall_ms: round(performance.now() - request.t0),
-        },
-        'request',
-      );
-    });
+    .catch((e) => failExchange(x, e))
+    .finally(() => logExchange(x, registry));
   return () => lease?.release();
 });
 

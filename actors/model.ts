@@ -733,6 +733,58 @@ export interface EntryOptions {
 }
 
 /**
+ * The pool's settings that belong to its model entry, set once per pool, local or remote (a
+ * cluster's): slot waits bounded by the entry's busy timeout, host exits logged, run times and
+ * batch sizes measured, and a batcher when `max_batch_size` > 1 (a tensor request is one job of its
+ * own: never batched).
+ */
+function poolSettings(
+  entry: { readonly id: string; readonly log: Logger; readonly busyTimeoutMs: number },
+  metrics: Metrics | undefined,
+): (m: LoadedModel, c: ModelConfig) => LoadedModel {
+  const inference = metrics?.inference.labels({ model: entry.id });
+  const batchSize = metrics?.batchSize.labels({ model: entry.id });
+  const settled = new WeakSet<LoadedModel>();
+  return (m, c) => {
+    if (!m?.pool || settled.has(m)) return m;
+    settled.add(m);
+    m.pool.waitTimeoutMs = entry.busyTimeoutMs;
+    m.pool.onHostExit = (why, respawn) => entry.log.warn({ why, respawn }, 'slot host exited');
+    if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
+    if (c.max_batch_size > 1 && c.task !== 'tensor') {
+      const packing = (c.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
+      m.batcher = new Batcher(m.pool, packing, c.max_batch_size, c.max_batch_delay_ms, (n) => batchSize?.observe(n));
+    }
+    return m;
+  };
+}
+
+/**
+ * Logs each change of a model chart's state (`model state`, from and to) and tells `onChange`.
+ * Only a change of state counts: an event that changes nothing (a refused EVICT) must not wake the
+ * supervisor, which would ask again.
+ */
+function reportStateChanges(actor: ModelActor, log: Logger, onChange: () => void): void {
+  let previous: ModelState = 'unloaded';
+  let previousValue = '';
+  actor.subscribe({
+    next: (s) => {
+      const value = JSON.stringify(s.value);
+      if (value === previousValue) return;
+      previousValue = value;
+      const now = stateName(s.value);
+      if (now !== previous) {
+        log.info({ from: previous, to: now, last_error: s.context.lastError ?? undefined }, 'model state');
+        previous = now;
+      }
+      onChange();
+    },
+    // The machine handles every error itself; the error observer keeps one from crashing the process.
+    error: () => {},
+  });
+}
+
+/**
  * One registered model: its state-chart actor plus its admission queue (the FIFO of leases).
  * Requests hold a lease (see {@link Admission}) from before their input is prepared until their
  * response is written; management (load, reconfigure, unload) holds the exclusive lease.
@@ -763,8 +815,6 @@ export class ModelEntry {
     this.serverBusyTimeoutMs = options.serverBusyTimeoutMs ?? 0;
     this.resolve = options.resolve ?? ((c) => c);
     const metrics = options.metrics;
-    const inference = metrics?.inference.labels({ model: config.id });
-    const batchSize = metrics?.batchSize.labels({ model: config.id });
     this.lagMetric = metrics?.processingLag.labels({ model: config.id });
     this.admission = new Admission(config.max_streams, () => {
       this.actor?.send({ type: 'LEASES' });
@@ -773,22 +823,7 @@ export class ModelEntry {
     const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;
     this.admission.maxQueued = maxQueued(config);
     this.maxQueuedOf = maxQueued;
-    // The pool's settings that belong to the entry: slot waits bounded by the busy timeout, host
-    // exits logged, run times and batches measured. Set once per pool, local or remote (a cluster's).
-    const settled = new WeakSet<LoadedModel>();
-    const settle = (m: LoadedModel, c: ModelConfig): LoadedModel => {
-      if (!m?.pool || settled.has(m)) return m;
-      settled.add(m);
-      m.pool.waitTimeoutMs = this.busyTimeoutMs;
-      m.pool.onHostExit = (why, respawn) => this.log.warn({ why, respawn }, 'slot host exited');
-      if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
-      // A tensor request is one job of its own: never batched.
-      if (c.max_batch_size > 1 && c.task !== 'tensor') {
-        const packing = (c.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
-        m.batcher = new Batcher(m.pool, packing, c.max_batch_size, c.max_batch_delay_ms, (n) => batchSize?.observe(n));
-      }
-      return m;
-    };
+    const settle = poolSettings(this, metrics);
     const place = options.place;
     const deps: ModelDeps = {
       loader: async (c, signal) => settle(await options.loader(c, signal), c),
@@ -821,25 +856,7 @@ export class ModelEntry {
           id: `model:${config.id}`,
           systemId: `model:${config.id}`,
         });
-    let previous: ModelState = 'unloaded';
-    let previousValue = '';
-    this.actor.subscribe({
-      next: (s) => {
-        // Only a change of state counts: an event that changes nothing (a refused EVICT) must not
-        // wake the supervisor, which would ask again.
-        const value = JSON.stringify(s.value);
-        if (value === previousValue) return;
-        previousValue = value;
-        const now = stateName(s.value);
-        if (now !== previous) {
-          this.log.info({ from: previous, to: now, last_error: s.context.lastError ?? undefined }, 'model state');
-          previous = now;
-        }
-        onChange();
-      },
-      // The machine handles every error itself; the error observer keeps one from crashing the process.
-      error: () => {},
-    });
+    reportStateChanges(this.actor, this.log, onChange);
     if (!options.spawn) this.actor.start();
   }
 

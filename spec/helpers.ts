@@ -1,9 +1,12 @@
 import { readFileSync } from 'node:fs';
+import { connect } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { createRequire } from 'node:module';
 import type { Tensor } from 'onnxruntime-node';
 import WebSocket from 'ws';
 import { SILERO_V6 } from '../runtime/catalog.js';
+import { ServerConfig } from '../runtime/config.js';
+import { startServer, type ServerOptions, type VoxServer } from '../transport/server.js';
 
 const require = createRequire(import.meta.url);
 export const { WaveFile } = require('wavefile') as typeof import('wavefile');
@@ -45,6 +48,14 @@ export function loopWav(name: string, seconds: number): Buffer {
   return Buffer.from(w.toBuffer());
 }
 
+/**
+ * Starts a server for a spec: `fields` (server config, as in a config file) over a silent log and a
+ * free port; `options` are {@link startServer}'s test seams (a fake loader, ...).
+ */
+export function startTestServer(fields: Record<string, unknown> = {}, options?: ServerOptions): Promise<VoxServer> {
+  return startServer(ServerConfig.parse({ log_level: 'silent', port: 0, ...fields }), options);
+}
+
 /** Polls `pred` every 5 ms until it holds; throws after `ms`. */
 export async function until(pred: () => boolean | Promise<boolean>, ms = 5000): Promise<void> {
   const end = Date.now() + ms;
@@ -52,6 +63,50 @@ export async function until(pred: () => boolean | Promise<boolean>, ms = 5000): 
     if (Date.now() > end) throw new Error('condition not reached');
     await new Promise((r) => setTimeout(r, 5));
   }
+}
+
+/**
+ * Streams 16 kHz 16-bit PCM to a stream URL (`ws://.../v1/stream?...`) in 100 ms frames once
+ * `ready` arrives, then `end`; resolves with every event (parsed JSON) and the close code.
+ */
+export function streamPcm(url: string, pcm: Buffer): Promise<{ events: Record<string, unknown>[]; code: number }> {
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket(url);
+    const events: Record<string, unknown>[] = [];
+    ws.on('error', reject);
+    ws.on('message', (d) => {
+      const e = JSON.parse(d.toString());
+      events.push(e);
+      if (e.type !== 'ready') return;
+      for (let o = 0; o < pcm.length; o += 3200) ws.send(pcm.subarray(o, o + 3200));
+      ws.send(JSON.stringify({ type: 'end' }));
+    });
+    ws.on('close', (code) => resolve({ events, code }));
+  });
+}
+
+/** The wake-word models a Wyoming `describe` answer lists (its first `wake` program). */
+export interface WyomingInfo {
+  wake: { models: { name: string; phrase: string }[] }[];
+}
+
+/**
+ * Asks a Wyoming server (`uri`, `tcp://host:port`) to `describe` itself on a new connection and
+ * returns the `info` event's data: the header line, then `data_length` bytes of JSON on the next.
+ */
+export async function wyomingDescribe(uri: string): Promise<WyomingInfo> {
+  const { hostname, port } = new URL(uri.replace('tcp:', 'http:'));
+  const socket = connect(Number(port), hostname);
+  socket.on('error', () => {});
+  socket.write('{"type":"describe"}\n');
+  let text = '';
+  socket.on('data', (d) => (text += d));
+  await until(() => {
+    const [header, rest = ''] = text.split(/\n(.*)/s);
+    return !!header && Buffer.byteLength(rest) >= (JSON.parse(header) as { data_length: number }).data_length;
+  }, 10_000);
+  socket.destroy();
+  return JSON.parse(text.split(/\n(.*)/s)[1]) as WyomingInfo;
 }
 
 /** One line of `fixtures/REFERENCE.jsonl` (copied from the shared fixtures): independent expected values for a fixture. */

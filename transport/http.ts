@@ -44,6 +44,20 @@ export function errorHeaders(e: VoxError): Record<string, string> {
   return {};
 }
 
+/**
+ * The request target as a URL (path and query; the host is not read from it).
+ * @throws VoxError `malformed_request` (400) for a target that is not a valid path, such as `//`.
+ */
+export function requestUrl(req: IncomingMessage): URL {
+  try {
+    return new URL(req.url ?? '/', 'http://localhost');
+  } catch {
+    throw voxError('malformed_request', {
+      reason: `the request target is not a valid path: ${JSON.stringify((req.url ?? '').slice(0, 64))}`,
+    });
+  }
+}
+
 /** The request's media type: `Content-Type` without parameters, lower case ('' without one). */
 export const mediaType = (req: IncomingMessage): string =>
   (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase();

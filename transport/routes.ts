@@ -19,6 +19,7 @@ import {
   readBody,
   requireMediaType,
   requireRunMediaType,
+  requestUrl,
   sendJson,
   type HttpLink,
 } from './http.js';
@@ -143,97 +144,100 @@ export interface RouteDeps {
   readonly cluster: ClusterNode | null;
 }
 
-/**
- * The server's HTTP routes, and the function that answers a request from them: the Host and
- * Origin checks and CORS preflight first, then the route's auth, body types, refusal while not
- * accepting work, body, handler. Throws the error to answer (the caller writes it).
- */
-export function createDispatch(
-  deps: RouteDeps,
-): (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number) => Promise<void> {
-  const { config, supervisor, access, streams, sse, inspected, cluster } = deps;
-  const { metrics } = supervisor;
-  const demo = demoRoute(deps.demo);
+/** Answers one HTTP request on the connection's socket actor `link` as request `rid`; throws the error to answer. */
+export type Dispatch = (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number) => Promise<void>;
 
-  /** In a cluster, each model's status gains the nodes holding it; models held only elsewhere are listed too. */
-  const withNodes = <T extends { id: string }>(list: T[]): (T & { nodes?: unknown[] })[] => {
-    if (!cluster) return list;
-    const held = cluster.holdersByModel();
-    const out: (T & { nodes?: unknown[] })[] = list.map((m) => ({ ...m, nodes: held.get(m.id) ?? [] }));
-    for (const [id, nodes] of held)
-      if (!list.some((m) => m.id === id))
-        out.push({ id, task: nodes[0].task, state: 'unloaded', loaded: false, nodes } as unknown as T & {
-          nodes: unknown[];
-        });
-    return out;
-  };
-
-  /** Management routes in a cluster: load by placement (`node`, `replicas`), unloads on every node unless `node`. */
-  const manageCluster = async (c: ClusterNode, path: string, body: Record<string, unknown>): Promise<unknown> => {
-    if (path === '/v1/models/load') {
-      return c.manageLoad(body, (fields) => {
-        const known = typeof fields.id === 'string' ? supervisor.configOf(fields.id) : undefined;
-        return validateModelConfig(known ? { ...known, ...fields } : fields);
+/** In a cluster, each model's status gains the nodes holding it; models held only elsewhere are listed too. */
+function withNodes<T extends { id: string }>(cluster: ClusterNode | null, list: T[]): (T & { nodes?: unknown[] })[] {
+  if (!cluster) return list;
+  const held = cluster.holdersByModel();
+  const out: (T & { nodes?: unknown[] })[] = list.map((m) => ({ ...m, nodes: held.get(m.id) ?? [] }));
+  for (const [id, nodes] of held)
+    if (!list.some((m) => m.id === id))
+      out.push({ id, task: nodes[0].task, state: 'unloaded', loaded: false, nodes } as unknown as T & {
+        nodes: unknown[];
       });
-    }
-    if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
-    if (path === '/v1/models/unload') {
-      if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
-      const r = await c.manageUnload([body.id], body.node, body.force === true);
-      if (r.not_found.includes(body.id)) throw voxError('model_not_found', { id: body.id });
-      return { id: body.id, loaded: false, nodes: r.nodes };
-    }
-    if (path === '/v1/models/unload_many') {
-      if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
-        throw invalid('ids', 'required, an array of model id strings');
-      return c.manageUnload(body.ids as string[], body.node);
-    }
-    const { unloaded, nodes } = await c.manageUnload(undefined, body.node);
-    return { unloaded, nodes };
-  };
+  return out;
+}
 
-  const timeout = config.busy_timeout_ms;
-  /** A management body: a JSON object of at most 1 MiB. */
-  const jsonBody = async (req: IncomingMessage, res: ServerResponse): Promise<Record<string, unknown>> =>
-    parseJsonObject(await readBody(req, res, 1024 * 1024, config.limits.idle_ms));
-  /** A task body: up to `limits.max_body_bytes`, parsed as the route asks, with the time it started. */
-  const taskBody =
-    (parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest) =>
-    async (req: IncomingMessage, res: ServerResponse, url: URL): Promise<TaskRequest> => {
-      const t0 = performance.now();
-      // A msgpack body is a tensor request: its tensors' limit, plus room for names and shapes.
-      const { max_body_bytes, max_tensor_bytes } = config.limits;
-      const tensorLimit = max_tensor_bytes + 64 * 1024;
-      const byTensor = MSGPACK_TYPES.includes(mediaType(req)) && tensorLimit < max_body_bytes;
-      let body: Buffer;
-      try {
-        body = await readBody(req, res, byTensor ? tensorLimit : max_body_bytes, config.limits.idle_ms);
-      } catch (e) {
-        if (byTensor && (e as VoxError).code === 'body_too_large') {
-          const declared = Number(req.headers['content-length']);
-          throw voxError('tensor_too_large', {
-            bytes: Number.isFinite(declared) ? declared : undefined,
-            limit: max_tensor_bytes,
-          });
-        }
-        throw e;
+/** Management routes in a cluster: load by placement (`node`, `replicas`), unloads on every node unless `node`. */
+async function manageCluster(
+  supervisor: Supervisor,
+  c: ClusterNode,
+  path: string,
+  body: Record<string, unknown>,
+): Promise<unknown> {
+  if (path === '/v1/models/load') {
+    return c.manageLoad(body, (fields) => {
+      const known = typeof fields.id === 'string' ? supervisor.configOf(fields.id) : undefined;
+      return validateModelConfig(known ? { ...known, ...fields } : fields);
+    });
+  }
+  if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
+  if (path === '/v1/models/unload') {
+    if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
+    const r = await c.manageUnload([body.id], body.node, body.force === true);
+    if (r.not_found.includes(body.id)) throw voxError('model_not_found', { id: body.id });
+    return { id: body.id, loaded: false, nodes: r.nodes };
+  }
+  if (path === '/v1/models/unload_many') {
+    if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
+      throw invalid('ids', 'required, an array of model id strings');
+    return c.manageUnload(body.ids as string[], body.node);
+  }
+  const { unloaded, nodes } = await c.manageUnload(undefined, body.node);
+  return { unloaded, nodes };
+}
+
+/**
+ * A task body reader: up to `limits.max_body_bytes` (a msgpack body, a tensor request: its tensors'
+ * limit plus room for names and shapes), parsed as the route asks, with the time it started.
+ * @throws VoxError `tensor_too_large` for a msgpack body over its limit; `body_too_large` for another.
+ */
+function taskBody(
+  config: ServerConfig,
+  parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest,
+) {
+  return async (req: IncomingMessage, res: ServerResponse, url: URL): Promise<TaskRequest> => {
+    const t0 = performance.now();
+    const { max_body_bytes, max_tensor_bytes } = config.limits;
+    const tensorLimit = max_tensor_bytes + 64 * 1024;
+    const byTensor = MSGPACK_TYPES.includes(mediaType(req)) && tensorLimit < max_body_bytes;
+    let body: Buffer;
+    try {
+      body = await readBody(req, res, byTensor ? tensorLimit : max_body_bytes, config.limits.idle_ms);
+    } catch (e) {
+      if (byTensor && (e as VoxError).code === 'body_too_large') {
+        const declared = Number(req.headers['content-length']);
+        throw voxError('tensor_too_large', {
+          bytes: Number.isFinite(declared) ? declared : undefined,
+          limit: max_tensor_bytes,
+        });
       }
-      return parse(req, url, body, t0);
-    };
-  /** Aborts when a manager's client goes away (its request then leaves the model's queue). */
-  const goneSignal = (res: ServerResponse): AbortSignal => {
-    const gone = new AbortController();
-    res.on('close', () => res.writableFinished || gone.abort());
-    return gone.signal;
+      throw e;
+    }
+    return parse(req, url, body, t0);
   };
-  const page = (res: ServerResponse, type: string, cache: string, text: string): void => {
-    res.writeHead(200, { 'content-type': type, 'cache-control': cache });
-    res.end(text);
-  };
-  const management = { auth: 'management', accepts: ['application/json'], work: true, body: jsonBody } as const;
+}
 
-  /** Every HTTP route (the WebSocket upgrade of `/v1/stream` is handled on `upgrade`). */
-  const routes: Route<unknown>[] = [
+/** Aborts when a manager's client goes away (its request then leaves the model's queue). */
+function goneSignal(res: ServerResponse): AbortSignal {
+  const gone = new AbortController();
+  res.on('close', () => res.writableFinished || gone.abort());
+  return gone.signal;
+}
+
+/** Answers a static page or script. */
+function page(res: ServerResponse, type: string, cache: string, text: string): void {
+  res.writeHead(200, { 'content-type': type, 'cache-control': cache });
+  res.end(text);
+}
+
+/** Routes anyone may call that say what the server holds: home page, health, readiness, models, cluster, metrics. */
+function statusRoutes(deps: RouteDeps): Route<unknown>[] {
+  const { config, supervisor, streams, cluster } = deps;
+  const { metrics } = supervisor;
+  return [
     // A person who opens the server's address in a browser: what it is and where to go.
     route({
       method: 'GET',
@@ -270,7 +274,10 @@ export function createDispatch(
       path: '/v1/models',
       auth: 'none',
       handle: ({ res }) =>
-        sendJson(res, 200, { models: withNodes(supervisor.statuses()), failed_models: supervisor.failedModels() }),
+        sendJson(res, 200, {
+          models: withNodes(cluster, supervisor.statuses()),
+          failed_models: supervisor.failedModels(),
+        }),
     }),
     route({
       method: 'GET',
@@ -288,7 +295,7 @@ export function createDispatch(
       handle: ({ res, params }) => {
         const status = supervisor.status(params.id);
         if (!status) throw supervisor.unknownModel(params.id);
-        sendJson(res, 200, cluster ? withNodes([status])[0] : status);
+        sendJson(res, 200, cluster ? withNodes(cluster, [status])[0] : status);
       },
     }),
     route({
@@ -308,6 +315,14 @@ export function createDispatch(
         res.end(text);
       },
     }),
+  ];
+}
+
+/** The debug page, its charts, state and live actor events (management), and the demo page. */
+function pageRoutes(deps: RouteDeps): Route<unknown>[] {
+  const { supervisor, streams, sse, inspected, cluster } = deps;
+  const demo = demoRoute(deps.demo);
+  return [
     // The debug page and its layout script hold no data; what they show does.
     route({
       method: 'GET',
@@ -343,62 +358,65 @@ export function createDispatch(
     ...(['GET', 'HEAD'] as const).flatMap((method) =>
       ['/demo', '/demo/*'].map((path) => route({ method, path, auth: 'none', handle: (r) => demo(r.path, r.res) })),
     ),
+  ];
+}
+
+/** Loading and unloading models (management token; JSON bodies of at most 1 MiB); in a cluster, by placement. */
+function managementRoutes(deps: RouteDeps): Route<unknown>[] {
+  const { config, supervisor, cluster } = deps;
+  const timeout = config.busy_timeout_ms;
+  /** A management body: a JSON object of at most 1 MiB. */
+  const jsonBody = async (req: IncomingMessage, res: ServerResponse): Promise<Record<string, unknown>> =>
+    parseJsonObject(await readBody(req, res, 1024 * 1024, config.limits.idle_ms));
+  /** A management route at `path`: in a cluster by {@link manageCluster}, else by `local`; the answer is 200 JSON. */
+  const manage = (
+    path: string,
+    local: (body: Record<string, unknown>, gone: () => AbortSignal) => Promise<unknown>,
+  ): Route<unknown> =>
     route({
-      ...management,
+      auth: 'management',
+      accepts: ['application/json'],
+      work: true,
+      body: jsonBody,
       method: 'POST',
-      path: '/v1/models/load',
-      handle: async ({ res, path, body }) =>
+      path,
+      handle: async ({ res, body }) =>
         sendJson(
           res,
           200,
-          cluster ? await manageCluster(cluster, path, body) : await supervisor.load(body, timeout, goneSignal(res)),
+          cluster ? await manageCluster(supervisor, cluster, path, body) : await local(body, () => goneSignal(res)),
         ),
+    });
+  return [
+    manage('/v1/models/load', (body, gone) => supervisor.load(body, timeout, gone())),
+    manage('/v1/models/unload', async (body, gone) => {
+      if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
+      if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
+      const entry = supervisor.require(body.id);
+      await (body.force ? entry.forceUnload() : entry.unload(timeout, gone()));
+      return { id: body.id, loaded: false };
     }),
-    route({
-      ...management,
-      method: 'POST',
-      path: '/v1/models/unload',
-      handle: async ({ res, path, body }) => {
-        if (cluster) return sendJson(res, 200, await manageCluster(cluster, path, body));
-        if (typeof body.id !== 'string' || !body.id) throw invalid('id', 'required, a model id string');
-        if (body.force !== undefined && typeof body.force !== 'boolean') throw invalid('force', 'must be a boolean');
-        const entry = supervisor.require(body.id);
-        await (body.force ? entry.forceUnload() : entry.unload(timeout, goneSignal(res)));
-        sendJson(res, 200, { id: body.id, loaded: false });
-      },
+    manage('/v1/models/unload_many', async (body, gone) => {
+      if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
+        throw invalid('ids', 'required, an array of model id strings');
+      return supervisor.unloadMany(body.ids as string[], timeout, gone());
     }),
-    route({
-      ...management,
-      method: 'POST',
-      path: '/v1/models/unload_many',
-      handle: async ({ res, path, body }) => {
-        if (cluster) return sendJson(res, 200, await manageCluster(cluster, path, body));
-        if (!Array.isArray(body.ids) || !body.ids.every((x) => typeof x === 'string'))
-          throw invalid('ids', 'required, an array of model id strings');
-        sendJson(res, 200, await supervisor.unloadMany(body.ids as string[], timeout, goneSignal(res)));
-      },
-    }),
-    route({
-      ...management,
-      method: 'POST',
-      path: '/v1/models/unload_all',
-      handle: async ({ res, path, body }) =>
-        sendJson(
-          res,
-          200,
-          cluster
-            ? await manageCluster(cluster, path, body)
-            : { unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, goneSignal(res))).unloaded },
-        ),
-    }),
-    // Transport parses; the connection's socket actor runs the task in an exchange that holds the lease.
+    manage('/v1/models/unload_all', async (_body, gone) => ({
+      unloaded: (await supervisor.unloadMany(supervisor.registeredIds, timeout, gone())).unloaded,
+    })),
+  ];
+}
+
+/** The task routes (API key): the transport parses, the connection's socket actor runs the task in an exchange that holds the lease. */
+function taskRoutes(config: ServerConfig): Route<unknown>[] {
+  return [
     route({
       method: 'POST',
       path: '/v1/tasks/run',
       auth: 'apiKey',
       accepts: requireRunMediaType,
       work: true,
-      body: taskBody(parseRunRequest),
+      body: taskBody(config, parseRunRequest),
       handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
     }),
     route({
@@ -407,7 +425,7 @@ export function createDispatch(
       auth: 'apiKey',
       accepts: ['application/json'],
       work: true,
-      body: taskBody((_req, url, body, t0) => parseBatchRequest(url, body, t0)),
+      body: taskBody(config, (_req, url, body, t0) => parseBatchRequest(url, body, t0)),
       handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
     }),
     route({
@@ -419,10 +437,26 @@ export function createDispatch(
       },
     }),
   ];
+}
 
-  /** Answers one HTTP request from the table: access checks, then its route's auth, body types, body and handler. */
-  const dispatch = async (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number): Promise<void> => {
-    const url = new URL(req.url ?? '/', 'http://localhost');
+/**
+ * Every HTTP route (the WebSocket upgrade of `/v1/stream` is handled on `upgrade`), in the order
+ * {@link findRoute} scans them.
+ */
+function serverRoutes(deps: RouteDeps): Route<unknown>[] {
+  return [...statusRoutes(deps), ...pageRoutes(deps), ...managementRoutes(deps), ...taskRoutes(deps.config)];
+}
+
+/**
+ * The server's HTTP routes, and the function that answers a request from them: the Host and
+ * Origin checks and CORS preflight first, then the route's auth, body types, refusal while not
+ * accepting work, body, handler. Throws the error to answer (the caller writes it).
+ */
+export function createDispatch(deps: RouteDeps): Dispatch {
+  const { config, supervisor, access } = deps;
+  const routes = serverRoutes(deps);
+  return async (req, res, link, rid) => {
+    const url = requestUrl(req);
     const path = url.pathname.replace(/\/+$/, '') || '/';
     const method = req.method ?? 'GET';
     access.host(req);
@@ -448,5 +482,4 @@ export function createDispatch(
     const body = r.body ? await r.body(req, res, url) : undefined;
     await r.handle({ req, res, url, path, params, body, link, rid });
   };
-  return dispatch;
 }

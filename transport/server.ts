@@ -1,20 +1,21 @@
 import { createServer, ServerResponse, STATUS_CODES, type IncomingMessage, type Server } from 'node:http';
 import type { Socket } from 'node:net';
+import type { Duplex } from 'node:stream';
 import { Server as NetServer, type AddressInfo } from 'node:net';
 import { WebSocketServer } from 'ws';
 import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
-import { createInspection } from '../actors/inspection.js';
+import { createInspection, type Inspection } from '../actors/inspection.js';
 import { drainOnShutdown, type SystemEvent } from '../actors/system.js';
 import { queryOptions, type ServerConfig } from '../runtime/config.js';
 import { startDecoders } from '../runtime/decode.js';
 import { errorBody, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
-import { bindHttp, errorHeaders, sendError, type HttpLink } from './http.js';
-import { createAccess, isLoopback } from './access.js';
+import { bindHttp, errorHeaders, requestUrl, sendError, type HttpLink } from './http.js';
+import { createAccess, isLoopback, type Access } from './access.js';
 import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
-import { createDispatch } from './routes.js';
+import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
 import { ClusterNode } from '../cluster/node.js';
 import { clusterSettings } from '../cluster/nats.js';
@@ -77,55 +78,53 @@ function endWithJson(
   );
 }
 
-/**
- * Creates the server, starts listening on `config.host:config.port` (port 0 picks a free one),
- * and loads the config's non-lazy models. Resolves once listening; `/ready` turns 200 when the
- * eager loads are done.
- */
-export async function startServer(config: ServerConfig, options: ServerOptions = {}): Promise<VoxServer> {
+/** What the pieces of one running server share. */
+interface Running {
+  readonly config: ServerConfig;
+  readonly supervisor: Supervisor;
+  readonly access: Access;
+  readonly inspected: Inspection;
+  readonly cluster: ClusterNode | null;
+  /** Open `/debug/actors` event streams. */
+  readonly sse: Set<ServerResponse>;
+  readonly streams: Set<StreamLink>;
+  readonly inflight: Set<Promise<void>>;
+  /** Open HTTP connections (upgraded ones leave): at shutdown, idle ones are given time to close by themselves. */
+  readonly connections: Set<Socket>;
+  /** Each connection's HTTP socket actor, created with its first request (a WebSocket upgrade never needs one). */
+  readonly links: WeakMap<object, HttpLink>;
+  readonly idleGc: IdleCollector;
+  /** The Wyoming listener, once started (`wyoming.enabled`). */
+  wyoming: WyomingService | null;
+  /** Tells the system root an event, unless it has stopped. */
+  tell(event: SystemEvent): void;
+}
+
+/** Refuses a management API open to the network without a token. @throws Error naming the host. */
+function refuseOpenManagement(config: ServerConfig): void {
   if (config.management.enabled && !config.management.token && !isLoopback(config.host)) {
     throw new Error(
       `refusing to listen on ${config.host} with management enabled and no management.token: anyone who can reach it could load and unload models`,
     );
   }
-  startDecoders();
-  const access = createAccess(config);
-  const inspected = await createInspection(config);
-  // Cluster mode: NATS first (a node that cannot reach it fails here, naming the URL); logs carry the node name.
-  const baseLog = config.cluster
-    ? (options.log ?? createLogger(config.log_level)).child({ node: clusterSettings(config.cluster).node })
-    : options.log;
-  const cluster = config.cluster
-    ? await ClusterNode.connect(config, { log: baseLog!, memoryProbe: options.memoryProbe ?? availableMemory })
-    : null;
-  const supervisor = new Supervisor(config, {
-    ...options,
-    log: baseLog,
-    inspect: inspected.inspect,
-    place: cluster?.place,
-  });
-  const { log, root } = supervisor;
-  /** Tells the system root an event, unless it has stopped. */
-  const tell = (event: SystemEvent): void => {
-    if (root.getSnapshot().status === 'active') root.send(event);
-  };
-  const sse = new Set<ServerResponse>();
-  const streams = new Set<StreamLink>();
-  const inflight = new Set<Promise<void>>();
-  let wyoming: WyomingService | null = null;
-  // Off-heap garbage left by streams and requests is collected once the server idles (issue 25 item 14).
-  const idleGc = new IdleCollector(() => streams.size > 0 || inflight.size > 0 || (wyoming?.links.size ?? 0) > 0);
-  const dispatch = createDispatch({
-    config,
-    supervisor,
-    access,
-    streams,
-    sse,
-    inspected,
-    cluster,
-    demo: config.demo.enabled ?? isLoopback(config.host),
-  });
+}
 
+/** Cluster mode: NATS first (a node that cannot reach it fails here, naming the URL); logs carry the node name. */
+async function joinCluster(
+  config: ServerConfig,
+  options: ServerOptions,
+): Promise<{ log: ServerOptions['log']; cluster: ClusterNode | null }> {
+  if (!config.cluster) return { log: options.log, cluster: null };
+  const log = (options.log ?? createLogger(config.log_level)).child({ node: clusterSettings(config.cluster).node });
+  const cluster = await ClusterNode.connect(config, { log, memoryProbe: options.memoryProbe ?? availableMemory });
+  return { log, cluster };
+}
+
+/** The HTTP server with the request deadlines of `config.limits`; `handle` answers every request. */
+function createListener(
+  config: ServerConfig,
+  handle: (req: IncomingMessage, res: ServerResponse) => void,
+): { http: Server; headersTimeout: number; requestTimeout: number } {
   const headersTimeout = config.limits.headers_timeout_ms;
   // node refuses a headers deadline past the whole request's: the request's is raised to the headers'.
   const requestTimeout = config.limits.request_timeout_ms && Math.max(config.limits.request_timeout_ms, headersTimeout);
@@ -140,39 +139,39 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       // How often node checks these deadlines (its default, 30 s, would make short ones useless).
       connectionsCheckingInterval: Number.isFinite(shortest) ? Math.max(50, Math.min(1000, shortest / 4)) : undefined,
     },
-    (req, res) => handle(req, res),
+    handle,
   );
   // `Expect: 100-continue` is answered by readBody once every check has passed, not at once.
-  http.on('checkContinue', (req, res) => handle(req, res));
-  /** Open HTTP connections (upgraded ones leave): at shutdown, idle ones are given time to close by themselves. */
-  const connections = new Set<Socket>();
-  http.on('connection', (socket: Socket) => {
-    connections.add(socket);
-    socket.once('close', () => {
-      // The last one gone while the root lingers for them: the drain is over.
-      if (connections.delete(socket) && connections.size === 0) tell({ type: 'IDLE' });
-    });
-  });
-  /** Each connection's HTTP socket actor, created with its first request (a WebSocket upgrade never needs one). */
-  const links = new WeakMap<object, HttpLink>();
-  const linkOf = (socket: Socket): HttpLink => {
-    let link = links.get(socket);
-    if (link) return link;
-    const actor = createHttpSocket(
-      { limits: config.limits, registry: supervisor, bytesRead: () => socket.bytesRead },
-      inspected.inspect,
-    );
-    link = bindHttp(socket, actor);
-    links.set(socket, link);
-    drainOnShutdown(supervisor.root, actor);
-    const peerGone = (): void => link!.tell({ type: 'PEER_CLOSED' });
-    if (socket.destroyed) peerGone();
-    else socket.once('close', peerGone);
-    return link;
-  };
-  function handle(req: IncomingMessage, res: ServerResponse): void {
-    if (!supervisor.accepting) res.setHeader('connection', 'close');
-    const link = linkOf(req.socket);
+  http.on('checkContinue', handle);
+  return { http, headersTimeout, requestTimeout };
+}
+
+/** A connection's HTTP socket actor, created and bound with its first request. */
+function linkOf(run: Running, socket: Socket): HttpLink {
+  const link = run.links.get(socket);
+  if (link) return link;
+  const { config, supervisor, inspected } = run;
+  const actor = createHttpSocket(
+    { limits: config.limits, registry: supervisor, bytesRead: () => socket.bytesRead },
+    inspected.inspect,
+  );
+  const bound = bindHttp(socket, actor);
+  run.links.set(socket, bound);
+  drainOnShutdown(supervisor.root, actor);
+  const peerGone = (): void => bound.tell({ type: 'PEER_CLOSED' });
+  if (socket.destroyed) peerGone();
+  else socket.once('close', peerGone);
+  return bound;
+}
+
+/**
+ * Handles one HTTP request: it waits for its turn on the connection (pipelining), is answered by
+ * `dispatch`, and counts as in flight until its response has closed. An error is answered.
+ */
+function requestHandler(run: Running, dispatch: Dispatch): (req: IncomingMessage, res: ServerResponse) => void {
+  return (req, res) => {
+    if (!run.supervisor.accepting) res.setHeader('connection', 'close');
+    const link = linkOf(run, req.socket);
     const { rid, started } = link.begin(res, SAFE_METHODS.includes(req.method ?? ''));
     // In flight until the response has closed (task responses are written after `route` returns).
     const closed = new Promise<void>((resolve) => res.once('close', resolve));
@@ -191,18 +190,21 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
         }
       })
       .then(() => closed)
-      .finally(() => inflight.delete(handled));
-    inflight.add(handled);
-    idleGc.touch();
-  }
-  http.on('clientError', (err: NodeJS.ErrnoException, socket) => {
-    // Garbage request lines, oversized headers, header timeouts: answer if the socket can still take it.
-    if (!socket.writable) return socket.destroy();
+      .finally(() => run.inflight.delete(handled));
+    run.inflight.add(handled);
+    run.idleGc.touch();
+  };
+}
+
+/** Answers what node's parser refuses (garbage request lines, oversized headers, deadlines) if the socket can still take it. */
+function clientErrorHandler(headersTimeout: number, requestTimeout: number) {
+  return (err: NodeJS.ErrnoException, socket: Duplex): void => {
+    if (!socket.writable) return void socket.destroy();
     // Past limits.request_timeout_ms with the headers in and the body still arriving: the request's
     // own response answers 408, and the connection closes (the rest of the body is not read).
     const res = (socket as { _httpMessage?: ServerResponse | null })._httpMessage;
     if (err.code === 'ERR_HTTP_REQUEST_TIMEOUT' && res?.req && !res.req.complete) {
-      if (res.headersSent) return socket.destroy();
+      if (res.headersSent) return void socket.destroy();
       res.shouldKeepAlive = false;
       return sendError(res, voxError('request_timeout', { ms: requestTimeout }));
     }
@@ -212,20 +214,48 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
         ? voxError('headers_timeout', { ms: headersTimeout })
         : voxError(err.code === 'HPE_HEADER_OVERFLOW' ? 'headers_too_large' : 'malformed_request', { reason });
     endWithJson(socket, e.status, errorBody(e));
-  });
+  };
+}
 
-  const wss = new WebSocketServer({
-    noServer: true,
-    maxPayload: config.limits.ws_max_frame_bytes,
-    handleProtocols: (offered) => SUBPROTOCOLS.find((p) => offered.has(p)) ?? false,
-  });
-  http.on('upgrade', (req, socket, head) => {
+/**
+ * The checks a WebSocket upgrade passes before it becomes a stream: Host, Origin, path, API key,
+ * query parameter names, accepting work, the stream limit.
+ * @throws VoxError the refusal.
+ */
+function checkStreamUpgrade(run: Running, req: IncomingMessage, target: URL): void {
+  const { access, supervisor, config } = run;
+  const path = target.pathname;
+  access.host(req);
+  access.origin(req);
+  if (path.replace(/\/+$/, '') !== '/v1/stream')
+    throw voxError('route_not_found', { route: `WebSocket ${path}`, hint: 'streams are at /v1/stream' });
+  access.apiKey(
+    req,
+    (req.headers['sec-websocket-protocol'] ?? '').split(',').map((p) => p.trim()),
+  );
+  // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
+  // bad values of known ones are reported on the open stream (error event, close 1008).
+  queryOptions(target.searchParams, STREAM_QUERY);
+  if (!supervisor.accepting) throw supervisor.notAccepting();
+  if (run.streams.size >= config.limits.max_ws_connections)
+    throw voxError('too_many_streams', { max: config.limits.max_ws_connections });
+}
+
+/**
+ * Handles `upgrade`: a WebSocket to `/v1/stream` that passes {@link checkStreamUpgrade} becomes a
+ * stream socket actor; another protocol's upgrade of a body-less request is answered over HTTP/1.1.
+ */
+function upgradeHandler(
+  run: Running,
+  wss: WebSocketServer,
+  handle: (req: IncomingMessage, res: ServerResponse) => void,
+) {
+  const { config, supervisor, inspected, streams } = run;
+  return (req: IncomingMessage, socket: Duplex, head: Buffer): void => {
     socket.on('error', () => socket.destroy());
-    connections.delete(socket as Socket);
+    run.connections.delete(socket as Socket);
     // The connection leaves HTTP: a stream socket actor (or this handler's answer) owns it now.
-    if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') links.get(socket)?.tell({ type: 'UPGRADED' });
-    const target = new URL(req.url ?? '/', 'http://localhost');
-    const path = target.pathname;
+    if ((req.headers.upgrade ?? '').toLowerCase() === 'websocket') run.links.get(socket)?.tell({ type: 'UPGRADED' });
     const refuse = (e: VoxError): void => endWithJson(socket, e.status, errorBody(e), errorHeaders(e));
     if ((req.headers.upgrade ?? '').toLowerCase() !== 'websocket') {
       // Another protocol (e.g. curl's h2c offer): answer a body-less request over HTTP/1.1 as usual.
@@ -238,20 +268,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       return handle(req, res);
     }
     try {
-      access.host(req);
-      access.origin(req);
-      if (path.replace(/\/+$/, '') !== '/v1/stream')
-        throw voxError('route_not_found', { route: `WebSocket ${path}`, hint: 'streams are at /v1/stream' });
-      access.apiKey(
-        req,
-        (req.headers['sec-websocket-protocol'] ?? '').split(',').map((p) => p.trim()),
-      );
-      // An unknown query parameter (a typo such as `samplerate`) is refused before the upgrade;
-      // bad values of known ones are reported on the open stream (error event, close 1008).
-      queryOptions(target.searchParams, STREAM_QUERY);
-      if (!supervisor.accepting) throw supervisor.notAccepting();
-      if (streams.size >= config.limits.max_ws_connections)
-        throw voxError('too_many_streams', { max: config.limits.max_ws_connections });
+      checkStreamUpgrade(run, req, requestUrl(req));
     } catch (e) {
       return refuse(toVoxError(e));
     }
@@ -265,11 +282,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       drainOnShutdown(supervisor.root, socketActor.actor);
       const link = bindStream(ws, socketActor, protocol, config.limits);
       streams.add(link);
-      idleGc.touch();
+      run.idleGc.touch();
       void link.released.then(() => streams.delete(link));
     });
-  });
+  };
+}
 
+/** Listens on `config.host:config.port`; a failure closes the cluster membership first. @returns the URL. */
+async function listen(http: Server, config: ServerConfig, cluster: ClusterNode | null): Promise<string> {
   await new Promise<void>((resolve, reject) => {
     http.once('error', reject);
     http.listen(config.port, config.host, () => {
@@ -282,33 +302,45 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
   const addr = http.address() as AddressInfo;
   const host = addr.family === 'IPv6' ? `[${addr.address}]` : addr.address;
-  // The log's own record of the address (the CLI also tells the person at the terminal, on stderr).
-  log.info({ url: `http://${host}:${addr.port}` }, 'listening');
+  return `http://${host}:${addr.port}`;
+}
+
+/** Starts what runs beside the HTTP listener: Wyoming (`wyoming.enabled`), then cluster membership; a failure closes the listener. */
+async function startServices(run: Running, http: Server, url: string): Promise<void> {
+  const { config, supervisor, cluster } = run;
   if (config.wyoming.enabled) {
     try {
-      wyoming = await startWyoming(config, supervisor, inspected.inspect);
+      run.wyoming = await startWyoming(config, supervisor, run.inspected.inspect);
     } catch (e) {
       http.close();
       throw e;
     }
-    log.info({ uri: wyoming.uri }, 'wyoming listening');
+    supervisor.log.info({ uri: run.wyoming.uri }, 'wyoming listening');
   }
-  /** Wyoming connections count as streams in the drain. */
-  const wyomingLinks = (): {
-    released: Promise<void>;
-    actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void };
-  }[] => [...(wyoming?.links ?? [])];
   if (cluster) {
     try {
-      await cluster.attach(supervisor, `http://${host}:${addr.port}`);
+      await cluster.attach(supervisor, url);
     } catch (e) {
       http.close();
       await cluster.close();
       throw e;
     }
   }
-  void supervisor.start();
+}
 
+/**
+ * The shutdown phases (C15) around the system chart: stop accepting; drain until the chart emits
+ * `cut` (everything finished, the drain deadline, or `destroy()`); cut what is left; unload.
+ * @returns `close()`: the first call shuts down, later ones return the same promise.
+ */
+function shutdownOf(run: Running, http: Server, wss: WebSocketServer): () => Promise<void> {
+  const { config, supervisor, cluster, streams, inflight, connections, tell } = run;
+  const { log, root } = supervisor;
+  /** Wyoming connections count as streams in the drain. */
+  const wyomingLinks = (): {
+    released: Promise<void>;
+    actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void };
+  }[] => [...(run.wyoming?.links ?? [])];
   /** Phase 2 is over: the listener closes (new connections are refused); the idle ones linger (the chart's `lingering`). */
   let listenerClosed: Promise<void> | null = null;
   const closeListener = (): Promise<void> =>
@@ -320,8 +352,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   });
   const cut = new Promise<void>((resolve) => root.on('cut', () => resolve()));
 
-  let closing: Promise<void> | null = null;
   const shutDown = async (): Promise<void> => {
+    const { wyoming } = run;
     // Phase 1: stop accepting work. The listener stays up, so /ready answers 503 and new
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
@@ -335,7 +367,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       },
       'shutting down',
     );
-    for (const res of sse) res.end();
+    for (const res of run.sse) res.end();
     // Phase 2 (the root's `draining`, which emitted `drain`): running work finishes; streams get
     // their last events and `done`. The chart moves on when it has (`DRAINED`, then a linger for
     // idle keep-alive connections), at the drain deadline, or on `destroy()`: it emits `cut`.
@@ -350,7 +382,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
       s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
     supervisor.revokeAll(supervisor.notAccepting());
     const wyomingClosed = wyoming
-      ? new Promise<void>((resolve) => wyoming!.server.close(() => resolve()))
+      ? new Promise<void>((resolve) => wyoming.server.close(() => resolve()))
       : Promise.resolve();
     await Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]);
     http.closeAllConnections();
@@ -362,23 +394,92 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     await cluster?.close();
     await closeListener();
     await wyomingClosed;
-    inspected.stop();
-    idleGc.stop();
+    run.inspected.stop();
+    run.idleGc.stop();
     log.info('stopped');
     log.flush();
   };
-  const close = (): Promise<void> => (closing ??= shutDown());
+  let closing: Promise<void> | null = null;
+  return () => (closing ??= shutDown());
+}
+
+/**
+ * Creates the server, starts listening on `config.host:config.port` (port 0 picks a free one),
+ * and loads the config's non-lazy models. Resolves once listening; `/ready` turns 200 when the
+ * eager loads are done.
+ */
+export async function startServer(config: ServerConfig, options: ServerOptions = {}): Promise<VoxServer> {
+  refuseOpenManagement(config);
+  startDecoders();
+  const access = createAccess(config);
+  const inspected = await createInspection(config);
+  const { log, cluster } = await joinCluster(config, options);
+  const supervisor = new Supervisor(config, { ...options, log, inspect: inspected.inspect, place: cluster?.place });
+  const { root } = supervisor;
+  const streams = new Set<StreamLink>();
+  const inflight = new Set<Promise<void>>();
+  const run: Running = {
+    config,
+    supervisor,
+    access,
+    inspected,
+    cluster,
+    sse: new Set(),
+    streams,
+    inflight,
+    connections: new Set(),
+    links: new WeakMap(),
+    // Off-heap garbage left by streams and requests is collected once the server idles (issue 25 item 14).
+    idleGc: new IdleCollector(() => streams.size > 0 || inflight.size > 0 || (run.wyoming?.links.size ?? 0) > 0),
+    wyoming: null,
+    tell: (event) => {
+      if (root.getSnapshot().status === 'active') root.send(event);
+    },
+  };
+  const dispatch = createDispatch({
+    config,
+    supervisor,
+    access,
+    streams,
+    sse: run.sse,
+    inspected,
+    cluster,
+    demo: config.demo.enabled ?? isLoopback(config.host),
+  });
+  const handle = requestHandler(run, dispatch);
+  const { http, headersTimeout, requestTimeout } = createListener(config, handle);
+  http.on('connection', (socket: Socket) => {
+    run.connections.add(socket);
+    socket.once('close', () => {
+      // The last one gone while the root lingers for them: the drain is over.
+      if (run.connections.delete(socket) && run.connections.size === 0) run.tell({ type: 'IDLE' });
+    });
+  });
+  http.on('clientError', clientErrorHandler(headersTimeout, requestTimeout));
+  const wss = new WebSocketServer({
+    noServer: true,
+    maxPayload: config.limits.ws_max_frame_bytes,
+    handleProtocols: (offered) => SUBPROTOCOLS.find((p) => offered.has(p)) ?? false,
+  });
+  http.on('upgrade', upgradeHandler(run, wss, handle));
+
+  const url = await listen(http, config, cluster);
+  // The log's own record of the address (the CLI also tells the person at the terminal, on stderr).
+  supervisor.log.info({ url }, 'listening');
+  await startServices(run, http, url);
+  void supervisor.start();
+  const close = shutdownOf(run, http, wss);
   return {
     supervisor,
     http,
-    url: `http://${host}:${addr.port}`,
+    url,
     streams,
     inflight,
-    wyoming,
+    wyoming: run.wyoming,
     cluster,
     close,
     destroy: () => {
-      tell({ type: 'DESTROY' });
+      run.tell({ type: 'DESTROY' });
       return close();
     },
   };

@@ -39,6 +39,9 @@ const RANGE: Partial<Record<Dtype, [bigint, bigint]>> = {
   bool: [0n, 1n],
 };
 
+/** The largest finite float32, 2^128 - 2^104. */
+const FLOAT32_MAX = 3.4028234663852886e38;
+
 /** Most dimensions a tensor may have (ONNX itself sets no limit; no model of ours comes near). */
 const MAX_RANK = 32;
 
@@ -168,7 +171,11 @@ function flatList(field: string, data: unknown[], shape: number[], count: number
   return out;
 }
 
-/** A flat list of JSON values as a typed array of `dtype`. @throws VoxError naming `field` and the first bad element. */
+/**
+ * A flat list of JSON values as a typed array of `dtype`: integers within the dtype's range, floats
+ * finite in it (a float32 value past about 3.4e38 is refused, not made Infinity).
+ * @throws VoxError `invalid_tensor` naming `field` and the first bad element.
+ */
 function fromList(field: string, dtype: Dtype, list: unknown[]): TensorData {
   const Ctor = DTYPES[dtype];
   const out = new Ctor(list.length);
@@ -185,6 +192,9 @@ function fromList(field: string, dtype: Dtype, list: unknown[]): TensorData {
     if (!range) {
       if (typeof v !== 'number') bad(i, `a number (${dtype})`);
       (out as Float32Array)[i] = v as number;
+      // A finite value past float32's range would silently become Infinity.
+      if (!Number.isFinite((out as Float32Array)[i]) && Number.isFinite(v))
+        bad(i, `in the range of ${dtype} (magnitude at most ${FLOAT32_MAX})`);
       continue;
     }
     let n: bigint;

@@ -6,10 +6,10 @@ import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import WebSocket, { WebSocketServer } from 'ws';
 import { VoxClient, VoxClientError, type StreamEvent } from '../../client/node.js';
-import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
-import { startServer, type VoxServer } from '../../transport/server.js';
+import { defaultCatalog } from '../../runtime/config.js';
+import type { VoxServer } from '../../transport/server.js';
 import { spawnServer } from '../../tools/spawn-server.js';
-import { fixture, loopWav, WaveFile } from '../helpers.js';
+import { fixture, loopWav, startTestServer, WaveFile } from '../helpers.js';
 
 const exec = promisify(execFile);
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!.path;
@@ -17,14 +17,10 @@ let server: VoxServer;
 let vox: VoxClient;
 
 beforeAll(async () => {
-  server = await startServer(
-    ServerConfig.parse({
-      log_level: 'silent',
-      port: 0,
-      management: { enabled: true },
-      models: [{ id: 'one-stream', task: 'vad', path: silero, max_streams: 1, busy_timeout_ms: 300 }],
-    }),
-  );
+  server = await startTestServer({
+    management: { enabled: true },
+    models: [{ id: 'one-stream', task: 'vad', path: silero, max_streams: 1, busy_timeout_ms: 300 }],
+  });
   vox = new VoxClient({ url: server.url });
 });
 afterAll(async () => {
@@ -252,7 +248,7 @@ describe('errors are typed with the wire type', () => {
   });
 
   it('management without --management: forbidden 403', async () => {
-    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
+    const s = await startTestServer();
     try {
       const e = await refusal(new VoxClient({ url: s.url }).load({ id: 'x', task: 'vad', path: silero }));
       expect(e).toMatchObject({ type: 'forbidden', status: 403 });

@@ -6,7 +6,6 @@
  */
 import { execFile } from 'node:child_process';
 import { readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { connect } from 'node:net';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
@@ -14,7 +13,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { z } from 'zod';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { until } from '../helpers.js';
+import { until, wyomingDescribe } from '../helpers.js';
 
 const exec = promisify(execFile);
 const root = fileURLToPath(new URL('../..', import.meta.url));
@@ -178,19 +177,7 @@ describe('examples', () => {
 
 describe('wyoming.md', () => {
   it("its wake-word table is what describe answers: each name and phrase of info's models, in order", async () => {
-    const { hostname, port } = new URL(server.wyoming!.uri.replace('tcp:', 'http:'));
-    const socket = connect(Number(port), hostname);
-    socket.on('error', () => {});
-    socket.write('{"type":"describe"}\n');
-    let text = '';
-    socket.on('data', (d) => (text += d));
-    // The header line, then the data (data_length bytes of JSON) on the next line.
-    await until(() => {
-      const [header, rest = ''] = text.split(/\n(.*)/s);
-      return !!header && Buffer.byteLength(rest) >= (JSON.parse(header) as { data_length: number }).data_length;
-    }, 10_000);
-    socket.destroy();
-    const data = JSON.parse(text.split(/\n(.*)/s)[1]) as { wake: { models: { name: string; phrase: string }[] }[] };
+    const data = await wyomingDescribe(server.wyoming!.uri);
     const rows = read('docs/wyoming.md')
       .split('\n')
       .filter((l) => /^\| `[a-z_]+` \|/.test(l))

@@ -52,4 +52,12 @@ describe('module structure', () => {
     expect(graph.get('runtime/config.ts')).toContain('runtime/catalog.ts');
     expect(cycles(graph)).toEqual([]);
   });
+
+  it('transport/ carries bytes: it imports no slot pool, batcher, task, loader or admission (transport/http.ts read tensors)', () => {
+    const inference = /^runtime\/(slots|slot-worker|batcher|loader|admission)\.ts$|^runtime\/tasks\//;
+    const found = [...importGraph()]
+      .filter(([module]) => module.startsWith('transport/'))
+      .flatMap(([module, deps]) => deps.filter((d) => inference.test(d)).map((d) => `${module} -> ${d}`));
+    expect(found).toEqual([]);
+  });
 });

@@ -5,23 +5,19 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { OWW_MELSPECTROGRAM, SILERO_V5 } from '../../runtime/catalog.js';
 import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
-import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, WaveFile } from '../helpers.js';
+import type { VoxServer } from '../../transport/server.js';
+import { fixture, startTestServer, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 const catalog = defaultCatalog();
 const legacyVad = SILERO_V5.replace('silero_vad_v5.onnx', 'silero_vad_legacy.onnx');
 
 beforeAll(async () => {
-  server = await startServer(
-    ServerConfig.parse({
-      log_level: 'silent',
-      port: 0,
-      management: { enabled: true },
-      models_root: dirname(legacyVad),
-      limits: { max_body_bytes: 1024 * 1024 },
-    }),
-  );
+  server = await startTestServer({
+    management: { enabled: true },
+    models_root: dirname(legacyVad),
+    limits: { max_body_bytes: 1024 * 1024 },
+  });
 });
 afterAll(async () => {
   await server?.close();
@@ -158,6 +154,17 @@ describe('regressions', () => {
   it('bad percent-encoding in a model path is a 400', async () => {
     const r = await fetch(`${server.url}/v1/models/%ZZ`);
     expect(r.status).toBe(400);
+  });
+
+  it('a request target that is not a valid path (//) is a 400 malformed_request, with or without a WebSocket upgrade (the upgrade crashed the process)', async () => {
+    const upgrade =
+      'Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n';
+    for (const headers of [upgrade, 'Connection: close\r\n']) {
+      const text = await raw([`GET // HTTP/1.1\r\nHost: localhost\r\n${headers}\r\n`]);
+      expect(text).toMatch(/^HTTP\/1\.1 400/);
+      expect(text).toContain('"code":"malformed_request"');
+    }
+    await healthy();
   });
 
   it('a non-WebSocket Upgrade (h2c) is answered over HTTP/1.1', async () => {

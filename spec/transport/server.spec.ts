@@ -4,25 +4,21 @@ import { join } from 'node:path';
 import { unpack } from 'msgpackr';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
-import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
+import { defaultCatalog } from '../../runtime/config.js';
 import type { ModelLoader } from '../../runtime/loader.js';
-import { startServer, type VoxServer } from '../../transport/server.js';
+import type { VoxServer } from '../../transport/server.js';
 import { fakeLoader } from '../fuzz/fakes.js';
-import { expectSegments, fixture, handshake, reference, toneWav, WaveFile } from '../helpers.js';
+import { expectSegments, fixture, handshake, reference, startTestServer, toneWav, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 const MAX_BODY = 4 * 1024 * 1024;
 
 beforeAll(async () => {
-  server = await startServer(
-    ServerConfig.parse({
-      log_level: 'silent',
-      port: 0,
-      management: { enabled: true },
-      models_root: tmpdir(),
-      limits: { max_body_bytes: MAX_BODY },
-    }),
-  );
+  server = await startTestServer({
+    management: { enabled: true },
+    models_root: tmpdir(),
+    limits: { max_body_bytes: MAX_BODY },
+  });
 });
 afterAll(async () => {
   await server?.close();
@@ -188,12 +184,8 @@ describe('while starting (an eager model still loading)', () => {
       ]);
       return fakeLoader(config, signal);
     };
-    const s = await startServer(
-      ServerConfig.parse({
-        log_level: 'silent',
-        port: 0,
-        models: [{ id: 'eager', task: 'vad', path: 'eager.onnx', lazy: false }],
-      }),
+    const s = await startTestServer(
+      { models: [{ id: 'eager', task: 'vad', path: 'eager.onnx', lazy: false }] },
       { loader },
     );
     try {
@@ -573,7 +565,7 @@ describe('bad input: a clear error, and the server keeps serving', () => {
 
 describe('management routes', () => {
   it('answer 403 when management is disabled', async () => {
-    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
+    const s = await startTestServer();
     try {
       const res = await fetch(`${s.url}/v1/models/load`, {
         method: 'POST',

@@ -6,11 +6,10 @@
  * the offset, and the same stream without an offset.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import WebSocket from 'ws';
 import { MAX_OFFSET_MS, parseStreamParams } from '../../actors/stream.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { expectSegments, fixture, reference, WaveFile } from '../helpers.js';
+import { expectSegments, fixture, reference, streamPcm, WaveFile } from '../helpers.js';
 
 type Event = Record<string, any>;
 
@@ -55,21 +54,10 @@ afterAll(async () => {
 });
 
 /** Streams a 16 kHz WAV fixture in 100 ms frames with `query`; resolves with every event and the close code. */
-function stream(model: string, file: string, query: string): Promise<{ events: Event[]; code: number }> {
+async function stream(model: string, file: string, query: string): Promise<{ events: Event[]; code: number }> {
   const pcm = Buffer.from((new WaveFile(fixture(file)).data as { samples: Uint8Array }).samples);
-  return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}&${query}`);
-    const events: Event[] = [];
-    ws.on('error', reject);
-    ws.on('message', (d) => {
-      const e = JSON.parse(d.toString());
-      events.push(e);
-      if (e.type !== 'ready') return;
-      for (let o = 0; o < pcm.length; o += 3200) ws.send(pcm.subarray(o, o + 3200));
-      ws.send(JSON.stringify({ type: 'end' }));
-    });
-    ws.on('close', (code) => resolve({ events, code }));
-  });
+  const r = await streamPcm(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}&${query}`, pcm);
+  return r as { events: Event[]; code: number };
 }
 
 /** A 16 kHz mono WAV fixture's duration, ms (its sample count / 16). */

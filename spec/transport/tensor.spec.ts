@@ -9,24 +9,19 @@ import { pack, unpack } from 'msgpackr';
 import ort from 'onnxruntime-node';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { OWW_MELSPECTROGRAM, SILERO_V6 } from '../../runtime/catalog.js';
-import { ServerConfig } from '../../runtime/config.js';
-import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, WaveFile } from '../helpers.js';
+import type { VoxServer } from '../../transport/server.js';
+import { fixture, startTestServer, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 beforeAll(async () => {
-  server = await startServer(
-    ServerConfig.parse({
-      log_level: 'silent',
-      port: 0,
-      models: [
-        { id: 'mel', task: 'tensor', path: OWW_MELSPECTROGRAM },
-        { id: 'vad-tensor', task: 'tensor', path: SILERO_V6 },
-        // The same model in a worker thread: its tensors cross by structured clone, not frames.
-        { id: 'vad-tensor-thread', task: 'tensor', path: SILERO_V6, isolation: 'thread' },
-      ],
-    }),
-  );
+  server = await startTestServer({
+    models: [
+      { id: 'mel', task: 'tensor', path: OWW_MELSPECTROGRAM },
+      { id: 'vad-tensor', task: 'tensor', path: SILERO_V6 },
+      // The same model in a worker thread: its tensors cross by structured clone, not frames.
+      { id: 'vad-tensor-thread', task: 'tensor', path: SILERO_V6, isolation: 'thread' },
+    ],
+  });
 });
 afterAll(async () => {
   await server?.close();

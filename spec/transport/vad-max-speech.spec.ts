@@ -7,10 +7,16 @@
  * in the test ({@link sileroWindowProbs}: Silero's own ONNX wrapper).
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, getSpeechTimestamps, type SileroParams as Params, sileroWindowProbs, WaveFile } from '../helpers.js';
+import {
+  fixture,
+  getSpeechTimestamps,
+  type SileroParams as Params,
+  sileroWindowProbs,
+  streamPcm,
+  WaveFile,
+} from '../helpers.js';
 
 const FILE = 'espeak_long_speech_16k.wav';
 const SR = 16_000;
@@ -52,25 +58,13 @@ const ms = (segs: { start: number; end: number }[]): { start_ms: number; end_ms:
   segs.map((s) => ({ start_ms: Math.round((s.start * 1000) / SR), end_ms: Math.round((s.end * 1000) / SR) }));
 
 /** Streams the fixture's PCM in 100 ms frames with `params` as query options; resolves with every event. */
-function stream(params: Params): Promise<Record<string, unknown>[]> {
+async function stream(params: Params): Promise<Record<string, unknown>[]> {
   const q = new URLSearchParams(
     Object.entries({ model: 'silero-vad', sample_rate: '16000', ...params }).map(([k, v]) => [k, String(v)]),
   );
-  return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?${q}`);
-    const events: Record<string, unknown>[] = [];
-    ws.on('error', reject);
-    ws.on('message', (d) => {
-      const e = JSON.parse(d.toString());
-      events.push(e);
-      if (e.type !== 'ready') return;
-      for (let o = 0; o < pcm.length; o += 3200) ws.send(pcm.subarray(o, o + 3200));
-      ws.send(JSON.stringify({ type: 'end' }));
-    });
-    ws.on('close', (code) =>
-      code === 1000 ? resolve(events) : reject(new Error(`closed ${code}: ${JSON.stringify(events.at(-1))}`)),
-    );
-  });
+  const { events, code } = await streamPcm(`${server.url.replace('http', 'ws')}/v1/stream?${q}`, pcm);
+  if (code !== 1000) throw new Error(`closed ${code}: ${JSON.stringify(events.at(-1))}`);
+  return events;
 }
 
 describe(`max_speech_duration_s on ${FILE} against get_speech_timestamps`, () => {

@@ -5,7 +5,6 @@
  * break the others; a file removed unregisters its model once idle (a stream on it ends first).
  */
 import { copyFileSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -13,7 +12,7 @@ import WebSocket from 'ws';
 import { OWW_EMBEDDING, OWW_MODELS } from '../../runtime/catalog.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, reference, until } from '../helpers.js';
+import { fixture, reference, until, wyomingDescribe } from '../helpers.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-wakeword-dir-'));
 let server: VoxServer;
@@ -51,19 +50,7 @@ async function highest(model: string, file: string): Promise<{ status: number; s
 
 /** The wake-word names Wyoming `describe` lists. */
 async function wyomingNames(): Promise<string[]> {
-  const { hostname, port } = new URL(server.wyoming!.uri.replace('tcp:', 'http:'));
-  const socket = connect(Number(port), hostname);
-  socket.on('error', () => {});
-  socket.write('{"type":"describe"}\n');
-  let text = '';
-  socket.on('data', (d) => (text += d));
-  await until(() => {
-    const [header, rest = ''] = text.split(/\n(.*)/s);
-    return !!header && Buffer.byteLength(rest) >= (JSON.parse(header) as { data_length: number }).data_length;
-  }, 10_000);
-  socket.destroy();
-  const data = JSON.parse(text.split(/\n(.*)/s)[1]) as { wake: { models: { name: string }[] }[] };
-  return data.wake[0].models.map((m) => m.name);
+  return (await wyomingDescribe(server.wyoming!.uri)).wake[0].models.map((m) => m.name);
 }
 
 describe('wakeword_dir', () => {

@@ -1,21 +1,17 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
-import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, references, WaveFile } from '../helpers.js';
+import type { VoxServer } from '../../transport/server.js';
+import { fixture, references, startTestServer, WaveFile } from '../helpers.js';
 
 /** Several wake-word heads on one stream (issue 14): each head's detections as if it ran alone. */
 
 let server: VoxServer;
 beforeAll(async () => {
-  server = await startServer(
-    ServerConfig.parse({
-      log_level: 'silent',
-      port: 0,
-      management: { enabled: true },
-      models: [{ id: 'house', task: 'wakeword', heads: ['alexa', { model: 'hey-jarvis', threshold: 0.9 }] }],
-    }),
-  );
+  server = await startTestServer({
+    management: { enabled: true },
+    models: [{ id: 'house', task: 'wakeword', heads: ['alexa', { model: 'hey-jarvis', threshold: 0.9 }] }],
+  });
 });
 afterAll(async () => {
   await server?.close();

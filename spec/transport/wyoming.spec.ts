@@ -8,10 +8,10 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { Resampler } from '../../runtime/audio.js';
-import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
-import { startServer, type VoxServer } from '../../transport/server.js';
+import { defaultCatalog } from '../../runtime/config.js';
+import type { VoxServer } from '../../transport/server.js';
 import { spawnServer } from '../../tools/spawn-server.js';
-import { fixture, until, WaveFile } from '../helpers.js';
+import { fixture, startTestServer, until, WaveFile } from '../helpers.js';
 
 interface Event {
   type: string;
@@ -107,15 +107,11 @@ class Client {
 let server: VoxServer;
 let port: number;
 beforeAll(async () => {
-  server = await startServer(
-    ServerConfig.parse({
-      log_level: 'silent',
-      port: 0,
-      wyoming: { enabled: true, port: 0 },
-      limits: { ws_max_frame_bytes: 64 * 1024, max_header_bytes: 4096 },
-      models: [{ id: 'house', task: 'wakeword', heads: ['alexa', 'hey-jarvis', 'hey-rhasspy'] }],
-    }),
-  );
+  server = await startTestServer({
+    wyoming: { enabled: true, port: 0 },
+    limits: { ws_max_frame_bytes: 64 * 1024, max_header_bytes: 4096 },
+    models: [{ id: 'house', task: 'wakeword', heads: ['alexa', 'hey-jarvis', 'hey-rhasspy'] }],
+  });
   port = server.wyoming!.port;
   await until(async () => (await fetch(`${server.url}/ready`)).status === 200, 10_000);
 });
@@ -501,14 +497,10 @@ describe('Wyoming', () => {
 
 describe('Wyoming deadlines and limits', () => {
   it('item 4 (#25): a quiet connection is not cut at limits.idle_ms (wyoming-openwakeword does not cut): mid-stream, quiet for 5 x idle_ms, it is still heard; past limits.max_ws_connections a connection gets an error', async () => {
-    const small = await startServer(
-      ServerConfig.parse({
-        log_level: 'silent',
-        port: 0,
-        wyoming: { enabled: true, port: 0 },
-        limits: { idle_ms: 300, max_ws_connections: 2 },
-      }),
-    );
+    const small = await startTestServer({
+      wyoming: { enabled: true, port: 0 },
+      limits: { idle_ms: 300, max_ws_connections: 2 },
+    });
     onTestFinished(() => small.close());
     await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
     const [a, b] = await Promise.all([Client.open(small.wyoming!.port), Client.open(small.wyoming!.port)]);
@@ -537,9 +529,7 @@ describe('Wyoming deadlines and limits', () => {
   });
 
   it('item 4 (#25): wyoming.idle_ms, when set, cuts a silent connection (its own setting, named in the error)', async () => {
-    const small = await startServer(
-      ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0, idle_ms: 300 } }),
-    );
+    const small = await startTestServer({ wyoming: { enabled: true, port: 0, idle_ms: 300 } });
     onTestFinished(() => small.close());
     await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
     const [a, b] = await Promise.all([Client.open(small.wyoming!.port), Client.open(small.wyoming!.port)]);
@@ -556,9 +546,7 @@ describe('Wyoming deadlines and limits', () => {
 
 describe('Wyoming half-sent events', () => {
   it('item 4 (#25): an event begun and not finished (part of a header line, or a body one byte short) is cut at wyoming.event_timeout_ms even with idle_ms 0; a quiet connection between events stays', async () => {
-    const small = await startServer(
-      ServerConfig.parse({ log_level: 'silent', port: 0, wyoming: { enabled: true, port: 0, event_timeout_ms: 400 } }),
-    );
+    const small = await startTestServer({ wyoming: { enabled: true, port: 0, event_timeout_ms: 400 } });
     onTestFinished(() => small.close());
     await until(async () => (await fetch(`${small.url}/ready`)).status === 200, 10_000);
     const p = small.wyoming!.port;

@@ -68,6 +68,22 @@ describe('readTensor', () => {
     expect(r.message).toBe('inputs.x.data[0][0]: nested deeper than shape [1, 1]');
   });
 
+  it('a float32 value past the largest float32 (3.4028234663852886e38) is refused naming the element, not made Infinity', () => {
+    // 2^128 - 2^104 is float32's largest finite value (IEEE 754 binary32); 1e300 and -1e39 are past it.
+    for (const big of [1e300, -1e39]) {
+      const e = refusal({ dtype: 'float32', shape: [3], data: [0.5, big, 1] });
+      expect(e.code).toBe('invalid_tensor');
+      expect(e.message).toContain('inputs.x.data[1]');
+      expect(e.message).toContain('float32');
+    }
+    expect([...readTensor('x', { dtype: 'float32', shape: [2], data: [3.4028234663852886e38, -0.5] }).data]).toEqual([
+      2 ** 128 - 2 ** 104,
+      -0.5,
+    ]);
+    // float64 holds 1e300 as it is.
+    expect([...readTensor('x', { dtype: 'float64', shape: [1], data: [1e300] }).data]).toEqual([1e300]);
+  });
+
   it("a 0-d tensor's data may be the bare value (numpy's tolist() of a 0-d array), or a list of one", () => {
     expect([...readTensor('sr', { dtype: 'int64', shape: [], data: 16000 }).data]).toEqual([16000n]);
     expect([...readTensor('sr', { dtype: 'int64', shape: [], data: '16000' }).data]).toEqual([16000n]);
