@@ -647,7 +647,19 @@ export class ClusterNode {
         this.pinned.delete(id);
         return this.fenced(id, local, ref);
       }
-      if (this.holders(id).length) return this.remotePool(config);
+      if (this.holders(id).length) {
+        try {
+          return await this.remotePool(config);
+        } catch (e) {
+          // No holder answered (dead since its last heartbeat: taken for gone, see remotePool): the
+          // model is placed below, or its holders are asked again, within the busy timeout.
+          if (!(e instanceof VoxError && e.code === 'no_holder') || Date.now() >= end) throw e;
+          if (this.holders(id).length) {
+            await this.changed(Math.min(this.settings.heartbeat_ms, end - Date.now()));
+            continue;
+          }
+        }
+      }
       const lock = await this.takeLock(id);
       if (lock) {
         let lost = false;
@@ -853,6 +865,8 @@ export class ClusterNode {
         break;
       } catch (e) {
         why.push(`${h.node}: ${(e as Error).message}`);
+        // Its process died since its last heartbeat (its subjects have no responders): gone now, not 3 heartbeats from now.
+        if (isNoResponders((e as { cause?: unknown }).cause)) this.markGone(h.node, 'no responders');
       }
     }
     if (!info)
@@ -1018,6 +1032,8 @@ export class ClusterNode {
     const lock = await this.takeLock(id);
     if (!lock) return;
     try {
+      // The registry itself, not the watch (it may lag): the previous lock holder may have placed it just now.
+      await this.refreshView();
       if (this.holders(id).length || this.backing.has(id)) return;
       const refusals: string[] = [];
       const here = this.record();
@@ -1028,7 +1044,11 @@ export class ClusterNode {
       for (const n of candidates) {
         try {
           this.log.info({ model: id, on: n.node }, 'cluster: no node holds the model any more; placing it again');
-          if (n.node === this.name) return await this.adopt(id);
+          if (n.node === this.name) {
+            await this.adopt(id);
+            // Registered before the lock is released, so the next node to take it finds this holder.
+            return await this.publish();
+          }
           await this.ask(
             n.node,
             'load',
@@ -1264,6 +1284,11 @@ export class ClusterNode {
     for (const f of this.viewChanged.splice(0)) f();
     try {
       if (Object.keys(fields).some((k) => k !== 'id')) return await sup.load({ ...fields, id }, timeout);
+      // A load of it under way here (this node's own request's, which the pin above makes this
+      // placement's) answers: a lease would queue behind this node's own requests on the model and,
+      // past the busy timeout, refuse a load that is running, so the placing node would load it too.
+      while (entry.state === 'loading') await sleep(10);
+      if (entry.state === 'ready' && !this.remote.has(id)) return { id, loaded: true, reconfigured: false };
       // Nothing to reconfigure: a plain lease (not the exclusive one, which would wait for this
       // node's own requests waiting for the same load).
       const lease = await entry.admit({});

@@ -20,7 +20,18 @@ const HEARTBEAT_MS = 100;
 const BUSY_TIMEOUT_MS = 300;
 const LOAD_TIMEOUT_MS = 200;
 
-const CATALOG: ModelConfig[] = [ModelConfig.parse({ id: 'a', task: 'vad', path: '/fake.onnx', max_batch_delay_ms: 0 })];
+const CATALOG: ModelConfig[] = [
+  ModelConfig.parse({ id: 'a', task: 'vad', path: '/fake.onnx', max_batch_delay_ms: 0 }),
+  // One stream at a time, and a load that may take longer than the busy timeout.
+  ModelConfig.parse({
+    id: 'c',
+    task: 'vad',
+    path: '/fake.onnx',
+    max_batch_delay_ms: 0,
+    max_streams: 1,
+    load_timeout_ms: 1000,
+  }),
+];
 
 interface TestNode {
   name: string;
@@ -195,6 +206,40 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     await vi.advanceTimersByTimeAsync(4 * HEARTBEAT_MS);
     expect(next()).toEqual({ value: 3 });
     expect(a.resident).toBe(1);
+  });
+
+  it('a first request on a node for a model whose only holder just died places it at once (not no_holder until the holder misses 3 heartbeats)', async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a, b] = nodes;
+    await b.cluster.loadHere('a', {});
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+    // B dies (with its ingress's streams); A still lists it as a holder for up to 3 heartbeats.
+    bus.kill('B');
+    const job = watch(request(a, 'a', 7));
+    await vi.advanceTimersByTimeAsync(HEARTBEAT_MS);
+    // Placed here within a heartbeat (before: 503 no_holder "no holder of a answered" at once).
+    expect(job()).toEqual({ value: 7 });
+    expect(a.loads).toBe(1);
+  });
+
+  it('a node asked to load a model it is loading for its own request answers with that load, not busy (no second load elsewhere)', async () => {
+    nodes = await startNodes(bus, ['A', 'C'], [1e12, 2e12]);
+    const [a, c] = nodes;
+    c.hang = true;
+    // A's first request takes c's load lock and asks C (the most free memory); C, cut off, has a
+    // request of its own for c waiting for that lock, holding c's only lease.
+    bus.stall('C');
+    const mine = watch(request(c, 'c', 1));
+    const theirs = watch(request(a, 'c', 2));
+    await vi.advanceTimersByTimeAsync(10);
+    bus.heal('C');
+    // C loads c for both (its slot host hangs, up to c's load timeout of 1 s): past the busy timeout
+    // A must still wait for C's answer (before: C answered busy, the lease being taken, and A loaded c too).
+    await vi.advanceTimersByTimeAsync(BUSY_TIMEOUT_MS + 2 * HEARTBEAT_MS);
+    expect(c.loads).toBe(1);
+    expect(a.loads).toBe(0);
+    expect(mine()).toBe('pending');
+    expect(theirs()).toBe('pending');
   });
 
   it('a management load whose answer arrives after the supervisor stopped is refused there as shutting down (no TypeError)', async () => {
