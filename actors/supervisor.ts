@@ -671,11 +671,15 @@ export class Supervisor {
    * the server load is bounded (issue 25 item 11): an ad hoc group idle for
    * `ad_hoc_keep_alive_ms` unloads, unloaded unused ones leave the registry, and at most
    * `max_ad_hoc_groups` are loaded: a new one past it unloads the least recently used idle one.
+   * A list naming one model only (`alexa,alexa`) is that model's entry (undefined if unknown).
    * @throws VoxError `too_many_groups` (503) when that many are loaded and none is idle; as
    *   {@link headModel} for a head that is unknown or not a single wake-word model.
    */
-  private group(id: string): ModelEntry {
+  private group(id: string): ModelEntry | undefined {
     const names = [...new Set(id.split(',').map((s) => s.trim()))].sort();
+    // `alexa,alexa` names one model: that model's own entry, never a group registered under its id
+    // (which would take the id from every request naming it in a group, on this node and others).
+    if (names.length === 1) return this.getOrRegister(names[0]);
     const canonical = names.join(',');
     if (canonical !== id) return this.entries.get(canonical) ?? this.group(canonical);
     const refs = names.map((n) => this.headModel(n, 'model'));

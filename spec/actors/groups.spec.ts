@@ -47,6 +47,17 @@ const loadedGroups = (s: Supervisor): string[] =>
     .map((m) => m.id);
 
 describe('ad hoc wake-word groups (issue 25 item 11)', () => {
+  it('a list naming one model twice (alexa,alexa) is that model, not a group that takes its id from every later group naming it', async () => {
+    const s = supervisor();
+    await use(s, 'alexa,alexa');
+    expect(s.status('alexa')?.task).toBe('wakeword');
+    expect(s.registeredIds.filter((id) => id.includes(','))).toEqual([]);
+    // The model is still a single wake word: a group naming it registers and loads.
+    await use(s, 'alexa,hey-jarvis');
+    expect(s.status('alexa,hey-jarvis')?.state).toBe('ready');
+    expect(s.require('alexa, alexa')).toBe(s.require('alexa'));
+  });
+
   it('issue 25 item 11: 57 different groups, one after the other: never more than max_ad_hoc_groups loaded (the least recently used idle one is unloaded), and the registry does not grow', async () => {
     expect(GROUPS).toHaveLength(57);
     const s = supervisor({ max_ad_hoc_groups: 3 });
