@@ -283,7 +283,7 @@ interface AudioStream {
 }
 
 /** What the `work` actor of a Wyoming connection receives from its chart. */
-type WyomingWorkEvent = StreamInput | { type: 'CHECK_IDLE' } | { type: 'CHECK_SEND' };
+type WyomingWorkEvent = StreamInput | { type: 'CHECK_IDLE' };
 
 /**
  * One Wyoming connection's work (see the module comment). Events are handled one at a time in
@@ -334,13 +334,10 @@ class WyomingConnection {
       });
   }
 
-  /** An event from the chart: the idle and send deadlines' checks, and `END` (the root's drain). */
+  /** An event from the chart: the idle deadline's check, and `END` (the root's drain). */
   receive(e: WyomingWorkEvent): void {
     if (e.type === 'CHECK_IDLE') {
       this.send({ type: 'IDLE_REPORT', silentMs: performance.now() - this.channel.heardAt });
-    } else if (e.type === 'CHECK_SEND') {
-      const since = this.channel.unflushedSince;
-      this.send({ type: 'SEND_REPORT', waitingMs: since === null ? 0 : performance.now() - since });
     } else if (e.type === 'END' && !this.ended) {
       this.queue = this.queue.then(() => this.end());
     }
@@ -561,7 +558,7 @@ export function createWyomingSocket(
   input: { limits: Limits; registry: Supervisor; idleMs: number },
   inspect?: (e: InspectionEvent) => void,
 ): StreamSocketHandle & { channel: WyomingChannel } {
-  const channel = new WyomingChannel();
+  const channel = new WyomingChannel(0, input.limits.send_timeout_ms);
   const limits = { ...input.limits, heartbeat_ms: 0, idle_ms: input.idleMs };
   const handle = createStreamSocket({ url: '', limits, registry: input.registry, route: 'wyoming' }, inspect, {
     work: wyomingWork,

@@ -46,22 +46,19 @@ export function bindStream(
   protocol: Subprotocol,
   limits: Limits,
 ): StreamLink {
-  let unflushed = 0;
   /** Socket events after the actor's final state (a late close) have no one to hear them. */
   const tell = (e: StreamInput): void => {
     if (actor.getSnapshot().status === 'active') actor.send(e);
   };
   let release!: () => void;
   const released = new Promise<void>((r) => (release = r));
-  /** Writes one event; the channel keeps since when writes have waited to flush (the chart's send deadline). */
+  /** Writes one event; the channel keeps since when writes have waited to flush (the send deadline). */
   channel.write = (event) => {
     if (ws.readyState !== ws.OPEN) return;
     if (ws.bufferedAmount > limits.ws_max_buffered_bytes) return tell({ type: 'SEND_BLOCKED' });
-    if (unflushed++ === 0) channel.unflushedSince = performance.now();
-    ws.send(encodeEvent(protocol, event), () => {
-      if (--unflushed === 0) channel.unflushedSince = null;
-    });
+    ws.send(encodeEvent(protocol, event), channel.writing());
   };
+  channel.onSendExpired = (waitingMs) => tell({ type: 'SEND_EXPIRED', waitingMs });
   actor.on('*', (o: StreamOutput) => {
     switch (o.type) {
       case 'send':

@@ -206,15 +206,12 @@ export function bindWyoming(
   };
   let release!: () => void;
   const released = new Promise<void>((r) => (release = r));
-  let unflushed = 0;
   const write = (bytes: Buffer): void => {
     if (socket.destroyed || !socket.writable) return;
     if (socket.writableLength > limits.ws_max_buffered_bytes) return tell({ type: 'SEND_BLOCKED' });
-    if (unflushed++ === 0) channel.unflushedSince = performance.now();
-    socket.write(bytes, () => {
-      if (--unflushed === 0) channel.unflushedSince = null;
-    });
+    socket.write(bytes, channel.writing());
   };
+  channel.onSendExpired = (waitingMs) => tell({ type: 'SEND_EXPIRED', waitingMs });
   channel.write = (event) => {
     const bytes = toWyoming(event);
     if (bytes) write(bytes);
@@ -226,8 +223,10 @@ export function bindWyoming(
       case 'close':
         return void socket.end();
       case 'pause':
+        channel.readingPaused(true);
         return void socket.pause();
       case 'resume':
+        channel.readingPaused(false);
         return void (parser && socket.resume());
       case 'terminate':
         return void socket.destroy();

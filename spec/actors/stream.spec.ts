@@ -1,18 +1,18 @@
 /**
  * The stream socket chart's deadlines under controlled time, with its `work` actor replaced by one
- * that reports a client that never sends and a write that never flushes: only the chart decides.
+ * that reports a client that never sends: only the chart decides. The send deadline is the
+ * channel's (a write that never flushes).
  */
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import { createActor, fromCallback } from 'xstate';
-import { streamSocketMachine, type StreamOutput } from '../../actors/stream.js';
+import { StreamChannel, streamSocketMachine, type StreamOutput } from '../../actors/stream.js';
 import { Limits } from '../../runtime/config.js';
 
-/** `work` that is ready at once and reports a silent client and a stuck write whenever asked. */
+/** `work` that is ready at once and reports a silent client whenever asked. */
 const stuckWork = fromCallback(({ sendBack, receive }) => {
   sendBack({ type: 'READY', model: 'm', task: 'vad' });
   receive((e: { type: string }) => {
     if (e.type === 'CHECK_IDLE') sendBack({ type: 'IDLE_REPORT', silentMs: 1e9 });
-    if (e.type === 'CHECK_SEND') sendBack({ type: 'SEND_REPORT', waitingMs: 1e9 });
   });
 });
 
@@ -34,11 +34,6 @@ describe('stream deadlines count only the peer time', () => {
   it.each([
     ['idle_ms', { idle_ms: 100 }, { code: 1008, reason: 'no message for limits.idle_ms (100 ms)' }],
     ['heartbeat_ms', { heartbeat_ms: 100 }, { code: 1001, reason: 'no pong: peer is gone' }],
-    [
-      'send_timeout_ms',
-      { send_timeout_ms: 100 },
-      { code: 1013, reason: 'client is not reading: a send waited over limits.send_timeout_ms (100 ms)' },
-    ],
   ] as const)(
     '%s is suspended while the server has paused reading, and runs a full period once it reads again',
     async (name, limits, cut) => {
@@ -56,6 +51,59 @@ describe('stream deadlines count only the peer time', () => {
       expect(s.closes()).toEqual([{ type: 'close', ...cut }]);
     },
   );
+
+  it('send_timeout_ms is suspended while the server has paused reading, and runs a full period once it reads again (the channel)', async () => {
+    const channel = new StreamChannel(0, 100);
+    const expired: number[] = [];
+    channel.onSendExpired = (ms) => void expired.push(ms);
+    channel.readingPaused(true);
+    channel.writing(); // never flushed
+    // Resumed between two of the timer's turns: the full period counts from the resume, not from the write.
+    await vi.advanceTimersByTimeAsync(10_050);
+    expect(expired).toEqual([]);
+    channel.readingPaused(false);
+    await vi.advanceTimersByTimeAsync(90);
+    expect(expired).toEqual([]);
+    await vi.advanceTimersByTimeAsync(300);
+    expect(expired).toHaveLength(1);
+    expect(expired[0]).toBeGreaterThanOrEqual(100);
+  });
+
+  it('the send deadline runs only while a write waits: no timer before a write or after it flushes, none past the deadline for flushed writes', async () => {
+    const channel = new StreamChannel(0, 100);
+    const expired: number[] = [];
+    channel.onSendExpired = (ms) => void expired.push(ms);
+    expect(vi.getTimerCount()).toBe(0);
+    for (let i = 0; i < 5; i++) {
+      const flushed = channel.writing();
+      await vi.advanceTimersByTimeAsync(60);
+      flushed();
+    }
+    await vi.advanceTimersByTimeAsync(1000);
+    expect(expired).toEqual([]);
+    expect(vi.getTimerCount()).toBe(0);
+    // A write waiting since 60 ms into a period expires 100 ms after it began, not at the period's end.
+    channel.writing()();
+    await vi.advanceTimersByTimeAsync(60);
+    channel.writing();
+    await vi.advanceTimersByTimeAsync(99);
+    expect(expired).toEqual([]);
+    await vi.advanceTimersByTimeAsync(2);
+    expect(expired).toHaveLength(1);
+    channel.close();
+  });
+
+  it('SEND_EXPIRED cuts the stream off: 1013 "client is not reading"', () => {
+    const s = start({ send_timeout_ms: 100 });
+    s.actor.send({ type: 'SEND_EXPIRED', waitingMs: 150 });
+    expect(s.closes()).toEqual([
+      {
+        type: 'close',
+        code: 1013,
+        reason: 'client is not reading: a send waited over limits.send_timeout_ms (100 ms)',
+      },
+    ]);
+  });
 
   it('issue 25 (client heartbeat): while paused, the server pings every 5 s at the most (heartbeat_ms 30 s) and cuts nobody', async () => {
     const s = start({ heartbeat_ms: 30_000 });
