@@ -222,8 +222,12 @@ function untilAborted<T>(work: Promise<T>, signal: AbortSignal): Promise<T> {
   });
 }
 
-/** Windows (or steps) per slot job of a stream: bounds one stream's share of a batched run. */
-export const MAX_JOB_WINDOWS = 64;
+/**
+ * Audio per slot job of a stream, at most, ms: bounds one stream's share of a batched run (a
+ * stream that fell behind catches up in jobs of this much). VAD: 64 windows of 32 ms; wake
+ * words: 25 steps of 80 ms (a job of 64 steps, 5 s of audio, held a slot ~170 ms on its own).
+ */
+export const MAX_JOB_MS = 2048;
 
 /**
  * Runs a stream's task session through its lease, one job at a time and in order, and measures
@@ -239,6 +243,8 @@ export class JobPump {
   private readonly ats: number[] = [];
   private head = 0;
   private windows = 0;
+  /** Windows (or steps) per job: {@link MAX_JOB_MS} of audio. */
+  private readonly maxSteps: number;
 
   /**
    * @param hooks.emit each task event; `accepted` after each result; `idle` when no job is left
@@ -253,7 +259,9 @@ export class JobPump {
       idle?: () => void;
       fail: (e: unknown) => void;
     },
-  ) {}
+  ) {
+    this.maxSteps = Math.max(1, Math.floor((MAX_JOB_MS * 16) / session.step));
+  }
 
   /** Samples arrived at `at` (performance.now(), ms), already pushed into the session. */
   arrived(at: number): void {
@@ -272,7 +280,7 @@ export class JobPump {
       try {
         do {
           this.again = false;
-          await drain(this.session, this.granted.run, this.hooks.emit, MAX_JOB_WINDOWS, this.accepted);
+          await drain(this.session, this.granted.run, this.hooks.emit, this.maxSteps, this.accepted);
         } while (this.again);
       } catch (e) {
         this.running = false;

@@ -23,9 +23,16 @@ export interface Packing<J extends Job, R extends JobResult> {
    * Runs (steps) a slot makes for a batch holding this row, when a batch runs row by row in
    * lockstep (VAD: a batch makes as many runs as its longest row has windows, a run holding every
    * row that still has a window): the batcher then keeps rows of more steps out of a full batch.
-   * Absent: rows run one after another, their steps do not matter.
+   * Absent: rows run one after another.
    */
   steps?(row: J): number;
+  /**
+   * Steps a slot runs for this row alone, when a batch's rows run one after another (wake words:
+   * a batch takes as long as all its rows' steps together, and holding many gains nothing but
+   * messages). The batcher then gives a batch at most its fair share of the waiting steps, so
+   * that one slot does not take a backlog whole while the others run dry.
+   */
+  serial?(row: J): number;
 }
 
 /**
@@ -91,6 +98,7 @@ export const vadPacking: Packing<VadJob, VadResult> = {
 
 /** openWakeWord: each row's audio (look-back + steps), mel buffer and embedding history in turn, with `counts` (steps per row). */
 export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
+  serial: (row) => (row.audio.length - OWW.LOOKBACK) / OWW.STEP,
   pack: (rows, arena = new Arena()) => ({
     kind: 'wakeword',
     counts: rows.map((r) => (r.audio.length - OWW.LOOKBACK) / OWW.STEP),
@@ -184,13 +192,31 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
    * jobs of more steps wait for a batch led by one like them. Otherwise a run would hold only the
    * few rows with one window more than the rest: 100 ms frames are 3.125 windows, so nearly
    * every full batch of 3-window rows held a few 4-window rows, and a fourth run at a few rows
-   * costs nearly what a run of all of them does (a run's fixed cost). Each stream has one job in
-   * flight at a time, so its jobs stay in order.
+   * costs nearly what a run of all of them does (a run's fixed cost). When rows run one after
+   * another ({@link Packing.serial}), a batch takes the oldest jobs up to its fair share of the
+   * waiting steps (their total over the pool's slots; at least one job): measured with 40
+   * wake-word streams, a slot otherwise took a backlog of 12 streams' jobs whole (a 650 ms run),
+   * while the other slot idled 43 % of the time and every stream in the big batch waited for all of
+   * it. Each stream has one job in flight at a time, so its jobs stay in order.
    */
   private take(): Item<J, R>[] {
     if (this.pending.some((item) => item.signal?.aborted)) {
       for (const item of this.pending) if (item.signal?.aborted) item.reject(item.signal.reason);
       this.pending = this.pending.filter((item) => !item.signal?.aborted);
+    }
+    const serial = this.packing.serial;
+    if (serial) {
+      let waiting = 0;
+      for (const item of this.pending) waiting += serial(item.job);
+      const share = Math.ceil(waiting / this.pool.size);
+      let n = 1;
+      let taken = serial(this.pending[0].job);
+      for (; n < this.pending.length && n < this.maxBatch; n++) {
+        const more = serial(this.pending[n].job);
+        if (taken + more > share) break;
+        taken += more;
+      }
+      return this.pending.splice(0, n);
     }
     const steps = this.packing.steps;
     if (!steps || this.pending.length <= this.maxBatch) return this.pending.splice(0, this.maxBatch);
@@ -233,5 +259,7 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
         this.inFlight--;
         this.schedule();
       });
+    // Jobs the batch left (over `maxBatch`, or past its fair share) may go on another free slot.
+    this.schedule();
   }
 }

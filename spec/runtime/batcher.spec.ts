@@ -1,6 +1,13 @@
 import { describe, expect, it } from 'vitest';
-import { Batcher, vadPacking } from '../../runtime/batcher.js';
-import type { JobResult, VadJob, VadResult } from '../../runtime/slot-protocol.js';
+import { Batcher, vadPacking, wakewordPacking } from '../../runtime/batcher.js';
+import {
+  OWW,
+  type JobResult,
+  type VadJob,
+  type VadResult,
+  type WakewordJob,
+  type WakewordResult,
+} from '../../runtime/slot-protocol.js';
 import type { SlotPool } from '../../runtime/slots.js';
 
 /** Waits (in 1 ms steps) until `done()`. */
@@ -94,5 +101,39 @@ describe('Batcher', () => {
       [4, 4, 4],
       [5, 5, 5, 5],
     ]);
+  });
+
+  it('wake words (rows run one after another): a batch takes its fair share of the waiting steps, so that a backlog is spread over the slots', async () => {
+    const held: WakewordJob[] = [];
+    const pool = { size: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    // A wake-word job of `steps` 80 ms steps; its first sample names it.
+    const ww = (name: number, steps: number): WakewordJob => ({
+      kind: 'wakeword',
+      audio: new Float32Array(OWW.LOOKBACK + steps * OWW.STEP).fill(name),
+      mel: new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS),
+      embeddings: new Float32Array(16 * OWW.EMBEDDING),
+    });
+    const batcher = new Batcher<WakewordJob, WakewordResult>(pool as unknown as SlotPool, wakewordPacking, 32, 50);
+    // Six streams' jobs of 10, 10, 10, 10, 2 and 2 steps (44 in all) wait, then the batch goes: half of 44 is 22.
+    for (const [name, steps] of [
+      [1, 10],
+      [2, 10],
+      [3, 10],
+      [4, 10],
+      [5, 2],
+      [6, 2],
+    ])
+      void batcher.run(ww(name, steps));
+    await until(() => held.length === 2);
+    const names = (job: WakewordJob) =>
+      job.counts!.map(
+        (_, r) => job.audio[r === 0 ? 0 : job.counts!.slice(0, r).reduce((a, c) => a + OWW.LOOKBACK + c * OWW.STEP, 0)],
+      );
+    // The first batch: the two oldest (20 steps; a third would make 30 > 22); the second slot at once
+    // the next (half of the 24 left is 12: one job of 10); the other 14 steps wait for a free slot.
+    expect(names(held[0])).toEqual([1, 2]);
+    expect(names(held[1])).toEqual([3]);
+    await new Promise((r) => setTimeout(r, 80));
+    expect(held).toHaveLength(2);
   });
 });

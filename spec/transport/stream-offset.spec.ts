@@ -115,7 +115,7 @@ describe('offset_ms and progress: on a stream', () => {
     const { events, code } = await stream('silero-vad', file, `offset_ms=${offset}&progress=true`);
     expect(code).toBe(1000);
     const progress = events.filter((e) => e.type === 'progress').map((e) => e.processed_ms);
-    // One per job; a job runs at most 64 windows (MAX_JOB_WINDOWS) of 32 ms.
+    // One per job; a job runs at most 64 windows (MAX_JOB_MS, 2048 ms) of 32 ms.
     expect(progress.length).toBeGreaterThanOrEqual(Math.ceil(durationMs(file) / 32 / 64));
     // Whole 32 ms windows from the offset, rising, up to the end of the audio (the last window padded).
     const audioMs = durationMs(file);
