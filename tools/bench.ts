@@ -11,7 +11,10 @@
  *   last frame) and the processing lag p99 stays under 100 ms over the whole run (from the
  *   server's `voxserve_processing_lag_seconds` histogram: at least 99 % of windows at or under
  *   its 0.1 s bucket), as a count and as a share of the limit; searched in steps of the limit
- *   from the target share up or down, in `rounds` rounds, median.
+ *   from the target share up or down, in `rounds` rounds, median. The lag p99 is also shown for
+ *   the run's three parts apart (the first second of audio, the steady part, and the end: the
+ *   last results and every stream's close), to tell a server that falls behind from one that
+ *   stumbles as streams start or end together.
  * - **server CPU per stream-second** (per second of audio the server processed in the window),
  *   main process and slot hosts apart (from /proc), against
  *   bare, at 10 %, 40 % and 70 % of the limit (and every other run); slot hosts also against the
@@ -233,6 +236,8 @@ interface Run {
   share: number;
   finished: number;
   lagP99: number;
+  /** The lag p99 of the first second of audio, the steady part and the end, ms. */
+  lagParts: [number, number, number];
   under100: number;
   held: boolean;
   /** CPU ms per stream-second over the steady window. */
@@ -299,12 +304,12 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
       at: number;
       server: { main: number; hosts: number };
       client: NodeJS.CpuUsage;
-      done: Promise<number>;
+      metrics: Promise<Map<string, number>>;
     } => ({
       at: performance.now(),
       server: cpuApart(pid),
       client: process.cpuUsage(),
-      done: scrape(url, w.id).then((m) => m.get('voxserve_processing_lag_seconds_count') ?? 0),
+      metrics: scrape(url, w.id),
     });
     const t0 = performance.now();
     const warm = Math.min(1000, (o.seconds * 1000) / 4);
@@ -339,7 +344,9 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
       ((Number(process.hrtime.bigint()) / 1e6 - (performance.now() - at)) / 1000).toFixed(6);
     if (process.env.VOXSERVE_BENCH_MARKS) process.stderr.write(`bench-window: ${mono(a.at)},${mono(b.at)}\n`);
     // Stream-seconds processed in the window: when the server falls behind, its CPU goes to fewer of them.
-    const streamS = (((await b.done) - (await a.done)) * w.stepSamples) / 16000;
+    const [ma, mb] = [await a.metrics, await b.metrics];
+    const windows = (m: Map<string, number>): number => m.get('voxserve_processing_lag_seconds_count') ?? 0;
+    const streamS = ((windows(mb) - windows(ma)) * w.stepSamples) / 16000;
     const lag = lagFrom(before, after);
     const finished = streams.filter((s) => s.done && s.doneAt - s.lastSentAt < 1000).length;
     const seqs = new Map<string, number>();
@@ -355,6 +362,7 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
       share,
       finished,
       lagP99: lag.p99,
+      lagParts: [lagFrom(before, ma).p99, lagFrom(ma, mb).p99, lagFrom(mb, after).p99],
       under100: lag.under100,
       held: finished === n && lag.under100 >= 0.99,
       main: ((b.server.main - a.server.main) * 1000) / streamS,
@@ -407,7 +415,7 @@ export async function bench(o: BenchOptions): Promise<void> {
         r.streams,
         r.held ? 'yes' : 'no',
         `${r.finished}/${r.streams}`,
-        f(r.lagP99, 0),
+        `${f(r.lagP99, 0)} (${r.lagParts.map((x) => f(x, 0)).join(' / ')})`,
         f(r.under100 * 100, 2),
         `${f(r.main + r.hosts, 2)} (${f(r.main, 2)} + ${f(r.hosts, 2)})`,
         f((r.main + r.hosts) / bare, 2),
@@ -421,7 +429,7 @@ export async function bench(o: BenchOptions): Promise<void> {
       ].join(' | ');
     const header = (): void => {
       say(
-        'share of limit | streams | held | finished | lag p99 ms | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
+        'share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
       );
       say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
     };
