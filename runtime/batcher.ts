@@ -205,7 +205,7 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
       this.pending = this.pending.filter((item) => !item.signal?.aborted);
     }
     const serial = this.packing.serial;
-    if (serial) {
+    if (serial && this.pending.length) {
       let waiting = 0;
       for (const item of this.pending) waiting += serial(item.job);
       const share = Math.ceil(waiting / this.pool.size);

@@ -136,4 +136,22 @@ describe('Batcher', () => {
     await new Promise((r) => setTimeout(r, 80));
     expect(held).toHaveLength(2);
   });
+
+  it('wake words: a batch whose every job was dropped (their streams went away) sends nothing, and nothing breaks', async () => {
+    const held: WakewordJob[] = [];
+    const pool = { size: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const batcher = new Batcher<WakewordJob, WakewordResult>(pool as unknown as SlotPool, wakewordPacking, 32, 5);
+    const gone = new AbortController();
+    const job: WakewordJob = {
+      kind: 'wakeword',
+      audio: new Float32Array(OWW.LOOKBACK + OWW.STEP),
+      mel: new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS),
+      embeddings: new Float32Array(16 * OWW.EMBEDDING),
+    };
+    const result = batcher.run(job, gone.signal);
+    gone.abort();
+    await expect(result).rejects.toThrow(/aborted/);
+    await new Promise((r) => setTimeout(r, 20));
+    expect(held).toEqual([]);
+  });
 });
