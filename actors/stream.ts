@@ -497,25 +497,32 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       void pump!.pump();
     };
 
-    /** No job left: the server has caught up; after `END`, `DONE`. */
+    /**
+     * No job left: the server has caught up; after `END`, `DONE`, one turn of the event loop
+     * later: it runs the stream's close in its chart (~0.6 ms of the main thread), and here it
+     * would run inside the delivery of a batch's results, so a batch of ending streams held the
+     * other rows' results and the slot's next batch back until every one had closed.
+     */
     const idle = (): void => {
       const session = pump!.session;
       caughtUpAt = performance.now();
       resume();
-      if (ended && session.finished && !gone()) {
-        const wallMs = performance.now() - t0;
-        const audioMs = session.receivedSamples / 16;
-        send({
-          type: 'DONE',
-          processed_ms: offsetMs + Math.round(audioMs),
-          timing: {
-            wall_ms: Math.round(wallMs),
-            queue_ms: Math.round(queueMs),
-            audio_duration_ms: Math.round(audioMs),
-            rtf: audioMs ? Math.round((wallMs / audioMs) * 10_000) / 10_000 : 0,
-          },
-        });
-      }
+      if (ended && session.finished && !gone()) setImmediate(done);
+    };
+    const done = (): void => {
+      if (gone()) return;
+      const wallMs = performance.now() - t0;
+      const audioMs = pump!.session.receivedSamples / 16;
+      send({
+        type: 'DONE',
+        processed_ms: offsetMs + Math.round(audioMs),
+        timing: {
+          wall_ms: Math.round(wallMs),
+          queue_ms: Math.round(queueMs),
+          audio_duration_ms: Math.round(audioMs),
+          rtf: audioMs ? Math.round((wallMs / audioMs) * 10_000) / 10_000 : 0,
+        },
+      });
     };
 
     const finishAudio = (): void => {
