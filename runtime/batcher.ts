@@ -125,6 +125,12 @@ export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
   },
 };
 
+/**
+ * Steps of a batch whose rows run one after another (wake words) that are never split among the
+ * slots: 16 steps of 80 ms, 1.28 s of audio, 20-40 ms of a slot on the machines measured.
+ */
+export const SERIAL_BATCH_STEPS = 16;
+
 interface Item<J, R> {
   job: J;
   at: number;
@@ -194,7 +200,9 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
    * every full batch of 3-window rows held a few 4-window rows, and a fourth run at a few rows
    * costs nearly what a run of all of them does (a run's fixed cost). When rows run one after
    * another ({@link Packing.serial}), a batch takes the oldest jobs up to its fair share of the
-   * waiting steps (their total over the pool's slots; at least one job): measured with 40
+   * waiting steps (their total over the pool's slots, but at least {@link SERIAL_BATCH_STEPS}
+   * steps, and at least one job: a short batch is not split, which would cost messages and gain
+   * nothing): measured with 40
    * wake-word streams, a slot otherwise took a backlog of 12 streams' jobs whole (a 650 ms run),
    * while the other slot idled 43 % of the time and every stream in the big batch waited for all of
    * it. Each stream has one job in flight at a time, so its jobs stay in order.
@@ -208,7 +216,7 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
     if (serial && this.pending.length) {
       let waiting = 0;
       for (const item of this.pending) waiting += serial(item.job);
-      const share = Math.ceil(waiting / this.pool.size);
+      const share = Math.max(SERIAL_BATCH_STEPS, Math.ceil(waiting / this.pool.size));
       let n = 1;
       let taken = serial(this.pending[0].job);
       for (; n < this.pending.length && n < this.maxBatch; n++) {

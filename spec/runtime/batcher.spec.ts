@@ -130,7 +130,8 @@ describe('Batcher', () => {
         (_, r) => job.audio[r === 0 ? 0 : job.counts!.slice(0, r).reduce((a, c) => a + OWW.LOOKBACK + c * OWW.STEP, 0)],
       );
     // The first batch: the two oldest (20 steps; a third would make 30 > 22); the second slot at once
-    // the next (half of the 24 left is 12: one job of 10); the other 14 steps wait for a free slot.
+    // the next (half of the 24 left is 12, under the 16 never split: one job of 10, as a second would
+    // make 20); the other 14 steps wait for a free slot.
     expect(names(held[0])).toEqual([1, 2]);
     expect(names(held[1])).toEqual([3]);
     await new Promise((r) => setTimeout(r, 80));
@@ -153,5 +154,23 @@ describe('Batcher', () => {
     await expect(result).rejects.toThrow(/aborted/);
     await new Promise((r) => setTimeout(r, 20));
     expect(held).toEqual([]);
+  });
+
+  it('wake words: a short batch (up to SERIAL_BATCH_STEPS steps) is not split among the slots', async () => {
+    const held: WakewordJob[] = [];
+    const pool = { size: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const batcher = new Batcher<WakewordJob, WakewordResult>(pool as unknown as SlotPool, wakewordPacking, 32, 20);
+    const ww = (steps: number): WakewordJob => ({
+      kind: 'wakeword',
+      audio: new Float32Array(OWW.LOOKBACK + steps * OWW.STEP),
+      mel: new Float32Array(OWW.MEL_FRAMES * OWW.MEL_BINS),
+      embeddings: new Float32Array(16 * OWW.EMBEDDING),
+    });
+    // Eight streams' jobs of 2 steps: 16 in all go as one batch (split in halves, they would make two).
+    for (let i = 0; i < 8; i++) void batcher.run(ww(2));
+    await until(() => held.length > 0);
+    await new Promise((r) => setTimeout(r, 40));
+    expect(held).toHaveLength(1);
+    expect(held[0].counts).toEqual([2, 2, 2, 2, 2, 2, 2, 2]);
   });
 });
