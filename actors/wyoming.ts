@@ -545,7 +545,10 @@ const wyomingWork = fromCallback<WyomingWorkEvent, { id: string }>(({ input: { i
   const { channel, registry, stats } = streamResources(id)!;
   const connection = new WyomingConnection(channel as WyomingChannel, registry, stats, sendBack);
   receive((e) => connection.receive(e));
-  return () => connection.close();
+  return () => {
+    channel.close();
+    connection.close();
+  };
 });
 
 /**
