@@ -989,7 +989,7 @@ export class ModelEntry {
   }
 
   /** Resolves once the chart has settled in one of `states` (now, or at its next `ready` / `unloaded`); rejects if the chart stops first. */
-  private settledIn(...states: ('ready' | 'unloaded')[]): Promise<void> {
+  settledIn(...states: ('ready' | 'unloaded')[]): Promise<void> {
     return new Promise<void>((resolve, reject) => {
       const step = (): void => {
         if ((states as ModelState[]).includes(this.state)) done(resolve);

@@ -200,7 +200,7 @@ export class StreamChannel {
    * Since when writes have been waiting to flush (the backlog began, or reading resumed after a
    * pause: a full period again), `performance.now()` ms; null when all are flushed.
    */
-  unflushedSince: number | null = null;
+  private unflushedSince: number | null = null;
   /**
    * The `work` actor's handler of coalesced audio while it runs: the turn's frames in order (not
    * concatenated: a copy and a new buffer per turn), and when the last of them arrived

@@ -1287,7 +1287,7 @@ export class ClusterNode {
       // A load of it under way here (this node's own request's, which the pin above makes this
       // placement's) answers: a lease would queue behind this node's own requests on the model and,
       // past the busy timeout, refuse a load that is running, so the placing node would load it too.
-      while (entry.state === 'loading') await sleep(10);
+      if (entry.state === 'loading') await entry.settledIn('ready', 'unloaded');
       if (entry.state === 'ready' && !this.remote.has(id)) return { id, loaded: true, reconfigured: false };
       // Nothing to reconfigure: a plain lease (not the exclusive one, which would wait for this
       // node's own requests waiting for the same load).

@@ -202,10 +202,10 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
    * another ({@link Packing.serial}), a batch takes the oldest jobs up to its fair share of the
    * waiting steps (their total over the pool's slots, but at least {@link SERIAL_BATCH_STEPS}
    * steps, and at least one job: a short batch is not split, which would cost messages and gain
-   * nothing): measured with 40
-   * wake-word streams, a slot otherwise took a backlog of 12 streams' jobs whole (a 650 ms run),
-   * while the other slot idled 43 % of the time and every stream in the big batch waited for all of
-   * it. Each stream has one job in flight at a time, so its jobs stay in order.
+   * nothing): measured with 40 wake-word streams, a slot otherwise took a backlog of 12 streams'
+   * jobs whole (a 650 ms run), while the other slot idled 43 % of the time and every stream in the
+   * big batch waited for all of it. Each stream has one job in flight at a time, so its jobs stay
+   * in order.
    */
   private take(): Item<J, R>[] {
     if (this.pending.some((item) => item.signal?.aborted)) {
