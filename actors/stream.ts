@@ -254,15 +254,22 @@ export class StreamChannel {
   /**
    * The send deadline's timer: nothing waits (disarmed), the server is not reading (a client
    * blocked sending to it may not read either: the deadline waits for reading to resume), the
-   * oldest waiting write is over the deadline (`onSendExpired`), or not yet (armed again for the rest).
+   * oldest waiting write is over the deadline (judged one event-loop turn later, so that writes
+   * flushed meanwhile count: timers run before I/O), or not yet (armed again for the rest).
    */
   private readonly checkSend = (): void => {
     this.sendTimer = null;
     if (this.unflushedSince === null) return;
     const waited = performance.now() - this.unflushedSince;
     if (this.paused) this.sendTimer = setTimeout(this.checkSend, this.sendTimeoutMs).unref();
-    else if (waited >= this.sendTimeoutMs) this.onSendExpired(waited);
-    else this.sendTimer = setTimeout(this.checkSend, Math.max(1, this.sendTimeoutMs - waited)).unref();
+    else if (waited < this.sendTimeoutMs)
+      this.sendTimer = setTimeout(this.checkSend, Math.max(1, this.sendTimeoutMs - waited)).unref();
+    else
+      setImmediate(() => {
+        if (this.unflushedSince === null) return;
+        if (this.paused || performance.now() - this.unflushedSince < this.sendTimeoutMs) return this.checkSend();
+        this.onSendExpired(performance.now() - this.unflushedSince);
+      });
   };
 
   /** The stream is over: the send deadline's timer stops. */

@@ -93,6 +93,19 @@ describe('stream deadlines count only the peer time', () => {
     channel.close();
   });
 
+  it('the send deadline is judged one event-loop turn after it falls due: a write flushed in that turn counts', async () => {
+    vi.useRealTimers();
+    const channel = new StreamChannel(0, 20);
+    const expired: number[] = [];
+    channel.onSendExpired = (ms) => void expired.push(ms);
+    const flushed = channel.writing();
+    // Falls due in the same timer turn as the deadline (created after it), before the next turn.
+    setTimeout(flushed, 20);
+    await new Promise((r) => setTimeout(r, 60));
+    expect(expired).toEqual([]);
+    channel.close();
+  });
+
   it('SEND_EXPIRED cuts the stream off: 1013 "client is not reading"', () => {
     const s = start({ send_timeout_ms: 100 });
     s.actor.send({ type: 'SEND_EXPIRED', waitingMs: 150 });
