@@ -27,7 +27,15 @@
  *
  * Each run starts a fresh `voxserve serve` child process and drives N real-time WebSocket
  * streams (16 kHz s16le, each frame sent when its audio has elapsed, starts spread over one
- * frame) from this process. `--streams` runs fixed counts instead of the search.
+ * frame) from this process. Before its measured streams, the server gets a warm-up: N streams of
+ * `warmUpS` seconds each, started and ended the same way, not measured. A server fresh from
+ * start runs its first second or so of work several times slower (V8 has not compiled its hot
+ * paths yet; the slot hosts meet each batch shape for the first time): at 240 VAD streams of
+ * 100 ms frames, 0.6-23 % of a fresh server's windows came over 100 ms (about half the runs
+ * stumbled in their first 0.5-1.5 s), 0.7-1.9 % after a 2-3 s warm-up (nearly all in the end).
+ * A held count is a sustained figure, so it is measured warm; `--warm-up 0` measures fresh
+ * servers.
+ * `--streams` runs fixed counts instead of the search.
  */
 import type { ChildProcess } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
@@ -63,6 +71,8 @@ export interface BenchOptions {
   streams?: number[];
   /** VAD streams ask for `probabilities=true` (a probability event per window). */
   probabilities?: boolean;
+  /** Audio per stream of the warm-up each run's server gets before its measured streams, s (0: none). */
+  warmUpS: number;
 }
 
 const root = fileURLToPath(new URL('../..', import.meta.url));
@@ -253,7 +263,7 @@ interface Run {
   load: number;
 }
 
-/** N real-time streams against a fresh server; CPU over the steady window. */
+/** N real-time streams against a new server (after its warm-up); CPU over the steady window. */
 async function live(w: Workload, n: number, share: number, o: BenchOptions): Promise<Run> {
   const { child, url } = await startServer(w, n, o);
   const pid = child.pid!;
@@ -270,34 +280,73 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
       doneAt: number;
       events: string[];
     }
-    const streams = await Promise.all(
-      Array.from(
-        { length: n },
-        () =>
-          new Promise<S>((resolve, reject) => {
-            const s: S = {
-              ws: new WebSocket(wsUrl, { perMessageDeflate: false }),
-              next: 0,
-              start: 0,
-              done: false,
-              lastSentAt: 0,
-              doneAt: 0,
-              events: [],
-            };
-            s.ws.on('error', reject);
-            s.ws.on('message', (d) => {
-              const e = JSON.parse(d.toString()) as Record<string, unknown>;
-              const key = w.eventKey(e);
-              if (key) s.events.push(key);
-              else if (e.type === 'ready') resolve(s);
-              else if (e.type === 'done') {
-                s.done = true;
-                s.doneAt = performance.now();
-              }
-            });
-          }),
-      ),
-    );
+    /** N streams, each open and `ready`. */
+    const open = (): Promise<S[]> =>
+      Promise.all(
+        Array.from(
+          { length: n },
+          () =>
+            new Promise<S>((resolve, reject) => {
+              const s: S = {
+                ws: new WebSocket(wsUrl, { perMessageDeflate: false }),
+                next: 0,
+                start: 0,
+                done: false,
+                lastSentAt: 0,
+                doneAt: 0,
+                events: [],
+              };
+              s.ws.on('error', reject);
+              s.ws.on('message', (d) => {
+                const e = JSON.parse(d.toString()) as Record<string, unknown>;
+                const key = w.eventKey(e);
+                if (key) s.events.push(key);
+                else if (e.type === 'ready') resolve(s);
+                else if (e.type === 'done') {
+                  s.done = true;
+                  s.doneAt = performance.now();
+                }
+              });
+            }),
+        ),
+      );
+    /** Every stream's frames in real time (starts spread over one frame), then `end`; `onTick` as {@link paceFrames}'s. */
+    const drive = (streams: S[], frames: number, onTick?: (now: number) => void): Promise<void> => {
+      const t0 = performance.now();
+      streams.forEach((s, i) => (s.start = t0 + (i / n) * w.frameMs));
+      return paceFrames(
+        streams,
+        frames,
+        w.frameMs,
+        (s, k) => {
+          const off = (k * frameBytes) % (w.pcm.length - frameBytes);
+          s.ws.send(w.pcm.subarray(off, off + frameBytes));
+          if (k === frames - 1) {
+            s.lastSentAt = performance.now();
+            s.ws.send('{"type":"end"}');
+          }
+        },
+        onTick,
+      );
+    };
+    const finish = async (streams: S[]): Promise<void> => {
+      const deadline = performance.now() + 30_000;
+      while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    };
+    // The warm-up: the same streams' worth of audio through the new server first, not measured (see the file's docstring).
+    if (o.warmUpS > 0) {
+      const warmUp = await open();
+      await drive(warmUp, Math.max(1, Math.round((o.warmUpS * 1000) / w.frameMs)));
+      await finish(warmUp);
+      // Closed before the measured streams open (the server's connection limit is the run's streams + 16).
+      const closed = warmUp.map((s) =>
+        s.ws.readyState === WebSocket.CLOSED ? null : new Promise((r) => s.ws.once('close', r)),
+      );
+      for (const s of warmUp) s.ws.close();
+      await Promise.race([Promise.all(closed), new Promise((r) => setTimeout(r, 5000))]);
+      for (const s of warmUp) s.ws.terminate();
+    }
+    const streams = await open();
     const before = await scrape(url, w.id);
     // CPU at the window's edges, and the windows (or steps) processed by then (the scrape's own cost is small).
     const snap = (): {
@@ -315,27 +364,12 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     const warm = Math.min(1000, (o.seconds * 1000) / 4);
     let c0: ReturnType<typeof snap> | null = null;
     let c1: ReturnType<typeof snap> | null = null;
-    streams.forEach((s, i) => (s.start = t0 + (i / n) * w.frameMs));
-    await paceFrames(
-      streams,
-      totalFrames,
-      w.frameMs,
-      (s, k) => {
-        const off = (k * frameBytes) % (w.pcm.length - frameBytes);
-        s.ws.send(w.pcm.subarray(off, off + frameBytes));
-        if (k === totalFrames - 1) {
-          s.lastSentAt = performance.now();
-          s.ws.send('{"type":"end"}');
-        }
-      },
-      (now) => {
-        if (!c0 && now >= t0 + warm) c0 = snap();
-        if (!c1 && now >= t0 + o.seconds * 1000) c1 = snap();
-      },
-    );
+    await drive(streams, totalFrames, (now) => {
+      if (!c0 && now >= t0 + warm) c0 = snap();
+      if (!c1 && now >= t0 + o.seconds * 1000) c1 = snap();
+    });
     c1 ??= snap();
-    const deadline = performance.now() + 30_000;
-    while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    await finish(streams);
     const after = await scrape(url, w.id);
     const a = c0!;
     const b = c1 as ReturnType<typeof snap>;

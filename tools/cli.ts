@@ -428,6 +428,12 @@ program
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms (default: the server's)", int('--batch-delay-ms'))
   .option('--isolation <mode>', 'slot hosts: process or thread', 'process')
   .option('--probabilities', 'VAD streams ask for probabilities=true (a probability event per window)')
+  .option(
+    '--warm-up <s>',
+    "audio per stream of the unmeasured warm-up each run's server gets first, s (0: measure a fresh server)",
+    int('--warm-up'),
+    2,
+  )
   .action(
     async (opts: {
       task: string;
@@ -440,6 +446,7 @@ program
       batchDelayMs?: number;
       isolation: string;
       probabilities?: boolean;
+      warmUp: number;
     }) => {
       const workloads = opts.task.split(',').flatMap((t) => (t === 'vad' ? ['vad100', 'vad20'] : [t]));
       const known = ['vad100', 'vad20', 'wakeword'];
@@ -462,6 +469,7 @@ program
         batchDelayMs: opts.batchDelayMs,
         isolation: opts.isolation,
         probabilities: opts.probabilities,
+        warmUpS: opts.warmUp,
       });
     },
   );
