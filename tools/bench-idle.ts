@@ -1,0 +1,53 @@
+/**
+ * What an idle server costs: the CPU of `voxserve serve` (main process and slot hosts apart) with
+ * its models loaded and nothing to do, against a bare Node.js process that does nothing, measured
+ * side by side over the same window. A server on a small machine (a Home Assistant box) is idle
+ * most of the time; periodic timers there cost CPU for nothing.
+ *
+ *   npm run build && node dist/tools/bench-idle.js [--seconds 20] [--settle 15]
+ *
+ * `--settle`: seconds to wait after start before measuring (loading and the first idle garbage
+ * collection, see `IdleCollector`, are not idling).
+ */
+import { spawn } from 'node:child_process';
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseArgs } from 'node:util';
+import { defaultCatalog } from '../runtime/config.js';
+import { cpuApart, ownCpuSeconds } from './proc.js';
+import { spawnServer } from './spawn-server.js';
+
+const { values } = parseArgs({
+  options: { seconds: { type: 'string', default: '20' }, settle: { type: 'string', default: '15' } },
+});
+const seconds = Number(values.seconds);
+const settle = Number(values.settle);
+const sleep = (s: number): Promise<void> => new Promise((r) => setTimeout(r, s * 1000));
+
+const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
+const config = join(dir, 'config.json');
+const models = ['silero-vad', 'hey-jarvis'].map((id) => ({
+  ...defaultCatalog().find((m) => m.id === id)!,
+  slots: 2,
+  lazy: false,
+}));
+writeFileSync(config, JSON.stringify({ port: 0, log_level: 'warn', models }));
+const { child } = await spawnServer(['--config', config]);
+const bare = spawn(process.execPath, ['-e', 'setInterval(() => {}, 1 << 30)'], { stdio: 'ignore' });
+try {
+  await sleep(settle);
+  const a = { server: cpuApart(child.pid!), bare: ownCpuSeconds(bare.pid!) };
+  await sleep(seconds);
+  const b = { server: cpuApart(child.pid!), bare: ownCpuSeconds(bare.pid!) };
+  const perS = (x: number): string => ((x * 1000) / seconds).toFixed(2);
+  process.stdout.write(
+    `idle for ${seconds} s (models silero-vad and hey-jarvis loaded, 2 slots each), CPU ms per second: ` +
+      `server main process ${perS(b.server.main - a.server.main)}, slot hosts ${perS(b.server.hosts - a.server.hosts)}; ` +
+      `bare Node.js process ${perS(b.bare - a.bare)}\n`,
+  );
+} finally {
+  bare.kill();
+  child.kill('SIGTERM');
+  await new Promise((r) => child.on('exit', r));
+}
