@@ -568,5 +568,6 @@ export async function bench(o: BenchOptions): Promise<void> {
       .map((x) => x.toFixed(2))
       .join(' ')}`,
   );
-  process.stdout.write(`${out.join('\n')}\n`);
+  // A terminal has seen every line as progress on stderr; a file or pipe gets the tables alone.
+  if (!process.stdout.isTTY || !process.stderr.isTTY) process.stdout.write(`${out.join('\n')}\n`);
 }
