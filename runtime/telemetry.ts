@@ -209,8 +209,8 @@ export class Metrics {
 /**
  * How often Node's event-loop delay histogram (behind the `voxserve_nodejs_eventloop_lag_*`
  * percentiles) takes a sample, ms. prom-client's default, 10 ms, woke an idle server 100 times
- * a second: 14.5 ms of CPU per second with nothing to do, against 1.0 ms sampling once a second
- * (`node dist/tools/bench-idle.js`). At 100 ms a 15 s scrape interval still holds 150 samples.
+ * a second: 10.5-14.5 ms of CPU per second with nothing to do; 1.5-3.5 ms at 100 ms
+ * (`node dist/tools/bench-idle.js`). A 15 s scrape interval still holds 150 samples.
  */
 const EVENT_LOOP_SAMPLE_MS = 100;
 

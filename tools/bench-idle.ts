@@ -23,6 +23,12 @@ const { values } = parseArgs({
 });
 const seconds = Number(values.seconds);
 const settle = Number(values.settle);
+if (!(seconds > 0) || !(settle >= 0)) {
+  process.stderr.write(
+    `bench-idle: --seconds must be a number over 0 and --settle one of 0 or more, got '${values.seconds}' and '${values.settle}'\n`,
+  );
+  process.exit(2);
+}
 const sleep = (s: number): Promise<void> => new Promise((r) => setTimeout(r, s * 1000));
 
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
