@@ -198,21 +198,13 @@ export class Metrics {
   });
 
   constructor() {
-    collectDefaultMetrics({
-      register: this.registry,
-      prefix: 'voxserve_',
-      eventLoopMonitoringPrecision: EVENT_LOOP_SAMPLE_MS,
-    });
+    // Node's event-loop delay histogram samples every 10 ms (prom-client's default): 10.5-11 ms of
+    // CPU per second on an idle server (`node dist/tools/bench-idle.js`). Sampling every 100 ms
+    // cost 1.5-3.5 ms, but the histogram's percentiles include the interval (an idle server's p50
+    // then reads 0.100 s instead of 0.010), which would break dashboards and alerts: kept at 10 ms.
+    collectDefaultMetrics({ register: this.registry, prefix: 'voxserve_' });
   }
 }
-
-/**
- * How often Node's event-loop delay histogram (behind the `voxserve_nodejs_eventloop_lag_*`
- * percentiles) takes a sample, ms. prom-client's default, 10 ms, woke an idle server 100 times
- * a second: 10.5-14.5 ms of CPU per second with nothing to do; 1.5-3.5 ms at 100 ms
- * (`node dist/tools/bench-idle.js`). A 15 s scrape interval still holds 150 samples.
- */
-const EVENT_LOOP_SAMPLE_MS = 100;
 
 /** One XState inspection record, as kept in the ring buffer and sent to `/debug/actors`. */
 export interface InspectionRecord {

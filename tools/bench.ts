@@ -425,7 +425,7 @@ export async function bench(o: BenchOptions): Promise<void> {
   };
   const started = loadavg();
   say(
-    `voxserve bench: ${o.seconds} s per stream and run, ${o.slots} slot(s), isolation ${o.isolation}, ${o.rounds} round(s), on ${CORES} cores; load average at start ${started.map((x) => x.toFixed(2)).join(' ')}`,
+    `voxserve bench: ${o.seconds} s per stream and run after a warm-up of ${o.warmUpS} s, ${o.slots} slot(s), isolation ${o.isolation}, ${o.streams ? `stream counts ${o.streams.join(', ')}` : `${o.rounds} round(s)`}, on ${CORES} cores; load average at start ${started.map((x) => x.toFixed(2)).join(' ')}`,
   );
   const summary: string[] = [];
   for (const name of o.workloads) {
