@@ -55,7 +55,7 @@ function streamAll(
 }
 
 describe('tiny frames', () => {
-  it('2-byte frames cost linear server CPU: 16 s of audio costs well under 4x 8 s (quadratic would be 4x)', async () => {
+  it('2-byte frames cost linear server CPU: 16 s of audio costs under 8x 4 s (linear 4x, quadratic 16x)', async () => {
     const { url, pid } = await serve({ limits: { idle_ms: 0, heartbeat_ms: 0, ws_max_messages_per_s: 0 } });
     const cpu = async (seconds: number): Promise<number> => {
       const before = treeCpuSeconds(pid);
@@ -65,12 +65,14 @@ describe('tiny frames', () => {
       return treeCpuSeconds(pid) - before;
     };
     await cpu(1); // load the model, warm up the JIT
-    const short = await cpu(8);
+    const short = await cpu(4);
     const long = await cpu(16);
     console.log(
-      `server CPU for 2-byte frames: 8 s of audio ${short.toFixed(2)} s, 16 s ${long.toFixed(2)} s, ratio ${(long / short).toFixed(2)}`,
+      `server CPU for 2-byte frames: 4 s of audio ${short.toFixed(2)} s, 16 s ${long.toFixed(2)} s, ratio ${(long / short).toFixed(2)}`,
     );
-    expect(long / short).toBeLessThan(3);
+    // The geometric middle of 4x and 16x: a factor of 2 of noise either way (8 s against 16 s,
+    // with 3 between 2x and 4x, failed once in a clean CI run at 3.19 where another read 1.43).
+    expect(long / short).toBeLessThan(8);
   });
 });
 
