@@ -23,14 +23,15 @@ const usage = (why: string): never => {
   process.stderr.write(`bench-idle: ${why}\nusage: node dist/tools/bench-idle.js [--seconds 20] [--settle 15]\n`);
   return process.exit(2);
 };
-let values: { seconds: string; settle: string } = { seconds: '20', settle: '15' };
-try {
-  values = parseArgs({
-    options: { seconds: { type: 'string', default: '20' }, settle: { type: 'string', default: '15' } },
-  }).values as typeof values;
-} catch (e) {
-  usage((e as Error).message);
-}
+const values = ((): { seconds: string; settle: string } => {
+  try {
+    return parseArgs({
+      options: { seconds: { type: 'string', default: '20' }, settle: { type: 'string', default: '15' } },
+    }).values as { seconds: string; settle: string };
+  } catch (e) {
+    return usage((e as Error).message);
+  }
+})();
 const seconds = Number(values.seconds);
 const settle = Number(values.settle);
 if (!(seconds > 0)) usage(`--seconds must be a number of seconds over 0, got '${values.seconds}'`);

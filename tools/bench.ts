@@ -310,9 +310,8 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
             }),
         ),
       );
-    /** Every stream's frames in real time (starts spread over one frame), then `end`; `onTick` as {@link paceFrames}'s. */
-    const drive = (streams: S[], frames: number, onTick?: (now: number) => void): Promise<void> => {
-      const t0 = performance.now();
+    /** Every stream's frames in real time from `t0` (starts spread over one frame), then `end`; `onTick` as {@link paceFrames}'s. */
+    const drive = (streams: S[], frames: number, t0: number, onTick?: (now: number) => void): Promise<void> => {
       streams.forEach((s, i) => (s.start = t0 + (i / n) * w.frameMs));
       return paceFrames(
         streams,
@@ -336,7 +335,7 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     // The warm-up: the same streams' worth of audio through the new server first, not measured (see the file's docstring).
     if (o.warmUpS > 0) {
       const warmUp = await open();
-      await drive(warmUp, Math.max(1, Math.round((o.warmUpS * 1000) / w.frameMs)));
+      await drive(warmUp, Math.max(1, Math.round((o.warmUpS * 1000) / w.frameMs)), performance.now());
       await finish(warmUp);
       // Closed before the measured streams open (the server's connection limit is the run's streams + 16).
       const closed = warmUp.map((s) =>
@@ -364,7 +363,7 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     const warm = Math.min(1000, (o.seconds * 1000) / 4);
     let c0: ReturnType<typeof snap> | null = null;
     let c1: ReturnType<typeof snap> | null = null;
-    await drive(streams, totalFrames, (now) => {
+    await drive(streams, totalFrames, t0, (now) => {
       if (!c0 && now >= t0 + warm) c0 = snap();
       if (!c1 && now >= t0 + o.seconds * 1000) c1 = snap();
     });
