@@ -4,8 +4,8 @@
  *
  * - **bare limit**: streams the bare models could run on this machine's cores: cores x 1000 /
  *   (bare CPU ms per stream-second + the load generator's own CPU ms per stream-second). The bare
- *   loop (one onnxruntime-node session set on one thread, back to back; see `bareVad`,
- *   `bareWakeword`) is measured in the same run, at its start and at its end; the load
+ *   loop (one onnxruntime-node session set on one thread, back to back, in a process of its own;
+ *   see tools/bench-bare.ts) is measured in the same run, at its start and at its end; the load
  *   generator's cost from a calibration run at 25 % of cores x 1000 / bare.
  * - **streams held**: the most streams for which every stream finishes (done within 1 s of its
  *   last frame) and the processing lag p99 stays under 100 ms over the whole run (from the
@@ -42,10 +42,9 @@ import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import ort from 'onnxruntime-node';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/config.js';
-import { bareWakeword } from './bench-wakeword.js';
+import { bareInChild } from './bench-bare.js';
 import { paceFrames } from './pace.js';
 import { cpuApart } from './proc.js';
 import { spawnServer } from './spawn-server.js';
@@ -101,47 +100,6 @@ interface Workload {
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
 const jarvis = defaultCatalog().find((m) => m.id === 'hey-jarvis')!;
-const ONE_THREAD: ort.InferenceSession.SessionOptions = {
-  intraOpNumThreads: 1,
-  interOpNumThreads: 1,
-  executionMode: 'sequential',
-  graphOptimizationLevel: 'all',
-};
-
-/**
- * The bare Silero VAD loop: one session on one thread, runs of `rows` streams' next windows (the
- * speech fixture, 576 samples: 64 of context and a 512-sample window), state fed back; nothing
- * else. @returns CPU ms per stream-second over `windows` windows (after 200 to warm up).
- */
-export async function bareVad(rows: number, windows = 20_000): Promise<number> {
-  const session = await ort.InferenceSession.create(silero.path!, ONE_THREAD);
-  const pcm = fixture('espeak_sentence_16k.wav');
-  const samples = new Float32Array(pcm.length / 2);
-  for (let i = 0; i < samples.length; i++) samples[i] = pcm.readInt16LE(2 * i) / 32768;
-  const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
-  let state: Float32Array = new Float32Array(2 * rows * 128);
-  const input = new Float32Array(rows * 576);
-  const loop = async (runs: number): Promise<number> => {
-    const c0 = process.cpuUsage();
-    for (let i = 0; i < runs; i++) {
-      for (let r = 0; r < rows; r++)
-        input.set(samples.subarray(((i * rows + r) * 512) % (samples.length - 576)).subarray(0, 576), r * 576);
-      const out = await session.run({
-        input: new ort.Tensor('float32', input, [rows, 576]),
-        state: new ort.Tensor('float32', state, [2, rows, 128]),
-        sr,
-      });
-      state = out.stateN.data as Float32Array;
-    }
-    const c = process.cpuUsage(c0);
-    return (c.user + c.system) / 1000;
-  };
-  await loop(Math.ceil(200 / rows));
-  const runs = Math.ceil(windows / rows);
-  const ms = await loop(runs);
-  await session.release();
-  return (ms / (runs * rows)) * (16000 / 512);
-}
 
 const vadEvent = (e: Record<string, unknown>): string | null =>
   e.type === 'speech_start'
@@ -163,7 +121,7 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
       frameMs: 100,
       target: 0.7,
       pcm: Buffer.concat([fixture('espeak_alexa_16k.wav'), fixture('espeak_sentence_16k.wav')]),
-      bare: () => bareWakeword(['hey-jarvis'], 1, 600),
+      bare: () => bareInChild(['wakeword', 'hey-jarvis', 1, 600]),
       limitRows: 1,
       stepSamples: 1280,
       eventKey: (e) => (e.type === 'detection' ? `${e.label}@${e.at_ms}:${e.score}` : null),
@@ -177,7 +135,7 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
     frameMs,
     target: name === 'vad20' ? 0.6 : 0.7,
     pcm: fixture('espeak_sentence_16k.wav'),
-    bare: (rows) => bareVad(rows, rows === 32 ? 20_000 : 6000),
+    bare: (rows) => bareInChild(['vad', rows, rows === 32 ? 20_000 : 6000]),
     // The server's default max_batch_size: the largest run it forms.
     limitRows: 32,
     stepSamples: 512,
