@@ -138,6 +138,22 @@ describe('Batcher', () => {
     expect(held).toHaveLength(2);
   });
 
+  it("drops the jobs of streams that went away from the batch that takes them, and runs the others' rows", async () => {
+    const { pool, held } = heldPool(1);
+    const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 4, 5);
+    const gone = new AbortController();
+    const lost = batcher.run(row(1), gone.signal);
+    const kept = [batcher.run(row(2)), batcher.run(row(3))];
+    gone.abort();
+    await expect(lost).rejects.toThrow(/aborted/);
+    await until(() => held.length === 1);
+    // One batch of the two live rows: the aborted job's row is not in it.
+    expect(held[0].job.counts).toEqual([2, 2]);
+    expect([held[0].job.windows[0], held[0].job.windows[512 * 2]]).toEqual([2, 3]);
+    held[0].answer();
+    expect((await Promise.all(kept)).map((r) => r.probs[0])).toEqual([2, 3]);
+  });
+
   it('wake words: a batch whose every job was dropped (their streams went away) sends nothing, and nothing breaks', async () => {
     const held: WakewordJob[] = [];
     const pool = { size: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
