@@ -147,14 +147,19 @@ export async function bareInChild(args: (string | number)[]): Promise<number> {
 
 if (process.argv[1] === fileURLToPath(import.meta.url)) {
   const [kind, a, b, c] = process.argv.slice(2);
+  const count = (x: string | undefined): number => (/^[1-9]\d*$/.test(x ?? '') ? Number(x) : Number.NaN);
+  const known = new Set(defaultCatalog().flatMap((m) => (m.task === 'wakeword' ? [m.id] : [])));
+  const heads = (a ?? '').split(',');
   const ms =
-    kind === 'vad'
-      ? await bareVad(Number(a), Number(b))
-      : kind === 'wakeword'
-        ? await bareWakeword(a.split(','), Number(b), Number(c))
+    kind === 'vad' && count(a) && count(b)
+      ? await bareVad(count(a), count(b))
+      : kind === 'wakeword' && heads.every((h) => known.has(h)) && count(b) && count(c)
+        ? await bareWakeword(heads, count(b), count(c))
         : Number.NaN;
   if (!Number.isFinite(ms)) {
-    console.error('usage: bench-bare.js vad ROWS WINDOWS | wakeword HEAD[,HEAD] BATCH STEPS');
+    console.error(
+      'usage: bench-bare.js vad ROWS WINDOWS | wakeword HEAD[,HEAD] BATCH STEPS (positive integers; HEAD a default wake-word model, e.g. hey-jarvis)',
+    );
     process.exit(2);
   }
   console.log(ms);
