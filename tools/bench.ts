@@ -40,7 +40,7 @@
  * `--streams` runs fixed counts instead of the search.
  */
 import type { ChildProcess } from 'node:child_process';
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -49,7 +49,7 @@ import { defaultCatalog } from '../runtime/config.js';
 import { bareInChild } from './bench-bare.js';
 import { paceFrames } from './pace.js';
 import { cpuApart } from './proc.js';
-import { spawnServer } from './spawn-server.js';
+import { spawned, spawnServer } from './spawn-server.js';
 
 export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
 
@@ -148,8 +148,10 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
   };
 }
 
+/** A server for one run; its config's folder is removed once it has exited. */
 async function startServer(w: Workload, n: number, o: BenchOptions): Promise<{ child: ChildProcess; url: string }> {
   const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
+  const removeDir = (): void => rmSync(dir, { recursive: true, force: true });
   const config = join(dir, 'config.json');
   writeFileSync(
     config,
@@ -162,7 +164,14 @@ async function startServer(w: Workload, n: number, o: BenchOptions): Promise<{ c
       models: [{ ...w.model, slots: o.slots, max_streams: n + 16, lazy: false }],
     }),
   );
-  return spawnServer(['--config', config]);
+  try {
+    const server = await spawnServer(['--config', config]);
+    server.child.once('exit', removeDir);
+    return server;
+  } catch (e) {
+    removeDir();
+    throw e;
+  }
 }
 
 /** The model's metric samples that a run reads, summed over label sets: `name{le=...}` keeps its `le`. */
@@ -385,10 +394,21 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
 }
 
 const f = (x: number, d = 1): string => (Number.isFinite(x) ? x.toFixed(d) : x === Infinity ? 'inf' : '-');
-const median = (xs: number[]): number => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) / 2)];
+/** The median (of an even count, the mean of the two middle values). */
+const median = (xs: number[]): number => {
+  const s = [...xs].sort((a, b) => a - b);
+  const m = (s.length - 1) / 2;
+  return (s[Math.floor(m)] + s[Math.ceil(m)]) / 2;
+};
 
 /** Runs the benchmark and prints its tables (progress on stderr). */
 export async function bench(o: BenchOptions): Promise<void> {
+  // Interrupted (SIGINT, SIGTERM to this process alone): the run's server is stopped too, not left running.
+  const interrupted = (signal: NodeJS.Signals): void => {
+    for (const child of spawned) child.kill('SIGTERM');
+    process.exit(signal === 'SIGINT' ? 130 : 143);
+  };
+  process.once('SIGINT', interrupted).once('SIGTERM', interrupted);
   const out: string[] = [];
   const say = (line = ''): void => {
     out.push(line);

@@ -9,6 +9,9 @@ import { fileURLToPath } from 'node:url';
  * `VOXSERVE_SERVER_NODE_ARGS` adds Node flags to the server process (profiling).
  * @throws Error if the server exits first.
  */
+/** Servers started by {@link spawnServer} that have not exited yet (a tool interrupted stops them). */
+export const spawned = new Set<ChildProcess>();
+
 export async function spawnServer(args: string[]): Promise<{ child: ChildProcess; url: string }> {
   // The compiled CLI: beside this file in dist/, or in dist/ when this runs from the sources (vitest).
   const sibling = fileURLToPath(new URL('./cli.js', import.meta.url));
@@ -16,6 +19,8 @@ export async function spawnServer(args: string[]): Promise<{ child: ChildProcess
   // VOXSERVE_SERVER_NODE_ARGS: extra Node flags for the server process, e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof`.
   const nodeArgs = (process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').split(' ').filter(Boolean);
   const child = spawn(process.execPath, [...nodeArgs, cli, 'serve', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
+  spawned.add(child);
+  child.once('exit', () => spawned.delete(child));
   const url = await new Promise<string>((resolve, reject) => {
     let err = '';
     child.stderr!.on('data', (d: Buffer) => {
