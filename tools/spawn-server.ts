@@ -2,6 +2,9 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 
+/** Servers started by {@link spawnServer} that have not exited yet (a tool interrupted stops them). */
+export const spawned = new Set<ChildProcess>();
+
 /**
  * Starts `voxserve serve` (the compiled CLI) as a child process with `args` (use `--port 0` or a
  * config with `port: 0`), and resolves once it listens and `/ready` answers 200. For the
@@ -9,9 +12,6 @@ import { fileURLToPath } from 'node:url';
  * `VOXSERVE_SERVER_NODE_ARGS` adds Node flags to the server process (profiling).
  * @throws Error if the server exits first.
  */
-/** Servers started by {@link spawnServer} that have not exited yet (a tool interrupted stops them). */
-export const spawned = new Set<ChildProcess>();
-
 export async function spawnServer(args: string[]): Promise<{ child: ChildProcess; url: string }> {
   // The compiled CLI: beside this file in dist/, or in dist/ when this runs from the sources (vitest).
   const sibling = fileURLToPath(new URL('./cli.js', import.meta.url));
