@@ -214,11 +214,10 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
    */
   private take(): Item<J, R>[] {
     const chosen = this.choose();
-    let live = chosen.length;
-    for (const item of chosen) if (item.signal?.aborted) live--;
-    if (live === chosen.length) return chosen;
-    for (const item of chosen) if (item.signal?.aborted) item.reject(item.signal.reason);
-    return chosen.filter((item) => !item.signal?.aborted);
+    const live = chosen.filter((item) => !item.signal?.aborted);
+    if (live.length < chosen.length)
+      for (const item of chosen) if (item.signal?.aborted) item.reject(item.signal.reason);
+    return live;
   }
 
   /** The next batch's jobs before dropping the aborted ones (see {@link take}). */

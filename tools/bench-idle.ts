@@ -11,13 +11,10 @@
  * per second). A bad option is an error naming it (exit 2).
  */
 import { spawn } from 'node:child_process';
-import { mkdtempSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { defaultCatalog } from '../runtime/config.js';
 import { cpuApart, ownCpuSeconds } from './proc.js';
-import { spawnServer } from './spawn-server.js';
+import { spawnWithConfig } from './spawn-server.js';
 
 const usage = (why: string): never => {
   process.stderr.write(`bench-idle: ${why}\nusage: node dist/tools/bench-idle.js [--seconds 20] [--settle 15]\n`);
@@ -38,15 +35,12 @@ if (!(seconds > 0)) usage(`--seconds must be a number of seconds over 0, got '${
 if (!(settle >= 0)) usage(`--settle must be a number of seconds, 0 or more, got '${values.settle}'`);
 const sleep = (s: number): Promise<void> => new Promise((r) => setTimeout(r, s * 1000));
 
-const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
-const config = join(dir, 'config.json');
 const models = ['silero-vad', 'hey-jarvis'].map((id) => ({
   ...defaultCatalog().find((m) => m.id === id)!,
   slots: 2,
   lazy: false,
 }));
-writeFileSync(config, JSON.stringify({ port: 0, log_level: 'warn', models }));
-const { child } = await spawnServer(['--config', config]);
+const { child } = await spawnWithConfig({ port: 0, log_level: 'warn', models });
 const bare = spawn(process.execPath, ['-e', 'setInterval(() => {}, 1 << 30)'], { stdio: 'ignore' });
 try {
   await sleep(settle);

@@ -40,8 +40,8 @@
  * `--streams` runs fixed counts instead of the search.
  */
 import type { ChildProcess } from 'node:child_process';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { cpus, loadavg, tmpdir } from 'node:os';
+import { readFileSync } from 'node:fs';
+import { cpus, loadavg } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import WebSocket from 'ws';
@@ -49,7 +49,7 @@ import { defaultCatalog } from '../runtime/config.js';
 import { bareInChild } from './bench-bare.js';
 import { paceFrames } from './pace.js';
 import { cpuApart } from './proc.js';
-import { spawned, spawnServer } from './spawn-server.js';
+import { spawned, spawnWithConfig } from './spawn-server.js';
 
 export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
 
@@ -148,30 +148,16 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
   };
 }
 
-/** A server for one run; its config's folder is removed once it has exited. */
-async function startServer(w: Workload, n: number, o: BenchOptions): Promise<{ child: ChildProcess; url: string }> {
-  const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
-  const removeDir = (): void => rmSync(dir, { recursive: true, force: true });
-  const config = join(dir, 'config.json');
-  writeFileSync(
-    config,
-    JSON.stringify({
-      port: 0,
-      log_level: 'warn',
-      busy_timeout_ms: 0,
-      isolation: o.isolation,
-      limits: { max_ws_connections: n + 16, idle_ms: 0, heartbeat_ms: 0 },
-      models: [{ ...w.model, slots: o.slots, max_streams: n + 16, lazy: false }],
-    }),
-  );
-  try {
-    const server = await spawnServer(['--config', config]);
-    server.child.once('exit', removeDir);
-    return server;
-  } catch (e) {
-    removeDir();
-    throw e;
-  }
+/** A server for one run (its config's folder is removed once it has exited). */
+function startServer(w: Workload, n: number, o: BenchOptions): Promise<{ child: ChildProcess; url: string }> {
+  return spawnWithConfig({
+    port: 0,
+    log_level: 'warn',
+    busy_timeout_ms: 0,
+    isolation: o.isolation,
+    limits: { max_ws_connections: n + 16, idle_ms: 0, heartbeat_ms: 0 },
+    models: [{ ...w.model, slots: o.slots, max_streams: n + 16, lazy: false }],
+  });
 }
 
 /** The model's metric samples that a run reads, summed over label sets: `name{le=...}` keeps its `le`. */

@@ -1,5 +1,7 @@
 import { spawn, type ChildProcess } from 'node:child_process';
-import { existsSync } from 'node:fs';
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
 /** Servers started by {@link spawnServer} that have not exited yet (a tool interrupted stops them). */
@@ -32,4 +34,24 @@ export async function spawnServer(args: string[]): Promise<{ child: ChildProcess
   });
   while ((await fetch(`${url}/ready`)).status !== 200) await new Promise((r) => setTimeout(r, 20));
   return { child, url };
+}
+
+/**
+ * {@link spawnServer} with `config` (a config file's content, see docs/configuration.md) written
+ * to a folder of its own under the system's temp folder, removed once the server has exited (or
+ * failed to start). @throws as {@link spawnServer}.
+ */
+export async function spawnWithConfig(config: object): Promise<{ child: ChildProcess; url: string }> {
+  const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-'));
+  const removeDir = (): void => rmSync(dir, { recursive: true, force: true });
+  const file = join(dir, 'config.json');
+  writeFileSync(file, JSON.stringify(config));
+  try {
+    const server = await spawnServer(['--config', file]);
+    server.child.once('exit', removeDir);
+    return server;
+  } catch (e) {
+    removeDir();
+    throw e;
+  }
 }
