@@ -413,7 +413,8 @@ export async function bench(o: BenchOptions): Promise<void> {
     const runs: Run[] = [];
     /** Every bare figure at the limit's rows in this workload. */
     const bares = [bare0];
-    let limit = (CORES * 1000) / bare0;
+    // Limits are whole streams (floored), so that a share printed beside one is of the figure printed.
+    let limit = Math.floor((CORES * 1000) / bare0);
     const row = (r: Run): string =>
       [
         `${f(r.share * 100, 0)} %`,
@@ -460,7 +461,7 @@ export async function bench(o: BenchOptions): Promise<void> {
     );
     header();
     const cal = await runAt(0.25);
-    limit = (CORES * 1000) / (bare0 + cal.client);
+    limit = Math.floor((CORES * 1000) / (bare0 + cal.client));
     for (const r of runs) r.share = r.streams / limit;
     say(
       `limit: ${CORES} cores x 1000 / (bare ${f(bare0, 3)} + load generator ${f(cal.client, 3)}) = ${f(limit, 0)} streams`,
@@ -504,7 +505,7 @@ export async function bench(o: BenchOptions): Promise<void> {
     const bare = median(bares);
     const client = median(runs.filter((r) => r.share >= 0.25).map((r) => r.client));
     const searched = limit;
-    limit = (CORES * 1000) / (bare + client);
+    limit = Math.floor((CORES * 1000) / (bare + client));
     const held = median(rounds);
     say(
       `bare: ${f(bare0, 3)} at start, ${f(bare1, 3)} at end, median ${f(bare, 3)} of ${bares.length} (${f(Math.min(...bares), 3)}-${f(Math.max(...bares), 3)}) ms per stream-second; load generator: median ${f(client, 3)}`,
