@@ -5,6 +5,7 @@
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
+import { setFlagsFromString } from 'node:v8';
 import { basename, extname, relative, resolve } from 'node:path';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
@@ -247,6 +248,12 @@ program
       if (!r.success) die(`invalid configuration: ${formatIssues(r.error, 'cluster')}`);
       config.cluster = r.data;
     }
+    // A serving process keeps V8 from pretenuring (allocating straight into the old generation
+    // from sites whose objects once survived): otherwise, in about half the runs of 800 VAD
+    // streams, V8 took to pretenuring a hot site's short-lived objects and ran a major collection
+    // every ~2 s from then on (main process +15-25 % CPU, lag p99 ~50 -> ~95 ms); with it off, 1
+    // run in 18 (docs/benchmarks-efficiency.md). Read at each collection, so it holds from here.
+    setFlagsFromString('--no-allocation-site-pretenuring');
     const t0 = performance.now();
     let server;
     try {

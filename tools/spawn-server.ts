@@ -4,14 +4,6 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
-/**
- * The Node flags a server runs with, as `npm start` and docs/operations.md's service start it: a
- * young generation of 2 x 32 MiB instead of V8's 2 x 16 MiB, so that a frame's and a job's objects
- * (alive ~100 ms) die young instead of being promoted and marked by major collections (800 VAD
- * streams: main process -19 % CPU, GC pauses 19 -> 5 ms per second; docs/benchmarks-efficiency.md).
- */
-export const SERVER_NODE_FLAGS = ['--max-semi-space-size=32'];
-
 /** Servers started by {@link spawnServer} that have not exited yet (a tool interrupted stops them). */
 export const spawned = new Set<ChildProcess>();
 
@@ -19,16 +11,15 @@ export const spawned = new Set<ChildProcess>();
  * Starts `voxserve serve` (the compiled CLI) as a child process with `args` (use `--port 0` or a
  * config with `port: 0`), and resolves once it listens and `/ready` answers 200. For the
  * benchmarks and shutdown tests, which measure or signal a separate server process.
- * The server runs with {@link SERVER_NODE_FLAGS}; `VOXSERVE_SERVER_NODE_ARGS` adds Node flags (profiling).
+ * `VOXSERVE_SERVER_NODE_ARGS` adds Node flags to the server process (profiling).
  * @throws Error if the server exits first.
  */
 export async function spawnServer(args: string[]): Promise<{ child: ChildProcess; url: string }> {
   // The compiled CLI: beside this file in dist/, or in dist/ when this runs from the sources (vitest).
   const sibling = fileURLToPath(new URL('./cli.js', import.meta.url));
   const cli = existsSync(sibling) ? sibling : fileURLToPath(new URL('../dist/tools/cli.js', import.meta.url));
-  // VOXSERVE_SERVER_NODE_ARGS: extra Node flags for the server process, e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof`
-  // (after SERVER_NODE_FLAGS: a flag given again wins).
-  const nodeArgs = [...SERVER_NODE_FLAGS, ...(process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').split(' ').filter(Boolean)];
+  // VOXSERVE_SERVER_NODE_ARGS: extra Node flags for the server process, e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof`.
+  const nodeArgs = (process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').split(' ').filter(Boolean);
   const child = spawn(process.execPath, [...nodeArgs, cli, 'serve', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
   spawned.add(child);
   child.once('exit', () => spawned.delete(child));

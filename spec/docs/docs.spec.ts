@@ -12,7 +12,6 @@ import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { z } from 'zod';
 import { ServerConfig } from '../../runtime/config.js';
-import { SERVER_NODE_FLAGS } from '../../tools/spawn-server.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { until, wyomingDescribe } from '../helpers.js';
 
@@ -344,12 +343,6 @@ describe('documented exactly where the code has it', () => {
     for (const m of doc.matchAll(/`((?:VOXSERVE_)?[A-Z][A-Z_]+)`/g))
       expect(source, `environment variable ${m[1]}`).toContain(m[1]);
   }, 60_000);
-
-  it("the server's Node flags are the same in npm start, the service unit of operations.md and the servers the tools spawn", () => {
-    const start = (JSON.parse(read('package.json')) as { scripts: { start: string } }).scripts.start;
-    expect(start).toContain(`node ${SERVER_NODE_FLAGS.join(' ')} dist/tools/cli.js serve`);
-    expect(read('docs/operations.md')).toContain(`Environment=NODE_OPTIONS=${SERVER_NODE_FLAGS.join(' ')}\n`);
-  });
 
   it('README (a front door of at most 250 lines) links every page in docs/, and every link to a page or file points at one that exists', () => {
     const readme = read('README.md');
