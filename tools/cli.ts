@@ -249,10 +249,10 @@ program
       config.cluster = r.data;
     }
     // A serving process keeps V8 from pretenuring (allocating straight into the old generation
-    // from sites whose objects once survived): otherwise, in about half the runs of 800 VAD
-    // streams, V8 took to pretenuring a hot site's short-lived objects and ran a major collection
-    // every ~2 s from then on (main process +15-25 % CPU, lag p99 ~50 -> ~95 ms); with it off, 1
-    // run in 18 (docs/benchmarks-efficiency.md). Read at each collection, so it holds from here.
+    // from sites whose objects once survived): otherwise, in 6 of 14 runs of 800 VAD streams, V8
+    // took to pretenuring short-lived objects and ran a major collection every ~2 s from then on
+    // (main process +10-30 % CPU, lag p99 ~45 -> 93-154 ms); with it off, 1 run in 26, and none of
+    // 8 with it set here, before the server starts (docs/benchmarks-efficiency.md).
     setFlagsFromString('--no-allocation-site-pretenuring');
     const t0 = performance.now();
     let server;
