@@ -5,8 +5,8 @@
  */
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
-import { setFlagsFromString } from 'node:v8';
 import { basename, extname, relative, resolve } from 'node:path';
+import { setFlagsFromString } from 'node:v8';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
 import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
