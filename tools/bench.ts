@@ -49,7 +49,7 @@ import { defaultCatalog } from '../runtime/config.js';
 import { bareInChild } from './bench-bare.js';
 import { paceFrames } from './pace.js';
 import { cpuApart } from './proc.js';
-import { spawned, spawnWithConfig } from './spawn-server.js';
+import { spawnWithConfig, stopSpawned } from './spawn-server.js';
 
 export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
 
@@ -391,7 +391,7 @@ const median = (xs: number[]): number => {
 export async function bench(o: BenchOptions): Promise<void> {
   // Interrupted (SIGINT, SIGTERM to this process alone): the run's server is stopped too, not left running.
   const interrupted = (signal: NodeJS.Signals): void => {
-    for (const child of spawned) child.kill('SIGTERM');
+    stopSpawned();
     process.exit(signal === 'SIGINT' ? 130 : 143);
   };
   process.once('SIGINT', interrupted).once('SIGTERM', interrupted);

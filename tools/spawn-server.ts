@@ -4,25 +4,43 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
-/** Servers started by {@link spawnServer} that have not exited yet (a tool interrupted stops them). */
-export const spawned = new Set<ChildProcess>();
+/**
+ * Servers started by {@link spawnServer} that have not exited yet, each with what to remove once
+ * it has (a tool interrupted stops them with {@link stopSpawned}).
+ */
+const spawned = new Map<ChildProcess, () => void>();
+
+/** Asks every spawned server that is still running to stop (SIGTERM) and removes its files now. */
+export function stopSpawned(): void {
+  for (const [child, cleanup] of spawned) {
+    child.kill('SIGTERM');
+    cleanup();
+  }
+}
 
 /**
  * Starts `voxserve serve` (the compiled CLI) as a child process with `args` (use `--port 0` or a
  * config with `port: 0`), and resolves once it listens and `/ready` answers 200. For the
  * benchmarks and shutdown tests, which measure or signal a separate server process.
  * `VOXSERVE_SERVER_NODE_ARGS` adds Node flags to the server process (profiling).
+ * @param cleanup called once the server has exited, or when {@link stopSpawned} stops it.
  * @throws Error if the server exits first.
  */
-export async function spawnServer(args: string[]): Promise<{ child: ChildProcess; url: string }> {
+export async function spawnServer(
+  args: string[],
+  cleanup: () => void = () => {},
+): Promise<{ child: ChildProcess; url: string }> {
   // The compiled CLI: beside this file in dist/, or in dist/ when this runs from the sources (vitest).
   const sibling = fileURLToPath(new URL('./cli.js', import.meta.url));
   const cli = existsSync(sibling) ? sibling : fileURLToPath(new URL('../dist/tools/cli.js', import.meta.url));
   // VOXSERVE_SERVER_NODE_ARGS: extra Node flags for the server process, e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof`.
   const nodeArgs = (process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').split(' ').filter(Boolean);
   const child = spawn(process.execPath, [...nodeArgs, cli, 'serve', ...args], { stdio: ['ignore', 'ignore', 'pipe'] });
-  spawned.add(child);
-  child.once('exit', () => spawned.delete(child));
+  spawned.set(child, cleanup);
+  child.once('exit', () => {
+    spawned.delete(child);
+    cleanup();
+  });
   const url = await new Promise<string>((resolve, reject) => {
     let err = '';
     child.stderr!.on('data', (d: Buffer) => {
@@ -47,9 +65,7 @@ export async function spawnWithConfig(config: object): Promise<{ child: ChildPro
   const file = join(dir, 'config.json');
   writeFileSync(file, JSON.stringify(config));
   try {
-    const server = await spawnServer(['--config', file]);
-    server.child.once('exit', removeDir);
-    return server;
+    return await spawnServer(['--config', file], removeDir);
   } catch (e) {
     removeDir();
     throw e;
