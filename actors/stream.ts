@@ -501,7 +501,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       stats.receivedSamples = session.receivedSamples;
       pump!.arrived(at);
       if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
-      void pump!.pump();
+      pump!.pump();
     };
 
     /**
@@ -538,7 +538,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       session.push(decoder!.end());
       stats.receivedSamples = session.receivedSamples;
       for (const e of session.end()) emitTask(e);
-      void pump!.pump();
+      pump!.pump();
     };
 
     /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */

@@ -490,7 +490,7 @@ class WyomingConnection {
       await Promise.all(
         this.lanes.map((l) => {
           for (const e of l.pump!.session.end()) this.emit(e);
-          return l.pump!.pump();
+          return l.pump!.drained();
         }),
       );
       if (answer && current.detections === 0 && this.lanes.some((l) => l.kind === 'wake'))
@@ -509,7 +509,7 @@ class WyomingConnection {
     for (const l of this.lanes) {
       l.pump!.session.push(samples);
       l.pump!.arrived(at);
-      void l.pump!.pump();
+      l.pump!.pump();
     }
     this.stats.receivedSamples += samples.length;
     this.backlog();

@@ -4,6 +4,8 @@ import { WindowedSession, type TaskEvent } from './task.js';
 
 const RATE = 16_000;
 const msOf = (samples: number): number => Math.round((samples * 1000) / RATE);
+/** Probabilities a segmenter keeps outside a segment before it lets them go (see `settle`). */
+const PROBS_KEPT = 64;
 
 /** A detected speech segment; samples at 16 kHz, confidence = mean speech probability over it. */
 export interface Segment {
@@ -66,7 +68,7 @@ export class VadSegmenter {
   /** Unpadded end of the last kept segment (for the next one's start padding). */
   private lastEnd: number | null = null;
   private closed: Closed | null = null;
-  /** Window probabilities from window `probsBase` on (the current segment's and later). */
+  /** Window probabilities from window `probsBase` on (the current segment's and later; outside one, up to {@link PROBS_KEPT} recent). */
   private probs: number[] = [];
   private probsBase = 0;
   private index = 0;
@@ -183,7 +185,9 @@ export class VadSegmenter {
     // The earliest start a later kept segment can have: the current (unconfirmed) one's, else past what was processed.
     if (this.closed && (this.triggered ? this.start : processed) - this.closed.end >= 2 * this.pad)
       events.push(this.finishClosed(null, Infinity));
-    if (!this.triggered) {
+    // Outside a segment the probabilities are not needed; they are let go in blocks, not every
+    // window (emptying the array frees its backing store, and the next push allocates another).
+    if (!this.triggered && this.probs.length >= PROBS_KEPT) {
       this.probs.length = 0;
       this.probsBase = this.index;
     }
