@@ -176,8 +176,8 @@ describe("JobPump: a stream's jobs through its lease", () => {
     const pump = new JobPump(
       session,
       {
-        run: (j: Job) =>
-          new Promise<JobResult>((answer, refuse) => runs.push({ windows: (j as VadJob).windows[0], answer, refuse })),
+        send: (j: Job, done: (error: unknown, result?: JobResult) => void) =>
+          runs.push({ windows: (j as VadJob).windows[0], answer: (r) => done(null, r), refuse: (e) => done(e) }),
         recordLag: (ms: number) => lags.push(ms),
       },
       {
@@ -248,7 +248,12 @@ describe("JobPump: a stream's jobs through its lease", () => {
     let answer!: (r: JobResult) => void;
     const pump = new JobPump(
       session,
-      { run: () => new Promise<JobResult>((r) => (answer = r)), recordLag: () => {} },
+      {
+        send: (_j: Job, done: (error: unknown, result?: JobResult) => void) => {
+          answer = (r) => done(null, r);
+        },
+        recordLag: () => {},
+      },
       {
         emit: () => {
           throw new Error('client gone');
