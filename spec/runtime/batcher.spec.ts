@@ -189,4 +189,42 @@ describe('Batcher', () => {
     expect(held).toHaveLength(1);
     expect(held[0].counts).toEqual([2, 2, 2, 2, 2, 2, 2, 2]);
   });
+
+  it("submit: a row's callback that throws does not keep the batch's other rows from their results", async () => {
+    const { pool, held } = heldPool(1);
+    const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 3, 20);
+    const told: number[] = [];
+    const rejections: unknown[] = [];
+    const onRejection = (e: unknown): void => void rejections.push(e);
+    process.on('unhandledRejection', onRejection);
+    try {
+      batcher.submit(row(1), undefined, (_e, r) => told.push(r!.probs[0]));
+      batcher.submit(row(2), undefined, () => {
+        throw new Error('a stream handler failed');
+      });
+      batcher.submit(row(3), undefined, (_e, r) => told.push(r!.probs[0]));
+      expect(held).toHaveLength(1);
+      held[0].answer();
+      await until(() => told.length === 2 && rejections.length === 1);
+      expect(told).toEqual([1, 3]);
+      // Raised again where it would have surfaced with promises: as an unhandled rejection.
+      expect((rejections[0] as Error).message).toBe('a stream handler failed');
+    } finally {
+      process.off('unhandledRejection', onRejection);
+    }
+  });
+
+  it('submit: a job already aborted is told so a microtask later, never inside the submit', async () => {
+    const { pool, held } = heldPool(1);
+    const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 4, 20);
+    const gone = new AbortController();
+    gone.abort();
+    const told: unknown[] = [];
+    batcher.submit(row(1), gone.signal, (e) => told.push(e));
+    expect(told).toEqual([]);
+    await Promise.resolve();
+    expect(told).toHaveLength(1);
+    expect((told[0] as Error).name).toBe('AbortError');
+    expect(held).toEqual([]);
+  });
 });
