@@ -299,7 +299,14 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
     this.inFlight++;
     this.onBatch(rows.length);
     const arena = this.arenas.pop() ?? new Arena();
-    (this.pool.run(this.packing.pack(rows, arena)) as Promise<R>)
+    let result: Promise<R>;
+    try {
+      result = this.pool.run(this.packing.pack(rows, arena)) as Promise<R>;
+    } catch (e) {
+      // Told as the batch's error (a microtask later), not thrown into the stream whose job came last.
+      result = Promise.reject(e);
+    }
+    result
       .then(
         (res) => {
           const results = this.packing.unpack(res, rows);

@@ -227,4 +227,21 @@ describe('Batcher', () => {
     expect((told[0] as Error).name).toBe('AbortError');
     expect(held).toEqual([]);
   });
+
+  it("submit: a batch that cannot be packed tells every row's callback its error, and the submit does not throw", async () => {
+    const { pool, held } = heldPool(1);
+    const broken = {
+      ...vadPacking,
+      pack: () => {
+        throw new RangeError('out of memory for the batch');
+      },
+    };
+    const batcher = new Batcher<VadJob, VadResult>(pool, broken, 2, 20);
+    const told: string[] = [];
+    batcher.submit(row(1), undefined, (e) => told.push((e as Error).message));
+    expect(() => batcher.submit(row(2), undefined, (e) => told.push((e as Error).message))).not.toThrow();
+    await until(() => told.length === 2);
+    expect(told).toEqual(['out of memory for the batch', 'out of memory for the batch']);
+    expect(held).toEqual([]);
+  });
 });
