@@ -170,11 +170,14 @@ class MessageBudget {
   }
 
   private refill(now: number): void {
+    const was = this.tokens;
     this.tokens += ((now - this.at) * this.perS) / 1000;
     this.at = now;
     if (this.tokens >= this.perS) {
       this.tokens = this.perS;
-      this.credit = 0;
+      // Full again after the backlog drew on it: the credit has served. (A bucket that was full
+      // already, as when reading resumes, keeps it: lapsing then lost the credit at once.)
+      if (was < this.perS) this.credit = 0;
     }
   }
 }
