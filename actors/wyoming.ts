@@ -495,7 +495,9 @@ class WyomingConnection {
       );
       if (answer && current.detections === 0 && this.lanes.some((l) => l.kind === 'wake'))
         this.channel.write({ type: 'not-detected' });
-    } else if (answer && !this.lanes.some((l) => l.kind === 'vad')) this.channel.write({ type: 'not-detected' });
+    } else if (answer && resolveNames(this.registry, this.names).wake)
+      // No audio stream: what the latest `detect` asks decides (not the last stream's lanes).
+      this.channel.write({ type: 'not-detected' });
     this.audio = null;
     for (const l of this.lanes) l.pump = null;
   }

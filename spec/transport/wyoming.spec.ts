@@ -294,6 +294,26 @@ describe('Wyoming', () => {
     c.socket.end();
   });
 
+  it('an audio-stop with no audio stream open: not-detected when the latest detect asks for a wake word, nothing for VAD alone, whatever the stream before asked', async () => {
+    const c = await Client.open(port);
+    const answers = (): string[] => c.events.map((e) => e.type).filter((t) => t === 'not-detected');
+    // A stream of a wake word and VAD, then VAD alone asked: a stray audio-stop gets no answer.
+    c.send('detect', { names: ['hey_jarvis', 'silero-vad'] });
+    c.send('audio-start', { rate: 16000, width: 2, channels: 1 });
+    c.send('audio-chunk', { rate: 16000, width: 2, channels: 1 }, Buffer.alloc(3200));
+    c.send('audio-stop');
+    await until(() => answers().length === 1, 20_000);
+    c.send('detect', { names: ['silero-vad'] });
+    c.send('audio-stop');
+    // Then a wake word asked: the next stray audio-stop is answered.
+    c.send('detect', { names: ['hey_jarvis'] });
+    c.send('audio-stop');
+    await until(() => answers().length === 2, 20_000);
+    await new Promise((r) => setTimeout(r, 200));
+    expect(answers()).toHaveLength(2);
+    c.socket.end();
+  });
+
   it('item 2 (#25): a client switching between 16 and 48 kHz on every tiny chunk makes the server create no converter per switch (one per connection at most), and is still heard', async () => {
     const c = await Client.open(port);
     c.send('detect', { names: ['alexa'] });
