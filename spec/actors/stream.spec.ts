@@ -69,36 +69,37 @@ describe('stream deadlines count only the peer time', () => {
     expect(expired[0]).toBeGreaterThanOrEqual(100);
   });
 
-  it("ws_max_messages_per_s: the time the server paused reading is credited: the client's backlog after the resume is not a flood", async () => {
+  /** A channel of `limits.ws_max_messages_per_s` 1000 whose reading the server paused for 3 s, then resumed; `send(n)` pushes n frames at once. */
+  async function afterPause() {
     const channel = new StreamChannel(1000, 0);
-    let flooded = 0;
-    channel.onFlood = () => void flooded++;
-    const frame = Buffer.alloc(640);
+    const seen = { flooded: 0 };
+    channel.onFlood = () => void seen.flooded++;
     channel.readingPaused(true);
     await vi.advanceTimersByTimeAsync(3000);
     channel.readingPaused(false);
+    const send = (n: number): void => {
+      for (let i = 0; i < n; i++) channel.push(Buffer.alloc(640));
+    };
+    return { channel, seen, send };
+  }
+
+  it("ws_max_messages_per_s: the time the server paused reading is credited: the client's backlog after the resume is not a flood", async () => {
+    const { channel, seen, send } = await afterPause();
     // 3 s of credit on top of a full bucket (a second's worth): a backlog of 1500 messages passes...
-    for (let i = 0; i < 1500; i++) channel.push(frame);
-    expect(flooded).toBe(0);
+    send(1500);
+    expect(seen.flooded).toBe(0);
     // ... and the credit is used up past 1000 + 3000 messages at once.
-    for (let i = 0; i < 2600; i++) channel.push(frame);
-    expect(flooded).toBe(1);
+    send(2600);
+    expect(seen.flooded).toBe(1);
     channel.close();
   });
 
   it('ws_max_messages_per_s: once the bucket has refilled after a backlog, the credit has lapsed', async () => {
-    const channel = new StreamChannel(1000, 0);
-    let flooded = 0;
-    channel.onFlood = () => void flooded++;
-    const frame = Buffer.alloc(640);
-    channel.readingPaused(true);
-    await vi.advanceTimersByTimeAsync(3000);
-    channel.readingPaused(false);
-    for (let i = 0; i < 1200; i++) channel.push(frame); // the backlog: the bucket and 200 of the credit
+    const { channel, seen, send } = await afterPause();
+    send(1200); // the backlog: the bucket and 200 of the credit
     await vi.advanceTimersByTimeAsync(2000); // the bucket full again
-    channel.push(frame);
-    for (let i = 0; i < 1001; i++) channel.push(frame); // a second's worth and one more, at once
-    expect(flooded).toBe(1);
+    send(1002); // a second's worth and one more, at once
+    expect(seen.flooded).toBe(1);
     channel.close();
   });
 
