@@ -136,6 +136,12 @@ export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
 };
 
 /**
+ * How a job's end is told: `done(null, result)`, or `done(error)`. Never called synchronously
+ * from {@link Batcher.submit} itself.
+ */
+export type Done<R> = (error: unknown, result?: R) => void;
+
+/**
  * Calls `done`; a throw there does not keep the batch's other rows from their results: it is
  * raised again as an unhandled rejection, as it was when each row's result was a promise.
  */
@@ -152,12 +158,6 @@ function tell<R>(done: Done<R>, error: unknown, result?: R): void {
  * slots: 16 steps of 80 ms, 1.28 s of audio, 20-40 ms of a slot on the machines measured.
  */
 export const SERIAL_BATCH_STEPS = 16;
-
-/**
- * How a job's end is told: `done(null, result)`, or `done(error)`. Never called synchronously
- * from {@link Batcher.submit} itself.
- */
-export type Done<R> = (error: unknown, result?: R) => void;
 
 interface Item<J, R> {
   job: J;
