@@ -381,6 +381,12 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
 
 const f = (x: number, d = 1): string => (Number.isFinite(x) ? x.toFixed(d) : x === Infinity ? 'inf' : '-');
 /** The median (of an even count, the mean of the two middle values). */
+/**
+ * Streams the machine's cores could run at `msPerStream` ms CPU per stream-second: whole streams
+ * (floored), so that a share printed beside a limit is of the figure printed.
+ */
+const limitFor = (msPerStream: number): number => Math.floor((CORES * 1000) / msPerStream);
+
 const median = (xs: number[]): number => {
   const s = [...xs].sort((a, b) => a - b);
   const m = (s.length - 1) / 2;
@@ -413,8 +419,7 @@ export async function bench(o: BenchOptions): Promise<void> {
     const runs: Run[] = [];
     /** Every bare figure at the limit's rows in this workload. */
     const bares = [bare0];
-    // Limits are whole streams (floored), so that a share printed beside one is of the figure printed.
-    let limit = Math.floor((CORES * 1000) / bare0);
+    let limit = limitFor(bare0);
     const row = (r: Run): string =>
       [
         `${f(r.share * 100, 0)} %`,
@@ -461,7 +466,7 @@ export async function bench(o: BenchOptions): Promise<void> {
     );
     header();
     const cal = await runAt(0.25);
-    limit = Math.floor((CORES * 1000) / (bare0 + cal.client));
+    limit = limitFor(bare0 + cal.client);
     for (const r of runs) r.share = r.streams / limit;
     say(
       `limit: ${CORES} cores x 1000 / (bare ${f(bare0, 3)} + load generator ${f(cal.client, 3)}) = ${f(limit, 0)} streams`,
@@ -505,7 +510,7 @@ export async function bench(o: BenchOptions): Promise<void> {
     const bare = median(bares);
     const client = median(runs.filter((r) => r.share >= 0.25).map((r) => r.client));
     const searched = limit;
-    limit = Math.floor((CORES * 1000) / (bare + client));
+    limit = limitFor(bare + client);
     const held = median(rounds);
     say(
       `bare: ${f(bare0, 3)} at start, ${f(bare1, 3)} at end, median ${f(bare, 3)} of ${bares.length} (${f(Math.min(...bares), 3)}-${f(Math.max(...bares), 3)}) ms per stream-second; load generator: median ${f(client, 3)}`,
