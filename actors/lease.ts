@@ -1,7 +1,7 @@
 import { toVoxError, type VoxError } from '../runtime/errors.js';
 import { CLOSE } from '../runtime/wire.js';
 import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
-import type { Done } from '../runtime/batcher.js';
+import { type Done, lapseOf } from '../runtime/batcher.js';
 import type { ModelConfig } from '../runtime/config.js';
 import type { Metrics } from '../runtime/telemetry.js';
 import type { TaskEvent, TaskSession } from '../runtime/tasks/index.js';
@@ -169,8 +169,9 @@ export function requestLease(
         return result;
       });
     };
+    const lapse = lapseOf(signal);
     const send = (job: Job, done: Done<JobResult>): void => {
-      if (batcher && !gate) return batcher.submit(job, signal, done);
+      if (batcher && !gate) return batcher.submit(job, lapse, done);
       run(job).then((r) => done(null, r), done);
     };
     answer({

@@ -183,6 +183,29 @@ class MessageBudget {
 }
 
 /**
+ * Channels with frames of this turn, flushed by one immediate at the turn's end, in the order
+ * their first frame came: one immediate per stream and turn (and its frame list) was ~0.3 KB of
+ * the ~3 KB the main thread allocated per 20 ms frame (V8's sampling heap profiler).
+ */
+let due: StreamChannel[] = [];
+/** The list being flushed (kept for the next turn's `due`). */
+let flushing: StreamChannel[] = [];
+/** What a flushed frame's place in a channel's list holds (the buffer itself is let go). */
+const NO_FRAME = Buffer.alloc(0);
+
+function flushDue(): void {
+  // A channel that gets frames while these flush starts the next list (and its immediate).
+  const now = due;
+  due = flushing;
+  flushing = now;
+  try {
+    for (const channel of now) channel.flush();
+  } finally {
+    now.length = 0;
+  }
+}
+
+/**
  * A stream's data plane, between the transport and the stream's `work` actor, beside the chart:
  * binary frames in, task events (`speech_start`, `detection`, ...) out. They do not pass through
  * the chart: a chart event costs about 10 µs, a third of a stream's whole main-thread budget at
@@ -207,9 +230,10 @@ export class StreamChannel {
   /**
    * The `work` actor's handler of coalesced audio while it runs: the turn's frames in order (not
    * concatenated: a copy and a new buffer per turn), and when the last of them arrived
-   * (`performance.now()` ms).
+   * (`performance.now()` ms). The frames are the first `count` of a list the channel reuses:
+   * copy what you keep.
    */
-  sink: ((frames: Buffer[], arrivedAt: number) => void) | null = null;
+  sink: ((frames: readonly Buffer[], count: number, arrivedAt: number) => void) | null = null;
   /** The transport's writer (set by it). */
   write: (event: WireEvent) => void = () => {};
   /** Called once when the client goes over `limits.ws_max_messages_per_s` (set by the transport); later messages are dropped. */
@@ -222,10 +246,12 @@ export class StreamChannel {
   private unflushed = 0;
   private paused = false;
   private sendTimer: NodeJS.Timeout | null = null;
-  /** Frames of this turn, not yet flushed. */
-  private frames: Buffer[] = [];
+  /** Frames of this turn, not yet flushed: the first `frameCount` (the list is kept: emptying it gave its storage up). */
+  private readonly frames: Buffer[] = [];
+  private frameCount = 0;
   private frameBytes = 0;
-  private flushing: NodeJS.Immediate | null = null;
+  /** In {@link due}: flushed at this turn's end. */
+  private queued = false;
 
   /**
    * @param maxMessagesPerS `limits.ws_max_messages_per_s` (0: no limit).
@@ -284,9 +310,11 @@ export class StreamChannel {
   /** A binary frame of PCM in the stream's declared format. */
   push(data: Buffer): void {
     if (!this.count(true)) return;
-    this.frames.push(data);
+    this.frames[this.frameCount++] = data;
     this.frameBytes += data.length;
-    this.flushing ??= setImmediate(this.flush);
+    if (this.queued) return;
+    this.queued = true;
+    if (due.push(this) === 1) setImmediate(flushDue);
   }
 
   /** A text frame (a control message): audio before it is flushed first. */
@@ -314,15 +342,18 @@ export class StreamChannel {
   }
 
   /** Hands this turn's frames to `work` as one chunk. */
-  private readonly flush = (): void => {
-    if (this.flushing) clearImmediate(this.flushing);
-    this.flushing = null;
+  flush(): void {
+    this.queued = false;
     if (this.frameBytes === 0) return;
-    const frames = this.frames;
-    this.frames = [];
+    const count = this.frameCount;
     this.frameBytes = 0;
-    this.sink?.(frames, this.heardAt);
-  };
+    this.frameCount = 0;
+    try {
+      this.sink?.(this.frames, count, this.heardAt);
+    } finally {
+      this.frames.fill(NO_FRAME, 0, count);
+    }
+  }
 
   /** Counts one message; false (and `onFlood` once) past the limit. */
   private count(heard: boolean): boolean {
@@ -331,7 +362,8 @@ export class StreamChannel {
     if (heard) this.heardAt = now;
     if (!this.budget || this.budget.take(now)) return true;
     this.flooded = true;
-    this.frames = [];
+    this.frames.fill(NO_FRAME, 0, this.frameCount);
+    this.frameCount = 0;
     this.frameBytes = 0;
     this.onFlood();
     return false;
@@ -498,9 +530,9 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     const emitTask = (e: TaskEvent): void => channel.write(offsetMs ? shifted(e, offsetMs) : { ...e });
 
     /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
-    const push = (frames: Buffer[], at: number): void => {
+    const push = (frames: readonly Buffer[], count: number, at: number): void => {
       const session = pump!.session;
-      for (const data of frames) session.push(decoder!.push(data));
+      for (let i = 0; i < count; i++) session.push(decoder!.push(frames[i]));
       stats.receivedSamples = session.receivedSamples;
       pump!.arrived(at);
       if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
@@ -567,7 +599,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       const buffered = early;
       early = [];
       earlyBytes = 0;
-      for (const { frames, at } of buffered) push(frames, at);
+      for (const { frames, at } of buffered) push(frames, frames.length, at);
       if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
       if (ended) finishAudio();
     };
@@ -586,13 +618,14 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       queueMicrotask(() => fail(e));
     }
 
-    channel.sink = (frames, at) => {
+    channel.sink = (frames, count, at) => {
       // Audio after `end` is dropped: the stream is finishing what it had.
       if (ended) return;
-      if (pump) return push(frames, at);
+      if (pump) return push(frames, count, at);
       // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
-      early.push({ frames, at });
-      for (const data of frames) earlyBytes += data.length;
+      const kept = frames.slice(0, count);
+      early.push({ frames: kept, at });
+      for (const data of kept) earlyBytes += data.length;
       if (earlyBytes > MAX_EARLY_BYTES) pause();
     };
     receive((e) => {

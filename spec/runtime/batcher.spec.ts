@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { Batcher, vadPacking, wakewordPacking } from '../../runtime/batcher.js';
+import { Batcher, lapseOf, vadPacking, wakewordPacking } from '../../runtime/batcher.js';
 import {
   OWW,
   type JobResult,
@@ -226,6 +226,26 @@ describe('Batcher', () => {
     expect(told).toHaveLength(1);
     expect((told[0] as Error).name).toBe('AbortError');
     expect(held).toEqual([]);
+  });
+
+  it('lapseOf: a job whose lease ends while it waits for its batch is dropped with the abort reason; the others run', async () => {
+    const { pool, held } = heldPool(1);
+    const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 4, 1000);
+    const lease = new AbortController();
+    const lapse = lapseOf(lease.signal);
+    expect(lapse.aborted).toBe(false);
+    const told: unknown[] = [];
+    batcher.submit(row(1), lapse, (e, r) => told.push(e ?? r!.probs[0]));
+    batcher.submit(row(2), undefined, (e, r) => told.push(e ?? r!.probs[0]));
+    lease.abort(new Error('lease released'));
+    expect(lapse).toMatchObject({ aborted: true, reason: new Error('lease released') });
+    batcher.submit(row(3), undefined, (e, r) => told.push(e ?? r!.probs[0]));
+    batcher.submit(row(4), undefined, (e, r) => told.push(e ?? r!.probs[0]));
+    await until(() => held.length === 1);
+    expect(held[0].job.counts).toEqual([2, 2, 2]);
+    held[0].answer();
+    await until(() => told.length === 4);
+    expect(told).toEqual([new Error('lease released'), 2, 3, 4]);
   });
 
   it("submit: a batch that cannot be packed tells every row's callback its error, and the submit does not throw", async () => {
