@@ -46,9 +46,9 @@ export interface VoxServer {
    */
   close(): Promise<void>;
   /**
-   * Shuts down at once: what runs is cut off as at the drain deadline (streams 1001, requests
-   * 503), then connections close and models unload. During a `close()` it cuts the drain short.
-   * Resolves when `close()` would.
+   * Shuts down at once: what runs is cut off as at the drain deadline (streams 1001 "server
+   * shutting down: drain cut short", requests 503), then connections close and models unload.
+   * During a `close()` it cuts the drain short. Resolves when `close()` would.
    */
   destroy(): Promise<void>;
 }
@@ -331,9 +331,11 @@ async function startServices(run: Running, http: Server, url: string): Promise<v
 /**
  * The shutdown phases (C15) around the system chart: stop accepting; drain until the chart emits
  * `cut` (everything finished, the drain deadline, or `destroy()`); cut what is left; unload.
- * @returns `close()`: the first call shuts down, later ones return the same promise.
+ * @returns `close(destroy?)`: the first call shuts down, later ones return the same promise;
+ *   with `destroy` (`destroy()`), the drain is cut short first (the chart's `DESTROY`), and streams
+ *   still open are told so in their close reason.
  */
-function shutdownOf(run: Running, http: Server, wss: WebSocketServer): () => Promise<void> {
+function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?: boolean) => Promise<void> {
   const { config, supervisor, cluster, streams, inflight, connections, tell } = run;
   const { log, root } = supervisor;
   /** Wyoming connections count as streams in the drain. */
@@ -351,6 +353,9 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): () => Pro
     if (connections.size === 0) tell({ type: 'IDLE' });
   });
   const cut = new Promise<void>((resolve) => root.on('cut', () => resolve()));
+  /** Why phase 3 came: what a stream still open is told in its close reason. */
+  let drained = false;
+  let destroyed = false;
 
   const shutDown = async (): Promise<void> => {
     const { wyoming } = run;
@@ -371,15 +376,20 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): () => Pro
     // Phase 2 (the root's `draining`, which emitted `drain`): running work finishes; streams get
     // their last events and `done`. The chart moves on when it has (`DRAINED`, then a linger for
     // idle keep-alive connections), at the drain deadline, or on `destroy()`: it emits `cut`.
-    void Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]).then(() =>
-      tell({ type: 'DRAINED' }),
-    );
+    void Promise.all([...[...streams, ...wyomingLinks()].map((s) => s.released), ...inflight]).then(() => {
+      drained = true;
+      tell({ type: 'DRAINED' });
+    });
     await cut;
     // Phase 3: what is left is cut off.
     void closeListener();
     http.closeIdleConnections();
-    for (const s of [...streams, ...wyomingLinks()])
-      s.actor.send({ type: 'GO_AWAY', reason: 'server shutting down: drain deadline passed' });
+    const reason = destroyed
+      ? 'server shutting down: drain cut short'
+      : drained
+        ? 'server shutting down'
+        : 'server shutting down: drain deadline passed';
+    for (const s of [...streams, ...wyomingLinks()]) s.actor.send({ type: 'GO_AWAY', reason });
     supervisor.revokeAll(supervisor.notAccepting());
     const wyomingClosed = wyoming
       ? new Promise<void>((resolve) => wyoming.server.close(() => resolve()))
@@ -400,7 +410,13 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): () => Pro
     log.flush();
   };
   let closing: Promise<void> | null = null;
-  return () => (closing ??= shutDown());
+  return (destroy = false) => {
+    if (destroy) {
+      destroyed = true;
+      tell({ type: 'DESTROY' });
+    }
+    return (closing ??= shutDown());
+  };
 }
 
 /**
@@ -477,10 +493,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     inflight,
     wyoming: run.wyoming,
     cluster,
-    close,
-    destroy: () => {
-      run.tell({ type: 'DESTROY' });
-      return close();
-    },
+    close: () => close(),
+    destroy: () => close(true),
   };
 }

@@ -11,16 +11,18 @@ const DRAIN_MS = 20_000;
 
 /**
  * A server whose model `held` runs every job only once `release()` is called (a job in flight for
- * as long as the test wants), and whose model `quick` answers at once.
+ * as long as the test wants; `heldJobs()` counts them), and whose model `quick` answers at once.
  */
-async function serve(): Promise<{ server: VoxServer; release: () => void }> {
+async function serve(drainMs = DRAIN_MS): Promise<{ server: VoxServer; release: () => void; heldJobs: () => number }> {
   let release!: () => void;
+  let heldJobs = 0;
   const gate = new Promise<void>((resolve) => (release = resolve));
   const loader: ModelLoader = async (config, signal) => {
     const loaded = await fakeLoader(config, signal);
     if (config.id !== 'held') return loaded;
     const run = loaded.pool.run.bind(loaded.pool);
     loaded.pool.run = (async (...args: Parameters<typeof run>) => {
+      heldJobs++;
       await gate;
       return run(...args);
     }) as typeof run;
@@ -29,7 +31,7 @@ async function serve(): Promise<{ server: VoxServer; release: () => void }> {
   const config = ServerConfig.parse({
     log_level: 'silent',
     port: 0,
-    drain_timeout_ms: DRAIN_MS,
+    drain_timeout_ms: drainMs,
     limits: { idle_ms: 0, heartbeat_ms: 0 },
     models: [
       { id: 'held', task: 'vad', path: 'held.onnx', lazy: false },
@@ -42,15 +44,16 @@ async function serve(): Promise<{ server: VoxServer; release: () => void }> {
     await server.destroy();
   });
   await until(() => server.supervisor.phase === 'running');
-  return { server, release };
+  return { server, release, heldJobs: () => heldJobs };
 }
 
-/** A stream of `quick` that has sent audio and not `end`. */
+/** A stream of `model` that has sent audio and not `end`. */
 function openStream(
   server: VoxServer,
+  model = 'quick',
 ): Promise<{ events: { type: string }[]; closed: Promise<{ code: number; reason: string }> }> {
   return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=quick`);
+    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}`);
     const events: { type: string }[] = [];
     const closed = new Promise<{ code: number; reason: string }>((r) =>
       ws.on('close', (code, why) => r({ code, reason: why.toString() })),
@@ -117,9 +120,18 @@ describe('close() and destroy()', () => {
     expect(performance.now() - t0).toBeLessThan(DRAIN_MS / 2);
     expect(await running).toMatchObject({ status: 503, body: { error: { code: 'shutting_down' } } });
     const { code, reason } = await stream.closed;
-    expect([code, reason]).toEqual([1001, 'server shutting down: drain deadline passed']);
+    expect([code, reason]).toEqual([1001, 'server shutting down: drain cut short']);
     expect(stream.events.map((e) => e.type)).not.toContain('done');
     expect(server.supervisor.phase).toBe('stopped');
+  });
+
+  it('close() past the drain deadline: a stream whose audio still runs closes 1001 "server shutting down: drain deadline passed", no done', async () => {
+    const { server, heldJobs } = await serve(300);
+    const stream = await openStream(server, 'held');
+    await until(() => heldJobs() > 0);
+    await server.close();
+    expect(await stream.closed).toEqual({ code: 1001, reason: 'server shutting down: drain deadline passed' });
+    expect(stream.events.map((e) => e.type)).not.toContain('done');
   });
 
   it('destroy() during a close() cuts the drain short', async () => {
