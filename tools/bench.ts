@@ -380,13 +380,13 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
 }
 
 const f = (x: number, d = 1): string => (Number.isFinite(x) ? x.toFixed(d) : x === Infinity ? 'inf' : '-');
-/** The median (of an even count, the mean of the two middle values). */
 /**
  * Streams the machine's cores could run at `msPerStream` ms CPU per stream-second: whole streams
  * (floored), so that a share printed beside a limit is of the figure printed.
  */
 const limitFor = (msPerStream: number): number => Math.floor((CORES * 1000) / msPerStream);
 
+/** The median (of an even count, the mean of the two middle values). */
 const median = (xs: number[]): number => {
   const s = [...xs].sort((a, b) => a - b);
   const m = (s.length - 1) / 2;
