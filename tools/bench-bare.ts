@@ -6,7 +6,7 @@
  * Each loop runs in a process of its own (`bareInChild`): `process.cpuUsage()` counts every
  * thread of a process, and in the bench's own process it counted the load generator's garbage
  * collection after a run too (a 30-row VAD loop read 3.0 ms per stream-second there against 1.8
- * alone). Run directly: `node dist/tools/bench-bare.js vad ROWS WINDOWS` or
+ * alone). Run directly: `node dist/tools/bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]]` or
  * `node dist/tools/bench-bare.js wakeword HEAD[,HEAD] BATCH STEPS` prints CPU ms per stream-second.
  */
 import { execFile } from 'node:child_process';
@@ -99,10 +99,16 @@ export async function bareWakeword(heads: string[], batch: number, steps: number
 
 /**
  * The bare Silero VAD loop: runs of `rows` streams' next windows (the speech fixture, 576 samples:
- * 64 of context and a 512-sample window), state fed back; nothing else.
- * @returns CPU ms per stream-second over `windows` windows (after 200 to warm up).
+ * 64 of context and a 512-sample window), state fed back; nothing else. With `idleMs`, the thread
+ * sleeps that long before every `runsPerIdle`-th run (`Atomics.wait`, a futex: the core idles), as
+ * a slot host waits between batches (a batch of rows with several windows each makes several
+ * runs): on the machines measured here a thread that sleeps a few ms between runs spends more CPU
+ * in the same runs (32 rows: +9 % at 2 ms, +20 % at 5 ms, +25 % at 8 ms; 1 ms, or a 5 ms busy
+ * wait: none).
+ * @returns CPU ms per stream-second over `windows` windows (after 200 to warm up), the sleeps'
+ *   wake-ups included.
  */
-export async function bareVad(rows: number, windows = 20_000): Promise<number> {
+export async function bareVad(rows: number, windows = 20_000, idleMs = 0, runsPerIdle = 1): Promise<number> {
   const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
   const session = await ort.InferenceSession.create(silero.path!, OPTS);
   const pcm = fixture('espeak_sentence_16k.wav');
@@ -111,9 +117,11 @@ export async function bareVad(rows: number, windows = 20_000): Promise<number> {
   const sr = new ort.Tensor('int64', BigInt64Array.from([16000n]), []);
   let state: Float32Array = new Float32Array(2 * rows * 128);
   const input = new Float32Array(rows * 576);
+  const sleeper = new Int32Array(new SharedArrayBuffer(4));
   const loop = async (runs: number): Promise<number> => {
     const c0 = process.cpuUsage();
     for (let i = 0; i < runs; i++) {
+      if (idleMs > 0 && i % runsPerIdle === 0) Atomics.wait(sleeper, 0, 0, idleMs);
       for (let r = 0; r < rows; r++)
         input.set(samples.subarray(((i * rows + r) * 512) % (samples.length - 576)).subarray(0, 576), r * 576);
       const out = await session.run({
@@ -135,7 +143,7 @@ export async function bareVad(rows: number, windows = 20_000): Promise<number> {
 
 /**
  * One bare loop in a fresh process of its own (this file run directly), so its CPU figure counts
- * the loop alone. `args`: `['vad', rows, windows]` or `['wakeword', 'head,head', batch, steps]`.
+ * the loop alone. `args`: `['vad', rows, windows, idleMs?, runsPerIdle?]` or `['wakeword', 'head,head', batch, steps]`.
  * @returns CPU ms per stream-second. @throws if the child fails or prints no number.
  */
 export async function bareInChild(args: (string | number)[]): Promise<number> {
@@ -146,19 +154,20 @@ export async function bareInChild(args: (string | number)[]): Promise<number> {
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url)) {
-  const [kind, a, b, c] = process.argv.slice(2);
+  const [kind, a, b, c, d] = process.argv.slice(2);
+  const idle = c === undefined ? 0 : /^\d+(\.\d+)?$/.test(c) ? Number(c) : Number.NaN;
   const count = (x: string | undefined): number => (/^[1-9]\d*$/.test(x ?? '') ? Number(x) : Number.NaN);
   const known = new Set(defaultCatalog().flatMap((m) => (m.task === 'wakeword' ? [m.id] : [])));
   const heads = (a ?? '').split(',');
   const ms =
-    kind === 'vad' && count(a) && count(b)
-      ? await bareVad(count(a), count(b))
+    kind === 'vad' && count(a) && count(b) && Number.isFinite(idle) && (d === undefined || count(d))
+      ? await bareVad(count(a), count(b), idle, d === undefined ? 1 : count(d))
       : kind === 'wakeword' && heads.every((h) => known.has(h)) && count(b) && count(c)
         ? await bareWakeword(heads, count(b), count(c))
         : Number.NaN;
   if (!Number.isFinite(ms)) {
     console.error(
-      'usage: bench-bare.js vad ROWS WINDOWS | wakeword HEAD[,HEAD] BATCH STEPS (positive integers; HEAD a default wake-word model, e.g. hey-jarvis)',
+      'usage: bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]] | wakeword HEAD[,HEAD] BATCH STEPS (positive integers; HEAD a default wake-word model, e.g. hey-jarvis)',
     );
     process.exit(2);
   }

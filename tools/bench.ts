@@ -92,9 +92,10 @@ interface Workload {
   pcm: Buffer;
   /**
    * Bare CPU ms per stream-second, with `rows` streams per run (VAD) or one at a time (wake
-   * words); `short`: a shorter loop, for the figures measured beside each run.
+   * words); `short`: a shorter loop, for the figures measured beside each run; `idle`: the loop
+   * sleeps `ms` before every `runs`-th run, as a slot host waits between batches (VAD; wake words: NaN).
    */
-  bare(rows: number, short?: boolean): Promise<number>;
+  bare(rows: number, short?: boolean, idle?: { ms: number; runs: number }): Promise<number>;
   /** Rows per run for the limit's bare figure. */
   limitRows: number;
   /** Samples per window (VAD) or step (wake word): the unit of the processing-lag histogram. */
@@ -126,7 +127,8 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
       frameMs: 100,
       target: 0.7,
       pcm: Buffer.concat([fixture('espeak_alexa_16k.wav'), fixture('espeak_sentence_16k.wav')]),
-      bare: (_rows, short) => bareInChild(['wakeword', 'hey-jarvis', 1, short ? 300 : 600]),
+      bare: (_rows, short, idle) =>
+        idle ? Promise.resolve(Number.NaN) : bareInChild(['wakeword', 'hey-jarvis', 1, short ? 300 : 600]),
       limitRows: 1,
       stepSamples: 1280,
       eventKey: (e) => (e.type === 'detection' ? `${e.label}@${e.at_ms}:${e.score}` : null),
@@ -140,7 +142,8 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
     frameMs,
     target: name === 'vad20' ? 0.6 : 0.7,
     pcm: fixture('espeak_sentence_16k.wav'),
-    bare: (rows, short) => bareInChild(['vad', rows, short ? 6000 : 20_000]),
+    bare: (rows, short, idle = { ms: 0, runs: 1 }) =>
+      bareInChild(['vad', rows, short ? 6000 : 20_000, idle.ms.toFixed(2), idle.runs]),
     // The server's default max_batch_size: the largest run it forms.
     limitRows: 32,
     stepSamples: 512,
@@ -216,6 +219,10 @@ interface Run {
   rows: number;
   /** Slot run time (wall) per stream-second, ms. */
   runMs: number;
+  /** How long a slot idled between two batches in the steady window, mean, ms. */
+  idleMs: number;
+  /** Windows (or steps) per row of a batch in the steady window, mean. */
+  stepsPerRow: number;
   /** Streams whose events differ from the most common sequence. */
   differ: number;
   load: number;
@@ -223,15 +230,22 @@ interface Run {
    * The bare loop, ms per stream-second, that this run's ratios are against: `bare` at the limit's
    * rows, the median of every such figure of the workload so far (at its start and after each
    * run, this one included); `sameBare` at the rows per run the server formed, measured right
-   * after this run. The machine's speed moves by tens of percent from one second to the next and
-   * drifts over minutes: one figure is not a baseline.
+   * after this run; `idleBare` at those rows with the slots' mean idle between runs (`idleMs`). The
+   * machine's speed moves by tens of percent from one second to the next and drifts over minutes:
+   * one figure is not a baseline.
    */
   bare: number;
   sameBare: number;
+  idleBare: number;
 }
 
 /** N real-time streams against a new server (after its warm-up); CPU over the steady window. */
-async function live(w: Workload, n: number, share: number, o: BenchOptions): Promise<Omit<Run, 'bare' | 'sameBare'>> {
+async function live(
+  w: Workload,
+  n: number,
+  share: number,
+  o: BenchOptions,
+): Promise<Omit<Run, 'bare' | 'sameBare' | 'idleBare'>> {
   const { child, url } = await startServer(w, n, o);
   const pid = child.pid!;
   try {
@@ -353,9 +367,11 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
     for (const s of streams) seqs.set(s.events.join(' '), (seqs.get(s.events.join(' ')) ?? 0) + 1);
     const batches = (after.get('voxserve_batch_size_count') ?? 0) - (before.get('voxserve_batch_size_count') ?? 0);
     const rows = (after.get('voxserve_batch_size_sum') ?? 0) - (before.get('voxserve_batch_size_sum') ?? 0);
-    const runS =
-      (after.get('voxserve_inference_duration_seconds_sum') ?? 0) -
-      (before.get('voxserve_inference_duration_seconds_sum') ?? 0);
+    const between = (m0: Map<string, number>, m1: Map<string, number>, name: string): number =>
+      (m1.get(name) ?? 0) - (m0.get(name) ?? 0);
+    const runS = between(before, after, 'voxserve_inference_duration_seconds_sum');
+    // The slots' time not spent in a run, over the steady window's runs.
+    const idleS = o.slots * ((b.at - a.at) / 1000) - between(ma, mb, 'voxserve_inference_duration_seconds_sum');
     for (const s of streams) s.ws.terminate();
     return {
       streams: n,
@@ -370,6 +386,8 @@ async function live(w: Workload, n: number, share: number, o: BenchOptions): Pro
       client: (b.client.user + b.client.system - a.client.user - a.client.system) / 1000 / ((n * (b.at - a.at)) / 1000),
       rows: batches ? rows / batches : 1,
       runMs: (runS * 1000) / (n * o.seconds),
+      idleMs: Math.max(0, (idleS * 1000) / Math.max(1, between(ma, mb, 'voxserve_batch_size_count'))),
+      stepsPerRow: (windows(mb) - windows(ma)) / Math.max(1, between(ma, mb, 'voxserve_batch_size_sum')),
       differ: n - Math.max(...seqs.values()),
       load: loadavg()[0],
     };
@@ -431,6 +449,7 @@ export async function bench(o: BenchOptions): Promise<void> {
         `${f(r.main + r.hosts, 2)} (${f(r.main, 2)} + ${f(r.hosts, 2)})`,
         f((r.main + r.hosts) / r.bare, 2),
         f(r.hosts / r.sameBare, 2),
+        `${f(r.hosts / r.idleBare, 2)} (${f(r.idleMs, 1)})`,
         f(r.main / r.bare, 2),
         f(r.client, 2),
         f(r.rows, 1),
@@ -440,16 +459,17 @@ export async function bench(o: BenchOptions): Promise<void> {
       ].join(' | ');
     const header = (): void => {
       say(
-        'share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
+        'share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | hosts / bare at same rows and idle (slot idle between runs, ms) | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
       );
-      say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
+      say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
     };
     const runAt = async (share: number, n = Math.max(1, Math.round(share * limit))): Promise<Run> => {
       const run = await live(w, n, share, o);
       bares.push(await w.bare(w.limitRows, true));
       const rows = Math.max(1, Math.round(run.rows));
       const sameBare = w.limitRows === 1 || rows === w.limitRows ? bares.at(-1)! : await w.bare(rows, true);
-      const r = { ...run, bare: median(bares), sameBare };
+      const idleBare = await w.bare(rows, true, { ms: run.idleMs, runs: Math.max(1, Math.round(run.stepsPerRow)) });
+      const r = { ...run, bare: median(bares), sameBare, idleBare };
       runs.push(r);
       say(row(r));
       return r;
