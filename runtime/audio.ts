@@ -183,11 +183,22 @@ function downmix(interleaved: Float32Array, channels: number, frames: number): F
 }
 
 /**
+ * Converters of closed {@link Resampler}s, for the next ones to take (at most {@link SPARE_CONVERTERS}):
+ * a new converter is a WASM module instance, 6-9 ms of main-thread CPU on the machines measured
+ * (a whole 16 kHz stream's open and close is about 1 ms), which every stream of telephone (8 kHz)
+ * or 48 kHz audio paid when it opened. Each kept converter holds ~1.7 MB resident.
+ */
+const spare: SRC[] = [];
+/** Converters kept for reuse, at most. */
+export const SPARE_CONVERTERS = 8;
+
+/**
  * Streaming resampler (libsamplerate's SINC_FASTEST converter, compiled to WASM by
  * `@alexanderolsen/libsamplerate-js`). Keeps filter state across `push` calls; `flush` ends the
  * signal so that, over the whole stream, exactly round(input samples x toHz / fromHz) samples
  * come out, the same count as {@link resample} gives for the whole signal at once. A
- * pass-through when the rates are equal. Call `close()` to free the WASM memory.
+ * pass-through when the rates are equal. Call `close()` once done: its converter goes to the next
+ * resampler created (re-initialised: fresh filter state), or is freed.
  */
 export class Resampler {
   /** Samples pushed in, and samples given out, so far. */
@@ -195,10 +206,11 @@ export class Resampler {
   private outCount = 0;
   /**
    * libsamplerate converters created in this process so far. Each is its own WASM module
-   * instance (~15 ms of main-thread CPU), so a stream that changes format reuses its converter
-   * ({@link Resampler.reset}) instead; tests count creations here.
+   * instance (6-9 ms of main-thread CPU), so a stream that changes format reuses its converter
+   * ({@link Resampler.reset}), and a new resampler takes a closed one's; tests count creations here.
    */
   static created = 0;
+  private closed = false;
 
   private constructor(
     private src: SRC | null,
@@ -212,7 +224,14 @@ export class Resampler {
     return new Resampler(await Resampler.converter(fromHz, toHz), fromHz, toHz);
   }
 
+  /** A spare converter re-initialised for `fromHz` -> `toHz` (the setters do: libsamplerate's src_delete + src_new), or a new one. */
   private static converter(fromHz: number, toHz: number): Promise<SRC> {
+    const src = spare.pop();
+    if (src) {
+      if (src.outputSampleRate !== toHz) src.outputSampleRate = toHz;
+      src.inputSampleRate = fromHz;
+      return Promise.resolve(src);
+    }
     Resampler.created++;
     return LibSampleRate.create(1, fromHz, toHz, { converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST });
   }
@@ -222,8 +241,10 @@ export class Resampler {
    * samples): the converter is re-initialised in place (libsamplerate's src_delete + src_new in the
    * same WASM instance, microseconds) rather than a new WASM instance created; one is created only
    * when this resampler had none (it began at `toHz`), and kept from then on.
+   * @throws Error once closed.
    */
   async reset(fromHz: number): Promise<void> {
+    this.assertOpen();
     this.inCount = 0;
     this.outCount = 0;
     if (fromHz !== this.toHz) {
@@ -234,8 +255,9 @@ export class Resampler {
     this.fromHz = fromHz;
   }
 
-  /** Resamples the next chunk of a stream (mono float32). */
+  /** Resamples the next chunk of a stream (mono float32). @throws Error once closed. */
   push(samples: Float32Array): Float32Array {
+    this.assertOpen();
     this.inCount += samples.length;
     if (!this.src || this.fromHz === this.toHz || samples.length === 0) return samples;
     return this.take(this.src.full(samples));
@@ -244,8 +266,10 @@ export class Resampler {
   /**
    * The end of the stream: the samples the converter still holds back (its filter delay), cut so
    * that the stream's total output is round(input x toHz / fromHz) samples. Call once, last.
+   * @throws Error once closed.
    */
   flush(): Float32Array {
+    this.assertOpen();
     if (!this.src || this.fromHz === this.toHz) return new Float32Array(0);
     // 20 ms of silence pushes out the filter delay (a few ms at SINC_FASTEST).
     return this.take(this.src.full(new Float32Array(Math.ceil(this.fromHz / 50))));
@@ -259,9 +283,19 @@ export class Resampler {
     return kept;
   }
 
-  /** Frees the converter. */
+  /** Done with: the converter goes to the spares (or is freed when they are full). Idempotent. */
   close(): void {
-    this.src?.destroy();
+    const src = this.src;
+    this.src = null;
+    this.closed = true;
+    if (!src) return;
+    if (spare.length < SPARE_CONVERTERS) spare.push(src);
+    else src.destroy();
+  }
+
+  /** A closed resampler's converter may be another's by now: using it would mix two streams. */
+  private assertOpen(): void {
+    if (this.closed) throw new Error('resampler is closed');
   }
 }
 

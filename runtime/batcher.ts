@@ -93,7 +93,7 @@ export const vadPacking: Packing<VadJob, VadResult> = {
       at += n;
       return {
         kind: 'vad',
-        // Views, not copies: a VAD session keeps its state and context as given (the result's buffer is its own).
+        // Views, not copies: a VAD session copies its state and context (see VadSession.accept).
         probs: res.probs.subarray(at - n, at),
         state: res.state.subarray(r * SILERO.STATE, (r + 1) * SILERO.STATE),
         context: res.context.subarray(r * SILERO.CONTEXT, (r + 1) * SILERO.CONTEXT),
