@@ -459,7 +459,7 @@ export async function bench(o: BenchOptions): Promise<void> {
       ].join(' | ');
     const header = (): void => {
       say(
-        'share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | hosts / bare at same rows and idle (slot idle between runs, ms) | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
+        'share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | hosts / bare at same rows and idle (slot idle between batches, ms) | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
       );
       say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
     };
