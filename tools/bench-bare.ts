@@ -167,7 +167,7 @@ if (process.argv[1] === fileURLToPath(import.meta.url)) {
         : Number.NaN;
   if (!Number.isFinite(ms)) {
     console.error(
-      'usage: bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]] | wakeword HEAD[,HEAD] BATCH STEPS (positive integers; HEAD a default wake-word model, e.g. hey-jarvis)',
+      'usage: bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]] | wakeword HEAD[,HEAD] BATCH STEPS (positive integers but IDLE_MS, ms >= 0; HEAD a default wake-word model, e.g. hey-jarvis); prints CPU ms per stream-second',
     );
     process.exit(2);
   }

@@ -10,7 +10,7 @@
  *
  *   npm run build && node dist/tools/bench-open.js [--streams 200] [--concurrency 4] [--rounds 3]
  */
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -98,7 +98,7 @@ try {
   const ms = new Map<number, number[]>(RATES.map((r) => [r, []]));
   for (let r = 0; r < ROUNDS; r++) for (const rate of RATES) ms.get(rate)!.push(await round(rate));
   console.log(
-    `main-process CPU per stream opened, fed 1 s of audio and closed (${N} streams, ${C} at a time, ${ROUNDS} rounds):`,
+    `main-process CPU per stream opened, fed 1 s of audio and closed (${N} streams, ${C} at a time, ${ROUNDS} round(s)):`,
   );
   const base = median(ms.get(16000)!);
   for (const rate of RATES) {
@@ -112,4 +112,5 @@ try {
   }
 } finally {
   child.kill('SIGTERM');
+  rmSync(dir, { recursive: true, force: true });
 }

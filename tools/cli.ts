@@ -355,7 +355,7 @@ program
   .command('stream')
   .description('stream a WAV file to a running server over WebSocket and print events as they arrive')
   .argument('<model>', 'model id')
-  .argument('<file>', 'WAV file (PCM or float, any rate and channel count; sent as s16le)')
+  .argument('<file>', 'WAV file (PCM, float, mu-law or A-law, any rate and channel count; sent as s16le)')
   .option('--url <url>', 'server URL', DEFAULT_URL)
   .option('--realtime', 'send each frame when its audio has elapsed')
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
@@ -372,7 +372,11 @@ program
       let wav: InstanceType<typeof WaveFile>;
       try {
         wav = new WaveFile(readFileSync(file));
-        wav.toBitDepth('16');
+        // G.711 (telephone audio) is expanded by its codec: toBitDepth would take its bytes for 8-bit PCM.
+        const { audioFormat } = wav.fmt as { audioFormat: number };
+        if (audioFormat === 7) wav.fromMuLaw();
+        else if (audioFormat === 6) wav.fromALaw();
+        else wav.toBitDepth('16');
       } catch (e) {
         die(`cannot read ${file} as WAV: ${(e as Error).message}`);
       }

@@ -8,7 +8,7 @@ import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixturePath, loopWav } from '../helpers.js';
+import { expectSegments, fixturePath, loopWav, reference } from '../helpers.js';
 
 const exec = promisify(execFile);
 const root = fileURLToPath(new URL('../..', import.meta.url));
@@ -56,6 +56,24 @@ describe('voxserve CLI', () => {
     expect(events.map((e) => e.type)).toEqual(['ready', 'detection', 'done']);
     expect(events[1]).toMatchObject({ label: 'alexa' });
   });
+
+  it.each(['espeak_sentence_8k_mulaw.wav', 'espeak_sentence_8k_alaw.wav'])(
+    'stream sends telephone audio (%s) expanded by its G.711 codec: the speech of its source',
+    async (file) => {
+      const r = await voxserve('stream', 'silero-vad', fixturePath(file), '--url', server.url);
+      expect(r.code).toBe(0);
+      const events = r.stdout
+        .trim()
+        .split('\n')
+        .map((l) => JSON.parse(l) as { type: string; start_ms: number; end_ms: number });
+      // Through the resampler, as the HTTP path's G.711 test: boundaries within 300 ms (spec/fixtures/README.md).
+      expectSegments(
+        events.filter((e) => e.type === 'speech_end'),
+        reference('espeak_sentence_16k.wav').segments_v6,
+        300,
+      );
+    },
+  );
 
   it('stream piped into a reader that stops after one line (| head -1) exits 0, no EPIPE crash', async () => {
     const { spawn } = await import('node:child_process');
