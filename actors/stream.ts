@@ -621,7 +621,14 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     channel.sink = (frames, count, at) => {
       // Audio after `end` is dropped: the stream is finishing what it had.
       if (ended) return;
-      if (pump) return push(frames, count, at);
+      if (pump) {
+        // A frame the decoder cannot take fails this stream alone (it runs in the turn's shared flush).
+        try {
+          return push(frames, count, at);
+        } catch (e) {
+          return fail(e);
+        }
+      }
       // Waiting for a lease or a load: keep what was sent, but stop reading past a cap.
       const kept = frames.slice(0, count);
       early.push({ frames: kept, at });

@@ -183,14 +183,35 @@ function downmix(interleaved: Float32Array, channels: number, frames: number): F
 }
 
 /**
- * Converters of closed {@link Resampler}s, for the next ones to take (at most {@link SPARE_CONVERTERS}):
- * a new converter is a WASM module instance, 6-9 ms of main-thread CPU on the machines measured
- * (a whole 16 kHz stream's open and close is about 1 ms), which every stream of telephone (8 kHz)
- * or 48 kHz audio paid when it opened. Each kept converter holds ~1.7 MB resident.
+ * Converters of closed {@link Resampler}s, for the next ones to take (at most {@link SPARE_CONVERTERS}
+ * per thread): a new converter is a module instance of its own (compiled asm.js with a 25 MB heap),
+ * 6-9 ms of main-thread CPU on the machines measured (a whole 16 kHz stream's open and close is
+ * about 1 ms), which every stream of telephone (8 kHz) or 48 kHz audio paid when it opened. Each
+ * kept converter holds 2-10 MB resident.
  */
 const spare: SRC[] = [];
-/** Converters kept for reuse, at most. */
-export const SPARE_CONVERTERS = 8;
+/** Converters kept for reuse, at most, per thread. */
+export const SPARE_CONVERTERS = 4;
+
+/**
+ * Re-initialises `src` for `fromHz` -> `toHz` (fresh filter state: libsamplerate's src_delete +
+ * src_new, by the library's rate setters). The setters leave the library's `ratio`, which sizes
+ * its calls, at the rates the converter was made for: set here too (a converter made for 48 kHz
+ * and set to 8 kHz otherwise cut a large call's output short).
+ */
+function retune(src: SRC, fromHz: number, toHz: number): void {
+  if (src.outputSampleRate !== toHz) src.outputSampleRate = toHz;
+  src.inputSampleRate = fromHz;
+  src.ratio = toHz / fromHz;
+}
+
+/**
+ * Output samples one call into a converter may give, at most: its output buffer holds 1,008,000,
+ * and past that the library splits the call itself, in chunks of a tenth of a second, which are
+ * not whole samples at rates not divisible by 10 (a RangeError at 11025 Hz). Larger inputs are
+ * split here instead.
+ */
+const MAX_CALL_OUT = 500_000;
 
 /**
  * Streaming resampler (libsamplerate's SINC_FASTEST converter, compiled to WASM by
@@ -224,12 +245,11 @@ export class Resampler {
     return new Resampler(await Resampler.converter(fromHz, toHz), fromHz, toHz);
   }
 
-  /** A spare converter re-initialised for `fromHz` -> `toHz` (the setters do: libsamplerate's src_delete + src_new), or a new one. */
+  /** A spare converter re-initialised for `fromHz` -> `toHz` ({@link retune}), or a new one. */
   private static converter(fromHz: number, toHz: number): Promise<SRC> {
     const src = spare.pop();
     if (src) {
-      if (src.outputSampleRate !== toHz) src.outputSampleRate = toHz;
-      src.inputSampleRate = fromHz;
+      retune(src, fromHz, toHz);
       return Promise.resolve(src);
     }
     Resampler.created++;
@@ -249,8 +269,7 @@ export class Resampler {
     this.outCount = 0;
     if (fromHz !== this.toHz) {
       if (!this.src) this.src = await Resampler.converter(fromHz, this.toHz);
-      // The setter re-initialises the converter (fresh filter state) at the new ratio.
-      else this.src.inputSampleRate = fromHz;
+      else retune(this.src, fromHz, this.toHz);
     }
     this.fromHz = fromHz;
   }
@@ -260,7 +279,21 @@ export class Resampler {
     this.assertOpen();
     this.inCount += samples.length;
     if (!this.src || this.fromHz === this.toHz || samples.length === 0) return samples;
-    return this.take(this.src.full(samples));
+    const step = Math.floor(MAX_CALL_OUT / Math.max(1, this.toHz / this.fromHz));
+    if (samples.length <= step) return this.take(this.src.full(samples));
+    const parts: Float32Array[] = [];
+    let n = 0;
+    for (let at = 0; at < samples.length; at += step) {
+      parts.push(this.src.full(samples.subarray(at, at + step)));
+      n += parts[parts.length - 1].length;
+    }
+    const out = new Float32Array(n);
+    n = 0;
+    for (const p of parts) {
+      out.set(p, n);
+      n += p.length;
+    }
+    return this.take(out);
   }
 
   /**

@@ -154,20 +154,23 @@ export async function bareInChild(args: (string | number)[]): Promise<number> {
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url)) {
-  const [kind, a, b, c, d] = process.argv.slice(2);
+  const [kind, a, b, c, d, ...extra] = process.argv.slice(2);
   const idle = c === undefined ? 0 : /^\d+(\.\d+)?$/.test(c) ? Number(c) : Number.NaN;
-  const count = (x: string | undefined): number => (/^[1-9]\d*$/.test(x ?? '') ? Number(x) : Number.NaN);
+  // Up to 10^7: a row is 2.3 KB of input, and a larger count is a typo.
+  const count = (x: string | undefined): number => (/^[1-9]\d{0,6}$/.test(x ?? '') ? Number(x) : Number.NaN);
   const known = new Set(defaultCatalog().flatMap((m) => (m.task === 'wakeword' ? [m.id] : [])));
   const heads = (a ?? '').split(',');
   const ms =
-    kind === 'vad' && count(a) && count(b) && Number.isFinite(idle) && (d === undefined || count(d))
-      ? await bareVad(count(a), count(b), idle, d === undefined ? 1 : count(d))
-      : kind === 'wakeword' && heads.every((h) => known.has(h)) && count(b) && count(c)
-        ? await bareWakeword(heads, count(b), count(c))
-        : Number.NaN;
+    extra.length > 0
+      ? Number.NaN
+      : kind === 'vad' && count(a) && count(b) && Number.isFinite(idle) && (d === undefined || count(d))
+        ? await bareVad(count(a), count(b), idle, d === undefined ? 1 : count(d))
+        : kind === 'wakeword' && heads.every((h) => known.has(h)) && count(b) && count(c)
+          ? await bareWakeword(heads, count(b), count(c))
+          : Number.NaN;
   if (!Number.isFinite(ms)) {
     console.error(
-      'usage: bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]] | wakeword HEAD[,HEAD] BATCH STEPS (positive integers but IDLE_MS, ms >= 0; HEAD a default wake-word model, e.g. hey-jarvis); prints CPU ms per stream-second',
+      'usage: bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]] | wakeword HEAD[,HEAD] BATCH STEPS (positive integers up to 10^7 but IDLE_MS, ms >= 0; HEAD a default wake-word model, e.g. hey-jarvis); prints CPU ms per stream-second',
     );
     process.exit(2);
   }

@@ -19,18 +19,25 @@ import { defaultCatalog } from '../runtime/config.js';
 import { cpuApart } from './proc.js';
 import { spawnServer } from './spawn-server.js';
 
-const { values } = parseArgs({
-  options: {
-    streams: { type: 'string', default: '200' },
-    concurrency: { type: 'string', default: '4' },
-    rounds: { type: 'string', default: '3' },
-  },
-});
-const [N, C, ROUNDS] = [values.streams, values.concurrency, values.rounds].map(Number);
-if (![N, C, ROUNDS].every((x) => Number.isInteger(x) && x >= 1)) {
-  console.error('usage: bench-open.js [--streams N] [--concurrency C] [--rounds R] (positive integers)');
+const usage = (): never => {
+  console.error('usage: bench-open.js [--streams N] [--concurrency C] [--rounds R] (positive integers up to 100000)');
   process.exit(2);
+};
+let values: Record<string, string | undefined> = {};
+try {
+  ({ values } = parseArgs({
+    options: {
+      streams: { type: 'string', default: '200' },
+      concurrency: { type: 'string', default: '4' },
+      rounds: { type: 'string', default: '3' },
+    },
+  }));
+} catch {
+  usage();
 }
+const [N, C, ROUNDS] = [values.streams, values.concurrency, values.rounds].map((x) =>
+  /^[1-9]\d{0,4}$/.test(x ?? '') ? Number(x) : usage(),
+);
 const RATES = [16000, 8000, 48000];
 
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-open-'));

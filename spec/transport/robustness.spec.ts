@@ -7,7 +7,9 @@ import { mkdtempSync, writeFileSync } from 'node:fs';
 import { connect, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { afterEach, describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it, vi } from 'vitest';
+import WebSocket from 'ws';
+import { PcmStreamDecoder } from '../../runtime/audio.js';
 import type { ModelLoader } from '../../runtime/loader.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
@@ -161,5 +163,58 @@ describe('issue 25 HTTP robustness', () => {
     expect(await managed).toMatchObject({ status: 503, body: { error: { code: 'shutting_down' } } });
     expect(server.supervisor.status('big')).toMatchObject({ state: 'unloaded', loaded: false });
     server = null;
+  });
+});
+
+describe('a stream whose audio the decoder cannot take', () => {
+  /** A WebSocket stream: its events, and its close code once closed. */
+  function open(url: string): {
+    ws: WebSocket;
+    events: { type: string }[];
+    ready: Promise<void>;
+    closed: Promise<number>;
+  } {
+    const ws = new WebSocket(url);
+    const events: { type: string }[] = [];
+    const ready = new Promise<void>((resolve) =>
+      ws.on('message', (d) => {
+        events.push(JSON.parse(String(d)));
+        if (events.at(-1)!.type === 'ready') resolve();
+      }),
+    );
+    ws.on('error', () => {});
+    return { ws, events, ready, closed: new Promise((r) => ws.on('close', (code) => r(code))) };
+  }
+
+  it('fails alone (an error event, close 1011); a stream flushed in the same turn goes on; the server stays up (breaker: the error went uncaught and stopped the server)', async () => {
+    server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
+    const url = `${server.url.replace('http', 'ws')}/v1/stream?model=silero-vad`;
+    const push = PcmStreamDecoder.prototype.push;
+    // A fault for 6-byte frames only: the decoder's own errors are a library's (a RangeError was one).
+    const spy = vi.spyOn(PcmStreamDecoder.prototype, 'push').mockImplementation(function (
+      this: PcmStreamDecoder,
+      chunk: Buffer,
+    ) {
+      if (chunk.length === 6) throw new Error('a decoder fault');
+      return push.call(this, chunk);
+    });
+    try {
+      const [bad, good] = [open(url), open(url)];
+      await Promise.all([bad.ready, good.ready]);
+      const pcm = fixture('espeak_sentence_16k.wav').subarray(44);
+      bad.ws.send(Buffer.alloc(6));
+      good.ws.send(pcm);
+      good.ws.send('{"type":"end"}');
+      expect(await bad.closed).toBe(1011);
+      expect(bad.events.at(-1)).toMatchObject({ type: 'error', error: { code: 'internal_error' } });
+      expect(await good.closed).toBe(1000);
+      expect(good.events.map((e) => e.type)).toContain('speech_end');
+      expect(good.events.at(-1)).toMatchObject({ type: 'done' });
+      const after = open(url);
+      await after.ready;
+      after.ws.close();
+    } finally {
+      spy.mockRestore();
+    }
   });
 });
