@@ -332,34 +332,21 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
       // Told as the batch's error (a microtask later), not thrown into the stream whose job came last.
       result = Promise.reject(e);
     }
-    let freed = false;
-    /**
-     * The slot is free: the next batch (of jobs already waiting) goes at once, before this batch's
-     * results are handed out, so that under load a slot waits for the round trip only, not also
-     * for its results' handling (32 rows' events, lag and next jobs).
-     */
-    const free = (): void => {
-      if (freed) return;
-      freed = true;
-      this.inFlight--;
-      this.schedule();
-    };
     result
       .then(
         (res) => {
-          free();
           const results = this.packing.unpack(res, rows);
           for (let i = 0; i < batch.length; i++) tell(batch[i].done, null, results[i]);
         },
         (err) => {
-          free();
           for (const b of batch) tell(b.done, err);
         },
       )
       .finally(() => {
         arena.reset();
         this.arenas.push(arena);
-        free();
+        this.inFlight--;
+        this.schedule();
       });
     // Jobs the batch left (over `maxBatch`, or past its fair share) may go on another free slot.
     this.schedule();

@@ -77,21 +77,6 @@ describe('Batcher', () => {
     expect([...(await third).probs]).toEqual([9, 9, 9, 9]);
   });
 
-  it("under load, the freed slot gets the next batch (of jobs already waiting) before the finished batch's results are handed out", async () => {
-    const { pool, held } = heldPool(1);
-    const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 2, 1000);
-    /** Per result handed out: how many batches the slot had been sent by then. */
-    const sent: number[] = [];
-    for (let v = 1; v <= 4; v++) batcher.submit(row(v), undefined, () => sent.push(held.length));
-    // Rows 1 and 2 went out; 3 and 4 (a full batch) wait for the slot.
-    expect(held).toHaveLength(1);
-    held[0].answer();
-    await until(() => sent.length === 2);
-    expect(sent).toEqual([2, 2]);
-    held[1].answer();
-    await until(() => sent.length === 4);
-  });
-
   it('keeps rows of more windows out of a full batch, so that its runs hold every row; each row gets its own result', async () => {
     const { pool, held } = heldPool(1);
     const batcher = new Batcher<VadJob, VadResult>(pool, vadPacking, 2, 0);
