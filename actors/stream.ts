@@ -482,6 +482,46 @@ function shifted(e: TaskEvent, ms: number): WireEvent {
 }
 
 /**
+ * Work run a slice at a time: each turn of the event loop (an immediate) runs the queued tasks in
+ * order until `sliceMs` of the main thread have passed (at least one task), and leaves the rest to
+ * the next turn, so that the I/O of the turns between (other streams' frames and results) is not
+ * held back by a burst of it.
+ */
+export class TurnSlices {
+  private readonly tasks: (() => void)[] = [];
+
+  /** @param sliceMs main-thread time per turn, ms. @param now the clock, ms. */
+  constructor(
+    private readonly sliceMs: number,
+    private readonly now: () => number = () => performance.now(),
+  ) {}
+
+  /** Queues `task`, run a turn of the event loop later or more. */
+  run(task: () => void): void {
+    if (this.tasks.push(task) === 1) setImmediate(this.slice);
+  }
+
+  private readonly slice = (): void => {
+    const until = this.now() + this.sliceMs;
+    let n = 0;
+    try {
+      while (n < this.tasks.length && (n === 0 || this.now() < until)) this.tasks[n++]();
+    } finally {
+      this.tasks.splice(0, n);
+      if (this.tasks.length) setImmediate(this.slice);
+    }
+  };
+}
+
+/**
+ * Streams whose last result is in, saying `done` and closing (~0.6 ms of the main thread each, in
+ * their charts): 2 ms of them per turn, so that streams ending together do not hold back the
+ * others' last results (650 VAD streams ending at once: the end's lag p99 470 -> 250 ms, and the
+ * share of windows under 100 ms 98.8 -> 99.2-99.6 %).
+ */
+const finishing = new TurnSlices(2);
+
+/**
  * The `work` actor of a stream: it owns the live resources (the lease, the PCM decoder, the task
  * session) from the stream's first moment to its last. It asks for the lease before preparing
  * anything ({@link requestLease}: the model is loaded if needed), then sends `READY`; coalesced
@@ -540,16 +580,17 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     };
 
     /**
-     * No job left: the server has caught up; after `END`, `DONE`, one turn of the event loop
-     * later: it runs the stream's close in its chart (~0.6 ms of the main thread), and here it
-     * would run inside the delivery of a batch's results, so a batch of ending streams held the
-     * other rows' results and the slot's next batch back until every one had closed.
+     * No job left: the server has caught up; after `END`, `DONE`, a turn of the event loop later
+     * or more ({@link finishing}): it runs the stream's close in its chart (~0.6 ms of the main
+     * thread), and here it would run inside the delivery of a batch's results, so a batch of
+     * ending streams held the other rows' results and the slot's next batch back until every one
+     * had closed.
      */
     const idle = (): void => {
       const session = pump!.session;
       caughtUpAt = performance.now();
       resume();
-      if (ended && session.finished && !gone()) setImmediate(done);
+      if (ended && session.finished && !gone()) finishing.run(done);
     };
     const done = (): void => {
       if (gone()) return;
