@@ -10,14 +10,11 @@
  *
  *   npm run build && node dist/tools/bench-open.js [--streams 200] [--concurrency 4] [--rounds 3]
  */
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/config.js';
 import { cpuApart } from './proc.js';
-import { spawnServer } from './spawn-server.js';
+import { spawnWithConfig } from './spawn-server.js';
 
 const usage = (): never => {
   console.error('usage: bench-open.js [--streams N] [--concurrency C] [--rounds R] (positive integers up to 100000)');
@@ -40,18 +37,12 @@ const [N, C, ROUNDS] = [values.streams, values.concurrency, values.rounds].map((
 );
 const RATES = [16000, 8000, 48000];
 
-const dir = mkdtempSync(join(tmpdir(), 'voxserve-open-'));
-const config = join(dir, 'config.json');
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
-writeFileSync(
-  config,
-  JSON.stringify({
-    port: 0,
-    limits: { max_ws_connections: C + 10, idle_ms: 0 },
-    models: [{ ...silero, max_streams: C + 10, lazy: false }],
-  }),
-);
-const { child, url } = await spawnServer(['--config', config]);
+const { child, url } = await spawnWithConfig({
+  port: 0,
+  limits: { max_ws_connections: C + 10, idle_ms: 0 },
+  models: [{ ...silero, max_streams: C + 10, lazy: false }],
+});
 
 /** One second of a 440 Hz tone at `rate`, s16le mono, in 100 ms frames. */
 function frames(rate: number): Buffer[] {
@@ -119,5 +110,4 @@ try {
   }
 } finally {
   child.kill('SIGTERM');
-  rmSync(dir, { recursive: true, force: true });
 }
