@@ -501,6 +501,11 @@ export class TurnSlices {
     if (this.tasks.push(task) === 1) setImmediate(this.slice);
   }
 
+  /** Runs every queued task now, in order (the slices already scheduled then find nothing). */
+  drain(): void {
+    while (this.tasks.length) this.tasks.shift()!();
+  }
+
   private readonly slice = (): void => {
     const until = this.now() + this.sliceMs;
     let n = 0;
@@ -520,6 +525,15 @@ export class TurnSlices {
  * share of windows under 100 ms 98.8 -> 99.2-99.6 %).
  */
 const finishing = new TurnSlices(2);
+
+/**
+ * Every stream whose last result is in says `done` now: the shutdown's last phase calls it before
+ * it cuts the streams off, so that a finished stream waiting for its slice is not cut (1001
+ * without `done`; the breaker saw 15 of 600 with a 300 ms drain).
+ */
+export function finishWaiting(): void {
+  finishing.drain();
+}
 
 /**
  * The `work` actor of a stream: it owns the live resources (the lease, the PCM decoder, the task

@@ -13,7 +13,7 @@ import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, errorHeaders, requestUrl, sendError, type HttpLink } from './http.js';
 import { createAccess, isLoopback, type Access } from './access.js';
-import { createStreamSocket, STREAM_QUERY } from '../actors/stream.js';
+import { createStreamSocket, finishWaiting, STREAM_QUERY } from '../actors/stream.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
@@ -389,6 +389,8 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
       : drained
         ? 'server shutting down'
         : 'server shutting down: drain deadline passed';
+    // Streams already finished say `done` first; the rest is cut off.
+    finishWaiting();
     for (const s of [...streams, ...wyomingLinks()]) s.actor.send({ type: 'GO_AWAY', reason });
     supervisor.revokeAll(supervisor.notAccepting());
     const wyomingClosed = wyoming

@@ -55,5 +55,11 @@ describe('TurnSlices', () => {
     expect(order.slice(6)).toEqual(['long']);
     await new Promise((r) => setImmediate(r));
     expect(order.slice(6)).toEqual(['long', 'after']);
+    // drain(): what is queued runs now, in order (a shutdown's cut comes after every finished stream's `done`).
+    for (const name of ['d1', 'd2', 'd3']) slices.run(() => order.push(name));
+    slices.drain();
+    expect(order.slice(8)).toEqual(['d1', 'd2', 'd3']);
+    await new Promise((r) => setImmediate(r));
+    expect(order).toHaveLength(11);
   });
 });
