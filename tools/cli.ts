@@ -9,6 +9,7 @@ import { basename, extname, relative, resolve } from 'node:path';
 import { setFlagsFromString } from 'node:v8';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
+import { decodeWav } from '../runtime/audio.js';
 import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
 import { LOG_LEVELS } from '../runtime/telemetry.js';
 import { VoxError } from '../runtime/errors.js';
@@ -371,7 +372,10 @@ program
         die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
       let wav: InstanceType<typeof WaveFile>;
       try {
-        wav = new WaveFile(readFileSync(file));
+        const bytes = readFileSync(file);
+        // The server's own checks of a WAV body (a truncated data chunk, a bit depth its encoding cannot have): a file HTTP refuses is refused here.
+        decodeWav(bytes);
+        wav = new WaveFile(bytes);
         // G.711 (telephone audio) is expanded by its codec: toBitDepth would take its bytes for 8-bit PCM.
         const { audioFormat } = wav.fmt as { audioFormat: number };
         if (audioFormat === 7) wav.fromMuLaw();

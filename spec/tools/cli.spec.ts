@@ -1,5 +1,5 @@
 import { execFile } from 'node:child_process';
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { createServer, type AddressInfo } from 'node:net';
@@ -74,6 +74,17 @@ describe('voxserve CLI', () => {
       );
     },
   );
+
+  it('stream refuses a truncated WAV as the HTTP route does, naming the problem (breaker: it streamed what was there)', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'voxserve-cli-'));
+    const whole = readFileSync(fixturePath('espeak_sentence_8k_mulaw.wav'));
+    const half = join(dir, 'half.wav');
+    writeFileSync(half, whole.subarray(0, whole.length >> 1));
+    const r = await voxserve('stream', 'silero-vad', half, '--url', server.url);
+    expect(r.code).toBe(1);
+    expect(r.stdout).toBe('');
+    expect(r.stderr).toMatch(/cannot read .*half\.wav as WAV: .*truncated/);
+  });
 
   it('stream piped into a reader that stops after one line (| head -1) exits 0, no EPIPE crash', async () => {
     const { spawn } = await import('node:child_process');
