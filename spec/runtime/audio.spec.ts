@@ -217,29 +217,32 @@ describe('Resampler: converters of closed resamplers are reused', () => {
   it.each([
     [48000, 8000, 600_000],
     [8000, 11025, 520_000],
-  ])('a converter made for %i Hz and reused at %i Hz takes a push of %i samples as a fresh one does (breaker: cut short; a RangeError)', async (first, rate, n) => {
-    const signal = Float32Array.from({ length: n }, (_, i) => 0.3 * Math.sin((2 * Math.PI * 300 * i) / rate));
-    const src = await LibSampleRate.create(1, rate, 16000, {
-      converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST,
-    });
-    const want = src.full(signal);
-    src.destroy();
-    // Only this test's converter is spare: the one made for `first` is the next one taken.
-    const held = await Promise.all(Array.from({ length: SPARE_CONVERTERS }, () => Resampler.create(44100)));
-    const made = await Resampler.create(first);
-    made.push(signal.subarray(0, 1000));
-    made.close();
-    const created = Resampler.created;
-    const r = await Resampler.create(rate);
-    expect(Resampler.created).toBe(created);
-    const got = r.push(signal);
-    r.close();
-    for (const h of held) h.close();
-    expect(got.length).toBe(want.length);
-    // Bit for bit (a deep equality of a million floats takes seconds).
-    const bytes = (x: Float32Array): Buffer => Buffer.from(x.buffer, x.byteOffset, x.byteLength);
-    expect(bytes(got).equals(bytes(want))).toBe(true);
-  });
+  ])(
+    'a converter made for %i Hz and reused at %i Hz takes a push of %i samples as a fresh one does (breaker: cut short; a RangeError)',
+    async (first, rate, n) => {
+      const signal = Float32Array.from({ length: n }, (_, i) => 0.3 * Math.sin((2 * Math.PI * 300 * i) / rate));
+      const src = await LibSampleRate.create(1, rate, 16000, {
+        converterType: LibSampleRate.ConverterType.SRC_SINC_FASTEST,
+      });
+      const want = src.full(signal);
+      src.destroy();
+      // Only this test's converter is spare: the one made for `first` is the next one taken.
+      const held = await Promise.all(Array.from({ length: SPARE_CONVERTERS }, () => Resampler.create(44100)));
+      const made = await Resampler.create(first);
+      made.push(signal.subarray(0, 1000));
+      made.close();
+      const created = Resampler.created;
+      const r = await Resampler.create(rate);
+      expect(Resampler.created).toBe(created);
+      const got = r.push(signal);
+      r.close();
+      for (const h of held) h.close();
+      expect(got.length).toBe(want.length);
+      // Bit for bit (a deep equality of a million floats takes seconds).
+      const bytes = (x: Float32Array): Buffer => Buffer.from(x.buffer, x.byteOffset, x.byteLength);
+      expect(bytes(got).equals(bytes(want))).toBe(true);
+    },
+  );
 
   it(`keeps at most ${SPARE_CONVERTERS} spare converters: past that, closed ones are freed`, async () => {
     const many = await Promise.all(Array.from({ length: SPARE_CONVERTERS + 4 }, () => Resampler.create(8000)));
