@@ -184,7 +184,7 @@ function downmix(interleaved: Float32Array, channels: number, frames: number): F
 
 /**
  * Converters of closed {@link Resampler}s, for the next ones to take (at most {@link SPARE_CONVERTERS}
- * per thread): a new converter is a module instance of its own (compiled asm.js with a 25 MB heap),
+ * per thread): a new converter is a WASM module instance of its own (with a 25 MB memory),
  * 6-9 ms of main-thread CPU on the machines measured (a whole 16 kHz stream's open and close is
  * about 1 ms), which every stream of telephone (8 kHz) or 48 kHz audio paid when it opened. Each
  * kept converter holds 2-10 MB resident.
