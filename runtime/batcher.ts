@@ -198,9 +198,10 @@ const abandon = <R>(done: Done<R>, signal: Lapse): void => queueMicrotask(() => 
  * Dynamic batching for streams: the jobs of many streams (each its stream's ready windows or
  * steps) are collected and run as one batched job (a row per stream, see {@link Packing}) on a
  * free slot, and each row's result goes back to its stream. A batch is sent when it holds
- * `maxBatch` streams, when its oldest job has waited `maxDelayMs` for company, or as soon as a
- * slot frees up while jobs wait (under load, jobs gather while every slot is busy). A batch
- * holds its slot for its run only. One message per batch instead of one per stream is what
+ * `maxBatch` streams, or when its oldest job has waited `maxDelayMs` for company, as soon as
+ * the pool has room for it: a free slot, or a place behind a slot's running job
+ * ({@link ModelPool}'s `capacity`: the host goes on to it without waiting for the server). Under load,
+ * jobs gather while the pool is full. One message per batch instead of one per stream is what
  * makes many streams cheap on process hosts.
  */
 export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
@@ -243,7 +244,7 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
   }
 
   private schedule(): void {
-    if (!this.pending.length || this.inFlight >= this.pool.size) return;
+    if (!this.pending.length || this.inFlight >= this.pool.capacity) return;
     const waited = Date.now() - this.pending[0].at;
     if (this.pending.length >= this.maxBatch || waited >= this.maxDelayMs) return this.dispatch();
     this.timer ??= setTimeout(() => {

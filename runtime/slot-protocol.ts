@@ -250,13 +250,26 @@ export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
 }
 
 /**
+ * Jobs a slot host holds at once: the one it runs and one queued behind it, so that a loaded
+ * host starts its next job as soon as it has answered one, instead of sleeping until the server
+ * has taken the answer and sent the next (a host woken from sleep runs slower on these VMs,
+ * and the server's event loop may be busy with stream traffic when the answer comes).
+ */
+export const SLOT_DEPTH = 2;
+
+/** Where a job channel's frame regions start, bytes apart: frame k goes at `(k % depth) * REGION_BYTES` (a sparse file). */
+const REGION_BYTES = 2 ** 31;
+
+/**
  * A process slot host's job channel, one end of it: each frame ({@link encodeFrame}) is written
  * whole into a file shared with the other end (on tmpfs, `/dev/shm`), with one `pwritev`, and
  * announced by a doorbell on a socket pair: the frame's length, u32le. The reader copies the
  * frame out with one `pread` into an ArrayBuffer of its own; its Float32Arrays are views into
- * it. Each direction has its own file, and holds one frame at a time: a slot runs one job at a
- * time and answers it with one frame, so a file is written again only after its last frame was
- * read.
+ * it. Each direction has its own file, holding up to `depth` frames, each in its own region
+ * (2 GiB apart), used in turn by both ends: the k-th frame written is the k-th read, from region
+ * `k % depth`. So a writer must never be more than `depth` frames ahead of the reader: a slot
+ * host holds at most `depth` jobs (the one it runs and those queued behind it) and answers each
+ * with one frame, in order.
  *
  * Why not the socket itself: a job of a few hundred KB does not fit a socket pair's buffer, so
  * writing it there takes several turns of the server's event loop, and while the loop is busy
@@ -264,17 +277,22 @@ export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
  */
 export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | FromSlot> {
   private bell: Buffer = Buffer.alloc(0);
-  /** The reused receive buffer (with `reuse`), grown as frames grow. */
-  private scratch = new ArrayBuffer(0);
+  /** The reused receive buffers (with `reuse`), one per region, grown as frames grow. */
+  private readonly scratch: ArrayBuffer[];
+  /** Frames written and read so far: the next one's region. */
+  private sent = 0;
+  private received = 0;
 
   /**
    * @param socket carries the doorbells both ways. @param outFd the file this end writes frames to.
    * @param inFd the file the other end writes frames to. @param onMessage each decoded frame.
    * @param onError a frame could not be read (the channel is unusable).
-   * @param reuse read every frame into one reused buffer: only for an end that is done with a
-   *   frame's arrays before the next frame can come (a slot host: it answers one job at a time,
-   *   and the server sends the next only after the answer). A fresh page-faulting allocation of a
-   *   few hundred KB per job otherwise costs the host more than reading it.
+   * @param reuse read every frame into a reused buffer, one per region: only for an end that is
+   *   done with a frame's arrays before the frame `depth` places later can come (a slot host
+   *   answers a job before it is sent the one `depth` places after it; the server copies what it
+   *   keeps of a result before the next turn). A fresh page-faulting allocation of a few hundred
+   *   KB per job otherwise costs the host more than reading it.
+   * @param depth frames either end may be ahead of the other (1-4; both ends must agree).
    */
   constructor(
     private readonly socket: Socket,
@@ -283,17 +301,20 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
     onMessage: (msg: In) => void,
     onError: (e: Error) => void,
     reuse = false,
+    private readonly depth = 1,
   ) {
+    this.scratch = Array.from({ length: depth }, () => new ArrayBuffer(0));
     socket.on('data', (chunk: Buffer) => {
       this.bell = this.bell.length ? Buffer.concat([this.bell, chunk]) : chunk;
       let at = 0;
       for (; at + 4 <= this.bell.length; at += 4) {
         const length = this.bell.readUInt32LE(at);
-        if (reuse && this.scratch.byteLength < length)
-          this.scratch = new ArrayBuffer(Math.max(length, 2 * this.scratch.byteLength));
-        const frame = reuse ? new Uint8Array(this.scratch, 0, length) : new Uint8Array(length);
+        const region = this.received++ % this.depth;
+        if (reuse && this.scratch[region].byteLength < length)
+          this.scratch[region] = new ArrayBuffer(Math.max(length, 2 * this.scratch[region].byteLength));
+        const frame = reuse ? new Uint8Array(this.scratch[region], 0, length) : new Uint8Array(length);
         try {
-          if (readSync(this.inFd, frame, 0, frame.length, 0) !== frame.length)
+          if (readSync(this.inFd, frame, 0, frame.length, region * REGION_BYTES) !== frame.length)
             throw new Error('job channel: short read');
         } catch (e) {
           return onError(e as Error);
@@ -305,12 +326,15 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
   }
 
   /**
-   * Writes `msg` into the shared file and rings. Nothing is sent once the socket is closed.
-   * @throws Error when the file cannot be written (tmpfs full: ENOSPC).
+   * Writes `msg` into the shared file's next region and rings. Nothing is sent once the socket is closed.
+   * @throws Error when the file cannot be written (tmpfs full: ENOSPC), or the frame is over 2 GiB.
    */
   send(msg: Out): void {
     if (!this.socket.writable) return;
-    const n = writevSync(this.outFd, encodeFrame(msg), 0);
+    const frame = encodeFrame(msg);
+    const bytes = frame[0].readUInt32LE(0) + 4;
+    if (bytes > REGION_BYTES) throw new Error(`job channel: a frame of ${bytes} bytes is over 2 GiB`);
+    const n = writevSync(this.outFd, frame, (this.sent++ % this.depth) * REGION_BYTES);
     const bell = Buffer.alloc(4);
     bell.writeUInt32LE(n, 0);
     this.socket.write(bell);

@@ -17,6 +17,7 @@ import {
   headLabels,
   OWW,
   SILERO,
+  SLOT_DEPTH,
   transferList,
   type FromSlot,
   type Job,
@@ -384,21 +385,23 @@ const onMessage = async (msg: ToSlot): Promise<void> => {
     post({ type: 'error', seq: msg.type === 'run' ? msg.seq : undefined, message: (e as Error).message ?? String(e) });
   }
 };
-if (port) port.on('message', onMessage);
+/**
+ * Messages are handled one after another, each once the one before has ended: the server sends
+ * a job while the one before it still runs (up to SLOT_DEPTH), and a job's runs await.
+ */
+let turn: Promise<void> = Promise.resolve();
+const inTurn = (msg: ToSlot): void => {
+  turn = turn.then(() => onMessage(msg));
+};
+if (port) port.on('message', inTurn);
 else {
-  process.on('message', onMessage);
+  process.on('message', inTurn);
   const socket = new Socket({ fd: 4, readable: true, writable: true }).unref();
   // The server is gone or has closed the socket: 'disconnect' below ends the host.
   socket.on('error', () => {});
-  // One job at a time: its frame's buffer is reused for the next (see FrameChannel's `reuse`).
-  jobs = new FrameChannel<ToSlot, FromSlot>(
-    socket,
-    6,
-    5,
-    (m) => void onMessage(m),
-    () => process.exit(1),
-    true,
-  );
+  // Frames are read into a buffer per region, reused (see FrameChannel's `reuse`): a job's arrays
+  // live until its answer, and the job SLOT_DEPTH places later comes only after that.
+  jobs = new FrameChannel<ToSlot, FromSlot>(socket, 6, 5, inTurn, () => process.exit(1), true, SLOT_DEPTH);
   // The server is gone (even killed with SIGKILL): no orphan host is left running.
   process.on('disconnect', () => process.exit(0));
 }

@@ -13,6 +13,7 @@ import {
   type JobResult,
   type LoadSpec,
   type SlotInfo,
+  SLOT_DEPTH,
   type ToSlot,
 } from './slot-protocol.js';
 
@@ -29,6 +30,11 @@ export function slotHostFile(): URL {
 /** What the pool needs of one slot; the real ones are child processes or worker threads, tests may use fakes. */
 export interface SlotHost {
   readonly info: SlotInfo;
+  /**
+   * Jobs the slot may hold at once: the one it runs and those queued behind it, run in the order
+   * sent (absent: 1, one at a time).
+   */
+  readonly depth?: number;
   /**
    * Runs one job. Rejects if the job fails, runs over its timeout, or the slot dies.
    * @param waitUntil when the job's wait for a slot ends, ms since the epoch (absent: unbounded);
@@ -65,12 +71,15 @@ interface Endpoint {
 }
 
 /**
- * One slot host behind a message endpoint (the slot-host protocol of slot-protocol.ts). With a
- * `jobTimeoutMs` and a killable endpoint, a job running longer is answered 503 `server_busy`
- * naming the timeout and its host is killed (SIGKILL); the pool respawns the slot.
+ * One slot host behind a message endpoint (the slot-host protocol of slot-protocol.ts). It holds
+ * up to {@link SLOT_DEPTH} jobs and runs them in the order sent. With a `jobTimeoutMs` and a
+ * killable endpoint, a job running longer (timed from when the job before it was answered) is
+ * answered 503 `server_busy` naming the timeout and its host is killed (SIGKILL); the pool
+ * respawns the slot.
  */
 class MessageSlot implements SlotHost {
   info: SlotInfo = {};
+  readonly depth = SLOT_DEPTH;
   private seq = 0;
   private readonly pending = new Map<
     number,
@@ -99,6 +108,8 @@ class MessageSlot implements SlotHost {
       const p = this.pending.get(m.seq!);
       this.pending.delete(m.seq!);
       if (p?.timer) clearTimeout(p.timer);
+      // The host runs its jobs in order: the next one starts now.
+      this.timeNext();
       if (m.type === 'result') p?.resolve(m.result);
       else p?.reject(voxError('inference_failed', { reason: m.message }));
     } else if (m.type === 'error') {
@@ -152,27 +163,30 @@ class MessageSlot implements SlotHost {
     if (this.closing) return Promise.reject(voxError('slot_closed'));
     const seq = ++this.seq;
     return new Promise((resolve, reject) => {
-      const entry: { resolve: (r: JobResult) => void; reject: (e: Error) => void; timer?: NodeJS.Timeout } = {
-        resolve,
-        reject,
-      };
-      const kill = this.endpoint.kill;
-      if (kill && this.jobTimeoutMs > 0) {
-        entry.timer = setTimeout(() => {
-          if (!this.pending.delete(seq)) return;
-          this.timedOut = true;
-          // `slotLost`: the pool must not give this slot another job; its exit respawns it.
-          reject(
-            Object.assign(voxError('job_timeout', { ms: this.jobTimeoutMs }), {
-              slotLost: true,
-            }),
-          );
-          kill();
-        }, this.jobTimeoutMs);
-      }
-      this.pending.set(seq, entry);
+      this.pending.set(seq, { resolve, reject });
+      this.timeNext();
       this.send({ type: 'run', seq, job });
     });
+  }
+
+  /**
+   * Arms the job timeout of the job the host runs now (the oldest unanswered: it runs them in
+   * order), if not armed yet; a job queued behind another is not timed while it waits.
+   */
+  private timeNext(): void {
+    const kill = this.endpoint.kill;
+    if (!kill || this.jobTimeoutMs <= 0) return;
+    const next = this.pending.entries().next();
+    if (next.done || next.value[1].timer) return;
+    const [seq, entry] = next.value;
+    entry.timer = setTimeout(() => {
+      if (!this.pending.delete(seq)) return;
+      this.timedOut = true;
+      // `slotLost`: the pool must not give this slot another job; its exit respawns it (and
+      // fails the jobs queued behind this one).
+      entry.reject(Object.assign(voxError('job_timeout', { ms: this.jobTimeoutMs }), { slotLost: true }));
+      kill();
+    }, this.jobTimeoutMs);
   }
 
   /**
@@ -306,11 +320,11 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       },
       jobTimeoutMs,
     );
-    // Results are read into one reused buffer per host (issue 25 item 14): a fresh one per frame
-    // was garbage that nothing collected while the server idled (hundreds of MiB of external
-    // memory after wake-word streams). The host answers one job at a time and gets the next only
-    // after its answer, and every consumer copies what it keeps (task sessions, the batcher's
-    // rows) before that answer's promise chain ends.
+    // Results are read into reused buffers, one per region (issue 25 item 14): a fresh one per
+    // frame was garbage that nothing collected while the server idled (hundreds of MiB of external
+    // memory after wake-word streams). Every consumer copies what it keeps (task sessions, the
+    // batcher's rows) before that answer's promise chain ends, and the answer SLOT_DEPTH places
+    // later comes in a later turn, to a job sent after that.
     channel = new FrameChannel<FromSlot, ToSlot>(
       socket,
       files[0].fd,
@@ -318,6 +332,7 @@ export function processSlots(jobTimeoutMs: number): SlotFactory {
       (m) => slot.onMessage(m),
       (e) => slot.fail(e),
       true,
+      SLOT_DEPTH,
     );
     child.on('message', (m: FromSlot) => slot.onMessage(m));
     child.on('error', (e) => slot.fail(e));
@@ -354,6 +369,7 @@ export function slotFactory(isolation: 'process' | 'thread', jobTimeoutMs: numbe
 export type ModelPool = Pick<
   SlotPool,
   | 'size'
+  | 'capacity'
   | 'info'
   | 'slots'
   | 'activeSlots'
@@ -379,6 +395,14 @@ interface QueuedRun {
   queuedAt: number;
 }
 
+/** A job handed to a slot: when it began to run there (null while it waits behind the slot's running job). */
+interface SentRun {
+  q: QueuedRun;
+  startedAt: number | null;
+  /** Answered 503 while it waited (its wait deadline passed, or the slots turned stuck); its result is discarded. */
+  dropped?: boolean;
+}
+
 /** Crashes of a pool's slots within this window, ms, that fail the pool (OTP's restart intensity). */
 const CRASH_WINDOW_MS = 60_000;
 /** Crashes within {@link CRASH_WINDOW_MS} that fail the pool instead of respawning. */
@@ -387,8 +411,12 @@ const MAX_CRASHES = 3;
 const RESPAWN_BACKOFF_MS = 100;
 
 /**
- * A model's slots: the primary and its clones. Jobs from every leased request run in arrival
- * order on the first free slot (one job per slot at a time).
+ * A model's slots: the primary and its clones. Jobs from every leased request start in arrival
+ * order on the first free slot; when every slot is busy, a slot that holds more than one job
+ * ({@link SlotHost.depth}) is sent the next job to queue behind its running one (the slot whose
+ * job started first, and never one whose job is overdue), so that its host goes on to it as soon
+ * as it has answered. A job queued behind one that kills its host goes back to the front of the
+ * pool's queue.
  *
  * A slot whose host dies (a crash, or a kill for a job over `job_timeout_ms`) is respawned, one
  * for one, after a backoff; three crashes within a minute, or a respawn that fails, fail the
@@ -400,6 +428,8 @@ const RESPAWN_BACKOFF_MS = 100;
 export class SlotPool {
   /** Slots the pool keeps (a respawning one included). */
   readonly size: number;
+  /** Jobs its slots hold at once, running or queued behind a running one (the size times each slot's depth). */
+  readonly capacity: number;
   /**
    * What the primary reported at load (heads, initial embedding history). Kept here, not read off
    * a live slot: while every slot respawns there is none, and a session made then must still
@@ -410,6 +440,8 @@ export class SlotPool {
   private readonly idle: SlotHost[];
   /** Slots running a job, with when the job started (ms since the epoch). */
   private readonly running = new Map<SlotHost, number>();
+  /** Busy slots' jobs in the order sent (the slot runs them in that order: the first runs now). */
+  private readonly lineups = new Map<SlotHost, SentRun[]>();
   private readonly queue: QueuedRun[] = [];
   private failure: Error | null = null;
   private failCb: ((err: Error) => void) | null = null;
@@ -442,6 +474,7 @@ export class SlotPool {
     private readonly loadTimeoutMs: number,
   ) {
     this.size = slots.length;
+    this.capacity = slots.length * (slots[0].depth ?? 1);
     this.info = slots[0].info;
     this.live = [...slots];
     this.idle = [...slots];
@@ -549,35 +582,78 @@ export class SlotPool {
   }
 
   private dispatch(): void {
-    while (this.idle.length && this.queue.length) {
-      const slot = this.idle.shift()!;
+    while (this.queue.length) {
+      const slot = this.idle.shift() ?? this.behind();
+      if (!slot) break;
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
-      const startedAt = Date.now();
-      this.running.set(slot, startedAt);
-      let lost = false;
-      slot
-        .run(q.job, q.limit > 0 ? q.queuedAt + q.limit : undefined)
-        .then(
-          (r) => {
-            if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);
-            r.waitedMs = startedAt - q.queuedAt;
-            q.resolve(r);
-          },
-          (e: Error & { slotLost?: boolean }) => {
-            lost = e.slotLost === true;
-            q.reject(e);
-          },
-        )
-        .finally(() => {
-          this.running.delete(slot);
-          if (lost) this.removeLive(slot);
-          if (this.failure || !this.live.includes(slot)) return this.armWait();
-          this.idle.push(slot);
-          this.dispatch();
-        });
+      this.send(slot, q);
     }
     this.armWait();
+  }
+
+  /** A busy slot with room for a job behind its running one: the one whose job started first, not overdue (C4). */
+  private behind(): SlotHost | undefined {
+    let slot: SlotHost | undefined;
+    let first = Infinity;
+    const now = Date.now();
+    for (const [s, lineup] of this.lineups) {
+      const started = this.running.get(s)!;
+      if (lineup.length >= (s.depth ?? 1) || !this.live.includes(s)) continue;
+      if (this.waitTimeoutMs > 0 && now - started > this.waitTimeoutMs) continue;
+      if (started < first) [slot, first] = [s, started];
+    }
+    return slot;
+  }
+
+  private send(slot: SlotHost, q: QueuedRun): void {
+    let lineup = this.lineups.get(slot);
+    if (!lineup) this.lineups.set(slot, (lineup = []));
+    const sent: SentRun = { q, startedAt: lineup.length ? null : Date.now() };
+    lineup.push(sent);
+    if (sent.startedAt !== null) this.running.set(slot, sent.startedAt);
+    let lost = false;
+    slot
+      .run(q.job, q.limit > 0 ? q.queuedAt + q.limit : undefined)
+      .then(
+        (r) => {
+          if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);
+          r.waitedMs = (sent.startedAt ?? Date.now()) - q.queuedAt;
+          q.resolve(r);
+        },
+        (e: Error & { slotLost?: boolean }) => {
+          lost = e.slotLost === true;
+          if (sent.dropped) return;
+          // It never ran: its host died under the job before it. It waits for a slot again, first.
+          if (sent.startedAt === null && !this.live.includes(slot) && !this.failure) return this.requeue(q);
+          q.reject(e);
+        },
+      )
+      .finally(() => this.settled(slot, sent, lost));
+  }
+
+  /** `q` goes back to the front of the queue (its wait deadline unchanged). */
+  private requeue(q: QueuedRun): void {
+    if (q.signal?.aborted) return q.reject(abortError());
+    if (q.onAbort) q.signal!.addEventListener('abort', q.onAbort, { once: true });
+    this.queue.unshift(q);
+  }
+
+  /** A job sent to `slot` has ended: the job behind it (if any) runs now, or the slot is free. */
+  private settled(slot: SlotHost, sent: SentRun, lost: boolean): void {
+    const lineup = this.lineups.get(slot)!;
+    lineup.splice(lineup.indexOf(sent), 1);
+    if (lost) this.removeLive(slot);
+    const alive = this.live.includes(slot);
+    if (!lineup.length) {
+      this.lineups.delete(slot);
+      this.running.delete(slot);
+      if (alive && !this.failure) this.idle.push(slot);
+    } else if (alive) {
+      lineup[0].startedAt ??= Date.now();
+      this.running.set(slot, lineup[0].startedAt);
+    }
+    this.dispatch();
   }
 
   /**
@@ -591,29 +667,48 @@ export class SlotPool {
     const limit = this.waitTimeoutMs;
     if (this.stuck && !this.allOverdue(limit)) this.setStuck(false);
     let at = Infinity;
-    for (const q of this.queue) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
+    for (const q of this.waiting()) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
     // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
     const saturated = this.running.size > 0 && this.running.size >= this.live.length;
-    if (limit > 0 && saturated && (!this.stuck || this.queue.length))
+    if (limit > 0 && saturated && (!this.stuck || !this.waiting().next().done))
       at = Math.min(at, Math.max(...this.running.values()) + limit);
     if (at === Infinity) return;
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
   }
 
-  /** Answers 503 to every waiter past its slot-wait deadline, or to all of them once the slots are stuck. */
+  /** Jobs waiting to run: the pool's queue, then those sent to a slot behind its running job (not answered yet). */
+  private *waiting(): Generator<QueuedRun> {
+    yield* this.queue;
+    for (const lineup of this.lineups.values())
+      for (const sent of lineup) if (sent.startedAt === null && !sent.dropped) yield sent.q;
+  }
+
+  /**
+   * Answers 503 to every waiter past its slot-wait deadline, or to all of them once the slots are
+   * stuck; one queued behind a slot's running job still runs there, its result discarded.
+   */
   private expire(): void {
     const limit = this.waitTimeoutMs;
     const now = Date.now();
     const stuck = this.allOverdue(limit, now);
     this.setStuck(stuck);
-    for (const q of [...this.queue]) {
-      if (!stuck && (q.limit <= 0 || now - q.queuedAt <= q.limit)) continue;
-      this.queue.splice(this.queue.indexOf(q), 1);
-      if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
+    const late = (q: QueuedRun): boolean => stuck || (q.limit > 0 && now - q.queuedAt > q.limit);
+    const answer = (q: QueuedRun): void =>
       q.reject(
         stuck ? voxError('model_stuck', { ms: limit }) : voxError('busy_timeout', { what: 'slot', ms: q.limit }),
       );
+    for (const q of [...this.queue]) {
+      if (!late(q)) continue;
+      this.queue.splice(this.queue.indexOf(q), 1);
+      if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
+      answer(q);
     }
+    for (const lineup of this.lineups.values())
+      for (const sent of lineup)
+        if (sent.startedAt === null && !sent.dropped && late(sent.q)) {
+          sent.dropped = true;
+          answer(sent.q);
+        }
     this.armWait();
   }
 

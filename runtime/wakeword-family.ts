@@ -147,6 +147,10 @@ export class FamilyView implements ModelPool {
     return this.pool.size;
   }
 
+  get capacity(): number {
+    return this.pool.capacity;
+  }
+
   get slots(): SlotPool['slots'] {
     return this.pool.slots;
   }

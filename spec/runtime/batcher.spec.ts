@@ -23,11 +23,12 @@ const row = (value: number, windows = 2): VadJob => ({
   context: new Float32Array(64).fill(value),
 });
 
-/** A pool of `size` slots that holds each job until the test answers it; the answer echoes each row's first sample as its probabilities. */
+/** A pool of `size` slots, a job each, that holds each job until the test answers it; the answer echoes each row's first sample as its probabilities. */
 function heldPool(size: number) {
   const held: { job: VadJob; answer: () => void }[] = [];
   const pool = {
     size,
+    capacity: size,
     run(job: VadJob): Promise<JobResult> {
       return new Promise((resolve) => {
         held.push({
@@ -105,7 +106,7 @@ describe('Batcher', () => {
 
   it('wake words (rows run one after another): a batch takes its fair share of the waiting steps, so that a backlog is spread over the slots', async () => {
     const held: WakewordJob[] = [];
-    const pool = { size: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const pool = { size: 2, capacity: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
     // A wake-word job of `steps` 80 ms steps; its first sample names it.
     const ww = (name: number, steps: number): WakewordJob => ({
       kind: 'wakeword',
@@ -156,7 +157,7 @@ describe('Batcher', () => {
 
   it('wake words: a batch whose every job was dropped (their streams went away) sends nothing, and nothing breaks', async () => {
     const held: WakewordJob[] = [];
-    const pool = { size: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const pool = { size: 2, capacity: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
     const batcher = new Batcher<WakewordJob, WakewordResult>(pool as unknown as SlotPool, wakewordPacking, 32, 5);
     const gone = new AbortController();
     const job: WakewordJob = {
@@ -174,7 +175,7 @@ describe('Batcher', () => {
 
   it('wake words: a short batch (up to SERIAL_BATCH_STEPS steps) is not split among the slots', async () => {
     const held: WakewordJob[] = [];
-    const pool = { size: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const pool = { size: 2, capacity: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
     const batcher = new Batcher<WakewordJob, WakewordResult>(pool as unknown as SlotPool, wakewordPacking, 32, 20);
     const ww = (steps: number): WakewordJob => ({
       kind: 'wakeword',

@@ -3,7 +3,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { defaultCatalog } from '../../runtime/config.js';
-import type { Job, JobResult, LoadSpec, SlotInfo } from '../../runtime/slot-protocol.js';
+import { SLOT_DEPTH, type Job, type JobResult, type LoadSpec, type SlotInfo } from '../../runtime/slot-protocol.js';
 import { processSlots, SlotPool, type SlotHost } from '../../runtime/slots.js';
 import { createTaskSession } from '../../runtime/tasks/index.js';
 import { ModelConfig } from '../../runtime/config.js';
@@ -215,13 +215,15 @@ describe("stuck slots (DESIGN.md C4): the pool's slot-wait timer decides, onStuc
 });
 
 describe('main-process memory of process slot hosts (issue 25 item 14)', () => {
-  it('issue 25 item 14: results from a process host are read into one reused buffer, not a fresh one per frame; a VAD session keeps copies, not views', async () => {
+  it('issue 25 item 14: results from a process host are read into reused buffers (one per region of the job channel), not a fresh one per frame; a VAD session keeps copies, not views', async () => {
     const pool = await SlotPool.start(vadSpec(), 1, processSlots(0));
     try {
       const a = await pool.run(vadJob(64));
       const aState = (a as { state: Float32Array }).state.slice();
+      // The frames between land in the channel's other regions (SLOT_DEPTH of them, used in turn).
+      for (let i = 1; i < SLOT_DEPTH; i++) await pool.run(vadJob(4));
       const b = await pool.run(vadJob(4)); // smaller: it fits the buffer a grew
-      // One buffer for every frame of the host: no garbage per result (which nothing collected while idle).
+      // One buffer for every SLOT_DEPTH-th frame of the host: no garbage per result (which nothing collected while idle).
       expect((b as { probs: Float32Array }).probs.buffer).toBe((a as { probs: Float32Array }).probs.buffer);
       // So a's arrays now hold b's values: whoever keeps a result's arrays must copy them.
       expect(Array.from((a as { state: Float32Array }).state)).not.toEqual(Array.from(aState));
@@ -233,7 +235,8 @@ describe('main-process memory of process slot hosts (issue 25 item 14)', () => {
       const state = (): number[] => Array.from((session as unknown as { state: Float32Array }).state);
       const kept = state();
       expect(kept.some((v) => v !== 0)).toBe(true);
-      await pool.run(vadJob(8)); // the next result lands in the same buffer
+      // The next results land in the same buffers.
+      for (let i = 0; i < SLOT_DEPTH; i++) await pool.run(vadJob(8));
       expect(state()).toEqual(kept);
     } finally {
       await pool.close();
