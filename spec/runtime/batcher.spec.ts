@@ -106,7 +106,11 @@ describe('Batcher', () => {
 
   it('wake words (rows run one after another): a batch takes its fair share of the waiting steps, so that a backlog is spread over the slots', async () => {
     const held: WakewordJob[] = [];
-    const pool = { size: 2, capacity: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const pool = {
+      size: 2,
+      capacity: 2,
+      run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})),
+    };
     // A wake-word job of `steps` 80 ms steps; its first sample names it.
     const ww = (name: number, steps: number): WakewordJob => ({
       kind: 'wakeword',
@@ -157,7 +161,11 @@ describe('Batcher', () => {
 
   it('wake words: a batch whose every job was dropped (their streams went away) sends nothing, and nothing breaks', async () => {
     const held: WakewordJob[] = [];
-    const pool = { size: 2, capacity: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const pool = {
+      size: 2,
+      capacity: 2,
+      run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})),
+    };
     const batcher = new Batcher<WakewordJob, WakewordResult>(pool as unknown as SlotPool, wakewordPacking, 32, 5);
     const gone = new AbortController();
     const job: WakewordJob = {
@@ -175,7 +183,11 @@ describe('Batcher', () => {
 
   it('wake words: a short batch (up to SERIAL_BATCH_STEPS steps) is not split among the slots', async () => {
     const held: WakewordJob[] = [];
-    const pool = { size: 2, capacity: 2, run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})) };
+    const pool = {
+      size: 2,
+      capacity: 2,
+      run: (job: WakewordJob) => (held.push(job), new Promise<JobResult>(() => {})),
+    };
     const batcher = new Batcher<WakewordJob, WakewordResult>(pool as unknown as SlotPool, wakewordPacking, 32, 20);
     const ww = (steps: number): WakewordJob => ({
       kind: 'wakeword',
