@@ -243,3 +243,175 @@ describe('main-process memory of process slot hosts (issue 25 item 14)', () => {
     }
   });
 });
+
+describe('a busy slot holds a second job queued behind its running one (SlotHost.depth)', () => {
+  afterEach(() => void vi.useRealTimers());
+
+  /**
+   * Slots of depth 2 whose jobs run until the test answers them. `sent` lists every job a slot
+   * was given, in order, as `slot:job` (a job is named by its first window sample); `answer(i)`
+   * ends slot i's oldest job; `die(i)` kills slot i's host.
+   */
+  function lineFactory() {
+    const sent: string[] = [];
+    const slots: { jobs: (() => void)[]; fails: ((e: Error) => void)[]; exit?: (e: Error) => void }[] = [];
+    const factory = async (): Promise<SlotHost> => {
+      const me = {
+        jobs: [] as (() => void)[],
+        fails: [] as ((e: Error) => void)[],
+        exit: undefined as ((e: Error) => void) | undefined,
+      };
+      const i = slots.push(me) - 1;
+      return {
+        info: {} as SlotInfo,
+        depth: 2,
+        run: (job: Job) =>
+          new Promise<JobResult>((resolve, reject) => {
+            const name = (job as { windows: Float32Array }).windows[0];
+            sent.push(`${i}:${name}`);
+            me.jobs.push(() => resolve({ kind: 'vad', probs: new Float32Array([name]) } as unknown as JobResult));
+            me.fails.push(reject);
+          }),
+        close: async () => {},
+        onExit: (cb) => void (me.exit = cb),
+        residentBytes: () => 0,
+      };
+    };
+    const answer = (i: number): void => {
+      slots[i].fails.shift();
+      slots[i].jobs.shift()!();
+    };
+    const die = (i: number): void => {
+      const err = new Error('slot host was killed by SIGKILL');
+      slots[i].exit!(err);
+      for (const fail of slots[i].fails.splice(0)) fail(err);
+      slots[i].jobs.length = 0;
+    };
+    return { factory, sent, answer, die };
+  }
+  const job = (name: number): Job => ({
+    kind: 'vad',
+    windows: new Float32Array(512).fill(name),
+    state: new Float32Array(256),
+    context: new Float32Array(64),
+  });
+  const probe = (r: JobResult): number => (r as { probs: Float32Array }).probs[0];
+
+  it('a free slot first; with every slot busy, the slot whose job started first gets the next job behind it; past the capacity, jobs wait in the pool', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 2, f.factory);
+    expect(pool.capacity).toBe(4);
+    const runs = [pool.run(job(1))];
+    await vi.advanceTimersByTimeAsync(5);
+    runs.push(pool.run(job(2)), pool.run(job(3)), pool.run(job(4)), pool.run(job(5)));
+    await vi.advanceTimersByTimeAsync(0);
+    // Job 3 goes behind job 1 (it started first), job 4 behind job 2; job 5 waits for room.
+    expect(f.sent).toEqual(['0:1', '1:2', '0:3', '1:4']);
+    expect(pool.activeSlots).toBe(2);
+    f.answer(1); // slot 1's job 2 ends: its job 4 runs, and job 5 goes behind it
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent).toEqual(['0:1', '1:2', '0:3', '1:4', '1:5']);
+    expect(probe(await runs[1])).toBe(2);
+    f.answer(0);
+    f.answer(0);
+    f.answer(1);
+    f.answer(1);
+    expect((await Promise.all(runs)).map(probe)).toEqual([1, 2, 3, 4, 5]);
+    await pool.close();
+  });
+
+  it('a job queued behind another waits, in `waitedMs`, until that one has ended', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 1, f.factory);
+    const a = pool.run(job(1));
+    const b = pool.run(job(2));
+    await vi.advanceTimersByTimeAsync(40);
+    f.answer(0);
+    expect((await a).waitedMs).toBe(0);
+    await vi.advanceTimersByTimeAsync(10);
+    f.answer(0);
+    expect((await b).waitedMs).toBe(40);
+    await pool.close();
+  });
+
+  it('C3: a job queued behind a running one is answered 503 busy_timeout once its wait passes its bound (its late result is discarded)', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 1, f.factory);
+    const a = pool.run(job(1));
+    const b = pool.run(job(2), undefined, 50).catch((e: unknown) => e);
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent).toEqual(['0:1', '0:2']);
+    await vi.advanceTimersByTimeAsync(52);
+    expect(await b).toMatchObject({ code: 'busy_timeout', status: 503 });
+    f.answer(0);
+    f.answer(0);
+    expect(probe(await a)).toBe(1);
+    // The slot is free again for the next job.
+    const c = pool.run(job(3));
+    await vi.advanceTimersByTimeAsync(0);
+    f.answer(0);
+    expect(probe(await c)).toBe(3);
+    await pool.close();
+  });
+
+  it('C4: no job goes behind an overdue one; once every slot is overdue, a job queued behind one is answered 503 model_stuck', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 2, f.factory);
+    pool.waitTimeoutMs = 100;
+    const a = pool.run(job(1)); // slot 0 from t=0
+    await vi.advanceTimersByTimeAsync(60);
+    const b = pool.run(job(2)); // slot 1 from t=60
+    await vi.advanceTimersByTimeAsync(50); // t=110: job 1 is overdue
+    const d = pool.run(job(4)).catch((e: unknown) => e);
+    await vi.advanceTimersByTimeAsync(0);
+    // Not behind the overdue job 1 (slot 0), though it started first: behind job 2.
+    expect(f.sent).toEqual(['0:1', '1:2', '1:4']);
+    await vi.advanceTimersByTimeAsync(60); // t=170: job 2 has run 110 ms too: stuck
+    expect(await d).toMatchObject({ code: 'model_stuck', status: 503 });
+    for (const i of [0, 1, 1]) f.answer(i);
+    expect([probe(await a), probe(await b)]).toEqual([1, 2]);
+    await pool.close();
+  });
+
+  it('a job queued behind one whose host dies goes back to the pool and runs on a live slot; only the running job fails', async () => {
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 2, f.factory);
+    const a = pool.run(job(1)).catch((e: unknown) => e);
+    const b = pool.run(job(2));
+    const c = pool.run(job(3)); // behind job 1, on slot 0
+    await until(() => f.sent.length === 3, 1000);
+    f.die(0);
+    expect(await a).toMatchObject({ message: expect.stringMatching(/SIGKILL/) });
+    f.answer(1); // job 2 ends; job 3 (back in the pool) is next on slot 1
+    expect(probe(await b)).toBe(2);
+    await until(() => f.sent.includes('1:3'), 1000);
+    f.answer(1);
+    expect(probe(await c)).toBe(3);
+    await pool.close();
+  });
+
+  it('a process host runs the jobs it holds one at a time, in order, each with its own frame region: every result is what the job gives alone', async () => {
+    const pool = await SlotPool.start(vadSpec(), 1, processSlots(0));
+    try {
+      const jobs = [3, 1, 5, 2, 4, 1].map((n, k) => ({
+        kind: 'vad' as const,
+        windows: new Float32Array(n * 512).map((_, i) => Math.sin((i * (k + 1)) / 13) * 0.4),
+        state: new Float32Array(256),
+        context: new Float32Array(64),
+      }));
+      const copy = (r: JobResult): number[][] =>
+        ['probs', 'state', 'context'].map((k) => Array.from((r as unknown as Record<string, Float32Array>)[k]));
+      const alone: number[][][] = [];
+      for (const j of jobs) alone.push(copy(await pool.run(structuredClone(j))));
+      // All at once: two go to the host together, the rest follow as it answers.
+      const together = await Promise.all(jobs.map((j) => pool.run(structuredClone(j)).then(copy)));
+      expect(together).toEqual(alone);
+    } finally {
+      await pool.close();
+    }
+  });
+});
