@@ -292,7 +292,7 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
    *   answers a job before it is sent the one `depth` places after it; the server copies what it
    *   keeps of a result before the next turn). A fresh page-faulting allocation of a few hundred
    *   KB per job otherwise costs the host more than reading it.
-   * @param depth frames either end may be ahead of the other (1-4; both ends must agree).
+   * @param depth frames a writer may be ahead of its reader, each in its own region (both ends must agree).
    */
   constructor(
     private readonly socket: Socket,
