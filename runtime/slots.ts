@@ -624,8 +624,10 @@ export class SlotPool {
         (e: Error & { slotLost?: boolean }) => {
           lost = e.slotLost === true;
           if (sent.dropped) return;
-          // It never ran: its host died under the job before it. It waits for a slot again, first.
-          if (sent.startedAt === null && !this.live.includes(slot) && !this.failure) return this.requeue(q);
+          // It never ran: its host died under the job before it. It waits for a slot again, first
+          // (unless that death failed the pool: then it gets the pool's error, as the queue does).
+          if (sent.startedAt === null && !this.live.includes(slot))
+            return this.failure ? q.reject(this.failure) : this.requeue(q);
           q.reject(e);
         },
       )
@@ -645,6 +647,8 @@ export class SlotPool {
     lineup.splice(lineup.indexOf(sent), 1);
     if (lost) this.removeLive(slot);
     const alive = this.live.includes(slot);
+    // A dead slot runs nothing more (a job may still be queued there until its host's exit says so).
+    if (!alive) this.running.delete(slot);
     if (!lineup.length) {
       this.lineups.delete(slot);
       this.running.delete(slot);

@@ -281,13 +281,18 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
       slots[i].fails.shift();
       slots[i].jobs.shift()!();
     };
+    /** Slot i's running job runs over its job timeout: rejected as the pool's `slotLost`; the host's exit comes later (`die`). */
+    const lose = (i: number): void => {
+      slots[i].jobs.shift();
+      slots[i].fails.shift()!(Object.assign(new Error('job_timeout'), { slotLost: true }));
+    };
     const die = (i: number): void => {
       const err = new Error('slot host was killed by SIGKILL');
       slots[i].exit!(err);
       for (const fail of slots[i].fails.splice(0)) fail(err);
       slots[i].jobs.length = 0;
     };
-    return { factory, sent, answer, die };
+    return { factory, sent, answer, lose, die };
   }
   const job = (name: number): Job => ({
     kind: 'vad',
@@ -391,6 +396,52 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     await until(() => f.sent.includes('1:3'), 1000);
     f.answer(1);
     expect(probe(await c)).toBe(3);
+    await pool.close();
+  });
+
+  it('a slot whose job was killed at its timeout, its exit still to come, counts as neither running nor stuck; its queued job runs elsewhere once the exit comes', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 2, f.factory);
+    pool.waitTimeoutMs = 100;
+    const said: boolean[] = [];
+    pool.onStuck = (stuck) => void said.push(stuck);
+    const a = pool.run(job(1)).catch((e: unknown) => e); // slot 0 from t=0
+    const b = pool.run(job(2)); // slot 1
+    await vi.advanceTimersByTimeAsync(40);
+    const c = pool.run(job(3)); // t=40, behind job 1 (its deadline: t=140)
+    await vi.advanceTimersByTimeAsync(5);
+    f.answer(1); // slot 1 is free
+    expect(probe(await b)).toBe(2);
+    await vi.advanceTimersByTimeAsync(5);
+    f.lose(0); // t=50: job 1 killed at its timeout; slot 0's host has not exited yet
+    expect(await a).toMatchObject({ slotLost: true });
+    expect(pool.activeSlots).toBe(0);
+    await vi.advanceTimersByTimeAsync(70); // t=120: job 1 (from t=0) would be overdue
+    expect(said).toEqual([]);
+    f.die(0); // the exit: job 3 goes back to the pool and runs on slot 1
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent).toEqual(['0:1', '1:2', '0:3', '1:3']);
+    f.answer(1);
+    expect(probe(await c)).toBe(3);
+    await vi.advanceTimersByTimeAsync(200); // slot 0's respawn (after its backoff), which close waits for
+    await pool.close();
+  });
+
+  it("a job queued behind one whose host's death fails the pool (the third crash in a minute) gets the pool's error, as the queue does", async () => {
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 1, f.factory);
+    pool.onFailure(() => {});
+    for (const i of [0, 1]) {
+      f.die(i); // a crash: respawned after a backoff
+      await until(() => pool.slots.length === 1, 2000);
+    }
+    const a = pool.run(job(1)).catch((e: unknown) => e);
+    const b = pool.run(job(2)).catch((e: unknown) => e); // behind job 1
+    await until(() => f.sent.length === 2, 1000);
+    f.die(2);
+    expect(await a).toMatchObject({ message: expect.stringMatching(/SIGKILL/) });
+    expect(await b).toMatchObject({ code: 'slot_crash_loop' });
     await pool.close();
   });
 
