@@ -328,7 +328,7 @@ export class Batcher<J extends Job = Job, R extends JobResult = JobResult> {
     const arena = this.arenas.pop() ?? new Arena();
     let result: Promise<R>;
     try {
-      result = this.pool.run(this.packing.pack(rows, arena)) as Promise<R>;
+      result = this.pool.run(this.packing.pack(rows, arena), undefined, 0, true) as Promise<R>;
     } catch (e) {
       // Told as the batch's error (a microtask later), not thrown into the stream whose job came last.
       result = Promise.reject(e);

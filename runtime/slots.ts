@@ -71,15 +71,16 @@ interface Endpoint {
 }
 
 /**
- * One slot host behind a message endpoint (the slot-host protocol of slot-protocol.ts). It holds
- * up to {@link SLOT_DEPTH} jobs and runs them in the order sent. With a `jobTimeoutMs` and a
+ * One slot host behind a message endpoint (the slot-host protocol of slot-protocol.ts). It runs
+ * the jobs it holds in the order sent (up to {@link SLOT_DEPTH} of them). With a `jobTimeoutMs` and a
  * killable endpoint, a job running longer (timed from when the job before it was answered) is
  * answered 503 `server_busy` naming the timeout and its host is killed (SIGKILL); the pool
  * respawns the slot.
  */
 class MessageSlot implements SlotHost {
   info: SlotInfo = {};
-  readonly depth = SLOT_DEPTH;
+  /** {@link SLOT_DEPTH} where a job over `jobTimeoutMs` is killed (that bounds the wait behind it), else 1. */
+  readonly depth: number;
   private seq = 0;
   private readonly pending = new Map<
     number,
@@ -98,6 +99,7 @@ class MessageSlot implements SlotHost {
     private readonly jobTimeoutMs: number,
   ) {
     this.exitPromise = new Promise((resolve) => (this.markExited = resolve));
+    this.depth = endpoint.kill && jobTimeoutMs > 0 ? SLOT_DEPTH : 1;
   }
 
   onMessage(m: FromSlot): void {
@@ -393,14 +395,14 @@ interface QueuedRun {
   onAbort?: () => void;
   /** When it was queued, ms since the epoch. */
   queuedAt: number;
+  /** It may be queued behind a busy slot's running job (see {@link SlotPool.run}). */
+  behind: boolean;
 }
 
 /** A job handed to a slot: when it began to run there (null while it waits behind the slot's running job). */
 interface SentRun {
   q: QueuedRun;
   startedAt: number | null;
-  /** Answered 503 while it waited (its wait deadline passed, or the slots turned stuck); its result is discarded. */
-  dropped?: boolean;
 }
 
 /** Crashes of a pool's slots within this window, ms, that fail the pool (OTP's restart intensity). */
@@ -413,10 +415,10 @@ const RESPAWN_BACKOFF_MS = 100;
 /**
  * A model's slots: the primary and its clones. Jobs from every leased request start in arrival
  * order on the first free slot; when every slot is busy, a slot that holds more than one job
- * ({@link SlotHost.depth}) is sent the next job to queue behind its running one (the slot whose
- * job started first, and never one whose job is overdue), so that its host goes on to it as soon
- * as it has answered. A job queued behind one that kills its host goes back to the front of the
- * pool's queue.
+ * ({@link SlotHost.depth}) is sent the next batcher's job to queue behind its running one (the
+ * slot whose job started first, and never one whose job is overdue), so that its host goes on to
+ * it as soon as it has answered. A job queued behind one that kills its host goes back to the
+ * front of the pool's queue.
  *
  * A slot whose host dies (a crash, or a kill for a job over `job_timeout_ms`) is respawned, one
  * for one, after a backoff; three crashes within a minute, or a respawn that fails, fail the
@@ -548,12 +550,17 @@ export class SlotPool {
    * a started job's result is still delivered, and the caller discards it.
    * @param waitMs the caller's own bound on the wait for a slot, ms (its request's busy timeout;
    *   0 or absent: the pool's `waitTimeoutMs` alone); the smaller non-zero bound applies.
-   * @returns the result, with `waitedMs`: how long the job waited for a slot, ms.
+   * @param behind with every slot busy, the job may be handed to a slot to wait behind its running
+   *   job (slots of {@link SlotHost.depth} 2): its wait for a slot then ends there, as a stream's
+   *   job waiting in its batcher is not bounded either (a batcher's jobs; a request's own job
+   *   waits in the queue, within its busy timeout). Such a host kills a job over `job_timeout_ms`,
+   *   which bounds the wait behind it; if its host dies, the job waits in the queue again, afresh.
+   * @returns the result, with `waitedMs`: how long the job waited for a slot, ms (until it ran).
    * @throws VoxError `server_busy` when it waited for a slot over its bound or the slots turned
    *   stuck; `server_busy` naming `job_timeout_ms` when its host was killed for running over it;
    *   `server_error` naming the signal or exit code when its host crashed.
    */
-  run(job: Job, signal?: AbortSignal, waitMs = 0): Promise<JobResult> {
+  run(job: Job, signal?: AbortSignal, waitMs = 0, behind = false): Promise<JobResult> {
     if (this.failure) return Promise.reject(this.failure);
     if (signal?.aborted) return Promise.reject(abortError());
     return new Promise((resolve, reject) => {
@@ -565,6 +572,7 @@ export class SlotPool {
         reject,
         signal,
         queuedAt: Date.now(),
+        behind,
       };
       if (signal) {
         q.onAbort = () => {
@@ -572,6 +580,7 @@ export class SlotPool {
           if (i >= 0) {
             this.queue.splice(i, 1);
             reject(abortError());
+            this.dispatch();
           }
         };
         signal.addEventListener('abort', q.onAbort, { once: true });
@@ -583,7 +592,7 @@ export class SlotPool {
 
   private dispatch(): void {
     while (this.queue.length) {
-      const slot = this.idle.shift() ?? this.behind();
+      const slot = this.idle.shift() ?? (this.queue[0].behind ? this.behind() : undefined);
       if (!slot) break;
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
@@ -623,7 +632,6 @@ export class SlotPool {
         },
         (e: Error & { slotLost?: boolean }) => {
           lost = e.slotLost === true;
-          if (sent.dropped) return;
           // It never ran: its host died under the job before it. It waits for a slot again, first
           // (unless that death failed the pool: then it gets the pool's error, as the queue does).
           if (sent.startedAt === null && !this.live.includes(slot))
@@ -634,10 +642,11 @@ export class SlotPool {
       .finally(() => this.settled(slot, sent, lost));
   }
 
-  /** `q` goes back to the front of the queue (its wait deadline unchanged). */
+  /** `q` goes back to the front of the queue, waiting for a slot afresh (its wait had ended when it was handed over). */
   private requeue(q: QueuedRun): void {
     if (q.signal?.aborted) return q.reject(abortError());
     if (q.onAbort) q.signal!.addEventListener('abort', q.onAbort, { once: true });
+    q.queuedAt = Date.now();
     this.queue.unshift(q);
   }
 
@@ -671,49 +680,31 @@ export class SlotPool {
     const limit = this.waitTimeoutMs;
     if (this.stuck && !this.allOverdue(limit)) this.setStuck(false);
     let at = Infinity;
-    for (const q of this.waiting()) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
+    for (const q of this.queue) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
     // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
     const saturated = this.running.size > 0 && this.running.size >= this.live.length;
-    if (limit > 0 && saturated && (!this.stuck || !this.waiting().next().done))
+    if (limit > 0 && saturated && (!this.stuck || this.queue.length))
       at = Math.min(at, Math.max(...this.running.values()) + limit);
     if (at === Infinity) return;
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
   }
 
-  /** Jobs waiting to run: the pool's queue, then those sent to a slot behind its running job (not answered yet). */
-  private *waiting(): Generator<QueuedRun> {
-    yield* this.queue;
-    for (const lineup of this.lineups.values())
-      for (const sent of lineup) if (sent.startedAt === null && !sent.dropped) yield sent.q;
-  }
-
-  /**
-   * Answers 503 to every waiter past its slot-wait deadline, or to all of them once the slots are
-   * stuck; one queued behind a slot's running job still runs there, its result discarded.
-   */
+  /** Answers 503 to every waiter past its slot-wait deadline, or to all of them once the slots are stuck. */
   private expire(): void {
     const limit = this.waitTimeoutMs;
     const now = Date.now();
     const stuck = this.allOverdue(limit, now);
     this.setStuck(stuck);
-    const late = (q: QueuedRun): boolean => stuck || (q.limit > 0 && now - q.queuedAt > q.limit);
-    const answer = (q: QueuedRun): void =>
+    for (const q of [...this.queue]) {
+      if (!stuck && (q.limit <= 0 || now - q.queuedAt <= q.limit)) continue;
+      this.queue.splice(this.queue.indexOf(q), 1);
+      if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
       q.reject(
         stuck ? voxError('model_stuck', { ms: limit }) : voxError('busy_timeout', { what: 'slot', ms: q.limit }),
       );
-    for (const q of [...this.queue]) {
-      if (!late(q)) continue;
-      this.queue.splice(this.queue.indexOf(q), 1);
-      if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
-      answer(q);
     }
-    for (const lineup of this.lineups.values())
-      for (const sent of lineup)
-        if (sent.startedAt === null && !sent.dropped && late(sent.q)) {
-          sent.dropped = true;
-          answer(sent.q);
-        }
-    this.armWait();
+    // A job that may not wait behind a running one held the queue's head; those after it may.
+    this.dispatch();
   }
 
   private setStuck(stuck: boolean): void {

@@ -179,7 +179,7 @@ export class FamilyView implements ModelPool {
   }
 
   /** Runs a job of this model on the family's slots, with this model's heads (see `SlotPool.run`). */
-  async run(job: Job, signal?: AbortSignal, waitMs = 0): Promise<JobResult> {
+  async run(job: Job, signal?: AbortSignal, waitMs = 0, behind = false): Promise<JobResult> {
     if (this.failure) throw this.failure;
     const limit = [waitMs, this.waitTimeoutMs].filter((v) => v > 0);
     this.running++;
@@ -188,6 +188,7 @@ export class FamilyView implements ModelPool {
         job.kind === 'wakeword' ? { ...job, heads: this.heads } : job,
         signal,
         limit.length ? Math.min(...limit) : 0,
+        behind,
       );
       if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);
       return r;

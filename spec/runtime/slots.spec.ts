@@ -34,6 +34,8 @@ describe('SlotPool on real slot workers', () => {
   it('runs jobs one after another on a pool of one slot', async () => {
     const pool = await SlotPool.start(vadSpec(), 1);
     try {
+      // A thread host cannot be killed at a job timeout: nothing is queued behind its running job.
+      expect(pool.capacity).toBe(1);
       const [a, b] = await Promise.all([pool.run(vadJob(100)), pool.run(vadJob(100))]);
       expect(a.ran![1]).toBeLessThanOrEqual(b.ran![0]);
     } finally {
@@ -218,6 +220,8 @@ describe('main-process memory of process slot hosts (issue 25 item 14)', () => {
   it('issue 25 item 14: results from a process host are read into reused buffers (one per region of the job channel), not a fresh one per frame; a VAD session keeps copies, not views', async () => {
     const pool = await SlotPool.start(vadSpec(), 1, processSlots(0));
     try {
+      // Without job_timeout_ms a host holds one job at a time (nothing would bound a wait behind it).
+      expect(pool.capacity).toBe(1);
       const a = await pool.run(vadJob(64));
       const aState = (a as { state: Float32Array }).state.slice();
       // The frames between land in the channel's other regions (SLOT_DEPTH of them, used in turn).
@@ -301,15 +305,17 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     context: new Float32Array(64),
   });
   const probe = (r: JobResult): number => (r as { probs: Float32Array }).probs[0];
+  /** A batcher's job: it may be queued behind a busy slot's running job. */
+  const go = (pool: SlotPool, j: Job): Promise<JobResult> => pool.run(j, undefined, 0, true);
 
   it('a free slot first; with every slot busy, the slot whose job started first gets the next job behind it; past the capacity, jobs wait in the pool', async () => {
     vi.useFakeTimers({ now: 0 });
     const f = lineFactory();
     const pool = await SlotPool.start(vadSpec(), 2, f.factory);
     expect(pool.capacity).toBe(4);
-    const runs = [pool.run(job(1))];
+    const runs = [go(pool, job(1))];
     await vi.advanceTimersByTimeAsync(5);
-    runs.push(pool.run(job(2)), pool.run(job(3)), pool.run(job(4)), pool.run(job(5)));
+    runs.push(go(pool, job(2)), go(pool, job(3)), go(pool, job(4)), go(pool, job(5)));
     await vi.advanceTimersByTimeAsync(0);
     // Job 3 goes behind job 1 (it started first), job 4 behind job 2; job 5 waits for room.
     expect(f.sent).toEqual(['0:1', '1:2', '0:3', '1:4']);
@@ -330,8 +336,8 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     vi.useFakeTimers({ now: 0 });
     const f = lineFactory();
     const pool = await SlotPool.start(vadSpec(), 1, f.factory);
-    const a = pool.run(job(1));
-    const b = pool.run(job(2));
+    const a = go(pool, job(1));
+    const b = go(pool, job(2));
     await vi.advanceTimersByTimeAsync(40);
     f.answer(0);
     expect((await a).waitedMs).toBe(0);
@@ -341,53 +347,71 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     await pool.close();
   });
 
-  it('C3: a job queued behind a running one is answered 503 busy_timeout once its wait passes its bound (its late result is discarded)', async () => {
+  it("C3: a batcher's job queued behind a running one waits there without a deadline, as in its batcher; a request's own job is never queued behind one: it waits in the pool's queue and is answered 503 busy_timeout at its bound", async () => {
     vi.useFakeTimers({ now: 0 });
     const f = lineFactory();
     const pool = await SlotPool.start(vadSpec(), 1, f.factory);
-    const a = pool.run(job(1));
-    const b = pool.run(job(2), undefined, 50).catch((e: unknown) => e);
+    const a = go(pool, job(1));
+    const r = pool.run(job(7), undefined, 50).catch((e: unknown) => e); // a request's job, its busy timeout 50 ms
+    const b = go(pool, job(2)); // after it in the queue: jobs start in arrival order
     await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent).toEqual(['0:1']);
+    await vi.advanceTimersByTimeAsync(80);
+    expect(await r).toMatchObject({ code: 'busy_timeout', status: 503 });
+    // Job 2 is next: it goes behind job 1, and waits there past any deadline.
     expect(f.sent).toEqual(['0:1', '0:2']);
-    await vi.advanceTimersByTimeAsync(52);
-    expect(await b).toMatchObject({ code: 'busy_timeout', status: 503 });
+    await vi.advanceTimersByTimeAsync(10_000);
     f.answer(0);
     f.answer(0);
-    expect(probe(await a)).toBe(1);
-    // The slot is free again for the next job.
-    const c = pool.run(job(3));
-    await vi.advanceTimersByTimeAsync(0);
-    f.answer(0);
-    expect(probe(await c)).toBe(3);
+    expect([probe(await a), probe(await b)]).toEqual([1, 2]);
     await pool.close();
   });
 
-  it('C4: no job goes behind an overdue one; once every slot is overdue, a job queued behind one is answered 503 model_stuck', async () => {
+  it("a request's job at the queue's head that goes away lets the batcher's job after it go behind a running one", async () => {
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 1, f.factory);
+    const a = go(pool, job(1));
+    const gone = new AbortController();
+    const r = pool.run(job(7), gone.signal).catch((e: unknown) => e);
+    const b = go(pool, job(2));
+    await until(() => f.sent.length === 1, 1000);
+    gone.abort();
+    expect(await r).toMatchObject({ name: 'AbortError' });
+    expect(f.sent).toEqual(['0:1', '0:2']);
+    f.answer(0);
+    f.answer(0);
+    expect([probe(await a), probe(await b)]).toEqual([1, 2]);
+    await pool.close();
+  });
+
+  it("C4: no job goes behind an overdue one; once every slot is overdue a request's job is answered 503 model_stuck, and one queued behind a running job before waits for it", async () => {
     vi.useFakeTimers({ now: 0 });
     const f = lineFactory();
     const pool = await SlotPool.start(vadSpec(), 2, f.factory);
     pool.waitTimeoutMs = 100;
-    const a = pool.run(job(1)); // slot 0 from t=0
+    const a = go(pool, job(1)); // slot 0 from t=0
     await vi.advanceTimersByTimeAsync(60);
-    const b = pool.run(job(2)); // slot 1 from t=60
+    const b = go(pool, job(2)); // slot 1 from t=60
     await vi.advanceTimersByTimeAsync(50); // t=110: job 1 is overdue
-    const d = pool.run(job(4)).catch((e: unknown) => e);
+    const d = go(pool, job(4));
     await vi.advanceTimersByTimeAsync(0);
     // Not behind the overdue job 1 (slot 0), though it started first: behind job 2.
     expect(f.sent).toEqual(['0:1', '1:2', '1:4']);
     await vi.advanceTimersByTimeAsync(60); // t=170: job 2 has run 110 ms too: stuck
-    expect(await d).toMatchObject({ code: 'model_stuck', status: 503 });
+    const e = go(pool, job(5)).catch((err: unknown) => err);
+    await vi.advanceTimersByTimeAsync(2);
+    expect(await e).toMatchObject({ code: 'model_stuck', status: 503 });
     for (const i of [0, 1, 1]) f.answer(i);
-    expect([probe(await a), probe(await b)]).toEqual([1, 2]);
+    expect([probe(await a), probe(await b), probe(await d)]).toEqual([1, 2, 4]);
     await pool.close();
   });
 
   it('a job queued behind one whose host dies goes back to the pool and runs on a live slot; only the running job fails', async () => {
     const f = lineFactory();
     const pool = await SlotPool.start(vadSpec(), 2, f.factory);
-    const a = pool.run(job(1)).catch((e: unknown) => e);
-    const b = pool.run(job(2));
-    const c = pool.run(job(3)); // behind job 1, on slot 0
+    const a = go(pool, job(1)).catch((e: unknown) => e);
+    const b = go(pool, job(2));
+    const c = go(pool, job(3)); // behind job 1, on slot 0
     await until(() => f.sent.length === 3, 1000);
     f.die(0);
     expect(await a).toMatchObject({ message: expect.stringMatching(/SIGKILL/) });
@@ -406,10 +430,10 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     pool.waitTimeoutMs = 100;
     const said: boolean[] = [];
     pool.onStuck = (stuck) => void said.push(stuck);
-    const a = pool.run(job(1)).catch((e: unknown) => e); // slot 0 from t=0
-    const b = pool.run(job(2)); // slot 1
+    const a = go(pool, job(1)).catch((e: unknown) => e); // slot 0 from t=0
+    const b = go(pool, job(2)); // slot 1
     await vi.advanceTimersByTimeAsync(40);
-    const c = pool.run(job(3)); // t=40, behind job 1 (its deadline: t=140)
+    const c = go(pool, job(3)); // t=40, behind job 1 (its deadline: t=140)
     await vi.advanceTimersByTimeAsync(5);
     f.answer(1); // slot 1 is free
     expect(probe(await b)).toBe(2);
@@ -436,8 +460,8 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
       f.die(i); // a crash: respawned after a backoff
       await until(() => pool.slots.length === 1, 2000);
     }
-    const a = pool.run(job(1)).catch((e: unknown) => e);
-    const b = pool.run(job(2)).catch((e: unknown) => e); // behind job 1
+    const a = go(pool, job(1)).catch((e: unknown) => e);
+    const b = go(pool, job(2)).catch((e: unknown) => e); // behind job 1
     await until(() => f.sent.length === 2, 1000);
     f.die(2);
     expect(await a).toMatchObject({ message: expect.stringMatching(/SIGKILL/) });
@@ -446,8 +470,9 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
   });
 
   it('a process host runs the jobs it holds one at a time, in order, each with its own frame region: every result is what the job gives alone', async () => {
-    const pool = await SlotPool.start(vadSpec(), 1, processSlots(0));
+    const pool = await SlotPool.start(vadSpec(), 1, processSlots(60_000));
     try {
+      expect(pool.capacity).toBe(SLOT_DEPTH);
       const jobs = [3, 1, 5, 2, 4, 1].map((n, k) => ({
         kind: 'vad' as const,
         windows: new Float32Array(n * 512).map((_, i) => Math.sin((i * (k + 1)) / 13) * 0.4),
@@ -459,7 +484,7 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
       const alone: number[][][] = [];
       for (const j of jobs) alone.push(copy(await pool.run(structuredClone(j))));
       // All at once: two go to the host together, the rest follow as it answers.
-      const together = await Promise.all(jobs.map((j) => pool.run(structuredClone(j)).then(copy)));
+      const together = await Promise.all(jobs.map((j) => go(pool, structuredClone(j)).then(copy)));
       expect(together).toEqual(alone);
     } finally {
       await pool.close();
