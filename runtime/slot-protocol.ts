@@ -250,7 +250,8 @@ export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
 }
 
 /**
- * Jobs a slot host holds at once: the one it runs and one queued behind it, so that a loaded
+ * Jobs a slot host holds at once where a job over `job_timeout_ms` is killed (a process host with
+ * a job timeout; otherwise one): the one it runs and one queued behind it, so that a loaded
  * host starts its next job as soon as it has answered one, instead of sleeping until the server
  * has taken the answer and sent the next (a host woken from sleep runs slower on these VMs,
  * and the server's event loop may be busy with stream traffic when the answer comes).
