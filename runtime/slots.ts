@@ -440,8 +440,6 @@ export class SlotPool {
   readonly info: SlotInfo;
   private readonly live: SlotHost[];
   private readonly idle: SlotHost[];
-  /** Slots running a job, with when the job started (ms since the epoch). */
-  private readonly running = new Map<SlotHost, number>();
   /** Busy slots' jobs in the order sent (the slot runs them in that order: the first runs now). */
   private readonly lineups = new Map<SlotHost, SentRun[]>();
   private readonly queue: QueuedRun[] = [];
@@ -521,7 +519,20 @@ export class SlotPool {
 
   /** Slots running a job now. */
   get activeSlots(): number {
-    return this.running.size;
+    return this.running().size;
+  }
+
+  /**
+   * Live slots running a job, with when it started (ms since the epoch): the first of each one's
+   * lineup (a dead slot runs nothing more, though a job may wait there until its host's exit).
+   */
+  private running(): Map<SlotHost, number> {
+    const out = new Map<SlotHost, number>();
+    for (const [slot, lineup] of this.lineups) {
+      const started = lineup[0]?.startedAt;
+      if (started != null && this.live.includes(slot)) out.set(slot, started);
+    }
+    return out;
   }
 
   /** Resident memory of the slots' processes, bytes (0 for threads). */
@@ -534,8 +545,9 @@ export class SlotPool {
    * `timeoutMs` ago. Always false for `timeoutMs` 0 (unbounded).
    */
   private allOverdue(timeoutMs: number, now = Date.now()): boolean {
-    if (timeoutMs <= 0 || this.running.size === 0 || this.running.size < this.live.length) return false;
-    for (const started of this.running.values()) if (now - started <= timeoutMs) return false;
+    const running = this.running();
+    if (timeoutMs <= 0 || running.size === 0 || running.size < this.live.length) return false;
+    for (const started of running.values()) if (now - started <= timeoutMs) return false;
     return true;
   }
 
@@ -607,7 +619,7 @@ export class SlotPool {
     let first = Infinity;
     const now = Date.now();
     for (const [s, lineup] of this.lineups) {
-      const started = this.running.get(s)!;
+      const started = lineup[0].startedAt!;
       if (lineup.length >= (s.depth ?? 1) || !this.live.includes(s)) continue;
       if (this.waitTimeoutMs > 0 && now - started > this.waitTimeoutMs) continue;
       if (started < first) [slot, first] = [s, started];
@@ -620,7 +632,6 @@ export class SlotPool {
     if (!lineup) this.lineups.set(slot, (lineup = []));
     const sent: SentRun = { q, startedAt: lineup.length ? null : Date.now() };
     lineup.push(sent);
-    if (sent.startedAt !== null) this.running.set(slot, sent.startedAt);
     let lost = false;
     slot
       .run(q.job, q.limit > 0 ? q.queuedAt + q.limit : undefined)
@@ -656,16 +667,10 @@ export class SlotPool {
     lineup.splice(lineup.indexOf(sent), 1);
     if (lost) this.removeLive(slot);
     const alive = this.live.includes(slot);
-    // A dead slot runs nothing more (a job may still be queued there until its host's exit says so).
-    if (!alive) this.running.delete(slot);
     if (!lineup.length) {
       this.lineups.delete(slot);
-      this.running.delete(slot);
       if (alive && !this.failure) this.idle.push(slot);
-    } else if (alive) {
-      lineup[0].startedAt ??= Date.now();
-      this.running.set(slot, lineup[0].startedAt);
-    }
+    } else if (alive) lineup[0].startedAt ??= Date.now();
     this.dispatch();
   }
 
@@ -682,9 +687,10 @@ export class SlotPool {
     let at = Infinity;
     for (const q of this.queue) if (q.limit > 0) at = Math.min(at, q.queuedAt + q.limit);
     // Stuck once the last of the running jobs is overdue (only when every live slot runs one).
-    const saturated = this.running.size > 0 && this.running.size >= this.live.length;
+    const running = this.running();
+    const saturated = running.size > 0 && running.size >= this.live.length;
     if (limit > 0 && saturated && (!this.stuck || this.queue.length))
-      at = Math.min(at, Math.max(...this.running.values()) + limit);
+      at = Math.min(at, Math.max(...running.values()) + limit);
     if (at === Infinity) return;
     this.waitTimer = setTimeout(() => this.expire(), Math.max(1, at + 1 - Date.now()));
   }
