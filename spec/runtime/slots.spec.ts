@@ -332,6 +332,30 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     await pool.close();
   });
 
+  it('a job goes to the free slot freed last: under light load one host takes batch after batch while the other sleeps', async () => {
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 2, f.factory);
+    const one = async (name: number, slot: number): Promise<void> => {
+      const r = go(pool, job(name));
+      await vi.waitFor(() => expect(f.sent.length).toBeGreaterThanOrEqual(name));
+      f.answer(slot);
+      expect(probe(await r)).toBe(name);
+    };
+    // One job at a time: slot 0 every time (taking the slot freed first would alternate 0, 1, 0).
+    await one(1, 0);
+    await one(2, 0);
+    await one(3, 0);
+    // Both busy, slot 0 ends first, then slot 1: the next job goes to slot 1.
+    const both = [go(pool, job(4)), go(pool, job(5))];
+    await vi.waitFor(() => expect(f.sent.length).toBe(5));
+    f.answer(0);
+    f.answer(1);
+    await Promise.all(both);
+    await one(6, 1);
+    expect(f.sent).toEqual(['0:1', '0:2', '0:3', '0:4', '1:5', '1:6']);
+    await pool.close();
+  });
+
   it('a job queued behind another waits, in `waitedMs`, until that one has ended', async () => {
     vi.useFakeTimers({ now: 0 });
     const f = lineFactory();
