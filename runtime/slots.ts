@@ -484,7 +484,7 @@ export class SlotPool {
     this.capacity = slots.length * (slots[0].depth ?? 1);
     this.info = slots[0].info;
     this.live = [...slots];
-    this.idle = [...slots].reverse();
+    this.idle = [...slots].reverse(); // the first slot is taken first
     for (const s of slots) this.watch(s);
   }
 
@@ -762,7 +762,7 @@ export class SlotPool {
             (fresh) => {
               if (this.failure) return void fresh.close();
               this.live.push(fresh);
-              this.idle.unshift(fresh);
+              this.idle.unshift(fresh); // taken last: the warm hosts first
               this.watch(fresh);
               this.dispatch();
             },
