@@ -434,7 +434,7 @@ program
     "what share of the bare models' capacity the server holds: VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run",
   )
   .option('--task <list>', 'workloads: vad100, vad20, wakeword (vad = vad100,vad20)', 'vad100,vad20,wakeword')
-  .option('--quick', 'one run in a few minutes: 6 s per run, search steps of 10 % of the limit')
+  .option('--quick', 'one run in about 10 minutes on 2 cores: 6 s per run, search steps of 10 % of the limit')
   .option('--rounds <n>', 'rounds of the held search (median reported)', int('--rounds'), 3)
   .option('--seconds <s>', 'audio per stream and run, s (default 15; --quick 6)', int('--seconds'))
   .option('--streams <list>', 'fixed stream counts instead of the held search (for profiling)')
