@@ -228,20 +228,46 @@ type TypedName = keyof typeof TYPED;
 export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
   const arrays: Buffer[] = [];
   let at = 0;
-  const json = JSON.stringify(msg, (_key, v: unknown) => {
-    if (!ArrayBuffer.isView(v)) return v;
-    const name = v.constructor.name;
-    if (name !== 'Float32Array' && !(name in TYPED)) return v;
-    if (name !== 'Float32Array' && at % 8) {
-      arrays.push(Buffer.alloc(8 - (at % 8)));
-      at += 8 - (at % 8);
+  // A walk that swaps the typed arrays for their references (in copies of the objects and lists
+  // holding them; the message is not changed), then one JSON.stringify without a replacer: a
+  // replacer is called for every value, each of a batch's `counts` included (10.6 against 4.3 us
+  // for a 32-row VAD job).
+  const swap = (v: object): object => {
+    if (ArrayBuffer.isView(v)) {
+      const name = v.constructor.name;
+      if (name !== 'Float32Array' && !(name in TYPED)) return v;
+      if (name !== 'Float32Array' && at % 8) {
+        arrays.push(Buffer.alloc(8 - (at % 8)));
+        at += 8 - (at % 8);
+      }
+      arrays.push(Buffer.from(v.buffer, v.byteOffset, v.byteLength));
+      at += v.byteLength;
+      const length = v.byteLength / (v as Float32Array).BYTES_PER_ELEMENT;
+      return name === 'Float32Array'
+        ? { $f32: [at - v.byteLength, length] }
+        : { $ta: [at - v.byteLength, length, name] };
     }
-    arrays.push(Buffer.from(v.buffer, v.byteOffset, v.byteLength));
-    at += v.byteLength;
-    const length = v.byteLength / (v as Float32Array).BYTES_PER_ELEMENT;
-    return name === 'Float32Array' ? { $f32: [at - v.byteLength, length] } : { $ta: [at - v.byteLength, length, name] };
-  });
-  const head = Buffer.from(json);
+    if (Array.isArray(v)) {
+      let list: unknown[] | null = null;
+      for (let i = 0; i < v.length; i++) {
+        const x: unknown = v[i];
+        if (x === null || typeof x !== 'object') continue;
+        const y = swap(x);
+        if (y !== x) (list ??= v.slice())[i] = y;
+      }
+      return list ?? v;
+    }
+    const fields = v as Record<string, unknown>;
+    let copy: Record<string, unknown> | null = null;
+    for (const k in fields) {
+      const x = fields[k];
+      if (x === null || typeof x !== 'object') continue;
+      const y = swap(x);
+      if (y !== x) (copy ??= { ...fields })[k] = y;
+    }
+    return copy ?? v;
+  };
+  const head = Buffer.from(JSON.stringify(swap(msg)));
   const prefix = Buffer.alloc(8 + head.length + ((8 - (head.length % 8)) % 8));
   prefix.writeUInt32LE(prefix.length - 4 + at, 0);
   prefix.writeUInt32LE(head.length, 4);
@@ -346,12 +372,26 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
 export function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);
   const base = 8 + h + ((8 - (h % 8)) % 8);
-  return JSON.parse(Buffer.from(frame.buffer, 8, h).toString(), (_key, v: unknown) => {
-    if (v === null || typeof v !== 'object') return v;
-    const f32 = (v as { $f32?: [number, number] }).$f32;
+  // One JSON.parse without a reviver, then a walk through the objects and lists only: a reviver
+  // is called for every value (22.6 against 3.6 us for a 32-row VAD job).
+  const revive = (v: Record<string, unknown> | unknown[]): unknown => {
+    if (Array.isArray(v)) {
+      for (let i = 0; i < v.length; i++) {
+        const x: unknown = v[i];
+        if (x !== null && typeof x === 'object') v[i] = revive(x as Record<string, unknown>);
+      }
+      return v;
+    }
+    const f32 = v.$f32 as [number, number] | undefined;
     if (Array.isArray(f32)) return new Float32Array(frame.buffer, base + f32[0], f32[1]);
-    const ta = (v as { $ta?: [number, number, TypedName] }).$ta;
+    const ta = v.$ta as [number, number, TypedName] | undefined;
     if (Array.isArray(ta) && ta[2] in TYPED) return new TYPED[ta[2]](frame.buffer as ArrayBuffer, base + ta[0], ta[1]);
+    for (const k in v) {
+      const x = v[k];
+      if (x !== null && typeof x === 'object') v[k] = revive(x as Record<string, unknown>);
+    }
     return v;
-  });
+  };
+  const msg = JSON.parse(Buffer.from(frame.buffer, 8, h).toString()) as unknown;
+  return msg !== null && typeof msg === 'object' ? revive(msg as Record<string, unknown>) : msg;
 }
