@@ -409,6 +409,9 @@ program
           if (event.type === 'error') errors++;
         }
       })();
+      // Handled below (awaited after the audio is sent): without this, a stream the server closes
+      // while the sender waits for its next real-time frame is an unhandled rejection.
+      printing.catch(() => {});
       const start = performance.now();
       try {
         for (let off = 0, i = 0; off < pcm.length; off += frameBytes, i++) {

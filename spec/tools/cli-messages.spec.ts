@@ -236,3 +236,42 @@ describe('voxserve stream while the server shuts down', () => {
     expect(stderr).toMatch(/^voxserve: stream closed 1001 \(shutting_down\): the server closed the stream \(1001/);
   });
 });
+
+describe('voxserve stream closed by the server while it waits to send its next real-time frame', () => {
+  it('prints the close on one line and exits 1, not an unhandled rejection with a stack trace', async () => {
+    const server = await startServer(
+      ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true } }),
+    );
+    try {
+      const child = spawn(
+        process.execPath,
+        [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'],
+        { stdio: ['ignore', 'pipe', 'pipe'] },
+      );
+      let stdout = '';
+      let stderr = '';
+      child.stdout.on('data', (d) => (stdout += d));
+      child.stderr.on('data', (d) => (stderr += d));
+      const exited = new Promise<number | null>((r) => child.on('exit', r));
+      await until(() => stdout.includes('"type":"ready"'), 30_000);
+      await new Promise((r) => setTimeout(r, 500)); // some audio sent, most still to come (5.8 s in real time)
+      const res = await fetch(`${server.url}/v1/models/unload`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ id: 'silero-vad', force: true }),
+      });
+      expect(res.status).toBe(200);
+      expect(await exited).toBe(1);
+      expect(
+        stdout
+          .trim()
+          .split('\n')
+          .map((l) => JSON.parse(l).type)
+          .at(-1),
+      ).toBe('error');
+      expect(stderr).toBe('voxserve: stream closed 1012 (server_busy): model silero-vad was unloaded (force)\n');
+    } finally {
+      await server.close();
+    }
+  });
+});
