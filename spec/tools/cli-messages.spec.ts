@@ -210,28 +210,42 @@ describe('/debug with a management token, in headless Chromium', () => {
   });
 });
 
+/**
+ * `voxserve stream --realtime` of a 5.8 s sentence against `url`, started and waited for until its
+ * stream is ready and 0.5 s of audio is sent (most still to come). `out()` gives its stdout and
+ * stderr so far; `exited` its exit code.
+ */
+async function realtimeStream(url: string) {
+  const child = spawn(
+    process.execPath,
+    [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', url, '--realtime'],
+    { stdio: ['ignore', 'pipe', 'pipe'] },
+  );
+  let stdout = '';
+  let stderr = '';
+  child.stdout.on('data', (d) => (stdout += d));
+  child.stderr.on('data', (d) => (stderr += d));
+  const exited = new Promise<number | null>((r) => child.on('exit', r));
+  await until(() => stdout.includes('"type":"ready"'), 30_000);
+  await new Promise((r) => setTimeout(r, 500));
+  const out = () => ({
+    events: stdout
+      .trim()
+      .split('\n')
+      .map((l) => JSON.parse(l) as { type: string }),
+    stderr,
+  });
+  return { exited, out };
+}
+
 describe('voxserve stream while the server shuts down', () => {
   it('reports the close 1001 (shutting_down), not "send after the stream closed"', async () => {
     const server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0, drain_timeout_ms: 5000 }));
-    const child = spawn(
-      process.execPath,
-      [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'],
-      { stdio: ['ignore', 'pipe', 'pipe'] },
-    );
-    let stdout = '';
-    let stderr = '';
-    child.stdout.on('data', (d) => (stdout += d));
-    child.stderr.on('data', (d) => (stderr += d));
-    const exited = new Promise<number | null>((r) => child.on('exit', r));
-    await until(() => stdout.includes('"type":"ready"'), 30_000);
-    await new Promise((r) => setTimeout(r, 500)); // some audio sent, most still to come (5.8 s in real time)
+    const stream = await realtimeStream(server.url);
     await server.close();
-    expect(await exited).toBe(1);
-    const events = stdout
-      .trim()
-      .split('\n')
-      .map((l) => JSON.parse(l));
-    expect(events.at(-1).type).toBe('done'); // the drain finished the stream as if the client had sent end
+    expect(await stream.exited).toBe(1);
+    const { events, stderr } = stream.out();
+    expect(events.at(-1)!.type).toBe('done'); // the drain finished the stream as if the client had sent end
     expect(stderr).not.toContain('send after the stream closed');
     expect(stderr).toMatch(/^voxserve: stream closed 1001 \(shutting_down\): the server closed the stream \(1001/);
   });
@@ -243,32 +257,16 @@ describe('voxserve stream closed by the server while it waits to send its next r
       ServerConfig.parse({ log_level: 'silent', port: 0, management: { enabled: true } }),
     );
     try {
-      const child = spawn(
-        process.execPath,
-        [cli, 'stream', 'silero-vad', fixturePath('espeak_sentence_16k.wav'), '--url', server.url, '--realtime'],
-        { stdio: ['ignore', 'pipe', 'pipe'] },
-      );
-      let stdout = '';
-      let stderr = '';
-      child.stdout.on('data', (d) => (stdout += d));
-      child.stderr.on('data', (d) => (stderr += d));
-      const exited = new Promise<number | null>((r) => child.on('exit', r));
-      await until(() => stdout.includes('"type":"ready"'), 30_000);
-      await new Promise((r) => setTimeout(r, 500)); // some audio sent, most still to come (5.8 s in real time)
+      const stream = await realtimeStream(server.url);
       const res = await fetch(`${server.url}/v1/models/unload`, {
         method: 'POST',
         headers: { 'content-type': 'application/json' },
         body: JSON.stringify({ id: 'silero-vad', force: true }),
       });
       expect(res.status).toBe(200);
-      expect(await exited).toBe(1);
-      expect(
-        stdout
-          .trim()
-          .split('\n')
-          .map((l) => JSON.parse(l).type)
-          .at(-1),
-      ).toBe('error');
+      expect(await stream.exited).toBe(1);
+      const { events, stderr } = stream.out();
+      expect(events.at(-1)!.type).toBe('error');
       expect(stderr).toBe('voxserve: stream closed 1012 (server_busy): model silero-vad was unloaded (force)\n');
     } finally {
       await server.close();
