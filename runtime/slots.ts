@@ -444,7 +444,7 @@ export class SlotPool {
    * load one host takes batch after batch while the others sleep on, instead of each host in turn
    * sleeping the longer between its batches. A host that slept runs its next batch slower on these
    * VMs, the longer it slept (see docs/benchmarks-efficiency.md); measured, `bench --streams` at
-   * 8-10 % of the limit: the hosts' CPU 3-10 % less than taking the slot freed first, at ~38 % 2-4 %.
+   * 8-10 % of the limit: the hosts' CPU 2-10 % less than taking the slot freed first, at ~38 % 2-4 %.
    */
   private readonly idle: SlotHost[];
   /** Busy slots' jobs in the order sent (the slot runs them in that order: the first runs now). */
