@@ -611,7 +611,7 @@ export class SlotPool {
 
   private dispatch(): void {
     while (this.queue.length) {
-      const slot = this.idle.pop() ?? (this.queue[0].behind ? this.behind() : undefined);
+      const slot = this.idle.pop() ?? (this.queue[0].behind ? this.slotWithRoom() : undefined);
       if (!slot) break;
       const q = this.queue.shift()!;
       if (q.onAbort) q.signal!.removeEventListener('abort', q.onAbort);
@@ -621,7 +621,7 @@ export class SlotPool {
   }
 
   /** A busy slot with room for a job behind its running one: the one whose job started first, not overdue (C4). */
-  private behind(): SlotHost | undefined {
+  private slotWithRoom(): SlotHost | undefined {
     let slot: SlotHost | undefined;
     let first = Infinity;
     const now = Date.now();
