@@ -245,6 +245,8 @@ function useCluster(
     c.nats = await startNats();
     const started = await Promise.all(names.map((n) => startNode(c.nats.url, n, extra[n])));
     for (const n of started) c.nodes[n.name] = n;
+    // A node is ready before the others have seen it in the registry: a load naming it waits till then.
+    await until(async () => (await json(`${started[0].url}/v1/cluster`)).body.nodes.length === names.length, 30_000);
     for (const model of models) {
       const r = await post(`${started[0].url}/v1/models/load`, { id: model, node: holder });
       expect(r.status, JSON.stringify(r.body)).toBe(200);
