@@ -5,7 +5,7 @@ import { join } from 'node:path';
 import type { Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
-import { voxError, type VoxError } from './errors.js';
+import { VoxError, voxError } from './errors.js';
 import {
   FrameChannel,
   type FromSlot,
@@ -397,6 +397,10 @@ interface QueuedRun {
   queuedAt: number;
   /** It may be queued behind a busy slot's running job (see {@link SlotPool.run}). */
   behind: boolean;
+  /** It was running when its host died, and runs once more: a second death fails it. */
+  rerun?: boolean;
+  /** Its place in arrival order (the pool's count of jobs). */
+  seq: number;
 }
 
 /** A job handed to a slot: when it began to run there (null while it waits behind the slot's running job). */
@@ -418,7 +422,8 @@ const RESPAWN_BACKOFF_MS = 100;
  * ({@link SlotHost.depth}) is sent the next batcher's job to queue behind its running one (the
  * slot whose job started first, and never one whose job is overdue), so that its host goes on to
  * it as soon as it has answered. A job queued behind one that kills its host goes back to the
- * front of the pool's queue.
+ * front of the pool's queue; so does a running job whose host crashed, once (a host keeps nothing
+ * between jobs: it runs again with the same input, and a second crash fails it).
  *
  * A slot whose host dies (a crash, or a kill for a job over `job_timeout_ms`) is respawned, one
  * for one, after a backoff; three crashes within a minute, or a respawn that fails, fail the
@@ -450,6 +455,8 @@ export class SlotPool {
   /** Busy slots' jobs in the order sent (the slot runs them in that order: the first runs now). */
   private readonly lineups = new Map<SlotHost, SentRun[]>();
   private readonly queue: QueuedRun[] = [];
+  /** Jobs queued so far (each job's {@link QueuedRun.seq}). */
+  private jobs = 0;
   private failure: Error | null = null;
   private failCb: ((err: Error) => void) | null = null;
   private readonly crashes: number[] = [];
@@ -577,7 +584,8 @@ export class SlotPool {
    * @returns the result, with `waitedMs`: how long the job waited for a slot, ms (until it ran).
    * @throws VoxError `server_busy` when it waited for a slot over its bound or the slots turned
    *   stuck; `server_busy` naming `job_timeout_ms` when its host was killed for running over it;
-   *   `server_error` naming the signal or exit code when its host crashed.
+   *   `server_error` (`slot_failed`) naming the signal or exit code when its host crashed while it
+   *   ran, twice (after the first crash it runs again on another slot, or the respawned one).
    */
   run(job: Job, signal?: AbortSignal, waitMs = 0, behind = false): Promise<JobResult> {
     if (this.failure) return Promise.reject(this.failure);
@@ -592,6 +600,7 @@ export class SlotPool {
         signal,
         queuedAt: Date.now(),
         behind,
+        seq: ++this.jobs,
       };
       if (signal) {
         q.onAbort = () => {
@@ -650,22 +659,34 @@ export class SlotPool {
         },
         (e: Error & { slotLost?: boolean }) => {
           lost = e.slotLost === true;
-          // It never ran: its host died under the job before it. It waits for a slot again, first
-          // (unless that death failed the pool: then it gets the pool's error, as the queue does).
-          if (sent.startedAt === null && !this.live.includes(slot))
-            return this.failure ? q.reject(this.failure) : this.requeue(q);
+          // Its host died. If the job never ran (it waited behind the job that died with it), it waits
+          // for a slot again, first. If it ran, and its host crashed (not a kill for its own time),
+          // it does so once: a host keeps nothing between jobs (state travels with the job), so it
+          // runs again with the same input and its results do not change; a second crash fails it.
+          // If the death failed the pool, a job that never ran gets the pool's error, as the queue does.
+          const died = !this.live.includes(slot);
+          if (died && sent.startedAt === null) return this.failure ? q.reject(this.failure) : this.requeue(q);
+          if (died && !this.failure && !q.rerun && e instanceof VoxError && e.code === 'slot_failed') {
+            q.rerun = true;
+            return this.requeue(q);
+          }
           q.reject(e);
         },
       )
       .finally(() => this.settled(slot, sent, lost));
   }
 
-  /** `q` goes back to the front of the queue, waiting for a slot afresh (its wait had ended when it was handed over). */
+  /**
+   * `q` goes back into the queue at its place in arrival order (ahead of every job that came after
+   * it, so the running job and the one behind it keep their order), waiting for a slot afresh (its
+   * wait had ended when it was handed over).
+   */
   private requeue(q: QueuedRun): void {
     if (q.signal?.aborted) return q.reject(abortError());
     if (q.onAbort) q.signal!.addEventListener('abort', q.onAbort, { once: true });
     q.queuedAt = Date.now();
-    this.queue.unshift(q);
+    const at = this.queue.findIndex((w) => w.seq > q.seq);
+    this.queue.splice(at < 0 ? this.queue.length : at, 0, q);
   }
 
   /** A job sent to `slot` has ended: the job behind it (if any) runs now, or the slot is free. */

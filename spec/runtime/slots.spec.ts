@@ -3,6 +3,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { defaultCatalog } from '../../runtime/config.js';
+import { voxError } from '../../runtime/errors.js';
 import { SLOT_DEPTH, type Job, type JobResult, type LoadSpec, type SlotInfo } from '../../runtime/slot-protocol.js';
 import { processSlots, SlotPool, type SlotHost } from '../../runtime/slots.js';
 import { createTaskSession } from '../../runtime/tasks/index.js';
@@ -254,7 +255,8 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
   /**
    * Slots of depth 2 whose jobs run until the test answers them. `sent` lists every job a slot
    * was given, in order, as `slot:job` (a job is named by its first window sample); `answer(i)`
-   * ends slot i's oldest job; `die(i)` kills slot i's host.
+   * ends slot i's oldest job; `die(i)` kills slot i's host (its jobs fail `slot_failed`, as a real
+   * host's do).
    */
   function lineFactory() {
     const sent: string[] = [];
@@ -288,10 +290,10 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     /** Slot i's running job runs over its job timeout: rejected as the pool's `slotLost`; the host's exit comes later (`die`). */
     const lose = (i: number): void => {
       slots[i].jobs.shift();
-      slots[i].fails.shift()!(Object.assign(new Error('job_timeout'), { slotLost: true }));
+      slots[i].fails.shift()!(Object.assign(voxError('job_timeout', { ms: 100 }), { slotLost: true }));
     };
     const die = (i: number): void => {
-      const err = new Error('slot host was killed by SIGKILL');
+      const err = voxError('slot_failed', { reason: 'slot host was killed by SIGKILL' });
       slots[i].exit!(err);
       for (const fail of slots[i].fails.splice(0)) fail(err);
       slots[i].jobs.length = 0;
@@ -430,20 +432,49 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     await pool.close();
   });
 
-  it('a job queued behind one whose host dies goes back to the pool and runs on a live slot; only the running job fails', async () => {
+  it('a job queued behind one whose host crashes goes back to the pool, and so does the running job, once, ahead of it: both run on a live slot', async () => {
+    vi.useFakeTimers({ now: 0 });
     const f = lineFactory();
     const pool = await SlotPool.start(vadSpec(), 2, f.factory);
-    const a = go(pool, job(1)).catch((e: unknown) => e);
+    const a = go(pool, job(1));
     const b = go(pool, job(2));
     const c = go(pool, job(3)); // behind job 1, on slot 0
-    await until(() => f.sent.length === 3, 1000);
-    f.die(0);
-    expect(await a).toMatchObject({ message: expect.stringMatching(/SIGKILL/) });
-    f.answer(1); // job 2 ends; job 3 (back in the pool) is next on slot 1
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent).toEqual(['0:1', '1:2', '0:3']);
+    f.die(0); // job 1 was running: it runs again; job 3 had not started
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent.slice(3)).toEqual(['1:1']); // behind job 2 on slot 1, ahead of job 3 (arrival order)
+    f.answer(1); // job 2 ends; job 1 runs, and job 3 goes behind it
     expect(probe(await b)).toBe(2);
-    await until(() => f.sent.includes('1:3'), 1000);
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent.slice(4)).toEqual(['1:3']);
+    f.answer(1);
+    expect(probe(await a)).toBe(1);
     f.answer(1);
     expect(probe(await c)).toBe(3);
+    await vi.advanceTimersByTimeAsync(200); // slot 0's respawn (after its backoff), which close waits for
+    await pool.close();
+  });
+
+  it('a running job whose host crashes runs once more; a second crash under it fails it slot_failed (a job that kills hosts kills two, not every slot)', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 3, f.factory);
+    const a = go(pool, job(1)).catch((e: unknown) => e);
+    await vi.advanceTimersByTimeAsync(0);
+    f.die(0);
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent).toEqual(['0:1', '1:1']);
+    f.die(1);
+    expect(await a).toMatchObject({ code: 'slot_failed', message: expect.stringMatching(/SIGKILL/) });
+    await vi.advanceTimersByTimeAsync(0);
+    expect(f.sent).toEqual(['0:1', '1:1']); // not sent to slot 2
+    await vi.advanceTimersByTimeAsync(400); // both respawn (backoffs 100 and 200 ms)
+    expect(pool.slots).toHaveLength(3);
+    const b = go(pool, job(2));
+    await vi.advanceTimersByTimeAsync(0);
+    f.answer(Number(f.sent.at(-1)!.split(':')[0]));
+    expect(probe(await b)).toBe(2);
     await pool.close();
   });
 
