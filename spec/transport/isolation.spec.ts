@@ -1,8 +1,9 @@
 /**
  * Slot hosts as child processes (isolation: "process"): a job over `job_timeout_ms` gets its host
- * killed and a 503, a job that aborts its host twice (it runs once more) gets a 500 naming the signal, the host is respawned, three
- * crashes within a minute unload the model, waiting for a slot is bounded by the busy timeout,
- * and SIGTERM does not wait for a job that never returns. Synthetic models of known run time.
+ * killed and a 503, a job that aborts its host twice (it runs once more) gets a 500 naming the
+ * signal and the host is respawned, three crashes within a minute unload the model, waiting for a
+ * slot is bounded by the busy timeout, and SIGTERM does not wait for a job that never returns.
+ * Synthetic models of known run time.
  */
 import { execFileSync } from 'node:child_process';
 import { existsSync, mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
@@ -120,7 +121,7 @@ describe('process isolation', () => {
     expect((await run(s, 'silero-vad', fixture('Front_Left.wav'))).status).toBe(200);
     expect((await run(s, 'crashy', fixture('Front_Left.wav'))).status).toBe(200); // the respawned slot
     expect(await status(s, 'crashy')).toMatchObject({ state: 'ready', last_error: null });
-    expect((await run(s, 'crashy', marker)).status).toBe(500); // the third crash
+    expect((await run(s, 'crashy', marker)).status).toBe(500); // the third crash: the first request made two
     await until(async () => (await status(s, 'crashy')).state === 'unloaded', 5000);
     expect((await status(s, 'crashy')).last_error).toMatch(
       /^3 slot crashes within a minute; the last: slot failed: slot host was killed by SIGABRT/,
