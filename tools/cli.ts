@@ -87,8 +87,12 @@ function invocation(): string {
 function failed(url: string, e: unknown): never {
   if (!(e instanceof VoxClientError)) die((e as Error).message);
   if (e.type === 'connection_error') {
-    if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH')
-      die(`no voxserve is running at ${url} (${e.code}); start one with: ${invocation()} serve`);
+    if (e.code === 'ECONNREFUSED' || e.code === 'ENOTFOUND' || e.code === 'EHOSTUNREACH') {
+      // The port asked for, when it is not serve's default.
+      const port = new URL(url).port;
+      const on = port && port !== '8080' ? ` --port ${port}` : '';
+      die(`no voxserve is running at ${url} (${e.code}); start one with: ${invocation()} serve${on}`);
+    }
     die(e.message);
   }
   if (e.closeCode !== undefined && e.status === undefined)
@@ -437,7 +441,7 @@ program
     "what share of the bare models' capacity the server holds: VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run",
   )
   .option('--task <list>', 'workloads: vad100, vad20, wakeword (vad = vad100,vad20)', 'vad100,vad20,wakeword')
-  .option('--quick', 'one run in about 10 minutes on 2 cores: 6 s per run, search steps of 10 % of the limit')
+  .option('--quick', 'about 10 minutes on 2 cores: the same rounds with 6 s runs and search steps of 10 % of the limit')
   .option('--rounds <n>', 'rounds of the held search (median reported)', int('--rounds'), 3)
   .option('--seconds <s>', 'audio per stream and run, s (default 15; --quick 6)', int('--seconds'))
   .option('--streams <list>', 'fixed stream counts instead of the held search (for profiling)')

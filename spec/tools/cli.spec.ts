@@ -149,7 +149,7 @@ describe('voxserve CLI', () => {
     expect(s.stderr).toMatch(/closed 1008/);
   });
 
-  it('says clearly when no server is running, with the command that starts one as the README gives it', async () => {
+  it('says clearly when no server is running, with the command that starts one as the README gives it, on the port asked for', async () => {
     // A port that was free a moment ago: nothing listens there.
     const probe = createServer();
     await new Promise<void>((r) => probe.listen(0, '127.0.0.1', r));
@@ -159,7 +159,7 @@ describe('voxserve CLI', () => {
       const r = await voxserve(cmd, 'silero-vad', fixturePath('Front_Center.wav'), '--url', `http://127.0.0.1:${port}`);
       expect(r.code).toBe(1);
       expect(r.stderr).toContain(
-        `no voxserve is running at http://127.0.0.1:${port} (ECONNREFUSED); start one with: node dist/tools/cli.js serve`,
+        `no voxserve is running at http://127.0.0.1:${port} (ECONNREFUSED); start one with: node dist/tools/cli.js serve --port ${port}`,
       );
     }
   });
