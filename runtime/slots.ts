@@ -659,14 +659,16 @@ export class SlotPool {
         },
         (e: Error & { slotLost?: boolean }) => {
           lost = e.slotLost === true;
-          // Its host died. If the job never ran (it waited behind the job that died with it), it waits
-          // for a slot again, first. If it ran, and its host crashed (not a kill for its own time),
-          // it does so once: a host keeps nothing between jobs (state travels with the job), so it
-          // runs again with the same input and its results do not change; a second crash fails it.
-          // If the death failed the pool, a job that never ran gets the pool's error, as the queue does.
+          // Its host died. If that death failed the pool (the third crash in a minute), the job gets
+          // the pool's error, as the queue does. If the job never ran (it waited behind the job that
+          // died with it), it waits for a slot again, first. If it ran, and its host crashed (not a
+          // kill for its own time), it does so once: a host keeps nothing between jobs (state
+          // travels with the job), so it runs again with the same input and its results do not
+          // change; a second crash fails it.
           const died = !this.live.includes(slot);
-          if (died && sent.startedAt === null) return this.failure ? q.reject(this.failure) : this.requeue(q);
-          if (died && !this.failure && !q.rerun && e instanceof VoxError && e.code === 'slot_failed') {
+          if (died && this.failure) return q.reject(this.failure);
+          if (died && sent.startedAt === null) return this.requeue(q);
+          if (died && !q.rerun && e instanceof VoxError && e.code === 'slot_failed') {
             q.rerun = true;
             return this.requeue(q);
           }
