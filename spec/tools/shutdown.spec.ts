@@ -100,9 +100,15 @@ describe('SIGTERM', () => {
             let body = '';
             res.setEncoding('utf8');
             res.on('data', (d: string) => (body += d));
-            res.on('end', () =>
-              resolve({ status: res.statusCode ?? 0, type: JSON.parse(body).error?.type, reused: req.reusedSocket }),
-            );
+            res.on('end', () => {
+              let type: string | undefined;
+              try {
+                type = JSON.parse(body).error?.type;
+              } catch {
+                type = `not JSON: ${body.slice(0, 80)}`;
+              }
+              resolve({ status: res.statusCode ?? 0, type, reused: req.reusedSocket });
+            });
             res.on('error', (e: NodeJS.ErrnoException) =>
               resolve({ status: 0, code: e.code, reused: req.reusedSocket }),
             );
