@@ -665,12 +665,13 @@ export class SlotPool {
           // kill for its own time), it does so once: a host keeps nothing between jobs (state
           // travels with the job), so it runs again with the same input and its results do not
           // change; a second crash fails it.
-          const died = !this.live.includes(slot);
-          if (died && this.failure) return q.reject(this.failure);
-          if (died && sent.startedAt === null) return this.requeue(q);
-          if (died && !q.rerun && e instanceof VoxError && e.code === 'slot_failed') {
-            q.rerun = true;
-            return this.requeue(q);
+          if (!this.live.includes(slot)) {
+            if (this.failure) return q.reject(this.failure);
+            if (sent.startedAt === null) return this.requeue(q);
+            if (!q.rerun && e instanceof VoxError && e.code === 'slot_failed') {
+              q.rerun = true;
+              return this.requeue(q);
+            }
           }
           q.reject(e);
         },
