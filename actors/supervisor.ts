@@ -364,6 +364,12 @@ export interface SupervisorOptions {
   log?: Logger;
   /** Cluster placement of cold loads (cluster/node.ts); absent: every load is local. */
   place?: PlaceHook;
+  /**
+   * A model another node of the cluster registered (a load naming that node): its config, so a
+   * request for it here registers it on first use (its cold load then finds its holder); absent
+   * or undefined: unknown.
+   */
+  elsewhere?: (id: string) => Record<string, unknown> | undefined;
 }
 
 /**
@@ -383,6 +389,7 @@ export class Supervisor {
   private readonly probe: MemoryProbe;
   private readonly estimate: (config: ModelConfig) => Promise<number>;
   private readonly place?: PlaceHook;
+  private readonly elsewhere?: (id: string) => Record<string, unknown> | undefined;
   /** Measured footprint per slot, bytes, by model id: replaces the estimate once a model has loaded. */
   private readonly measuredPerSlot = new Map<string, number>();
   /** Lazy config models whose files failed the check at start (see {@link start}), with the problem. */
@@ -415,6 +422,7 @@ export class Supervisor {
     this.probe = options.memoryProbe ?? availableMemory;
     this.estimate = options.footprint ?? estimateFromFiles;
     this.place = options.place;
+    this.elsewhere = options.elsewhere;
     for (const m of [...(options.catalog ?? defaultCatalog()), ...config.models]) this.catalog.set(m.id, m);
     // A configured group naming an unknown head stops the server at start, not at first use.
     // Said before the server listens: the error names the config field and the wake words it knows, not a route.
@@ -659,8 +667,20 @@ export class Supervisor {
     const found = this.entries.get(id);
     if (found) return found;
     if (id.includes(',')) return this.group(id);
-    const config = this.catalog.get(id);
+    const config = this.catalog.get(id) ?? this.registeredElsewhere(id);
     return config ? this.publish(this.resolveHeads(config)) : undefined;
+  }
+
+  /** The config another node of the cluster registered `id` with ({@link SupervisorOptions.elsewhere}), if valid here. */
+  private registeredElsewhere(id: string): ModelConfig | undefined {
+    const body = this.elsewhere?.(id);
+    if (!body) return undefined;
+    try {
+      return validateModelConfig({ ...body, id });
+    } catch (e) {
+      this.log.warn({ model: id, err: (e as Error).message }, 'a model registered on another node is not valid here');
+      return undefined;
+    }
   }
 
   /** Ad hoc groups registered by requests (not configured), by id. */

@@ -12,6 +12,7 @@ import {
   type NatsConnection,
   type NodeConnectionOptions,
 } from '@nats-io/transport-node';
+import { jetstream } from '@nats-io/jetstream';
 import { Kvm, type KV } from '@nats-io/kv';
 import type { ClusterConfig } from '../runtime/config.js';
 import {
@@ -71,6 +72,9 @@ export function natsOptions(s: ClusterSettings): NodeConnectionOptions {
     timeout: s.connect_timeout_ms,
     maxReconnectAttempts: -1,
     reconnectTimeWait: 500,
+    // A frozen server or a cut link is noticed within about 3 heartbeats (nats.js's default is two minutes).
+    pingInterval: Math.max(500, s.heartbeat_ms),
+    maxPingOut: 3,
   };
   if (s.user) opts.user = s.user;
   if (s.pass) opts.pass = s.pass;
@@ -89,6 +93,12 @@ export interface NatsLink {
   nodes: KV;
   /** Cold-load locks: one key per model being placed. */
   locks: KV;
+  /**
+   * Opens the buckets again, creating them if NATS lost them (a server restarted without its
+   * JetStream store); `nodes` and `locks` then name the new ones. Absent on the in-memory NATS.
+   * @throws Error when JetStream does not answer within its timeout.
+   */
+  reopen?(): Promise<void>;
 }
 
 /** How long a registry entry outlives its last heartbeat in the bucket, ms (liveness is judged by heartbeats, not by this). */
@@ -107,14 +117,26 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
   } catch (e) {
     throw new Error(redact(`cluster.nats: cannot connect to NATS at ${s.nats}: ${(e as Error).message}`, s));
   }
+  // Key-value operations answer within a few heartbeats or fail: no wait in the cluster outlasts a busy timeout.
+  const kvm = new Kvm(jetstream(nc, { timeout: Math.min(5000, Math.max(1000, 3 * s.heartbeat_ms)) }));
+  const open = async (): Promise<[KV, KV]> => [
+    await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS }),
+    await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS }),
+  ];
   // A NATS cluster that has just started elects its JetStream leader after a moment: retried until the connect timeout.
   const end = Date.now() + s.connect_timeout_ms;
   for (;;) {
     try {
-      const kvm = new Kvm(nc);
-      const nodes = await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS });
-      const locks = await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS });
-      return { nc, nodes, locks };
+      const [nodes, locks] = await open();
+      const link: NatsLink = {
+        nc,
+        nodes,
+        locks,
+        reopen: async () => {
+          [link.nodes, link.locks] = await open();
+        },
+      };
+      return link;
     } catch (e) {
       if (Date.now() < end) {
         await new Promise((r) => setTimeout(r, 250));
@@ -159,6 +181,47 @@ export function decodeMessage<T extends RemoteJob | RemoteReply>(data: Uint8Arra
   const own = new Uint8Array(data.length);
   own.set(data);
   return decodeFrame(own) as T;
+}
+
+/**
+ * Publishes `data` on `subject`, in parts when it is larger than the server's `max_payload`: each
+ * part goes to `<subject>.part` as `[u32 head length][head JSON {id, i, n}][bytes]`, in order (NATS
+ * keeps one connection's messages to one subscription in order), the last with the reply
+ * subject. An {@link Assembler} on the other side joins them.
+ */
+export function publishInParts(nc: NatsConnection, subject: string, data: Uint8Array, reply?: string): void {
+  const max = nc.info?.max_payload ?? 1024 * 1024;
+  if (data.length <= max) return nc.publish(subject, data, reply ? { reply } : undefined);
+  const size = max - 256;
+  const n = Math.ceil(data.length / size);
+  const id = `${Date.now().toString(36)}.${Math.random().toString(36).slice(2)}`;
+  for (let i = 0; i < n; i++) {
+    const head = Buffer.from(JSON.stringify({ id, i, n }));
+    const len = Buffer.alloc(4);
+    len.writeUInt32LE(head.length);
+    const part = Buffer.concat([len, head, data.subarray(i * size, (i + 1) * size)]);
+    nc.publish(`${subject}.part`, part, i === n - 1 && reply ? { reply } : undefined);
+  }
+}
+
+/** Joins the parts {@link publishInParts} sent. Parts of a message not completed within a minute are dropped. */
+export class Assembler {
+  private readonly open = new Map<string, { parts: Uint8Array[]; at: number }>();
+
+  /** Adds one part. @returns the whole message once its last part came, else null. */
+  add(part: Uint8Array): Uint8Array | null {
+    const buf = Buffer.from(part.buffer, part.byteOffset, part.byteLength);
+    const len = buf.readUInt32LE(0);
+    const { id, i, n } = JSON.parse(buf.subarray(4, 4 + len).toString()) as { id: string; i: number; n: number };
+    const now = Date.now();
+    for (const [k, v] of this.open) if (now - v.at > 60_000) this.open.delete(k);
+    const entry = this.open.get(id) ?? { parts: [], at: now };
+    entry.parts[i] = buf.subarray(4 + len);
+    this.open.set(id, entry);
+    if (entry.parts.filter(Boolean).length < n) return null;
+    this.open.delete(id);
+    return Buffer.concat(entry.parts);
+  }
 }
 
 /** The registry key of a node. */

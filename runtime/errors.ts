@@ -304,6 +304,11 @@ export const ERRORS = {
     message: (p: { node: string }) => `node '${p.node}' is not in the cluster; GET /v1/cluster lists the nodes`,
   },
   node_failed: { type: 'server_error', message: (p: { message: string }) => p.message },
+  node_name_taken: {
+    type: 'invalid_request_error',
+    message: (p: { node: string; url: string }) =>
+      `cluster.node: another live process already runs as node '${p.node}' (${p.url}); give each process its own name (--node, or cluster.node)`,
+  },
   job_too_large: {
     type: 'server_error',
     message: (p: { id: string; bytes: number; max: number }) =>

@@ -39,8 +39,9 @@ export interface SlotHost {
    * Runs one job. Rejects if the job fails, runs over its timeout, or the slot dies.
    * @param waitUntil when the job's wait for a slot ends, ms since the epoch (absent: unbounded);
    *   a local slot starts at once and ignores it, a remote one (cluster) waits for a holder up to it.
+   * @param signal aborted when the job's client left: a remote slot stops waiting for a holder.
    */
-  run(job: Job, waitUntil?: number): Promise<JobResult>;
+  run(job: Job, waitUntil?: number, signal?: AbortSignal): Promise<JobResult>;
   /** Frees the sessions and stops the slot (a process that does not exit in time is killed). Idempotent. */
   close(): Promise<void>;
   /** Called once if the slot dies on its own (not through close); `timedOut` when it was killed for a job over its timeout. */
@@ -650,7 +651,7 @@ export class SlotPool {
     lineup.push(sent);
     let lost = false;
     slot
-      .run(q.job, q.limit > 0 ? q.queuedAt + q.limit : undefined)
+      .run(q.job, q.limit > 0 ? q.queuedAt + q.limit : undefined, q.signal)
       .then(
         (r) => {
           if (r.ran) this.onRun?.(r.ran[1] - r.ran[0]);

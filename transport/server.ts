@@ -1,3 +1,4 @@
+import type { InspectionEvent } from 'xstate';
 import { createServer, ServerResponse, STATUS_CODES, type IncomingMessage, type Server } from 'node:http';
 import type { Socket } from 'node:net';
 import type { Duplex } from 'node:stream';
@@ -113,10 +114,15 @@ function refuseOpenManagement(config: ServerConfig): void {
 async function joinCluster(
   config: ServerConfig,
   options: ServerOptions,
+  inspect?: (e: InspectionEvent) => void,
 ): Promise<{ log: ServerOptions['log']; cluster: ClusterNode | null }> {
   if (!config.cluster) return { log: options.log, cluster: null };
   const log = (options.log ?? createLogger(config.log_level)).child({ node: clusterSettings(config.cluster).node });
-  const cluster = await ClusterNode.connect(config, { log, memoryProbe: options.memoryProbe ?? availableMemory });
+  const cluster = await ClusterNode.connect(config, {
+    log,
+    memoryProbe: options.memoryProbe ?? availableMemory,
+    inspect,
+  });
   return { log, cluster };
 }
 
@@ -431,8 +437,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
-  const { log, cluster } = await joinCluster(config, options);
-  const supervisor = new Supervisor(config, { ...options, log, inspect: inspected.inspect, place: cluster?.place });
+  const { log, cluster } = await joinCluster(config, options, inspected.inspect);
+  const supervisor = new Supervisor(config, {
+    ...options,
+    log,
+    inspect: inspected.inspect,
+    place: cluster?.place,
+    elsewhere: cluster?.registeredElsewhere,
+  });
   const { root } = supervisor;
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();

@@ -1,0 +1,138 @@
+/**
+ * Cold-load locks (docs/cluster.md "Placement"): one key per model being placed in the lock
+ * bucket, taken by compare-and-set. A lock's expiry is judged by the node that waits for it, on
+ * its own clock: a lock whose revision has not changed for `lock_ms` since this node first saw
+ * that revision is taken over (its holder renews it every third of `lock_ms`). No two machines'
+ * clocks are ever compared (a holder whose clock runs 40 s fast does not hold others for 40 s).
+ */
+import { randomUUID } from 'node:crypto';
+import type { KV, KvEntry } from '@nats-io/kv';
+import type { Logger } from 'pino';
+import { lockKey } from './nats.js';
+
+/** A cold-load lock as a node loading under it names it: its key and the token of that taking (a take-over changes it). */
+export interface LockRef {
+  key: string;
+  token: string;
+}
+
+/** A cold-load lock this node holds ({@link Locks.take}). */
+export interface LoadLock {
+  ref: LockRef;
+  /**
+   * Compare-and-set on the lock's revision (renewing it): false when another node has taken the
+   * lock over since (this node was paused past `lock_ms`); true when NATS cannot tell.
+   */
+  held(): Promise<boolean>;
+  release(): Promise<void>;
+}
+
+/** Thrown inside a placement whose load lock another node took over: the placement is given up. */
+export const superseded = (id: string): Error =>
+  Object.assign(new Error(`the load lock of ${id} was taken over by another node`), { superseded: true });
+
+const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
+
+/** One node's view of the lock bucket: taking, renewing, judging expiry, checking a taking still holds. */
+export class Locks {
+  /** Each lock key held by another node: the revision this node last saw and since when (this node's clock). */
+  private readonly seen = new Map<string, { rev: number; since: number }>();
+
+  /**
+   * @param kv the lock bucket.
+   * @param owner this node's name (written into the lock, for logs).
+   * @param lockMs how long a lock may go unrenewed before another node takes it over, ms.
+   */
+  constructor(
+    private readonly kv: () => KV,
+    private readonly owner: string,
+    private readonly lockMs: number,
+    private readonly log: Logger,
+  ) {}
+
+  /**
+   * Takes the model's cold-load lock: created if absent, taken over once its revision has stood
+   * still for `lock_ms` of this node's clock (compare-and-set on the revision both ways). The
+   * holder renews it every third of `lock_ms` until released.
+   * @returns the lock, or null when another node holds it (or NATS did not answer).
+   */
+  async take(model: string): Promise<LoadLock | null> {
+    const key = lockKey(model);
+    const token = randomUUID();
+    // `deadline` is the writer's clock, for people reading the bucket: no other node reads it.
+    const value = (): Uint8Array => encodeJson({ owner: this.owner, token, model, deadline: Date.now() + this.lockMs });
+    let rev: number;
+    try {
+      rev = await this.kv().create(key, value());
+    } catch {
+      let e: KvEntry | null;
+      try {
+        e = await this.kv().get(key);
+      } catch {
+        return null;
+      }
+      if (e && e.operation === 'PUT') {
+        const now = Date.now();
+        const s = this.seen.get(key);
+        if (!s || s.rev !== e.revision) {
+          this.seen.set(key, { rev: e.revision, since: now });
+          return null;
+        }
+        if (now - s.since < this.lockMs) return null;
+      }
+      try {
+        rev = e ? await this.kv().update(key, value(), e.revision) : await this.kv().create(key, value());
+        if (e?.operation === 'PUT')
+          this.log.warn({ model, from: e.json<{ owner: string }>().owner }, 'cluster: took over an expired load lock');
+      } catch {
+        return null;
+      }
+    }
+    this.seen.delete(key);
+    let renewing: Promise<unknown> = Promise.resolve();
+    // A lease's renewal (not a wait): the lock stays this node's while it places.
+    const renew = setInterval(
+      () => {
+        renewing = this.kv()
+          .update(key, value(), rev)
+          .then(
+            (r) => (rev = r),
+            () => {},
+          );
+      },
+      Math.max(50, this.lockMs / 3),
+    );
+    const ref = { key, token };
+    return {
+      ref,
+      held: async () => {
+        try {
+          rev = await this.kv().update(key, value(), rev);
+          return true;
+        } catch {
+          // A renewal raced this one, NATS is away, or the lock is another's now: its token tells.
+          return this.holds(ref);
+        }
+      },
+      release: async () => {
+        clearInterval(renew);
+        // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until it expires).
+        await renewing;
+        await this.kv()
+          .delete(key, { previousSeq: rev })
+          .catch(() => {});
+      },
+    };
+  }
+
+  /** Whether the lock `ref` names is still that taking (its token); true when NATS cannot tell. */
+  async holds(ref: LockRef): Promise<boolean> {
+    let e: KvEntry | null;
+    try {
+      e = await this.kv().get(ref.key);
+    } catch {
+      return true;
+    }
+    return e?.operation === 'PUT' && e.json<{ token?: string }>().token === ref.token;
+  }
+}

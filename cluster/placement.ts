@@ -1,0 +1,289 @@
+/**
+ * Placement of cold loads (docs/cluster.md "Placement"): the model entry's `place` hook. Here,
+ * on the node with the most free memory, or on a remote pool when another node holds the model,
+ * under the model's cold-load lock (cluster/locks.ts). Every wait is bounded by the model's busy
+ * timeout and ends at once when the request that caused the load leaves.
+ */
+import type { ModelConfig } from '../runtime/config.js';
+import { VoxError, voxError } from '../runtime/errors.js';
+import type { LoadedModel } from '../runtime/loader.js';
+import { superseded, type LoadLock, type LockRef } from './locks.js';
+import { nextChange, until } from './membership.js';
+import { withDeadline } from './remote.js';
+import type { ClusterNode } from './node.js';
+
+const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
+
+/** Placements of one node: its `place` hook, placing again when a model's holders went, adopting behind a remote pool. */
+export class Placement {
+  /** Models this node is placing now (a request waits for the placement): a cluster-wide unload waits for them. */
+  readonly placing = new Set<string>();
+  private readonly adopting = new Map<string, Promise<void>>();
+
+  constructor(private readonly n: ClusterNode) {}
+
+  /**
+   * The model entry's `place` hook. Local when NATS is unreachable or this node was asked to hold
+   * the model; a remote pool when another node holds it ready; else a placement under the model's
+   * cluster lock: the live nodes by most free memory first, each deciding by its own guards
+   * (memory, `max_loaded_models`, LRU eviction), this node through `local`. Bounded by the model's
+   * busy timeout; `signal` (the load abandoned) ends it at once.
+   * @throws VoxError `insufficient_memory` (503) naming the cluster when every node refused;
+   *   `cluster_load_timeout` when no placement finished within the busy timeout.
+   */
+  readonly place = async (
+    config: ModelConfig,
+    signal: AbortSignal,
+    local: () => Promise<LoadedModel>,
+  ): Promise<LoadedModel> => {
+    const n = this.n;
+    const id = config.id;
+    if (!n.connected || !n.supervisor) return local();
+    const timeout = n.busyTimeout(config);
+    const end = timeout > 0 ? Date.now() + timeout : Infinity;
+    const left = (): number => (end === Infinity ? 3_600_000 : Math.max(1, end - Date.now()));
+    this.placing.add(id);
+    try {
+      for (;;) {
+        signal.throwIfAborted();
+        // Asked to hold it (by a placement elsewhere, or a load naming this node), also while waiting here.
+        // The pin is for one load: a retry after it failed (a request of this node waiting) takes the lock.
+        if (n.pinned.has(id)) {
+          const ref = n.pinned.get(id);
+          n.pinned.delete(id);
+          return await this.fenced(id, local, ref);
+        }
+        // NATS lost meanwhile: this node cannot place, so it loads here (as without a cluster).
+        if (!n.connected) return await local();
+        if (n.holders(id).length) {
+          try {
+            return await n.jobs.pool(config);
+          } catch (e) {
+            // No holder answered (dead since its last heartbeat: taken for gone): placed below, or asked again.
+            if (!(e instanceof VoxError && e.code === 'no_holder') || Date.now() >= end) throw e;
+            if (n.holders(id).length) {
+              await nextChange(n.membership, Math.min(n.settings.heartbeat_ms, left()));
+              continue;
+            }
+          }
+        }
+        // Bounded: NATS frozen, a take answers only at JetStream's timeout; one that comes later is given back.
+        const taking = n.locks.take(id);
+        const lock = await withDeadline(taking, left()).catch(() => {
+          void taking.then((late) => late?.release());
+          return null;
+        });
+        if (lock) {
+          let lost = false;
+          try {
+            // A placement that finished just before the lock was ours.
+            if (n.holders(id).length) return await n.jobs.pool(config);
+            return await this.underLock(config, signal, local, lock);
+          } catch (e) {
+            if (!(e as { superseded?: boolean }).superseded) throw e;
+            // Split brain: this node was paused past the lock's expiry and another took it over and
+            // placed the model; this placement is given up and the other's is used.
+            n.log.warn({ model: id }, 'cluster: the load lock was taken over while placing; using the other placement');
+            lost = true;
+          } finally {
+            await lock.release();
+          }
+          // The other placement is heard of at its holder's next heartbeat; this node was paused, so
+          // its registry watch may lag: the registry is read afresh first.
+          if (lost) {
+            await n.refreshView();
+            await until(n.membership, () => n.holders(id).length > 0, Math.min(3 * n.settings.heartbeat_ms, left()));
+          }
+        }
+        if (Date.now() >= end) throw voxError('cluster_load_timeout', { id, ms: timeout });
+        await nextChange(n.membership, Math.min(n.settings.heartbeat_ms, left()));
+      }
+    } finally {
+      this.placing.delete(id);
+    }
+  };
+
+  /**
+   * Loads here (`local`) for a placement, which counts only if its load lock (`ref`, when the load
+   * comes with one) is still the one it was taken with: else (another node took the lock over
+   * meanwhile, so its placement is the one that counts) the load is closed before it is ever
+   * registered, and this throws.
+   * @throws the placement's error; VoxError `no_holder` (503) when the lock was taken over.
+   */
+  private async fenced(id: string, local: () => Promise<LoadedModel>, ref?: LockRef): Promise<LoadedModel> {
+    const m = await local();
+    if (ref && !(await this.n.locks.holds(ref))) {
+      await m.close();
+      this.n.log.warn({ model: id }, 'cluster: the load lock of this placement was taken over; the load is given up');
+      // A refusal (503) to the placing node, which then finds the other placement.
+      throw voxError('no_holder', { message: `${this.n.name} gave up loading ${id}: ${superseded(id).message}` });
+    }
+    return m;
+  }
+
+  private async underLock(
+    config: ModelConfig,
+    signal: AbortSignal,
+    local: () => Promise<LoadedModel>,
+    lock: LoadLock,
+  ): Promise<LoadedModel> {
+    const n = this.n;
+    const id = config.id;
+    const here = n.record();
+    const candidates = [here, ...n.nodes().filter((r) => r.node !== n.name && !r.draining)].sort(
+      (a, b) => b.free_bytes - a.free_bytes,
+    );
+    n.log.debug({ model: id, candidates: candidates.map((c) => [c.node, c.free_bytes]) }, 'cluster: placing');
+    const refusals: string[] = [];
+    let memory = true;
+    for (const c of candidates) {
+      signal.throwIfAborted();
+      if (c.node === n.name) {
+        try {
+          n.log.info({ model: id, free_bytes: c.free_bytes }, 'cluster: placing here');
+          const m = await local();
+          // Compare-and-set on the lock before the load counts (split brain: see fenced()).
+          if (await lock.held()) return m;
+          await m.close();
+          throw superseded(id);
+        } catch (e) {
+          if (!is503(e)) throw e;
+          memory &&= (e as VoxError).type === 'insufficient_memory';
+          refusals.push(`${c.node}: ${(e as Error).message}`);
+          n.log.info({ model: id, on: c.node, why: (e as Error).message }, 'cluster: this node refused the load');
+          continue;
+        }
+      }
+      n.log.info({ model: id, on: c.node, free_bytes: c.free_bytes }, 'cluster: placing on another node');
+      const reply = await n
+        .ask(c.node, 'load', { id, config: n.registrationOf(config), lock: lock.ref }, n.settings.lock_ms * 100)
+        .catch((e: unknown) => e as Error);
+      if (reply instanceof Error) {
+        if (!is503(reply) && !(reply instanceof VoxError && reply.type === 'not_found')) throw reply;
+        memory &&= (reply as VoxError).type === 'insufficient_memory';
+        refusals.push(`${c.node}: ${reply.message}`);
+        n.log.info({ model: id, on: c.node, why: reply.message }, 'cluster: a node refused the load');
+        continue;
+      }
+      await until(n.membership, () => n.holders(id).some((h) => h.node === c.node), 3 * n.settings.heartbeat_ms);
+      return n.jobs.pool(config);
+    }
+    // The nodes asked refuse a load whose lock was taken over (split brain): the other placement counts.
+    if (!(await lock.held())) throw superseded(id);
+    throw voxError(memory ? 'cluster_insufficient_memory' : 'cluster_full', {
+      id,
+      why: ` (${candidates.length} asked): ${refusals.join('; ')}`,
+    });
+  }
+
+  /**
+   * Places a model again for this node's remote pool when no node holds it any more (unloaded on
+   * its holders, or its holders gone): under the model's lock, on the live nodes by most free
+   * memory, this one included. A node that runs the model on a remote pool itself (this one, or
+   * another ingress) loads it behind that pool ({@link adopt}), so its own streams go on.
+   * @throws VoxError when every node refused.
+   */
+  async replace(config: ModelConfig): Promise<void> {
+    const n = this.n;
+    const id = config.id;
+    const lock = await n.locks.take(id);
+    if (!lock) return;
+    try {
+      // The registry itself, not the watch (it may lag): the previous lock holder may have placed it just now.
+      await n.refreshView();
+      if (n.holders(id).length || n.backing.has(id)) return;
+      const refusals: string[] = [];
+      const here = n.record();
+      const candidates = [
+        ...(here.draining ? [] : [here]),
+        ...n.nodes().filter((r) => r.node !== n.name && !r.draining),
+      ].sort((a, b) => b.free_bytes - a.free_bytes);
+      for (const c of candidates) {
+        try {
+          n.log.info({ model: id, on: c.node }, 'cluster: no node holds the model any more; placing it again');
+          if (c.node === n.name) {
+            await this.adopt(id);
+            // Registered before the lock is released, so the next node to take it finds this holder.
+            return await n.publish();
+          }
+          await n.ask(
+            c.node,
+            'load',
+            { id, config: n.registrationOf(config), adopt: true, lock: lock.ref },
+            n.busyTimeout(config) || 3_600_000,
+          );
+          await until(n.membership, () => n.holders(id).some((h) => h.node === c.node), 3 * n.settings.heartbeat_ms);
+          return;
+        } catch (e) {
+          refusals.push(`${c.node}: ${(e as Error).message}`);
+        }
+      }
+      throw voxError('cluster_insufficient_memory', {
+        id,
+        why: ` on another node: ${refusals.join('; ') || 'none is live'}`,
+      });
+    } finally {
+      await lock.release();
+    }
+  }
+
+  /**
+   * Loads `id` here behind the remote pool this node runs it on (its holders are gone): the remote
+   * pool's jobs, and other nodes' jobs, run on this backing pool from then on; it closes with the
+   * remote pool. Guarded by this node's `min_free_memory_mb` only (it is not an entry of the
+   * supervisor: no LRU eviction makes room for it, docs/cluster.md). Bounded like a local load by
+   * the model's `load_timeout_ms` (else the server's; 0 = none).
+   * @throws VoxError `insufficient_memory` when the guard refuses, `load_timeout` past the load
+   *   timeout; the loader's error.
+   */
+  adopt(id: string): Promise<void> {
+    const n = this.n;
+    const running = this.adopting.get(id);
+    if (running) return running;
+    const p = (async () => {
+      const sup = n.supervisor!;
+      const config = sup.configOf(id);
+      if (!config || !n.remote.has(id) || n.backing.has(id)) return;
+      const MB = 1024 * 1024;
+      const free = n.options.memoryProbe();
+      if (n.config.min_free_memory_mb > 0 && free < n.config.min_free_memory_mb * MB)
+        throw voxError('insufficient_memory', {
+          id,
+          needed: 'its footprint',
+          headroom: `${n.config.min_free_memory_mb} MB`,
+          free: `${Math.round(free / MB)} MB`,
+        });
+      const m = await this.loadBounded(config);
+      if (!n.remote.has(id)) return void (await m.close()); // its remote pool closed meanwhile
+      m.pool.waitTimeoutMs = n.busyTimeout(config);
+      n.backing.set(id, m);
+      n.log.info({ model: id, slots: m.pool.slots.length }, 'cluster: holds the model here behind its remote pool');
+      n.beat();
+    })().finally(() => this.adopting.delete(id));
+    this.adopting.set(id, p);
+    return p;
+  }
+
+  /**
+   * The supervisor's loader for `config`, abandoned past the model's `load_timeout_ms` (else the
+   * server's; 0 = none) as a model entry abandons a local load: its abort signal kills the slot
+   * hosts still loading, and a pool that comes up anyway is closed.
+   * @throws VoxError `load_timeout`; the loader's error.
+   */
+  private loadBounded(config: ModelConfig): Promise<LoadedModel> {
+    const n = this.n;
+    const ms = config.load_timeout_ms ?? n.config.load_timeout_ms;
+    const ctl = new AbortController();
+    const loading = n.supervisor!.loadPool(config, ctl.signal);
+    if (!(ms > 0)) return loading;
+    return withDeadline(loading, ms).catch((e: unknown) => {
+      if (!(e instanceof Error) || !e.message.startsWith('no answer within')) throw e;
+      ctl.abort();
+      void loading.then(
+        (late) => late.close(),
+        () => {},
+      );
+      throw voxError('load_timeout', { ms });
+    });
+  }
+}

@@ -1,0 +1,406 @@
+/**
+ * The remote pool (docs/cluster.md "The request path across nodes"): a model held on other nodes
+ * runs here on a {@link SlotPool} of remote slots, whose jobs go to the holders over NATS. This
+ * module sends each job attempt and settles it when its reply comes, its holder is taken for gone
+ * (the membership chart's `gone`), or NATS comes back (`back`): every wait ends by an event or a
+ * deadline within the job's busy timeout, and at once when its client leaves.
+ */
+import { createInbox, type Msg } from '@nats-io/transport-node';
+import { Counter, Gauge, Histogram, type Registry } from 'prom-client';
+import type { ModelConfig } from '../runtime/config.js';
+import { fromWire, voxError } from '../runtime/errors.js';
+import type { LoadedModel } from '../runtime/loader.js';
+import { SlotPool, type SlotHost } from '../runtime/slots.js';
+import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
+import { nextChange, until } from './membership.js';
+import {
+  Assembler,
+  decodeMessage,
+  encodeMessage,
+  joinResults,
+  publishInParts,
+  redact,
+  splitJob,
+  type RemoteReply,
+} from './nats.js';
+import type { ClusterNode } from './node.js';
+
+/** How one attempt at a remote job ended: its holder's reply, the holder known gone, or the reply lost with this node's NATS connection. */
+type Attempt = { reply: RemoteReply } | { gone: string } | { lost: true };
+
+/** The most concurrent jobs one ingress sends to the holders of a model (its remote pool's size). */
+const MAX_REMOTE_WINDOW = 32;
+/** Pause before asking busy holders again, ms. */
+const BUSY_RETRY_MS = 25;
+
+/** A nats.js request error saying nobody listens on the subject. */
+export const isNoResponders = (e: unknown): boolean =>
+  (e as Error)?.name === 'NoRespondersError' ||
+  (e as { isNoResponders?: () => boolean })?.isNoResponders?.() === true ||
+  ((e as { cause?: unknown })?.cause instanceof Error && (e as { cause: Error }).cause.name === 'NoRespondersError');
+
+const aborted = (): Error => Object.assign(new Error('the request ended (its client left)'), { name: 'AbortError' });
+
+/** The job attempts of one node in flight to other nodes, and their reply subjects. */
+export class RemoteJobs {
+  /** Job attempts in flight, by the last token of their reply subject (`<seq>.<attempt>`). */
+  private readonly pending = new Map<string, { node: string; settle: (a: Attempt) => void }>();
+  /** The reply subject prefix of this node's job attempts (`<inbox>.<seq>.<attempt>`). */
+  readonly inbox = createInbox();
+  /** Replies too large for one NATS message, arriving in parts. */
+  private readonly parts = new Assembler();
+  private seq = 0;
+  /** Whether the membership chart probes holders now (told only when it changes). */
+  private probingNow = false;
+
+  constructor(private readonly n: ClusterNode) {
+    n.membership.on('gone', (e) => this.settleWhere((p) => p.node === e.node, { gone: e.why }));
+    n.membership.on('back', () => this.settleWhere(() => true, { lost: true }));
+  }
+
+  /** Ends the attempts `which` picks with `a` (a late reply to one of them is dropped). */
+  settleWhere(which: (p: { node: string }) => boolean, a: Attempt): void {
+    for (const [token, p] of this.pending) {
+      if (!which(p)) continue;
+      this.pending.delete(token);
+      p.settle(a);
+    }
+    this.probing();
+  }
+
+  /** Tells the membership chart whether to probe holders (only while jobs are in flight). */
+  private probing(): void {
+    const want = this.pending.size > 0;
+    if (want === this.probingNow) return;
+    this.probingNow = want;
+    this.n.membership.send({ type: want ? 'PROBE.START' : 'PROBE.STOP' });
+  }
+
+  /**
+   * The chart's `probe` action: for each node with jobs from here in flight, gone when missing from
+   * the registry for 3 heartbeats, or when NATS says nobody listens on its subjects (a ping with
+   * no responders: its process died and its connection closed).
+   */
+  probe(): void {
+    const n = this.n;
+    const busy = new Set([...this.pending.values()].map((p) => p.node));
+    const live = new Set(n.nodes().map((r) => r.node));
+    for (const node of busy) {
+      if (!live.has(node)) {
+        n.membership.send({ type: 'GONE', node, why: 'missed 3 heartbeats' });
+        continue;
+      }
+      // Short: an unanswered ping says nothing (a busy node); one in flight when its node dies must not hold up the next.
+      n.link.nc.request(n.subject(node, 'ping'), undefined, { timeout: 100 }).then(
+        () => {},
+        (e: Error) => {
+          if (isNoResponders(e) && n.connected) n.membership.send({ type: 'GONE', node, why: 'no responders' });
+        },
+      );
+    }
+  }
+
+  /** A reply (or part of one) to a job attempt: settles it, or is dropped (and counted) when the attempt was given up. */
+  onReply(m: Msg): void {
+    let subject = m.subject;
+    let data = m.data;
+    if (subject.endsWith('.part')) {
+      subject = subject.slice(0, -'.part'.length);
+      const whole = this.parts.add(data);
+      if (!whole) return;
+      data = whole;
+    }
+    const token = subject.slice(this.inbox.length + 1);
+    const p = this.pending.get(token);
+    const noResponders = data.length === 0 && m.headers?.code === 503;
+    if (!p) {
+      if (!noResponders) {
+        this.n.metrics?.late.inc();
+        this.n.log.info({ token }, 'cluster: a late reply to a job attempt given up: dropped');
+      }
+      return;
+    }
+    if (noResponders) return void this.n.membership.send({ type: 'GONE', node: p.node, why: 'no responders' });
+    this.pending.delete(token);
+    this.probing();
+    try {
+      p.settle({ reply: decodeMessage<RemoteReply>(data) });
+    } catch (e) {
+      p.settle({ reply: { type: 'error', error: 'server_error', code: 'node_failed', message: (e as Error).message } });
+    }
+  }
+
+  /**
+   * Sends one attempt of a job to `node` and waits for how it ends: the holder's reply; `gone` when
+   * the holder is taken for gone meanwhile or no reply came within `deadlineMs`; `lost` when this
+   * node's NATS connection dropped meanwhile.
+   */
+  private attempt(node: string, token: string, data: Uint8Array, deadlineMs: number): Promise<Attempt> {
+    const n = this.n;
+    return new Promise((resolve) => {
+      const timer = setTimeout(() => {
+        if (!this.pending.has(token)) return;
+        // Without NATS this node cannot tell: the attempt is lost (sent again once NATS is back, within the busy timeout).
+        if (!n.connected) this.settleWhere((p) => p === entry, { lost: true });
+        else n.membership.send({ type: 'GONE', node, why: `no reply within the job deadline (${deadlineMs} ms)` });
+      }, deadlineMs);
+      const entry = {
+        node,
+        settle: (a: Attempt) => {
+          clearTimeout(timer);
+          resolve(a);
+        },
+      };
+      this.pending.set(token, entry);
+      this.probing();
+      try {
+        publishInParts(n.link.nc, n.subject(node, 'job'), data, `${this.inbox}.${token}`);
+      } catch (e) {
+        this.settleWhere((p) => p === entry, { lost: true });
+        n.log.debug({ err: (e as Error).message }, 'cluster: job not sent');
+      }
+    });
+  }
+
+  /**
+   * A pool whose jobs run on the holders of `config.id`: a {@link SlotPool} of remote slots (a
+   * window of jobs in flight), so FIFO order, the slot wait's busy timeout, stuck detection and the
+   * batcher work as for local slots. Its `info` comes from a holder.
+   * @throws VoxError `no_holder` when no holder answered.
+   */
+  async pool(config: ModelConfig): Promise<LoadedModel> {
+    const n = this.n;
+    const id = config.id;
+    const holders = n.holders(id);
+    let info: SlotInfo | null = null;
+    const why: string[] = [];
+    for (const h of holders) {
+      try {
+        info = (await n.ask<{ info: SlotInfo }>(h.node, 'info', { model: id }, 10_000)).info;
+        break;
+      } catch (e) {
+        why.push(`${h.node}: ${(e as Error).message}`);
+        // Its process died since its last heartbeat (its subjects have no responders): gone now, not 3 heartbeats from now.
+        if (isNoResponders((e as { cause?: unknown }).cause))
+          n.membership.send({ type: 'GONE', node: h.node, why: 'no responders' });
+      }
+    }
+    if (!info)
+      throw voxError('no_holder', { message: `no holder of ${id} answered: ${why.join('; ') || 'none left'}` });
+    const window = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * holders.reduce((k, h) => k + h.models[id].slots, 0)));
+    const slot: SlotHost = {
+      info,
+      run: (job, waitUntil, signal) => this.send(config, job, waitUntil, signal),
+      close: async () => {},
+      onExit: () => {},
+      residentBytes: () => 0,
+    };
+    const pool = await SlotPool.start({ kind: 'vad', model: '' }, window, async () => slot);
+    n.remote.set(id, true);
+    n.log.info({ model: id, holders: holders.map((h) => h.node), window }, 'cluster: model served by other nodes');
+    n.beat();
+    return {
+      pool,
+      residentBytes: 0,
+      close: async () => {
+        n.remote.delete(id);
+        const backing = n.backing.get(id);
+        n.backing.delete(id);
+        await pool.close();
+        await backing?.close();
+        n.beat();
+      },
+    };
+  }
+
+  /**
+   * Sends one job to a holder, least loaded first, or runs it here on the model's backing pool when
+   * this node holds it behind its remote pool. A holder that answers busy or no longer holds the
+   * model is skipped; when all are busy (or none is live) the job waits for the next change of the
+   * membership chart and asks again, up to the busy timeout. A holder taken for gone is skipped and
+   * the same job (same input, same state) is sent again; when no node holds the model any more it
+   * is placed again (bounded by the same deadline). Each attempt has its own reply subject
+   * (`<seq>.<attempt>`): a reply to an attempt given up is dropped, so a job is answered once. A
+   * job larger than NATS's `max_payload` goes in parts (a batch is first split by rows).
+   * @param waitUntil the job's own end of waiting (its request's busy timeout), ms since the epoch.
+   * @param signal aborted when the job's client left: the job stops waiting at once.
+   * @throws VoxError `no_holder` (503 `server_busy`, Retry-After 1 s) when no holder took the job
+   *   within the busy timeout (every one busy or gone, or NATS away); the holder's error otherwise;
+   *   `AbortError` when `signal` was aborted.
+   */
+  async send(config: ModelConfig, job: Job, waitUntil?: number, signal?: AbortSignal): Promise<JobResult> {
+    const n = this.n;
+    const id = config.id;
+    const timeout = n.busyTimeout(config);
+    const end = Math.min(waitUntil ?? Infinity, timeout > 0 ? Date.now() + timeout : Infinity);
+    const left = (): number => (end === Infinity ? 3_600_000 : Math.max(1, end - Date.now()));
+    const seq = ++this.seq;
+    const jobId = `${n.name}:${seq}`;
+    const deadline = n.settings.job_deadline_ms;
+    const frame = (attempt: number, wait: number): Uint8Array =>
+      encodeMessage({ type: 'job', id: `${jobId}#${attempt}`, model: id, wait_ms: wait, job });
+    const maxPayload = n.link.nc.info?.max_payload ?? 1024 * 1024;
+    if (frame(0, deadline).length > maxPayload) {
+      // A batch of many streams goes as two jobs of half the streams each (they run on two slots); one row goes in parts.
+      const halves = splitJob(job);
+      if (halves) {
+        const [a, b] = await Promise.all(halves.map((h) => this.send(config, h, waitUntil, signal)));
+        return joinResults(a, b);
+      }
+    }
+    const skip = new Set<string>();
+    let lastBusy = '';
+    let lastGone = '';
+    let replaced = 0;
+    for (let attempt = 1; ; attempt++) {
+      if (signal?.aborted) throw aborted();
+      if (n.closed) throw voxError('shutting_down');
+      const backing = n.backing.get(id);
+      if (backing) return backing.pool.run(job, signal, end === Infinity ? 0 : left());
+      if (!(await until(n.membership, () => n.connected || n.closed || signal?.aborted === true, left())))
+        throw voxError('no_holder', {
+          message: `NATS (${redact(n.settings.nats, n.settings)}) was unreachable for the busy timeout; ${id} is held on other nodes`,
+        });
+      if (signal?.aborted) throw aborted();
+      const holder = n.holders(id).find((h) => !skip.has(h.node));
+      if (!holder) {
+        const expired = Date.now() >= end;
+        // No node holds it any more (unloaded there, or its holders gone): placed again, once a few heartbeats, within the deadline.
+        if (!expired && !n.holders(id).length && Date.now() - replaced > 3 * n.settings.heartbeat_ms) {
+          replaced = Date.now();
+          await withDeadline(n.placement.replace(config), left()).catch((e: Error) =>
+            n.log.warn({ model: id, err: e.message }, 'cluster: could not place the model again'),
+          );
+          continue;
+        }
+        if (expired)
+          throw voxError('no_holder', {
+            message: lastBusy
+              ? `every node holding ${id} is busy: ${lastBusy}`
+              : `no node of the cluster holds ${id} ready${lastGone ? ` (${lastGone})` : ''}`,
+          });
+        // Every holder busy, or none live just now (a late heartbeat): ask again at the next change or shortly.
+        skip.clear();
+        await nextChange(n.membership, Math.min(BUSY_RETRY_MS, left()));
+        continue;
+      }
+      const node = holder.node;
+      // The holder waits for a lease and a slot at most the job deadline (then answers busy), so
+      // silence past that wait plus the deadline means it is gone.
+      const wait = Math.min(deadline, left());
+      n.inflight.set(node, (n.inflight.get(node) ?? 0) + 1);
+      const t0 = performance.now();
+      const token = `${seq}.${attempt}`;
+      const stop = (): void => this.settleWhere((p) => p === this.pending.get(token), { lost: true });
+      signal?.addEventListener('abort', stop, { once: true });
+      let outcome: Attempt;
+      try {
+        outcome = await this.attempt(node, token, frame(attempt, wait), wait + deadline);
+      } finally {
+        signal?.removeEventListener('abort', stop);
+        n.inflight.set(node, (n.inflight.get(node) ?? 1) - 1);
+      }
+      if ('lost' in outcome) {
+        if (!signal?.aborted) n.metrics?.failovers.inc({ model: id, why: 'lost' });
+        continue;
+      }
+      if ('gone' in outcome) {
+        skip.add(node);
+        lastGone = `${node}: ${outcome.gone}`;
+        n.metrics?.sent.inc({ model: id, node, outcome: 'gone' });
+        const why = outcome.gone.startsWith('no responders')
+          ? 'no_responders'
+          : outcome.gone.startsWith('missed')
+            ? 'heartbeats'
+            : 'deadline';
+        n.metrics?.failovers.inc({ model: id, why });
+        n.log.info({ model: id, job: jobId, on: node, why: outcome.gone }, 'cluster: job sent again');
+        continue;
+      }
+      const reply = outcome.reply;
+      if (reply.type === 'result') {
+        n.metrics?.sent.inc({ model: id, node, outcome: 'ok' });
+        n.metrics?.hop.observe({ model: id }, Math.max(0, performance.now() - t0 - reply.ran_ms) / 1000);
+        return reply.result;
+      }
+      if (reply.type !== 'error')
+        throw voxError('node_failed', { message: `node ${node} answered a job with ${reply.type}` });
+      n.metrics?.sent.inc({ model: id, node, outcome: reply.error });
+      if (reply.error === 'not_held' || reply.error === 'server_busy' || reply.error === 'shutting_down') {
+        if (reply.error === 'server_busy') lastBusy = `${node}: ${reply.message}`;
+        skip.add(node);
+        continue;
+      }
+      throw fromWire({ code: reply.code, message: `node ${node}: ${reply.message}` });
+    }
+  }
+
+  /** Ends every attempt in flight (their requests get 503 `shutting_down`). */
+  close(): void {
+    this.settleWhere(() => true, { lost: true });
+  }
+}
+
+/** `p`, or a rejection after `ms` (p goes on; its outcome is dropped). */
+export function withDeadline<T>(p: Promise<T>, ms: number): Promise<T> {
+  return new Promise((resolve, reject) => {
+    const t = setTimeout(() => reject(new Error(`no answer within ${ms} ms`)), ms);
+    p.then(
+      (v) => {
+        clearTimeout(t);
+        resolve(v);
+      },
+      (e: unknown) => {
+        clearTimeout(t);
+        reject(e);
+      },
+    );
+  });
+}
+
+/** The cluster's metrics (docs/operations.md "Metrics"). */
+export interface ClusterMetrics {
+  sent: Counter<'model' | 'node' | 'outcome'>;
+  served: Counter<'model' | 'outcome'>;
+  hop: Histogram<'model'>;
+  nats: Gauge;
+  late: Counter;
+  failovers: Counter<'model' | 'why'>;
+}
+
+/** Registers the cluster's metrics in `reg`. */
+export function clusterMetrics(reg: Registry): ClusterMetrics {
+  return {
+    sent: new Counter({
+      name: 'voxserve_remote_jobs_sent_total',
+      help: 'Jobs this ingress sent to other nodes, by model, holder and outcome',
+      labelNames: ['model', 'node', 'outcome'],
+      registers: [reg],
+    }),
+    served: new Counter({
+      name: 'voxserve_remote_jobs_served_total',
+      help: 'Jobs other nodes sent here, by model and outcome',
+      labelNames: ['model', 'outcome'],
+      registers: [reg],
+    }),
+    hop: new Histogram({
+      name: 'voxserve_remote_hop_seconds',
+      help: 'A remote job round trip less its run time at the holder',
+      labelNames: ['model'],
+      buckets: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1],
+      registers: [reg],
+    }),
+    nats: new Gauge({ name: 'voxserve_nats_connected', help: '1 while NATS is reachable', registers: [reg] }),
+    late: new Counter({
+      name: 'voxserve_remote_late_replies_total',
+      help: 'Replies to job attempts this ingress had already given up (holder taken for gone, or NATS lost): dropped',
+      registers: [reg],
+    }),
+    failovers: new Counter({
+      name: 'voxserve_remote_failovers_total',
+      help: 'Job attempts sent again because their holder was taken for gone (why: no_responders, deadline, heartbeats) or NATS was lost (lost)',
+      labelNames: ['model', 'why'],
+      registers: [reg],
+    }),
+  };
+}
