@@ -101,6 +101,8 @@ export function clusterView(cluster: ClusterNode): {
   node: string;
   nats: { url: string; connected: boolean };
   heartbeat_ms: number;
+  /** The membership chart's active states (`connected`, `connected.heartbeat.waiting`, `disconnected`, ...). */
+  active: string[];
   nodes: DebugClusterNode[];
 } {
   const status = cluster.status() as ReturnType<typeof clusterView> & {
@@ -114,6 +116,7 @@ export function clusterView(cluster: ClusterNode): {
     }
   return {
     ...status,
+    active: activePaths(cluster.membership.getSnapshot().value),
     nodes: status.nodes.map((n) => ({
       ...n,
       models: (held.get(n.node) ?? []).sort((a, b) => a.id.localeCompare(b.id)),
