@@ -433,19 +433,29 @@ describe('a model loaded with {"node": "c"} that only c registers', () => {
   it('is usable from every node, as every node lists it', async () => {
     const n = await nats();
     const nodes = await cluster(n.url, ['a', 'b', 'c'], null, []);
-    // A wake-word group id in no node's config or catalog: c registers it from the load's fields.
-    const group = { id: 'jarvis-on-c', task: 'wakeword', heads: ['hey-jarvis'] };
-    const load = await post(`${nodes.a.url}/v1/models/load`, { ...group, node: 'c' }, 60_000);
+    // A tensor model id in no node's config or catalog (a file the server ships, so inside any
+    // models_root): c registers it from the load's fields.
+    const load = await post(
+      `${nodes.a.url}/v1/models/load`,
+      { id: 'mel-on-c', task: 'tensor', path: OWW_MELSPECTROGRAM, node: 'c' },
+      60_000,
+    );
     expect(load.status, JSON.stringify(load.body)).toBe(200);
-    const onC = await runFile(nodes.c.url, 'jarvis-on-c', WAKE_FILE, 30_000);
+    const input = Float32Array.from({ length: 1280 }, (_, i) => (i % 640) - 320);
+    const body = JSON.stringify({
+      model: 'mel-on-c',
+      inputs: { input: { dtype: 'float32', shape: [1, input.length], data: [...input] } },
+    });
+    const run = (url: string): Promise<Answer> =>
+      call(`${url}/v1/tasks/run`, { method: 'POST', headers: { 'content-type': 'application/json' }, body }, 30_000);
+    const onC = await run(nodes.c.url);
     expect(onC.status, JSON.stringify(onC.body)).toBe(200);
-    expect(onC.body.detections.length).toBeGreaterThan(0);
     for (const x of [nodes.a, nodes.b]) {
-      const listed = await eventually(async () => (await holders(x.url, 'jarvis-on-c')).join() === 'c', 5000);
-      expect.soft(listed, `${x.name}'s GET /v1/models lists jarvis-on-c on c`).toBe(true);
-      const r = await runFile(x.url, 'jarvis-on-c', WAKE_FILE, 30_000);
-      expect.soft(r.status, `jarvis-on-c on ${x.name}: ${JSON.stringify(r.body)}`).toBe(200);
-      expect.soft(r.body.detections, `jarvis-on-c's detections on ${x.name}`).toEqual(onC.body.detections);
+      const listed = await eventually(async () => (await holders(x.url, 'mel-on-c')).join() === 'c', 5000);
+      expect.soft(listed, `${x.name}'s GET /v1/models lists mel-on-c on c`).toBe(true);
+      const r = await run(x.url);
+      expect.soft(r.status, `mel-on-c on ${x.name}: ${JSON.stringify(r.body)}`).toBe(200);
+      if (r.status === 200) expect.soft(r.body.outputs, `mel-on-c's outputs on ${x.name}`).toEqual(onC.body.outputs);
     }
   }, 120_000);
 });
