@@ -220,10 +220,11 @@ async function readyNats(url: string): Promise<string> {
   return r.status === 200 ? String(r.body.cluster?.nats) : `status ${r.status}`;
 }
 
-/** `GET /debug/state`'s `cluster.active` on `url` (the membership chart's active states), or [] when absent. */
+/** `GET /debug/state`'s `cluster.active` on `url` (the membership chart's active states): [] when absent, the status when not 200. */
 async function clusterActive(url: string): Promise<string[]> {
   const r = await call(`${url}/debug/state`, {}, 1000);
-  const active = r.status === 200 ? r.body.cluster?.active : undefined;
+  if (r.status !== 200) return [`(GET /debug/state: ${r.status})`];
+  const active = r.body.cluster?.active;
   return Array.isArray(active) ? active.map(String) : [];
 }
 
