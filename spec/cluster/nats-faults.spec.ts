@@ -19,6 +19,9 @@
  * 6. A model loaded with `{"node": "c"}` that only c registers is usable from every node.
  * 7. A cluster-wide unload during a cold placement lets the request under way finish (200), then
  *    unloads, as on a single node.
+ * The nodes run the compiled CLI (`npm run build` first); nats-server is Debian's (/usr/sbin).
+ * Each node: `port: 0`, threads for slots, management on, `heartbeat_ms` 1000, `job_deadline_ms`
+ * 3000; `CLUSTER_LOG=info` shows the nodes' logs.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
