@@ -232,14 +232,17 @@ export class ClusterNode {
    */
   private async refuseTakenName(): Promise<void> {
     const mine = (r?: NodeRecord): boolean => r?.session?.startsWith(`${this.boot}.`) === true;
-    const first = this.membership.getSnapshot().context.view.get(this.name);
-    if (!first || mine(first.record)) return;
+    // The bucket itself: the registry watch may not have delivered it yet.
+    const e = await this.link.nodes.get(nodeKey(this.name)).catch(() => null);
+    if (!e || e.operation !== 'PUT') return;
+    const first = e.json<NodeRecord>();
+    if (mine(first)) return;
     const again = (): boolean => {
-      const now = this.membership.getSnapshot().context.view.get(this.name);
-      return !!now && now !== first && !mine(now.record);
+      const now = this.membership.getSnapshot().context.view.get(this.name)?.record;
+      return !!now && now.at !== first.at && !mine(now);
     };
-    if (await until(this.membership, again, 2.5 * first.record.heartbeat_ms))
-      throw voxError('node_name_taken', { node: this.name, url: first.record.url ?? 'its URL unknown' });
+    if (await until(this.membership, again, 2.5 * first.heartbeat_ms))
+      throw voxError('node_name_taken', { node: this.name, url: first.url ?? 'its URL unknown' });
   }
 
   /** Publishes a heartbeat soon (after a model's state changed). */

@@ -42,7 +42,12 @@ export class Placement {
     const timeout = n.busyTimeout(config);
     const end = timeout > 0 ? Date.now() + timeout : Infinity;
     const left = (): number => (end === Infinity ? 3_600_000 : Math.max(1, end - Date.now()));
+    // Placing elsewhere until this node decides to load it itself (then it is a holder, not an ingress).
     this.placing.add(id);
+    const here = (): Promise<LoadedModel> => {
+      this.placing.delete(id);
+      return local();
+    };
     try {
       for (;;) {
         signal.throwIfAborted();
@@ -51,10 +56,10 @@ export class Placement {
         if (n.pinned.has(id)) {
           const ref = n.pinned.get(id);
           n.pinned.delete(id);
-          return await this.fenced(id, local, ref);
+          return await this.fenced(id, here, ref);
         }
         // NATS lost meanwhile: this node cannot place, so it loads here (as without a cluster).
-        if (!n.connected) return await local();
+        if (!n.connected) return await here();
         if (n.holders(id).length) {
           try {
             return await n.jobs.pool(config);
@@ -78,7 +83,7 @@ export class Placement {
           try {
             // A placement that finished just before the lock was ours.
             if (n.holders(id).length) return await n.jobs.pool(config);
-            return await this.underLock(config, signal, local, lock);
+            return await this.underLock(config, signal, here, lock);
           } catch (e) {
             if (!(e as { superseded?: boolean }).superseded) throw e;
             // Split brain: this node was paused past the lock's expiry and another took it over and

@@ -113,7 +113,10 @@ async function startNode(natsUrl: string, name: string, extra: Record<string, un
     started?.kill('SIGKILL');
     throw e;
   });
-  if (process.env.CLUSTER_LOG) child.stderr!.on('data', (d) => process.stderr.write(`[${name}] ${d}`));
+  if (process.env.CLUSTER_LOG) {
+    child.stderr!.on('data', (d) => process.stderr.write(`[${name}] ${d}`));
+    child.stdout!.on('data', (d) => process.stderr.write(`[${name}] ${d}`));
+  }
   return { name, url, child };
 }
 
