@@ -16,6 +16,7 @@ import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { voxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
+import { effectiveTimeout } from '../runtime/admission.js';
 import { Locks, type LockRef } from './locks.js';
 import { ask, handOver, manageLoad, manageUnload } from './manage.js';
 import {
@@ -334,10 +335,9 @@ export class ClusterNode {
       .sort((a, b) => Number(a.draining) - Number(b.draining) || load(a) - load(b));
   }
 
-  /** The model's busy timeout here: the smaller non-zero of its own and the server's, ms (0 = none). */
+  /** The model's busy timeout here (runtime/admission.ts's rule: the smaller non-zero of its own and the server's), ms; 0 = none. */
   busyTimeout(config: ModelConfig): number {
-    const values = [config.busy_timeout_ms ?? 0, this.config.busy_timeout_ms].filter((v) => v > 0);
-    return values.length ? Math.min(...values) : 0;
+    return effectiveTimeout(undefined, config.busy_timeout_ms, this.config.busy_timeout_ms);
   }
 
   /** The fields another node needs to register a model it does not know (its config minus server-filled paths of a group's heads). */

@@ -8,7 +8,9 @@ import type { ModelConfig } from '../runtime/config.js';
 import { VoxError, voxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import { superseded, type LoadLock, type LockRef } from './locks.js';
+import { createActor, fromPromise, toPromise } from 'xstate';
 import { nextChange, until } from './membership.js';
+import { placementMachine } from './placement-chart.js';
 import { withDeadline } from './remote.js';
 import type { ClusterNode } from './node.js';
 
@@ -39,6 +41,7 @@ export class Placement {
     const n = this.n;
     const id = config.id;
     if (!n.connected || !n.supervisor) return local();
+    signal.throwIfAborted();
     const timeout = n.busyTimeout(config);
     const end = timeout > 0 ? Date.now() + timeout : Infinity;
     const left = (): number => (end === Infinity ? 3_600_000 : Math.max(1, end - Date.now()));
@@ -48,62 +51,63 @@ export class Placement {
       this.placing.delete(id);
       return local();
     };
-    try {
-      for (;;) {
-        signal.throwIfAborted();
-        // Asked to hold it (by a placement elsewhere, or a load naming this node), also while waiting here.
-        // The pin is for one load: a retry after it failed (a request of this node waiting) takes the lock.
-        if (n.pinned.has(id)) {
+    const noHolder = (e: unknown): boolean => e instanceof VoxError && e.code === 'no_holder';
+    const chart = placementMachine.provide({
+      actors: {
+        // Asked to hold it (by a placement elsewhere, or a load naming this node): the pin is for one
+        // load (a retry after it failed takes the lock), its lock fenced. Or NATS lost: loaded here.
+        loadHere: fromPromise(async () => {
+          if (!n.pinned.has(id)) return here();
           const ref = n.pinned.get(id);
           n.pinned.delete(id);
-          return await this.fenced(id, here, ref);
-        }
-        // NATS lost meanwhile: this node cannot place, so it loads here (as without a cluster).
-        if (!n.connected) return await here();
-        if (n.holders(id).length) {
-          try {
-            return await n.jobs.pool(config);
-          } catch (e) {
-            // No holder answered (dead since its last heartbeat: taken for gone): placed below, or asked again.
-            if (!(e instanceof VoxError && e.code === 'no_holder') || Date.now() >= end) throw e;
-            if (n.holders(id).length) {
-              await nextChange(n.membership, Math.min(n.settings.heartbeat_ms, left()));
-              continue;
-            }
-          }
-        }
-        // Bounded: NATS frozen, a take answers only at JetStream's timeout; one that comes later is given back.
-        const taking = n.locks.take(id);
-        const lock = await withDeadline(taking, left()).catch(() => {
-          void taking.then((late) => late?.release());
-          return null;
-        });
-        if (lock) {
-          let lost = false;
+          return this.fenced(id, here, ref);
+        }),
+        join: fromPromise(() => n.jobs.pool(config)),
+        // A lock that comes after the step was stopped (the deadline passed) is given back.
+        lock: fromPromise(async ({ signal: stopped }) => {
+          const lock = await n.locks.take(id);
+          if (stopped.aborted) await lock?.release();
+          return lock;
+        }),
+        place: fromPromise(async ({ input }) => {
           try {
             // A placement that finished just before the lock was ours.
             if (n.holders(id).length) return await n.jobs.pool(config);
-            return await this.underLock(config, signal, here, lock);
-          } catch (e) {
-            if (!(e as { superseded?: boolean }).superseded) throw e;
-            // Split brain: this node was paused past the lock's expiry and another took it over and
-            // placed the model; this placement is given up and the other's is used.
-            n.log.warn({ model: id }, 'cluster: the load lock was taken over while placing; using the other placement');
-            lost = true;
+            return await this.underLock(config, signal, here, input.lock);
           } finally {
-            await lock.release();
+            await input.lock.release();
           }
-          // The other placement is heard of at its holder's next heartbeat; this node was paused, so
-          // its registry watch may lag: the registry is read afresh first.
-          if (lost) {
-            await n.refreshView();
-            await until(n.membership, () => n.holders(id).length > 0, Math.min(3 * n.settings.heartbeat_ms, left()));
-          }
-        }
-        if (Date.now() >= end) throw voxError('cluster_load_timeout', { id, ms: timeout });
-        await nextChange(n.membership, Math.min(n.settings.heartbeat_ms, left()));
-      }
+        }),
+        // Split brain: this node was paused past the lock's expiry and another took it over and placed
+        // the model. The other placement is heard of at its holder's next heartbeat; this node was
+        // paused, so its registry watch may lag: the registry is read afresh first.
+        settle: fromPromise(async () => {
+          n.log.warn({ model: id }, 'cluster: the load lock was taken over while placing; using the other placement');
+          await n.refreshView();
+          await until(n.membership, () => n.holders(id).length > 0, Math.min(3 * n.settings.heartbeat_ms, left()));
+        }),
+        change: fromPromise(() => nextChange(n.membership, Math.min(n.settings.heartbeat_ms, left()))),
+      },
+      guards: {
+        pinned: () => n.pinned.has(id),
+        offline: () => !n.connected,
+        held: () => n.holders(id).length > 0,
+        retryHolders: ({ event }) =>
+          noHolder((event as { error?: unknown }).error) && Date.now() < end && n.holders(id).length > 0,
+        placeAnew: ({ event }) => noHolder((event as { error?: unknown }).error) && Date.now() < end,
+      },
+    });
+    const actor = createActor(chart, { input: { id, end }, inspect: n.options.inspect });
+    const abort = (): void => actor.send({ type: 'ABORT', reason: signal.reason });
+    try {
+      const done = toPromise(actor.start());
+      signal.addEventListener('abort', abort, { once: true });
+      const output = await done;
+      if (actor.getSnapshot().value === 'timedOut') throw voxError('cluster_load_timeout', { id, ms: timeout });
+      if ('error' in output) throw output.error;
+      return output.model;
     } finally {
+      signal.removeEventListener('abort', abort);
       this.placing.delete(id);
     }
   };
