@@ -1,0 +1,227 @@
+/**
+ * The cluster's charts alone (issue 40): the membership chart and a placement chart, each created
+ * with XState's SimulatedClock and no ClusterNode, no Supervisor. The membership chart's registry
+ * view is fed from the in-memory NATS's bucket watch (./fake-nats.ts); a placement's steps are
+ * fakes. What each asserts is the chart's documented behaviour (cluster/membership.ts,
+ * cluster/placement-chart.ts, docs/cluster.md): heartbeats as delays, NATS lost and back, nodes
+ * gone until heard of again, the probe only while jobs are in flight; placements bounded by the
+ * busy timeout, waiting for another node's lock, given up after a take-over, ended by ABORT.
+ */
+import { createActor, fromPromise, SimulatedClock } from 'xstate';
+import { describe, expect, it } from 'vitest';
+import { liveNodes, membershipMachine, recordEvent, type NodeRecord } from '../../cluster/membership.js';
+import { placementMachine, type PlacementOutput } from '../../cluster/placement-chart.js';
+import type { LoadLock } from '../../cluster/locks.js';
+import type { LoadedModel } from '../../runtime/loader.js';
+import { FakeNats } from './fake-nats.js';
+
+const HEARTBEAT_MS = 1000;
+const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
+
+function membership() {
+  const clock = new SimulatedClock();
+  const calls = { publish: 0, probe: 0 };
+  const actor = createActor(
+    membershipMachine.provide({ actions: { publish: () => void calls.publish++, probe: () => void calls.probe++ } }),
+    { clock, input: { self: 'A', heartbeatMs: HEARTBEAT_MS } },
+  );
+  const emitted: string[] = [];
+  actor.on('*', (e) => emitted.push(e.type === 'gone' ? `gone ${e.node}` : e.type));
+  actor.start();
+  return { actor, clock, calls, emitted };
+}
+
+const record = (node: string, heartbeat_ms = HEARTBEAT_MS): NodeRecord => ({
+  node,
+  url: `http://${node}`,
+  at: 0,
+  heartbeat_ms,
+  free_bytes: 1,
+  draining: false,
+  max_loaded_models: 0,
+  min_free_memory_mb: 0,
+  models: {},
+});
+
+describe('the membership chart alone (SimulatedClock, in-memory NATS)', () => {
+  it('publishes a heartbeat on joining and then every heartbeat_ms, sooner after BEAT, never while disconnected', () => {
+    const { actor, clock, calls } = membership();
+    expect(actor.getSnapshot().matches('connected')).toBe(true);
+    expect(calls.publish).toBe(1);
+    clock.increment(HEARTBEAT_MS - 1);
+    expect(calls.publish).toBe(1);
+    clock.increment(1);
+    expect(calls.publish).toBe(2);
+    actor.send({ type: 'BEAT' });
+    clock.increment(20);
+    expect(calls.publish).toBe(3);
+    actor.send({ type: 'NATS.LOST' });
+    expect(actor.getSnapshot().value).toBe('disconnected');
+    clock.increment(5 * HEARTBEAT_MS);
+    expect(calls.publish).toBe(3);
+    actor.send({ type: 'NATS.BACK' });
+    expect(actor.getSnapshot().matches('connected')).toBe(true);
+    expect(calls.publish).toBe(4);
+    expect(actor.getSnapshot().context.reconnects).toBe(1);
+    actor.send({ type: 'CLOSE' });
+    expect(actor.getSnapshot().status).toBe('done');
+  });
+
+  it('follows the registry bucket; a node taken for gone is not live until a newer heartbeat of it is heard', async () => {
+    const { actor, emitted } = membership();
+    const bus = new FakeNats(async () => {});
+    const link = bus.connect('A');
+    const it = await link.nodes.watch({ key: 'node.>' });
+    void (async () => {
+      for await (const e of it) actor.send(recordEvent(e, 0));
+    })();
+    const enc = (r: NodeRecord): Uint8Array => new TextEncoder().encode(JSON.stringify(r));
+    await link.nodes.put('node.B', enc(record('B')));
+    await link.nodes.put('node.C', enc(record('C')));
+    await flush();
+    const live = (): string[] => liveNodes(actor.getSnapshot().context).map((r) => r.node);
+    expect(live()).toEqual(['B', 'C']);
+    actor.send({ type: 'GONE', node: 'B', why: 'no responders' });
+    expect(emitted).toContain('gone B');
+    expect(live()).toEqual(['C']);
+    // Its own name is never taken for gone.
+    actor.send({ type: 'GONE', node: 'A', why: 'x' });
+    expect(emitted).not.toContain('gone A');
+    await new Promise((r) => setTimeout(r, 2));
+    await link.nodes.put('node.B', enc(record('B')));
+    await flush();
+    expect(live()).toEqual(['B', 'C']);
+    // Missed heartbeats: not live 3 heartbeats after it was last heard of.
+    expect(liveNodes(actor.getSnapshot().context, Date.now() + 3 * HEARTBEAT_MS + 50)).toEqual([]);
+    await link.nodes.delete('node.C');
+    await flush();
+    expect(live()).toEqual(['B']);
+    it.stop();
+  });
+
+  it('NATS back: nodes live when it went get 3 heartbeats afresh, and the chart emits back', async () => {
+    const { actor, emitted } = membership();
+    const heard = Date.now();
+    actor.send({ type: 'RECORD', node: 'B', record: record('B'), seen: heard });
+    actor.send({ type: 'NATS.LOST' });
+    await new Promise((r) => setTimeout(r, 20));
+    actor.send({ type: 'NATS.BACK' });
+    expect(emitted).toContain('back');
+    expect(actor.getSnapshot().context.view.get('B')!.seen).toBeGreaterThan(heard);
+  });
+
+  it('probes holders every 50 ms only between PROBE.START and PROBE.STOP', () => {
+    const { actor, clock, calls } = membership();
+    clock.increment(500);
+    expect(calls.probe).toBe(0);
+    actor.send({ type: 'PROBE.START' });
+    clock.increment(50);
+    clock.increment(50);
+    clock.increment(50);
+    expect(calls.probe).toBe(3);
+    actor.send({ type: 'PROBE.STOP' });
+    clock.increment(500);
+    expect(calls.probe).toBe(3);
+  });
+});
+
+const model = { pool: {}, residentBytes: 0, close: async () => {} } as unknown as LoadedModel;
+const lock: LoadLock = { ref: { key: 'k', token: 't' }, held: async () => true, release: async () => {} };
+
+/** A placement chart with fake steps (`steps` overrides) and guards; its output, or null while it runs. */
+function placement(
+  steps: Partial<Record<'lock' | 'place' | 'join' | 'loadHere' | 'change' | 'settle', () => Promise<unknown>>>,
+  guards: Partial<Record<'pinned' | 'offline' | 'held', () => boolean>> = {},
+  busyMs = 3000,
+) {
+  const clock = new SimulatedClock();
+  const step = <T, I = unknown>(name: keyof typeof steps, fallback: () => Promise<T>) =>
+    fromPromise<T, I>(() => (steps[name] as (() => Promise<T>) | undefined)?.() ?? fallback());
+  const chart = placementMachine.provide({
+    actors: {
+      lock: step<LoadLock | null>('lock', async () => lock),
+      place: step<LoadedModel, { lock: LoadLock }>('place', async () => model),
+      join: step<LoadedModel>('join', async () => model),
+      loadHere: step<LoadedModel>('loadHere', async () => model),
+      change: step<void>('change', () => new Promise(() => {})),
+      settle: step<void>('settle', async () => {}),
+    },
+    guards: {
+      pinned: () => guards.pinned?.() ?? false,
+      offline: () => guards.offline?.() ?? false,
+      held: () => guards.held?.() ?? false,
+    },
+  });
+  const actor = createActor(chart, { clock, input: { id: 'm', end: Date.now() + busyMs } });
+  const states: string[] = [];
+  actor.subscribe((s) => states.push(String(s.value)));
+  actor.start();
+  const output = (): PlacementOutput | null =>
+    actor.getSnapshot().status === 'done' ? actor.getSnapshot().output! : null;
+  return { actor, clock, states, output };
+}
+
+describe('a placement chart alone (SimulatedClock, fake steps)', () => {
+  it('free: takes the lock and places under it', async () => {
+    const p = placement({});
+    await flush();
+    expect(p.output()).toEqual({ model });
+    expect(p.states).toEqual(expect.arrayContaining(['locking', 'placing', 'placed']));
+  });
+
+  it('held elsewhere: joins the holders; pinned or offline: loads here, no lock taken', async () => {
+    let locks = 0;
+    for (const guards of [{ held: () => true }, { pinned: () => true }, { offline: () => true }]) {
+      const p = placement({ lock: async () => (locks++, lock) }, guards);
+      await flush();
+      expect(p.output()).toEqual({ model });
+    }
+    expect(locks).toBe(0);
+  });
+
+  it('another node holds the lock past the busy timeout: waits, then times out at the busy timeout', async () => {
+    const p = placement({ lock: async () => null }, {}, 3000);
+    await flush();
+    expect(p.actor.getSnapshot().value).toBe('waiting');
+    // The deadline is the input's `end` on the real clock: a few real ms have passed since.
+    p.clock.increment(2900);
+    await flush();
+    expect(p.output()).toBeNull();
+    p.clock.increment(150);
+    await flush();
+    expect(p.actor.getSnapshot().value).toBe('timedOut');
+  });
+
+  it('the lock taken over while placing: settles on the other placement, then joins it', async () => {
+    let held = false;
+    const p = placement(
+      {
+        place: async () => {
+          throw Object.assign(new Error('taken over'), { superseded: true });
+        },
+        settle: async () => void (held = true),
+      },
+      { held: () => held },
+    );
+    await flush();
+    await flush();
+    expect(p.states).toEqual(expect.arrayContaining(['placing', 'superseded', 'joining', 'placed']));
+    expect(p.output()).toEqual({ model });
+  });
+
+  it('ABORT (the request left) ends a waiting placement with its reason; a refusal fails it with the error', async () => {
+    const p = placement({ lock: async () => null });
+    await flush();
+    const reason = new Error('client left');
+    p.actor.send({ type: 'ABORT', reason });
+    expect(p.output()).toEqual({ error: reason });
+    const refused = new Error('insufficient memory');
+    const q = placement({
+      place: async () => {
+        throw refused;
+      },
+    });
+    await flush();
+    expect(q.output()).toEqual({ error: refused });
+  });
+});
