@@ -880,6 +880,15 @@ export class ModelEntry {
     return s.hasTag('slots') && !s.context.remote;
   }
 
+  /**
+   * True while the model's pool is a cluster placement's remote one (its slots on other nodes):
+   * the chart's `slots` tag with `context.remote`, the one home of "held remotely".
+   */
+  get runsRemotely(): boolean {
+    const s = this.actor.getSnapshot();
+    return s.hasTag('slots') && s.context.remote;
+  }
+
   /** True in `ready.idle`: resident, no lease held, nobody waiting. */
   get idle(): boolean {
     return this.actor.getSnapshot().matches({ resident: { ready: { leases: 'idle' } } });

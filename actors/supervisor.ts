@@ -917,6 +917,11 @@ export class Supervisor {
     return this.entries.get(id)?.actor.getSnapshot().value;
   }
 
+  /** A registered model's entry, without registering it; undefined if not registered. */
+  registered(id: string): ModelEntry | undefined {
+    return this.entries.get(id);
+  }
+
   /** Every registered model's id. */
   get registeredIds(): string[] {
     return [...this.entries.keys()];

@@ -167,7 +167,7 @@ export async function handOver(n: ClusterNode): Promise<void> {
   const used = (id: string): boolean => Date.now() - (n.serving.lastServed.get(id) ?? -Infinity) < 60_000;
   const sole = sup
     .statuses()
-    .filter((m) => m.state === 'ready' && (!n.remote.has(m.id) || n.backing.has(m.id)) && used(m.id))
+    .filter((m) => m.state === 'ready' && (!n.runsRemotely(m.id) || n.backing.has(m.id)) && used(m.id))
     .map((m) => m.id)
     .filter((id) => !n.nodes().some((r) => r.node !== n.name && !r.draining && r.models[id]?.state === 'ready'));
   const moved: string[] = [];

@@ -11,6 +11,7 @@ import { createHash, randomUUID } from 'node:crypto';
 import type { Subscription } from '@nats-io/transport-node';
 import type { Logger } from 'pino';
 import { createActor, type InspectionEvent } from 'xstate';
+import type { ModelEntry } from '../actors/model.js';
 import type { Supervisor } from '../actors/supervisor.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { voxError } from '../runtime/errors.js';
@@ -70,8 +71,6 @@ export class ClusterNode {
    * is local; a placement's load lock comes along, checked before the load counts.
    */
   readonly pinned = new Map<string, LockRef | undefined>();
-  /** Models whose entry here runs on a remote pool (not held here). */
-  readonly remote = new Map<string, true>();
   /** Jobs in flight from here to each node (spreads jobs between heartbeats). */
   readonly inflight = new Map<string, number>();
   /**
@@ -273,7 +272,7 @@ export class ClusterNode {
         };
         continue;
       }
-      if (s.state === 'unloaded' || this.remote.has(s.id)) continue;
+      if (s.state === 'unloaded' || this.runsRemotely(s.id)) continue;
       models[s.id] = {
         task: s.task,
         state: s.state,
@@ -309,6 +308,11 @@ export class ClusterNode {
       this.log.debug({ err: (e as Error).message }, 'cluster: heartbeat not written');
       if (this.connected && !this.reopening) void this.reopen();
     }
+  }
+
+  /** Whether this node's entry for `id` runs on a remote pool now (the model chart says: {@link ModelEntry.runsRemotely}). */
+  runsRemotely(id: string): boolean {
+    return this.supervisor?.registered(id)?.runsRemotely === true;
   }
 
   /** The config another node registered `id` with, from its heartbeat (a model loaded there by name), or undefined. */

@@ -236,6 +236,11 @@ export class Placement {
     }
   }
 
+  /** Resolves once no load of `id` behind its remote pool is under way (whatever its outcome). */
+  async adopted(id: string): Promise<void> {
+    await this.adopting.get(id)?.catch(() => {});
+  }
+
   /**
    * Loads `id` here behind the remote pool this node runs it on (its holders are gone): the remote
    * pool's jobs, and other nodes' jobs, run on this backing pool from then on; it closes with the
@@ -252,7 +257,7 @@ export class Placement {
     const p = (async () => {
       const sup = n.supervisor!;
       const config = sup.configOf(id);
-      if (!config || !n.remote.has(id) || n.backing.has(id)) return;
+      if (!config || !n.runsRemotely(id) || n.backing.has(id)) return;
       const MB = 1024 * 1024;
       const free = n.options.memoryProbe();
       if (n.config.min_free_memory_mb > 0 && free < n.config.min_free_memory_mb * MB)
@@ -263,7 +268,7 @@ export class Placement {
           free: `${Math.round(free / MB)} MB`,
         });
       const m = await this.loadBounded(config);
-      if (!n.remote.has(id)) return void (await m.close()); // its remote pool closed meanwhile
+      if (!n.runsRemotely(id)) return void (await m.close()); // its remote pool closed meanwhile
       m.pool.waitTimeoutMs = n.busyTimeout(config);
       n.backing.set(id, m);
       n.log.info({ model: id, slots: m.pool.slots.length }, 'cluster: holds the model here behind its remote pool');

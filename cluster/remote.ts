@@ -196,14 +196,14 @@ export class RemoteJobs {
       residentBytes: () => 0,
     };
     const pool = await SlotPool.start({ kind: 'vad', model: '' }, window, async () => slot);
-    n.remote.set(id, true);
     n.log.info({ model: id, holders: holders.map((h) => h.node), window }, 'cluster: model served by other nodes');
     n.beat();
     return {
       pool,
       residentBytes: 0,
       close: async () => {
-        n.remote.delete(id);
+        // A load behind this pool under way finishes first (its model is closed with the pool, not leaked).
+        await n.placement.adopted(id);
         const backing = n.backing.get(id);
         n.backing.delete(id);
         await pool.close();

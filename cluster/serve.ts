@@ -80,7 +80,7 @@ export class Serving {
   /** The entry of a model held here ready (a local pool), else null. */
   private held(model: string): ModelEntry | null {
     const entry = this.n.supervisor?.getOrRegister(model);
-    return entry && entry.state === 'ready' && !this.n.remote.has(model) ? entry : null;
+    return entry && entry.state === 'ready' && !this.n.runsRemotely(model) ? entry : null;
   }
 
   /**
@@ -93,10 +93,18 @@ export class Serving {
     const msg = decodeMessage<RemoteJob>(data);
     let outcome = 'ok';
     try {
-      const backing = n.remote.has(msg.model) ? n.backing.get(msg.model) : undefined;
+      const backing = n.runsRemotely(msg.model) ? n.backing.get(msg.model) : undefined;
       if (backing) {
-        const result = await backing.pool.run(msg.job, undefined, msg.wait_ms);
-        return encodeMessage({ type: 'result', result, ran_ms: result.ran ? result.ran[1] - result.ran[0] : 0 });
+        try {
+          const result = await backing.pool.run(msg.job, undefined, msg.wait_ms);
+          return encodeMessage({ type: 'result', result, ran_ms: result.ran ? result.ran[1] - result.ran[0] : 0 });
+        } catch (e) {
+          // Its remote pool was unloaded under the job (the backing pool closes with it): not held
+          // here any more, so the ingress sends the job (which gave no result) to another holder.
+          if (n.backing.get(msg.model) === backing) throw e;
+          outcome = 'not_held';
+          return encodeMessage({ type: 'error', error: 'not_held', message: `${n.name} no longer holds ${msg.model}` });
+        }
       }
       const entry = this.held(msg.model);
       if (!entry) {
@@ -133,7 +141,7 @@ export class Serving {
   /** What a holder's slots reported at load (heads, a stream's initial embedding history). */
   private async info(data: Uint8Array): Promise<Uint8Array> {
     const { model } = JSON.parse(new TextDecoder().decode(data)) as { model: string };
-    const backing = this.n.remote.has(model) ? this.n.backing.get(model) : undefined;
+    const backing = this.n.runsRemotely(model) ? this.n.backing.get(model) : undefined;
     if (backing) return encodeMessage({ type: 'info', info: backing.pool.info });
     const entry = this.held(model);
     if (!entry)
@@ -156,7 +164,7 @@ export class Serving {
       /** The placement's load lock: the load counts only while it is still that taking. */
       lock?: LockRef;
     };
-    if (body.adopt && this.n.remote.has(body.id)) await this.n.placement.adopt(body.id);
+    if (body.adopt && this.n.runsRemotely(body.id)) await this.n.placement.adopt(body.id);
     else await this.loadHere(body.id, body.fields ?? {}, body.config, body.lock);
     return encodeMessage({ type: 'info', info: {} });
   }
@@ -190,7 +198,7 @@ export class Serving {
       }
     }
     if (!entry) throw voxError('model_not_found', { id, hint: `not on ${n.name}` });
-    if (n.remote.has(id)) await entry.unload(timeout);
+    if (n.runsRemotely(id)) await entry.unload(timeout);
     n.pinned.set(id, lock);
     // A placement of this model waiting here (for the lock another node holds) loads it now: the beat wakes it.
     n.beat();
@@ -199,12 +207,17 @@ export class Serving {
       // A load of it under way here (this node's own request's, which the pin above makes this
       // placement's) answers: a lease would queue behind this node's own requests on the model.
       if (entry.state === 'loading') await entry.settledIn('ready', 'unloaded');
-      if (entry.state === 'ready' && !n.remote.has(id)) return { id, loaded: true, reconfigured: false };
+      if (entry.state === 'ready' && !n.runsRemotely(id)) return { id, loaded: true, reconfigured: false };
       // Nothing to reconfigure: a plain lease (not the exclusive one, which would wait for this
       // node's own requests waiting for the same load).
       const { handle, granted } = leaseGranted(entry, {}, () => {});
       try {
         await granted;
+      } catch (e) {
+        // Refused or revoked (a forced unload) while the load runs: answered once that load has
+        // ended, so the placing node does not start another load of it meanwhile (one in flight).
+        await entry.settledIn('ready', 'unloaded');
+        throw e;
       } finally {
         handle.release();
       }
@@ -244,7 +257,7 @@ export class Serving {
     let which = (ids ?? sup.registeredIds).filter((id) => !except.includes(id));
     if (remoteOnly) {
       // Each barrier placed in this same step (as unloadMany does); the ones still busy are named.
-      which = which.filter((id) => (n.remote.has(id) || n.placement.placing.has(id)) && !n.backing.has(id));
+      which = which.filter((id) => (n.runsRemotely(id) || n.placement.placing.has(id)) && !n.backing.has(id));
       const results = await Promise.allSettled(
         which.map((id) =>
           force ? sup.getOrRegister(id)!.forceUnload() : sup.unloadMany([id], n.config.busy_timeout_ms),

@@ -735,11 +735,11 @@ async function startNodes(w: World, names: string[], memory: number[]): Promise<
       footprint: async (c) => c.slots * 1000,
       log: nodeLog,
       place: (c, signal, local) => {
-        // The placement's first step: without NATS, a local load with no lock (a documented limit).
-        if (node.cluster.connected) return node.cluster.place(c, signal, local);
+        // A load this node decides while it has lost NATS (at the placement's first step, or while it
+        // waited for another node's lock): a local load with no lock (a documented limit).
         const key = `${name}/${c.id}`;
         return node.cluster.place(c, signal, async () => {
-          w.decidedOffline.add(key);
+          if (!node.cluster.connected) w.decidedOffline.add(key);
           try {
             return await local();
           } finally {
