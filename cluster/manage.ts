@@ -171,6 +171,7 @@ export async function handOver(n: ClusterNode): Promise<void> {
     .map((m) => m.id)
     .filter((id) => !n.nodes().some((r) => r.node !== n.name && !r.draining && r.models[id]?.state === 'ready'));
   const moved: string[] = [];
+  const to = new Set<string>();
   await Promise.all(
     sole.map(async (id) => {
       const config = sup.configOf(id);
@@ -193,6 +194,7 @@ export async function handOver(n: ClusterNode): Promise<void> {
             );
             if (await until(n.membership, () => n.holders(id).some((h) => h.node === r.node), end - Date.now())) {
               moved.push(id);
+              to.add(r.node);
               return;
             }
           } catch (e) {
@@ -204,9 +206,14 @@ export async function handOver(n: ClusterNode): Promise<void> {
       }
     }),
   );
-  // The other ingresses hear of the new holders at their heartbeat: one more before this node unloads.
-  if (moved.length)
-    await new Promise((r) => setTimeout(r, Math.min(n.settings.heartbeat_ms, Math.max(0, end - Date.now()))));
+  // The other ingresses hear of the new holders at their heartbeat: this node waits until it has
+  // heard the next heartbeat of each (the others hear it at the same time), within the deadline.
+  const heard = new Map([...to].map((h) => [h, n.membership.getSnapshot().context.view.get(h)]));
+  await until(
+    n.membership,
+    () => [...heard].every(([h, before]) => n.membership.getSnapshot().context.view.get(h) !== before),
+    Math.max(0, Math.min(3 * n.settings.heartbeat_ms, end - Date.now())),
+  );
   n.log.info({ moved, sole }, 'cluster: hand-over done');
 }
 
