@@ -1,12 +1,12 @@
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import type { ServerResponse } from 'node:http';
-import type { AnyStateMachine } from 'xstate';
+import type { AnyActorRef, AnyStateMachine } from 'xstate';
 import type { ClusterNode, HeldModel } from '../cluster/node.js';
 import { httpSocketMachine } from '../actors/http.js';
 import type { InspectionLog } from '../actors/inspection.js';
-import { modelMachine } from '../actors/model.js';
-import { streamPhase, streamSocketMachine } from '../actors/stream.js';
+import { modelMachine, type ModelStatus } from '../actors/model.js';
+import { streamPhase, streamResources, streamSocketMachine } from '../actors/stream.js';
 import { supervisorMachine, type Supervisor } from '../actors/supervisor.js';
 import { systemMachine } from '../actors/system.js';
 import type { StreamLink } from './stream.js';
@@ -65,14 +65,97 @@ export function chartOf(machine: AnyStateMachine): Chart {
   return { id: machine.id, root: walk(machine.root), edges };
 }
 
-/** The charts `/debug` draws: the system root, the supervisor, a model entry, and both socket actors. */
-export const CHARTS: Chart[] = [
-  systemMachine,
-  supervisorMachine,
-  modelMachine,
-  streamSocketMachine,
-  httpSocketMachine,
-].map(chartOf);
+/** The kinds `/debug` always draws, with or without instances: the root, the supervisor, model entries and both socket actors. */
+const DECLARED: [string, AnyStateMachine][] = [
+  ['system', systemMachine],
+  ['supervisor', supervisorMachine],
+  ['model', modelMachine],
+  ['stream', streamSocketMachine],
+  ['http', httpSocketMachine],
+];
+
+/** The charts of the declared kinds (`GET /debug/charts` adds any other machine found running). */
+export const CHARTS: Chart[] = DECLARED.map(([, m]) => chartOf(m));
+
+/** A logic that is a state machine (its `id` names its chart), not a callback or promise actor. */
+function machineOf(ref: AnyActorRef): AnyStateMachine | null {
+  const logic = (ref as { logic?: unknown }).logic as Partial<AnyStateMachine> | undefined;
+  return logic && typeof logic.id === 'string' && logic.root && typeof logic.getInitialSnapshot === 'function'
+    ? (logic as AnyStateMachine)
+    : null;
+}
+
+/**
+ * Every actor `/debug` shows, grouped by kind: the kind of an actor is its machine's `id`
+ * (`model`, `stream`, a cluster chart's own id), so a new chart shows up as one kind without
+ * more work; a root added with a kind of its own (Wyoming's stream sockets) is that kind. Roots
+ * are walked with their children and the `systemId`s of their system; callback and promise
+ * actors are left out (they have no chart). Roots that stopped are forgotten.
+ */
+export class ActorDirectory {
+  private readonly roots = new Map<AnyActorRef, string | undefined>();
+  private readonly sources: [string | undefined, () => Iterable<AnyActorRef>][] = [];
+  /** Kind -> the machine drawn for it (declared ones first, in order, then as found). */
+  private readonly machines = new Map<string, AnyStateMachine>(DECLARED);
+  private readonly charts = new Map<string, Chart>();
+
+  /** Draws `kind` with `machine`'s chart even while it has no instance. */
+  declare(kind: string, machine: AnyStateMachine): void {
+    if (!this.machines.has(kind)) this.machines.set(kind, machine);
+  }
+
+  /** Walks `actor` (and its children) until it stops; `kind` names it instead of its machine's id. */
+  add(actor: AnyActorRef, kind?: string): void {
+    this.roots.set(actor, kind);
+    const drop = (): void => void this.roots.delete(actor);
+    actor.subscribe({ complete: drop, error: drop });
+  }
+
+  /** Walks the actors `list` returns at each look (a transport's set of live sockets). */
+  source(list: () => Iterable<AnyActorRef>, kind?: string): void {
+    this.sources.push([kind, list]);
+  }
+
+  /** Every live actor with a chart, by kind; each kind's machine is {@link machine}. */
+  walk(): Map<string, AnyActorRef[]> {
+    const out = new Map<string, AnyActorRef[]>([...this.machines.keys()].map((k) => [k, []]));
+    const seen = new Set<AnyActorRef>();
+    const visit = (ref: AnyActorRef, kind: string | undefined): void => {
+      if (seen.has(ref)) return;
+      seen.add(ref);
+      const snap = ref.getSnapshot() as { status?: string; children?: Record<string, AnyActorRef> };
+      if (snap.status !== 'active') return;
+      const machine = machineOf(ref);
+      if (machine) {
+        const k = kind ?? machine.id;
+        if (!this.machines.has(k)) this.machines.set(k, machine);
+        if (!out.has(k)) out.set(k, []);
+        out.get(k)!.push(ref);
+      }
+      for (const child of Object.values(snap.children ?? {})) if (child) visit(child, undefined);
+    };
+    const roots: [AnyActorRef, string | undefined][] = [...this.roots];
+    for (const [kind, list] of this.sources) for (const ref of list()) roots.push([ref, kind]);
+    for (const [ref, kind] of roots) {
+      visit(ref, kind);
+      const keyed = (ref as { system?: { getAll?: () => Record<string, AnyActorRef | undefined> } }).system;
+      for (const other of Object.values(keyed?.getAll?.() ?? {})) if (other) visit(other, undefined);
+    }
+    return out;
+  }
+
+  /** The machine drawn for `kind`. */
+  machine(kind: string): AnyStateMachine | undefined {
+    return this.machines.get(kind);
+  }
+
+  /** `GET /debug/charts`: the chart of every kind known so far, once per machine id. */
+  chartList(): Chart[] {
+    this.walk();
+    for (const m of this.machines.values()) if (!this.charts.has(m.id)) this.charts.set(m.id, chartOf(m));
+    return [...this.charts.values()];
+  }
+}
 
 /** Every active state path of a snapshot value (`{resident: {ready: 'idle'}}` -> `resident`, `resident.ready`, `resident.ready.idle`). */
 export function activePaths(value: unknown, prefix = ''): string[] {
@@ -124,17 +207,138 @@ export function clusterView(cluster: ClusterNode): {
   };
 }
 
+/** One actor as a row of its kind's table on `/debug`. */
+export interface DebugInstance {
+  /** The actor's id (`model:vad-a`, `socket:12`, `socket:http:3`); a catalog model not registered yet has `model:<id>`. */
+  id: string;
+  /** What the row is called: the model's id, else the actor's id. */
+  name: string;
+  /** The current state: the active leaves of the chart (a model's status state, `ready`, `unloaded`, ...). */
+  state: string;
+  /** Every active state path, to light on the kind's chart. */
+  active: string[];
+  /** Leases held, as `held/most` (a model: streams and requests on it; HTTP: requests in flight), or null. */
+  leases: string | null;
+  /** What waits (a model's queued requests, the supervisor's pending loads, pipelined HTTP requests), or null. */
+  queue: number | null;
+  /** A few more figures in words. */
+  detail: string;
+}
+
+/** One kind of actor: the chart it is drawn on, how many there are, in which states, and a row per instance. */
+export interface DebugKind {
+  kind: string;
+  /** The chart's id in `GET /debug/charts` (two kinds may share one: Wyoming's sockets are stream sockets). */
+  chart: string;
+  count: number;
+  /** Instances per active state path (every instance, also those past {@link MAX_ROWS}). */
+  states: Record<string, number>;
+  /** At most {@link MAX_ROWS}, in the order found (models by id). */
+  instances: DebugInstance[];
+}
+
+/** The most rows `/debug/state` lists per kind (the counts cover every instance). */
+export const MAX_ROWS = 1000;
+
+/** The active leaves of a set of state paths (those no other path extends). */
+function leaves(active: string[]): string {
+  return active.filter((p) => !active.some((q) => q.startsWith(`${p}.`))).join(', ');
+}
+
+/** Numbers, flags and list lengths of a context, for kinds with no figures of their own. */
+function contextFigures(context: unknown): string {
+  if (!context || typeof context !== 'object') return '';
+  const out: string[] = [];
+  for (const [k, v] of Object.entries(context)) {
+    if (typeof v === 'number' || typeof v === 'boolean') out.push(`${k} ${v}`);
+    else if (Array.isArray(v)) out.push(`${k} ${v.length}`);
+    if (out.length === 6) break;
+  }
+  return out.join(', ');
+}
+
+/** A row for one actor, with the figures its kind has. */
+function rowOf(kind: string, ref: AnyActorRef): DebugInstance {
+  const snap = ref.getSnapshot() as { value: unknown; context: any };
+  const active = activePaths(snap.value);
+  const row: DebugInstance = {
+    id: ref.id,
+    name: ref.id,
+    state: leaves(active),
+    active,
+    leases: null,
+    queue: null,
+    detail: '',
+  };
+  const ctx = snap.context;
+  if (kind === 'supervisor') {
+    row.queue = ctx.pending.length;
+    row.detail = ctx.current ? `cold load of ${ctx.current.id}` : 'gate idle';
+  } else if (kind === 'http') {
+    row.leases = String(ctx.active.length);
+    row.queue = ctx.waiting.length;
+  } else if (kind === 'stream' || kind === 'wyoming') {
+    const url = streamResources(ctx.id)?.url;
+    const model = url ? new URL(url, 'http://localhost').searchParams.get('model') : null;
+    row.detail = `${streamPhase(ref as never)}${model ? `, model ${model}` : ''}`;
+  } else if (kind !== 'system') row.detail = contextFigures(ctx);
+  return row;
+}
+
+/** A model's row: its status (every catalog model, registered or not) and its entry's chart. */
+function modelRow(m: ModelStatus, ref: AnyActorRef | undefined): DebugInstance {
+  const active = activePaths(ref?.getSnapshot().value ?? 'unloaded');
+  const detail = [
+    `${m.task}, slots ${m.active_slots}/${m.slots}`,
+    m.last_eviction ? `evicted (${m.last_eviction.reason})` : '',
+    m.cool_down ? `cooling down (${m.cool_down.failures} failures)` : '',
+    m.last_error ? `last error: ${m.last_error}` : '',
+  ];
+  return {
+    id: `model:${m.id}`,
+    name: m.id,
+    state: m.state,
+    active,
+    leases: `${m.active_leases}/${m.max_streams}`,
+    queue: m.queued_requests,
+    detail: detail.filter(Boolean).join(', '),
+  };
+}
+
+/** Every kind of actor with its instances (`GET /debug/state`'s `kinds`); models are the supervisor's statuses. */
+export function debugKinds(directory: ActorDirectory, statuses: ModelStatus[]): DebugKind[] {
+  const out: DebugKind[] = [];
+  for (const [kind, refs] of directory.walk()) {
+    let rows: DebugInstance[];
+    if (kind === 'model') {
+      const byId = new Map(refs.map((r) => [r.id, r]));
+      rows = statuses.map((m) => modelRow(m, byId.get(`model:${m.id}`)));
+      const named = new Set(rows.map((r) => r.id));
+      rows.push(...refs.filter((r) => !named.has(r.id)).map((r) => rowOf(kind, r)));
+      rows.sort((a, b) => a.name.localeCompare(b.name));
+    } else rows = refs.map((r) => rowOf(kind, r));
+    const states: Record<string, number> = {};
+    for (const r of rows) for (const p of r.active) states[p] = (states[p] ?? 0) + 1;
+    const chart = directory.machine(kind)!.id;
+    out.push({ kind, chart, count: rows.length, states, instances: rows.slice(0, MAX_ROWS) });
+  }
+  return out;
+}
+
 /**
  * `GET /debug/state`: the root's and the supervisor's states (with the supervisor's figures: the
  * load it works for, what it waits for, the victim), every model's status and active states,
- * streams counted by phase with a sample of their states, the last transitions, and the cluster
- * ({@link clusterView}; null for a single node).
+ * streams counted by phase with a sample of their states, the last transitions, the cluster
+ * ({@link clusterView}; null for a single node), and every kind of actor with a row per instance
+ * (`kinds`, {@link debugKinds}: what the page draws, one chart per kind).
+ * @param directory the server's actors; without it, the root's tree and `streams`.
  */
 export function debugState(
   supervisor: Supervisor,
   streams: ReadonlySet<StreamLink>,
   inspection: InspectionLog | null,
   cluster: ClusterNode | null = null,
+  directory?: ActorDirectory,
 ): unknown {
   const counts: Record<string, number> = { open: 0, streaming: 0, draining: 0, closing: 0 };
   const sample: { id: string; phase: string; active: string[] }[] = [];
@@ -145,6 +349,12 @@ export function debugState(
   }
   const sup = supervisor.actor.getSnapshot();
   const { current, room, victim, waitingFor, pending } = sup.context;
+  const statuses = supervisor.statuses();
+  if (!directory) {
+    directory = new ActorDirectory();
+    directory.source(() => [supervisor.root]);
+    directory.source(() => [...streams].map((s) => s.actor));
+  }
   return {
     inspect: inspection !== null,
     root: { state: supervisor.phase, active: activePaths(supervisor.phase) },
@@ -156,13 +366,12 @@ export function debugState(
       victim,
       room,
     },
-    models: supervisor
-      .statuses()
-      .map((m) => ({ ...m, active: activePaths(supervisor.chartValue(m.id) ?? 'unloaded') })),
+    models: statuses.map((m) => ({ ...m, active: activePaths(supervisor.chartValue(m.id) ?? 'unloaded') })),
     streams: counts,
     sockets: sample,
     transitions: inspection ? inspection.recent().slice(-80) : [],
     cluster: cluster ? clusterView(cluster) : null,
+    kinds: debugKinds(directory, statuses),
   };
 }
 

@@ -14,7 +14,8 @@ import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, errorHeaders, requestUrl, sendError, type HttpLink } from './http.js';
 import { createAccess, isLoopback, type Access } from './access.js';
-import { createStreamSocket, finishWaiting, STREAM_QUERY } from '../actors/stream.js';
+import { createStreamSocket, finishWaiting, STREAM_QUERY, streamSocketMachine } from '../actors/stream.js';
+import { ActorDirectory } from './debug.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
@@ -97,6 +98,8 @@ interface Running {
   readonly idleGc: IdleCollector;
   /** The Wyoming listener, once started (`wyoming.enabled`). */
   wyoming: WyomingService | null;
+  /** Every actor `/debug` shows: the root's tree, and each socket actor. */
+  readonly actors: ActorDirectory;
   /** Tells the system root an event, unless it has stopped. */
   tell(event: SystemEvent): void;
 }
@@ -163,6 +166,7 @@ function linkOf(run: Running, socket: Socket): HttpLink {
   );
   const bound = bindHttp(socket, actor);
   run.links.set(socket, bound);
+  run.actors.add(actor);
   drainOnShutdown(supervisor.root, actor);
   const peerGone = (): void => bound.tell({ type: 'PEER_CLOSED' });
   if (socket.destroyed) peerGone();
@@ -448,6 +452,13 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const { root } = supervisor;
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
+  const actors = new ActorDirectory();
+  actors.add(root);
+  actors.source(() => [...streams].map((s) => s.actor));
+  if (config.wyoming.enabled) {
+    actors.declare('wyoming', streamSocketMachine);
+    actors.source(() => [...(run.wyoming?.links ?? [])].map((l) => l.actor), 'wyoming');
+  }
   const run: Running = {
     config,
     supervisor,
@@ -462,6 +473,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Off-heap garbage left by streams and requests is collected once the server idles (issue 25 item 14).
     idleGc: new IdleCollector(() => streams.size > 0 || inflight.size > 0 || (run.wyoming?.links.size ?? 0) > 0),
     wyoming: null,
+    actors,
     tell: (event) => {
       if (root.getSnapshot().status === 'active') root.send(event);
     },
@@ -474,6 +486,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     sse: run.sse,
     inspected,
     cluster,
+    actors,
     demo: config.demo.enabled ?? isLoopback(config.host),
   });
   const handle = requestHandler(run, dispatch);
