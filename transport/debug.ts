@@ -213,7 +213,7 @@ export interface DebugInstance {
   id: string;
   /** What the row is called: the model's id, else the actor's id. */
   name: string;
-  /** The current state: the active leaves of the chart (a model's status state, `ready`, `unloaded`, ...). */
+  /** The current state: the names of the chart's active leaves (a model's: its status state, `ready`, `unloaded`, ...). */
   state: string;
   /** Every active state path, to light on the kind's chart. */
   active: string[];
@@ -240,9 +240,12 @@ export interface DebugKind {
 /** The most rows `/debug/state` lists per kind (the counts cover every instance). */
 export const MAX_ROWS = 1000;
 
-/** The active leaves of a set of state paths (those no other path extends). */
+/** The names of the active leaves of a set of state paths (those no other path extends): `streaming, reading`. */
 function leaves(active: string[]): string {
-  return active.filter((p) => !active.some((q) => q.startsWith(`${p}.`))).join(', ');
+  return active
+    .filter((p) => !active.some((q) => q.startsWith(`${p}.`)))
+    .map((p) => p.split('.').at(-1))
+    .join(', ');
 }
 
 /** Numbers, flags and list lengths of a context, for kinds with no figures of their own. */
@@ -405,10 +408,13 @@ export const ELK_SCRIPT = readFileSync(createRequire(import.meta.url).resolve('e
 
 /**
  * `GET /debug`: a self-contained page. It fetches `/debug/charts` (every machine's definition),
- * lays each out once with elkjs (layered, hierarchy included), and redraws the active states from
- * `/debug/state` twice a second: the root, the supervisor with the figures of the load it works
- * for, one card per model, in a cluster one card per node (the models it holds, free memory,
- * draining), stream sockets counted by phase (click one to see its chart), and the last
+ * lays each out once with elkjs (layered, hierarchy included), and redraws from `/debug/state`
+ * twice a second one card per kind of actor (`kinds`: the root, the supervisor, model entries,
+ * stream, Wyoming and HTTP sockets, and any other chart found running, such as the cluster's):
+ * its chart drawn once, each state marked with how many instances are in it, and a row per
+ * instance (id, state, leases, queue, figures; a filter past ten rows). Selecting a row lights
+ * that instance's states on the chart (a kind of one instance is lit as it is). Then, in a
+ * cluster, one card per node (the models it holds, free memory, draining), and the last
  * transitions with their event payloads.
  */
 export const DEBUG_PAGE = `<!doctype html>
@@ -418,65 +424,90 @@ body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; }
 h1 { font-size: 1.3em; } h2 { font-size: 1.05em; margin: 0.3em 0; }
 .row { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
 .card { border: 1px solid #ccc; border-radius: 6px; padding: 0.6em; }
+.kind { margin-bottom: 1em; } .kind .body { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
+.kind .svg { max-width: 100%; } .kind svg { max-width: 100%; height: auto; }
+.rows { min-width: 24em; flex: 1; } .scroll { max-height: 22em; overflow-y: auto; }
+.rows input { font: inherit; font-size: 12px; margin-bottom: 4px; width: 16em; }
 .meta { color: #555; font-size: 12px; }
 svg text { font: 11px system-ui, sans-serif; }
 .state > rect { fill: #f7f7f7; stroke: #999; }
 .state.compound > rect { fill: none; stroke: #bbb; stroke-dasharray: 4 3; }
+.state.occupied > rect { fill: #dce8f8; }
+.state.compound.occupied > rect { fill: none; stroke: #7fa7dd; }
 .state.current > rect { fill: #2f7de1; stroke: #1b4f91; }
 .state.compound.current > rect { fill: #e8f0fc; stroke: #2f7de1; stroke-dasharray: none; }
 .state.current.atomic > text, .state.current.final > text { fill: white; font-weight: bold; }
+.state .n { font-size: 10px; fill: #1b4f91; font-weight: bold; } .state.current .n { fill: white; }
 .edge path { fill: none; stroke: #999; } .edge text { fill: #666; font-size: 10px; }
-table { border-collapse: collapse; font-size: 12px; } td, th { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
-code { font-size: 11px; } #off { color: #a60; } .sock { cursor: pointer; text-decoration: underline; margin-right: 0.6em; }
+table { border-collapse: collapse; font-size: 12px; }
+td, th { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
+tr.inst { cursor: pointer; } tr.inst:hover { background: #f3f6fb; } tr.inst.selected { background: #dce8f8; }
+code { font-size: 11px; } #off { color: #a60; }
 </style><script src="/debug/elk.js"></script></head><body>
-<h1>voxserve <span id="phase" class="meta"></span></h1>
-<div class="row">
-  <div class="card" id="root-card" data-chart="system"><h2>system root</h2><div class="svg"></div></div>
-  <div class="card" id="sup-card" data-chart="supervisor"><h2>supervisor</h2><div id="figures" class="meta"></div><div class="svg"></div></div>
-</div>
-<h2>models</h2><div id="models" class="row"></div>
+<h1>voxserve <span id="phase" class="meta"></span> <span id="off" class="meta"></span></h1>
+<div id="kinds"></div>
 <h2>cluster <span id="cluster-meta" class="meta"></span></h2><div id="cluster" class="row"></div>
-<h2>sockets <span id="off"></span></h2>
-<div class="meta">streams: <span id="streams"></span></div><div id="socklist" class="meta"></div>
-<div class="row"><div class="card" id="sock-card" data-chart="stream"><h2 id="sock-title">stream socket (click one above)</h2><div class="svg"></div></div>
-<div class="card" data-chart="http"><h2>HTTP socket</h2><div class="svg"></div></div></div>
 <h2>Last transitions</h2>
-<table><thead><tr><th>time</th><th>actor</th><th>event</th><th>payload</th><th>state</th></tr></thead><tbody id="log"></tbody></table>
+<table><thead><tr><th>time</th><th>actor</th><th>event</th><th>payload</th><th>state</th></tr></thead>
+<tbody id="log"></tbody></table>
 <script>
 const token = new URLSearchParams(location.search).get('token');
 const headers = token ? { authorization: 'Bearer ' + token } : {};
 const elk = new ELK();
 const layouts = {};
+const TITLES = { system: 'system root', supervisor: 'supervisor', model: 'model entries', stream: 'stream sockets (WebSocket)',
+  wyoming: 'Wyoming connections', http: 'HTTP connections' };
+/** The instance selected per kind, its card, and the last state read. */
+const selected = {}, cards = {};
+let last = null, fetching = null;
 function esc(s) { return String(s).replace(/[&<>"]/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;' })[c]); }
-function elkNode(n, edges) {
+function elkNode(n) {
   const leaf = !n.children.length;
   // Names are drawn here, not by ELK: atomic states centred, compound ones at their top left.
-  const node = { id: 'n:' + n.id, layoutOptions: { 'elk.padding': '[top=24,left=10,bottom=10,right=10]' }, children: n.children.map((c) => elkNode(c, edges)) };
-  if (leaf) { node.width = Math.max(70, n.key.length * 7 + 16); node.height = 28; }
+  const node = { id: 'n:' + n.id, layoutOptions: { 'elk.padding': '[top=24,left=10,bottom=10,right=10]' },
+    children: n.children.map(elkNode) };
+  if (leaf) { node.width = Math.max(70, n.key.length * 7 + 30); node.height = 28; }
   return node;
 }
 async function layout(chart) {
-  const edges = chart.edges.filter((e) => e.target !== '' && e.source !== '').map((e, i) => ({ id: 'e' + i, sources: ['n:' + e.source], targets: ['n:' + e.target],
-    labels: [{ text: e.label, width: e.label.length * 5.6, height: 11 }] }));
-  const root = elkNode(chart.root, edges);
-  const graph = { id: 'g', layoutOptions: { 'elk.algorithm': 'layered', 'elk.direction': 'RIGHT', 'elk.hierarchyHandling': 'INCLUDE_CHILDREN',
-    'elk.json.edgeCoords': 'ROOT', 'elk.json.shapeCoords': 'ROOT', 'elk.spacing.nodeNode': '18', 'elk.layered.spacing.nodeNodeBetweenLayers': '30', 'elk.edgeLabels.inline': 'true' },
+  const edges = chart.edges.filter((e) => e.target !== '' && e.source !== '').map((e, i) => ({ id: 'e' + i,
+    sources: ['n:' + e.source], targets: ['n:' + e.target], labels: [{ text: e.label, width: e.label.length * 5.6, height: 11 }] }));
+  const root = elkNode(chart.root);
+  const graph = { id: 'g', layoutOptions: { 'elk.algorithm': 'layered', 'elk.direction': 'RIGHT',
+    'elk.hierarchyHandling': 'INCLUDE_CHILDREN', 'elk.json.edgeCoords': 'ROOT', 'elk.json.shapeCoords': 'ROOT',
+    'elk.spacing.nodeNode': '18', 'elk.layered.spacing.nodeNodeBetweenLayers': '30', 'elk.edgeLabels.inline': 'true' },
     children: root.children, edges };
   const done = await elk.layout(graph);
-  return { graph: done, chart };
-}
-function svgOf(lay, active) {
-  const g = lay.graph, on = new Set(active);
-  let out = '<svg width="' + Math.ceil(g.width) + '" height="' + Math.ceil(g.height) + '" data-chart="' + lay.chart.id + '">';
-  out += '<defs><marker id="arr" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker></defs>';
   const types = {};
-  (function index(n) { types['n:' + n.id] = n.type; n.children.forEach(index); })(lay.chart.root);
+  (function index(n) { types[n.id] = n.type; n.children.forEach(index); })(chart.root);
+  return { graph: done, chart, types };
+}
+/** Lays out the charts not laid out yet (a kind seen for the first time: fetched again). */
+async function ensureCharts(ids) {
+  if (ids.every((id) => layouts[id]) || fetching) return fetching;
+  fetching = (async () => {
+    const r = await fetch('/debug/charts', { headers });
+    if (r.ok) for (const c of await r.json()) if (!layouts[c.id]) layouts[c.id] = await layout(c);
+  })().finally(() => { fetching = null; });
+  return fetching;
+}
+/** A chart: the states in \`active\` lit, each state with instances in it marked with their count (\`counts\`). */
+function svgOf(lay, active, counts) {
+  const g = lay.graph, on = new Set(active);
+  const w = Math.ceil(g.width), h = Math.ceil(g.height);
+  // Drawn at its size, or narrower to fit the page (never cut off).
+  let out = '<svg width="' + w + '" viewBox="0 0 ' + w + ' ' + h + '" data-chart="' + esc(lay.chart.id) + '">';
+  out += '<defs><marker id="arr" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6" orient="auto">' +
+    '<path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker></defs>';
   (function draw(nodes) {
     for (const n of nodes || []) {
-      const id = n.id.slice(2), type = types[n.id], name = id.split('.').at(-1), leaf = !(n.children && n.children.length);
-      out += '<g class="state ' + type + (on.has(id) ? ' current' : '') + '" data-state="' + esc(id) + '"><rect x="' + n.x + '" y="' + n.y + '" width="' + n.width + '" height="' + n.height + '" rx="7"/>';
+      const id = n.id.slice(2), type = lay.types[id], name = id.split('.').at(-1), leaf = !(n.children && n.children.length);
+      const count = counts ? counts[id] || 0 : 0;
+      out += '<g class="state ' + type + (on.has(id) ? ' current' : '') + (count ? ' occupied' : '') + '" data-state="' + esc(id) + '"' +
+        (counts ? ' data-count="' + count + '"' : '') + '><rect x="' + n.x + '" y="' + n.y + '" width="' + n.width + '" height="' + n.height + '" rx="7"/>';
       out += leaf ? '<text x="' + (n.x + n.width / 2) + '" y="' + (n.y + n.height / 2 + 4) + '" text-anchor="middle">' + esc(name) + '</text>'
         : '<text x="' + (n.x + 8) + '" y="' + (n.y + 15) + '">' + esc(name) + (type === 'parallel' ? ' (parallel)' : '') + '</text>';
+      if (count) out += '<text class="n" x="' + (n.x + n.width - 5) + '" y="' + (n.y + 11) + '" text-anchor="end">' + count + '</text>';
       out += '</g>';
       draw(n.children);
     }
@@ -491,46 +522,89 @@ function svgOf(lay, active) {
   }
   return out + '</svg>';
 }
-let selected = null;
-function fill(card, chartId, active) { const el = card.querySelector('.svg'); if (layouts[chartId]) el.innerHTML = svgOf(layouts[chartId], active); }
+/** The card of a kind, made once: its title, figures, chart, filter and table. */
+function cardOf(kind) {
+  if (cards[kind]) return cards[kind];
+  const el = document.createElement('section');
+  el.className = 'card kind';
+  el.dataset.kind = kind;
+  el.innerHTML = '<h2>' + esc(TITLES[kind] || kind) + ' <span class="meta count"></span></h2><div class="meta figures"></div>' +
+    '<div class="body"><div class="svg"></div><div class="rows"><input type="search" placeholder="filter by id or state" hidden>' +
+    '<div class="meta hint"></div><div class="scroll"><table><thead><tr><th>id</th><th>state</th><th>leases</th><th>queue</th>' +
+    '<th></th></tr></thead><tbody></tbody></table></div></div></div>';
+  el.querySelector('input').oninput = () => draw(kind);
+  el.querySelector('tbody').onclick = (ev) => {
+    const tr = ev.target.closest('tr.inst');
+    if (!tr) return;
+    selected[kind] = selected[kind] === tr.dataset.id ? undefined : tr.dataset.id;
+    draw(kind);
+  };
+  document.getElementById('kinds').appendChild(el);
+  return (cards[kind] = el);
+}
+/** Redraws one kind's card from the last state read. */
+function draw(kind) {
+  const k = last && last.kinds.find((x) => x.kind === kind);
+  if (!k) return;
+  const card = cardOf(kind), lay = layouts[k.chart];
+  const sel = k.instances.find((i) => i.id === selected[kind]) || (k.count === 1 ? k.instances[0] : null);
+  const leaves = Object.entries(k.states).filter(([p]) => lay && ['atomic', 'final'].includes(lay.types[p]));
+  card.querySelector('.count').textContent = k.count + (k.count === 1 ? ' instance' : ' instances') +
+    (k.count > 1 && leaves.length ? ': ' + leaves.map(([p, n]) => p.split('.').at(-1) + ' ' + n).join(', ') : '');
+  if (lay) card.querySelector('.svg').innerHTML = svgOf(lay, sel ? sel.active : [], k.count > 1 ? k.states : null);
+  const input = card.querySelector('input'), q = input.value.trim().toLowerCase();
+  input.hidden = k.count <= 10;
+  const rows = q ? k.instances.filter((i) => (i.name + ' ' + i.id + ' ' + i.state).toLowerCase().includes(q)) : k.instances;
+  card.querySelector('.hint').textContent = (k.count > 1 ? (sel ? 'lit: ' + sel.name + ' (click it again to clear)' : 'click a row to light its states') : '') +
+    (k.instances.length < k.count ? '; the first ' + k.instances.length + ' of ' + k.count + ' are listed' : '') +
+    (q ? '; ' + rows.length + ' match' : '');
+  card.querySelector('tbody').innerHTML = rows.map((i) => '<tr class="inst' + (sel && sel.id === i.id ? ' selected' : '') + '" data-id="' + esc(i.id) + '"' +
+    (kind === 'model' ? ' data-model="' + esc(i.name) + '" data-state="' + esc(i.state) + '"' : '') + '><td><b>' + esc(i.name) + '</b></td><td>' +
+    esc(i.state) + '</td><td>' + (i.leases === null ? '' : esc(i.leases)) + '</td><td>' + (i.queue === null ? '' : i.queue) + '</td><td class="meta">' +
+    esc(i.detail) + '</td></tr>').join('');
+}
+function supervisorFigures(s) {
+  const room = s.room;
+  return s.loading_for ? 'cold load of <b>' + esc(s.loading_for) + '</b>' + (s.waiting_for ? ', waiting for ' + s.waiting_for : '') +
+    (s.victim ? ', victim ' + esc(s.victim.id) + ' (' + s.victim.reason + ')' : '') + (room ? '<br>resident: ' + esc(room.resident.join(', ') || 'none') +
+    '; retiring: ' + esc(room.retiring.join(', ') || 'none') + '; candidates: ' + esc(room.candidates.join(', ') || 'none') +
+    (room.headroom_bytes ? '; needs ' + room.needed_bytes + ' + ' + room.headroom_bytes + ' B, free ' + room.free_bytes + ' B' : '') : '') +
+    (s.pending.length ? '<br>pending: ' + esc(s.pending.join(', ')) : '') : 'gate idle';
+}
+function drawCluster(c) {
+  document.getElementById('cluster-meta').textContent = c ? 'this node: ' + c.node + ', NATS ' + (c.nats.connected ? 'connected' : 'disconnected') +
+    ' (' + c.nats.url + '), heartbeat ' + c.heartbeat_ms + ' ms' : '(a single node: no cluster configured)';
+  document.getElementById('cluster').innerHTML = c ? c.nodes.map((n) =>
+    '<div class="card node" data-node="' + esc(n.node) + '"><h2>' + esc(n.node) + ' <span class="meta">' + (n.node === c.node ? 'this node' : 'seen ' +
+    n.last_seen_ms + ' ms ago') + (n.draining ? ', <b>draining</b>' : '') + '</span></h2>' + '<div class="meta">' + esc(n.url) + '<br>free memory ' +
+    (n.free_bytes / 1048576).toFixed(0) + ' MiB' + (n.max_loaded_models ? ', at most ' + n.max_loaded_models + ' models' : '') + '</div>' +
+    '<table><tbody>' + (n.models.length ? n.models.map((m) => '<tr data-model="' + esc(m.id) + '"><td><b>' + esc(m.id) + '</b></td><td>' + esc(m.state) +
+    '</td><td>slots ' + (m.slots - m.free_slots) + '/' + m.slots + '</td><td>queued ' + m.queued + '</td><td>' + (m.resident_bytes / 1048576).toFixed(1) +
+    ' MiB</td></tr>').join('') : '<tr><td class="meta">holds no model</td></tr>') + '</tbody></table></div>').join('') : '';
+}
 async function refresh() {
   const r = await fetch('/debug/state', { headers });
-  if (!r.ok) { document.getElementById('phase').textContent = r.status === 403 ? (token ? 'HTTP 403: the token is not the management.token of this server' : 'this server has a management token: open /debug?token=<management.token>') : 'HTTP ' + r.status; return; }
+  if (!r.ok) {
+    document.getElementById('phase').textContent = r.status === 403 ? (token ? 'HTTP 403: the token is not the management.token of this server'
+      : 'this server has a management token: open /debug?token=<management.token>') : 'HTTP ' + r.status;
+    return;
+  }
   const d = await r.json();
+  await ensureCharts(d.kinds.map((k) => k.chart));
+  last = d;
   document.getElementById('phase').textContent = 'system: ' + d.root.state + ', supervisor: ' + d.supervisor.active.at(-1);
-  fill(document.getElementById('root-card'), 'system', d.root.active);
-  fill(document.getElementById('sup-card'), 'supervisor', d.supervisor.active);
-  const s = d.supervisor, room = s.room;
-  document.getElementById('figures').innerHTML = s.loading_for ? 'cold load of <b>' + esc(s.loading_for) + '</b>' + (s.waiting_for ? ', waiting for ' + s.waiting_for : '') +
-    (s.victim ? ', victim ' + esc(s.victim.id) + ' (' + s.victim.reason + ')' : '') + (room ? '<br>resident: ' + esc(room.resident.join(', ') || 'none') + '; retiring: ' + esc(room.retiring.join(', ') || 'none') +
-    '; candidates: ' + esc(room.candidates.join(', ') || 'none') + (room.headroom_bytes ? '; needs ' + room.needed_bytes + ' + ' + room.headroom_bytes + ' B, free ' + room.free_bytes + ' B' : '') : '') +
-    (s.pending.length ? '<br>pending: ' + esc(s.pending.join(', ')) : '') : 'gate idle';
-  document.getElementById('models').innerHTML = d.models.map((m) =>
-    '<div class="card model" data-model="' + esc(m.id) + '" data-state="' + m.state + '"><h2>' + esc(m.id) + ' <span class="meta">' + m.task + ', ' + m.state + '</span></h2>' +
-    '<div class="meta">slots ' + m.active_slots + '/' + m.slots + ', leases ' + m.active_leases + '/' + m.max_streams + ', queued ' + m.queued_requests +
-    (m.last_eviction ? ', evicted (' + m.last_eviction.reason + ')' : '') + (m.last_error ? ', last error: ' + esc(m.last_error) : '') + '</div>' +
-    (layouts.model ? svgOf(layouts.model, m.active) : '') + '</div>').join('');
-  const c = d.cluster;
-  document.getElementById('cluster-meta').textContent = c ? 'this node: ' + c.node + ', NATS ' + (c.nats.connected ? 'connected' : 'disconnected') + ' (' + c.nats.url + '), heartbeat ' + c.heartbeat_ms + ' ms' : '(a single node: no cluster configured)';
-  document.getElementById('cluster').innerHTML = c ? c.nodes.map((n) =>
-    '<div class="card node" data-node="' + esc(n.node) + '"><h2>' + esc(n.node) + ' <span class="meta">' + (n.node === c.node ? 'this node' : 'seen ' + n.last_seen_ms + ' ms ago') + (n.draining ? ', <b>draining</b>' : '') + '</span></h2>' +
-    '<div class="meta">' + esc(n.url) + '<br>free memory ' + (n.free_bytes / 1048576).toFixed(0) + ' MiB' + (n.max_loaded_models ? ', at most ' + n.max_loaded_models + ' models' : '') + '</div>' +
-    '<table><tbody>' + (n.models.length ? n.models.map((m) => '<tr data-model="' + esc(m.id) + '"><td><b>' + esc(m.id) + '</b></td><td>' + esc(m.state) + '</td><td>slots ' + (m.slots - m.free_slots) + '/' + m.slots + '</td><td>queued ' + m.queued + '</td><td>' + (m.resident_bytes / 1048576).toFixed(1) + ' MiB</td></tr>').join('') : '<tr><td class="meta">holds no model</td></tr>') + '</tbody></table></div>').join('') : '';
-  document.getElementById('streams').textContent = Object.entries(d.streams).map(([k, v]) => k + ' ' + v).join(', ');
   document.getElementById('off').textContent = d.inspect ? '' : '(inspection is off: start with --inspect to see transitions)';
-  document.getElementById('socklist').innerHTML = d.sockets.map((k) => '<span class="sock" data-socket="' + esc(k.id) + '">' + esc(k.id) + ' (' + k.phase + ')</span>').join('');
-  for (const el of document.querySelectorAll('.sock')) el.onclick = () => { selected = el.dataset.socket; refresh(); };
-  const sock = d.sockets.find((k) => k.id === selected);
-  document.getElementById('sock-title').textContent = sock ? 'stream socket ' + sock.id : 'stream socket (click one above)';
-  fill(document.getElementById('sock-card'), 'stream', sock ? sock.active : []);
-  fill(document.querySelector('[data-chart="http"]'), 'http', []);
+  for (const k of d.kinds) draw(k.kind);
+  const sup = cards.supervisor;
+  if (sup) sup.querySelector('.figures').innerHTML = supervisorFigures(d.supervisor);
+  if (cards.stream) cards.stream.querySelector('.figures').textContent = 'by phase: ' + Object.entries(d.streams).map(([k, v]) => k + ' ' + v).join(', ');
+  drawCluster(d.cluster);
   document.getElementById('log').innerHTML = d.transitions.slice().reverse().map((t) =>
-    '<tr><td>' + new Date(t.at).toISOString().slice(11, 23) + '</td><td>' + esc(t.actor) + '</td><td>' + esc(t.event || t.kind) + '</td><td><code>' + esc(t.payload ? JSON.stringify(t.payload) : t.context ? JSON.stringify(t.context) : '') +
-    '</code></td><td>' + esc(t.state || '') + '</td></tr>').join('');
+    '<tr><td>' + new Date(t.at).toISOString().slice(11, 23) + '</td><td>' + esc(t.actor) + '</td><td>' + esc(t.event || t.kind) + '</td><td><code>' +
+    esc(t.payload ? JSON.stringify(t.payload) : t.context ? JSON.stringify(t.context) : '') + '</code></td><td>' + esc(t.state || '') + '</td></tr>').join('');
 }
 (async () => {
-  const r = await fetch('/debug/charts', { headers });
-  if (r.ok) for (const c of await r.json()) layouts[c.id] = await layout(c);
+  await ensureCharts(['system']);
   await refresh();
   setInterval(refresh, 500);
 })();
