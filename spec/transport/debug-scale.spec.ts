@@ -89,7 +89,7 @@ describe('/debug with 50 registered models', () => {
     // The first draw waits for the charts' layout (elkjs), slow on a loaded machine.
     await page.waitForFunction(
       (names) => {
-        const text = document.body.innerText;
+        const text = document.body.textContent ?? '';
         return document.querySelector('svg[data-chart="model"]') && names.every((n) => text.includes(n));
       },
       ids,
