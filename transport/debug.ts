@@ -431,13 +431,13 @@ h1 { font-size: 1.3em; } h2 { font-size: 1.05em; margin: 0.3em 0; }
 .meta { color: #555; font-size: 12px; }
 svg text { font: 11px system-ui, sans-serif; }
 .state > rect { fill: #f7f7f7; stroke: #999; }
-.state.compound > rect { fill: none; stroke: #bbb; stroke-dasharray: 4 3; }
+.state.compound > rect, .state.parallel > rect { fill: none; stroke: #bbb; stroke-dasharray: 4 3; }
 .state.occupied > rect { fill: #dce8f8; }
-.state.compound.occupied > rect { fill: none; stroke: #7fa7dd; }
+.state.compound.occupied > rect, .state.parallel.occupied > rect { fill: none; stroke: #7fa7dd; }
 .state.current > rect { fill: #2f7de1; stroke: #1b4f91; }
-.state.compound.current > rect { fill: #e8f0fc; stroke: #2f7de1; stroke-dasharray: none; }
+.state.compound.current > rect, .state.parallel.current > rect { fill: #e8f0fc; stroke: #2f7de1; stroke-dasharray: none; }
 .state.current.atomic > text, .state.current.final > text { fill: white; font-weight: bold; }
-.state .n { font-size: 10px; fill: #1b4f91; font-weight: bold; } .state.current .n { fill: white; }
+.state .n { font-size: 10px; fill: #1b4f91; font-weight: bold; } .state.current.atomic > .n { fill: white; }
 .edge path { fill: none; stroke: #999; } .edge text { fill: #666; font-size: 10px; }
 table { border-collapse: collapse; font-size: 12px; }
 td, th { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
