@@ -425,7 +425,7 @@ h1 { font-size: 1.3em; } h2 { font-size: 1.05em; margin: 0.3em 0; }
 .row { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
 .card { border: 1px solid #ccc; border-radius: 6px; padding: 0.6em; }
 .kind { margin-bottom: 1em; } .kind .body { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
-.kind .svg { max-width: 100%; } .kind svg { max-width: 100%; height: auto; }
+.kind .svg { width: 100%; overflow-x: auto; }
 .rows { min-width: 24em; flex: 1; } .scroll { max-height: 22em; overflow-y: auto; }
 .rows input { font: inherit; font-size: 12px; margin-bottom: 4px; width: 16em; }
 .meta { color: #555; font-size: 12px; }
@@ -495,8 +495,9 @@ async function ensureCharts(ids) {
 function svgOf(lay, active, counts) {
   const g = lay.graph, on = new Set(active);
   const w = Math.ceil(g.width), h = Math.ceil(g.height);
-  // Drawn at its size, or narrower to fit the page (never cut off).
-  let out = '<svg width="' + w + '" viewBox="0 0 ' + w + ' ' + h + '" data-chart="' + esc(lay.chart.id) + '">';
+  // Drawn at its size, or narrower to fit the page down to 70 % (its card scrolls past that).
+  let out = '<svg viewBox="0 0 ' + w + ' ' + h + '" style="width: 100%; max-width: ' + w + 'px; min-width: ' + Math.round(w * 0.7) +
+    'px; height: auto" data-chart="' + esc(lay.chart.id) + '">';
   out += '<defs><marker id="arr" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6" orient="auto">' +
     '<path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker></defs>';
   (function draw(nodes) {

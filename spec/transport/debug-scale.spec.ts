@@ -25,6 +25,7 @@ beforeAll(async () => {
       log_level: 'silent',
       port: 0,
       management: { enabled: true },
+      debug: { inspect: true },
       models: ids.map((id) => ({ id, task: 'vad', path: silero })),
     }),
   );
@@ -124,6 +125,10 @@ describe('/debug with 50 registered models', () => {
     // A stream's row lights the stream chart.
     await page.click('section[data-kind="stream"] tr.inst >> nth=0');
     await page.waitForSelector('svg[data-chart="stream"] .state.current[data-state="live.phase.streaming"]');
+    // docs/debug.png is this page with vad-07 lit, wide enough for the model chart to fit.
+    await page.setViewportSize({ width: 1900, height: 1000 });
+    await page.click('tr[data-model="vad-07"]');
+    await page.waitForSelector('svg[data-chart="model"] .state.current[data-state="resident.ready"]');
     mkdirSync('spec/artifacts', { recursive: true });
     await page.screenshot({ path: 'spec/artifacts/debug-scale.png', fullPage: true });
     await page.close();
