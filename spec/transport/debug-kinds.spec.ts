@@ -5,12 +5,14 @@
  * in an {@link ActorDirectory}, then spawned into a running server's actor system, where the page
  * fetches their chart once they appear and lights a selected placement's state.
  */
+import { connect } from 'node:net';
 import { chromium } from 'playwright-core';
 import { describe, expect, it } from 'vitest';
 import { createActor, createMachine, fromCallback, setup, spawnChild } from 'xstate';
 import { ServerConfig } from '../../runtime/config.js';
 import { ActorDirectory, debugKinds } from '../../transport/debug.js';
 import { startServer } from '../../transport/server.js';
+import { until } from '../helpers.js';
 
 const membership = createMachine({
   id: 'membership',
@@ -62,6 +64,31 @@ describe('/debug kinds', () => {
     expect(charts.slice(5).sort()).toEqual(['fake-root', 'membership', 'placement']);
     actor.stop();
     expect(debugKinds(dir, []).find((k) => k.kind === 'placement')!.count).toBe(0);
+  });
+
+  it('Wyoming connections are a kind of their own, drawn on the stream chart they run', async () => {
+    const server = await startServer(
+      ServerConfig.parse({
+        log_level: 'silent',
+        port: 0,
+        management: { enabled: true },
+        wyoming: { enabled: true, port: 0 },
+      }),
+    );
+    const state = async (): Promise<any> => (await fetch(`${server.url}/debug/state`)).json();
+    const kind = async (k: string): Promise<any> => (await state()).kinds.find((x: any) => x.kind === k);
+    const socket = connect(server.wyoming!.port, '127.0.0.1');
+    try {
+      expect((await (await fetch(`${server.url}/debug/charts`)).json()).map((c: any) => c.id)).toContain('stream');
+      await until(async () => (await kind('wyoming')).count === 1, 5000);
+      const wyoming = await kind('wyoming');
+      expect(wyoming).toMatchObject({ chart: 'stream', count: 1 });
+      expect(wyoming.instances[0].id).toMatch(/^socket:\d+$/);
+      expect((await kind('stream')).count).toBe(0);
+    } finally {
+      socket.destroy();
+      await server.close();
+    }
   });
 
   it('a kind that appears in a running server gets its chart on the page, and its rows light it', async () => {
