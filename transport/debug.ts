@@ -65,7 +65,10 @@ export function chartOf(machine: AnyStateMachine): Chart {
   return { id: machine.id, root: walk(machine.root), edges };
 }
 
-/** The kinds `/debug` always draws, with or without instances: the root, the supervisor, model entries and both socket actors. */
+/**
+ * The kinds `/debug` always draws, with or without instances: the root, the supervisor, model
+ * entries and both socket actors.
+ */
 const DECLARED: [string, AnyStateMachine][] = [
   ['system', systemMachine],
   ['supervisor', supervisorMachine],
@@ -157,7 +160,10 @@ export class ActorDirectory {
   }
 }
 
-/** Every active state path of a snapshot value (`{resident: {ready: 'idle'}}` -> `resident`, `resident.ready`, `resident.ready.idle`). */
+/**
+ * Every active state path of a snapshot value (`{resident: {ready: 'idle'}}` -> `resident`,
+ * `resident.ready`, `resident.ready.idle`).
+ */
 export function activePaths(value: unknown, prefix = ''): string[] {
   const join = (k: string): string => (prefix ? `${prefix}.${k}` : k);
   if (typeof value === 'string') return [join(value)];
@@ -209,11 +215,11 @@ export function clusterView(cluster: ClusterNode): {
 
 /** One actor as a row of its kind's table on `/debug`. */
 export interface DebugInstance {
-  /** The actor's id (`model:vad-a`, `socket:12`, `socket:http:3`); a catalog model not registered yet has `model:<id>`. */
+  /** The actor's id (`model:vad-a`, `socket:12`, `socket:http:3`); a catalog model not registered yet: `model:<id>`. */
   id: string;
   /** What the row is called: the model's id, else the actor's id. */
   name: string;
-  /** The current state: the names of the chart's active leaves (a model's: its status state, `ready`, `unloaded`, ...). */
+  /** The current state: the names of the chart's active leaves (a model's: its status state, `ready`, ...). */
   state: string;
   /** Every active state path, to light on the kind's chart. */
   active: string[];
@@ -435,7 +441,9 @@ svg text { font: 11px system-ui, sans-serif; }
 .state.occupied > rect { fill: #dce8f8; }
 .state.compound.occupied > rect, .state.parallel.occupied > rect { fill: none; stroke: #7fa7dd; }
 .state.current > rect { fill: #2f7de1; stroke: #1b4f91; }
-.state.compound.current > rect, .state.parallel.current > rect { fill: #e8f0fc; stroke: #2f7de1; stroke-dasharray: none; }
+.state.compound.current > rect, .state.parallel.current > rect {
+  fill: #e8f0fc; stroke: #2f7de1; stroke-dasharray: none;
+}
 .state.current.atomic > text, .state.current.final > text { fill: white; font-weight: bold; }
 .state .n { font-size: 10px; fill: #1b4f91; font-weight: bold; } .state.current.atomic > .n { fill: white; }
 .edge path { fill: none; stroke: #999; } .edge text { fill: #666; font-size: 10px; }
@@ -455,12 +463,13 @@ const token = new URLSearchParams(location.search).get('token');
 const headers = token ? { authorization: 'Bearer ' + token } : {};
 const elk = new ELK();
 const layouts = {};
-const TITLES = { system: 'system root', supervisor: 'supervisor', model: 'model entries', stream: 'stream sockets (WebSocket)',
-  wyoming: 'Wyoming connections', http: 'HTTP connections' };
+const TITLES = { system: 'system root', supervisor: 'supervisor', model: 'model entries',
+  stream: 'stream sockets (WebSocket)', wyoming: 'Wyoming connections', http: 'HTTP connections' };
 /** The instance selected per kind, its card, and the last state read. */
 const selected = {}, cards = {};
 let last = null, fetching = null;
-function esc(s) { return String(s).replace(/[&<>"]/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;' })[c]); }
+const ENTITIES = { '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;' };
+function esc(s) { return String(s).replace(/[&<>"]/g, (c) => ENTITIES[c]); }
 function elkNode(n) {
   const leaf = !n.children.length;
   // Names are drawn here, not by ELK: atomic states centred, compound ones at their top left.
@@ -471,7 +480,8 @@ function elkNode(n) {
 }
 async function layout(chart) {
   const edges = chart.edges.filter((e) => e.target !== '' && e.source !== '').map((e, i) => ({ id: 'e' + i,
-    sources: ['n:' + e.source], targets: ['n:' + e.target], labels: [{ text: e.label, width: e.label.length * 5.6, height: 11 }] }));
+    sources: ['n:' + e.source], targets: ['n:' + e.target],
+    labels: [{ text: e.label, width: e.label.length * 5.6, height: 11 }] }));
   const root = elkNode(chart.root);
   const graph = { id: 'g', layoutOptions: { 'elk.algorithm': 'layered', 'elk.direction': 'RIGHT',
     'elk.hierarchyHandling': 'INCLUDE_CHILDREN', 'elk.json.edgeCoords': 'ROOT', 'elk.json.shapeCoords': 'ROOT',
@@ -496,19 +506,25 @@ function svgOf(lay, active, counts) {
   const g = lay.graph, on = new Set(active);
   const w = Math.ceil(g.width), h = Math.ceil(g.height);
   // Drawn at its size, or narrower to fit the page down to 70 % (its card scrolls past that).
-  let out = '<svg viewBox="0 0 ' + w + ' ' + h + '" style="width: 100%; max-width: ' + w + 'px; min-width: ' + Math.round(w * 0.7) +
-    'px; height: auto" data-chart="' + esc(lay.chart.id) + '">';
-  out += '<defs><marker id="arr" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6" orient="auto">' +
-    '<path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker></defs>';
+  let out = '<svg viewBox="0 0 ' + w + ' ' + h + '" style="width: 100%; max-width: ' + w + 'px; min-width: ' +
+    Math.round(w * 0.7) + 'px; height: auto" data-chart="' + esc(lay.chart.id) + '">';
+  out += '<defs><marker id="arr" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6" ' +
+    'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker></defs>';
   (function draw(nodes) {
     for (const n of nodes || []) {
-      const id = n.id.slice(2), type = lay.types[id], name = id.split('.').at(-1), leaf = !(n.children && n.children.length);
-      const count = counts ? counts[id] || 0 : 0;
-      out += '<g class="state ' + type + (on.has(id) ? ' current' : '') + (count ? ' occupied' : '') + '" data-state="' + esc(id) + '"' +
-        (counts ? ' data-count="' + count + '"' : '') + '><rect x="' + n.x + '" y="' + n.y + '" width="' + n.width + '" height="' + n.height + '" rx="7"/>';
-      out += leaf ? '<text x="' + (n.x + n.width / 2) + '" y="' + (n.y + n.height / 2 + 4) + '" text-anchor="middle">' + esc(name) + '</text>'
-        : '<text x="' + (n.x + 8) + '" y="' + (n.y + 15) + '">' + esc(name) + (type === 'parallel' ? ' (parallel)' : '') + '</text>';
-      if (count) out += '<text class="n" x="' + (n.x + n.width - 5) + '" y="' + (n.y + 11) + '" text-anchor="end">' + count + '</text>';
+      const id = n.id.slice(2), type = lay.types[id], name = id.split('.').at(-1);
+      const leaf = !(n.children && n.children.length), count = counts ? counts[id] || 0 : 0;
+      out += '<g class="state ' + type + (on.has(id) ? ' current' : '') + (count ? ' occupied' : '') +
+        '" data-state="' + esc(id) + '"' + (counts ? ' data-count="' + count + '"' : '') + '><rect x="' + n.x +
+        '" y="' + n.y + '" width="' + n.width + '" height="' + n.height + '" rx="7"/>';
+      out += leaf
+        ? '<text x="' + (n.x + n.width / 2) + '" y="' + (n.y + n.height / 2 + 4) + '" text-anchor="middle">' +
+          esc(name) + '</text>'
+        : '<text x="' + (n.x + 8) + '" y="' + (n.y + 15) + '">' + esc(name) +
+          (type === 'parallel' ? ' (parallel)' : '') + '</text>';
+      if (count)
+        out += '<text class="n" x="' + (n.x + n.width - 5) + '" y="' + (n.y + 11) + '" text-anchor="end">' +
+          count + '</text>';
       out += '</g>';
       draw(n.children);
     }
@@ -529,10 +545,11 @@ function cardOf(kind) {
   const el = document.createElement('section');
   el.className = 'card kind';
   el.dataset.kind = kind;
-  el.innerHTML = '<h2>' + esc(TITLES[kind] || kind) + ' <span class="meta count"></span></h2><div class="meta figures"></div>' +
-    '<div class="body"><div class="svg"></div><div class="rows"><input type="search" placeholder="filter by id or state" hidden>' +
-    '<div class="meta hint"></div><div class="scroll"><table><thead><tr><th>id</th><th>state</th><th>leases</th><th>queue</th>' +
-    '<th></th></tr></thead><tbody></tbody></table></div></div></div>';
+  el.innerHTML = '<h2>' + esc(TITLES[kind] || kind) + ' <span class="meta count"></span></h2>' +
+    '<div class="meta figures"></div><div class="body"><div class="svg"></div><div class="rows">' +
+    '<input type="search" placeholder="filter by id or state" hidden><div class="meta hint"></div>' +
+    '<div class="scroll"><table><thead><tr><th>id</th><th>state</th><th>leases</th><th>queue</th><th></th></tr>' +
+    '</thead><tbody></tbody></table></div></div></div>';
   el.querySelector('input').oninput = () => draw(kind);
   el.querySelector('tbody').onclick = (ev) => {
     const tr = ev.target.closest('tr.inst');
@@ -542,6 +559,13 @@ function cardOf(kind) {
   };
   document.getElementById('kinds').appendChild(el);
   return (cards[kind] = el);
+}
+/** One instance's row (a model's also carries \`data-model\` and its status state). */
+function rowOf(kind, i, sel) {
+  return '<tr class="inst' + (sel && sel.id === i.id ? ' selected' : '') + '" data-id="' + esc(i.id) + '"' +
+    (kind === 'model' ? ' data-model="' + esc(i.name) + '" data-state="' + esc(i.state) + '"' : '') + '><td><b>' +
+    esc(i.name) + '</b></td><td>' + esc(i.state) + '</td><td>' + (i.leases === null ? '' : esc(i.leases)) +
+    '</td><td>' + (i.queue === null ? '' : i.queue) + '</td><td class="meta">' + esc(i.detail) + '</td></tr>';
 }
 /** Redraws one kind's card from the last state read. */
 function draw(kind) {
@@ -555,54 +579,72 @@ function draw(kind) {
   if (lay) card.querySelector('.svg').innerHTML = svgOf(lay, sel ? sel.active : [], k.count > 1 ? k.states : null);
   const input = card.querySelector('input'), q = input.value.trim().toLowerCase();
   input.hidden = k.count <= 10;
-  const rows = q ? k.instances.filter((i) => (i.name + ' ' + i.id + ' ' + i.state).toLowerCase().includes(q)) : k.instances;
-  card.querySelector('.hint').textContent = (k.count > 1 ? (sel ? 'lit: ' + sel.name + ' (click it again to clear)' : 'click a row to light its states') : '') +
+  const rows = q
+    ? k.instances.filter((i) => (i.name + ' ' + i.id + ' ' + i.state).toLowerCase().includes(q))
+    : k.instances;
+  const lit = sel ? 'lit: ' + sel.name + ' (click it again to clear)' : 'click a row to light its states';
+  card.querySelector('.hint').textContent = (k.count > 1 ? lit : '') +
     (k.instances.length < k.count ? '; the first ' + k.instances.length + ' of ' + k.count + ' are listed' : '') +
     (q ? '; ' + rows.length + ' match' : '');
-  card.querySelector('tbody').innerHTML = rows.map((i) => '<tr class="inst' + (sel && sel.id === i.id ? ' selected' : '') + '" data-id="' + esc(i.id) + '"' +
-    (kind === 'model' ? ' data-model="' + esc(i.name) + '" data-state="' + esc(i.state) + '"' : '') + '><td><b>' + esc(i.name) + '</b></td><td>' +
-    esc(i.state) + '</td><td>' + (i.leases === null ? '' : esc(i.leases)) + '</td><td>' + (i.queue === null ? '' : i.queue) + '</td><td class="meta">' +
-    esc(i.detail) + '</td></tr>').join('');
+  card.querySelector('tbody').innerHTML = rows.map((i) => rowOf(kind, i, sel)).join('');
 }
 function supervisorFigures(s) {
-  const room = s.room;
-  return s.loading_for ? 'cold load of <b>' + esc(s.loading_for) + '</b>' + (s.waiting_for ? ', waiting for ' + s.waiting_for : '') +
-    (s.victim ? ', victim ' + esc(s.victim.id) + ' (' + s.victim.reason + ')' : '') + (room ? '<br>resident: ' + esc(room.resident.join(', ') || 'none') +
-    '; retiring: ' + esc(room.retiring.join(', ') || 'none') + '; candidates: ' + esc(room.candidates.join(', ') || 'none') +
-    (room.headroom_bytes ? '; needs ' + room.needed_bytes + ' + ' + room.headroom_bytes + ' B, free ' + room.free_bytes + ' B' : '') : '') +
-    (s.pending.length ? '<br>pending: ' + esc(s.pending.join(', ')) : '') : 'gate idle';
+  if (!s.loading_for) return 'gate idle';
+  const room = s.room, list = (xs) => esc(xs.join(', ') || 'none');
+  return 'cold load of <b>' + esc(s.loading_for) + '</b>' + (s.waiting_for ? ', waiting for ' + s.waiting_for : '') +
+    (s.victim ? ', victim ' + esc(s.victim.id) + ' (' + s.victim.reason + ')' : '') +
+    (room ? '<br>resident: ' + list(room.resident) + '; retiring: ' + list(room.retiring) + '; candidates: ' +
+      list(room.candidates) + (room.headroom_bytes ? '; needs ' + room.needed_bytes + ' + ' + room.headroom_bytes +
+      ' B, free ' + room.free_bytes + ' B' : '') : '') +
+    (s.pending.length ? '<br>pending: ' + esc(s.pending.join(', ')) : '');
+}
+function nodeCard(c, n) {
+  const mib = (b, digits) => (b / 1048576).toFixed(digits) + ' MiB';
+  const models = n.models.length
+    ? n.models.map((m) => '<tr data-model="' + esc(m.id) + '"><td><b>' + esc(m.id) + '</b></td><td>' + esc(m.state) +
+      '</td><td>slots ' + (m.slots - m.free_slots) + '/' + m.slots + '</td><td>queued ' + m.queued + '</td><td>' +
+      mib(m.resident_bytes, 1) + '</td></tr>').join('')
+    : '<tr><td class="meta">holds no model</td></tr>';
+  return '<div class="card node" data-node="' + esc(n.node) + '"><h2>' + esc(n.node) + ' <span class="meta">' +
+    (n.node === c.node ? 'this node' : 'seen ' + n.last_seen_ms + ' ms ago') + (n.draining ? ', <b>draining</b>' : '') +
+    '</span></h2><div class="meta">' + esc(n.url) + '<br>free memory ' + mib(n.free_bytes, 0) +
+    (n.max_loaded_models ? ', at most ' + n.max_loaded_models + ' models' : '') + '</div><table><tbody>' + models +
+    '</tbody></table></div>';
 }
 function drawCluster(c) {
-  document.getElementById('cluster-meta').textContent = c ? 'this node: ' + c.node + ', NATS ' + (c.nats.connected ? 'connected' : 'disconnected') +
-    ' (' + c.nats.url + '), heartbeat ' + c.heartbeat_ms + ' ms' : '(a single node: no cluster configured)';
-  document.getElementById('cluster').innerHTML = c ? c.nodes.map((n) =>
-    '<div class="card node" data-node="' + esc(n.node) + '"><h2>' + esc(n.node) + ' <span class="meta">' + (n.node === c.node ? 'this node' : 'seen ' +
-    n.last_seen_ms + ' ms ago') + (n.draining ? ', <b>draining</b>' : '') + '</span></h2>' + '<div class="meta">' + esc(n.url) + '<br>free memory ' +
-    (n.free_bytes / 1048576).toFixed(0) + ' MiB' + (n.max_loaded_models ? ', at most ' + n.max_loaded_models + ' models' : '') + '</div>' +
-    '<table><tbody>' + (n.models.length ? n.models.map((m) => '<tr data-model="' + esc(m.id) + '"><td><b>' + esc(m.id) + '</b></td><td>' + esc(m.state) +
-    '</td><td>slots ' + (m.slots - m.free_slots) + '/' + m.slots + '</td><td>queued ' + m.queued + '</td><td>' + (m.resident_bytes / 1048576).toFixed(1) +
-    ' MiB</td></tr>').join('') : '<tr><td class="meta">holds no model</td></tr>') + '</tbody></table></div>').join('') : '';
+  document.getElementById('cluster-meta').textContent = c
+    ? 'this node: ' + c.node + ', NATS ' + (c.nats.connected ? 'connected' : 'disconnected') + ' (' + c.nats.url +
+      '), heartbeat ' + c.heartbeat_ms + ' ms'
+    : '(a single node: no cluster configured)';
+  document.getElementById('cluster').innerHTML = c ? c.nodes.map((n) => nodeCard(c, n)).join('') : '';
+}
+function logRow(t) {
+  const payload = t.payload ? JSON.stringify(t.payload) : t.context ? JSON.stringify(t.context) : '';
+  return '<tr><td>' + new Date(t.at).toISOString().slice(11, 23) + '</td><td>' + esc(t.actor) + '</td><td>' +
+    esc(t.event || t.kind) + '</td><td><code>' + esc(payload) + '</code></td><td>' + esc(t.state || '') + '</td></tr>';
 }
 async function refresh() {
   const r = await fetch('/debug/state', { headers });
   if (!r.ok) {
-    document.getElementById('phase').textContent = r.status === 403 ? (token ? 'HTTP 403: the token is not the management.token of this server'
-      : 'this server has a management token: open /debug?token=<management.token>') : 'HTTP ' + r.status;
+    document.getElementById('phase').textContent = r.status !== 403 ? 'HTTP ' + r.status
+      : token ? 'HTTP 403: the token is not the management.token of this server'
+      : 'this server has a management token: open /debug?token=<management.token>';
     return;
   }
   const d = await r.json();
   await ensureCharts(d.kinds.map((k) => k.chart));
   last = d;
-  document.getElementById('phase').textContent = 'system: ' + d.root.state + ', supervisor: ' + d.supervisor.active.at(-1);
-  document.getElementById('off').textContent = d.inspect ? '' : '(inspection is off: start with --inspect to see transitions)';
+  const off = '(inspection is off: start with --inspect to see transitions)';
+  document.getElementById('phase').textContent =
+    'system: ' + d.root.state + ', supervisor: ' + d.supervisor.active.at(-1);
+  document.getElementById('off').textContent = d.inspect ? '' : off;
   for (const k of d.kinds) draw(k.kind);
-  const sup = cards.supervisor;
-  if (sup) sup.querySelector('.figures').innerHTML = supervisorFigures(d.supervisor);
-  if (cards.stream) cards.stream.querySelector('.figures').textContent = 'by phase: ' + Object.entries(d.streams).map(([k, v]) => k + ' ' + v).join(', ');
+  if (cards.supervisor) cards.supervisor.querySelector('.figures').innerHTML = supervisorFigures(d.supervisor);
+  if (cards.stream)
+    cards.stream.querySelector('.figures').textContent =
+      'by phase: ' + Object.entries(d.streams).map(([k, v]) => k + ' ' + v).join(', ');
   drawCluster(d.cluster);
-  document.getElementById('log').innerHTML = d.transitions.slice().reverse().map((t) =>
-    '<tr><td>' + new Date(t.at).toISOString().slice(11, 23) + '</td><td>' + esc(t.actor) + '</td><td>' + esc(t.event || t.kind) + '</td><td><code>' +
-    esc(t.payload ? JSON.stringify(t.payload) : t.context ? JSON.stringify(t.context) : '') + '</code></td><td>' + esc(t.state || '') + '</td></tr>').join('');
+  document.getElementById('log').innerHTML = d.transitions.slice().reverse().map(logRow).join('');
 }
 (async () => {
   await ensureCharts(['system']);
