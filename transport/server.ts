@@ -166,7 +166,8 @@ function linkOf(run: Running, socket: Socket): HttpLink {
   );
   const bound = bindHttp(socket, actor);
   run.links.set(socket, bound);
-  run.actors.add(actor);
+  // Listed at /debug (a management route): tracked only when management is on.
+  if (config.management.enabled) run.actors.add(actor);
   drainOnShutdown(supervisor.root, actor);
   const peerGone = (): void => bound.tell({ type: 'PEER_CLOSED' });
   if (socket.destroyed) peerGone();
