@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import type { ServerResponse } from 'node:http';
-import type { AnyActorRef, AnyStateMachine } from 'xstate';
+import type { AnyActorRef, AnyStateMachine, InspectionEvent } from 'xstate';
 import type { ClusterNode, HeldModel } from '../cluster/node.js';
 import { httpSocketMachine } from '../actors/http.js';
 import type { InspectionLog } from '../actors/inspection.js';
@@ -112,6 +112,21 @@ export class ActorDirectory {
     this.roots.set(actor, kind);
     const drop = (): void => void this.roots.delete(actor);
     actor.subscribe({ complete: drop, error: drop });
+  }
+
+  /**
+   * An inspection observer that adds each root actor created with it (the cluster's membership
+   * and placement charts, each a root of its own), then passes every event on to `next`.
+   */
+  watch(next?: (e: InspectionEvent) => void): (e: InspectionEvent) => void {
+    return (e) => {
+      if (e.type === '@xstate.actor' && !(e.actorRef as { _parent?: unknown })._parent) {
+        const ref = e.actorRef as AnyActorRef;
+        // Announced from the actor's constructor: added once it is whole.
+        queueMicrotask(() => this.add(ref));
+      }
+      next?.(e);
+    };
   }
 
   /** Walks the actors `list` returns at each look (a transport's set of live sockets). */
@@ -270,16 +285,18 @@ function contextFigures(context: unknown): string {
 function rowOf(kind: string, ref: AnyActorRef): DebugInstance {
   const snap = ref.getSnapshot() as { value: unknown; context: any };
   const active = activePaths(snap.value);
+  const ctx = snap.context;
+  // An actor made without an id (a placement) is named by its systemId, or the id in its context.
+  const named = ref.id !== ref.sessionId ? ref.id : typeof ctx?.id === 'string' ? ctx.id : ref.id;
   const row: DebugInstance = {
     id: ref.id,
-    name: ref.id,
+    name: (ref as { systemId?: string }).systemId ?? named,
     state: leaves(active),
     active,
     leases: null,
     queue: null,
     detail: '',
   };
-  const ctx = snap.context;
   if (kind === 'supervisor') {
     row.queue = ctx.pending.length;
     row.detail = ctx.current ? `cold load of ${ctx.current.id}` : 'gate idle';

@@ -19,7 +19,9 @@ import { ActorDirectory } from './debug.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
+import { membershipMachine } from '../cluster/membership.js';
 import { ClusterNode } from '../cluster/node.js';
+import { placementMachine } from '../cluster/placement-chart.js';
 import { clusterSettings } from '../cluster/nats.js';
 import { createLogger } from '../runtime/telemetry.js';
 import { availableMemory, IdleCollector } from '../runtime/memory.js';
@@ -442,7 +444,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
-  const { log, cluster } = await joinCluster(config, options, inspected.inspect);
+  // Every actor /debug shows. The cluster's charts are roots of their own: with management on,
+  // its inspector adds each one to the directory as it is made.
+  const actors = new ActorDirectory();
+  const { log, cluster } = await joinCluster(
+    config,
+    options,
+    config.management.enabled ? actors.watch(inspected.inspect) : inspected.inspect,
+  );
   const supervisor = new Supervisor(config, {
     ...options,
     log,
@@ -453,8 +462,12 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const { root } = supervisor;
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
-  const actors = new ActorDirectory();
   actors.add(root);
+  if (cluster) {
+    // Drawn also while no placement is under way.
+    actors.declare('membership', membershipMachine);
+    actors.declare('placement', placementMachine);
+  }
   actors.source(() => [...streams].map((s) => s.actor));
   if (config.wyoming.enabled) {
     actors.declare('wyoming', streamSocketMachine);

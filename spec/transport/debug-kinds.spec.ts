@@ -66,6 +66,29 @@ describe('/debug kinds', () => {
     expect(debugKinds(dir, []).find((k) => k.kind === 'placement')!.count).toBe(0);
   });
 
+  it('a root actor made with the directory as its inspector is added as it is made, named by its context', async () => {
+    const dir = new ActorDirectory();
+    const actor = createActor(placement, { inspect: dir.watch() });
+    actor.start();
+    await Promise.resolve();
+    actor.send({ type: 'LOCKED' });
+    expect(debugKinds(dir, []).find((k) => k.kind === 'placement')).toMatchObject({
+      count: 1,
+      instances: [{ state: 'loading' }],
+    });
+    actor.stop();
+    expect(debugKinds(dir, []).find((k) => k.kind === 'placement')!.count).toBe(0);
+    const named = createActor(
+      createMachine({ id: 'placement', context: { id: 'vad' }, initial: 'locking', states: { locking: {} } }),
+      {
+        inspect: dir.watch(),
+      },
+    ).start();
+    await Promise.resolve();
+    expect(debugKinds(dir, []).find((k) => k.kind === 'placement')!.instances[0].name).toBe('vad');
+    named.stop();
+  });
+
   it('Wyoming connections are a kind of their own, drawn on the stream chart they run', async () => {
     const server = await startServer(
       ServerConfig.parse({
