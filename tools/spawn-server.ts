@@ -35,7 +35,9 @@ export async function spawnServer(
   const cli = existsSync(sibling) ? sibling : fileURLToPath(new URL('../dist/tools/cli.js', import.meta.url));
   // VOXSERVE_SERVER_NODE_ARGS: extra Node flags for the server process, e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof`.
   const nodeArgs = (process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').split(' ').filter(Boolean);
-  const child = spawn(process.execPath, [...nodeArgs, cli, 'serve', ...args], { stdio: ['ignore', process.env.CLUSTER_LOG ? 'pipe' : 'ignore', 'pipe'] });
+  const child = spawn(process.execPath, [...nodeArgs, cli, 'serve', ...args], {
+    stdio: ['ignore', process.env.CLUSTER_LOG ? 'pipe' : 'ignore', 'pipe'],
+  });
   spawned.set(child, cleanup);
   child.once('exit', () => {
     spawned.delete(child);

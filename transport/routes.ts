@@ -7,7 +7,7 @@ import type { ClusterNode } from '../cluster/node.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { invalid, voxError, type VoxError } from '../runtime/errors.js';
 import type { Access } from './access.js';
-import { CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
+import { type ActorDirectory, CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
 import { demoRoute } from './demo.js';
 import { DEBUG_OFF_PAGE, homePage, sendHtml } from './home.js';
 import {
@@ -142,6 +142,8 @@ export interface RouteDeps {
   readonly demo: boolean;
   /** This node of a cluster, or null. */
   readonly cluster: ClusterNode | null;
+  /** Every actor `/debug` shows, by kind (without it: the root's tree and the streams). */
+  readonly actors?: ActorDirectory;
 }
 
 /** Answers one HTTP request on the connection's socket actor `link` as request `rid`; throws the error to answer. */
@@ -320,7 +322,7 @@ function statusRoutes(deps: RouteDeps): Route<unknown>[] {
 
 /** The debug page, its charts, state and live actor events (management), and the demo page. */
 function pageRoutes(deps: RouteDeps): Route<unknown>[] {
-  const { supervisor, streams, sse, inspected, cluster } = deps;
+  const { supervisor, streams, sse, inspected, cluster, actors } = deps;
   const demo = demoRoute(deps.demo);
   return [
     // The debug page and its layout script hold no data; what they show does.
@@ -341,13 +343,13 @@ function pageRoutes(deps: RouteDeps): Route<unknown>[] {
       method: 'GET',
       path: '/debug/charts',
       auth: 'management',
-      handle: ({ res }) => sendJson(res, 200, CHARTS),
+      handle: ({ res }) => sendJson(res, 200, actors ? actors.chartList() : CHARTS),
     }),
     route({
       method: 'GET',
       path: '/debug/state',
       auth: 'management',
-      handle: ({ res }) => sendJson(res, 200, debugState(supervisor, streams, inspected.log, cluster)),
+      handle: ({ res }) => sendJson(res, 200, debugState(supervisor, streams, inspected.log, cluster, actors)),
     }),
     route({
       method: 'GET',

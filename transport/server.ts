@@ -14,11 +14,14 @@ import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
 import { bindHttp, errorHeaders, requestUrl, sendError, type HttpLink } from './http.js';
 import { createAccess, isLoopback, type Access } from './access.js';
-import { createStreamSocket, finishWaiting, STREAM_QUERY } from '../actors/stream.js';
+import { createStreamSocket, finishWaiting, STREAM_QUERY, streamSocketMachine } from '../actors/stream.js';
+import { ActorDirectory } from './debug.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
+import { membershipMachine } from '../cluster/membership.js';
 import { ClusterNode } from '../cluster/node.js';
+import { placementMachine } from '../cluster/placement-chart.js';
 import { clusterSettings } from '../cluster/nats.js';
 import { createLogger } from '../runtime/telemetry.js';
 import { availableMemory, IdleCollector } from '../runtime/memory.js';
@@ -97,6 +100,8 @@ interface Running {
   readonly idleGc: IdleCollector;
   /** The Wyoming listener, once started (`wyoming.enabled`). */
   wyoming: WyomingService | null;
+  /** Every actor `/debug` shows: the root's tree, and each socket actor. */
+  readonly actors: ActorDirectory;
   /** Tells the system root an event, unless it has stopped. */
   tell(event: SystemEvent): void;
 }
@@ -163,6 +168,8 @@ function linkOf(run: Running, socket: Socket): HttpLink {
   );
   const bound = bindHttp(socket, actor);
   run.links.set(socket, bound);
+  // Listed at /debug (a management route): tracked only when management is on.
+  if (config.management.enabled) run.actors.add(actor);
   drainOnShutdown(supervisor.root, actor);
   const peerGone = (): void => bound.tell({ type: 'PEER_CLOSED' });
   if (socket.destroyed) peerGone();
@@ -437,7 +444,14 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
-  const { log, cluster } = await joinCluster(config, options, inspected.inspect);
+  // Every actor /debug shows. The cluster's charts are roots of their own: with management on,
+  // its inspector adds each one to the directory as it is made.
+  const actors = new ActorDirectory();
+  const { log, cluster } = await joinCluster(
+    config,
+    options,
+    config.management.enabled ? actors.watch(inspected.inspect) : inspected.inspect,
+  );
   const supervisor = new Supervisor(config, {
     ...options,
     log,
@@ -448,6 +462,17 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
   const { root } = supervisor;
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();
+  actors.add(root);
+  if (cluster) {
+    // Drawn also while no placement is under way.
+    actors.declare('membership', membershipMachine);
+    actors.declare('placement', placementMachine);
+  }
+  actors.source(() => [...streams].map((s) => s.actor));
+  if (config.wyoming.enabled) {
+    actors.declare('wyoming', streamSocketMachine);
+    actors.source(() => [...(run.wyoming?.links ?? [])].map((l) => l.actor), 'wyoming');
+  }
   const run: Running = {
     config,
     supervisor,
@@ -462,6 +487,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     // Off-heap garbage left by streams and requests is collected once the server idles (issue 25 item 14).
     idleGc: new IdleCollector(() => streams.size > 0 || inflight.size > 0 || (run.wyoming?.links.size ?? 0) > 0),
     wyoming: null,
+    actors,
     tell: (event) => {
       if (root.getSnapshot().status === 'active') root.send(event);
     },
@@ -474,6 +500,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     sse: run.sse,
     inspected,
     cluster,
+    actors,
     demo: config.demo.enabled ?? isLoopback(config.host),
   });
   const handle = requestHandler(run, dispatch);

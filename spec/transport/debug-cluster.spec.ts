@@ -74,6 +74,19 @@ describe('/debug in a cluster', () => {
     ]);
   });
 
+  it("the membership chart is a kind of its own (one row, systemId cluster, connected), drawn beside placement's", async () => {
+    const { kinds } = await state(A);
+    const membership = kinds.find((k: any) => k.kind === 'membership');
+    expect(membership).toMatchObject({ chart: 'membership', count: 1 });
+    expect(membership.instances[0]).toMatchObject({ name: 'cluster' });
+    expect(membership.instances[0].active).toContain('connected');
+    // No placement is under way: the kind is listed (its chart drawn) with no row.
+    expect(kinds.find((k: any) => k.kind === 'placement')).toMatchObject({ chart: 'placement', count: 0 });
+    const charts = (await (await fetch(`${A.url}/debug/charts`)).json()).map((c: any) => c.id);
+    expect(charts).toEqual(expect.arrayContaining(['membership', 'placement']));
+    expect((await state(single)).kinds.map((k: any) => k.kind)).not.toContain('membership');
+  });
+
   it('a single node: cluster is null', async () => {
     expect((await state(single)).cluster).toBeNull();
   });
@@ -94,6 +107,9 @@ describe('/debug in a cluster', () => {
       expect(b).toContain(B.url);
       expect((await page.textContent('[data-node="A"]')) ?? '').toMatch(/A\s*this node[\s\S]*holds no model/);
       expect(await page.textContent('#cluster-meta')).toMatch(/^this node: A, NATS connected/);
+      // The membership chart, its one instance lit as it is; the placement chart beside it.
+      await page.waitForSelector('svg[data-chart="membership"] .state.current[data-state="connected"]');
+      expect(await page.locator('svg[data-chart="placement"]').count()).toBe(1);
       mkdirSync('spec/artifacts', { recursive: true });
       await page.screenshot({ path: 'spec/artifacts/debug-cluster.png', fullPage: true });
       await page.locator('#cluster').screenshot({ path: 'spec/artifacts/debug-cluster-nodes.png' });

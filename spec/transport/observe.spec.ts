@@ -231,9 +231,9 @@ describe('observability', () => {
       await page.goto(`${s.url}/debug`);
       await page.waitForSelector('[data-model="vad-a"][data-state="unloaded"]');
       expect(await page.textContent('[data-model="vad-a"]')).toContain('evicted (lru)');
-      await page.waitForSelector(
-        '[data-model="vad-b"][data-state="ready"] .state.current[data-state="resident.ready.leases.idle"]',
-      );
+      // vad-b's row, selected, lights its states on the model entries' shared chart.
+      await page.click('tr[data-model="vad-b"][data-state="ready"]');
+      await page.waitForSelector('svg[data-chart="model"] .state.current[data-state="resident.ready.leases.idle"]');
       const log = (await page.textContent('#log')) ?? '';
       expect(log).toMatch(/model:vad-a\s*EVICT\s*\{"reason":"lru","replyTo":"supervisor"\}/);
       expect(log).toMatch(/supervisor\s*\S*\s*\{"room":\{"target":"vad-b"/);
@@ -271,11 +271,11 @@ describe('observability', () => {
       expect(await post('/v1/models/load', { id: 'page-model', task: 'vad', path: silero })).toMatchObject({
         loaded: true,
       });
-      await page.waitForSelector(
-        '[data-model="page-model"][data-state="ready"] .state.current[data-state="resident.ready"]',
-        { timeout: 5000 },
-      );
-      // Every chart is drawn from its definition: the root, the supervisor, a model entry, both socket actors.
+      await page.click('tr[data-model="page-model"][data-state="ready"]', { timeout: 5000 });
+      await page.waitForSelector('svg[data-chart="model"] .state.current[data-state="resident.ready"]', {
+        timeout: 5000,
+      });
+      // Every chart is drawn from its definition, once per kind: the root, the supervisor, model entries, both socket actors.
       for (const chart of ['system', 'supervisor', 'model', 'stream', 'http'])
         await page.waitForSelector(`svg[data-chart="${chart}"] .state`, { timeout: 5000 });
       expect(await page.locator('[data-chart="system"] .state.current[data-state="running"]').count()).toBe(1);
