@@ -92,6 +92,8 @@ export class Serving {
     const n = this.n;
     const msg = decodeMessage<RemoteJob>(data);
     let outcome = 'ok';
+    /** The lease was revoked under the job (a forced unload): the model is not held here any more. */
+    let revoked = false;
     try {
       const backing = n.runsRemotely(msg.model) ? n.backing.get(msg.model) : undefined;
       if (backing) {
@@ -114,7 +116,7 @@ export class Serving {
       const { handle, granted } = leaseGranted(
         entry,
         { requestTimeoutMs: msg.wait_ms, metrics: n.supervisor!.metrics },
-        () => {},
+        () => void (revoked = true),
       );
       try {
         const result = await (await granted).run(msg.job, msg.wait_ms);
@@ -124,11 +126,12 @@ export class Serving {
       }
     } catch (e) {
       const v = toVoxError(e);
-      if (n.draining && v.status >= 500) {
-        // A draining node unloading its models fails the jobs still on them: it holds the model no
-        // more, so the ingress sends the job (which gave no result) to another holder.
+      if (revoked || (n.draining && v.status >= 500)) {
+        // A draining node unloading its models, or a forced unload, fails the jobs still on them: it
+        // holds the model no more, so the ingress sends the job (which gave no result) to another holder.
         outcome = 'not_held';
-        return encodeMessage({ type: 'error', error: 'not_held', message: `${n.name} is stopping: ${v.message}` });
+        const why = revoked ? `${msg.model} was unloaded (forced)` : 'is stopping';
+        return encodeMessage({ type: 'error', error: 'not_held', message: `${n.name}: ${why}: ${v.message}` });
       }
       outcome = v.type;
       return encodeMessage(errorReply(v));
