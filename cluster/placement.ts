@@ -219,7 +219,9 @@ export class Placement {
             c.node,
             'load',
             { id, config: n.registrationOf(config), adopt: true, lock: lock.ref },
-            n.busyTimeout(config) || 3_600_000,
+            // As long as the node is live (ask stops waiting once it is not): giving up on a load still
+            // running there and asking the next node would load the model twice.
+            n.settings.lock_ms * 100,
           );
           await until(n.membership, () => n.holders(id).some((h) => h.node === c.node), 3 * n.settings.heartbeat_ms);
           return;
