@@ -50,8 +50,6 @@ export class RemoteJobs {
   /** Replies too large for one NATS message, arriving in parts. */
   private readonly parts = new Assembler();
   private seq = 0;
-  /** Whether the membership chart probes holders now (told only when it changes). */
-  private probingNow = false;
 
   constructor(private readonly n: ClusterNode) {
     n.membership.on('gone', (e) => this.settleWhere((p) => p.node === e.node, { gone: e.why }));
@@ -65,15 +63,17 @@ export class RemoteJobs {
       this.pending.delete(token);
       p.settle(a);
     }
-    this.probing();
   }
 
-  /** Tells the membership chart whether to probe holders (only while jobs are in flight). */
+  /**
+   * Starts the membership chart's probe of holders when jobs are in flight and it is not probing.
+   * It stops at the first probe that finds none ({@link probe}): jobs one after another cost no
+   * event each.
+   */
   private probing(): void {
-    const want = this.pending.size > 0;
-    if (want === this.probingNow) return;
-    this.probingNow = want;
-    this.n.membership.send({ type: want ? 'PROBE.START' : 'PROBE.STOP' });
+    if (!this.pending.size) return;
+    if (this.n.membership.getSnapshot().matches({ connected: { holders: 'probing' } })) return;
+    this.n.membership.send({ type: 'PROBE.START' });
   }
 
   /**
@@ -83,6 +83,7 @@ export class RemoteJobs {
    */
   probe(): void {
     const n = this.n;
+    if (!this.pending.size) return void n.membership.send({ type: 'PROBE.STOP' });
     const busy = new Set([...this.pending.values()].map((p) => p.node));
     const live = new Set(n.nodes().map((r) => r.node));
     for (const node of busy) {
