@@ -11,13 +11,17 @@ import {
   type InspectionEvent,
 } from 'xstate';
 import { effectiveTimeout } from '../runtime/admission.js';
-import { decodeAudio } from '../runtime/decode.js';
+import { resample } from '../runtime/audio.js';
+import { decodeAudio, decodeAudioAt } from '../runtime/decode.js';
+import { RNNOISE } from '../runtime/rnnoise.js';
 import type { Limits } from '../runtime/config.js';
-import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
+import { errorBody, invalid, toVoxError, type VoxError } from '../runtime/errors.js';
 import type { Job, JobResult, TensorResult } from '../runtime/slot-protocol.js';
 import {
   createTaskSession,
+  type DenoiseSession,
   drain,
+  wavBytes,
   taskResult,
   readTensorRequest,
   tensorJob,
@@ -29,6 +33,8 @@ import type { Supervisor } from './supervisor.js';
 
 /** Windows (VAD, 32 ms) or steps (wake word, 80 ms) per slot job for a file: ~2-5 s of audio, so streams interleave. */
 const FILE_JOB_STEPS = 64;
+/** Frames (denoise, 10 ms) per slot job for a file: 2 s of audio. */
+const FILE_JOB_FRAMES = 200;
 
 /** One audio file of a task request, with its declared media type (Content-Type or `data:` prefix) if any. */
 export interface AudioFile {
@@ -55,6 +61,10 @@ export interface TaskRequest {
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
   t0: number;
+  /** A denoise answer's sample rate, Hz (`sample_rate=`); absent: the input's. */
+  sampleRate?: number;
+  /** The client asked for JSON (`Accept: application/json`): a denoise answer is then its per-frame speech probabilities and timing, not audio. */
+  json?: boolean;
 }
 
 /** A response error as the transport writes it. */
@@ -67,7 +77,8 @@ export interface ResponseError {
 /** What an exchange (one request) tells its socket actor; the socket actor emits it as {@link HttpOutput}. */
 type ExchangeEvent =
   /** The whole response (`run`): JSON, or msgpack (a tensor request that asked for it). */
-  | { type: 'RESPONSE'; rid: number; status: number; body: unknown; msgpack?: boolean }
+  /** `wav`: the body is a WAV file (a denoise answer), a Buffer. */
+  | { type: 'RESPONSE'; rid: number; status: number; body: unknown; msgpack?: boolean; wav?: boolean }
   /** Server-sent events (`batch`): headers, then each event, then the end. */
   | { type: 'SSE_START'; rid: number }
   | { type: 'SSE_EVENT'; rid: number; name: string; data: unknown }
@@ -96,7 +107,7 @@ export type HttpInput =
 export type HttpOutput =
   /** Request `rid` may be handled now (its turn among the pipelined requests of the connection). */
   | { type: 'start'; rid: number }
-  | { type: 'respond'; rid: number; status: number; body: unknown; msgpack?: boolean }
+  | { type: 'respond'; rid: number; status: number; body: unknown; msgpack?: boolean; wav?: boolean }
   | { type: 'sse-start'; rid: number }
   | { type: 'sse-event'; rid: number; name: string; data: unknown }
   | { type: 'sse-end'; rid: number; error?: ResponseError['body'] }
@@ -165,6 +176,42 @@ async function processFile(
     () => progress(processedMs(), audioMs),
   );
   return { body: taskResult(session), audioMs };
+}
+
+/**
+ * `run` of one file on a denoise model: decoded to 48 kHz mono (in a decode worker), denoised in
+ * the slots in jobs of {@link FILE_JOB_FRAMES}, and answered as a 16-bit mono WAV at the input's
+ * rate (or `sample_rate`), or, with `Accept: application/json`, as RNNoise's per-frame speech
+ * probabilities and timing.
+ */
+async function answerDenoise(x: ExchangeRun, w: Work): Promise<void> {
+  const { request } = x;
+  const { granted, signal } = w;
+  const session = createTaskSession(granted.config, granted.info, request.options, true) as DenoiseSession;
+  const file = request.files[0];
+  const decoded = await untilAborted(decodeAudioAt(file.bytes, file.type, RNNOISE.RATE), signal);
+  session.push(decoded.samples);
+  session.end();
+  const runJob = async (job: Job): Promise<JobResult> => {
+    signal.throwIfAborted();
+    const r = await untilAborted(granted.run(job, w.waitMs), signal);
+    if (r.ran) x.figures.inferenceMs += r.ran[1] - r.ran[0];
+    x.figures.queueMs += r.waitedMs ?? 0;
+    return r;
+  };
+  await drain(session, runJob, () => {}, FILE_JOB_FRAMES);
+  const audioMs = (session.receivedSamples * 1000) / RNNOISE.RATE;
+  if (request.json)
+    return x.send({
+      type: 'RESPONSE',
+      rid: x.rid,
+      status: 200,
+      body: { model: granted.model, ...taskResult(session), timing: fileTiming(x, request.t0, audioMs) },
+    });
+  const rate = request.sampleRate ?? decoded.sourceRate;
+  const out = await resample(session.takeOutput(), RNNOISE.RATE, rate);
+  signal.throwIfAborted();
+  x.send({ type: 'RESPONSE', rid: x.rid, status: 200, body: wavBytes(out, rate), wav: true });
 }
 
 /** One exchange in progress: what its pieces share, and what its log line reports. */
@@ -395,6 +442,12 @@ const exchange = fromCallback<
       waitMs: effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0),
     };
     if (tensors) return answerTensor(x, w, tensors);
+    if (granted.config.task === 'denoise' && request.kind === 'run') return answerDenoise(x, w);
+    if (request.sampleRate !== undefined)
+      throw invalid(
+        'sample_rate',
+        `only a denoise model answers audio; '${granted.model}' is a ${granted.config.task} model`,
+      );
     if (request.kind === 'batch') return streamBatch(x, w);
     return request.progress ? streamFile(x, w) : answerFile(x, w);
   })()
@@ -528,6 +581,7 @@ export const httpSocketMachine = setup({
             status: event.status,
             body: event.body,
             msgpack: event.msgpack,
+            wav: event.wav,
           }) as HttpOutput,
       ),
     },

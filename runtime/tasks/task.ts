@@ -39,8 +39,8 @@ export interface TaskSession {
   readonly processedSamples: number;
   /** Samples per window (VAD, 512), step (wake word, 1280) or frame (denoise, 480). */
   readonly step: number;
-  /** The rate `push` takes, Hz: 16 kHz, or 48 kHz for denoise. */
-  readonly rate: number;
+  /** The rate `push` takes, Hz: 48 kHz for denoise; absent: 16 kHz. */
+  readonly rate?: number;
 }
 
 /** Creates a session for one request or stream; `info` is what the model's slots reported at load. */

@@ -1,0 +1,211 @@
+/**
+ * The `denoise` task (`rnnoise`): what the server answers equals RNNoise run here, in the test,
+ * straight from `@echogarden/rnnoise-wasm` on the same 48 kHz frames (one DenoiseState over the
+ * whole signal), to 1 LSB after the 16-bit conversion; at 48 kHz (no resampling) and at 16 kHz
+ * (the 48 kHz frames being what libsamplerate, the server's resampler, makes of the input, and the
+ * answer what it makes of RNNoise's output). Noisy speech made here from the fixtures (speech +
+ * white noise at 0 and 5 dB SNR) comes back with a higher SNR against the clean speech.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { resample } from '../../runtime/audio.js';
+import { ServerConfig } from '../../runtime/config.js';
+import { loadRnnoiseModule, RNNOISE } from '../../runtime/rnnoise.js';
+import { startServer, type VoxServer } from '../../transport/server.js';
+import { fixture, WaveFile } from '../helpers.js';
+
+let server: VoxServer;
+beforeAll(async () => {
+  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
+});
+afterAll(async () => {
+  await server?.close();
+});
+
+/** A fixture's samples (mono s16) and rate. */
+function samplesOf(name: string): { s16: Int16Array; rate: number } {
+  const w = new WaveFile(fixture(name));
+  return {
+    s16: w.getSamples(false, Int16Array) as unknown as Int16Array,
+    rate: (w.fmt as { sampleRate: number }).sampleRate,
+  };
+}
+
+/** A mono 16-bit WAV. */
+function wavOf(s16: Int16Array, rate: number): Buffer {
+  const w = new WaveFile();
+  w.fromScratch(1, rate, '16', s16);
+  return Buffer.from(w.toBuffer());
+}
+
+/** RNNoise run directly: 48 kHz float in [-1, 1], zero-padded to whole frames, one state; the output cut to the input's length. */
+async function rnnoiseDirect(x48: Float32Array): Promise<{ out: Float32Array; probs: number[] }> {
+  const m = await loadRnnoiseModule();
+  const st = m._rnnoise_create(0);
+  const inp = m._malloc(RNNOISE.FRAME * 4);
+  const outp = m._malloc(RNNOISE.FRAME * 4);
+  const frames = Math.ceil(x48.length / RNNOISE.FRAME);
+  const padded = new Float32Array(frames * RNNOISE.FRAME);
+  for (let i = 0; i < x48.length; i++) padded[i] = x48[i] * RNNOISE.SCALE;
+  const out = new Float32Array(padded.length);
+  const probs: number[] = [];
+  for (let f = 0; f < frames; f++) {
+    m.HEAPF32.set(padded.subarray(f * RNNOISE.FRAME, (f + 1) * RNNOISE.FRAME), inp >> 2);
+    probs.push(m._rnnoise_process_frame(st, outp, inp));
+    out.set(m.HEAPF32.subarray(outp >> 2, (outp >> 2) + RNNOISE.FRAME), f * RNNOISE.FRAME);
+  }
+  m._rnnoise_destroy(st);
+  return { out: out.subarray(0, x48.length).map((v) => v / RNNOISE.SCALE), probs };
+}
+
+/** What the server should answer for `s16` at `rate`: resampled to 48 kHz, RNNoise, resampled back, 16-bit. */
+async function expected(s16: Int16Array, rate: number): Promise<{ s16: Int16Array; probs: number[] }> {
+  const x = Float32Array.from(s16, (v) => v / 32768);
+  const { out, probs } = await rnnoiseDirect(await resample(x, rate, RNNOISE.RATE));
+  const back = await resample(out, RNNOISE.RATE, rate);
+  return { s16: Int16Array.from(back, (v) => Math.min(32767, Math.max(-32768, Math.round(v * 32768)))), probs };
+}
+
+/** POST /v1/tasks/run?model=rnnoise with a WAV body. */
+async function run(wav: Buffer, query = '', accept?: string): Promise<Response> {
+  return fetch(`${server.url}/v1/tasks/run?model=rnnoise${query}`, {
+    method: 'POST',
+    headers: { 'content-type': 'audio/wav', ...(accept ? { accept } : {}) },
+    body: new Uint8Array(wav),
+  });
+}
+
+const answerOf = async (res: Response): Promise<{ s16: Int16Array; rate: number }> => {
+  const w = new WaveFile(Buffer.from(await res.arrayBuffer()));
+  return {
+    s16: w.getSamples(false, Int16Array) as unknown as Int16Array,
+    rate: (w.fmt as { sampleRate: number }).sampleRate,
+  };
+};
+
+/** Largest absolute difference between two equally long signals. */
+function maxDiff(a: Int16Array, b: Int16Array): number {
+  expect(a.length).toBe(b.length);
+  let d = 0;
+  for (let i = 0; i < a.length; i++) d = Math.max(d, Math.abs(a[i] - b[i]));
+  return d;
+}
+
+/** Seeded white noise (uniform), unit power. */
+function noise(n: number, seed: number): Float32Array {
+  const x = new Float32Array(n);
+  let s = seed;
+  for (let i = 0; i < n; i++) {
+    s = (Math.imul(s, 1_664_525) + 1_013_904_223) >>> 0;
+    x[i] = ((s / 2 ** 32) * 2 - 1) * Math.sqrt(3);
+  }
+  return x;
+}
+
+const power = (x: ArrayLike<number>): number => {
+  let p = 0;
+  for (let i = 0; i < x.length; i++) p += x[i] * x[i];
+  return p / x.length;
+};
+
+/** SNR of `y` against `clean`, dB, at the best delay of `y` within 0-20 ms (RNNoise's output lags by a frame). */
+function snr(clean: Float32Array, y: Float32Array, rate: number): number {
+  let best = -Infinity;
+  for (let lag = 0; lag <= rate / 50; lag++) {
+    let err = 0;
+    let sig = 0;
+    for (let i = 0; i + lag < y.length && i < clean.length; i++) {
+      const e = clean[i] - y[i + lag];
+      err += e * e;
+      sig += clean[i] * clean[i];
+    }
+    best = Math.max(best, 10 * Math.log10(sig / err));
+  }
+  return best;
+}
+
+/** `clean` (float) with white noise added at `db` SNR, as 16-bit samples. */
+function noisy(clean: Float32Array, db: number): Int16Array {
+  const n = noise(clean.length, 42);
+  const g = Math.sqrt(power(clean) / 10 ** (db / 10));
+  return Int16Array.from(clean, (v, i) => Math.min(32767, Math.max(-32768, Math.round((v + g * n[i]) * 32768))));
+}
+
+describe('POST /v1/tasks/run?model=rnnoise', () => {
+  it.each([
+    ['Front_Center.wav', 48_000],
+    ['espeak_sentence_16k.wav', 16_000],
+  ])(
+    '%s: the WAV answered equals RNNoise run directly on the same 48 kHz frames (to 1 LSB), at the input rate',
+    async (name, rate) => {
+      const { s16, rate: r } = samplesOf(name);
+      expect(r).toBe(rate);
+      const res = await run(wavOf(s16, rate));
+      expect(res.status).toBe(200);
+      expect(res.headers.get('content-type')).toBe('audio/wav');
+      const got = await answerOf(res);
+      expect(got.rate).toBe(rate);
+      const want = await expected(s16, rate);
+      expect(maxDiff(got.s16, want.s16)).toBeLessThanOrEqual(1);
+      // Denoising did something: the answer is not the input.
+      expect(maxDiff(got.s16, s16)).toBeGreaterThan(100);
+    },
+  );
+
+  it('answers at the rate asked for (sample_rate=8000)', async () => {
+    const { s16 } = samplesOf('Front_Center.wav');
+    const got = await answerOf(await run(wavOf(s16, 48_000), '&sample_rate=8000'));
+    expect(got.rate).toBe(8000);
+    expect(got.s16.length).toBe(Math.round(s16.length / 6));
+  });
+
+  it("Accept: application/json gives RNNoise's speech probability per 10 ms frame, and timing", async () => {
+    const { s16 } = samplesOf('Front_Center.wav');
+    const res = await run(wavOf(s16, 48_000), '', 'application/json');
+    expect(res.headers.get('content-type')).toMatch(/application\/json/);
+    const body = (await res.json()) as { task: string; frame_ms: number; probabilities: number[]; timing: object };
+    expect(body.task).toBe('denoise');
+    expect(body.frame_ms).toBe(10);
+    const want = await expected(s16, 48_000);
+    expect(body.probabilities.length).toBe(want.probs.length);
+    body.probabilities.forEach((p, i) => expect(Math.abs(p - want.probs[i])).toBeLessThan(1e-5));
+    expect(Math.max(...body.probabilities)).toBeGreaterThan(0.9);
+    expect(body.timing).toHaveProperty('rtf');
+  });
+
+  it('bad input names the field: sample_rate out of range, sample_rate asked of a VAD model', async () => {
+    const { s16 } = samplesOf('Front_Center.wav');
+    const bad = await run(wavOf(s16, 48_000), '&sample_rate=5');
+    expect(bad.status).toBe(400);
+    expect(((await bad.json()) as { error: { message: string } }).error.message).toMatch(/sample_rate/);
+    const vad = await fetch(`${server.url}/v1/tasks/run?model=silero-vad&sample_rate=16000`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wavOf(s16, 48_000)),
+    });
+    expect(vad.status).toBe(400);
+    expect(((await vad.json()) as { error: { message: string } }).error.message).toMatch(/sample_rate.*denoise/);
+  });
+
+  it('noisy speech (fixture + white noise at 0 and 5 dB SNR) comes back with a higher SNR against the clean speech', async () => {
+    const { s16, rate } = samplesOf('silero_test.wav');
+    const clean = Float32Array.from(s16.subarray(0, rate * 20), (v) => (v / 32768) * 0.5);
+    const figures: string[] = [];
+    for (const db of [0, 5]) {
+      const input = noisy(clean, db);
+      const got = await answerOf(await run(wavOf(input, rate)));
+      const before = snr(
+        clean,
+        Float32Array.from(input, (v) => v / 32768),
+        rate,
+      );
+      const after = snr(
+        clean,
+        Float32Array.from(got.s16, (v) => v / 32768),
+        rate,
+      );
+      figures.push(`${db} dB: SNR ${before.toFixed(1)} -> ${after.toFixed(1)} dB`);
+      expect(after).toBeGreaterThan(before + 3);
+    }
+    console.log(`denoise SNR (silero_test.wav, first 20 s, white noise): ${figures.join('; ')}`);
+  });
+});
