@@ -18,11 +18,14 @@ import {
   MIN_SAMPLE_RATE,
   PCM_ENCODINGS,
   PcmStreamDecoder,
+  encodePcm,
+  Resampler,
   type PcmEncoding,
 } from '../runtime/audio.js';
+import { RNNOISE } from '../runtime/rnnoise.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
-import { createTaskSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
+import { createTaskSession, DenoiseSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
 import { CLOSE, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
 
@@ -391,7 +394,8 @@ export type StreamInput =
 
 /** Events the `work` actor sends its socket actor. */
 export type WorkEvent =
-  | { type: 'READY'; model: string; task: string }
+  /** `sampleRate`: the rate the model runs at (16 kHz; a denoise stream: the rate its audio comes back at, the stream's). */
+  | { type: 'READY'; model: string; task: string; sampleRate?: number }
   /** Answer to `CHECK_IDLE`: ms since the client last sent a message. */
   | { type: 'IDLE_REPORT'; silentMs: number }
   | { type: 'PAUSE' }
@@ -554,6 +558,12 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let stopped = false;
     let decoder: PcmStreamDecoder | null = null;
     let pump: JobPump | null = null;
+    /** A denoise stream: RNNoise's 48 kHz output back to the stream's rate, and its encoding. */
+    let back: { resampler: Resampler; encoding: PcmEncoding } | null = null;
+    /** Unprocessed audio past which reading pauses: {@link MAX_PENDING_SAMPLES} at 16 kHz (10 s), as long at the session's rate. */
+    let pendingLimit = MAX_PENDING_SAMPLES;
+    /** Samples per ms at the session's rate. */
+    let perMs = 16;
     let queueMs = 0;
     let early: { frames: Buffer[]; at: number }[] = [];
     let earlyBytes = 0;
@@ -589,7 +599,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       for (let i = 0; i < count; i++) session.push(decoder!.push(frames[i]));
       stats.receivedSamples = session.receivedSamples;
       pump!.arrived(at);
-      if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
+      if (session.pendingSamples > pendingLimit) pause();
       pump!.pump();
     };
 
@@ -606,10 +616,20 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       resume();
       if (ended && session.finished && !gone()) finishing.run(done);
     };
+    /** A denoise stream's audio so far (with `last`, what its resampler still holds) to the client, as binary frames. */
+    const sendAudio = (last = false): void => {
+      const session = pump!.session;
+      if (!back || !(session instanceof DenoiseSession)) return;
+      const out = back.resampler.push(session.takeOutput());
+      const tail = last ? back.resampler.flush() : null;
+      if (out.length) channel.write({ type: 'audio', data: encodePcm(out, back.encoding) });
+      if (tail?.length) channel.write({ type: 'audio', data: encodePcm(tail, back.encoding) });
+    };
     const done = (): void => {
       if (gone()) return;
+      sendAudio(true);
       const wallMs = performance.now() - t0;
-      const audioMs = pump!.session.receivedSamples / 16;
+      const audioMs = pump!.session.receivedSamples / perMs;
       send({
         type: 'DONE',
         processed_ms: offsetMs + Math.round(audioMs),
@@ -635,27 +655,43 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     const start = async (params: StreamParams, granted: Granted): Promise<void> => {
       queueMs = granted.queueMs;
       offsetMs = params.offsetMs;
-      decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
+      const denoise = granted.config.task === 'denoise';
+      decoder = await PcmStreamDecoder.create(
+        params.encoding,
+        params.sampleRate,
+        params.channels,
+        denoise ? RNNOISE.RATE : undefined,
+      );
+      if (denoise)
+        back = { resampler: await Resampler.create(RNNOISE.RATE, params.sampleRate), encoding: params.encoding };
       if (gone()) return;
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
+      perMs = (session.rate ?? 16_000) / 1000;
+      pendingLimit = MAX_PENDING_SAMPLES * (perMs / 16);
       pump = new JobPump(session, granted, {
         emit: emitTask,
         accepted: () => {
+          sendAudio();
           // After the job's events, so a client that saw this has seen every event of the audio before it.
           if (params.progress)
-            channel.write({ type: 'progress', processed_ms: offsetMs + Math.round(session.processedSamples / 16) });
-          if (paused && session.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
+            channel.write({ type: 'progress', processed_ms: offsetMs + Math.round(session.processedSamples / perMs) });
+          if (paused && session.pendingSamples < pendingLimit / 2) resume();
         },
         idle,
         fail,
       });
-      send({ type: 'READY', model: granted.model, task: granted.config.task });
+      send({
+        type: 'READY',
+        model: granted.model,
+        task: granted.config.task,
+        sampleRate: denoise ? params.sampleRate : 16_000,
+      });
       caughtUpAt = performance.now();
       const buffered = early;
       early = [];
       earlyBytes = 0;
       for (const { frames, at } of buffered) push(frames, frames.length, at);
-      if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
+      if (session.pendingSamples <= pendingLimit) resume();
       if (ended) finishAudio();
     };
 
@@ -707,6 +743,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       channel.sink = null;
       channel.close();
       decoder?.close();
+      back?.resampler.close();
       lease?.release();
     };
   },
@@ -750,7 +787,13 @@ export const streamSocketMachine = setup({
       const ready = event as Extract<WorkEvent, { type: 'READY' }>;
       enqueue.emit({
         type: 'send',
-        event: { type: 'ready', session_id: context.id, model: ready.model, task: ready.task, sample_rate: 16_000 },
+        event: {
+          type: 'ready',
+          session_id: context.id,
+          model: ready.model,
+          task: ready.task,
+          sample_rate: ready.sampleRate ?? 16_000,
+        },
       });
     }),
     /** The closing log line and metrics, once per stream. */

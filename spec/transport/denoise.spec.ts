@@ -7,6 +7,7 @@
  * white noise at 0 and 5 dB SNR) comes back with a higher SNR against the clean speech.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import WebSocket from 'ws';
 import { resample } from '../../runtime/audio.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { loadRnnoiseModule, RNNOISE } from '../../runtime/rnnoise.js';
@@ -208,4 +209,60 @@ describe('POST /v1/tasks/run?model=rnnoise', () => {
     }
     console.log(`denoise SNR (silero_test.wav, first 20 s, white noise): ${figures.join('; ')}`);
   });
+});
+
+/** Streams s16le `s16` at `rate` to `/v1/stream?model=rnnoise` in frames of `frameMs`; the audio frames answered (concatenated) and the events. */
+function streamDenoise(
+  s16: Int16Array,
+  rate: number,
+  frameMs: number,
+  query = '',
+): Promise<{ audio: Int16Array; events: { type: string; [k: string]: unknown }[]; order: string[] }> {
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=rnnoise&sample_rate=${rate}${query}`);
+    const parts: Buffer[] = [];
+    const events: { type: string; [k: string]: unknown }[] = [];
+    const order: string[] = [];
+    ws.on('error', reject);
+    ws.on('message', (d: Buffer, binary: boolean) => {
+      if (binary) {
+        parts.push(Buffer.from(d));
+        if (order[order.length - 1] !== 'audio') order.push('audio');
+        return;
+      }
+      const e = JSON.parse(d.toString()) as { type: string };
+      events.push(e);
+      order.push(e.type);
+      if (e.type !== 'ready') return;
+      const pcm = Buffer.from(s16.buffer, s16.byteOffset, s16.byteLength);
+      const frame = ((rate * frameMs) / 1000) * 2;
+      for (let o = 0; o < pcm.length; o += frame) ws.send(pcm.subarray(o, o + frame));
+      ws.send(JSON.stringify({ type: 'end' }));
+    });
+    ws.on('close', () => {
+      const all = Buffer.concat(parts);
+      resolve({ audio: new Int16Array(all.buffer, all.byteOffset, all.length / 2), events, order });
+    });
+  });
+}
+
+describe('a rnnoise stream on /v1/stream', () => {
+  it.each([
+    ['Front_Center.wav', 48_000, 20],
+    ['Front_Center.wav', 48_000, 100],
+    ['espeak_sentence_16k.wav', 16_000, 20],
+    ['espeak_sentence_16k.wav', 16_000, 100],
+  ])(
+    '%s at %i Hz in %i ms frames: binary frames of denoised s16le at the stream rate, in order, equal to RNNoise run directly (1 LSB), between ready and done',
+    async (name, rate, frameMs) => {
+      const { s16 } = samplesOf(name);
+      const got = await streamDenoise(s16, rate, frameMs);
+      expect(got.order[0]).toBe('ready');
+      expect(got.order[got.order.length - 1]).toBe('done');
+      expect(got.order).toEqual(['ready', 'audio', 'done']);
+      expect(got.events[0]).toMatchObject({ task: 'denoise', sample_rate: rate });
+      const want = await expected(s16, rate);
+      expect(maxDiff(got.audio, want.s16)).toBeLessThanOrEqual(1);
+    },
+  );
 });
