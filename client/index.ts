@@ -102,6 +102,12 @@ export type StreamEvent =
   | { type: 'error'; error: WireError }
   | { type: 'done'; processed_ms: number; timing: Timing }
   /**
+   * A denoise stream (`model=rnnoise`, docs/websocket-api.md): the next chunk of denoised audio,
+   * raw mono PCM in the stream's encoding and at its sample rate, in order (a binary frame under
+   * the JSON subprotocol, an `audio` event under msgpack).
+   */
+  | { type: 'audio'; data: Uint8Array }
+  /**
    * Streams with `resume` (they ask for it with `progress=true`): the server has processed the
    * audio up to `processed_ms` on the stream's clock, and every event of it before this one was sent.
    */
@@ -152,6 +158,8 @@ export interface WebSocketLike {
   readonly readyState: number;
   readonly bufferedAmount: number;
   binaryType: string;
+  /** The subprotocol the server chose (a denoise stream's binary frames are audio under `voxserve.v1.json`). */
+  readonly protocol?: string;
   send(data: string | ArrayBuffer | ArrayBufferView): void;
   close(code?: number, reason?: string): void;
   // eslint-disable-next-line @typescript-eslint/no-explicit-any
@@ -793,7 +801,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       if (ws !== this.ws) return;
       let event: StreamEvent;
       try {
-        event = (typeof m.data === 'string' ? JSON.parse(m.data) : unpack(new Uint8Array(m.data))) as StreamEvent;
+        event = (
+          typeof m.data === 'string'
+            ? JSON.parse(m.data)
+            : ws.protocol === SUBPROTOCOL.msgpack
+              ? unpack(new Uint8Array(m.data))
+              : { type: 'audio', data: new Uint8Array(m.data) }
+        ) as StreamEvent;
       } catch (e) {
         // Not an event of this protocol: the stream fails with server_error.
         this.last = {

@@ -8,6 +8,7 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
+import { VoxClient } from '../../client/node.js';
 import { resample } from '../../runtime/audio.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { loadRnnoiseModule, RNNOISE } from '../../runtime/rnnoise.js';
@@ -263,6 +264,37 @@ describe('a rnnoise stream on /v1/stream', () => {
       expect(got.events[0]).toMatchObject({ task: 'denoise', sample_rate: rate });
       const want = await expected(s16, rate);
       expect(maxDiff(got.audio, want.s16)).toBeLessThanOrEqual(1);
+    },
+  );
+});
+
+describe('the client and a rnnoise stream', () => {
+  it.each(['json', 'msgpack'] as const)(
+    'for await yields the denoised audio as audio chunks (%s), the same as a raw ws peer gets',
+    async (protocol) => {
+      const { s16 } = samplesOf('espeak_sentence_16k.wav');
+      const stream = await new VoxClient({ url: server.url }).stream({
+        model: 'rnnoise',
+        sampleRate: 16_000,
+        protocol,
+      });
+      const chunks: Uint8Array[] = [];
+      const types: string[] = [];
+      const reading = (async () => {
+        for await (const e of stream) {
+          types.push(e.type);
+          if (e.type === 'audio') chunks.push(e.data);
+        }
+      })();
+      const pcm = Buffer.from(s16.buffer, s16.byteOffset, s16.byteLength);
+      for (let o = 0; o < pcm.length; o += 640) await stream.send(pcm.subarray(o, o + 640));
+      await stream.end();
+      await reading;
+      expect(types[0]).toBe('ready');
+      expect(types[types.length - 1]).toBe('done');
+      const all = Buffer.concat(chunks);
+      const got = new Int16Array(all.buffer, all.byteOffset, all.length / 2);
+      expect(maxDiff(got, (await expected(s16, 16_000)).s16)).toBeLessThanOrEqual(1);
     },
   );
 });
