@@ -61,6 +61,8 @@ export interface TaskRequest {
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
   t0: number;
+  /** A chain (`denoise=rnnoise` on a VAD or wake-word request): the denoise model the audio goes through first. */
+  denoise?: string;
   /** A denoise answer's sample rate, Hz (`sample_rate=`); absent: the input's. */
   sampleRate?: number;
   /** The client asked for JSON (`Accept: application/json`): a denoise answer is then its per-frame speech probabilities and timing, not audio. */
@@ -153,9 +155,14 @@ async function processFile(
   m: { queueMs: number; inferenceMs: number },
   waitMs: number,
   progress: (processedMs: number, audioMs: number) => void = () => {},
+  denoise?: Granted,
 ): Promise<{ body: Record<string, unknown>; audioMs: number }> {
   const session = createTaskSession(granted.config, granted.info, options, true);
-  session.push(await untilAborted(decodeAudio(file.bytes, file.type), signal));
+  session.push(
+    denoise
+      ? await denoisedAt16k(denoise, file, signal, m, waitMs)
+      : await untilAborted(decodeAudio(file.bytes, file.type), signal),
+  );
   session.end();
   const audioMs = (session.receivedSamples * 1000) / 16_000;
   const processedMs = (): number => Math.min(audioMs, (session.processedSamples * 1000) / 16_000);
@@ -214,6 +221,44 @@ async function answerDenoise(x: ExchangeRun, w: Work): Promise<void> {
   x.send({ type: 'RESPONSE', rid: x.rid, status: 200, body: wavBytes(out, rate), wav: true });
 }
 
+/**
+ * The first link of a chain: `file` decoded to 48 kHz, denoised on the denoise model's slots
+ * (its own lease, `denoise`), and resampled to the 16 kHz the next model takes.
+ */
+async function denoisedAt16k(
+  denoise: Granted,
+  file: AudioFile,
+  signal: AbortSignal,
+  m: { queueMs: number; inferenceMs: number },
+  waitMs: number,
+): Promise<Float32Array> {
+  const session = createTaskSession(denoise.config, denoise.info, undefined, false) as DenoiseSession;
+  const decoded = await untilAborted(decodeAudioAt(file.bytes, file.type, RNNOISE.RATE), signal);
+  session.push(decoded.samples);
+  session.end();
+  const parts: Float32Array[] = [];
+  await drain(
+    session,
+    async (job) => {
+      signal.throwIfAborted();
+      const r = await untilAborted(denoise.run(job, waitMs), signal);
+      if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
+      m.queueMs += r.waitedMs ?? 0;
+      return r;
+    },
+    () => {},
+    FILE_JOB_FRAMES,
+    () => parts.push(session.takeOutput()),
+  );
+  const all = new Float32Array(parts.reduce((n, p) => n + p.length, 0));
+  let at = 0;
+  for (const p of parts) {
+    all.set(p, at);
+    at += p.length;
+  }
+  return resample(all, RNNOISE.RATE, 16_000);
+}
+
 /** One exchange in progress: what its pieces share, and what its log line reports. */
 interface ExchangeRun {
   readonly rid: number;
@@ -234,6 +279,8 @@ interface ExchangeRun {
 /** What a granted exchange runs its jobs with: the lease's grant and signal, and how long a job may wait for a slot, ms. */
 interface Work {
   readonly granted: Granted;
+  /** A chain's first link (`denoise=`): the denoise model's grant, under its own lease. */
+  readonly denoise?: Granted;
   readonly signal: AbortSignal;
   readonly waitMs: number;
 }
@@ -278,7 +325,16 @@ async function answerTensor(x: ExchangeRun, w: Work, tensors: TensorRequest): Pr
 /** `run` of one file: its result as one response. */
 async function answerFile(x: ExchangeRun, w: Work): Promise<void> {
   const { request } = x;
-  const r = await processFile(w.granted, request.files[0], request.options, w.signal, x.figures, w.waitMs);
+  const r = await processFile(
+    w.granted,
+    request.files[0],
+    request.options,
+    w.signal,
+    x.figures,
+    w.waitMs,
+    undefined,
+    w.denoise,
+  );
   x.send({
     type: 'RESPONSE',
     rid: x.rid,
@@ -315,6 +371,7 @@ async function streamFile(x: ExchangeRun, w: Work): Promise<void> {
         data: { processed_ms: round(processed), audio_duration_ms: round(total) },
       });
     },
+    w.denoise,
   );
   x.send({
     type: 'SSE_EVENT',
@@ -339,7 +396,7 @@ async function streamBatch(x: ExchangeRun, w: Work): Promise<void> {
     request.files.map(async (file, index) => {
       const f0 = performance.now();
       try {
-        const r = await processFile(granted, file, request.options, signal, x.figures, w.waitMs);
+        const r = await processFile(granted, file, request.options, signal, x.figures, w.waitMs, undefined, w.denoise);
         x.send({
           type: 'SSE_EVENT',
           rid,
@@ -423,6 +480,8 @@ const exchange = fromCallback<
     outcome: 'ok',
   };
   let lease: LeaseHandle | null = null;
+  /** A chain's first link's lease (`denoise=`). */
+  let denoiseLease: LeaseHandle | null = null;
   void (async () => {
     const tensors = request.tensor && readTensorRequest(request.tensor.fields, request.tensor.binary, maxTensorBytes);
     const entry = registry.require(request.model);
@@ -435,10 +494,30 @@ const exchange = fromCallback<
     lease = asked.handle;
     const granted = await asked.granted;
     x.figures.queueMs = granted.queueMs;
+    let denoise: Granted | undefined;
+    if (request.denoise !== undefined) {
+      if (granted.config.task !== 'vad' && granted.config.task !== 'wakeword')
+        throw invalid(
+          'denoise',
+          `a chain starts a VAD or wake-word request; '${granted.model}' is a ${granted.config.task} model`,
+        );
+      // The chain's first link: an entry with its own lease, taken after the last link's (C1: before any input is prepared).
+      const first = leaseGranted(
+        registry.require(request.denoise),
+        { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
+        (e) => (x.revoked = e.error),
+      );
+      denoiseLease = first.handle;
+      denoise = await first.granted;
+      if (denoise.config.task !== 'denoise')
+        throw invalid('denoise', `'${denoise.model}' is a ${denoise.config.task} model, not a denoise model (rnnoise)`);
+      x.figures.queueMs += denoise.queueMs;
+    }
     // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
     const w: Work = {
       granted,
-      signal: lease.signal,
+      denoise,
+      signal: denoiseLease ? AbortSignal.any([lease.signal, denoiseLease.signal]) : lease.signal,
       waitMs: effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0),
     };
     if (tensors) return answerTensor(x, w, tensors);
@@ -453,7 +532,10 @@ const exchange = fromCallback<
   })()
     .catch((e) => failExchange(x, e))
     .finally(() => logExchange(x, registry));
-  return () => lease?.release();
+  return () => {
+    denoiseLease?.release();
+    lease?.release();
+  };
 });
 
 /** What an HTTP socket actor is created with. */

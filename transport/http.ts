@@ -173,12 +173,23 @@ function parseTimeout(v: unknown): number | undefined {
   return n;
 }
 
-const RUN_FIELDS = ['model', 'audio', 'busy_timeout_ms', 'options', 'sample_rate'];
+const RUN_FIELDS = ['model', 'audio', 'busy_timeout_ms', 'options', 'sample_rate', 'denoise'];
 /** Fields of a `tensor` request (JSON or msgpack). */
 const TENSOR_FIELDS = ['model', 'inputs', 'outputs', 'busy_timeout_ms'];
 
 /** Query parameters of `/v1/tasks/run` with a raw audio body, besides task options. */
-const RUN_QUERY = ['model', 'busy_timeout_ms', 'sample_rate'];
+const RUN_QUERY = ['model', 'busy_timeout_ms', 'sample_rate', 'denoise'];
+
+/**
+ * A chain's `denoise` (query string or JSON): the id of the denoise model the audio goes through first.
+ * @throws VoxError `invalid_request_error` naming `denoise` when it is not a model id string.
+ */
+function parseDenoise(v: unknown): string | undefined {
+  if (v === undefined || v === null) return undefined;
+  if (typeof v !== 'string' || !v)
+    throw invalid('denoise', `must be a denoise model id (rnnoise), got ${JSON.stringify(v)}`);
+  return v;
+}
 
 /**
  * A denoise answer's `sample_rate` (query string or JSON), Hz.
@@ -309,6 +320,7 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number):
       busyTimeoutMs: parseTimeout(json.busy_timeout_ms),
       options: json.options,
       sampleRate: parseSampleRate(json.sample_rate),
+      denoise: parseDenoise(json.denoise),
       json: acceptsJson(req),
       t0,
     };
@@ -323,6 +335,7 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number):
     busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined),
     options,
     sampleRate: parseSampleRate(url.searchParams.get('sample_rate') ?? undefined),
+    denoise: parseDenoise(url.searchParams.get('denoise') ?? undefined),
     json: acceptsJson(req),
     t0,
   };
