@@ -225,6 +225,8 @@ export interface RunOptions {
   model: string;
   /** Task options (`threshold`, ...), checked by the server against the model's task. */
   options?: Record<string, unknown>;
+  /** A chain: the denoise model (`rnnoise`) the audio goes through before a VAD or wake-word model. */
+  denoise?: string;
   /** The request's own busy timeout, ms. */
   busyTimeoutMs?: number;
   /** Content type of the bytes; default: `audio/wav` for a RIFF file, a Blob's own type, else `application/octet-stream`. */
@@ -524,11 +526,13 @@ export class VoxClient {
           audio: base64(bytes),
           options: opts.options,
           busy_timeout_ms: opts.busyTimeoutMs,
+          denoise: opts.denoise,
         }),
       };
     } else {
       const q = new URLSearchParams({ model: opts.model });
       if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
+      if (opts.denoise !== undefined) q.set('denoise', opts.denoise);
       path += `?${q}`;
       const type =
         opts.contentType ??
@@ -544,6 +548,41 @@ export class VoxClient {
       else if (event === 'error') throw sseError(data);
     }
     throw new VoxClientError('connection_error', 'the progress stream ended without a result');
+  }
+
+  /**
+   * `POST /v1/tasks/run` on a denoise model (default `rnnoise`): the file denoised, as the bytes
+   * of a 16-bit mono WAV file at the input's rate or at `sampleRate` (docs/http-api.md).
+   * @throws VoxClientError for a refused request (its wire type: `invalid_request_error`, ...).
+   */
+  async denoise(
+    audio: AudioInput,
+    opts: {
+      model?: string;
+      sampleRate?: number;
+      busyTimeoutMs?: number;
+      contentType?: string;
+      signal?: AbortSignal;
+    } = {},
+  ): Promise<Uint8Array> {
+    const bytes = await bytesOf(audio);
+    const q = new URLSearchParams({ model: opts.model ?? 'rnnoise' });
+    if (opts.sampleRate !== undefined) q.set('sample_rate', String(opts.sampleRate));
+    if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
+    const type =
+      opts.contentType ??
+      (isRiff(bytes) ? 'audio/wav' : (audio instanceof Blob && audio.type) || 'application/octet-stream');
+    const res = await this.request(
+      `/v1/tasks/run?${q}`,
+      {
+        method: 'POST',
+        headers: { 'content-type': type, accept: 'audio/wav' },
+        body: bytes as BodyInit,
+        signal: opts.signal,
+      },
+      'apiKey',
+    );
+    return new Uint8Array(await res.arrayBuffer());
   }
 
   /**

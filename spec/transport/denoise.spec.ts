@@ -6,6 +6,12 @@
  * answer what it makes of RNNoise's output). Noisy speech made here from the fixtures (speech +
  * white noise at 0 and 5 dB SNR) comes back with a higher SNR against the clean speech.
  */
+import { execFile } from 'node:child_process';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { VoxClient } from '../../client/node.js';
@@ -359,5 +365,25 @@ describe('a chain: denoise=rnnoise on a VAD request', () => {
       expect(res.status).toBe(400);
       expect(((await res.json()) as { error: { message: string } }).error.message).toMatch(/denoise/);
     }
+  });
+});
+
+describe('the CLI', () => {
+  it('voxserve run rnnoise in.wav -o out.wav writes the denoised WAV; --denoise rnnoise chains a VAD run', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'voxserve-denoise-'));
+    const { s16 } = samplesOf('espeak_sentence_16k.wav');
+    writeFileSync(join(dir, 'in.wav'), wavOf(s16, 16_000));
+    const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));
+    const run = (...args: string[]) =>
+      promisify(execFile)(process.execPath, [cli, 'run', ...args, '--url', server.url]);
+    await run('rnnoise', join(dir, 'in.wav'), '-o', join(dir, 'out.wav'));
+    const out = new WaveFile(readFileSync(join(dir, 'out.wav')));
+    expect((out.fmt as { sampleRate: number }).sampleRate).toBe(16_000);
+    const got = out.getSamples(false, Int16Array) as unknown as Int16Array;
+    expect(maxDiff(got, (await expected(s16, 16_000)).s16)).toBeLessThanOrEqual(1);
+    const chained = JSON.parse((await run('silero-vad', join(dir, 'in.wav'), '--denoise', 'rnnoise')).stdout) as {
+      segments: unknown[];
+    };
+    expect(chained.segments.length).toBe(1);
   });
 });
