@@ -522,6 +522,11 @@ const exchange = fromCallback<
     };
     if (tensors) return answerTensor(x, w, tensors);
     if (granted.config.task === 'denoise' && request.kind === 'run') return answerDenoise(x, w);
+    if (granted.config.task === 'denoise')
+      throw invalid(
+        'model',
+        `'${granted.model}' is a denoise model: it answers one file at a time (POST /v1/tasks/run)`,
+      );
     if (request.sampleRate !== undefined)
       throw invalid(
         'sample_rate',

@@ -194,6 +194,21 @@ describe('POST /v1/tasks/run?model=rnnoise', () => {
     expect(((await vad.json()) as { error: { message: string } }).error.message).toMatch(/sample_rate.*denoise/);
   });
 
+  it('a batch to a denoise model is a 400 naming model (a denoise model answers one file at a time)', async () => {
+    const res = await fetch(`${server.url}/v1/tasks/batch`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({
+        model: 'rnnoise',
+        files: [wavOf(samplesOf('Front_Center.wav').s16, 48_000).toString('base64')],
+      }),
+    });
+    expect(res.status).toBe(400);
+    expect(((await res.json()) as { error: { message: string } }).error.message).toMatch(
+      /^model: .*one file at a time/,
+    );
+  });
+
   it('noisy speech (fixture + white noise at 0 and 5 dB SNR) comes back with a higher SNR against the clean speech', async () => {
     const { s16, rate } = samplesOf('silero_test.wav');
     const clean = Float32Array.from(s16.subarray(0, rate * 20), (v) => (v / 32768) * 0.5);
