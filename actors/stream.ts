@@ -51,6 +51,8 @@ export interface StreamParams {
   offsetMs: number;
   /** `progress=true`: a `progress {processed_ms}` event after each job's events (docs/websocket-api.md). */
   progress: boolean;
+  /** `denoise=rnnoise` (a chain, VAD or wake word): the denoise model the audio goes through first. */
+  denoise?: string;
 }
 
 /** The largest `offset_ms`: a week of audio. */
@@ -67,6 +69,7 @@ export const STREAM_QUERY = [
   'probability_interval_ms',
   'offset_ms',
   'progress',
+  'denoise',
 ] as const;
 
 /**
@@ -114,7 +117,16 @@ export function parseStreamParams(url: URL): StreamParams {
     probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
     offsetMs: intParam(url, 'offset_ms', 0, 0, MAX_OFFSET_MS)!,
     progress: progress === 'true',
+    denoise: denoiseParam(url),
   };
+}
+
+/** `denoise=` (a chain's first link), or undefined. @throws VoxError naming `denoise` when it is empty. */
+function denoiseParam(url: URL): string | undefined {
+  const v = url.searchParams.get('denoise');
+  if (v === null) return undefined;
+  if (!v) throw invalid('denoise', 'must be a denoise model id (rnnoise)');
+  return v;
 }
 
 /** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
@@ -558,6 +570,12 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let stopped = false;
     let decoder: PcmStreamDecoder | null = null;
     let pump: JobPump | null = null;
+    /**
+     * A chain (`denoise=`): its first link, the denoise model under a lease of its own. The audio
+     * goes through `pump` there; its 48 kHz output, at 16 kHz (`toMain`), into the last model's session.
+     */
+    let front: { pump: JobPump; session: DenoiseSession; toMain: Resampler; flushed: boolean } | null = null;
+    let frontLease: LeaseHandle | null = null;
     /** A denoise stream: RNNoise's 48 kHz output back to the stream's rate, and its encoding. */
     let back: { resampler: Resampler; encoding: PcmEncoding } | null = null;
     /** Unprocessed audio past which reading pauses: {@link MAX_PENDING_SAMPLES} at 16 kHz (10 s), as long at the session's rate. */
@@ -573,8 +591,12 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let caughtUpAt = performance.now();
     /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
     const behind = (): boolean =>
-      !pump || pump.running || early.length > 0 || pump.session.pendingSamples >= pump.session.step;
-    const gone = (): boolean => stopped || (lease?.signal.aborted ?? false);
+      !pump ||
+      pump.running ||
+      early.length > 0 ||
+      pump.session.pendingSamples >= pump.session.step ||
+      (front !== null && (front.pump.running || front.session.pendingSamples >= front.session.step));
+    const gone = (): boolean => stopped || (lease?.signal.aborted ?? false) || (frontLease?.signal.aborted ?? false);
 
     const fail = (e: unknown): void => {
       if (gone()) return;
@@ -595,12 +617,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
 
     /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
     const push = (frames: readonly Buffer[], count: number, at: number): void => {
-      const session = pump!.session;
+      const first = front?.pump ?? pump!;
+      const session = first.session;
       for (let i = 0; i < count; i++) session.push(decoder!.push(frames[i]));
       stats.receivedSamples = session.receivedSamples;
-      pump!.arrived(at);
+      first.arrived(at);
       if (session.pendingSamples > pendingLimit) pause();
-      pump!.pump();
+      first.pump();
     };
 
     /**
@@ -643,6 +666,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     };
 
     const finishAudio = (): void => {
+      if (front) {
+        // The chain's first link finishes first; its idle hook then ends the last model's session.
+        front.session.push(decoder!.end());
+        stats.receivedSamples = front.session.receivedSamples;
+        front.session.end();
+        return front.pump.pump();
+      }
       const session = pump!.session;
       // The resampler's held-back tail first, so a stream gives the samples a file would.
       session.push(decoder!.end());
@@ -652,22 +682,31 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     };
 
     /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */
-    const start = async (params: StreamParams, granted: Granted): Promise<void> => {
-      queueMs = granted.queueMs;
+    const start = async (params: StreamParams, granted: Granted, first?: Granted): Promise<void> => {
+      queueMs = granted.queueMs + (first?.queueMs ?? 0);
       offsetMs = params.offsetMs;
       const denoise = granted.config.task === 'denoise';
+      if (first && granted.config.task !== 'vad' && granted.config.task !== 'wakeword')
+        throw invalid(
+          'denoise',
+          `a chain starts a VAD or wake-word stream; '${granted.model}' is a ${granted.config.task} model`,
+        );
+      if (first && first.config.task !== 'denoise')
+        throw invalid('denoise', `'${first.model}' is a ${first.config.task} model, not a denoise model (rnnoise)`);
       decoder = await PcmStreamDecoder.create(
         params.encoding,
         params.sampleRate,
         params.channels,
-        denoise ? RNNOISE.RATE : undefined,
+        denoise || first ? RNNOISE.RATE : undefined,
       );
       if (denoise)
         back = { resampler: await Resampler.create(RNNOISE.RATE, params.sampleRate), encoding: params.encoding };
-      if (gone()) return;
+      // Made before the sessions: nothing awaits between the pumps' creation and the first audio.
+      const chainResampler = first ? await Resampler.create(RNNOISE.RATE, 16_000) : null;
+      if (gone()) return chainResampler?.close();
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
       perMs = (session.rate ?? 16_000) / 1000;
-      pendingLimit = MAX_PENDING_SAMPLES * (perMs / 16);
+      pendingLimit = MAX_PENDING_SAMPLES * ((first ? RNNOISE.RATE / 1000 : perMs) / 16);
       pump = new JobPump(session, granted, {
         emit: emitTask,
         accepted: () => {
@@ -680,6 +719,33 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         idle,
         fail,
       });
+      if (first) {
+        const fs = createTaskSession(first.config, first.info, undefined, false) as DenoiseSession;
+        const toMain = chainResampler!;
+        const link = { session: fs, toMain, flushed: false, pump: null as unknown as JobPump };
+        link.pump = new JobPump(fs, first, {
+          emit: () => {},
+          accepted: () => {
+            session.push(toMain.push(fs.takeOutput()));
+            pump!.arrived(performance.now());
+            pump!.pump();
+            if (paused && fs.pendingSamples < pendingLimit / 2) resume();
+          },
+          idle: () => {
+            caughtUpAt = performance.now();
+            resume();
+            if (!ended || !fs.finished || link.flushed || gone()) return;
+            // The first link is done: its resampler's tail, then the last model's end.
+            link.flushed = true;
+            session.push(toMain.flush());
+            for (const e of session.end()) emitTask(e);
+            pump!.arrived(performance.now());
+            pump!.pump();
+          },
+          fail,
+        });
+        front = link;
+      }
       send({
         type: 'READY',
         model: granted.model,
@@ -700,8 +766,24 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       const entry = input.registry.require(params.model);
       stats.model = entry.id;
       lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
-        if (e.type === 'LEASE_GRANTED') start(params, e.granted).catch(fail);
-        else if (e.type === 'LEASE_REFUSED') fail(e.error);
+        if (e.type === 'LEASE_GRANTED') {
+          if (!params.denoise) return void start(params, e.granted).catch(fail);
+          // A chain: the first link's lease, an entry of its own, asked once the last model's is held.
+          const granted = e.granted;
+          try {
+            frontLease = requestLease(
+              input.registry.require(params.denoise),
+              { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics },
+              (f) => {
+                if (f.type === 'LEASE_GRANTED') start(params, granted, f.granted).catch(fail);
+                else if (f.type === 'LEASE_REFUSED') fail(f.error);
+                else if (!stopped) send({ type: 'FAILED', error: f.error.toWire(), code: f.code });
+              },
+            );
+          } catch (err) {
+            fail(err);
+          }
+        } else if (e.type === 'LEASE_REFUSED') fail(e.error);
         else if (!stopped) send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
       });
     } catch (e) {
@@ -744,6 +826,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       channel.close();
       decoder?.close();
       back?.resampler.close();
+      front?.toMain.close();
+      frontLease?.release();
       lease?.release();
     };
   },

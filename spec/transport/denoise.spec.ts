@@ -402,3 +402,58 @@ describe('the CLI', () => {
     expect(chained.segments.length).toBe(1);
   });
 });
+
+/** Streams s16le `s16` at 16 kHz to `/v1/stream?<query>` in 100 ms frames; every event. */
+function streamEvents(s16: Int16Array, query: string): Promise<{ type: string; [k: string]: unknown }[]> {
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?sample_rate=16000&${query}`);
+    const events: { type: string; [k: string]: unknown }[] = [];
+    ws.on('error', reject);
+    ws.on('message', (d: Buffer) => {
+      const e = JSON.parse(d.toString()) as { type: string };
+      events.push(e);
+      if (e.type !== 'ready') return;
+      const pcm = Buffer.from(s16.buffer, s16.byteOffset, s16.byteLength);
+      for (let o = 0; o < pcm.length; o += 3200) ws.send(pcm.subarray(o, o + 3200));
+      ws.send(JSON.stringify({ type: 'end' }));
+    });
+    ws.on('close', () => resolve(events));
+  });
+}
+
+describe('a chain on a stream: /v1/stream?model=silero-vad&denoise=rnnoise', () => {
+  it.each([1, 2, 3])(
+    'clicks (seed %i): speech events alone, none with denoise=rnnoise; done either way',
+    async (seed) => {
+      const alone = await streamEvents(clicks(seed), 'model=silero-vad&threshold=0.1');
+      const chained = await streamEvents(clicks(seed), 'model=silero-vad&threshold=0.1&denoise=rnnoise');
+      const speech = (es: { type: string }[]) => es.filter((e) => e.type === 'speech_end').length;
+      console.log(
+        `stream, clicks (seed ${seed}): VAD alone ${speech(alone)} segment(s), with denoise=rnnoise ${speech(chained)}`,
+      );
+      expect(speech(alone)).toBeGreaterThan(0);
+      expect(speech(chained)).toBe(0);
+      expect(chained[chained.length - 1]).toMatchObject({ type: 'done' });
+      expect(chained[chained.length - 1].processed_ms).toBe(10_000);
+    },
+  );
+
+  it('the chained stream still finds the sentence, and leaves no lease held', async () => {
+    const events = await streamEvents(samplesOf('espeak_sentence_16k.wav').s16, 'model=silero-vad&denoise=rnnoise');
+    expect(events.filter((e) => e.type === 'speech_end').length).toBe(1);
+    const { models } = (await (await fetch(`${server.url}/v1/models`)).json()) as {
+      models: { id: string; active_leases: number }[];
+    };
+    for (const m of models) expect(m.active_leases, m.id).toBe(0);
+  });
+
+  it('a bad chain closes the stream 1008 with an error naming denoise', async () => {
+    const events = await streamEvents(
+      samplesOf('espeak_sentence_16k.wav').s16,
+      'model=silero-vad&denoise=silero-vad-v5',
+    );
+    expect(events.find((e) => e.type === 'error')).toMatchObject({
+      error: { message: expect.stringMatching(/^denoise/) },
+    });
+  });
+});
