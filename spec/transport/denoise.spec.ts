@@ -457,3 +457,29 @@ describe('a chain on a stream: /v1/stream?model=silero-vad&denoise=rnnoise', () 
     });
   });
 });
+
+describe('rnnoise streams batched together', () => {
+  it('four streams at once (the batcher packs their jobs as rows of one job): each gets exactly its own denoised audio', async () => {
+    const inputs = [
+      { ...samplesOf('espeak_sentence_16k.wav'), rate: 16_000 },
+      { s16: samplesOf('Front_Center.wav').s16, rate: 48_000 },
+      { s16: samplesOf('Front_Left.wav').s16, rate: 48_000 },
+      { s16: Int16Array.from(samplesOf('espeak_sentence_16k.wav').s16, (v) => v >> 1), rate: 16_000 },
+    ];
+    const got = await Promise.all(inputs.map((i) => streamDenoise(i.s16, i.rate, 20)));
+    for (const [k, i] of inputs.entries()) {
+      const want = await expected(i.s16, i.rate);
+      expect(maxDiff(got[k].audio, want.s16), `stream ${k}`).toBeLessThanOrEqual(1);
+    }
+    // Rows were packed together: more rows than batches.
+    const metrics = await (await fetch(`${server.url}/metrics`)).text();
+    const figure = (name: string): number =>
+      Number(
+        metrics
+          .split('\n')
+          .find((l) => l.startsWith(`${name}{model="rnnoise"}`))
+          ?.split(' ')[1],
+      );
+    expect(figure('voxserve_batch_size_sum')).toBeGreaterThan(figure('voxserve_batch_size_count'));
+  });
+});
