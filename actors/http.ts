@@ -11,13 +11,17 @@ import {
   type InspectionEvent,
 } from 'xstate';
 import { effectiveTimeout } from '../runtime/admission.js';
-import { decodeAudio } from '../runtime/decode.js';
+import { resample } from '../runtime/audio.js';
+import { decodeAudio, decodeAudioAt } from '../runtime/decode.js';
+import { RNNOISE } from '../runtime/rnnoise.js';
 import type { Limits } from '../runtime/config.js';
-import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
+import { errorBody, invalid, toVoxError, type VoxError } from '../runtime/errors.js';
 import type { Job, JobResult, TensorResult } from '../runtime/slot-protocol.js';
 import {
   createTaskSession,
+  type DenoiseSession,
   drain,
+  wavBytes,
   taskResult,
   readTensorRequest,
   tensorJob,
@@ -29,6 +33,8 @@ import type { Supervisor } from './supervisor.js';
 
 /** Windows (VAD, 32 ms) or steps (wake word, 80 ms) per slot job for a file: ~2-5 s of audio, so streams interleave. */
 const FILE_JOB_STEPS = 64;
+/** Frames (denoise, 10 ms) per slot job for a file: 2 s of audio. */
+const FILE_JOB_FRAMES = 200;
 
 /** One audio file of a task request, with its declared media type (Content-Type or `data:` prefix) if any. */
 export interface AudioFile {
@@ -55,6 +61,12 @@ export interface TaskRequest {
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
   t0: number;
+  /** A chain (`denoise=rnnoise` on a VAD or wake-word request): the denoise model the audio goes through first. */
+  denoise?: string;
+  /** A denoise answer's sample rate, Hz (`sample_rate=`); absent: the input's. */
+  sampleRate?: number;
+  /** The client asked for JSON (`Accept: application/json`): a denoise answer is then its per-frame speech probabilities and timing, not audio. */
+  json?: boolean;
 }
 
 /** A response error as the transport writes it. */
@@ -67,7 +79,8 @@ export interface ResponseError {
 /** What an exchange (one request) tells its socket actor; the socket actor emits it as {@link HttpOutput}. */
 type ExchangeEvent =
   /** The whole response (`run`): JSON, or msgpack (a tensor request that asked for it). */
-  | { type: 'RESPONSE'; rid: number; status: number; body: unknown; msgpack?: boolean }
+  /** `wav`: the body is a WAV file (a denoise answer), a Buffer. */
+  | { type: 'RESPONSE'; rid: number; status: number; body: unknown; msgpack?: boolean; wav?: boolean }
   /** Server-sent events (`batch`): headers, then each event, then the end. */
   | { type: 'SSE_START'; rid: number }
   | { type: 'SSE_EVENT'; rid: number; name: string; data: unknown }
@@ -96,7 +109,7 @@ export type HttpInput =
 export type HttpOutput =
   /** Request `rid` may be handled now (its turn among the pipelined requests of the connection). */
   | { type: 'start'; rid: number }
-  | { type: 'respond'; rid: number; status: number; body: unknown; msgpack?: boolean }
+  | { type: 'respond'; rid: number; status: number; body: unknown; msgpack?: boolean; wav?: boolean }
   | { type: 'sse-start'; rid: number }
   | { type: 'sse-event'; rid: number; name: string; data: unknown }
   | { type: 'sse-end'; rid: number; error?: ResponseError['body'] }
@@ -142,9 +155,14 @@ async function processFile(
   m: { queueMs: number; inferenceMs: number },
   waitMs: number,
   progress: (processedMs: number, audioMs: number) => void = () => {},
+  denoise?: Granted,
 ): Promise<{ body: Record<string, unknown>; audioMs: number }> {
   const session = createTaskSession(granted.config, granted.info, options, true);
-  session.push(await untilAborted(decodeAudio(file.bytes, file.type), signal));
+  session.push(
+    denoise
+      ? await denoisedAt16k(denoise, file, signal, m, waitMs)
+      : await untilAborted(decodeAudio(file.bytes, file.type), signal),
+  );
   session.end();
   const audioMs = (session.receivedSamples * 1000) / 16_000;
   const processedMs = (): number => Math.min(audioMs, (session.processedSamples * 1000) / 16_000);
@@ -167,6 +185,80 @@ async function processFile(
   return { body: taskResult(session), audioMs };
 }
 
+/**
+ * `run` of one file on a denoise model: decoded to 48 kHz mono (in a decode worker), denoised in
+ * the slots in jobs of {@link FILE_JOB_FRAMES}, and answered as a 16-bit mono WAV at the input's
+ * rate (or `sample_rate`), or, with `Accept: application/json`, as RNNoise's per-frame speech
+ * probabilities and timing.
+ */
+async function answerDenoise(x: ExchangeRun, w: Work): Promise<void> {
+  const { request } = x;
+  const { granted, signal } = w;
+  const session = createTaskSession(granted.config, granted.info, request.options, true) as DenoiseSession;
+  const file = request.files[0];
+  const decoded = await untilAborted(decodeAudioAt(file.bytes, file.type, RNNOISE.RATE), signal);
+  session.push(decoded.samples);
+  session.end();
+  const runJob = async (job: Job): Promise<JobResult> => {
+    signal.throwIfAborted();
+    const r = await untilAborted(granted.run(job, w.waitMs), signal);
+    if (r.ran) x.figures.inferenceMs += r.ran[1] - r.ran[0];
+    x.figures.queueMs += r.waitedMs ?? 0;
+    return r;
+  };
+  await drain(session, runJob, () => {}, FILE_JOB_FRAMES);
+  const audioMs = (session.receivedSamples * 1000) / RNNOISE.RATE;
+  if (request.json)
+    return x.send({
+      type: 'RESPONSE',
+      rid: x.rid,
+      status: 200,
+      body: { model: granted.model, ...taskResult(session), timing: fileTiming(x, request.t0, audioMs) },
+    });
+  const rate = request.sampleRate ?? decoded.sourceRate;
+  const out = await resample(session.takeOutput(), RNNOISE.RATE, rate);
+  signal.throwIfAborted();
+  x.send({ type: 'RESPONSE', rid: x.rid, status: 200, body: wavBytes(out, rate), wav: true });
+}
+
+/**
+ * The first link of a chain: `file` decoded to 48 kHz, denoised on the denoise model's slots
+ * (its own lease, `denoise`), and resampled to the 16 kHz the next model takes.
+ */
+async function denoisedAt16k(
+  denoise: Granted,
+  file: AudioFile,
+  signal: AbortSignal,
+  m: { queueMs: number; inferenceMs: number },
+  waitMs: number,
+): Promise<Float32Array> {
+  const session = createTaskSession(denoise.config, denoise.info, undefined, false) as DenoiseSession;
+  const decoded = await untilAborted(decodeAudioAt(file.bytes, file.type, RNNOISE.RATE), signal);
+  session.push(decoded.samples);
+  session.end();
+  const parts: Float32Array[] = [];
+  await drain(
+    session,
+    async (job) => {
+      signal.throwIfAborted();
+      const r = await untilAborted(denoise.run(job, waitMs), signal);
+      if (r.ran) m.inferenceMs += r.ran[1] - r.ran[0];
+      m.queueMs += r.waitedMs ?? 0;
+      return r;
+    },
+    () => {},
+    FILE_JOB_FRAMES,
+    () => parts.push(session.takeOutput()),
+  );
+  const all = new Float32Array(parts.reduce((n, p) => n + p.length, 0));
+  let at = 0;
+  for (const p of parts) {
+    all.set(p, at);
+    at += p.length;
+  }
+  return resample(all, RNNOISE.RATE, 16_000);
+}
+
 /** One exchange in progress: what its pieces share, and what its log line reports. */
 interface ExchangeRun {
   readonly rid: number;
@@ -187,6 +279,8 @@ interface ExchangeRun {
 /** What a granted exchange runs its jobs with: the lease's grant and signal, and how long a job may wait for a slot, ms. */
 interface Work {
   readonly granted: Granted;
+  /** A chain's first link (`denoise=`): the denoise model's grant, under its own lease. */
+  readonly denoise?: Granted;
   readonly signal: AbortSignal;
   readonly waitMs: number;
 }
@@ -231,7 +325,16 @@ async function answerTensor(x: ExchangeRun, w: Work, tensors: TensorRequest): Pr
 /** `run` of one file: its result as one response. */
 async function answerFile(x: ExchangeRun, w: Work): Promise<void> {
   const { request } = x;
-  const r = await processFile(w.granted, request.files[0], request.options, w.signal, x.figures, w.waitMs);
+  const r = await processFile(
+    w.granted,
+    request.files[0],
+    request.options,
+    w.signal,
+    x.figures,
+    w.waitMs,
+    undefined,
+    w.denoise,
+  );
   x.send({
     type: 'RESPONSE',
     rid: x.rid,
@@ -268,6 +371,7 @@ async function streamFile(x: ExchangeRun, w: Work): Promise<void> {
         data: { processed_ms: round(processed), audio_duration_ms: round(total) },
       });
     },
+    w.denoise,
   );
   x.send({
     type: 'SSE_EVENT',
@@ -292,7 +396,7 @@ async function streamBatch(x: ExchangeRun, w: Work): Promise<void> {
     request.files.map(async (file, index) => {
       const f0 = performance.now();
       try {
-        const r = await processFile(granted, file, request.options, signal, x.figures, w.waitMs);
+        const r = await processFile(granted, file, request.options, signal, x.figures, w.waitMs, undefined, w.denoise);
         x.send({
           type: 'SSE_EVENT',
           rid,
@@ -376,6 +480,8 @@ const exchange = fromCallback<
     outcome: 'ok',
   };
   let lease: LeaseHandle | null = null;
+  /** A chain's first link's lease (`denoise=`). */
+  let denoiseLease: LeaseHandle | null = null;
   void (async () => {
     const tensors = request.tensor && readTensorRequest(request.tensor.fields, request.tensor.binary, maxTensorBytes);
     const entry = registry.require(request.model);
@@ -388,19 +494,53 @@ const exchange = fromCallback<
     lease = asked.handle;
     const granted = await asked.granted;
     x.figures.queueMs = granted.queueMs;
+    let denoise: Granted | undefined;
+    if (request.denoise !== undefined) {
+      if (granted.config.task !== 'vad' && granted.config.task !== 'wakeword')
+        throw invalid(
+          'denoise',
+          `a chain starts a VAD or wake-word request; '${granted.model}' is a ${granted.config.task} model`,
+        );
+      // The chain's first link: an entry with its own lease, taken after the last link's (C1: before any input is prepared).
+      const first = leaseGranted(
+        registry.require(request.denoise),
+        { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
+        (e) => (x.revoked = e.error),
+      );
+      denoiseLease = first.handle;
+      denoise = await first.granted;
+      if (denoise.config.task !== 'denoise')
+        throw invalid('denoise', `'${denoise.model}' is a ${denoise.config.task} model, not a denoise model (rnnoise)`);
+      x.figures.queueMs += denoise.queueMs;
+    }
     // A job waits for a slot at most the request's busy timeout too (min of request, model, server).
     const w: Work = {
       granted,
-      signal: lease.signal,
+      denoise,
+      signal: denoiseLease ? AbortSignal.any([lease.signal, denoiseLease.signal]) : lease.signal,
       waitMs: effectiveTimeout(request.busyTimeoutMs, granted.busyTimeoutMs, 0),
     };
     if (tensors) return answerTensor(x, w, tensors);
+    if (granted.config.task === 'denoise' && request.kind === 'run') return answerDenoise(x, w);
+    if (granted.config.task === 'denoise')
+      throw invalid(
+        'model',
+        `'${granted.model}' is a denoise model: it answers one file at a time (POST /v1/tasks/run)`,
+      );
+    if (request.sampleRate !== undefined)
+      throw invalid(
+        'sample_rate',
+        `only a denoise model answers audio; '${granted.model}' is a ${granted.config.task} model`,
+      );
     if (request.kind === 'batch') return streamBatch(x, w);
     return request.progress ? streamFile(x, w) : answerFile(x, w);
   })()
     .catch((e) => failExchange(x, e))
     .finally(() => logExchange(x, registry));
-  return () => lease?.release();
+  return () => {
+    denoiseLease?.release();
+    lease?.release();
+  };
 });
 
 /** What an HTTP socket actor is created with. */
@@ -528,6 +668,7 @@ export const httpSocketMachine = setup({
             status: event.status,
             body: event.body,
             msgpack: event.msgpack,
+            wav: event.wav,
           }) as HttpOutput,
       ),
     },

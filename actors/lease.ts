@@ -272,7 +272,8 @@ export class JobPump {
       fail: (e: unknown) => void;
     },
   ) {
-    this.maxSteps = Math.max(1, Math.floor((MAX_JOB_MS * 16) / session.step));
+    // MAX_JOB_MS of audio at the session's rate (16 kHz; a denoise stream's 48 kHz).
+    this.maxSteps = Math.max(1, Math.floor((MAX_JOB_MS * ((session.rate ?? 16_000) / 1000)) / session.step));
   }
 
   /** Samples arrived at `at` (performance.now(), ms), already pushed into the session. */

@@ -14,7 +14,7 @@ import {
   type InspectionEvent,
 } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
-import { Batcher, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
+import { Batcher, denoisePacking, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
 import { ModelConfig, parseTaskOptions, parseWith } from '../runtime/config.js';
 import { fromWire, voxError, VoxError, type WireError } from '../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
@@ -752,7 +752,9 @@ function poolSettings(
     m.pool.onHostExit = (why, respawn) => entry.log.warn({ why, respawn }, 'slot host exited');
     if (inference) m.pool.onRun = (ms) => inference.observe(ms / 1000);
     if (c.max_batch_size > 1 && c.task !== 'tensor') {
-      const packing = (c.task === 'vad' ? vadPacking : wakewordPacking) as Packing<Job, JobResult>;
+      const packing = (
+        c.task === 'vad' ? vadPacking : c.task === 'denoise' ? denoisePacking : wakewordPacking
+      ) as Packing<Job, JobResult>;
       m.batcher = new Batcher(m.pool, packing, c.max_batch_size, c.max_batch_delay_ms, (n) => batchSize?.observe(n));
     }
     return m;

@@ -18,11 +18,14 @@ import {
   MIN_SAMPLE_RATE,
   PCM_ENCODINGS,
   PcmStreamDecoder,
+  encodePcm,
+  Resampler,
   type PcmEncoding,
 } from '../runtime/audio.js';
+import { RNNOISE } from '../runtime/rnnoise.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
-import { createTaskSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
+import { createTaskSession, DenoiseSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
 import { CLOSE, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
 
@@ -48,6 +51,8 @@ export interface StreamParams {
   offsetMs: number;
   /** `progress=true`: a `progress {processed_ms}` event after each job's events (docs/websocket-api.md). */
   progress: boolean;
+  /** `denoise=rnnoise` (a chain, VAD or wake word): the denoise model the audio goes through first. */
+  denoise?: string;
 }
 
 /** The largest `offset_ms`: a week of audio. */
@@ -64,6 +69,7 @@ export const STREAM_QUERY = [
   'probability_interval_ms',
   'offset_ms',
   'progress',
+  'denoise',
 ] as const;
 
 /**
@@ -111,7 +117,16 @@ export function parseStreamParams(url: URL): StreamParams {
     probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
     offsetMs: intParam(url, 'offset_ms', 0, 0, MAX_OFFSET_MS)!,
     progress: progress === 'true',
+    denoise: denoiseParam(url),
   };
+}
+
+/** `denoise=` (a chain's first link), or undefined. @throws VoxError naming `denoise` when it is empty. */
+function denoiseParam(url: URL): string | undefined {
+  const v = url.searchParams.get('denoise');
+  if (v === null) return undefined;
+  if (!v) throw invalid('denoise', 'must be a denoise model id (rnnoise)');
+  return v;
 }
 
 /** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
@@ -391,7 +406,8 @@ export type StreamInput =
 
 /** Events the `work` actor sends its socket actor. */
 export type WorkEvent =
-  | { type: 'READY'; model: string; task: string }
+  /** `sampleRate`: the rate the model runs at (16 kHz; a denoise stream: the rate its audio comes back at, the stream's). */
+  | { type: 'READY'; model: string; task: string; sampleRate?: number }
   /** Answer to `CHECK_IDLE`: ms since the client last sent a message. */
   | { type: 'IDLE_REPORT'; silentMs: number }
   | { type: 'PAUSE' }
@@ -554,6 +570,18 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let stopped = false;
     let decoder: PcmStreamDecoder | null = null;
     let pump: JobPump | null = null;
+    /**
+     * A chain (`denoise=`): its first link, the denoise model under a lease of its own. The audio
+     * goes through `pump` there; its 48 kHz output, at 16 kHz (`toMain`), into the last model's session.
+     */
+    let front: { pump: JobPump; session: DenoiseSession; toMain: Resampler; flushed: boolean } | null = null;
+    let frontLease: LeaseHandle | null = null;
+    /** A denoise stream: RNNoise's 48 kHz output back to the stream's rate, and its encoding. */
+    let back: { resampler: Resampler; encoding: PcmEncoding } | null = null;
+    /** Unprocessed audio past which reading pauses: {@link MAX_PENDING_SAMPLES} at 16 kHz (10 s), as long at the session's rate. */
+    let pendingLimit = MAX_PENDING_SAMPLES;
+    /** Samples per ms at the session's rate. */
+    let perMs = 16;
     let queueMs = 0;
     let early: { frames: Buffer[]; at: number }[] = [];
     let earlyBytes = 0;
@@ -563,8 +591,12 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let caughtUpAt = performance.now();
     /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
     const behind = (): boolean =>
-      !pump || pump.running || early.length > 0 || pump.session.pendingSamples >= pump.session.step;
-    const gone = (): boolean => stopped || (lease?.signal.aborted ?? false);
+      !pump ||
+      pump.running ||
+      early.length > 0 ||
+      pump.session.pendingSamples >= pump.session.step ||
+      (front !== null && (front.pump.running || front.session.pendingSamples >= front.session.step));
+    const gone = (): boolean => stopped || (lease?.signal.aborted ?? false) || (frontLease?.signal.aborted ?? false);
 
     const fail = (e: unknown): void => {
       if (gone()) return;
@@ -585,12 +617,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
 
     /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
     const push = (frames: readonly Buffer[], count: number, at: number): void => {
-      const session = pump!.session;
+      const first = front?.pump ?? pump!;
+      const session = first.session;
       for (let i = 0; i < count; i++) session.push(decoder!.push(frames[i]));
       stats.receivedSamples = session.receivedSamples;
-      pump!.arrived(at);
-      if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
-      pump!.pump();
+      first.arrived(at);
+      if (session.pendingSamples > pendingLimit) pause();
+      first.pump();
     };
 
     /**
@@ -606,10 +639,20 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       resume();
       if (ended && session.finished && !gone()) finishing.run(done);
     };
+    /** A denoise stream's audio so far (with `last`, what its resampler still holds) to the client, as binary frames. */
+    const sendAudio = (last = false): void => {
+      const session = pump!.session;
+      if (!back || !(session instanceof DenoiseSession)) return;
+      const out = back.resampler.push(session.takeOutput());
+      const tail = last ? back.resampler.flush() : null;
+      if (out.length) channel.write({ type: 'audio', data: encodePcm(out, back.encoding) });
+      if (tail?.length) channel.write({ type: 'audio', data: encodePcm(tail, back.encoding) });
+    };
     const done = (): void => {
       if (gone()) return;
+      sendAudio(true);
       const wallMs = performance.now() - t0;
-      const audioMs = pump!.session.receivedSamples / 16;
+      const audioMs = pump!.session.receivedSamples / perMs;
       send({
         type: 'DONE',
         processed_ms: offsetMs + Math.round(audioMs),
@@ -623,6 +666,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     };
 
     const finishAudio = (): void => {
+      if (front) {
+        // The chain's first link finishes first; its idle hook then ends the last model's session.
+        front.session.push(decoder!.end());
+        stats.receivedSamples = front.session.receivedSamples;
+        front.session.end();
+        return front.pump.pump();
+      }
       const session = pump!.session;
       // The resampler's held-back tail first, so a stream gives the samples a file would.
       session.push(decoder!.end());
@@ -632,30 +682,82 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     };
 
     /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */
-    const start = async (params: StreamParams, granted: Granted): Promise<void> => {
-      queueMs = granted.queueMs;
+    const start = async (params: StreamParams, granted: Granted, first?: Granted): Promise<void> => {
+      queueMs = granted.queueMs + (first?.queueMs ?? 0);
       offsetMs = params.offsetMs;
-      decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
-      if (gone()) return;
+      const denoise = granted.config.task === 'denoise';
+      if (first && granted.config.task !== 'vad' && granted.config.task !== 'wakeword')
+        throw invalid(
+          'denoise',
+          `a chain starts a VAD or wake-word stream; '${granted.model}' is a ${granted.config.task} model`,
+        );
+      if (first && first.config.task !== 'denoise')
+        throw invalid('denoise', `'${first.model}' is a ${first.config.task} model, not a denoise model (rnnoise)`);
+      decoder = await PcmStreamDecoder.create(
+        params.encoding,
+        params.sampleRate,
+        params.channels,
+        denoise || first ? RNNOISE.RATE : undefined,
+      );
+      if (denoise)
+        back = { resampler: await Resampler.create(RNNOISE.RATE, params.sampleRate), encoding: params.encoding };
+      // Made before the sessions: nothing awaits between the pumps' creation and the first audio.
+      const chainResampler = first ? await Resampler.create(RNNOISE.RATE, 16_000) : null;
+      if (gone()) return chainResampler?.close();
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
+      perMs = (session.rate ?? 16_000) / 1000;
+      pendingLimit = MAX_PENDING_SAMPLES * ((first ? RNNOISE.RATE / 1000 : perMs) / 16);
       pump = new JobPump(session, granted, {
         emit: emitTask,
         accepted: () => {
+          sendAudio();
           // After the job's events, so a client that saw this has seen every event of the audio before it.
           if (params.progress)
-            channel.write({ type: 'progress', processed_ms: offsetMs + Math.round(session.processedSamples / 16) });
-          if (paused && session.pendingSamples < MAX_PENDING_SAMPLES / 2) resume();
+            channel.write({ type: 'progress', processed_ms: offsetMs + Math.round(session.processedSamples / perMs) });
+          if (paused && session.pendingSamples < pendingLimit / 2) resume();
         },
         idle,
         fail,
       });
-      send({ type: 'READY', model: granted.model, task: granted.config.task });
+      if (first) {
+        const fs = createTaskSession(first.config, first.info, undefined, false) as DenoiseSession;
+        const toMain = chainResampler!;
+        const link = { session: fs, toMain, flushed: false, pump: null as unknown as JobPump };
+        link.pump = new JobPump(fs, first, {
+          emit: () => {},
+          accepted: () => {
+            session.push(toMain.push(fs.takeOutput()));
+            pump!.arrived(performance.now());
+            pump!.pump();
+            if (paused && fs.pendingSamples < pendingLimit / 2) resume();
+          },
+          idle: () => {
+            caughtUpAt = performance.now();
+            resume();
+            if (!ended || !fs.finished || link.flushed || gone()) return;
+            // The first link is done: its resampler's tail, then the last model's end.
+            link.flushed = true;
+            session.push(toMain.flush());
+            for (const e of session.end()) emitTask(e);
+            pump!.arrived(performance.now());
+            pump!.pump();
+          },
+          fail,
+        });
+        front = link;
+      }
+      send({
+        type: 'READY',
+        model: granted.model,
+        task: granted.config.task,
+        sampleRate: denoise ? params.sampleRate : 16_000,
+      });
       caughtUpAt = performance.now();
       const buffered = early;
       early = [];
       earlyBytes = 0;
       for (const { frames, at } of buffered) push(frames, frames.length, at);
-      if (session.pendingSamples <= MAX_PENDING_SAMPLES) resume();
+      if (session.pendingSamples <= pendingLimit) resume();
       if (ended) finishAudio();
     };
 
@@ -664,8 +766,24 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       const entry = input.registry.require(params.model);
       stats.model = entry.id;
       lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
-        if (e.type === 'LEASE_GRANTED') start(params, e.granted).catch(fail);
-        else if (e.type === 'LEASE_REFUSED') fail(e.error);
+        if (e.type === 'LEASE_GRANTED') {
+          if (!params.denoise) return void start(params, e.granted).catch(fail);
+          // A chain: the first link's lease, an entry of its own, asked once the last model's is held.
+          const granted = e.granted;
+          try {
+            frontLease = requestLease(
+              input.registry.require(params.denoise),
+              { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics },
+              (f) => {
+                if (f.type === 'LEASE_GRANTED') start(params, granted, f.granted).catch(fail);
+                else if (f.type === 'LEASE_REFUSED') fail(f.error);
+                else if (!stopped) send({ type: 'FAILED', error: f.error.toWire(), code: f.code });
+              },
+            );
+          } catch (err) {
+            fail(err);
+          }
+        } else if (e.type === 'LEASE_REFUSED') fail(e.error);
         else if (!stopped) send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
       });
     } catch (e) {
@@ -707,6 +825,9 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       channel.sink = null;
       channel.close();
       decoder?.close();
+      back?.resampler.close();
+      front?.toMain.close();
+      frontLease?.release();
       lease?.release();
     };
   },
@@ -750,7 +871,13 @@ export const streamSocketMachine = setup({
       const ready = event as Extract<WorkEvent, { type: 'READY' }>;
       enqueue.emit({
         type: 'send',
-        event: { type: 'ready', session_id: context.id, model: ready.model, task: ready.task, sample_rate: 16_000 },
+        event: {
+          type: 'ready',
+          session_id: context.id,
+          model: ready.model,
+          task: ready.task,
+          sample_rate: ready.sampleRate ?? 16_000,
+        },
       });
     }),
     /** The closing log line and metrics, once per stream. */

@@ -95,6 +95,8 @@ export function resolveNames(
     const config = registry.configOf(id);
     if (!config)
       throw voxError('model_not_found', { id: raw, field: 'detect.names', hint: 'describe lists the wake words' });
+    if (config.task !== 'vad' && config.task !== 'wakeword')
+      throw invalid('detect.names', `'${raw}' is a ${config.task} model; detect takes wake-word and VAD models`);
     if (config.task === 'vad') {
       if (vad && vad !== id) throw invalid('detect.names', 'at most one VAD model');
       vad = id;

@@ -102,6 +102,12 @@ export type StreamEvent =
   | { type: 'error'; error: WireError }
   | { type: 'done'; processed_ms: number; timing: Timing }
   /**
+   * A denoise stream (`model=rnnoise`, docs/websocket-api.md): the next chunk of denoised audio,
+   * raw mono PCM in the stream's encoding and at its sample rate, in order (a binary frame under
+   * the JSON subprotocol, an `audio` event under msgpack).
+   */
+  | { type: 'audio'; data: Uint8Array }
+  /**
    * Streams with `resume` (they ask for it with `progress=true`): the server has processed the
    * audio up to `processed_ms` on the stream's clock, and every event of it before this one was sent.
    */
@@ -152,6 +158,8 @@ export interface WebSocketLike {
   readonly readyState: number;
   readonly bufferedAmount: number;
   binaryType: string;
+  /** The subprotocol the server chose (a denoise stream's binary frames are audio under `voxserve.v1.json`). */
+  readonly protocol?: string;
   send(data: string | ArrayBuffer | ArrayBufferView): void;
   close(code?: number, reason?: string): void;
   // eslint-disable-next-line @typescript-eslint/no-explicit-any
@@ -217,6 +225,8 @@ export interface RunOptions {
   model: string;
   /** Task options (`threshold`, ...), checked by the server against the model's task. */
   options?: Record<string, unknown>;
+  /** A chain: the denoise model (`rnnoise`) the audio goes through before a VAD or wake-word model. */
+  denoise?: string;
   /** The request's own busy timeout, ms. */
   busyTimeoutMs?: number;
   /** Content type of the bytes; default: `audio/wav` for a RIFF file, a Blob's own type, else `application/octet-stream`. */
@@ -516,11 +526,13 @@ export class VoxClient {
           audio: base64(bytes),
           options: opts.options,
           busy_timeout_ms: opts.busyTimeoutMs,
+          denoise: opts.denoise,
         }),
       };
     } else {
       const q = new URLSearchParams({ model: opts.model });
       if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
+      if (opts.denoise !== undefined) q.set('denoise', opts.denoise);
       path += `?${q}`;
       const type =
         opts.contentType ??
@@ -536,6 +548,41 @@ export class VoxClient {
       else if (event === 'error') throw sseError(data);
     }
     throw new VoxClientError('connection_error', 'the progress stream ended without a result');
+  }
+
+  /**
+   * `POST /v1/tasks/run` on a denoise model (default `rnnoise`): the file denoised, as the bytes
+   * of a 16-bit mono WAV file at the input's rate or at `sampleRate` (docs/http-api.md).
+   * @throws VoxClientError for a refused request (its wire type: `invalid_request_error`, ...).
+   */
+  async denoise(
+    audio: AudioInput,
+    opts: {
+      model?: string;
+      sampleRate?: number;
+      busyTimeoutMs?: number;
+      contentType?: string;
+      signal?: AbortSignal;
+    } = {},
+  ): Promise<Uint8Array> {
+    const bytes = await bytesOf(audio);
+    const q = new URLSearchParams({ model: opts.model ?? 'rnnoise' });
+    if (opts.sampleRate !== undefined) q.set('sample_rate', String(opts.sampleRate));
+    if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
+    const type =
+      opts.contentType ??
+      (isRiff(bytes) ? 'audio/wav' : (audio instanceof Blob && audio.type) || 'application/octet-stream');
+    const res = await this.request(
+      `/v1/tasks/run?${q}`,
+      {
+        method: 'POST',
+        headers: { 'content-type': type, accept: 'audio/wav' },
+        body: bytes as BodyInit,
+        signal: opts.signal,
+      },
+      'apiKey',
+    );
+    return new Uint8Array(await res.arrayBuffer());
   }
 
   /**
@@ -793,7 +840,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       if (ws !== this.ws) return;
       let event: StreamEvent;
       try {
-        event = (typeof m.data === 'string' ? JSON.parse(m.data) : unpack(new Uint8Array(m.data))) as StreamEvent;
+        event = (
+          typeof m.data === 'string'
+            ? JSON.parse(m.data)
+            : ws.protocol === SUBPROTOCOL.msgpack
+              ? unpack(new Uint8Array(m.data))
+              : { type: 'audio', data: new Uint8Array(m.data) }
+        ) as StreamEvent;
       } catch (e) {
         // Not an event of this protocol: the stream fails with server_error.
         this.last = {

@@ -403,6 +403,18 @@ export async function resample(
 
 const EMPTY = Buffer.alloc(0);
 
+/**
+ * Mono float samples in [-1, 1] as raw little-endian PCM in `encoding` (s16le rounded and clipped;
+ * f32le as they are): how a denoise stream's audio goes back to its client.
+ */
+export function encodePcm(samples: Float32Array, encoding: PcmEncoding): Buffer {
+  if (encoding === 'f32le') return Buffer.from(Float32Array.from(samples).buffer);
+  const out = Buffer.alloc(samples.length * 2);
+  for (let i = 0; i < samples.length; i++)
+    out.writeInt16LE(Math.min(32_767, Math.max(-32_768, Math.round(samples[i] * 32_768))), i * 2);
+  return out;
+}
+
 /** Raw PCM encodings accepted on `/v1/stream`. */
 export const PCM_ENCODINGS = ['s16le', 'f32le'] as const;
 export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
@@ -427,11 +439,17 @@ export class PcmStreamDecoder {
 
   /**
    * @param sampleRate input rate, Hz. @param channels interleaved channel count.
+   * @param toHz the rate it gives, Hz (a denoise model's 48 kHz; default the 16 kHz of the others).
    * @throws VoxError `invalid_request_error` for a rate or channel count out of range.
    */
-  static async create(encoding: PcmEncoding, sampleRate: number, channels: number): Promise<PcmStreamDecoder> {
+  static async create(
+    encoding: PcmEncoding,
+    sampleRate: number,
+    channels: number,
+    toHz: number = MODEL_SAMPLE_RATE,
+  ): Promise<PcmStreamDecoder> {
     checkFormat(sampleRate, channels);
-    return new PcmStreamDecoder(encoding, channels, await Resampler.create(sampleRate));
+    return new PcmStreamDecoder(encoding, channels, await Resampler.create(sampleRate, toHz));
   }
 
   /**

@@ -1,4 +1,7 @@
+import { RNNOISE } from './rnnoise.js';
 import {
+  type DenoiseJob,
+  type DenoiseResult,
   OWW,
   SILERO,
   type Job,
@@ -128,6 +131,37 @@ export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
         scores: res.scores.subarray((at - n) * columns, at * columns),
         mel: res.mel.subarray(r * OWW.MEL_FRAMES * OWW.MEL_BINS, (r + 1) * OWW.MEL_FRAMES * OWW.MEL_BINS),
         embeddings: res.embeddings.subarray(r * history, (r + 1) * history),
+        ran: res.ran,
+        waitedMs: res.waitedMs,
+      };
+    });
+  },
+};
+
+/**
+ * RNNoise: each row's frames and state in turn, with `rows` (frames per row). The slot runs the
+ * rows one after another (RNNoise has no batch dimension): batching saves messages, not compute,
+ * so a batch takes at most its fair share of the waiting frames (`serial`).
+ */
+export const denoisePacking: Packing<DenoiseJob, DenoiseResult> = {
+  serial: (row) => row.audio.length / RNNOISE.FRAME,
+  pack: (rows, arena = new Arena()) => ({
+    kind: 'denoise',
+    rows: rows.map((r) => r.audio.length / RNNOISE.FRAME),
+    audio: arena.concat(rows.map((r) => r.audio)),
+    state: arena.concat(rows.map((r) => r.state)),
+  }),
+  unpack: (res, rows) => {
+    let at = 0;
+    return rows.map((row, r) => {
+      const n = row.audio.length / RNNOISE.FRAME;
+      at += n;
+      return {
+        kind: 'denoise',
+        // Views, not copies: a denoise session copies what it keeps (see DenoiseSession.accept).
+        audio: res.audio.subarray((at - n) * RNNOISE.FRAME, at * RNNOISE.FRAME),
+        probs: res.probs.subarray(at - n, at),
+        state: res.state.subarray(r * RNNOISE.STATE_FLOATS, (r + 1) * RNNOISE.STATE_FLOATS),
         ran: res.ran,
         waitedMs: res.waitedMs,
       };

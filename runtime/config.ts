@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { dirname, resolve } from 'node:path';
 import { z } from 'zod';
-import { CATALOG } from './catalog.js';
+import { CATALOG, RNNOISE_WASM } from './catalog.js';
 import { invalid, voxError } from './errors.js';
 import { LOG_LEVELS } from './telemetry.js';
 
@@ -68,12 +68,24 @@ export type HeadConfig = z.infer<typeof HeadConfig>;
 export const TensorOptions = z.strictObject({});
 export type TensorOptions = z.infer<typeof TensorOptions>;
 
-/** `vad` (Silero VAD), `wakeword` (openWakeWord heads), `tensor` (any ONNX model: named tensors in and out, docs/models.md). */
-export const TASKS = ['vad', 'wakeword', 'tensor'] as const;
+/** `denoise` (RNNoise) takes no options: its output is the denoised audio (docs/models.md). */
+export const DenoiseOptions = z.strictObject({});
+export type DenoiseOptions = z.infer<typeof DenoiseOptions>;
+
+/**
+ * `vad` (Silero VAD), `wakeword` (openWakeWord heads), `tensor` (any ONNX model: named tensors in
+ * and out), `denoise` (RNNoise: audio in, denoised audio out; docs/models.md).
+ */
+export const TASKS = ['vad', 'wakeword', 'tensor', 'denoise'] as const;
 export type Task = (typeof TASKS)[number];
 
 /** Each task's options schema. */
-const OPTIONS_OF = { vad: VadOptions, wakeword: WakewordOptions, tensor: TensorOptions } as const;
+const OPTIONS_OF = {
+  vad: VadOptions,
+  wakeword: WakewordOptions,
+  tensor: TensorOptions,
+  denoise: DenoiseOptions,
+} as const;
 
 /** One model as registered (config file `models[]` or `POST /v1/models/load`). */
 export const ModelConfig = z
@@ -116,7 +128,13 @@ export const ModelConfig = z
   .superRefine((m, ctx) => {
     if (m.heads && m.task !== 'wakeword')
       ctx.addIssue({ code: 'custom', path: ['heads'], message: 'only a wakeword model has heads' });
-    if (!m.path && !m.heads)
+    if (m.task === 'denoise' && m.path && m.path !== RNNOISE_WASM)
+      ctx.addIssue({
+        code: 'custom',
+        path: ['path'],
+        message: `a denoise model runs the RNNoise build voxserve ships (${RNNOISE_WASM}); omit path`,
+      });
+    if (!m.path && !m.heads && m.task !== 'denoise')
       ctx.addIssue({
         code: 'custom',
         path: ['path'],
@@ -124,7 +142,7 @@ export const ModelConfig = z
       });
   })
   // A group's files are its heads' (`modelFiles`); its `path` is '' (every other model has one).
-  .transform((m) => ({ ...m, path: m.path ?? '' }));
+  .transform((m) => ({ ...m, path: m.path ?? (m.task === 'denoise' ? RNNOISE_WASM : '') }));
 export type ModelConfig = z.infer<typeof ModelConfig>;
 
 /** The embedded default catalog (runtime/catalog.ts) as model configs: the models registered lazily, on first use. */
@@ -527,7 +545,13 @@ export function queryOptions(params: URLSearchParams, fields: readonly string[])
 /** Validates a model's `options` for its task (unknown keys are errors), field names prefixed `options.`. */
 export function parseTaskOptions(task: 'vad', options: unknown): VadOptions;
 export function parseTaskOptions(task: 'wakeword', options: unknown): WakewordOptions;
-export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions | TensorOptions;
-export function parseTaskOptions(task: Task, options: unknown): VadOptions | WakewordOptions | TensorOptions {
+export function parseTaskOptions(
+  task: Task,
+  options: unknown,
+): VadOptions | WakewordOptions | TensorOptions | DenoiseOptions;
+export function parseTaskOptions(
+  task: Task,
+  options: unknown,
+): VadOptions | WakewordOptions | TensorOptions | DenoiseOptions {
   return parseWith(OPTIONS_OF[task], options ?? {}, 'options');
 }

@@ -5,7 +5,15 @@ import { OggVorbisDecoder } from '@wasm-audio-decoders/ogg-vorbis';
 import { MPEGDecoder } from 'mpg123-decoder';
 import { OggOpusDecoder } from 'ogg-opus-decoder';
 import { OpusDecoder } from 'opus-decoder';
-import { checkFormat, decodeWav, MAX_AUDIO_SECONDS, resample, sanitize, WholeResampler } from './audio.js';
+import {
+  checkFormat,
+  decodeWav,
+  MAX_AUDIO_SECONDS,
+  MODEL_SAMPLE_RATE,
+  resample,
+  sanitize,
+  WholeResampler,
+} from './audio.js';
 import { ACCEPTED_FORMATS, ascii, type AudioFormat, type DecodeReply, FORMAT_NAMES } from './decode.js';
 import { toVoxError, voxError } from './errors.js';
 
@@ -55,6 +63,7 @@ class MonoCollector {
   constructor(
     private readonly name: string,
     private readonly maxSeconds: number,
+    private readonly toHz: number = MODEL_SAMPLE_RATE,
   ) {}
 
   async add(d: Decoded): Promise<void> {
@@ -68,7 +77,7 @@ class MonoCollector {
     if (this.rate === 0) {
       checkFormat(d.sampleRate, d.channelData.length);
       this.rate = d.sampleRate;
-      this.resampler = await WholeResampler.create(this.rate);
+      this.resampler = await WholeResampler.create(this.rate, this.toHz);
     } else if (d.sampleRate !== this.rate)
       throw voxError('invalid_audio', {
         problem: `the ${this.name} file changes sample rate (${this.rate} -> ${d.sampleRate} Hz)`,
@@ -183,14 +192,27 @@ export async function decodeToModelRate(
   format: AudioFormat,
   maxSeconds = MAX_AUDIO_SECONDS,
 ): Promise<Float32Array> {
+  return (await decodeToRate(bytes, format, MODEL_SAMPLE_RATE, maxSeconds)).samples;
+}
+
+/**
+ * {@link decodeToModelRate} to any rate (a denoise model's 48 kHz).
+ * @returns the samples at `toHz`, and the file's own rate, Hz.
+ */
+export async function decodeToRate(
+  bytes: Uint8Array,
+  format: AudioFormat,
+  toHz: number,
+  maxSeconds = MAX_AUDIO_SECONDS,
+): Promise<{ samples: Float32Array; sourceRate: number }> {
   if (format === 'wav') {
     const audio = decodeWav(bytes);
-    return resample(audio.samples, audio.sampleRate);
+    return { samples: await resample(audio.samples, audio.sampleRate, toHz), sourceRate: audio.sampleRate };
   }
-  const out = new MonoCollector(FORMAT_NAMES[format], maxSeconds);
+  const out = new MonoCollector(FORMAT_NAMES[format], maxSeconds, toHz);
   try {
     await decodeCompressed(bytes, format, out);
-    return out.samples();
+    return { samples: out.samples(), sourceRate: out.rate };
   } finally {
     out.close();
   }
@@ -256,9 +278,10 @@ async function decodeCompressed(
 
 if (parentPort && (workerData as { role?: string } | null)?.role === 'decode') {
   const port = parentPort;
-  port.on('message', (m: { id: number; bytes: Uint8Array; format: AudioFormat; maxSeconds: number }) => {
-    decodeToModelRate(m.bytes, m.format, m.maxSeconds).then(
-      (samples) => port.postMessage({ id: m.id, samples } satisfies DecodeReply, [samples.buffer as ArrayBuffer]),
+  port.on('message', (m: { id: number; bytes: Uint8Array; format: AudioFormat; maxSeconds: number; toHz: number }) => {
+    decodeToRate(m.bytes, m.format, m.toHz, m.maxSeconds).then(
+      ({ samples, sourceRate }) =>
+        port.postMessage({ id: m.id, samples, sourceRate } satisfies DecodeReply, [samples.buffer as ArrayBuffer]),
       (e) => {
         port.postMessage({ id: m.id, error: toVoxError(e).toWire() } satisfies DecodeReply);
       },

@@ -2,7 +2,7 @@ import { existsSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
-import { MAX_AUDIO_SECONDS } from './audio.js';
+import { MAX_AUDIO_SECONDS, MODEL_SAMPLE_RATE } from './audio.js';
 import { fromWire, voxError, type WireError } from './errors.js';
 
 /** Audio containers and codecs accepted by `/v1/tasks/run` and `/v1/tasks/batch`. */
@@ -106,7 +106,7 @@ export function audioFormat(bytes: Uint8Array, contentType?: string): AudioForma
 }
 
 /** A decode job's answer from the worker. */
-export type DecodeReply = { id: number; samples: Float32Array } | { id: number; error: WireError };
+export type DecodeReply = { id: number; samples: Float32Array; sourceRate: number } | { id: number; error: WireError };
 
 /** The compiled worker entry (under vitest, the sources use `dist/`, as slot hosts do: build first). */
 function workerFile(): URL {
@@ -146,12 +146,17 @@ class DecodePool {
     else this.idle.push(w);
   }
 
-  async run(bytes: Uint8Array, format: AudioFormat, maxSeconds: number): Promise<Float32Array> {
+  async run(
+    bytes: Uint8Array,
+    format: AudioFormat,
+    maxSeconds: number,
+    toHz: number,
+  ): Promise<{ samples: Float32Array; sourceRate: number }> {
     const worker = await this.acquire();
     const id = ++this.seq;
     // The worker gets its own copy of the bytes (the body buffer may be a slice of a shared pool).
     const copy = new Uint8Array(bytes);
-    return new Promise<Float32Array>((resolve, reject) => {
+    return new Promise((resolve, reject) => {
       const done = (): void => {
         worker.off('message', onMessage).off('error', onDied).off('exit', onDied);
       };
@@ -159,7 +164,7 @@ class DecodePool {
         if (m.id !== id) return;
         done();
         this.release(worker);
-        if ('samples' in m) resolve(m.samples);
+        if ('samples' in m) resolve({ samples: m.samples, sourceRate: m.sourceRate });
         else reject(fromWire(m.error));
       };
       const onDied = (e: unknown): void => {
@@ -169,7 +174,7 @@ class DecodePool {
         reject(voxError('decoder_failed', { reason: e instanceof Error ? e.message : `exit ${e}` }));
       };
       worker.on('message', onMessage).on('error', onDied).on('exit', onDied);
-      worker.postMessage({ id, bytes: copy, format, maxSeconds }, [copy.buffer]);
+      worker.postMessage({ id, bytes: copy, format, maxSeconds, toHz }, [copy.buffer]);
     });
   }
 }
@@ -194,7 +199,22 @@ export function decodeAudio(
   contentType?: string,
   maxSeconds = MAX_AUDIO_SECONDS,
 ): Promise<Float32Array> {
+  return decodeAudioAt(bytes, contentType, MODEL_SAMPLE_RATE, maxSeconds).then((d) => d.samples);
+}
+
+/**
+ * Decodes one audio file to mono float32 samples at `toHz` in a decode worker thread, as
+ * {@link decodeAudio} does for 16 kHz (a denoise model takes 48 kHz).
+ * @returns the samples, and the file's own sample rate, Hz.
+ * @throws VoxError as {@link decodeAudio}.
+ */
+export function decodeAudioAt(
+  bytes: Uint8Array,
+  contentType: string | undefined,
+  toHz: number,
+  maxSeconds = MAX_AUDIO_SECONDS,
+): Promise<{ samples: Float32Array; sourceRate: number }> {
   const format = audioFormat(bytes, contentType);
   startDecoders();
-  return pool!.run(bytes, format, maxSeconds);
+  return pool!.run(bytes, format, maxSeconds, toHz);
 }

@@ -70,7 +70,8 @@ export function checkModelFile(path: string): void {
  * @returns the first problem's message, or null when every file looks loadable.
  */
 export function modelFileProblem(config: ModelConfig): string | null {
-  const files = [...modelFiles(config)];
+  // A denoise model's file is the RNNoise WASM build the package ships, not ONNX (see config.ts).
+  const files = config.task === 'denoise' ? [] : [...modelFiles(config)];
   if (config.task === 'wakeword')
     files.push(config.melspectrogram_path ?? OWW_MELSPECTROGRAM, config.embedding_path ?? OWW_EMBEDDING);
   for (const file of files) {
@@ -166,7 +167,7 @@ export function createLoader(
 ): ModelLoader {
   const families = new WakewordFamilies();
   return async (config, signal) => {
-    for (const file of modelFiles(config)) checkModelFile(file);
+    if (config.task !== 'denoise') for (const file of modelFiles(config)) checkModelFile(file);
     const isolation = config.isolation ?? defaults.isolation;
     const jobTimeoutMs = config.job_timeout_ms ?? defaults.jobTimeoutMs;
     const loadTimeoutMs = config.load_timeout_ms ?? defaults.loadTimeoutMs;

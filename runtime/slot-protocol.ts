@@ -21,7 +21,9 @@ export type LoadSpec =
    */
   | { kind: 'wakeword'; heads: string[]; melspectrogram: Uint8Array; embedding: Uint8Array }
   /** Any ONNX model, run as it is: named tensors in, named tensors out. */
-  | { kind: 'tensor'; model: string };
+  | { kind: 'tensor'; model: string }
+  /** RNNoise (`denoise`): `model` is the package's WASM build (runtime/rnnoise.ts), which the slot imports. */
+  | { kind: 'denoise'; model: string };
 
 /**
  * One input or output of a `tensor` model as its session reports it: `dtype` as onnxruntime names
@@ -53,6 +55,8 @@ export interface SlotInfo {
   initialEmbeddings?: Float32Array;
   /** tensor: the model's inputs and outputs, in the session's order. */
   tensor?: { inputs: TensorMeta[]; outputs: TensorMeta[] };
+  /** denoise: a fresh stream's serialised RNNoise state (runtime/rnnoise.ts). */
+  denoiseState?: Float32Array;
 }
 
 /**
@@ -138,12 +142,39 @@ export interface TensorResult {
   outputs: Record<string, WireTensor>;
 }
 
-export type Job = VadJob | WakewordJob | TensorJob;
+/**
+ * RNNoise over consecutive 480-sample (10 ms) frames at 48 kHz of one or more streams (rows). Row
+ * r has `rows[r]` frames; the slot runs the rows one after another (RNNoise has no batch).
+ */
+export interface DenoiseJob {
+  kind: 'denoise';
+  /** Each row's frames in turn, 480 samples each, 48 kHz, int16 scale (+-32768) as float32. */
+  audio: Float32Array;
+  /** rows x RNNOISE.STATE_FLOATS: each row's serialised state (bytes, not numbers: copied, never read). */
+  state: Float32Array;
+  /** Frames per row; absent: one row. */
+  rows?: number[];
+  /** Not `counts`: a batch of denoise rows is not split over a cluster link (cluster/nats.ts splitJob). */
+  counts?: undefined;
+}
+export interface DenoiseResult {
+  kind: 'denoise';
+  /** The denoised frames, in the layout of the job's `audio`. */
+  audio: Float32Array;
+  /** RNNoise's speech probability of each frame, in the same order. */
+  probs: Float32Array;
+  state: Float32Array;
+}
+
+export type Job = VadJob | WakewordJob | TensorJob | DenoiseJob;
 /**
  * A result, with when the slot ran it: [start, end] in ms since the epoch (sub-ms precision),
  * and (set by the pool) how long the job waited for a slot, ms.
  */
-export type JobResult = (VadResult | WakewordResult | TensorResult) & { ran?: [number, number]; waitedMs?: number };
+export type JobResult = (VadResult | WakewordResult | TensorResult | DenoiseResult) & {
+  ran?: [number, number];
+  waitedMs?: number;
+};
 
 export type ToSlot =
   | { type: 'load'; spec: LoadSpec }

@@ -30,7 +30,9 @@ import {
   type ToSlot,
   type VadJob,
   type WakewordJob,
+  type DenoiseJob,
 } from './slot-protocol.js';
+import { RNNOISE, RnnoiseEngine } from './rnnoise.js';
 
 /** The worker thread's port, or null in a child process (then `process.send` / `process.on`). */
 const port = parentPort;
@@ -350,6 +352,31 @@ async function loadTensor(model: string): Promise<SlotInfo> {
   return { tensor: { inputs: session.inputMetadata.map(tensorMeta), outputs: session.outputMetadata.map(tensorMeta) } };
 }
 
+/**
+ * RNNoise (`denoise`): one module instance of the package's WASM build; each row of a job has its
+ * state copied in, its frames denoised in place, and its state copied out (runtime/rnnoise.ts).
+ */
+async function loadDenoise(): Promise<SlotInfo> {
+  const engine = await RnnoiseEngine.load();
+  runJob = async (job) => {
+    const { audio, state } = job as DenoiseJob;
+    const counts = (job as DenoiseJob).rows ?? [audio.length / RNNOISE.FRAME];
+    const probs = new Float32Array(audio.length / RNNOISE.FRAME);
+    // The job's arrays are this host's own (a frame or a structured clone): denoised in place and sent back.
+    let at = 0;
+    counts.forEach((n, r) => {
+      engine.run(
+        audio.subarray(at * RNNOISE.FRAME, (at + n) * RNNOISE.FRAME),
+        state.subarray(r * RNNOISE.STATE_FLOATS, (r + 1) * RNNOISE.STATE_FLOATS),
+        probs.subarray(at, at + n),
+      );
+      at += n;
+    });
+    return { kind: 'denoise', audio, probs, state };
+  };
+  return { denoiseState: engine.initialState() };
+}
+
 async function release(): Promise<void> {
   runJob = null;
   const all = sessions;
@@ -366,7 +393,9 @@ const onMessage = async (msg: ToSlot): Promise<void> => {
           ? await loadVad(spec.model)
           : spec.kind === 'tensor'
             ? await loadTensor(spec.model)
-            : await loadWakeword(spec);
+            : spec.kind === 'denoise'
+              ? await loadDenoise()
+              : await loadWakeword(spec);
       post({ type: 'loaded', info });
     } else if (msg.type === 'run') {
       if (!runJob) throw new Error('slot has no model loaded');

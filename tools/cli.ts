@@ -3,7 +3,7 @@
  * The voxserve command line: `serve` runs the server; `run` and `stream` are clients of a
  * running server (through `voxserve/client`: HTTP `POST /v1/tasks/run`, WebSocket `/v1/stream`).
  */
-import { readFileSync } from 'node:fs';
+import { readFileSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { basename, extname, relative, resolve } from 'node:path';
 import { setFlagsFromString } from 'node:v8';
@@ -303,11 +303,20 @@ program
   .option('--option <key=value>', 'task option (repeatable), e.g. --option threshold=0.7', collectOption, {})
   .option('--progress', 'draw a progress bar on stderr even when it is not a terminal')
   .option('--no-progress', 'no progress bar (default: one on stderr when it is a terminal)')
+  .option('-o, --output <file>', 'a denoise model (rnnoise): write the denoised audio to this WAV file')
+  .option('--denoise <model>', 'a chain: denoise with this model (rnnoise) before the VAD or wake-word model')
   .action(
     async (
       model: string,
       file: string,
-      opts: { url: string; apiKey?: string; option: Record<string, unknown>; progress?: boolean },
+      opts: {
+        url: string;
+        apiKey?: string;
+        option: Record<string, unknown>;
+        progress?: boolean;
+        output?: string;
+        denoise?: string;
+      },
     ) => {
       let audio: Buffer;
       try {
@@ -315,11 +324,25 @@ program
       } catch (e) {
         die(`cannot read ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
       }
+      if (opts.output !== undefined) {
+        try {
+          const wav = await client(opts.url, opts.apiKey).denoise(audio, {
+            model,
+            contentType: AUDIO_TYPES[extname(file).toLowerCase()],
+          });
+          writeFileSync(opts.output, wav);
+          process.stderr.write(`wrote ${opts.output} (${wav.length} bytes)\n`);
+        } catch (e) {
+          failed(opts.url, e);
+        }
+        return;
+      }
       const show = opts.progress ?? process.stderr.isTTY;
       const bar = show ? progressBar('processed', 's', true) : null;
       try {
         const result = await client(opts.url, opts.apiKey).run(audio, {
           model,
+          denoise: opts.denoise,
           options: Object.keys(opts.option).length ? opts.option : undefined,
           contentType: AUDIO_TYPES[extname(file).toLowerCase()],
           onProgress: bar ? (p) => bar.update(p.processed_ms / 1000, p.audio_duration_ms / 1000) : undefined,

@@ -2,6 +2,7 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import { pack, unpack } from 'msgpackr';
 import type { AudioFile, HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
 import { MAX_TIMEOUT_MS, queryOptions } from '../runtime/config.js';
+import { MAX_SAMPLE_RATE, MIN_SAMPLE_RATE } from '../runtime/audio.js';
 import { isAudioContentType } from '../runtime/decode.js';
 import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 
@@ -21,6 +22,12 @@ export function sendJson(
 export function sendMsgpack(res: ServerResponse, status: number, body: unknown): void {
   const bytes = pack(body);
   res.writeHead(status, { 'content-type': 'application/msgpack', 'content-length': bytes.length });
+  res.end(bytes);
+}
+
+/** Writes a WAV file (a denoise answer). */
+function sendWav(res: ServerResponse, status: number, bytes: Buffer): void {
+  res.writeHead(status, { 'content-type': 'audio/wav', 'content-length': bytes.length });
   res.end(bytes);
 }
 
@@ -166,12 +173,42 @@ function parseTimeout(v: unknown): number | undefined {
   return n;
 }
 
-const RUN_FIELDS = ['model', 'audio', 'busy_timeout_ms', 'options'];
+const RUN_FIELDS = ['model', 'audio', 'busy_timeout_ms', 'options', 'sample_rate', 'denoise'];
 /** Fields of a `tensor` request (JSON or msgpack). */
 const TENSOR_FIELDS = ['model', 'inputs', 'outputs', 'busy_timeout_ms'];
 
 /** Query parameters of `/v1/tasks/run` with a raw audio body, besides task options. */
-const RUN_QUERY = ['model', 'busy_timeout_ms'];
+const RUN_QUERY = ['model', 'busy_timeout_ms', 'sample_rate', 'denoise'];
+
+/**
+ * A chain's `denoise` (query string or JSON): the id of the denoise model the audio goes through first.
+ * @throws VoxError `invalid_request_error` naming `denoise` when it is not a model id string.
+ */
+function parseDenoise(v: unknown): string | undefined {
+  if (v === undefined || v === null) return undefined;
+  if (typeof v !== 'string' || !v)
+    throw invalid('denoise', `must be a denoise model id (rnnoise), got ${JSON.stringify(v)}`);
+  return v;
+}
+
+/**
+ * A denoise answer's `sample_rate` (query string or JSON), Hz.
+ * @throws VoxError `invalid_request_error` naming `sample_rate` when it is not an integer in range.
+ */
+function parseSampleRate(v: unknown): number | undefined {
+  if (v === undefined) return undefined;
+  const n = typeof v === 'string' && /^\d+$/.test(v) ? Number(v) : v;
+  if (typeof n !== 'number' || !Number.isInteger(n) || n < MIN_SAMPLE_RATE || n > MAX_SAMPLE_RATE)
+    throw invalid(
+      'sample_rate',
+      `must be an integer from ${MIN_SAMPLE_RATE} to ${MAX_SAMPLE_RATE} (Hz), got ${JSON.stringify(v)}`,
+    );
+  return n;
+}
+
+/** Whether a request's `Accept` names JSON (a denoise answer is then JSON, not audio). */
+const acceptsJson = (req: IncomingMessage): boolean =>
+  /(^|,)\s*application\/json\s*(;|,|$)/i.test(req.headers.accept ?? '');
 
 const BASE64 = /^[A-Za-z0-9+/]*={0,2}$/;
 /** An RFC 2397 `data:` URL prefix: `data:audio/mpeg;base64,` (parameters allowed). */
@@ -282,6 +319,9 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number):
       files: [parseBase64Audio(json.audio, 'audio')],
       busyTimeoutMs: parseTimeout(json.busy_timeout_ms),
       options: json.options,
+      sampleRate: parseSampleRate(json.sample_rate),
+      denoise: parseDenoise(json.denoise),
+      json: acceptsJson(req),
       t0,
     };
   }
@@ -294,6 +334,9 @@ function parseRunBody(req: IncomingMessage, url: URL, body: Buffer, t0: number):
     files: [{ bytes: body, type }],
     busyTimeoutMs: parseTimeout(url.searchParams.get('busy_timeout_ms') ?? undefined),
     options,
+    sampleRate: parseSampleRate(url.searchParams.get('sample_rate') ?? undefined),
+    denoise: parseDenoise(url.searchParams.get('denoise') ?? undefined),
+    json: acceptsJson(req),
     t0,
   };
 }
@@ -364,6 +407,7 @@ export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: Htt
     if (!res.headersSent && actor.getSnapshot().matches('draining')) res.shouldKeepAlive = false;
     switch (o.type) {
       case 'respond':
+        if (o.wav) return sendWav(res, o.status, o.body as Buffer);
         return o.msgpack ? sendMsgpack(res, o.status, o.body) : sendJson(res, o.status, o.body);
       case 'fail':
         if (res.headersSent) return void res.destroy();

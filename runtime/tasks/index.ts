@@ -2,12 +2,14 @@ import { headsOf, parseTaskOptions, type ModelConfig } from '../config.js';
 import { invalid, voxError } from '../errors.js';
 import type { SlotInfo } from '../slot-protocol.js';
 import type { TaskSession } from './task.js';
+import { DenoiseSession } from './denoise.js';
 import { VadSession, type ProbabilityStream } from './vad.js';
 import { WakewordSession } from './wakeword.js';
 
 export type { TaskEvent, TaskSession } from './task.js';
 export type { ProbabilityStream } from './vad.js';
 export { drain } from './task.js';
+export { DenoiseSession, toS16, wavBytes } from './denoise.js';
 export { readTensorRequest, tensorJob, tensorOutputs, type TensorRequest } from './tensor.js';
 
 /**
@@ -42,6 +44,10 @@ export function createTaskSession(
     parseTaskOptions(config.task, options); // throws the schema's message for a non-object
   }
   const merged = { ...config.options, ...(options as object | undefined) };
+  if (config.task === 'denoise') {
+    parseTaskOptions('denoise', merged);
+    return new DenoiseSession(info, keepResults);
+  }
   if (config.task === 'vad') return new VadSession(info, parseTaskOptions('vad', merged), keepResults, probabilities);
   const opts = parseTaskOptions('wakeword', merged);
   // The request's own fields apply to every head; the model's configured ones only where a head has none.
@@ -57,5 +63,12 @@ export function createTaskSession(
 export function taskResult(session: TaskSession): Record<string, unknown> {
   if (session instanceof VadSession) return { task: 'vad', sample_rate: 16_000, segments: session.segmenter.segments };
   if (session instanceof WakewordSession) return { task: 'wakeword', detections: session.detections };
+  if (session instanceof DenoiseSession)
+    return {
+      task: 'denoise',
+      sample_rate: 48_000,
+      frame_ms: 10,
+      probabilities: session.probabilities.map((p) => Math.round(p * 1e6) / 1e6),
+    };
   throw new Error('unknown task session');
 }

@@ -37,8 +37,10 @@ export interface TaskSession {
   readonly pendingSamples: number;
   /** Samples whose results have been accepted (at most `receivedSamples`). */
   readonly processedSamples: number;
-  /** Samples per window (VAD, 512) or step (wake word, 1280). */
+  /** Samples per window (VAD, 512), step (wake word, 1280) or frame (denoise, 480). */
   readonly step: number;
+  /** The rate `push` takes, Hz: 48 kHz for denoise; absent: 16 kHz. */
+  readonly rate?: number;
 }
 
 /** Creates a session for one request or stream; `info` is what the model's slots reported at load. */
@@ -148,6 +150,11 @@ export abstract class WindowedSession implements TaskSession {
 
   get receivedSamples(): number {
     return this.received;
+  }
+
+  /** The rate `push` takes, Hz (16 kHz unless a task says otherwise). */
+  get rate(): number {
+    return 16_000;
   }
 
   get pendingSamples(): number {

@@ -205,7 +205,7 @@ describe('task options as query parameters', () => {
     expect(typo.body.error).toMatchObject({
       code: 'unknown_field',
       message: expect.stringMatching(
-        /^samplerate: unknown query parameter; expected model, busy_timeout_ms, threshold/,
+        /^samplerate: unknown query parameter; expected model, busy_timeout_ms, sample_rate, denoise, threshold/,
       ),
     });
     const twice = await run('model=silero-vad&threshold=0.3&threshold=0.9', sentence, 'audio/wav');
@@ -236,7 +236,7 @@ describe('task options as query parameters', () => {
     expect(typo.status).toBe(400);
     expect(JSON.parse(typo.body).error.code).toBe('unknown_field');
     expect(JSON.parse(typo.body).error.message).toMatch(
-      /^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, offset_ms, progress, threshold/,
+      /^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, offset_ms, progress, denoise, threshold/,
     );
     expect(
       (

@@ -108,6 +108,7 @@ describe('server basics', () => {
       'hey-jarvis',
       'hey-mycroft',
       'hey-rhasspy',
+      'rnnoise',
       'silero-vad',
       'silero-vad-v5',
       'timer',

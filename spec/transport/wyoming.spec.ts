@@ -152,6 +152,13 @@ describe('Wyoming', () => {
     c.socket.end();
   });
 
+  it('detect naming a model that is neither a wake word nor VAD (rnnoise) is an error naming detect.names', async () => {
+    const c = await Client.open(port);
+    c.send('detect', { names: ['rnnoise'] });
+    expect((await c.next('error')).data.text).toMatch(/detect\.names.*rnnoise.*denoise model/);
+    c.socket.end();
+  });
+
   it('detect + audio: "alexa" at 16 kHz then "hey jarvis" at 22.05 kHz on one connection, each detected with its name', async () => {
     const c = await Client.open(port);
     c.send('detect', { names: ['alexa', 'hey_jarvis'] });
