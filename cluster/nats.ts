@@ -238,6 +238,8 @@ export const lockKey = (model: string): string => `load.${Buffer.from(model).toS
  * @returns the two halves, or null for a single row (it cannot be split).
  */
 export function splitJob(job: Job): [Job, Job] | null {
+  // Only the row layouts below are known here; any other job goes in parts (publishInParts).
+  if (job.kind !== 'vad' && job.kind !== 'wakeword') return null;
   const counts = job.counts;
   if (!counts || counts.length < 2) return null;
   const k = Math.floor(counts.length / 2);
