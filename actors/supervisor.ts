@@ -531,8 +531,25 @@ export class Supervisor {
       now.add(h.id);
       this.leaving.delete(h.id);
       if (this.catalog.get(h.id)?.path === h.path) continue;
-      this.catalog.set(h.id, ModelConfig.parse({ id: h.id, task: 'wakeword', path: h.path }));
+      const config = ModelConfig.parse({ id: h.id, task: 'wakeword', path: h.path });
+      this.catalog.set(h.id, config);
       this.log.info({ model: h.id, path: h.path }, 'wakeword_dir: wake word added');
+      // Another file (a new version) for a registered id: an unloaded, unused entry is dropped (the
+      // next request registers the new file); a loaded one is reconfigured to it (C8: requests
+      // already running finish on the old head, the next ones run on the new).
+      const e = this.entries.get(h.id);
+      if (!e || e.config.path === h.path) continue;
+      const a = e.admission;
+      if (e.state === 'unloaded' && a.activeLeases === 0 && a.queued === 0 && !a.exclusive) {
+        this.entries.delete(h.id);
+        this.actor.send({ type: 'UNREGISTER', id: h.id });
+      } else
+        e.configure({ path: h.path }, 0).catch((err: Error) =>
+          this.log.warn(
+            { model: h.id, path: h.path, err: err.message },
+            'wakeword_dir: the new version failed to load',
+          ),
+        );
     }
     for (const id of this.folderIds)
       if (!now.has(id)) {
