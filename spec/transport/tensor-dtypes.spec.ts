@@ -195,7 +195,7 @@ describe('every dtype onnxruntime-node takes, in and out', () => {
                 : d === 'string'
                   ? (v as string[])
                   : (v as number[]);
-      feeds[`x_${d}`] = new ort.Tensor(d as 'float32', data as Float32Array, [v.length]);
+      feeds[`x_${d}`] = new ort.Tensor(d as 'float32', data as unknown as Float32Array, [v.length]);
     }
     return feeds;
   }
