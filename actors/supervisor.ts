@@ -540,10 +540,8 @@ export class Supervisor {
       const e = this.entries.get(h.id);
       if (!e || e.config.path === h.path) continue;
       const a = e.admission;
-      if (e.state === 'unloaded' && a.activeLeases === 0 && a.queued === 0 && !a.exclusive) {
-        this.entries.delete(h.id);
-        this.actor.send({ type: 'UNREGISTER', id: h.id });
-      } else
+      if (e.state === 'unloaded' && a.activeLeases === 0 && a.queued === 0 && !a.exclusive) this.unregister(h.id);
+      else
         e.configure({ path: h.path }, 0).catch((err: Error) =>
           this.log.warn(
             { model: h.id, path: h.path, err: err.message },
@@ -567,10 +565,30 @@ export class Supervisor {
         continue;
       }
       this.leaving.delete(id);
-      if (!e) continue;
-      this.entries.delete(id);
-      this.actor.send({ type: 'UNREGISTER', id });
+      if (e) this.unregister(id);
     }
+  }
+
+  /**
+   * Takes the ad hoc groups that are unloaded and unused (no lease, no waiter; not cooling down
+   * after a crash loop) out of the registry: at once when one unloads (from {@link changed}, a
+   * tick later), and before a new group registers.
+   */
+  private dropUnusedGroups(): void {
+    for (const g of [...this.adHoc]) {
+      const e = this.entries.get(g)!;
+      const a = e.admission;
+      if (e.state !== 'unloaded' || a.activeLeases > 0 || a.queued > 0 || a.exclusive || e.status().cool_down) continue;
+      this.unregister(g);
+    }
+  }
+
+  /** Takes an unloaded, unused entry out of the registry, with its metric series. */
+  private unregister(id: string): void {
+    this.entries.delete(id);
+    this.adHoc.delete(id);
+    this.actor.send({ type: 'UNREGISTER', id });
+    void this.metrics.forget(id);
   }
 
   /** True when cold loads pass through the supervisor's gate one at a time (C11). */
@@ -633,6 +651,11 @@ export class Supervisor {
 
   /** Tells the gate that room may have changed, when it is waiting for that. */
   private changed(): void {
+    if (this.adHoc.size && !this.sweep)
+      this.sweep = setImmediate(() => {
+        this.sweep = null;
+        if (this.actor.getSnapshot().status === 'active') this.dropUnusedGroups();
+      });
     const s = this.actor.getSnapshot();
     if (s.status === 'active' && (s.matches('waitingForRelease') || s.matches('waitingForMemory')))
       this.actor.send({ type: 'MODEL_CHANGED' });
@@ -682,6 +705,8 @@ export class Supervisor {
 
   /** Ad hoc groups registered by requests (not configured), by id. */
   private readonly adHoc = new Set<string>();
+  /** A pending {@link dropUnusedGroups} (after a model's change). */
+  private sweep: NodeJS.Immediate | null = null;
 
   /**
    * The entry of an ad-hoc group `a,b,...` (see {@link getOrRegister}). What any client can make
@@ -723,14 +748,7 @@ export class Supervisor {
    * @throws VoxError `too_many_groups` when too few of them are idle.
    */
   private makeRoomForGroup(id: string): void {
-    for (const g of [...this.adHoc]) {
-      const e = this.entries.get(g)!;
-      const a = e.admission;
-      if (e.state !== 'unloaded' || a.activeLeases > 0 || a.queued > 0 || a.exclusive || e.status().cool_down) continue;
-      this.entries.delete(g);
-      this.adHoc.delete(g);
-      this.actor.send({ type: 'UNREGISTER', id: g });
-    }
+    this.dropUnusedGroups();
     const max = this.config.max_ad_hoc_groups;
     if (max === 0) return;
     const held = [...this.adHoc].map((g) => this.entries.get(g)!);
