@@ -539,8 +539,23 @@ export class Supervisor {
       now.add(h.id);
       this.leaving.delete(h.id);
       if (this.catalog.get(h.id)?.path === h.path) continue;
-      this.catalog.set(h.id, ModelConfig.parse({ id: h.id, task: 'wakeword', path: h.path }));
+      const config = ModelConfig.parse({ id: h.id, task: 'wakeword', path: h.path });
+      this.catalog.set(h.id, config);
       this.log.info({ model: h.id, path: h.path }, 'wakeword_dir: wake word added');
+      // Another file (a new version) for a registered id: an unloaded, unused entry is dropped (the
+      // next request registers the new file); a loaded one is reconfigured to it (C8: requests
+      // already running finish on the old head, the next ones run on the new).
+      const e = this.entries.get(h.id);
+      if (!e || e.config.path === h.path) continue;
+      const a = e.admission;
+      if (e.state === 'unloaded' && a.activeLeases === 0 && a.queued === 0 && !a.exclusive) this.unregister(h.id);
+      else
+        e.configure({ path: h.path }, 0).catch((err: Error) =>
+          this.log.warn(
+            { model: h.id, path: h.path, err: err.message },
+            'wakeword_dir: the new version failed to load',
+          ),
+        );
     }
     for (const id of this.folderIds)
       if (!now.has(id)) {
@@ -558,10 +573,30 @@ export class Supervisor {
         continue;
       }
       this.leaving.delete(id);
-      if (!e) continue;
-      this.entries.delete(id);
-      this.actor.send({ type: 'UNREGISTER', id });
+      if (e) this.unregister(id);
     }
+  }
+
+  /**
+   * Takes the ad hoc groups that are unloaded and unused (no lease, no waiter; not cooling down
+   * after a crash loop) out of the registry: at once when one unloads (from {@link changed}, a
+   * tick later), and before a new group registers.
+   */
+  private dropUnusedGroups(): void {
+    for (const g of [...this.adHoc]) {
+      const e = this.entries.get(g)!;
+      const a = e.admission;
+      if (e.state !== 'unloaded' || a.activeLeases > 0 || a.queued > 0 || a.exclusive || e.status().cool_down) continue;
+      this.unregister(g);
+    }
+  }
+
+  /** Takes an unloaded, unused entry out of the registry, with its metric series. */
+  private unregister(id: string): void {
+    this.entries.delete(id);
+    this.adHoc.delete(id);
+    this.actor.send({ type: 'UNREGISTER', id });
+    void this.metrics.forget(id);
   }
 
   /** True when cold loads pass through the supervisor's gate one at a time (C11). */
@@ -624,6 +659,11 @@ export class Supervisor {
 
   /** Tells the gate that room may have changed, when it is waiting for that. */
   private changed(): void {
+    if (this.adHoc.size && !this.sweep)
+      this.sweep = setImmediate(() => {
+        this.sweep = null;
+        if (this.actor.getSnapshot().status === 'active') this.dropUnusedGroups();
+      });
     const s = this.actor.getSnapshot();
     if (s.status === 'active' && (s.matches('waitingForRelease') || s.matches('waitingForMemory')))
       this.actor.send({ type: 'MODEL_CHANGED' });
@@ -685,6 +725,8 @@ export class Supervisor {
 
   /** Ad hoc groups registered by requests (not configured), by id. */
   private readonly adHoc = new Set<string>();
+  /** A pending {@link dropUnusedGroups} (after a model's change). */
+  private sweep: NodeJS.Immediate | null = null;
 
   /**
    * The entry of an ad-hoc group `a,b,...` (see {@link getOrRegister}). What any client can make
@@ -726,14 +768,7 @@ export class Supervisor {
    * @throws VoxError `too_many_groups` when too few of them are idle.
    */
   private makeRoomForGroup(id: string): void {
-    for (const g of [...this.adHoc]) {
-      const e = this.entries.get(g)!;
-      const a = e.admission;
-      if (e.state !== 'unloaded' || a.activeLeases > 0 || a.queued > 0 || a.exclusive || e.status().cool_down) continue;
-      this.entries.delete(g);
-      this.adHoc.delete(g);
-      this.actor.send({ type: 'UNREGISTER', id: g });
-    }
+    this.dropUnusedGroups();
     const max = this.config.max_ad_hoc_groups;
     if (max === 0) return;
     const held = [...this.adHoc].map((g) => this.entries.get(g)!);

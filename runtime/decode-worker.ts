@@ -14,8 +14,16 @@ import {
   sanitize,
   WholeResampler,
 } from './audio.js';
-import { ACCEPTED_FORMATS, ascii, type AudioFormat, type DecodeReply, FORMAT_NAMES } from './decode.js';
+import {
+  ACCEPTED_FORMATS,
+  ascii,
+  type AudioFormat,
+  type DecodeReply,
+  FORMAT_NAMES,
+  parseJsonObject,
+} from './decode.js';
 import { toVoxError, voxError } from './errors.js';
+import { readTensor } from './tasks/tensor.js';
 
 /**
  * The decode worker (a worker thread started by {@link decodeAudio} in decode.ts): compressed
@@ -276,15 +284,46 @@ async function decodeCompressed(
   }
 }
 
+/**
+ * A JSON body, parsed here (off the main thread), with the `data` of each tensor of its `inputs`
+ * read into a typed array of its dtype ({@link readTensor}; a string tensor stays a list).
+ * @returns the value and the buffers to transfer.
+ * @throws VoxError `invalid_json`, or `invalid_tensor` naming the field.
+ */
+function parseJson(bytes: Uint8Array): { value: unknown; buffers: ArrayBuffer[] } {
+  const value = parseJsonObject(Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength));
+  const buffers: ArrayBuffer[] = [];
+  const inputs = value.inputs;
+  if (inputs && typeof inputs === 'object' && !Array.isArray(inputs))
+    for (const [name, t] of Object.entries(inputs)) {
+      const read = readTensor(name, t);
+      (inputs as Record<string, unknown>)[name] = read;
+      if (ArrayBuffer.isView(read.data)) buffers.push(read.data.buffer as ArrayBuffer);
+    }
+  return { value, buffers };
+}
+
 if (parentPort && (workerData as { role?: string } | null)?.role === 'decode') {
   const port = parentPort;
-  port.on('message', (m: { id: number; bytes: Uint8Array; format: AudioFormat; maxSeconds: number; toHz: number }) => {
-    decodeToRate(m.bytes, m.format, m.toHz, m.maxSeconds).then(
-      ({ samples, sourceRate }) =>
-        port.postMessage({ id: m.id, samples, sourceRate } satisfies DecodeReply, [samples.buffer as ArrayBuffer]),
-      (e) => {
-        port.postMessage({ id: m.id, error: toVoxError(e).toWire() } satisfies DecodeReply);
-      },
-    );
-  });
+  port.on(
+    'message',
+    (m: { id: number; bytes: Uint8Array; format: AudioFormat | 'json'; maxSeconds: number; toHz: number }) => {
+      if (m.format === 'json') {
+        try {
+          const { value, buffers } = parseJson(m.bytes);
+          port.postMessage({ id: m.id, value } satisfies DecodeReply, buffers);
+        } catch (e) {
+          port.postMessage({ id: m.id, error: toVoxError(e).toWire() } satisfies DecodeReply);
+        }
+        return;
+      }
+      decodeToRate(m.bytes, m.format, m.toHz, m.maxSeconds).then(
+        ({ samples, sourceRate }) =>
+          port.postMessage({ id: m.id, samples, sourceRate } satisfies DecodeReply, [samples.buffer as ArrayBuffer]),
+        (e) => {
+          port.postMessage({ id: m.id, error: toVoxError(e).toWire() } satisfies DecodeReply);
+        },
+      );
+    },
+  );
 }

@@ -325,6 +325,12 @@ export const ERRORS = {
   },
   inference_failed: { type: 'server_error', message: (p: { reason: string }) => `inference failed: ${p.reason}` },
   slot_failed: { type: 'server_error', message: (p: { reason: string }) => `slot failed: ${p.reason}` },
+  input_crashed_model: {
+    type: 'invalid_request_error',
+    status: 422,
+    message: (p: { reason: string }) =>
+      `this input crashed the model's slot host twice (the second time on a fresh host), so it is refused; the model serves other requests (${p.reason})`,
+  },
   slot_crash_loop: {
     type: 'server_error',
     message: (p: { crashes: number; last: string }) => `${p.crashes} slot crashes within a minute; the last: ${p.last}`,

@@ -33,6 +33,7 @@ import {
   type DenoiseJob,
 } from './slot-protocol.js';
 import { RNNOISE, RnnoiseEngine } from './rnnoise.js';
+import { unsupportedDtype } from './tasks/tensor.js';
 
 /** The worker thread's port, or null in a child process (then `process.send` / `process.on`). */
 const port = parentPort;
@@ -334,6 +335,15 @@ function tensorMeta(m: ort.InferenceSession.ValueMetadata): TensorMeta {
  */
 async function loadTensor(model: string): Promise<SlotInfo> {
   const session = await create(model);
+  // A model none of whose requests could run is refused now, not listed ready.
+  for (const [kind, list] of [
+    ['input', session.inputMetadata],
+    ['output', session.outputMetadata],
+  ] as const)
+    for (const m of list) {
+      const why = kind === 'input' || m.isTensor ? unsupportedDtype(m.isTensor ? m.type : null) : null;
+      if (why) throw new Error(`${kind} ${m.name} ${why}`);
+    }
   runJob = async (job) => {
     const { inputs, outputs } = job as TensorJob;
     const feeds: Record<string, ort.Tensor> = {};

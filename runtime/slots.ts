@@ -400,6 +400,8 @@ interface QueuedRun {
   behind: boolean;
   /** It was running when its host died, and runs once more: a second death fails it. */
   rerun?: boolean;
+  /** When its first host died under it (that crash is taken back if its rerun crashes too). */
+  crashedAt?: number;
   /** Its place in arrival order (the pool's count of jobs). */
   seq: number;
 }
@@ -669,7 +671,8 @@ export class SlotPool {
           if (!this.live.includes(slot)) {
             if (this.failure) return q.reject(this.failure);
             if (sent.startedAt === null) return this.requeue(q);
-            if (!q.rerun && e instanceof VoxError && e.code === 'slot_failed') {
+            if (e instanceof VoxError && e.code === 'slot_failed') {
+              if (q.rerun) return q.reject(voxError('input_crashed_model', { reason: e.message, cause: e }));
               q.rerun = true;
               return this.requeue(q);
             }
@@ -759,7 +762,16 @@ export class SlotPool {
       if (this.failure) return;
       this.removeLive(slot);
       const now = Date.now();
-      if (!err.timedOut) {
+      // The job it ran: a job that crashed a host before crashed this one, on the same input, so
+      // its input is the cause: its two crashes are not the model's (they count toward no crash
+      // loop), and it alone is refused (input_crashed_model, in `send`).
+      const running = this.lineups.get(slot)?.[0];
+      const poisoned = running?.startedAt != null && running.q.crashedAt !== undefined;
+      if (poisoned) {
+        const i = this.crashes.indexOf(running.q.crashedAt!);
+        if (i >= 0) this.crashes.splice(i, 1);
+      } else if (!err.timedOut) {
+        if (running?.startedAt != null) running.q.crashedAt = now;
         this.crashes.push(now);
         while (this.crashes[0] < now - CRASH_WINDOW_MS) this.crashes.shift();
         if (this.crashes.length >= MAX_CRASHES) {

@@ -52,6 +52,11 @@ export class ModelHistogram {
     };
   }
 
+  /** Drops one model's series. */
+  remove({ model }: { model: string }): void {
+    this.models.delete(model);
+  }
+
   /** What prom-client's registry reads at scrape time. */
   async get(): Promise<{
     name: string;
@@ -196,6 +201,34 @@ export class Metrics {
     help: 'Outbound bytes queued on WebSockets',
     registers: [this.registry],
   });
+
+  /**
+   * Removes every series of `model` from the metrics labelled by model: for a model that has left
+   * the registry (an ad hoc group dropped, a folder head whose file is gone), so that the series of
+   * models made on demand do not pile up. Its counts are gone with it (Prometheus sees the
+   * series end, as for a restarted process).
+   */
+  async forget(model: string): Promise<void> {
+    const byModel = [
+      this.requests,
+      this.inference,
+      this.queueWait,
+      this.loads,
+      this.loadDuration,
+      this.evictions,
+      this.queued,
+      this.activeSlots,
+      this.resident,
+      this.batchSize,
+    ] as unknown as Gauge<string>[];
+    for (const metric of byModel)
+      for (const { labels } of (await metric.get()).values)
+        if (labels.model === model) {
+          const { le: _, ...series } = labels;
+          metric.remove(series);
+        }
+    this.processingLag.remove({ model });
+  }
 
   constructor() {
     // Node's event-loop delay histogram samples every 10 ms (prom-client's default): 10.5-11 ms of

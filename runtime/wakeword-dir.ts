@@ -97,7 +97,8 @@ export async function scanFolder(dir: string, cache: Map<string, Checked> = new 
 /**
  * Keeps a folder of heads in view: scans it at {@link start}, then on each change `fs.watch`
  * reports (after 100 ms of quiet, so a file being copied is read once it is whole) and every
- * {@link RESCAN_MS}; calls `onScan` with every scan's result. Scans never overlap.
+ * {@link RESCAN_MS}; calls `onScan` with every scan's result (an empty one while the folder does
+ * not exist, then `onError`). Scans never overlap.
  */
 export class WakewordFolder {
   private readonly cache = new Map<string, Checked>();
@@ -151,6 +152,8 @@ export class WakewordFolder {
           const scan = await scanFolder(this.dir, this.cache);
           if (!this.stopped) this.onScan(scan);
         } catch (e) {
+          // The folder itself is gone: none of its heads is there any more.
+          if ((e as NodeJS.ErrnoException).code === 'ENOENT' && !this.stopped) this.onScan({ heads: [], problems: [] });
           this.onError(e as Error);
         }
       } while (this.again && !this.stopped);

@@ -3,7 +3,9 @@ import { pack, unpack } from 'msgpackr';
 import type { AudioFile, HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
 import { MAX_TIMEOUT_MS, queryOptions } from '../runtime/config.js';
 import { MAX_SAMPLE_RATE, MIN_SAMPLE_RATE } from '../runtime/audio.js';
-import { isAudioContentType } from '../runtime/decode.js';
+import { isAudioContentType, parseJsonObject } from '../runtime/decode.js';
+
+export { parseJsonObject };
 import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 
 /** Writes a JSON response. */
@@ -142,20 +144,6 @@ export function readBody(req: IncomingMessage, res: ServerResponse, limit: numbe
     res.on('close', onClose);
     arm();
   });
-}
-
-/** Parses a JSON object body; an empty body is `{}`. @throws VoxError `invalid_request_error`. */
-export function parseJsonObject(body: Buffer): Record<string, unknown> {
-  if (body.length === 0) return {};
-  let v: unknown;
-  try {
-    v = JSON.parse(body.toString('utf8'));
-  } catch (e) {
-    throw voxError('invalid_json', { problem: `is not valid JSON: ${(e as Error).message}` });
-  }
-  if (!v || typeof v !== 'object' || Array.isArray(v))
-    throw voxError('invalid_json', { problem: 'must be a JSON object' });
-  return v as Record<string, unknown>;
 }
 
 function parseTimeout(v: unknown): number | undefined {

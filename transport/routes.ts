@@ -5,6 +5,7 @@ import type { Supervisor } from '../actors/supervisor.js';
 import { validateModelConfig } from '../actors/model.js';
 import type { ClusterNode } from '../cluster/node.js';
 import type { ServerConfig } from '../runtime/config.js';
+import { OFF_THREAD_JSON_BYTES, parseJsonOffThread } from '../runtime/decode.js';
 import { invalid, voxError, type VoxError } from '../runtime/errors.js';
 import type { Access } from './access.js';
 import { type ActorDirectory, CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
@@ -218,6 +219,9 @@ function taskBody(
       }
       throw e;
     }
+    // A large JSON body is parsed (and its tensors read) in a decode worker, not on the event loop.
+    if (body.length >= OFF_THREAD_JSON_BYTES && mediaType(req) === 'application/json')
+      (body as Buffer & { parsed?: Record<string, unknown> }).parsed = await parseJsonOffThread(body);
     return parse(req, url, body, t0);
   };
 }

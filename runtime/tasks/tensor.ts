@@ -10,9 +10,15 @@ import type { SlotInfo, TensorData, TensorJob, TensorMeta, TensorResult, WireTen
  * job; its outputs go back as JSON lists or msgpack binary.
  */
 
-/** The element types a tensor input may have, with the typed array that holds them (onnxruntime-node's). */
+/**
+ * The element types a tensor input may have, with the typed array that holds them: every type
+ * onnxruntime-node passes to and from a session (`string` is a list of strings, not a typed
+ * array). A model with an input or output of another type (int4, uint4: onnxruntime-node loads
+ * them but cannot build their tensors) is refused at load ({@link unsupportedDtype}).
+ */
 export const DTYPES = {
   float32: Float32Array,
+  float16: Uint16Array,
   float64: Float64Array,
   int8: Int8Array,
   uint8: Uint8Array,
@@ -23,8 +29,34 @@ export const DTYPES = {
   int64: BigInt64Array,
   uint64: BigUint64Array,
   bool: Uint8Array,
+  string: Array,
 } as const;
 export type Dtype = keyof typeof DTYPES;
+
+/** The floating-point dtypes: their non-finite values are written as strings in JSON. */
+const FLOATS = new Set<string>(['float16', 'float32', 'float64']);
+
+/**
+ * JSON has no NaN or infinity: a float tensor's non-finite values are these strings, in answers
+ * and in requests, as the proto3 JSON mapping (which the Open Inference Protocol's gRPC form
+ * maps to) writes floats.
+ */
+const NON_FINITE: Record<string, number> = {
+  NaN: Number.NaN,
+  Infinity: Number.POSITIVE_INFINITY,
+  '-Infinity': Number.NEGATIVE_INFINITY,
+};
+
+/**
+ * Why a model with this input or output dtype cannot be served (null: it can): `dtype` as the
+ * session's metadata names it (null: not a tensor, a sequence or a map).
+ */
+export function unsupportedDtype(dtype: string | null): string | null {
+  if (dtype === null) return 'is not a tensor (a sequence or a map): not supported';
+  return Object.hasOwn(DTYPES, dtype)
+    ? null
+    : `is ${dtype}: onnxruntime-node cannot pass ${dtype} tensors (supported: ${Object.keys(DTYPES).join(', ')})`;
+}
 
 /** Integer ranges of the integer dtypes (JSON values are checked against them). */
 const RANGE: Partial<Record<Dtype, [bigint, bigint]>> = {
@@ -39,8 +71,8 @@ const RANGE: Partial<Record<Dtype, [bigint, bigint]>> = {
   bool: [0n, 1n],
 };
 
-/** The largest finite float32, 2^128 - 2^104. */
-const FLOAT32_MAX = 3.4028234663852886e38;
+/** The largest finite value of each float dtype (float32: 2^128 - 2^104; float16: 65504). */
+const FLOAT_MAX: Record<string, number> = { float16: 65504, float32: 3.4028234663852886e38 };
 
 /** Most dimensions a tensor may have (ONNX itself sets no limit; no model of ours comes near). */
 const MAX_RANK = 32;
@@ -93,10 +125,20 @@ export function readTensor(name: string, value: unknown): WireTensor {
       problem: `must be a list of at most ${MAX_RANK} non-negative integers ([] for a scalar)`,
     });
   const count = (shape as number[]).reduce((n, d) => n * d, 1);
-  const Ctor = DTYPES[dtype];
-  const size = Ctor.BYTES_PER_ELEMENT;
   // A 0-d tensor as numpy's `tolist()` gives it: the bare value.
   const data = shape.length === 0 && t.data !== null && typeof t.data !== 'object' ? [t.data] : t.data;
+  if (dtype === 'string') {
+    const list = Array.isArray(data) ? flatList(`${at}.data`, data, shape as number[], count) : null;
+    const i = list ? list.findIndex((v) => typeof v !== 'string') : -1;
+    if (!list || i >= 0)
+      throw voxError('invalid_tensor', {
+        field: list ? `${at}.data[${i}]` : `${at}.data`,
+        problem: 'required: a list of strings (dtype string)',
+      });
+    return { dtype, shape: shape as number[], data: list as string[] };
+  }
+  const Ctor = DTYPES[dtype];
+  const size = Ctor.BYTES_PER_ELEMENT;
   let out: TensorData;
   if (data instanceof Uint8Array) {
     // Raw bytes (msgpack bin, which msgpackr reads as a Buffer): little-endian, count x element size.
@@ -173,10 +215,11 @@ function flatList(field: string, data: unknown[], shape: number[], count: number
 
 /**
  * A flat list of JSON values as a typed array of `dtype`: integers within the dtype's range, floats
- * finite in it (a float32 value past about 3.4e38 is refused, not made Infinity).
+ * as numbers within it (a float32 value past about 3.4e38, a float16 one past 65504, is refused,
+ * not made Infinity) or as the strings "NaN", "Infinity", "-Infinity".
  * @throws VoxError `invalid_tensor` naming `field` and the first bad element.
  */
-function fromList(field: string, dtype: Dtype, list: unknown[]): TensorData {
+function fromList(field: string, dtype: Exclude<Dtype, 'string'>, list: unknown[]): TensorData {
   const Ctor = DTYPES[dtype];
   const out = new Ctor(list.length);
   const range = RANGE[dtype];
@@ -190,11 +233,18 @@ function fromList(field: string, dtype: Dtype, list: unknown[]): TensorData {
     let v = list[i];
     if (dtype === 'bool' && typeof v === 'boolean') v = v ? 1 : 0;
     if (!range) {
-      if (typeof v !== 'number') bad(i, `a number (${dtype})`);
-      (out as Float32Array)[i] = v as number;
-      // A finite value past float32's range would silently become Infinity.
-      if (!Number.isFinite((out as Float32Array)[i]) && Number.isFinite(v))
-        bad(i, `in the range of ${dtype} (magnitude at most ${FLOAT32_MAX})`);
+      if (typeof v === 'string' && Object.hasOwn(NON_FINITE, v)) v = NON_FINITE[v];
+      if (typeof v !== 'number') bad(i, `a number (${dtype}), or "NaN", "Infinity", "-Infinity"`);
+      const x =
+        dtype === 'float16'
+          ? halfToNumber(numberToHalf(v as number))
+          : dtype === 'float32'
+            ? Math.fround(v as number)
+            : v;
+      // A finite value past the dtype's range would silently become Infinity.
+      if (!Number.isFinite(x) && Number.isFinite(v))
+        bad(i, `in the range of ${dtype} (magnitude at most ${FLOAT_MAX[dtype]})`);
+      (out as Float32Array)[i] = dtype === 'float16' ? numberToHalf(v as number) : (v as number);
       continue;
     }
     let n: bigint;
@@ -227,7 +277,9 @@ export function readTensorRequest(
   let bytes = 0;
   for (const [name, value] of Object.entries(raw)) {
     const t = readTensor(name, value);
-    bytes += (t.data as TensorData).byteLength;
+    bytes += Array.isArray(t.data)
+      ? t.data.reduce((n, v) => n + Buffer.byteLength(v), 0)
+      : (t.data as TensorData).byteLength;
     if (bytes > maxBytes) throw voxError('tensor_too_large', { limit: maxBytes });
     inputs[name] = t;
   }
@@ -304,6 +356,34 @@ export function tensorJob(config: ModelConfig, info: SlotInfo, request: TensorRe
   return { kind: 'tensor', inputs: request.inputs, outputs: request.outputs };
 }
 
+/** Rounds to the nearest integer, ties to even. */
+function roundEven(x: number): number {
+  const f = Math.floor(x);
+  const d = x - f;
+  return d > 0.5 || (d === 0.5 && f % 2 !== 0) ? f + 1 : f;
+}
+
+/**
+ * A number as IEEE 754 half precision bits, rounded to nearest, ties to even (straight from the
+ * double, so never rounded twice); past 65504 by half an ulp or more it is Infinity.
+ */
+export function numberToHalf(v: number): number {
+  if (Number.isNaN(v)) return 0x7e00;
+  const sign = v < 0 || Object.is(v, -0) ? 0x8000 : 0;
+  const a = Math.abs(v);
+  if (a >= 65520) return sign | 0x7c00;
+  if (a < 2 ** -14) return sign | roundEven(a * 2 ** 24); // subnormal (1024 is the least normal's bits)
+  let e = Math.floor(Math.log2(a));
+  if (2 ** e > a) e--;
+  else if (2 ** (e + 1) <= a) e++;
+  let m = roundEven((a / 2 ** e - 1) * 1024);
+  if (m === 1024) {
+    m = 0;
+    e++;
+  }
+  return sign | ((e + 15) << 10) | m;
+}
+
 /** IEEE 754 half precision bits as a number. */
 function halfToNumber(h: number): number {
   const e = (h >> 10) & 0x1f;
@@ -314,11 +394,16 @@ function halfToNumber(h: number): number {
   return sign * (1 + f / 1024) * 2 ** (e - 15);
 }
 
+/** A float as JSON writes it: a number, or "NaN", "Infinity", "-Infinity" ({@link NON_FINITE}). */
+const jsonFloat = (v: number): number | string =>
+  Number.isFinite(v) ? v : Number.isNaN(v) ? 'NaN' : v > 0 ? 'Infinity' : '-Infinity';
+
 /**
  * A tensor result's outputs as the answer carries them: `{name: {dtype, shape, data}}` with
  * `data` a flat list in row-major order (JSON: int64/uint64 as numbers, or as decimal strings
- * beyond 2^53; float16 as numbers; bool as true/false), or (`binary`) the raw little-endian
- * bytes, for msgpack's `bin` (string tensors stay lists).
+ * beyond 2^53; float16 as numbers; floats' non-finite values as "NaN", "Infinity", "-Infinity";
+ * bool as true/false), or (`binary`) the raw little-endian bytes, for msgpack's `bin` (string
+ * tensors stay lists).
  */
 export function tensorOutputs(result: TensorResult, binary: boolean): Record<string, unknown> {
   const out: Record<string, unknown> = {};
@@ -330,7 +415,8 @@ export function tensorOutputs(result: TensorResult, binary: boolean): Record<str
     else if (d instanceof BigInt64Array || d instanceof BigUint64Array)
       data = Array.from(d, (v) => (v >= -(2n ** 53n) && v <= 2n ** 53n ? Number(v) : String(v)));
     else if (t.dtype === 'bool') data = Array.from(d as Uint8Array, (v) => v !== 0);
-    else if (t.dtype === 'float16') data = Array.from(d as Uint16Array, halfToNumber);
+    else if (t.dtype === 'float16') data = Array.from(d as Uint16Array, (h) => jsonFloat(halfToNumber(h)));
+    else if (FLOATS.has(t.dtype)) data = Array.from(d as Float32Array, jsonFloat);
     else data = Array.from(d as Float32Array);
     out[name] = { dtype: t.dtype, shape: t.shape, data };
   }

@@ -456,7 +456,7 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     await pool.close();
   });
 
-  it('a running job whose host crashes runs once more; a second crash under it fails it slot_failed (a job that kills hosts kills two, not every slot)', async () => {
+  it('a running job whose host crashes runs once more; a second crash under it fails it input_crashed_model (a job that kills hosts kills two, not every slot)', async () => {
     vi.useFakeTimers({ now: 0 });
     const f = lineFactory();
     const pool = await SlotPool.start(vadSpec(), 3, f.factory);
@@ -466,7 +466,7 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     await vi.advanceTimersByTimeAsync(0);
     expect(f.sent).toEqual(['0:1', '1:1']);
     f.die(1);
-    expect(await a).toMatchObject({ code: 'slot_failed', message: expect.stringMatching(/SIGKILL/) });
+    expect(await a).toMatchObject({ code: 'input_crashed_model', message: expect.stringMatching(/SIGKILL/) });
     await vi.advanceTimersByTimeAsync(0);
     expect(f.sent).toEqual(['0:1', '1:1']); // not sent to slot 2
     await vi.advanceTimersByTimeAsync(400); // both respawn (backoffs 100 and 200 ms)
@@ -504,6 +504,29 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
     f.answer(1);
     expect(probe(await c)).toBe(3);
     await vi.advanceTimersByTimeAsync(200); // slot 0's respawn (after its backoff), which close waits for
+    await pool.close();
+  });
+
+  it("the crashes of jobs that crashed two hosts each are their inputs', not the model's: two such jobs (four crashes) do not fail the pool, and the next job runs (issue 44 item 8)", async () => {
+    vi.useFakeTimers({ now: 0 });
+    const f = lineFactory();
+    const pool = await SlotPool.start(vadSpec(), 1, f.factory);
+    let failed: Error | null = null;
+    pool.onFailure((e) => void (failed = e));
+    for (const name of [1, 2]) {
+      const a = go(pool, job(name)).catch((e: unknown) => e);
+      for (const _ of [1, 2]) {
+        await vi.advanceTimersByTimeAsync(400); // the (respawned) slot takes it
+        f.die(Number(f.sent.at(-1)!.split(':')[0])); // the host running it
+      }
+      expect(await a).toMatchObject({ code: 'input_crashed_model' });
+    }
+    await vi.advanceTimersByTimeAsync(400);
+    expect(failed).toBeNull();
+    const b = go(pool, job(3));
+    await vi.advanceTimersByTimeAsync(0);
+    f.answer(Number(f.sent.at(-1)!.split(':')[0]));
+    expect(probe(await b)).toBe(3);
     await pool.close();
   });
 

@@ -164,15 +164,15 @@ describe('lifecycle contract on the real server', () => {
     expectSegments(segments, reference('silero_test.wav').segments_v6, 32); // silero-vad's file is v6
   });
 
-  it('a slot host that dies mid-run twice under one job -> 500 naming the exit for that job; the slot is respawned and serves the next request; other models keep serving', async () => {
+  it('a slot host that dies mid-run twice under one job -> 422 input_crashed_model naming the exit for that job; the slot is respawned and serves the next request; other models keep serving', async () => {
     dying = 2; // the slot and its first respawn each exit during their first run
     await post('/v1/models/load', { id: 'vad-k', task: 'vad', path: silero });
     const before = slots.filter((s) => s.dying).length;
     const r = await run('vad-k', long);
-    expect(r.status).toBe(500);
+    expect(r.status).toBe(422);
     expect(r.body.error).toMatchObject({
-      type: 'server_error',
-      code: 'slot_failed',
+      type: 'invalid_request_error',
+      code: 'input_crashed_model',
       message: expect.stringMatching(/exited with code 3/),
     });
     expect(dying).toBe(0);
