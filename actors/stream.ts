@@ -18,7 +18,9 @@ import {
   MIN_SAMPLE_RATE,
   PCM_ENCODINGS,
   PcmStreamDecoder,
+  WavStreamSniffer,
   type PcmEncoding,
+  type WavStreamFormat,
 } from '../runtime/audio.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
@@ -35,6 +37,11 @@ export interface StreamParams {
   sampleRate: number;
   encoding: PcmEncoding;
   channels: number;
+  /**
+   * The format parameters the query gave (the others are defaults). A WAV header at the start of
+   * the audio sets the format; one that contradicts a parameter given here fails the stream.
+   */
+  declared: { sample_rate?: number; encoding?: PcmEncoding; channels?: number };
   /** The request's own busy timeout, ms. */
   busyTimeoutMs?: number;
   /** Task options given as query parameters (`threshold=0.7`), validated against the model's task. */
@@ -101,17 +108,47 @@ export function parseStreamParams(url: URL): StreamParams {
     throw invalid('progress', `must be true or false, got '${progress.slice(0, 32)}'`);
   // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
   const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
+  const sampleRate = intParam(url, 'sample_rate', 16_000, MIN_SAMPLE_RATE, MAX_SAMPLE_RATE)!;
+  const channels = intParam(url, 'channels', 1, 1, MAX_CHANNELS)!;
+  const declared: StreamParams['declared'] = {};
+  if (url.searchParams.has('sample_rate')) declared.sample_rate = sampleRate;
+  if (url.searchParams.has('encoding')) declared.encoding = encoding as PcmEncoding;
+  if (url.searchParams.has('channels')) declared.channels = channels;
   return {
     model,
     encoding: encoding as PcmEncoding,
-    sampleRate: intParam(url, 'sample_rate', 16_000, MIN_SAMPLE_RATE, MAX_SAMPLE_RATE)!,
-    channels: intParam(url, 'channels', 1, 1, MAX_CHANNELS)!,
+    sampleRate,
+    channels,
+    declared,
     busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined, 0, MAX_TIMEOUT_MS),
     options,
     probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
     offsetMs: intParam(url, 'offset_ms', 0, 0, MAX_OFFSET_MS)!,
     progress: progress === 'true',
   };
+}
+
+/**
+ * Checks a WAV header received on a stream against the format its query declared.
+ * @throws VoxError `invalid_field` naming the first parameter the header contradicts, the two
+ *   formats, and what to do.
+ */
+export function checkDeclaredFormat(declared: StreamParams['declared'], header: WavStreamFormat): void {
+  const wire = header.encoding === 's16le' || header.encoding === 'f32le' ? header.encoding : null;
+  const clash =
+    declared.sample_rate !== undefined && declared.sample_rate !== header.sampleRate
+      ? `sample_rate=${declared.sample_rate}`
+      : declared.channels !== undefined && declared.channels !== header.channels
+        ? `channels=${declared.channels}`
+        : declared.encoding !== undefined && declared.encoding !== wire
+          ? `encoding=${declared.encoding}`
+          : null;
+  if (!clash) return;
+  throw invalid(
+    clash.split('=')[0],
+    `the stream was opened with ${clash}, but the WAV header it received says ${header.description}; ` +
+      'open the stream without sample_rate, encoding and channels (the header sets them), or send the samples without the header',
+  );
 }
 
 /** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
@@ -563,7 +600,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let caughtUpAt = performance.now();
     /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
     const behind = (): boolean =>
-      !pump || pump.running || early.length > 0 || pump.session.pendingSamples >= pump.session.step;
+      !pump || pump.running || early.length > 0 || held !== null || pump.session.pendingSamples >= pump.session.step;
     const gone = (): boolean => stopped || (lease?.signal.aborted ?? false);
 
     const fail = (e: unknown): void => {
@@ -583,10 +620,42 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let offsetMs = 0;
     const emitTask = (e: TaskEvent): void => channel.write(offsetMs ? shifted(e, offsetMs) : { ...e });
 
+    /** Finds a WAV header at the start of the audio (see {@link WavStreamSniffer}). */
+    const sniffer = new WavStreamSniffer();
+    /** Frames that came while the decoder takes a WAV header's format (a new converter rate): pushed once it has. */
+    let held: Buffer[] | null = null;
+    let streamParams: StreamParams | null = null;
+
+    /** The header's format for the decoder, then what was held meanwhile. */
+    const reformat = (format: WavStreamFormat, first: Buffer, at: number): void => {
+      checkDeclaredFormat(streamParams!.declared, format);
+      held = [];
+      decoder!
+        .reformat(format.sampleRate, format.channels, format.encoding)
+        .then(() => {
+          if (gone()) return;
+          const frames = held!;
+          held = null;
+          // `first` has passed the sniffer already (the samples after the header); the held frames not yet.
+          if (first.length) pump!.session.push(decoder!.push(first));
+          push(frames, frames.length, at);
+          if (ended) finishAudio();
+        })
+        .catch(fail);
+    };
+
     /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
     const push = (frames: readonly Buffer[], count: number, at: number): void => {
       const session = pump!.session;
-      for (let i = 0; i < count; i++) session.push(decoder!.push(frames[i]));
+      for (let i = 0; i < count; i++) {
+        if (held) {
+          held.push(frames[i]);
+          continue;
+        }
+        const { bytes, format } = sniffer.feed(frames[i]);
+        if (format) reformat(format, bytes, at);
+        else if (bytes.length) session.push(decoder!.push(bytes));
+      }
       stats.receivedSamples = session.receivedSamples;
       pump!.arrived(at);
       if (session.pendingSamples > MAX_PENDING_SAMPLES) pause();
@@ -623,7 +692,11 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     };
 
     const finishAudio = (): void => {
+      // After the decoder has taken a WAV header's format (`reformat` calls it again then).
+      if (held) return;
       const session = pump!.session;
+      const rest = sniffer.flush();
+      if (rest.length) session.push(decoder!.push(rest));
       // The resampler's held-back tail first, so a stream gives the samples a file would.
       session.push(decoder!.end());
       stats.receivedSamples = session.receivedSamples;
@@ -635,6 +708,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     const start = async (params: StreamParams, granted: Granted): Promise<void> => {
       queueMs = granted.queueMs;
       offsetMs = params.offsetMs;
+      streamParams = params;
       decoder = await PcmStreamDecoder.create(params.encoding, params.sampleRate, params.channels);
       if (gone()) return;
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
