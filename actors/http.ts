@@ -378,7 +378,7 @@ const exchange = fromCallback<
   let lease: LeaseHandle | null = null;
   void (async () => {
     const tensors = request.tensor && readTensorRequest(request.tensor.fields, request.tensor.binary, maxTensorBytes);
-    const entry = registry.require(request.model);
+    const entry = registry.requireForWork(request.model);
     x.model = entry.id;
     const asked = leaseGranted(
       entry,

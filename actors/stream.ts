@@ -735,7 +735,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
 
     try {
       const params = parseStreamParams(new URL(input.url, 'http://localhost'));
-      const entry = input.registry.require(params.model);
+      const entry = input.registry.requireForWork(params.model);
       stats.model = entry.id;
       lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
         if (e.type === 'LEASE_GRANTED') start(params, e.granted).catch(fail);

@@ -21,6 +21,7 @@ import { ClusterNode } from '../cluster/node.js';
 import { clusterSettings } from '../cluster/nats.js';
 import { createLogger } from '../runtime/telemetry.js';
 import { availableMemory, IdleCollector } from '../runtime/memory.js';
+import { checkWakewordDir } from '../runtime/wakeword-dir.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -428,6 +429,8 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
  */
 export async function startServer(config: ServerConfig, options: ServerOptions = {}): Promise<VoxServer> {
   refuseOpenManagement(config);
+  // A configuration mistake is said before the server listens, not as a crash after it.
+  if (config.wakeword_dir) await checkWakewordDir(config.wakeword_dir);
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
