@@ -84,7 +84,14 @@ export interface Detection {
 /** The result of one file (`run`, or one `result` of `batch`). */
 export type TaskResult =
   | { model: string; task: 'vad'; sample_rate: number; segments: Segment[]; timing: Timing }
-  | { model: string; task: 'wakeword'; detections: Detection[]; timing: Timing };
+  | {
+      model: string;
+      task: 'wakeword';
+      detections: Detection[];
+      /** With the option `scores`: each 80 ms step's score per label, the step ending at `at_ms`. */
+      scores?: { at_ms: number; scores: Record<string, number> }[];
+      timing: Timing;
+    };
 
 /** Events of a live stream, as the server sends them. Times are ms from the stream's start. */
 export type StreamEvent =
@@ -98,6 +105,8 @@ export type StreamEvent =
    * span, in order from `at_ms`.
    */
   | { type: 'probability'; at_ms: number; p: number | number[] }
+  /** Wake-word streams opened with `scores`: each 80 ms step's score per label, the step ending at `at_ms`. */
+  | { type: 'score'; at_ms: number; scores: Record<string, number> }
   /** A bad control frame (the stream goes on), or the reason of the close that follows. */
   | { type: 'error'; error: WireError }
   | { type: 'done'; processed_ms: number; timing: Timing }
@@ -245,6 +254,8 @@ export interface StreamOptions {
   options?: Record<string, string | number | boolean>;
   /** VAD: send a `probability` event per 32 ms window (`true`), or one per this many ms carrying that span's windows (32-60000). */
   probabilities?: boolean | number;
+  /** Wake words: send a `score` event per 80 ms step with each label's score (the task option `scores`). */
+  scores?: boolean;
   /** Bytes the socket may hold unsent before `send` waits. Default 256 KiB (8 s of 16 kHz s16le). */
   highWaterMark?: number;
   /**
@@ -646,6 +657,7 @@ export class VoxClient {
     if (opts.channels !== undefined) q.set('channels', String(opts.channels));
     if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
     for (const [k, v] of Object.entries(opts.options ?? {})) q.set(k, String(v));
+    if (opts.scores) q.set('scores', 'true');
     if (typeof opts.probabilities === 'number') q.set('probability_interval_ms', String(opts.probabilities));
     else if (opts.probabilities) q.set('probabilities', 'true');
     const resume = opts.resume ?? this.urls.length > 1;

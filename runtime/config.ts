@@ -45,6 +45,11 @@ export const WakewordOptions = z.strictObject({
    * whose score reaches the threshold is a detection.
    */
   refractory_ms: nonNegInt.default(2000),
+  /**
+   * Each 80 ms step's score per label: a stream sends a `score` event per step, a file's result
+   * has `scores` (issue 43: why does my wake word not fire?). Off by default.
+   */
+  scores: z.boolean().default(false),
 });
 export type WakewordOptions = z.infer<typeof WakewordOptions>;
 

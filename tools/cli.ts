@@ -379,12 +379,13 @@ program
   .option('--realtime', 'send each frame when its audio has elapsed')
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
+  .option('--scores', "wake words: print each 80 ms step's score per label (score events)")
   .addOption(new Option('--api-key <key>', "one of the server's auth.api_keys").env('VOXSERVE_API_KEY'))
   .action(
     async (
       model: string,
       file: string,
-      opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string },
+      opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string; scores?: boolean },
     ) => {
       if (opts.protocol !== 'json' && opts.protocol !== 'msgpack')
         die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
@@ -422,6 +423,7 @@ program
           channels: fmt.numChannels,
           encoding: 's16le',
           protocol: opts.protocol,
+          ...(opts.scores ? { scores: true } : {}),
         });
       } catch (e) {
         failed(opts.url, e);
