@@ -164,9 +164,9 @@ describe('/demo file picker (issue 43)', () => {
           timeout: 30_000,
         },
       );
-      expect(await page.locator('#events li[data-model="silero-vad"][data-type="speech_end"]').count()).toBeGreaterThan(
-        1,
-      );
+      // Its two segments, after the first file's one.
+      const ends = await page.locator('#events li[data-model="silero-vad"][data-type="speech_end"]').count();
+      expect(ends).toBeGreaterThanOrEqual(3);
     } finally {
       await browser.close();
     }
