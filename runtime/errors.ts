@@ -39,6 +39,10 @@ export const ERRORS = {
     message: (p: { field: string; problem: string }) => `${clip(p.field, 64)}: ${p.problem}`,
   },
   invalid_json: { type: 'invalid_request_error', message: (p: { problem: string }) => `body ${p.problem}` },
+  invalid_multipart: {
+    type: 'invalid_request_error',
+    message: (p: { problem: string }) => `body is not a readable multipart/form-data form (${p.problem})`,
+  },
   invalid_msgpack: { type: 'invalid_request_error', message: (p: { problem: string }) => `body ${p.problem}` },
   invalid_tensor: {
     type: 'invalid_request_error',

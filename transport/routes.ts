@@ -15,6 +15,7 @@ import {
   parseJsonObject,
   MSGPACK_TYPES,
   mediaType,
+  parseMultipartRun,
   parseRunRequest,
   readBody,
   requireMediaType,
@@ -196,7 +197,7 @@ async function manageCluster(
  */
 function taskBody(
   config: ServerConfig,
-  parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest,
+  parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest | Promise<TaskRequest>,
 ) {
   return async (req: IncomingMessage, res: ServerResponse, url: URL): Promise<TaskRequest> => {
     const t0 = performance.now();
@@ -416,7 +417,11 @@ function taskRoutes(config: ServerConfig): Route<unknown>[] {
       auth: 'apiKey',
       accepts: requireRunMediaType,
       work: true,
-      body: taskBody(config, parseRunRequest),
+      body: taskBody(config, (req, url, body, t0) =>
+        mediaType(req) === 'multipart/form-data'
+          ? parseMultipartRun(req, url, body, t0)
+          : parseRunRequest(req, url, body, t0),
+      ),
       handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
     }),
     route({
