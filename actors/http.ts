@@ -14,6 +14,7 @@ import { effectiveTimeout } from '../runtime/admission.js';
 import { decodeAudio } from '../runtime/decode.js';
 import type { Limits } from '../runtime/config.js';
 import { errorBody, toVoxError, type VoxError } from '../runtime/errors.js';
+import { v2InferResponse } from '../runtime/oip.js';
 import type { Job, JobResult, TensorResult } from '../runtime/slot-protocol.js';
 import {
   createTaskSession,
@@ -51,6 +52,11 @@ export interface TaskRequest {
    * (JSON or msgpack), read into tensors by the exchange; `binary`: answer in msgpack.
    */
   tensor?: { fields: { inputs?: unknown; outputs?: unknown }; binary: boolean };
+  /**
+   * A tensor `run` that came by the Open Inference Protocol (`POST /v2/models/{id}/infer`): its
+   * answer is the protocol's `$inference_response` (transport/v2.ts), `id` echoed.
+   */
+  v2?: { id?: string };
   /** `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent `Accept: text/event-stream`). */
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
@@ -210,6 +216,15 @@ async function answerTensor(x: ExchangeRun, w: Work, tensors: TensorRequest): Pr
   const r = await untilAborted(granted.run(job, w.waitMs), signal);
   if (r.ran) x.figures.inferenceMs += r.ran[1] - r.ran[0];
   x.figures.queueMs += r.waitedMs ?? 0;
+  if (x.request.v2) {
+    const outputs = tensorOutputs(r as TensorResult, false) as Parameters<typeof v2InferResponse>[2];
+    return x.send({
+      type: 'RESPONSE',
+      rid: x.rid,
+      status: 200,
+      body: v2InferResponse(granted.model, x.request.v2.id, outputs),
+    });
+  }
   x.send({
     type: 'RESPONSE',
     rid: x.rid,
