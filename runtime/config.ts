@@ -428,6 +428,12 @@ export const ServerConfig = z.strictObject({
        * not affected.
        */
       event_timeout_ms: nonNegInt.default(10_000),
+      /**
+       * Announce the service by zeroconf (mDNS `_wyoming._tcp`, as wyoming-openwakeword's
+       * `--zeroconf`), so Home Assistant finds it by itself: `true`, a service name (default
+       * `voxserve-<host name>`), or `false`. Default: on when `host` is not a loopback address.
+       */
+      zeroconf: z.union([z.boolean(), z.string().min(1).max(63)]).optional(),
     })
     .default({ enabled: false, host: '127.0.0.1', port: 10400, idle_ms: 0, event_timeout_ms: 10_000 }),
   /**

@@ -150,6 +150,7 @@ interface ServeOptions {
   inspect?: boolean;
   statelyInspector?: string;
   wyoming?: string | true;
+  zeroconf?: string | boolean;
   wakewordDir?: string;
   cluster?: string;
   node?: string;
@@ -197,6 +198,11 @@ program
     'also send them to a Stately inspector relay (@statelyai/inspect), e.g. ws://localhost:8090',
   )
   .option('--wyoming [host:port]', 'serve the Wyoming wake-word protocol (Home Assistant), default 127.0.0.1:10400')
+  .option(
+    '--zeroconf [name]',
+    'announce Wyoming by zeroconf (_wyoming._tcp, as wyoming-openwakeword), as NAME (default voxserve-<host name>); on by default when Wyoming listens beyond loopback',
+  )
+  .option('--no-zeroconf', 'do not announce Wyoming by zeroconf')
   .option(
     '--wakeword-dir <dir>',
     'a folder of openWakeWord heads (*.onnx): each is a wake-word model, picked up while the server runs',
@@ -248,6 +254,7 @@ program
         port: m ? Number(m[2]) : config.wyoming.port,
       };
     }
+    if (opts.zeroconf !== undefined) config.wyoming = { ...config.wyoming, zeroconf: opts.zeroconf };
     if (opts.cluster || opts.node) {
       if (!opts.cluster && !config.cluster)
         die('--node: needs --cluster <nats-url> (or cluster.nats in the config file)', CONFIG_ERROR);
@@ -295,6 +302,7 @@ program
       `voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`,
     );
     if (server.wyoming) process.stderr.write(`voxserve wyoming on ${server.wyoming.uri}\n`);
+    if (server.zeroconf) process.stderr.write(`voxserve zeroconf: _wyoming._tcp as ${server.zeroconf.name}\n`);
     // Configuration mistakes found at start (a model file that is not there) are said here, not only in the log.
     for (const f of server.supervisor.failedModels()) {
       const index = config.models.findIndex((m) => m.id === f.id);

@@ -17,6 +17,7 @@ import { createStreamSocket, finishWaiting, STREAM_QUERY } from '../actors/strea
 import { bindStream, type StreamLink } from './stream.js';
 import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
+import { announceWyoming, zeroconfWanted, type Announcement } from './zeroconf.js';
 import { ClusterNode } from '../cluster/node.js';
 import { clusterSettings } from '../cluster/nats.js';
 import { createLogger } from '../runtime/telemetry.js';
@@ -35,6 +36,8 @@ export interface VoxServer {
   readonly inflight: ReadonlySet<Promise<void>>;
   /** The Wyoming listener, when `wyoming.enabled`. */
   readonly wyoming: WyomingService | null;
+  /** The Wyoming listener's zeroconf announcement (`_wyoming._tcp`), when made (`wyoming.zeroconf`). */
+  readonly zeroconf: Announcement | null;
   /** This node's cluster membership, when `cluster` is configured. */
   readonly cluster: ClusterNode | null;
   /**
@@ -97,6 +100,8 @@ interface Running {
   readonly idleGc: IdleCollector;
   /** The Wyoming listener, once started (`wyoming.enabled`). */
   wyoming: WyomingService | null;
+  /** Its zeroconf announcement (`wyoming.zeroconf`), once made. */
+  zeroconf?: Announcement;
   /** Tells the system root an event, unless it has stopped. */
   tell(event: SystemEvent): void;
 }
@@ -317,6 +322,7 @@ async function startServices(run: Running, http: Server, url: string): Promise<v
       throw e;
     }
     supervisor.log.info({ uri: run.wyoming.uri }, 'wyoming listening');
+    if (zeroconfWanted(config)) run.zeroconf = announceWyoming(config, run.wyoming.port, supervisor.log);
   }
   if (cluster) {
     try {
@@ -364,6 +370,8 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
     cluster?.drain();
+    // Home Assistant stops being pointed here at once.
+    const unannounced = run.zeroconf?.stop();
     log.info(
       {
         drain_timeout_ms: config.drain_timeout_ms,
@@ -407,6 +415,7 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
     await cluster?.close();
     await closeListener();
     await wyomingClosed;
+    await unannounced;
     run.inspected.stop();
     run.idleGc.stop();
     log.info('stopped');
@@ -497,6 +506,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     streams,
     inflight,
     wyoming: run.wyoming,
+    zeroconf: run.zeroconf ?? null,
     cluster,
     close: () => close(),
     destroy: () => close(true),
