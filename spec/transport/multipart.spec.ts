@@ -112,5 +112,13 @@ describe('multipart uploads on POST /v1/tasks/run (issue 43)', () => {
       body: form({ model: 'silero-vad' }, [['file', 'Front_Center.wav', 'audio/wav']]),
     });
     expect((await twice.json()).error.message).toBe('model: given twice (in the query string and in the form)');
+    // A form is a type a web page may post to another site without a preflight: its Origin is checked.
+    const foreign = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, {
+      method: 'POST',
+      headers: { origin: 'http://evil.example' },
+      body: form({}, [['file', 'Front_Center.wav', 'audio/wav']]),
+    });
+    expect(foreign.status).toBe(403);
+    expect((await foreign.json()).error.code).toBe('origin_not_allowed');
   });
 });
