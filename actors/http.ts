@@ -16,6 +16,7 @@ import { decodeAudio, decodeAudioAt } from '../runtime/decode.js';
 import { RNNOISE } from '../runtime/rnnoise.js';
 import type { Limits } from '../runtime/config.js';
 import { errorBody, invalid, toVoxError, type VoxError } from '../runtime/errors.js';
+import { v2InferResponse } from '../runtime/oip.js';
 import type { Job, JobResult, TensorResult } from '../runtime/slot-protocol.js';
 import {
   createTaskSession,
@@ -57,6 +58,11 @@ export interface TaskRequest {
    * (JSON or msgpack), read into tensors by the exchange; `binary`: answer in msgpack.
    */
   tensor?: { fields: { inputs?: unknown; outputs?: unknown }; binary: boolean };
+  /**
+   * A tensor `run` that came by the Open Inference Protocol (`POST /v2/models/{id}/infer`): its
+   * answer is the protocol's `$inference_response` (transport/v2.ts), `id` echoed.
+   */
+  v2?: { id?: string };
   /** `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent `Accept: text/event-stream`). */
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
@@ -304,6 +310,15 @@ async function answerTensor(x: ExchangeRun, w: Work, tensors: TensorRequest): Pr
   const r = await untilAborted(granted.run(job, w.waitMs), signal);
   if (r.ran) x.figures.inferenceMs += r.ran[1] - r.ran[0];
   x.figures.queueMs += r.waitedMs ?? 0;
+  if (x.request.v2) {
+    const outputs = tensorOutputs(r as TensorResult, false) as Parameters<typeof v2InferResponse>[2];
+    return x.send({
+      type: 'RESPONSE',
+      rid: x.rid,
+      status: 200,
+      body: v2InferResponse(granted.model, x.request.v2.id, outputs),
+    });
+  }
   x.send({
     type: 'RESPONSE',
     rid: x.rid,
@@ -484,7 +499,7 @@ const exchange = fromCallback<
   let denoiseLease: LeaseHandle | null = null;
   void (async () => {
     const tensors = request.tensor && readTensorRequest(request.tensor.fields, request.tensor.binary, maxTensorBytes);
-    const entry = registry.require(request.model);
+    const entry = registry.requireForWork(request.model);
     x.model = entry.id;
     const asked = leaseGranted(
       entry,

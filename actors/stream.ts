@@ -20,7 +20,9 @@ import {
   PcmStreamDecoder,
   encodePcm,
   Resampler,
+  WavStreamSniffer,
   type PcmEncoding,
+  type WavStreamFormat,
 } from '../runtime/audio.js';
 import { RNNOISE } from '../runtime/rnnoise.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
@@ -38,6 +40,11 @@ export interface StreamParams {
   sampleRate: number;
   encoding: PcmEncoding;
   channels: number;
+  /**
+   * The format parameters the query gave (the others are defaults). A WAV header at the start of
+   * the audio sets the format; one that contradicts a parameter given here fails the stream.
+   */
+  declared: { sample_rate?: number; encoding?: PcmEncoding; channels?: number };
   /** The request's own busy timeout, ms. */
   busyTimeoutMs?: number;
   /** Task options given as query parameters (`threshold=0.7`), validated against the model's task. */
@@ -107,11 +114,18 @@ export function parseStreamParams(url: URL): StreamParams {
     throw invalid('progress', `must be true or false, got '${progress.slice(0, 32)}'`);
   // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
   const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
+  const sampleRate = intParam(url, 'sample_rate', 16_000, MIN_SAMPLE_RATE, MAX_SAMPLE_RATE)!;
+  const channels = intParam(url, 'channels', 1, 1, MAX_CHANNELS)!;
+  const declared: StreamParams['declared'] = {};
+  if (url.searchParams.has('sample_rate')) declared.sample_rate = sampleRate;
+  if (url.searchParams.has('encoding')) declared.encoding = encoding as PcmEncoding;
+  if (url.searchParams.has('channels')) declared.channels = channels;
   return {
     model,
     encoding: encoding as PcmEncoding,
-    sampleRate: intParam(url, 'sample_rate', 16_000, MIN_SAMPLE_RATE, MAX_SAMPLE_RATE)!,
-    channels: intParam(url, 'channels', 1, 1, MAX_CHANNELS)!,
+    sampleRate,
+    channels,
+    declared,
     busyTimeoutMs: intParam(url, 'busy_timeout_ms', undefined, 0, MAX_TIMEOUT_MS),
     options,
     probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
@@ -127,6 +141,29 @@ function denoiseParam(url: URL): string | undefined {
   if (v === null) return undefined;
   if (!v) throw invalid('denoise', 'must be a denoise model id (rnnoise)');
   return v;
+}
+
+/**
+ * Checks a WAV header received on a stream against the format its query declared.
+ * @throws VoxError `invalid_field` naming the first parameter the header contradicts, the two
+ *   formats, and what to do.
+ */
+export function checkDeclaredFormat(declared: StreamParams['declared'], header: WavStreamFormat): void {
+  const wire = header.encoding === 's16le' || header.encoding === 'f32le' ? header.encoding : null;
+  const clash =
+    declared.sample_rate !== undefined && declared.sample_rate !== header.sampleRate
+      ? `sample_rate=${declared.sample_rate}`
+      : declared.channels !== undefined && declared.channels !== header.channels
+        ? `channels=${declared.channels}`
+        : declared.encoding !== undefined && declared.encoding !== wire
+          ? `encoding=${declared.encoding}`
+          : null;
+  if (!clash) return;
+  throw invalid(
+    clash.split('=')[0],
+    `the stream was opened with ${clash}, but the WAV header it received says ${header.description}; ` +
+      'open the stream without sample_rate, encoding and channels (the header sets them), or send the samples without the header',
+  );
 }
 
 /** Bytes a stream keeps from its client before `ready` (while queued or loading) before it stops reading. */
@@ -594,6 +631,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       !pump ||
       pump.running ||
       early.length > 0 ||
+      held !== null ||
       pump.session.pendingSamples >= pump.session.step ||
       (front !== null && (front.pump.running || front.session.pendingSamples >= front.session.step));
     const gone = (): boolean => stopped || (lease?.signal.aborted ?? false) || (frontLease?.signal.aborted ?? false);
@@ -615,11 +653,43 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let offsetMs = 0;
     const emitTask = (e: TaskEvent): void => channel.write(offsetMs ? shifted(e, offsetMs) : { ...e });
 
+    /** Finds a WAV header at the start of the audio (see {@link WavStreamSniffer}). */
+    const sniffer = new WavStreamSniffer();
+    /** Frames that came while the decoder takes a WAV header's format (a new converter rate): pushed once it has. */
+    let held: Buffer[] | null = null;
+    let streamParams: StreamParams | null = null;
+
+    /** The header's format for the decoder, then what was held meanwhile. */
+    const reformat = (format: WavStreamFormat, first: Buffer, at: number): void => {
+      checkDeclaredFormat(streamParams!.declared, format);
+      held = [];
+      decoder!
+        .reformat(format.sampleRate, format.channels, format.encoding)
+        .then(() => {
+          if (gone()) return;
+          const frames = held!;
+          held = null;
+          // `first` has passed the sniffer already (the samples after the header); the held frames not yet.
+          if (first.length) (front?.session ?? pump!.session).push(decoder!.push(first));
+          push(frames, frames.length, at);
+          if (ended) finishAudio();
+        })
+        .catch(fail);
+    };
+
     /** Coalesced audio (see {@link StreamChannel}) that arrived at `at`, into the session. */
     const push = (frames: readonly Buffer[], count: number, at: number): void => {
       const first = front?.pump ?? pump!;
       const session = first.session;
-      for (let i = 0; i < count; i++) session.push(decoder!.push(frames[i]));
+      for (let i = 0; i < count; i++) {
+        if (held) {
+          held.push(frames[i]);
+          continue;
+        }
+        const { bytes, format } = sniffer.feed(frames[i]);
+        if (format) reformat(format, bytes, at);
+        else if (bytes.length) session.push(decoder!.push(bytes));
+      }
       stats.receivedSamples = session.receivedSamples;
       first.arrived(at);
       if (session.pendingSamples > pendingLimit) pause();
@@ -666,6 +736,10 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     };
 
     const finishAudio = (): void => {
+      // After the decoder has taken a WAV header's format (`reformat` calls it again then).
+      if (held) return;
+      const rest = sniffer.flush();
+      if (rest.length) (front?.session ?? pump!.session).push(decoder!.push(rest));
       if (front) {
         // The chain's first link finishes first; its idle hook then ends the last model's session.
         front.session.push(decoder!.end());
@@ -685,6 +759,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     const start = async (params: StreamParams, granted: Granted, first?: Granted): Promise<void> => {
       queueMs = granted.queueMs + (first?.queueMs ?? 0);
       offsetMs = params.offsetMs;
+      streamParams = params;
       const denoise = granted.config.task === 'denoise';
       if (first && granted.config.task !== 'vad' && granted.config.task !== 'wakeword')
         throw invalid(
@@ -763,7 +838,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
 
     try {
       const params = parseStreamParams(new URL(input.url, 'http://localhost'));
-      const entry = input.registry.require(params.model);
+      const entry = input.registry.requireForWork(params.model);
       stats.model = entry.id;
       lease = requestLease(entry, { requestTimeoutMs: params.busyTimeoutMs, metrics: input.registry.metrics }, (e) => {
         if (e.type === 'LEASE_GRANTED') {

@@ -841,6 +841,29 @@ export class Supervisor {
     return e;
   }
 
+  /**
+   * The entry for `id`, for work (a file, a stream, a Wyoming detection): as {@link require}, but a
+   * config model whose files failed the start check (and still do) is answered at once.
+   * @throws VoxError `model_not_found`; `model_unavailable` (503) naming the config entry and its path.
+   */
+  requireForWork(id: string): ModelEntry {
+    const entry = this.require(id);
+    if (!this.fileProblems.has(entry.id)) return entry;
+    const problem = modelFileProblem(this.resolveHeads(entry.config));
+    if (!problem) {
+      // Fixed since (the file is there now, or the model was loaded with another path).
+      this.fileProblems.delete(entry.id);
+      return entry;
+    }
+    const index = this.config.models.findIndex((m) => m.id === entry.id);
+    throw voxError('model_unavailable', {
+      id: entry.id,
+      entry: index >= 0 ? `models[${index}]` : `model ${entry.id}`,
+      path: entry.config.path ?? '',
+      problem,
+    });
+  }
+
   /** The 404 (`model_not_found`) for a model id this server does not know, with the ids it probably meant ({@link similarIds}). */
   unknownModel(id: string): VoxError {
     return voxError('model_not_found', { id, similar: this.similarModels(id) });
@@ -848,7 +871,8 @@ export class Supervisor {
 
   /** The known model ids close to `id` ({@link similarIds}); only single wake-word models for `task` 'wakeword'. */
   private similarModels(id: string, task?: 'wakeword'): string[] {
-    return similarIds(id, this.knownIds(task));
+    const configs = [...this.catalog.values(), ...[...this.entries.values()].map((e) => e.config)];
+    return similarIds(id, this.knownIds(task), new Map(configs.map((c) => [c.id, c.task])));
   }
 
   /** Every model id this server knows (catalog and registered); only single wake-word models for `task` 'wakeword'. */

@@ -440,11 +440,15 @@ class WyomingConnection {
       ['vad', want.vad],
     ] as const) {
       if (!mid) continue;
-      const { handle, granted } = leaseGranted(this.registry.require(mid), { metrics: this.registry.metrics }, (e) => {
-        if (this.stopped) return;
-        this.stopped = true;
-        this.send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
-      });
+      const { handle, granted } = leaseGranted(
+        this.registry.requireForWork(mid),
+        { metrics: this.registry.metrics },
+        (e) => {
+          if (this.stopped) return;
+          this.stopped = true;
+          this.send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
+        },
+      );
       const lane = { kind, lease: handle } as Lane;
       this.lanes.push(lane);
       lane.granted = await granted;

@@ -84,7 +84,14 @@ export interface Detection {
 /** The result of one file (`run`, or one `result` of `batch`). */
 export type TaskResult =
   | { model: string; task: 'vad'; sample_rate: number; segments: Segment[]; timing: Timing }
-  | { model: string; task: 'wakeword'; detections: Detection[]; timing: Timing };
+  | {
+      model: string;
+      task: 'wakeword';
+      detections: Detection[];
+      /** With the option `scores`: each 80 ms step's score per label, the step ending at `at_ms`. */
+      scores?: { at_ms: number; scores: Record<string, number> }[];
+      timing: Timing;
+    };
 
 /** Events of a live stream, as the server sends them. Times are ms from the stream's start. */
 export type StreamEvent =
@@ -98,6 +105,8 @@ export type StreamEvent =
    * span, in order from `at_ms`.
    */
   | { type: 'probability'; at_ms: number; p: number | number[] }
+  /** Wake-word streams opened with `scores`: each 80 ms step's score per label, the step ending at `at_ms`. */
+  | { type: 'score'; at_ms: number; scores: Record<string, number> }
   /** A bad control frame (the stream goes on), or the reason of the close that follows. */
   | { type: 'error'; error: WireError }
   | { type: 'done'; processed_ms: number; timing: Timing }
@@ -238,7 +247,11 @@ export interface RunOptions {
 
 export interface StreamOptions {
   model: string;
-  /** Sample rate of the PCM you send, Hz (8000-192000; the server resamples to 16 kHz). Default 16000. */
+  /**
+   * Sample rate of the PCM you send, Hz (8000-192000; the server resamples to 16 kHz). Default
+   * 16000. Leave the format out when you send a WAV file ({@link VoxStream.sendFile}): its header
+   * sets it (a format given here that the header contradicts fails the stream, saying so).
+   */
   sampleRate?: number;
   /** `s16le` (default) or `f32le`. */
   encoding?: 's16le' | 'f32le';
@@ -251,6 +264,8 @@ export interface StreamOptions {
   options?: Record<string, string | number | boolean>;
   /** VAD: send a `probability` event per 32 ms window (`true`), or one per this many ms carrying that span's windows (32-60000). */
   probabilities?: boolean | number;
+  /** Wake words: send a `score` event per 80 ms step with each label's score (the task option `scores`). */
+  scores?: boolean;
   /** Bytes the socket may hold unsent before `send` waits. Default 256 KiB (8 s of 16 kHz s16le). */
   highWaterMark?: number;
   /**
@@ -334,6 +349,55 @@ function base64(bytes: Uint8Array): string {
 
 const isRiff = (b: Uint8Array): boolean =>
   b.length >= 4 && b[0] === 0x52 && b[1] === 0x49 && b[2] === 0x46 && b[3] === 0x46;
+
+/** Bytes per frame of {@link VoxStream.sendFile}. */
+const FILE_FRAME_BYTES = 64 * 1024;
+
+const hex = (b: Uint8Array): string => Array.from(b, (x) => x.toString(16).padStart(2, '0')).join('');
+const text = (b: Uint8Array, at: number, n: number): string => String.fromCharCode(...b.subarray(at, at + n));
+
+/** A WAV file's format and where its samples are, or null when the bytes do not start a WAV file. */
+function wavHeader(
+  b: Uint8Array,
+): { tag: number; channels: number; sampleRate: number; bits: number; dataStart: number; dataBytes: number } | null {
+  if (b.length < 12 || !['RIFF', 'RF64'].includes(text(b, 0, 4)) || text(b, 8, 4) !== 'WAVE') return null;
+  const v = new DataView(b.buffer, b.byteOffset, b.byteLength);
+  let fmt: { tag: number; channels: number; sampleRate: number; bits: number } | null = null;
+  for (let at = 12; at + 8 <= b.length; ) {
+    const id = text(b, at, 4);
+    const size = v.getUint32(at + 4, true);
+    if (id === 'fmt ' && at + 24 <= b.length) {
+      let tag = v.getUint16(at + 8, true);
+      if (tag === 0xfffe && size >= 26 && at + 34 <= b.length) tag = v.getUint16(at + 32, true);
+      fmt = {
+        tag,
+        channels: v.getUint16(at + 10, true),
+        sampleRate: v.getUint32(at + 12, true),
+        bits: v.getUint16(at + 22, true),
+      };
+    }
+    if (id === 'data') {
+      if (!fmt) return null;
+      const dataBytes = size === 0 || size === 0xffffffff ? b.length - at - 8 : Math.min(size, b.length - at - 8);
+      return { ...fmt, dataStart: at + 8, dataBytes };
+    }
+    at += 8 + size + (size % 2);
+  }
+  return null;
+}
+
+/** The name of a compressed audio format by its first bytes, or null. */
+function compressedName(b: Uint8Array): string | null {
+  if (text(b, 0, 4) === 'OggS') {
+    const body = 27 + (b[26] ?? 0);
+    return text(b, body, 8) === 'OpusHead' ? 'Ogg Opus' : text(b, body + 1, 6) === 'vorbis' ? 'Ogg Vorbis' : 'Ogg';
+  }
+  if (text(b, 0, 4) === 'fLaC') return 'FLAC';
+  if (b[0] === 0x1a && b[1] === 0x45 && b[2] === 0xdf && b[3] === 0xa3) return 'WebM';
+  if (text(b, 0, 3) === 'ID3' || (b[0] === 0xff && (b[1] & 0xe0) === 0xe0)) return 'MP3';
+  if (text(b, 4, 4) === 'ftyp') return 'MP4/M4A';
+  return null;
+}
 
 /** Server-sent events of a response body, with their data parsed as JSON. */
 async function* sseEvents(res: Response): AsyncGenerator<{ event: string; data: unknown }> {
@@ -633,14 +697,14 @@ export class VoxClient {
       throw new TypeError(
         'no WebSocket: pass { WebSocket } (e.g. from the ws package), or import voxserve/client under Node',
       );
-    const q = new URLSearchParams({
-      model: opts.model,
-      sample_rate: String(opts.sampleRate ?? 16000),
-      encoding: opts.encoding ?? 's16le',
-      channels: String(opts.channels ?? 1),
-    });
+    const q = new URLSearchParams({ model: opts.model });
+    // Only the format the caller gives: a WAV header the stream receives (`sendFile`) sets the rest.
+    if (opts.sampleRate !== undefined) q.set('sample_rate', String(opts.sampleRate));
+    if (opts.encoding !== undefined) q.set('encoding', opts.encoding);
+    if (opts.channels !== undefined) q.set('channels', String(opts.channels));
     if (opts.busyTimeoutMs !== undefined) q.set('busy_timeout_ms', String(opts.busyTimeoutMs));
     for (const [k, v] of Object.entries(opts.options ?? {})) q.set(k, String(v));
+    if (opts.scores) q.set('scores', 'true');
     if (typeof opts.probabilities === 'number') q.set('probability_interval_ms', String(opts.probabilities));
     else if (opts.probabilities) q.set('probabilities', 'true');
     const resume = opts.resume ?? this.urls.length > 1;
@@ -1139,6 +1203,56 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   /** The server the stream is on (with `resume`, the node it resumed on). */
   get serverUrl(): string {
     return this.url;
+  }
+
+  /**
+   * Under Node (the `voxserve/client` entry sets it): reads a file by its path, for
+   * {@link VoxStream.sendFile}. Browsers have no paths: give them the bytes or a Blob (a File).
+   */
+  static readPath?: (path: string) => Promise<Uint8Array>;
+
+  /**
+   * Sends a whole WAV file (PCM 8/16/24/32-bit, float, mu-law or A-law; any rate and channel
+   * count), header included, in frames of 64 KiB, each awaited as {@link VoxStream.send} is: the
+   * server reads the header and takes the stream's format from it, so open the stream without
+   * `sampleRate`, `encoding` and `channels` (given ones that the header contradicts fail the
+   * stream, saying so). Call `end()` after it for the `done`.
+   * @param file a path (under Node), or the file's bytes or Blob.
+   * @throws VoxClientError `invalid_request_error` when the bytes are not a WAV file (a compressed
+   *   file is named: send it with {@link VoxClient.run}, whose server decodes it), or, on a stream
+   *   with `resume`, when the header's format is not the one the stream was opened with (a
+   *   resumed stream re-sends samples, not the header); as `send` once the stream has closed.
+   */
+  async sendFile(file: string | AudioInput): Promise<void> {
+    let bytes: Uint8Array;
+    if (typeof file === 'string') {
+      if (!VoxStream.readPath)
+        throw new TypeError('sendFile(path) needs Node (voxserve/client): in a browser give the bytes or a Blob');
+      bytes = await VoxStream.readPath(file);
+    } else bytes = await bytesOf(file);
+    const header = wavHeader(bytes);
+    if (!header) {
+      const looks = compressedName(bytes);
+      throw new VoxClientError(
+        'invalid_request_error',
+        looks
+          ? `this looks like ${looks}: a stream takes WAV or raw PCM; send a compressed file with run() (POST /v1/tasks/run decodes it), or convert it to WAV`
+          : `not a WAV file (it starts with ${hex(bytes.subarray(0, 4))}); a stream takes WAV or raw PCM (send)`,
+      );
+    }
+    let body = bytes;
+    if (this.plan) {
+      // A resumed stream re-sends samples only: the format must be the stream's own.
+      const encoding = header.tag === 1 && header.bits === 16 ? 2 : header.tag === 3 && header.bits === 32 ? 4 : 0;
+      if (header.sampleRate !== this.plan.sampleRate || encoding * header.channels !== this.plan.frameBytes)
+        throw new VoxClientError(
+          'invalid_request_error',
+          `sendFile on a stream with resume: the file is ${header.sampleRate} Hz, ${header.channels} channel(s), format ${header.tag}/${header.bits}-bit; open the stream with that sampleRate, channels and encoding (s16le or f32le)`,
+        );
+      body = bytes.subarray(header.dataStart, header.dataStart + header.dataBytes);
+    }
+    for (let off = 0; off < body.length; off += FILE_FRAME_BYTES)
+      await this.send(body.subarray(off, off + FILE_FRAME_BYTES));
   }
 
   /**

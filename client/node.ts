@@ -7,9 +7,13 @@ import { request as httpRequest, type IncomingMessage } from 'node:http';
 import { request as httpsRequest } from 'node:https';
 import { Readable } from 'node:stream';
 import WebSocket from 'ws';
-import { VoxClient as BrowserClient, type ClientOptions, type WebSocketConstructor } from './index.js';
+import { readFile } from 'node:fs/promises';
+import { VoxClient as BrowserClient, VoxStream, type ClientOptions, type WebSocketConstructor } from './index.js';
 
 export * from './index.js';
+
+// `stream.sendFile(path)`: under Node a file is read by its path.
+VoxStream.readPath = async (path: string) => new Uint8Array(await readFile(path));
 
 /** How long an upload waits for `100 Continue` before it sends its body anyway (RFC 9110, 10.1.1: servers that never answer it), ms. */
 const CONTINUE_WAIT_MS = 1000;

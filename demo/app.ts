@@ -24,6 +24,8 @@ interface Lane {
   detections: { at: number; label: string; score: number }[];
   /** VAD: the speech probability of each 32 ms window, by its start, ms. */
   probs: { at: number; p: number }[];
+  /** Wake words: each 80 ms step's highest score among the lane's labels, by the step's end, ms (`score` events). */
+  scores: { at: number; p: number }[];
   status: string;
 }
 
@@ -36,6 +38,7 @@ const startButton = el<HTMLButtonElement>('start');
 const stopButton = el<HTMLButtonElement>('stop');
 const status = el<HTMLSpanElement>('status');
 const eventList = el<HTMLOListElement>('events');
+const fileInput = el<HTMLInputElement>('file');
 
 let lanes: Lane[] = [];
 /** Audio sent so far, ms: the stream time of "now". */
@@ -72,6 +75,13 @@ function logEvent(model: string, e: StreamEvent): void {
 }
 
 function onEvent(lane: Lane, e: StreamEvent): void {
+  if (e.type === 'score') {
+    lane.scores.push({ at: e.at_ms, p: Math.max(...Object.values(e.scores)) });
+    if (lane.scores.length > 2 * (WINDOW_MS / 80)) lane.scores.splice(0, WINDOW_MS / 80);
+    // For the page's test: score steps drawn so far.
+    canvas.dataset.scoreSteps = String(Number(canvas.dataset.scoreSteps ?? 0) + 1);
+    return;
+  }
   if (e.type === 'probability') {
     if (typeof e.p === 'number') lane.probs.push({ at: e.at_ms, p: e.p });
     else e.p.forEach((p, i) => lane.probs.push({ at: e.at_ms + i * 32, p }));
@@ -120,22 +130,84 @@ async function listModels(): Promise<void> {
   }
 }
 
-async function start(): Promise<void> {
-  const chosen = [...document.querySelectorAll<HTMLInputElement>('#models input:checked')].map((i) => ({
+const newLane = (c: { model: string; task: string }): Lane => ({
+  ...c,
+  stream: null,
+  segments: [],
+  detections: [],
+  probs: [],
+  scores: [],
+  status: 'opening',
+});
+
+/** The ticked models. */
+const chosenModels = (): { model: string; task: string }[] =>
+  [...document.querySelectorAll<HTMLInputElement>('#models input:checked')].map((i) => ({
     model: i.value,
     task: i.dataset.task ?? '',
   }));
+
+/** A client with the page's API key, if one is entered. @throws TypeError for a bad key. */
+const keyedClient = (): VoxClient => (keyInput.value.trim() ? new VoxClient({ apiKey: keyInput.value.trim() }) : vox);
+
+/**
+ * The file picker: each ticked model runs on the chosen file (`POST /v1/tasks/run`: any format
+ * the server decodes, WAV, MP3, Ogg, FLAC, WebM), and the timeline shows its results over the
+ * file's time: segments, detections and (wake words) each step's score.
+ */
+async function runFile(file: File): Promise<void> {
+  const chosen = chosenModels();
+  if (!chosen.length) return say('choose at least one model', true);
+  let client: VoxClient;
+  try {
+    client = keyedClient();
+  } catch (e) {
+    return say((e as Error).message, true);
+  }
+  lanes = chosen.map((c) => newLane(c));
+  sentMs = 0;
+  say(`running ${file.name} on ${lanes.map((l) => l.model).join(', ')} ...`);
+  await Promise.all(
+    lanes.map(async (lane) => {
+      try {
+        const r = await client.run(file, {
+          model: lane.model,
+          options: lane.task === 'wakeword' ? { scores: true } : undefined,
+        });
+        sentMs = Math.max(sentMs, r.timing.audio_duration_ms);
+        if (r.task === 'vad')
+          for (const s of r.segments) {
+            onEvent(lane, { type: 'speech_start', at_ms: s.start_ms });
+            onEvent(lane, { type: 'speech_end', start_ms: s.start_ms, end_ms: s.end_ms, confidence: s.confidence });
+          }
+        else {
+          for (const s of r.scores ?? []) onEvent(lane, { type: 'score', ...s });
+          for (const d of r.detections) onEvent(lane, { type: 'detection', ...d });
+        }
+        lane.status = 'done';
+      } catch (e) {
+        lane.status = e instanceof VoxClientError ? `${e.type}: ${e.message}` : String(e);
+        say(`${lane.model}: ${lane.status}`, true);
+      }
+    }),
+  );
+  if (lanes.every((l) => l.status === 'done')) say(`${file.name}: ${(sentMs / 1000).toFixed(2)} s`);
+  fileInput.value = '';
+}
+
+async function start(): Promise<void> {
+  const chosen = chosenModels();
   if (!chosen.length) return say('choose at least one model', true);
   startButton.disabled = true;
   let client: VoxClient;
   try {
-    client = keyInput.value.trim() ? new VoxClient({ apiKey: keyInput.value.trim() }) : vox;
+    client = keyedClient();
   } catch (e) {
     startButton.disabled = false;
     return say((e as Error).message, true);
   }
   say('opening the microphone ...');
-  lanes = chosen.map((c) => ({ ...c, stream: null, segments: [], detections: [], probs: [], status: 'opening' }));
+  lanes = chosen.map((c) => newLane(c));
   sentMs = 0;
   let mic: MediaStream | null = null;
   let ctx: AudioContext | null = null;
@@ -158,6 +230,8 @@ async function start(): Promise<void> {
           sampleRate: RATE,
           encoding: 's16le',
           probabilities: lane.task === 'vad' ? 100 : undefined,
+          // Wake words send each step's score: how close a wake word that does not fire came.
+          scores: lane.task === 'wakeword' ? true : undefined,
         });
         lane.status = 'streaming';
         const stream = lane.stream;
@@ -293,6 +367,23 @@ function draw(): void {
       g.stroke();
       g.lineWidth = 1;
     }
+    // A wake word's score (the highest of its labels) at each 80 ms step, 0 at the bottom, 1 at the top.
+    if (lane.scores.length) {
+      g.strokeStyle = '#e0701b';
+      g.lineWidth = 1.5;
+      g.beginPath();
+      let first = true;
+      for (const p of lane.scores) {
+        if (p.at < t0) continue;
+        const px = x(p.at);
+        const py = top + (1 - p.p) * (rowH - 8);
+        if (first) g.moveTo(px, py);
+        else g.lineTo(px, py);
+        first = false;
+      }
+      g.stroke();
+      g.lineWidth = 1;
+    }
     for (const d of lane.detections) {
       if (d.at < t0) continue;
       g.fillStyle = '#e0701b';
@@ -308,6 +399,10 @@ function draw(): void {
 }
 
 startButton.addEventListener('click', () => void start());
+fileInput.addEventListener('change', () => {
+  const file = fileInput.files?.[0];
+  if (file) void runFile(file);
+});
 stopButton.addEventListener('click', () => void stop());
 requestAnimationFrame(draw);
 void listModels();

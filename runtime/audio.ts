@@ -420,6 +420,44 @@ export const PCM_ENCODINGS = ['s16le', 'f32le'] as const;
 export type PcmEncoding = (typeof PCM_ENCODINGS)[number];
 
 /**
+ * Sample encodings a stream's decoder reads: the wire's {@link PCM_ENCODINGS}, and those a WAV
+ * header at the start of a stream may declare (8-bit unsigned, 24/32-bit integer, float64,
+ * G.711 mu-law and A-law).
+ */
+export type SampleEncoding = PcmEncoding | 'u8' | 's24le' | 's32le' | 'f64le' | 'mulaw' | 'alaw';
+
+const SAMPLE_BYTES: Record<SampleEncoding, number> = {
+  u8: 1,
+  s16le: 2,
+  s24le: 3,
+  s32le: 4,
+  f32le: 4,
+  f64le: 8,
+  mulaw: 1,
+  alaw: 1,
+};
+
+/** G.711 mu-law byte -> 16-bit linear (ITU-T G.711, as Sun's g711.c). */
+function ulawToLinear(byte: number): number {
+  const u = ~byte & 0xff;
+  const t = (((u & 0x0f) << 3) + 0x84) << ((u & 0x70) >> 4);
+  return u & 0x80 ? 0x84 - t : t - 0x84;
+}
+
+/** G.711 A-law byte -> 16-bit linear (ITU-T G.711, as Sun's g711.c). */
+function alawToLinear(byte: number): number {
+  const a = byte ^ 0x55;
+  const seg = (a & 0x70) >> 4;
+  let t = (a & 0x0f) << 4;
+  if (seg === 0) t += 8;
+  else t = (t + 0x108) << (seg - 1);
+  return a & 0x80 ? t : -t;
+}
+
+const ULAW = Float32Array.from({ length: 256 }, (_, i) => ulawToLinear(i) / 32768);
+const ALAW = Float32Array.from({ length: 256 }, (_, i) => alawToLinear(i) / 32768);
+
+/**
  * Turns a stream of raw interleaved PCM byte chunks (frames may split a sample anywhere) into
  * mono float32 samples at {@link MODEL_SAMPLE_RATE}.
  */
@@ -430,20 +468,21 @@ export class PcmStreamDecoder {
   private scratch = new Float32Array(0);
 
   private constructor(
-    private readonly encoding: PcmEncoding,
+    private encoding: SampleEncoding,
     private channels: number,
     private readonly resampler: Resampler,
   ) {
-    this.frameBytes = (encoding === 's16le' ? 2 : 4) * channels;
+    this.frameBytes = SAMPLE_BYTES[encoding] * channels;
   }
 
   /**
-   * @param sampleRate input rate, Hz. @param channels interleaved channel count.
+   * @param encoding the samples' encoding. @param sampleRate input rate, Hz. @param channels
+   *   interleaved channel count.
    * @param toHz the rate it gives, Hz (a denoise model's 48 kHz; default the 16 kHz of the others).
    * @throws VoxError `invalid_request_error` for a rate or channel count out of range.
    */
   static async create(
-    encoding: PcmEncoding,
+    encoding: SampleEncoding,
     sampleRate: number,
     channels: number,
     toHz: number = MODEL_SAMPLE_RATE,
@@ -466,17 +505,22 @@ export class PcmStreamDecoder {
     const n = frames * this.channels;
     if (this.scratch.length < n) this.scratch = new Float32Array(Math.max(n, 2 * this.scratch.length));
     const interleaved = this.scratch.subarray(0, n);
-    // Aligned little-endian views (this machine and every Node target is little-endian); a
-    // frame that starts at an odd offset inside ws's receive buffer is copied once.
-    const bytes = this.encoding === 's16le' ? 2 : 4;
-    const aligned = buf.byteOffset % bytes === 0 ? buf : Buffer.from(buf);
-    if (this.encoding === 's16le') {
-      // The conversion to float is set's (native); scaling by 2^-15 is exact, as dividing by 32768 is.
-      interleaved.set(new Int16Array(aligned.buffer, aligned.byteOffset, n));
-      for (let i = 0; i < n; i++) interleaved[i] *= 1 / 32768;
+    const encoding = this.encoding;
+    if (encoding === 's16le' || encoding === 'f32le') {
+      // Aligned little-endian views (this machine and every Node target is little-endian); a
+      // frame that starts at an odd offset inside ws's receive buffer is copied once.
+      const bytes = SAMPLE_BYTES[encoding];
+      const aligned = buf.byteOffset % bytes === 0 ? buf : Buffer.from(buf);
+      if (encoding === 's16le') {
+        // The conversion to float is set's (native); scaling by 2^-15 is exact, as dividing by 32768 is.
+        interleaved.set(new Int16Array(aligned.buffer, aligned.byteOffset, n));
+        for (let i = 0; i < n; i++) interleaved[i] *= 1 / 32768;
+      } else {
+        interleaved.set(new Float32Array(aligned.buffer, aligned.byteOffset, n));
+        sanitize(interleaved);
+      }
     } else {
-      interleaved.set(new Float32Array(aligned.buffer, aligned.byteOffset, n));
-      sanitize(interleaved);
+      decodeSamples(encoding, buf, interleaved);
     }
     return this.resampler.push(downmix(interleaved, this.channels, frames));
   }
@@ -493,13 +537,15 @@ export class PcmStreamDecoder {
   /**
    * Starts a new stream in another format, reusing this decoder's converter ({@link Resampler.reset}):
    * call {@link PcmStreamDecoder.end} first for the old stream's held-back samples.
+   * @param encoding the new format's encoding (default: the current one).
    * @throws VoxError `invalid_request_error` for a rate or channel count out of range.
    */
-  async reformat(sampleRate: number, channels: number): Promise<void> {
+  async reformat(sampleRate: number, channels: number, encoding: SampleEncoding = this.encoding): Promise<void> {
     checkFormat(sampleRate, channels);
     this.remainder = EMPTY;
     this.channels = channels;
-    this.frameBytes = (this.encoding === 's16le' ? 2 : 4) * channels;
+    this.encoding = encoding;
+    this.frameBytes = SAMPLE_BYTES[encoding] * channels;
     await this.resampler.reset(sampleRate);
   }
 
@@ -507,4 +553,173 @@ export class PcmStreamDecoder {
   close(): void {
     this.resampler.close();
   }
+}
+
+/** Decodes `out.length` samples of `buf` in one of the encodings a WAV header may declare to [-1, 1]. */
+function decodeSamples(encoding: SampleEncoding, buf: Buffer, out: Float32Array): void {
+  const n = out.length;
+  switch (encoding) {
+    case 'u8':
+      for (let i = 0; i < n; i++) out[i] = (buf[i] - 128) / 128;
+      return;
+    case 'mulaw':
+      for (let i = 0; i < n; i++) out[i] = ULAW[buf[i]];
+      return;
+    case 'alaw':
+      for (let i = 0; i < n; i++) out[i] = ALAW[buf[i]];
+      return;
+    case 's24le':
+      for (let i = 0; i < n; i++) out[i] = buf.readIntLE(i * 3, 3) / 8388608;
+      return;
+    case 's32le':
+      for (let i = 0; i < n; i++) out[i] = buf.readInt32LE(i * 4) / 2147483648;
+      return;
+    case 'f64le':
+      for (let i = 0; i < n; i++) out[i] = buf.readDoubleLE(i * 8);
+      sanitize(out);
+      return;
+    default:
+      throw new Error(`decodeSamples: ${encoding} has its own path`);
+  }
+}
+
+/** The format a WAV header at the start of a stream declares. */
+export interface WavStreamFormat {
+  sampleRate: number;
+  channels: number;
+  encoding: SampleEncoding;
+  /** As a person reads it: `44100 Hz, 2 channels, 16-bit PCM`. */
+  description: string;
+}
+
+/** A WAV header longer than this (its chunks before `data`) is refused on a stream, bytes. */
+const MAX_STREAM_HEADER_BYTES = 1024 * 1024;
+
+/**
+ * Finds a WAV header at the start of a stream's bytes (RIFF or RF64, WAVE, chunks up to `data`):
+ * a client that sends a whole WAV file on a stream (`VoxStream.sendFile`) need not tell the
+ * stream its format, the header does. Feed it the stream's frames until it has decided; then it
+ * passes the `data` chunk's bytes on (and drops what follows that chunk, such as a `LIST` chunk).
+ */
+export class WavStreamSniffer {
+  /** Bytes held while undecided. */
+  private head: Buffer = EMPTY;
+  private decided = false;
+  /** Bytes of the data chunk still to pass on; null: to the end (a plain PCM stream, or a size not known). */
+  private left: number | null = null;
+
+  /**
+   * Takes one frame of the stream.
+   * @returns the bytes to decode (possibly none), and `format` on the call that read a WAV header.
+   * @throws VoxError `invalid_request_error` for a WAV header that is broken or declares an
+   *   encoding a stream cannot read.
+   */
+  feed(frame: Buffer): { bytes: Buffer; format?: WavStreamFormat } {
+    if (this.decided) return { bytes: this.cap(frame) };
+    const buf = this.head.length ? Buffer.concat([this.head, frame]) : frame;
+    const found = readWavHeader(buf);
+    if (found === 'more') {
+      this.head = Buffer.from(buf);
+      return { bytes: EMPTY };
+    }
+    this.decided = true;
+    this.head = EMPTY;
+    if (found === 'pcm') return { bytes: buf };
+    this.left = found.dataBytes;
+    return { bytes: this.cap(buf.subarray(found.headerBytes)), format: found.format };
+  }
+
+  /** The end of the stream: what is held undecided (fewer bytes than a header), as samples. */
+  flush(): Buffer {
+    const rest = this.head;
+    this.head = EMPTY;
+    this.decided = true;
+    return rest;
+  }
+
+  private cap(frame: Buffer): Buffer {
+    if (this.left === null) return frame;
+    const take = Math.min(this.left, frame.length);
+    this.left -= take;
+    return take === frame.length ? frame : frame.subarray(0, take);
+  }
+}
+
+const startsWithAscii = (buf: Buffer, at: number, text: string): boolean => {
+  for (let i = 0; i < text.length && at + i < buf.length; i++) if (buf[at + i] !== text.charCodeAt(i)) return false;
+  return true;
+};
+
+/**
+ * Reads a WAV header at the start of `buf`: `pcm` when the bytes are not a WAV file's start,
+ * `more` when they may be one but its header is not complete yet.
+ * @throws VoxError `invalid_audio` / `unsupported_audio` for a header a stream cannot use.
+ */
+function readWavHeader(
+  buf: Buffer,
+): 'pcm' | 'more' | { format: WavStreamFormat; headerBytes: number; dataBytes: number | null } {
+  if (!(startsWithAscii(buf, 0, 'RIFF') || startsWithAscii(buf, 0, 'RF64'))) return 'pcm';
+  if (buf.length < 12) return 'more';
+  if (!startsWithAscii(buf, 8, 'WAVE')) return 'pcm';
+  const more = (): 'more' => {
+    if (buf.length > MAX_STREAM_HEADER_BYTES)
+      throw voxError('invalid_audio', {
+        problem: `the WAV header at the start of the stream is longer than ${MAX_STREAM_HEADER_BYTES} bytes`,
+      });
+    return 'more';
+  };
+  let fmt: WavStreamFormat | null = null;
+  for (let at = 12; ; ) {
+    if (at + 8 > buf.length) return more();
+    const id = buf.toString('latin1', at, at + 4);
+    const size = buf.readUInt32LE(at + 4);
+    if (id === 'data') {
+      if (!fmt)
+        throw voxError('invalid_audio', { problem: "the WAV header at the start of the stream has no 'fmt ' chunk" });
+      // 0 and 0xFFFFFFFF: a WAV written as it was recorded (size unknown); RF64 keeps the size in ds64.
+      const unknown = size === 0 || size === 0xffffffff || startsWithAscii(buf, 0, 'RF64');
+      return { format: fmt, headerBytes: at + 8, dataBytes: unknown ? null : size };
+    }
+    if (id === 'fmt ') {
+      if (at + 8 + Math.max(size, 16) > buf.length) return more();
+      fmt = wavStreamFormat(buf.subarray(at + 8, at + 8 + size));
+    }
+    at += 8 + size + (size % 2);
+  }
+}
+
+/** The stream format a WAV `fmt ` chunk declares. @throws VoxError for one a stream cannot read. */
+function wavStreamFormat(fmt: Buffer): WavStreamFormat {
+  if (fmt.length < 16) throw voxError('invalid_audio', { problem: "the WAV header's 'fmt ' chunk is too short" });
+  let tag = fmt.readUInt16LE(0);
+  const channels = fmt.readUInt16LE(2);
+  const sampleRate = fmt.readUInt32LE(4);
+  const bits = fmt.readUInt16LE(14);
+  // WAVE_FORMAT_EXTENSIBLE: the real format is the first two bytes of the sub-format GUID.
+  if (tag === 0xfffe && fmt.length >= 26) tag = fmt.readUInt16LE(24);
+  const encodings: Record<string, SampleEncoding> = {
+    '1/8': 'u8',
+    '1/16': 's16le',
+    '1/24': 's24le',
+    '1/32': 's32le',
+    '3/32': 'f32le',
+    '3/64': 'f64le',
+    '6/8': 'alaw',
+    '7/8': 'mulaw',
+  };
+  const encoding = encodings[`${tag}/${bits}`];
+  const kind = { 1: 'PCM', 3: 'float', 6: 'A-law', 7: 'mu-law' }[tag as 1 | 3 | 6 | 7];
+  if (!encoding)
+    throw voxError('unsupported_audio', {
+      problem: kind
+        ? `unsupported bit depth ${bits} for ${kind} samples in the stream's WAV header`
+        : `unsupported WAV encoding (format code ${tag}) in the stream's WAV header; send PCM, float, mu-law or A-law`,
+    });
+  checkFormat(sampleRate, channels);
+  return {
+    sampleRate,
+    channels,
+    encoding,
+    description: `${sampleRate} Hz, ${channels} channel${channels === 1 ? '' : 's'}, ${tag === 6 || tag === 7 ? kind : `${bits}-bit ${kind}`}`,
+  };
 }

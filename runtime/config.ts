@@ -3,6 +3,7 @@ import { dirname, resolve } from 'node:path';
 import { z } from 'zod';
 import { CATALOG, RNNOISE_WASM } from './catalog.js';
 import { invalid, voxError } from './errors.js';
+import { similarIds } from './names.js';
 import { LOG_LEVELS } from './telemetry.js';
 
 /**
@@ -44,6 +45,11 @@ export const WakewordOptions = z.strictObject({
    * whose score reaches the threshold is a detection.
    */
   refractory_ms: nonNegInt.default(2000),
+  /**
+   * Each 80 ms step's score per label: a stream sends a `score` event per step, a file's result
+   * has `scores` (issue 43: why does my wake word not fire?). Off by default.
+   */
+  scores: z.boolean().default(false),
 });
 export type WakewordOptions = z.infer<typeof WakewordOptions>;
 
@@ -254,7 +260,11 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
     seen.add(m.id);
     const r = OPTIONS_OF[m.task].safeParse(m.options);
     for (const issue of r.error?.issues ?? [])
-      ctx.addIssue({ code: 'custom', path: [i, 'options', ...issue.path], message: issue.message });
+      ctx.addIssue({
+        code: 'custom',
+        path: [i, 'options', ...issue.path],
+        message: issue.message + (issue.code === 'unrecognized_keys' ? meantKeys(issue.keys) : ''),
+      });
   });
 }
 
@@ -436,6 +446,12 @@ export const ServerConfig = z.strictObject({
        * not affected.
        */
       event_timeout_ms: nonNegInt.default(10_000),
+      /**
+       * Announce the service by zeroconf (mDNS `_wyoming._tcp`, as wyoming-openwakeword's
+       * `--zeroconf`), so Home Assistant finds it by itself: `true`, a service name (default
+       * `voxserve-<host name>`), or `false`. Default: on when `host` is not a loopback address.
+       */
+      zeroconf: z.union([z.boolean(), z.string().min(1).max(63)]).optional(),
     })
     .default({ enabled: false, host: '127.0.0.1', port: 10400, idle_ms: 0, event_timeout_ms: 10_000 }),
   /**
@@ -453,9 +469,44 @@ export function formatIssues(err: z.ZodError, prefix = ''): string {
   return err.issues
     .map((i) => {
       const path = [prefix, ...i.path.map(String)].filter(Boolean).join('.');
-      return `${path || '(root)'}: ${i.message}`;
+      return `${path || '(root)'}: ${i.message}${i.code === 'unrecognized_keys' ? meantKeys(i.keys) : ''}`;
     })
     .join('; ');
+}
+
+let knownKeys: string[] | null = null;
+
+/**
+ * ` (did you mean "port"?)` for unknown keys that are a small edit away from a key of the config's
+ * schemas (server, models, task options, limits, ...; {@link similarIds}'s distance), else ''.
+ */
+function meantKeys(keys: readonly PropertyKey[]): string {
+  knownKeys ??= [...schemaKeys(ServerConfig), ...Object.values(OPTIONS_OF).flatMap((o) => [...schemaKeys(o)])];
+  const meant = keys.flatMap((k) => {
+    const close = similarIds(String(k), new Set(knownKeys)).filter((c) => c !== k);
+    return close.length ? [`"${String(k)}": ${close.map((c) => `"${c}"`).join(' or ')}`] : [];
+  });
+  if (!meant.length) return '';
+  return keys.length === 1 ? ` (did you mean ${meant[0].split(': ')[1]}?)` : ` (did you mean ${meant.join(', ')}?)`;
+}
+
+/** Every key of every object a zod schema holds, looking through wrappers, arrays, unions and records. */
+function schemaKeys(schema: z.ZodType, into = new Set<string>(), seen = new Set<unknown>()): Set<string> {
+  if (seen.has(schema)) return into;
+  seen.add(schema);
+  const def = (schema as unknown as { _zod: { def: Record<string, unknown> & { type: string } } })._zod.def;
+  const walk = (s: unknown): void => {
+    if (s && typeof s === 'object' && '_zod' in s) schemaKeys(s as z.ZodType, into, seen);
+  };
+  if (def.type === 'object') {
+    for (const [k, v] of Object.entries(def.shape as Record<string, unknown>)) {
+      into.add(k);
+      walk(v);
+    }
+  }
+  for (const k of ['innerType', 'in', 'out', 'element', 'valueType', 'left', 'right']) walk(def[k]);
+  if (Array.isArray(def.options)) for (const o of def.options) walk(o);
+  return into;
 }
 
 /**

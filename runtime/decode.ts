@@ -76,6 +76,51 @@ function sniff(b: Uint8Array): AudioFormat | { unsupported: string } | null {
 }
 
 /**
+ * What a file's first bytes look like, for a message: an audio format (`format`, its `name`), or
+ * something else sent by mistake (JSON, an HTML page, a multipart form, text), with a `hint` that
+ * names it and says what to do.
+ */
+export function describeBytes(b: Uint8Array): { format?: AudioFormat; name: string; hint: string } {
+  const sniffed = sniff(b);
+  if (typeof sniffed === 'string') {
+    const name = FORMAT_NAMES[sniffed];
+    const type = { wav: 'audio/wav', mp3: 'audio/mpeg', flac: 'audio/flac', 'webm-opus': 'audio/webm' }[
+      sniffed as string
+    ];
+    return { format: sniffed, name, hint: `this looks like ${name}; send it as ${type ?? 'audio/ogg'}` };
+  }
+  if (sniffed)
+    return {
+      name: sniffed.unsupported,
+      hint: `this looks like ${sniffed.unsupported}, which is not supported; accepted: ${ACCEPTED_FORMATS}`,
+    };
+  const head = Buffer.from(b.buffer, b.byteOffset, Math.min(b.length, 512)).toString('latin1');
+  const text = head.trimStart();
+  const quoted = JSON.stringify(text.slice(0, 24));
+  if (/^[{[]/.test(text))
+    return {
+      name: 'JSON',
+      hint: `this looks like JSON (${quoted}...); send JSON with content-type: application/json ({"model", "audio": <base64 WAV>})`,
+    };
+  if (/^<(!doctype|html|\?xml)/i.test(text))
+    return {
+      name: 'HTML',
+      hint: `this looks like an HTML or XML page (${quoted}...), not audio: was an error page saved in place of the file?`,
+    };
+  if (/^--\S+\r?\n/.test(text) && /content-disposition: *form-data/i.test(head))
+    return {
+      name: 'a multipart form',
+      hint: 'this looks like a multipart form (curl -F); send the file as the body (curl --data-binary @file.wav)',
+    };
+  if (b.length && /^[\t\n\r\x20-\x7e]*$/.test(head))
+    return { name: 'text', hint: `this looks like text (${quoted}...), not audio` };
+  return {
+    name: 'unknown',
+    hint: `its first bytes (${Buffer.from(b.subarray(0, 4)).toString('hex')}) are no audio format this server knows; accepted: ${ACCEPTED_FORMATS}`,
+  };
+}
+
+/**
  * Chooses how to decode an audio file: by its magic bytes, else by its declared content type.
  * @param contentType the body's media type (lower case, no parameters), or undefined (base64
  *   with no `data:` prefix).
@@ -92,6 +137,11 @@ export function audioFormat(bytes: Uint8Array, contentType?: string): AudioForma
       problem: `${sniffed.unsupported} is not supported; accepted: ${ACCEPTED_FORMATS}`,
     });
   const declared = contentType ? CONTENT_TYPES[contentType] : undefined;
+  // Not a WAV, nor any audio this server knows: say what the bytes look like, and what to do.
+  if (declared === 'wav' && !ascii(bytes, 0, 'RIFF') && !ascii(bytes, 0, 'RIFX') && !ascii(bytes, 0, 'RF64'))
+    throw voxError('invalid_audio', {
+      problem: `the body was sent as ${contentType} but is not a WAV file: ${describeBytes(bytes).hint}`,
+    });
   // A declared format whose bytes do not start as expected goes to its decoder, which says what is wrong.
   if (declared === 'wav' || declared === 'mp3' || declared === 'flac') return declared;
   if (declared === 'ogg')

@@ -39,6 +39,10 @@ export const ERRORS = {
     message: (p: { field: string; problem: string }) => `${clip(p.field, 64)}: ${p.problem}`,
   },
   invalid_json: { type: 'invalid_request_error', message: (p: { problem: string }) => `body ${p.problem}` },
+  invalid_multipart: {
+    type: 'invalid_request_error',
+    message: (p: { problem: string }) => `body is not a readable multipart/form-data form (${p.problem})`,
+  },
   invalid_msgpack: { type: 'invalid_request_error', message: (p: { problem: string }) => `body ${p.problem}` },
   invalid_tensor: {
     type: 'invalid_request_error',
@@ -315,6 +319,13 @@ export const ERRORS = {
       `a job for ${p.id} is ${p.bytes} bytes, over NATS's max_payload (${p.max}); raise max_payload in nats-server's config`,
   },
   // 500: the server failed; report it if it repeats.
+  model_unavailable: {
+    type: 'server_error',
+    status: 503,
+    retryAfterS: 30,
+    message: (p: { id: string; entry: string; path: string; problem: string }) =>
+      `model ${p.id} is unavailable: its config entry ${p.entry} (path '${p.path}') cannot load: ${p.problem}; fix ${p.entry} in the config file and restart, or load it with POST /v1/models/load`,
+  },
   load_failed: {
     type: 'server_error',
     message: (p: { id: string; reason: string }) => `model ${p.id} failed to load: ${p.reason}`,

@@ -1,6 +1,7 @@
 import { type FSWatcher, watch } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import { join } from 'node:path';
+import { invalid } from './errors.js';
 import { spellAsId } from './names.js';
 import { headProblem } from './onnx-file.js';
 
@@ -13,6 +14,30 @@ import { headProblem } from './onnx-file.js';
  * the other files are not affected. Files are read and checked on the main thread without
  * onnxruntime: the check reads the model's graph inputs and outputs from its protobuf.
  */
+
+/**
+ * Checks that `wakeword_dir` is a folder this process can read, before the server listens.
+ * @throws VoxError `invalid_field` `wakeword_dir` saying what is wrong and what to do.
+ */
+export async function checkWakewordDir(dir: string): Promise<void> {
+  try {
+    if (!(await stat(dir)).isDirectory())
+      throw invalid(
+        'wakeword_dir',
+        `'${dir}' is a file, not a folder; give --wakeword-dir a folder of *.onnx wake words`,
+      );
+    await readdir(dir);
+  } catch (e) {
+    const code = (e as NodeJS.ErrnoException).code;
+    if (!code) throw e;
+    throw invalid(
+      'wakeword_dir',
+      code === 'ENOENT'
+        ? `the folder '${dir}' does not exist; create it (mkdir -p '${dir}') or give --wakeword-dir a folder that exists`
+        : `the folder '${dir}' cannot be read (${code}); give --wakeword-dir a folder this user can read`,
+    );
+  }
+}
 
 /** How often the folder is scanned when no change is reported, ms. */
 export const RESCAN_MS = 1000;

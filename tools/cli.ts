@@ -10,6 +10,7 @@ import { setFlagsFromString } from 'node:v8';
 import { Command, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
 import { decodeWav } from '../runtime/audio.js';
+import { describeBytes } from '../runtime/decode.js';
 import { ClusterConfig, formatIssues, loadServerConfig, type ServerConfig } from '../runtime/config.js';
 import { LOG_LEVELS } from '../runtime/telemetry.js';
 import { VoxError } from '../runtime/errors.js';
@@ -56,9 +57,13 @@ const AUDIO_TYPES: Record<string, string> = {
   '.webm': 'audio/webm',
 };
 
-function die(message: string): never {
+/** Exit code of a command that could not start because of its configuration (flags or config file). */
+const CONFIG_ERROR = 2;
+
+/** Ends the command with `voxserve: <message>` on stderr and exit code `code` (1; {@link CONFIG_ERROR} for a configuration mistake). */
+function die(message: string, code = 1): never {
   process.stderr.write(`voxserve: ${message}\n`);
-  process.exit(1);
+  process.exit(code);
 }
 
 /** A client of the server at `url`, with an API key if given; a bad URL or key ends the command. */
@@ -145,6 +150,7 @@ interface ServeOptions {
   inspect?: boolean;
   statelyInspector?: string;
   wyoming?: string | true;
+  zeroconf?: string | boolean;
   wakewordDir?: string;
   cluster?: string;
   node?: string;
@@ -193,6 +199,11 @@ program
   )
   .option('--wyoming [host:port]', 'serve the Wyoming wake-word protocol (Home Assistant), default 127.0.0.1:10400')
   .option(
+    '--zeroconf [name]',
+    'announce Wyoming by zeroconf (_wyoming._tcp, as wyoming-openwakeword), as NAME (default voxserve-<host name>); on by default when Wyoming listens beyond loopback',
+  )
+  .option('--no-zeroconf', 'do not announce Wyoming by zeroconf')
+  .option(
     '--wakeword-dir <dir>',
     'a folder of openWakeWord heads (*.onnx): each is a wake-word model, picked up while the server runs',
   )
@@ -209,7 +220,8 @@ program
   )
   .action(async (opts: ServeOptions) => {
     if (opts.port === undefined && process.env.PORT) {
-      if (!/^\d+$/.test(process.env.PORT)) die(`PORT must be a non-negative integer, got '${process.env.PORT}'`);
+      if (!/^\d+$/.test(process.env.PORT))
+        die(`PORT must be a non-negative integer, got '${process.env.PORT}'`, CONFIG_ERROR);
       opts.port = Number(process.env.PORT);
     }
     let config: ServerConfig;
@@ -226,7 +238,7 @@ program
         wakeword_dir: opts.wakewordDir === undefined ? undefined : resolve(opts.wakewordDir),
       });
     } catch (e) {
-      die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e));
+      die(e instanceof VoxError ? `invalid configuration: ${e.message}` : String(e), CONFIG_ERROR);
     }
     if (opts.management) config.management = { ...config.management, enabled: true };
     if (opts.inspect) config.debug = { ...config.debug, inspect: true };
@@ -234,7 +246,7 @@ program
     if (opts.wyoming) {
       const m = opts.wyoming === true ? null : /^(.+):(\d{1,5})$/.exec(opts.wyoming);
       if (opts.wyoming !== true && (!m || Number(m[2]) > 65535))
-        die(`--wyoming: expected host:port, got '${opts.wyoming}'`);
+        die(`--wyoming: expected host:port, got '${opts.wyoming}'`, CONFIG_ERROR);
       config.wyoming = {
         ...config.wyoming,
         enabled: true,
@@ -242,15 +254,16 @@ program
         port: m ? Number(m[2]) : config.wyoming.port,
       };
     }
+    if (opts.zeroconf !== undefined) config.wyoming = { ...config.wyoming, zeroconf: opts.zeroconf };
     if (opts.cluster || opts.node) {
       if (!opts.cluster && !config.cluster)
-        die('--node: needs --cluster <nats-url> (or cluster.nats in the config file)');
+        die('--node: needs --cluster <nats-url> (or cluster.nats in the config file)', CONFIG_ERROR);
       const r = ClusterConfig.safeParse({
         ...config.cluster,
         ...(opts.cluster ? { nats: opts.cluster } : {}),
         ...(opts.node ? { node: opts.node } : {}),
       });
-      if (!r.success) die(`invalid configuration: ${formatIssues(r.error, 'cluster')}`);
+      if (!r.success) die(`invalid configuration: ${formatIssues(r.error, 'cluster')}`, CONFIG_ERROR);
       config.cluster = r.data;
     }
     // A serving process keeps V8 from pretenuring (allocating straight into the old generation
@@ -264,7 +277,7 @@ program
     try {
       server = await startServer(config);
     } catch (e) {
-      die(startFailure(e, config));
+      die(startFailure(e, config), e instanceof VoxError ? CONFIG_ERROR : 1);
     }
     let signals = 0;
     const stop = (sig: string): void => {
@@ -289,6 +302,15 @@ program
       `voxserve listening on ${server.url} (${Math.round(performance.now() - t0)} ms); models: GET ${server.url}/v1/models\n`,
     );
     if (server.wyoming) process.stderr.write(`voxserve wyoming on ${server.wyoming.uri}\n`);
+    if (server.zeroconf) process.stderr.write(`voxserve zeroconf: _wyoming._tcp as ${server.zeroconf.name}\n`);
+    // Configuration mistakes found at start (a model file that is not there) are said here, not only in the log.
+    for (const f of server.supervisor.failedModels()) {
+      const index = config.models.findIndex((m) => m.id === f.id);
+      const where = index >= 0 ? ` (config models[${index}], path '${config.models[index].path ?? ''}')` : '';
+      process.stderr.write(
+        `voxserve: warning: model ${f.id}${where} cannot load: ${f.error}; requests for it get 503 model_unavailable until it is fixed\n`,
+      );
+    }
   });
 
 program
@@ -388,18 +410,25 @@ program
   .option('--realtime', 'send each frame when its audio has elapsed')
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
+  .option('--scores', "wake words: print each 80 ms step's score per label (score events)")
   .addOption(new Option('--api-key <key>', "one of the server's auth.api_keys").env('VOXSERVE_API_KEY'))
   .action(
     async (
       model: string,
       file: string,
-      opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string },
+      opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string; scores?: boolean },
     ) => {
       if (opts.protocol !== 'json' && opts.protocol !== 'msgpack')
         die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
       let wav: InstanceType<typeof WaveFile>;
       try {
         const bytes = readFileSync(file);
+        // A compressed file is named, with the command that takes it (`run` decodes it on the server).
+        const looks = describeBytes(bytes);
+        if (looks.format && looks.format !== 'wav')
+          die(
+            `cannot stream ${file}: this looks like ${looks.name}; \`stream\` sends WAV audio: send it with \`${invocation()} run ${model} ${file}\` (the server decodes ${looks.name}), or convert it to WAV`,
+          );
         // The server's own checks of a WAV body (a truncated data chunk, a bit depth its encoding cannot have): a file HTTP refuses is refused here.
         decodeWav(bytes);
         wav = new WaveFile(bytes);
@@ -425,6 +454,7 @@ program
           channels: fmt.numChannels,
           encoding: 's16le',
           protocol: opts.protocol,
+          ...(opts.scores ? { scores: true } : {}),
         });
       } catch (e) {
         failed(opts.url, e);

@@ -90,10 +90,15 @@ export function requireMediaType(req: IncomingMessage, accepted: string[]): void
  */
 export function requireRunMediaType(req: IncomingMessage): void {
   const type = mediaType(req);
-  if (type !== 'application/json' && !MSGPACK_TYPES.includes(type) && !isAudioContentType(type)) {
+  if (
+    type !== 'application/json' &&
+    type !== 'multipart/form-data' &&
+    !MSGPACK_TYPES.includes(type) &&
+    !isAudioContentType(type)
+  ) {
     throw voxError('unsupported_media_type', {
       expected:
-        'application/json, application/msgpack (tensors) or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID)',
+        'application/json, application/msgpack (tensors), multipart/form-data (curl -F file=@x.wav) or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID)',
       got: type,
     });
   }
@@ -245,6 +250,63 @@ export function parseRunRequest(req: IncomingMessage, url: URL, body: Buffer, t0
   const request = parseRunBody(req, url, body, t0);
   // Opt-in progress: a client that accepts server-sent events gets `progress` events, then `result`.
   return !request.tensor && /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '')
+    ? { ...request, progress: true }
+    : request;
+}
+
+/**
+ * Parses `POST /v1/tasks/run` as a multipart form (`curl -F file=@x.wav -F model=silero-vad`, or
+ * `?model=` in the query): one file part (any field name) is the audio, the text parts are the
+ * fields a raw-body run takes in its query (`model`, `busy_timeout_ms`, task options). The form is
+ * read by Node's own parser (undici's `Response.formData()`), from the body already read under
+ * `limits.max_body_bytes`.
+ * @throws VoxError `invalid_multipart` for a body that is not a readable form, `invalid_field`
+ *   `file` for a form without exactly one file, and what {@link parseRunRequest} throws.
+ */
+export async function parseMultipartRun(
+  req: IncomingMessage,
+  url: URL,
+  body: Buffer,
+  t0: number,
+): Promise<TaskRequest> {
+  let form: FormData;
+  try {
+    form = await new Response(new Uint8Array(body.buffer, body.byteOffset, body.length) as Uint8Array<ArrayBuffer>, {
+      headers: { 'content-type': req.headers['content-type'] ?? '' },
+    }).formData();
+  } catch (e) {
+    throw voxError('invalid_multipart', { problem: (e as Error).message });
+  }
+  const entries = [...form.entries()];
+  const files = entries.filter((e): e is [string, File] => typeof e[1] !== 'string');
+  if (files.length !== 1)
+    throw invalid(
+      'file',
+      files.length
+        ? `one file per request, got ${files.length}; several files go to POST /v1/tasks/batch`
+        : 'a multipart upload needs one file part (curl -F file=@x.wav)',
+    );
+  const query = new URLSearchParams(url.searchParams);
+  for (const [name, value] of entries) {
+    if (typeof value !== 'string') continue;
+    if (query.has(name)) throw invalid(name, 'given twice (in the query string and in the form)');
+    query.append(name, value);
+  }
+  const file = files[0][1];
+  const options = queryOptions(query, RUN_QUERY);
+  const model = query.get('model');
+  if (!model) throw invalid('model', 'required: a form field (-F model=ID) or a query parameter (?model=ID)');
+  const request: TaskRequest = {
+    kind: 'run',
+    model,
+    files: [
+      { bytes: Buffer.from(await file.arrayBuffer()), type: (file.type || 'application/octet-stream').toLowerCase() },
+    ],
+    busyTimeoutMs: parseTimeout(query.get('busy_timeout_ms') ?? undefined),
+    options,
+    t0,
+  };
+  return /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '')
     ? { ...request, progress: true }
     : request;
 }

@@ -1,11 +1,14 @@
+import { readFileSync } from 'node:fs';
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { TaskRequest } from '../actors/http.js';
 import type { Inspection } from '../actors/inspection.js';
 import type { Supervisor } from '../actors/supervisor.js';
 import { validateModelConfig } from '../actors/model.js';
 import type { ClusterNode } from '../cluster/node.js';
+import { leaseGranted } from '../actors/lease.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { OFF_THREAD_JSON_BYTES, parseJsonOffThread } from '../runtime/decode.js';
+import { readV2Infer, v2TensorMeta } from '../runtime/oip.js';
 import { invalid, voxError, type VoxError } from '../runtime/errors.js';
 import type { Access } from './access.js';
 import { type ActorDirectory, CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
@@ -16,6 +19,7 @@ import {
   parseJsonObject,
   MSGPACK_TYPES,
   mediaType,
+  parseMultipartRun,
   parseRunRequest,
   readBody,
   requireMediaType,
@@ -199,7 +203,7 @@ async function manageCluster(
  */
 function taskBody(
   config: ServerConfig,
-  parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest,
+  parse: (req: IncomingMessage, url: URL, body: Buffer, t0: number) => TaskRequest | Promise<TaskRequest>,
 ) {
   return async (req: IncomingMessage, res: ServerResponse, url: URL): Promise<TaskRequest> => {
     const t0 = performance.now();
@@ -422,7 +426,11 @@ function taskRoutes(config: ServerConfig): Route<unknown>[] {
       auth: 'apiKey',
       accepts: requireRunMediaType,
       work: true,
-      body: taskBody(config, parseRunRequest),
+      body: taskBody(config, (req, url, body, t0) =>
+        mediaType(req) === 'multipart/form-data'
+          ? parseMultipartRun(req, url, body, t0)
+          : parseRunRequest(req, url, body, t0),
+      ),
       handle: ({ link, rid, body }) => link.tell({ type: 'TASK', rid, request: body }),
     }),
     route({
@@ -450,7 +458,114 @@ function taskRoutes(config: ServerConfig): Route<unknown>[] {
  * {@link findRoute} scans them.
  */
 function serverRoutes(deps: RouteDeps): Route<unknown>[] {
-  return [...statusRoutes(deps), ...pageRoutes(deps), ...managementRoutes(deps), ...taskRoutes(deps.config)];
+  return [
+    ...statusRoutes(deps),
+    ...pageRoutes(deps),
+    ...managementRoutes(deps),
+    ...taskRoutes(deps.config),
+    ...inferenceProtocolRoutes(deps),
+  ];
+}
+
+/** voxserve's version, for the protocol's server metadata: package.json, one level up from the sources, two from dist/. */
+const VERSION = ((): string => {
+  for (const p of ['../package.json', '../../package.json']) {
+    try {
+      const pkg = JSON.parse(readFileSync(new URL(p, import.meta.url), 'utf8')) as { name?: string; version?: string };
+      if (pkg.name === 'voxserve' && pkg.version) return pkg.version;
+    } catch {
+      // not there
+    }
+  }
+  return 'unknown';
+})();
+
+/**
+ * The Open Inference Protocol (KServe v2 REST, runtime/oip.ts) for `tensor` models: health, server
+ * and model metadata, model readiness, and inference (JSON), as Triton, KServe and their clients
+ * speak it. Inference takes the same lease, checks and slots as a tensor `POST /v1/tasks/run`.
+ */
+function inferenceProtocolRoutes(deps: RouteDeps): Route<unknown>[] {
+  const { config, supervisor } = deps;
+  /** A tensor model's entry, or the 404 / 400 saying what it is. */
+  const tensorModel = (id: string) => {
+    const entry = supervisor.requireForWork(id);
+    if (entry.config.task !== 'tensor')
+      throw voxError('wrong_task', {
+        id: entry.id,
+        task: entry.config.task,
+        problem: 'the Open Inference Protocol (/v2) serves tensor models; send audio to POST /v1/tasks/run',
+      });
+    return entry;
+  };
+  return [
+    route({
+      method: 'GET',
+      path: '/v2/health/live',
+      auth: 'none',
+      handle: ({ res }) => sendJson(res, 200, { live: true }),
+    }),
+    route({
+      method: 'GET',
+      path: '/v2/health/ready',
+      auth: 'none',
+      handle: ({ res }) => sendJson(res, supervisor.accepting ? 200 : 503, { ready: supervisor.accepting }),
+    }),
+    route({
+      method: 'GET',
+      path: '/v2',
+      auth: 'none',
+      handle: ({ res }) => sendJson(res, 200, { name: 'voxserve', version: VERSION, extensions: [] }),
+    }),
+    route({
+      method: 'GET',
+      path: '/v2/models/:id/ready',
+      auth: 'none',
+      handle: ({ res, params }) => {
+        const entry = tensorModel(params.id);
+        const ready = entry.status().state === 'ready';
+        sendJson(res, ready ? 200 : 503, { name: entry.id, ready });
+      },
+    }),
+    route({
+      method: 'GET',
+      path: '/v2/models/:id',
+      auth: 'apiKey',
+      work: true,
+      // Its inputs and outputs are what the loaded session reports: the model is loaded if it is not.
+      handle: async ({ res, params }) => {
+        const entry = tensorModel(params.id);
+        const { handle, granted } = leaseGranted(entry, { metrics: supervisor.metrics }, () => {});
+        try {
+          const meta = (await granted).info.tensor ?? { inputs: [], outputs: [] };
+          sendJson(res, 200, {
+            name: entry.id,
+            platform: 'onnxruntime_onnx',
+            inputs: meta.inputs.map(v2TensorMeta),
+            outputs: meta.outputs.map(v2TensorMeta),
+          });
+        } finally {
+          handle.release();
+        }
+      },
+    }),
+    route({
+      method: 'POST',
+      path: '/v2/models/:id/infer',
+      auth: 'apiKey',
+      accepts: ['application/json'],
+      work: true,
+      body: taskBody(config, (_req, url, body, t0): TaskRequest => {
+        const id = decodeURIComponent(url.pathname.split('/')[3]);
+        const { fields, id: requestId } = readV2Infer(parseJsonObject(body));
+        return { kind: 'run', model: id, files: [], tensor: { fields, binary: false }, v2: { id: requestId }, t0 };
+      }),
+      handle: ({ link, rid, body, params }) => {
+        tensorModel(params.id);
+        link.tell({ type: 'TASK', rid, request: body });
+      },
+    }),
+  ];
 }
 
 /**

@@ -20,11 +20,13 @@ import { bindStream, type StreamLink } from './stream.js';
 import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
 import { membershipMachine } from '../cluster/membership.js';
+import { announceWyoming, zeroconfWanted, type Announcement } from './zeroconf.js';
 import { ClusterNode } from '../cluster/node.js';
 import { placementMachine } from '../cluster/placement-chart.js';
 import { clusterSettings } from '../cluster/nats.js';
 import { createLogger } from '../runtime/telemetry.js';
 import { availableMemory, IdleCollector } from '../runtime/memory.js';
+import { checkWakewordDir } from '../runtime/wakeword-dir.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {
@@ -38,6 +40,8 @@ export interface VoxServer {
   readonly inflight: ReadonlySet<Promise<void>>;
   /** The Wyoming listener, when `wyoming.enabled`. */
   readonly wyoming: WyomingService | null;
+  /** The Wyoming listener's zeroconf announcement (`_wyoming._tcp`), when made (`wyoming.zeroconf`). */
+  readonly zeroconf: Announcement | null;
   /** This node's cluster membership, when `cluster` is configured. */
   readonly cluster: ClusterNode | null;
   /**
@@ -102,6 +106,8 @@ interface Running {
   wyoming: WyomingService | null;
   /** Every actor `/debug` shows: the root's tree, and each socket actor. */
   readonly actors: ActorDirectory;
+  /** Its zeroconf announcement (`wyoming.zeroconf`), once made. */
+  zeroconf?: Announcement;
   /** Tells the system root an event, unless it has stopped. */
   tell(event: SystemEvent): void;
 }
@@ -329,6 +335,7 @@ async function startServices(run: Running, http: Server, url: string): Promise<v
       throw e;
     }
     supervisor.log.info({ uri: run.wyoming.uri }, 'wyoming listening');
+    if (zeroconfWanted(config)) run.zeroconf = announceWyoming(config, run.wyoming.port, supervisor.log);
   }
   if (cluster) {
     try {
@@ -376,6 +383,8 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
     // requests get 503 shutting_down (with Connection: close) while the drain lasts.
     supervisor.beginShutdown();
     cluster?.drain();
+    // Home Assistant stops being pointed here at once.
+    const unannounced = run.zeroconf?.stop();
     log.info(
       {
         drain_timeout_ms: config.drain_timeout_ms,
@@ -419,6 +428,7 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
     await cluster?.close();
     await closeListener();
     await wyomingClosed;
+    await unannounced;
     run.inspected.stop();
     run.idleGc.stop();
     log.info('stopped');
@@ -441,6 +451,8 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
  */
 export async function startServer(config: ServerConfig, options: ServerOptions = {}): Promise<VoxServer> {
   refuseOpenManagement(config);
+  // A configuration mistake is said before the server listens, not as a crash after it.
+  if (config.wakeword_dir) await checkWakewordDir(config.wakeword_dir);
   startDecoders();
   const access = createAccess(config);
   const inspected = await createInspection(config);
@@ -533,6 +545,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     streams,
     inflight,
     wyoming: run.wyoming,
+    zeroconf: run.zeroconf ?? null,
     cluster,
     close: () => close(),
     destroy: () => close(true),

@@ -62,7 +62,10 @@ export function createTaskSession(
 /** The task-specific part of a `/v1/tasks/run` result. */
 export function taskResult(session: TaskSession): Record<string, unknown> {
   if (session instanceof VadSession) return { task: 'vad', sample_rate: 16_000, segments: session.segmenter.segments };
-  if (session instanceof WakewordSession) return { task: 'wakeword', detections: session.detections };
+  if (session instanceof WakewordSession)
+    return session.scoreTrace
+      ? { task: 'wakeword', detections: session.detections, scores: session.scoreTrace }
+      : { task: 'wakeword', detections: session.detections };
   if (session instanceof DenoiseSession)
     return {
       task: 'denoise',

@@ -10,7 +10,9 @@ export type TaskEvent =
    * window starting at `at_ms`, or (`probability_interval_ms`) of each window starting in one
    * span, `at_ms` being the first one's start.
    */
-  | { type: 'probability'; at_ms: number; p: number | number[] };
+  | { type: 'probability'; at_ms: number; p: number | number[] }
+  /** Wake-word sessions with the option `scores`: each 80 ms step's score per label, the step ending at `at_ms`. */
+  | { type: 'score'; at_ms: number; scores: Record<string, number> };
 
 /**
  * One request's or stream's task state on the main thread: it buffers 16 kHz mono audio, cuts it

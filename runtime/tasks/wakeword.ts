@@ -38,6 +38,10 @@ interface Column {
 export class WakewordSession extends WindowedSession {
   /** The detections so far, when kept (`keepResults`: a file's result; a stream keeps none). */
   readonly detections: Detection[] = [];
+  /** With the option `scores` and `keepResults` (a file's result): each step's score per label; else null. */
+  readonly scoreTrace: { at_ms: number; scores: Record<string, number> }[] | null;
+  /** The option `scores`: a `score` event per step. */
+  private readonly withScores: boolean;
   private readonly columns: Column[];
   /**
    * The next job's audio: 480 samples of look-back, then its steps. Reused from job to job, as
@@ -68,6 +72,8 @@ export class WakewordSession extends WindowedSession {
   ) {
     // openWakeWord's models read int16-scaled audio.
     super(OWW.STEP, 32767);
+    this.withScores = options.scores;
+    this.scoreTrace = options.scores && keepResults ? [] : null;
     const slotHeads = info.heads ?? [{ window: 16, labels: ['@model'] }];
     if (slotHeads.length !== heads.length)
       throw new Error(`slots report ${slotHeads.length} heads, the model has ${heads.length}`);
@@ -115,16 +121,24 @@ export class WakewordSession extends WindowedSession {
       const step = this.steps++;
       if (step < WARMUP_STEPS) continue;
       const at = (step + 1) * STEP_MS;
+      const scores: Record<string, number> | null = this.withScores ? {} : null;
+      const first = events.length;
       for (let c = 0; c < cols; c++) {
         const col = this.columns[c];
         if (!col.label) continue;
         const score = r.scores[s * cols + c];
+        if (scores) scores[col.label] = Math.round(score * 10_000) / 10_000;
         if (score >= col.threshold && at - col.lastAt >= col.refractoryMs) {
           col.lastAt = at;
           const d: Detection = { label: col.label, score: Math.round(score * 10_000) / 10_000, at_ms: at };
           if (this.keepResults) this.detections.push(d);
           events.push({ type: 'detection', ...d });
         }
+      }
+      if (scores) {
+        if (this.scoreTrace) this.scoreTrace.push({ at_ms: at, scores });
+        // Before the step's detections: a detection's score is the last one drawn.
+        else events.splice(first, 0, { type: 'score', at_ms: at, scores });
       }
     }
     return events;

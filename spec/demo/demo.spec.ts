@@ -130,8 +130,43 @@ describe('/demo in headless Chromium with a fake microphone', () => {
       expect(JSON.parse((await detection.textContent())!.replace(/^[^{]*/, '')).score).toBeGreaterThan(0.5);
       // The same audio also gives a speech segment on the VAD lane.
       await page.waitForSelector('#events li[data-model="silero-vad"][data-type="speech_end"]', { timeout: 30_000 });
+      // Issue 43: the wake word's score at each 80 ms step is drawn (its `score` events).
+      expect(Number(await page.locator('#timeline').getAttribute('data-score-steps'))).toBeGreaterThan(10);
       mkdirSync('spec/artifacts', { recursive: true });
       await page.screenshot({ path: 'spec/artifacts/demo.png', fullPage: true });
+    } finally {
+      await browser.close();
+    }
+  });
+});
+
+describe('/demo file picker (issue 43)', () => {
+  it('runs each ticked model on a chosen file (an Ogg too): segments, a detection and its scores', async () => {
+    const browser = await browserWithMic(fixturePath('silence_3s_16k.wav'));
+    try {
+      const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+      await page.goto(`${server.url}/demo?models=silero-vad,hey-jarvis`);
+      await page.waitForSelector('#models input[value="hey-jarvis"]:checked');
+      await page.setInputFiles('#file', fixturePath('espeak_hey_jarvis_22k.wav'));
+      const detection = page
+        .locator('#events li[data-model="hey-jarvis"][data-type="detection"][data-label="hey-jarvis"]')
+        .first();
+      await detection.waitFor({ timeout: 30_000 });
+      expect(JSON.parse((await detection.textContent())!.replace(/^[^{]*/, '')).score).toBeGreaterThan(0.5);
+      await page.waitForSelector('#events li[data-model="silero-vad"][data-type="speech_end"]', { timeout: 30_000 });
+      expect(Number(await page.locator('#timeline').getAttribute('data-score-steps'))).toBeGreaterThan(10);
+      // A compressed file goes to the server's decoder as it is.
+      await page.setInputFiles('#file', fixturePath('Front_Center.ogg'));
+      await page.waitForFunction(
+        () => /Front_Center\.ogg: \d+\.\d+ s/.test(document.querySelector('#status')!.textContent!),
+        null,
+        {
+          timeout: 30_000,
+        },
+      );
+      // Its two segments, after the first file's one.
+      const ends = await page.locator('#events li[data-model="silero-vad"][data-type="speech_end"]').count();
+      expect(ends).toBeGreaterThanOrEqual(3);
     } finally {
       await browser.close();
     }

@@ -268,7 +268,7 @@ describe('documented exactly where the code has it', () => {
       .join('\n');
     // (A path ending in / is a prefix: /debug/..., /demo/...)
     const code = new Set(
-      [...source.matchAll(/'(\/(?:v1|debug|demo|health|ready|metrics)(?:[^'\s]*[^/'\s])?)'/g)]
+      [...source.matchAll(/'(\/(?:v1|v2|debug|demo|health|ready|metrics)(?:[^'\s]*[^/'\s])?)'/g)]
         // The table's patterns as the docs write them: `/v1/models/{id}`; `/demo/*` (files below the page) with the page.
         .map((m) => m[1].replace(/:(\w+)/g, '{$1}').replace(/\/\*$/, ''))
         .concat('/'),

@@ -17,4 +17,13 @@ describe('similarIds: the ids a 404 suggests', () => {
     expect(similarIds('xyzzy', IDS)).toEqual([]);
     expect(similarIds('h'.repeat(10_000), IDS)).toEqual([]);
   });
+
+  it('issue 43: failing those, ids holding the name as a part, then the ids of the task it names', () => {
+    const tasks = new Map(IDS.map((id) => [id, id.startsWith('silero') ? 'vad' : 'wakeword']));
+    expect(similarIds('vad', IDS, tasks)).toEqual(['silero-vad', 'silero-vad-v5']);
+    expect(similarIds('silero', IDS, tasks)).toEqual(['silero-vad', 'silero-vad-v5']);
+    expect(similarIds('jarvis', IDS, tasks)).toEqual(['hey-jarvis']);
+    expect(similarIds('wakeword', IDS, tasks)).toEqual(['alexa', 'hey-jarvis', 'hey-mycroft']);
+    expect(similarIds('ab', IDS, tasks)).toEqual([]);
+  });
 });

@@ -61,7 +61,7 @@ describe('voxserve serve: why it cannot start', () => {
       JSON.stringify({ port: 0, models: [{ id: 'house', task: 'wakeword', heads: ['alexa', 'hey_jarvs'] }] }),
     );
     const r = await voxserve(['serve', '--config', config]);
-    expect(r.code).toBe(1);
+    expect(r.code).toBe(2);
     expect(r.stderr).toBe(
       "voxserve: invalid configuration: models.0.heads.1: wake-word model 'hey_jarvs' does not exist (did you mean 'hey-jarvis'?); the wake-word models this server knows: alexa, hey-jarvis, hey-mycroft, hey-rhasspy, timer, weather\n",
     );

@@ -172,7 +172,7 @@ describe('voxserve CLI', () => {
 
   it('serve refuses an invalid config naming the field', async () => {
     const r = await voxserve('serve', '--port', '99999');
-    expect(r.code).toBe(1);
+    expect(r.code).toBe(2);
     expect(r.stderr).toMatch(/invalid configuration: port:/);
   });
 });

@@ -278,7 +278,7 @@ describe('Origin policy, CORS and 415', () => {
       type: 'unsupported_media_type',
       code: 'unsupported_media_type',
       message:
-        "content-type: expected application/json, application/msgpack (tensors) or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got 'text/plain'",
+        "content-type: expected application/json, application/msgpack (tensors), multipart/form-data (curl -F file=@x.wav) or an audio type (audio/wav, audio/mpeg, audio/ogg, audio/flac, audio/webm, application/octet-stream; with ?model=ID), got 'text/plain'",
     });
     // unload_all with no body and no Content-Type: 415 too.
     expect((await call(`${s.url}/v1/models/unload_all`, { method: 'POST' })).status).toBe(415);
