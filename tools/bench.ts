@@ -1,43 +1,43 @@
 /**
- * `voxserve bench`: what share of the bare models' capacity the server holds, per workload (VAD
- * with 100 ms frames, VAD with 20 ms frames, wake words), in one run on this machine:
+ * `voxserve bench`: what share of the bare models' capacity the server holds, and what a stream
+ * costs the server over its whole life, per workload (VAD with 100 ms frames, VAD with 20 ms
+ * frames, wake words), in one run on this machine (docs/benchmarks-efficiency.md, "What it
+ * measures"). Everything runs in `rounds` rounds; each round measures the bare loop, then runs
+ * 10 % and 40 % of the round's limit, the held search and 70 %.
  *
- * - **bare limit**: streams the bare models could run on this machine's cores: cores x 1000 /
- *   (bare CPU ms per stream-second + the load generator's own CPU ms per stream-second). The bare
- *   loop (one onnxruntime-node session set on one thread, back to back, in a process of its own;
- *   see tools/bench-bare.ts) is measured in the same run: at the workload's start (the limit the
- *   search steps through, with the load generator's cost from a calibration run at 25 % of cores
- *   x 1000 / bare), after every run and at the end; the held share is judged against the limit
- *   from the medians of all of them (bare) and of the runs from 25 % up (load generator).
+ * - **bare**: the bare loop (one onnxruntime-node session set on one thread, back to back, in a
+ *   process of its own; see tools/bench-bare.ts), once per round at the batch sizes the server
+ *   uses (VAD: 32 and 64 rows per run, and `--batch-size`; wake words: one step at a time); the
+ *   figure judged against is the best (lowest) of the rounds at the model's `max_batch_size`.
+ * - **limit**: streams the bare models could run on this machine's cores: cores x 1000 / (bare
+ *   CPU ms per stream-second + the load generator's own CPU ms per stream-second, from a
+ *   calibration run at 25 % of cores x 1000 / bare in the first round).
  * - **streams held**: the most streams for which every stream finishes (done within 1 s of its
  *   last frame) and the processing lag p99 stays under 100 ms over the whole run (from the
  *   server's `voxserve_processing_lag_seconds` histogram: at least 99 % of windows at or under
  *   its 0.1 s bucket), as a count and as a share of the limit; searched in steps of the limit
- *   from the target share up or down, in `rounds` rounds, median. The lag p99 is also shown for
- *   the run's three parts apart (the first second of audio, the steady part, and the end: the
- *   last results and every stream's close), to tell a server that falls behind from one that
- *   stumbles as streams start or end together.
- * - **server CPU per stream-second** (per second of audio the server processed in the window),
- *   main process and slot hosts apart (from /proc), against
- *   bare, at 10 %, 40 % and 70 % of the limit (and every other run); slot hosts also against the
- *   bare loop at the rows per run the server formed; main-process CPU per stream-second and the
- *   streams one core of ingress would carry. CPU is counted over the steady part of each run
- *   (from 1 s after the streams start to when their last frame is due), not their opening or
- *   closing.
+ *   from the target share up or down, once per round, median. The lag p99 is also shown for
+ *   the run's three parts apart (the first second of audio, the steady part, and the end).
+ * - **server CPU per stream-second, whole life**: main process and slot hosts apart (from
+ *   /proc), from just before the first stream opens to after the server holds none (its
+ *   `voxserve_ws_connections` gauge at 0), per stream-second of audio the server processed;
+ *   against bare; the steady part alone (1 s after the start to the last frame due: what the
+ *   bench measured before issue 45) beside it.
+ * - **open + close per stream**: the server's CPU while the streams open (until all are
+ *   `ready`) and while they close (from the last `done` until the server holds none), ms per
+ *   stream, main and slot hosts apart.
+ * - every run's figures, then per share (or stream count) the median over the rounds with its
+ *   spread (min-max).
  * - **events identical**: every stream sends the same audio, so every stream's events must be
  *   the same; a run where they are not is flagged.
  *
  * Each run starts a fresh `voxserve serve` child process and drives N real-time WebSocket
- * streams (16 kHz s16le, each frame sent when its audio has elapsed, starts spread over one
- * frame) from this process. Before its measured streams, the server gets a warm-up: N streams of
- * `warmUpS` seconds each, started and ended the same way, not measured. A server fresh from
- * start runs its first second or so of work several times slower (V8 has not compiled its hot
- * paths yet; the slot hosts meet each batch shape for the first time): at 240 VAD streams of
- * 100 ms frames, 0.6-23 % of a fresh server's windows came over 100 ms (about half the runs
- * stumbled in their first 0.5-1.5 s), 0.7-1.9 % after a 2-3 s warm-up (nearly all in the end).
- * A held count is a sustained figure, so it is measured warm; `--warm-up 0` measures fresh
- * servers.
- * `--streams` runs fixed counts instead of the search.
+ * streams (16 kHz s16le, each frame sent when its audio has elapsed, each stream's frame phase
+ * random, as unsynchronised clients') from this process. Before its measured streams, the server
+ * gets a warm-up: N streams of `warmUpS` seconds each, started, ended and closed the same way,
+ * not measured (a server fresh from start runs its first second or so of work several times
+ * slower; `--warm-up 0` measures fresh servers). `--streams` runs fixed counts in every round
+ * instead of the search.
  */
 import type { ChildProcess } from 'node:child_process';
 import { readFileSync } from 'node:fs';
@@ -56,7 +56,7 @@ export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
 export interface BenchOptions {
   /** Workloads to run, in order. */
   workloads: WorkloadName[];
-  /** Rounds of the held search (median reported). */
+  /** Rounds of everything: the bare loop (best reported), the held search and every run (median and spread reported). */
   rounds: number;
   /** Audio per stream and run, s. */
   seconds: number;
