@@ -243,10 +243,11 @@ async function openStreams(url: string): Promise<number> {
   return Number(/^voxserve_ws_connections (\S+)/m.exec(text)?.[1] ?? 0);
 }
 
-/** Until the server holds no WebSocket stream (at most 5 s). */
+/** Until the server holds no WebSocket stream (at most 5 s), then 200 ms more for what its closes set going (actors stopping, leases released). */
 async function settled(url: string): Promise<void> {
   const deadline = performance.now() + 5000;
   while ((await openStreams(url)) > 0 && performance.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+  await new Promise((r) => setTimeout(r, 200));
 }
 
 /**
