@@ -1,43 +1,43 @@
 /**
- * `voxserve bench`: what share of the bare models' capacity the server holds, per workload (VAD
- * with 100 ms frames, VAD with 20 ms frames, wake words), in one run on this machine:
+ * `voxserve bench`: what share of the bare models' capacity the server holds, and what a stream
+ * costs the server over its whole life, per workload (VAD with 100 ms frames, VAD with 20 ms
+ * frames, wake words), in one run on this machine (docs/benchmarks-efficiency.md, "What it
+ * measures"). Everything runs in `rounds` rounds; each round measures the bare loop, then runs
+ * 10 % and 40 % of the round's limit, the held search and 70 %.
  *
- * - **bare limit**: streams the bare models could run on this machine's cores: cores x 1000 /
- *   (bare CPU ms per stream-second + the load generator's own CPU ms per stream-second). The bare
- *   loop (one onnxruntime-node session set on one thread, back to back, in a process of its own;
- *   see tools/bench-bare.ts) is measured in the same run: at the workload's start (the limit the
- *   search steps through, with the load generator's cost from a calibration run at 25 % of cores
- *   x 1000 / bare), after every run and at the end; the held share is judged against the limit
- *   from the medians of all of them (bare) and of the runs from 25 % up (load generator).
+ * - **bare**: the bare loop (one onnxruntime-node session set on one thread, back to back, in a
+ *   process of its own; see tools/bench-bare.ts), once per round at the batch sizes the server
+ *   uses (VAD: 32 and 64 rows per run, and `--batch-size`; wake words: one step at a time); the
+ *   figure judged against is the best (lowest) of the rounds at the model's `max_batch_size`.
+ * - **limit**: streams the bare models could run on this machine's cores: cores x 1000 / (bare
+ *   CPU ms per stream-second + the load generator's own CPU ms per stream-second, from a
+ *   calibration run at 25 % of cores x 1000 / bare in the first round).
  * - **streams held**: the most streams for which every stream finishes (done within 1 s of its
  *   last frame) and the processing lag p99 stays under 100 ms over the whole run (from the
  *   server's `voxserve_processing_lag_seconds` histogram: at least 99 % of windows at or under
  *   its 0.1 s bucket), as a count and as a share of the limit; searched in steps of the limit
- *   from the target share up or down, in `rounds` rounds, median. The lag p99 is also shown for
- *   the run's three parts apart (the first second of audio, the steady part, and the end: the
- *   last results and every stream's close), to tell a server that falls behind from one that
- *   stumbles as streams start or end together.
- * - **server CPU per stream-second** (per second of audio the server processed in the window),
- *   main process and slot hosts apart (from /proc), against
- *   bare, at 10 %, 40 % and 70 % of the limit (and every other run); slot hosts also against the
- *   bare loop at the rows per run the server formed; main-process CPU per stream-second and the
- *   streams one core of ingress would carry. CPU is counted over the steady part of each run
- *   (from 1 s after the streams start to when their last frame is due), not their opening or
- *   closing.
+ *   from the target share up or down, once per round, median. The lag p99 is also shown for
+ *   the run's three parts apart (the first second of audio, the steady part, and the end).
+ * - **server CPU per stream-second, whole life**: main process and slot hosts apart (from
+ *   /proc), from just before the first stream opens to after the server holds none (its
+ *   `voxserve_ws_connections` gauge at 0), per stream-second of audio the server processed;
+ *   against bare; the steady part alone (1 s after the start to the last frame due: what the
+ *   bench measured before issue 45) beside it.
+ * - **open + close per stream**: the server's CPU while the streams open (until all are
+ *   `ready`) and while they close (from the last `done` until the server holds none), ms per
+ *   stream, main and slot hosts apart.
+ * - every run's figures, then per share (or stream count) the median over the rounds with its
+ *   spread (min-max).
  * - **events identical**: every stream sends the same audio, so every stream's events must be
  *   the same; a run where they are not is flagged.
  *
  * Each run starts a fresh `voxserve serve` child process and drives N real-time WebSocket
- * streams (16 kHz s16le, each frame sent when its audio has elapsed, starts spread over one
- * frame) from this process. Before its measured streams, the server gets a warm-up: N streams of
- * `warmUpS` seconds each, started and ended the same way, not measured. A server fresh from
- * start runs its first second or so of work several times slower (V8 has not compiled its hot
- * paths yet; the slot hosts meet each batch shape for the first time): at 240 VAD streams of
- * 100 ms frames, 0.6-23 % of a fresh server's windows came over 100 ms (about half the runs
- * stumbled in their first 0.5-1.5 s), 0.7-1.9 % after a 2-3 s warm-up (nearly all in the end).
- * A held count is a sustained figure, so it is measured warm; `--warm-up 0` measures fresh
- * servers.
- * `--streams` runs fixed counts instead of the search.
+ * streams (16 kHz s16le, each frame sent when its audio has elapsed, each stream's frame phase
+ * random, as unsynchronised clients') from this process. Before its measured streams, the server
+ * gets a warm-up: N streams of `warmUpS` seconds each, started, ended and closed the same way,
+ * not measured (a server fresh from start runs its first second or so of work several times
+ * slower; `--warm-up 0` measures fresh servers). `--streams` runs fixed counts in every round
+ * instead of the search.
  */
 import type { ChildProcess } from 'node:child_process';
 import { readFileSync } from 'node:fs';
@@ -56,7 +56,7 @@ export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
 export interface BenchOptions {
   /** Workloads to run, in order. */
   workloads: WorkloadName[];
-  /** Rounds of the held search (median reported). */
+  /** Rounds of everything: the bare loop (best reported), the held search and every run (median and spread reported). */
   rounds: number;
   /** Audio per stream and run, s. */
   seconds: number;
@@ -92,11 +92,12 @@ interface Workload {
   pcm: Buffer;
   /**
    * Bare CPU ms per stream-second, with `rows` streams per run (VAD) or one at a time (wake
-   * words); `short`: a shorter loop, for the figures measured beside each run; `idle`: the loop
-   * sleeps `ms` before every `runs`-th run, as a slot host waits between batches (VAD; wake words: NaN).
+   * words); `short`: a shorter loop.
    */
-  bare(rows: number, short?: boolean, idle?: { ms: number; runs: number }): Promise<number>;
-  /** Rows per run for the limit's bare figure. */
+  bare(rows: number, short?: boolean): Promise<number>;
+  /** The rows per run the bare loop is measured at (VAD: the batch sizes the server uses, 32 and 64, and the one configured). */
+  bareRows: number[];
+  /** Rows per run for the limit's bare figure (the model's `max_batch_size`). */
   limitRows: number;
   /** Samples per window (VAD) or step (wake word): the unit of the processing-lag histogram. */
   stepSamples: number;
@@ -127,8 +128,8 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
       frameMs: 100,
       target: 0.7,
       pcm: Buffer.concat([fixture('espeak_alexa_16k.wav'), fixture('espeak_sentence_16k.wav')]),
-      bare: (_rows, short, idle) =>
-        idle ? Promise.resolve(Number.NaN) : bareInChild(['wakeword', 'hey-jarvis', 1, short ? 300 : 600]),
+      bare: (_rows, short) => bareInChild(['wakeword', 'hey-jarvis', 1, short ? 300 : 600]),
+      bareRows: [1],
       limitRows: 1,
       stepSamples: 1280,
       eventKey: (e) => (e.type === 'detection' ? `${e.label}@${e.at_ms}:${e.score}` : null),
@@ -142,10 +143,10 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
     frameMs,
     target: name === 'vad20' ? 0.6 : 0.7,
     pcm: fixture('espeak_sentence_16k.wav'),
-    bare: (rows, short, idle = { ms: 0, runs: 1 }) =>
-      bareInChild(['vad', rows, short ? 6000 : 20_000, idle.ms.toFixed(2), idle.runs]),
-    // The server's default max_batch_size: the largest run it forms.
-    limitRows: 32,
+    bare: (rows, short) => bareInChild(['vad', rows, short ? 6000 : 20_000]),
+    bareRows: [...new Set([32, 64, o.batchSize ?? 32])].sort((a, b) => a - b),
+    // The model's max_batch_size (the server's default 32): the largest run it forms.
+    limitRows: o.batchSize ?? 32,
     stepSamples: 512,
     eventKey: vadEvent,
   };
@@ -202,7 +203,15 @@ function lagFrom(
   return { p99, under100: d('voxserve_processing_lag_seconds_bucket{0.1}') / total, windows: total };
 }
 
+/** CPU ms per stream-second (or per stream), main process and slot hosts apart. */
+interface Apart {
+  main: number;
+  hosts: number;
+}
+
 interface Run {
+  /** The round (0-based) the run belongs to. */
+  round: number;
   streams: number;
   share: number;
   finished: number;
@@ -211,41 +220,42 @@ interface Run {
   lagParts: [number, number, number];
   under100: number;
   held: boolean;
-  /** CPU ms per stream-second over the steady window. */
-  main: number;
-  hosts: number;
+  /** Server CPU ms per stream-second over every stream's whole life: from before the first opens to after the last has closed. */
+  life: Apart;
+  /** Server CPU ms per stream of the streams' opening (until every stream is `ready`) and closing (from the last `done` until the server holds no stream). */
+  openClose: Apart;
+  /** Server CPU ms per stream-second over the steady part alone (1 s after the start to the last frame due): the old bench's figure. */
+  steady: number;
+  /** The load generator's (this process's) CPU ms per stream-second over the whole life. */
   client: number;
   /** Streams per batched job, mean. */
   rows: number;
-  /** Slot run time (wall) per stream-second, ms. */
-  runMs: number;
-  /** How long a slot idled between two batches in the steady window, mean, ms. */
-  idleMs: number;
-  /** Windows (or steps) per row of a batch in the steady window, mean. */
-  stepsPerRow: number;
   /** Streams whose events differ from the most common sequence. */
   differ: number;
   load: number;
-  /**
-   * The bare loop, ms per stream-second, that this run's ratios are against: `bare` at the limit's
-   * rows, the median of every such figure of the workload so far (at its start and after each
-   * run, this one included); `sameBare` at the rows per run the server formed, measured right
-   * after this run; `idleBare` at those rows with the slots' mean idle between runs (`idleMs`). The
-   * machine's speed moves by tens of percent from one second to the next and drifts over minutes:
-   * one figure is not a baseline.
-   */
+  /** The bare loop, ms per stream-second, this run's ratios are against: the best figure at the limit's rows so far. */
   bare: number;
-  sameBare: number;
-  idleBare: number;
 }
 
-/** N real-time streams against a new server (after its warm-up); CPU over the steady window. */
-async function live(
-  w: Workload,
-  n: number,
-  share: number,
-  o: BenchOptions,
-): Promise<Omit<Run, 'bare' | 'sameBare' | 'idleBare'>> {
+/** The server's open WebSocket streams (its `voxserve_ws_connections` gauge). */
+async function openStreams(url: string): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  return Number(/^voxserve_ws_connections (\S+)/m.exec(text)?.[1] ?? 0);
+}
+
+/** Until the server holds no WebSocket stream (at most 5 s), then 200 ms more for what its closes set going (actors stopping, leases released). */
+async function settled(url: string): Promise<void> {
+  const deadline = performance.now() + 5000;
+  while ((await openStreams(url)) > 0 && performance.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+  await new Promise((r) => setTimeout(r, 200));
+}
+
+/**
+ * N real-time streams against a new server (after its warm-up), each stream's frame phase random;
+ * server CPU over the streams' whole life (open to close), their opening and closing apart, and
+ * the steady part.
+ */
+async function live(w: Workload, n: number, share: number, round: number, o: BenchOptions): Promise<Omit<Run, 'bare'>> {
   const { child, url } = await startServer(w, n, o);
   const pid = child.pid!;
   try {
@@ -291,9 +301,12 @@ async function live(
             }),
         ),
       );
-    /** Every stream's frames in real time from `t0` (starts spread over one frame), then `end`; `onTick` as {@link paceFrames}'s. */
+    /**
+     * Every stream's frames in real time from `t0`, then `end`; each stream's frame phase random
+     * (its start uniform over one frame), as unsynchronised clients'; `onTick` as {@link paceFrames}'s.
+     */
     const drive = (streams: S[], frames: number, t0: number, onTick?: (now: number) => void): Promise<void> => {
-      streams.forEach((s, i) => (s.start = t0 + (i / n) * w.frameMs));
+      for (const s of streams) s.start = t0 + Math.random() * w.frameMs;
       return paceFrames(
         streams,
         frames,
@@ -313,67 +326,78 @@ async function live(
       const deadline = performance.now() + 30_000;
       while (streams.some((s) => !s.done) && performance.now() < deadline) await new Promise((r) => setTimeout(r, 20));
     };
+    /** Every stream closed (the client's close, the server's reply), then until the server holds none. */
+    const close = async (streams: S[]): Promise<void> => {
+      const closed = streams.map((s) =>
+        s.ws.readyState === WebSocket.CLOSED ? null : new Promise((r) => s.ws.once('close', r)),
+      );
+      for (const s of streams) s.ws.close();
+      await Promise.race([Promise.all(closed), new Promise((r) => setTimeout(r, 5000))]);
+      for (const s of streams) s.ws.terminate();
+      await settled(url);
+    };
     // The warm-up: the same streams' worth of audio through the new server first, not measured (see the file's docstring).
+    // Closed before the measured streams open (the server's connection limit is the run's streams + 16).
     if (o.warmUpS > 0) {
       const warmUp = await open();
       await drive(warmUp, Math.max(1, Math.round((o.warmUpS * 1000) / w.frameMs)), performance.now());
       await finish(warmUp);
-      // Closed before the measured streams open (the server's connection limit is the run's streams + 16).
-      const closed = warmUp.map((s) =>
-        s.ws.readyState === WebSocket.CLOSED ? null : new Promise((r) => s.ws.once('close', r)),
-      );
-      for (const s of warmUp) s.ws.close();
-      await Promise.race([Promise.all(closed), new Promise((r) => setTimeout(r, 5000))]);
-      for (const s of warmUp) s.ws.terminate();
+      await close(warmUp);
     }
-    const streams = await open();
-    const before = await scrape(url, w.id);
-    // CPU at the window's edges, and the windows (or steps) processed by then (the scrape's own cost is small).
-    const snap = (): {
-      at: number;
-      server: { main: number; hosts: number };
-      client: NodeJS.CpuUsage;
-      metrics: Promise<Map<string, number>>;
-    } => ({
+    // CPU at the phases' edges (the server's, main and slot hosts apart, and this process's).
+    const snap = (): { at: number; server: { main: number; hosts: number }; client: NodeJS.CpuUsage } => ({
       at: performance.now(),
       server: cpuApart(pid),
       client: process.cpuUsage(),
-      metrics: scrape(url, w.id),
     });
+    type Snap = ReturnType<typeof snap>;
+    const before = await scrape(url, w.id);
+    const opening = snap();
+    const streams = await open();
+    const opened = snap();
     const t0 = performance.now();
     const warm = Math.min(1000, (o.seconds * 1000) / 4);
-    let c0: ReturnType<typeof snap> | null = null;
-    let c1: ReturnType<typeof snap> | null = null;
+    // The steady part's edges, with the windows (or steps) processed by then.
+    let c0: (Snap & { metrics: Promise<Map<string, number>> }) | null = null;
+    let c1: (Snap & { metrics: Promise<Map<string, number>> }) | null = null;
+    const mark = (): Snap & { metrics: Promise<Map<string, number>> } => ({ ...snap(), metrics: scrape(url, w.id) });
     await drive(streams, totalFrames, t0, (now) => {
-      if (!c0 && now >= t0 + warm) c0 = snap();
-      if (!c1 && now >= t0 + o.seconds * 1000) c1 = snap();
+      if (!c0 && now >= t0 + warm) c0 = mark();
+      if (!c1 && now >= t0 + o.seconds * 1000) c1 = mark();
     });
-    c1 ??= snap();
+    c1 ??= mark();
     await finish(streams);
+    const lastDone = snap();
+    const finished = streams.filter((s) => s.done && s.doneAt - s.lastSentAt < 1000).length;
+    await close(streams);
+    const closedAll = snap();
     const after = await scrape(url, w.id);
     const a = c0!;
-    const b = c1 as ReturnType<typeof snap>;
-    // For profiling (`perf record -k CLOCK_MONOTONIC`, then `perf report --time A,B`): the window on the monotonic clock, s.
+    const b = c1 as Snap & { metrics: Promise<Map<string, number>> };
+    // For profiling (`perf record -k CLOCK_MONOTONIC`, then `perf report --time A,B`): the whole life and the steady part on the monotonic clock, s.
     const mono = (at: number): string =>
       ((Number(process.hrtime.bigint()) / 1e6 - (performance.now() - at)) / 1000).toFixed(6);
-    if (process.env.VOXSERVE_BENCH_MARKS) process.stderr.write(`bench-window: ${mono(a.at)},${mono(b.at)}\n`);
-    // Stream-seconds processed in the window: when the server falls behind, its CPU goes to fewer of them.
+    if (process.env.VOXSERVE_BENCH_MARKS)
+      process.stderr.write(
+        `bench-window: ${mono(a.at)},${mono(b.at)}\nbench-life: ${mono(opening.at)},${mono(closedAll.at)}\n`,
+      );
     const [ma, mb] = [await a.metrics, await b.metrics];
+    // Stream-seconds processed: when the server falls behind, its CPU goes to fewer of them.
     const windows = (m: Map<string, number>): number => m.get('voxserve_processing_lag_seconds_count') ?? 0;
-    const streamS = ((windows(mb) - windows(ma)) * w.stepSamples) / 16000;
+    const streamS = (m0: Map<string, number>, m1: Map<string, number>): number =>
+      ((windows(m1) - windows(m0)) * w.stepSamples) / 16000;
+    const lifeS = streamS(before, after);
+    const cpu = (x: Snap, y: Snap, part: 'main' | 'hosts'): number => (y.server[part] - x.server[part]) * 1000;
     const lag = lagFrom(before, after);
-    const finished = streams.filter((s) => s.done && s.doneAt - s.lastSentAt < 1000).length;
     const seqs = new Map<string, number>();
     for (const s of streams) seqs.set(s.events.join(' '), (seqs.get(s.events.join(' ')) ?? 0) + 1);
     const batches = (after.get('voxserve_batch_size_count') ?? 0) - (before.get('voxserve_batch_size_count') ?? 0);
     const rows = (after.get('voxserve_batch_size_sum') ?? 0) - (before.get('voxserve_batch_size_sum') ?? 0);
-    const between = (m0: Map<string, number>, m1: Map<string, number>, name: string): number =>
-      (m1.get(name) ?? 0) - (m0.get(name) ?? 0);
-    const runS = between(before, after, 'voxserve_inference_duration_seconds_sum');
-    // The slots' time not spent in a run, over the steady window's runs.
-    const idleS = o.slots * ((b.at - a.at) / 1000) - between(ma, mb, 'voxserve_inference_duration_seconds_sum');
-    for (const s of streams) s.ws.terminate();
+    const ends = (part: 'main' | 'hosts'): number => (cpu(opening, opened, part) + cpu(lastDone, closedAll, part)) / n;
+    const clientMs =
+      (closedAll.client.user + closedAll.client.system - opening.client.user - opening.client.system) / 1000;
     return {
+      round,
       streams: n,
       share,
       finished,
@@ -381,13 +405,11 @@ async function live(
       lagParts: [lagFrom(before, ma).p99, lagFrom(ma, mb).p99, lagFrom(mb, after).p99],
       under100: lag.under100,
       held: finished === n && lag.under100 >= 0.99,
-      main: ((b.server.main - a.server.main) * 1000) / streamS,
-      hosts: ((b.server.hosts - a.server.hosts) * 1000) / streamS,
-      client: (b.client.user + b.client.system - a.client.user - a.client.system) / 1000 / ((n * (b.at - a.at)) / 1000),
+      life: { main: cpu(opening, closedAll, 'main') / lifeS, hosts: cpu(opening, closedAll, 'hosts') / lifeS },
+      openClose: { main: ends('main'), hosts: ends('hosts') },
+      steady: (cpu(a, b, 'main') + cpu(a, b, 'hosts')) / streamS(ma, mb),
+      client: clientMs / (n * o.seconds),
       rows: batches ? rows / batches : 1,
-      runMs: (runS * 1000) / (n * o.seconds),
-      idleMs: Math.max(0, (idleS * 1000) / Math.max(1, between(ma, mb, 'voxserve_batch_size_count'))),
-      stepsPerRow: (windows(mb) - windows(ma)) / Math.max(1, between(ma, mb, 'voxserve_batch_size_sum')),
       differ: n - Math.max(...seqs.values()),
       load: loadavg()[0],
     };
@@ -411,6 +433,14 @@ const median = (xs: number[]): number => {
   return (s[Math.floor(m)] + s[Math.ceil(m)]) / 2;
 };
 
+/** The median of `xs` with its spread: `median (min-max)`, or the one figure alone. */
+export function withSpread(xs: number[], d = 2): string {
+  const ok = xs.filter(Number.isFinite);
+  if (ok.length === 0) return '-';
+  if (ok.length === 1) return f(ok[0], d);
+  return `${f(median(ok), d)} (${f(Math.min(...ok), d)}-${f(Math.max(...ok), d)})`;
+}
+
 /** Runs the benchmark and prints its tables (progress on stderr). */
 export async function bench(o: BenchOptions): Promise<void> {
   // Interrupted (SIGINT, SIGTERM to this process alone): the run's server is stopped too, not left running.
@@ -426,152 +456,209 @@ export async function bench(o: BenchOptions): Promise<void> {
   };
   const started = loadavg();
   say(
-    `voxserve bench: ${o.seconds} s per stream and run after a warm-up of ${o.warmUpS} s, ${o.slots} slot(s), isolation ${o.isolation}, ${o.streams ? `stream counts ${o.streams.join(', ')}` : `${o.rounds} round(s)`}, on ${CORES} cores; load average at start ${started.map((x) => x.toFixed(2)).join(' ')}`,
+    `voxserve bench: ${o.seconds} s per stream and run after a warm-up of ${o.warmUpS} s, CPU over each stream's whole life (open to close), frame phases random, ${o.slots} slot(s), isolation ${o.isolation}, ${o.rounds} round(s)${o.streams ? `, stream counts ${o.streams.join(', ')}` : ''}, on ${CORES} cores; load average at start ${started.map((x) => x.toFixed(2)).join(' ')}`,
   );
   const summary: string[] = [];
   for (const name of o.workloads) {
     const w = workload(name, o);
     say();
     say(`## ${w.title}`);
-    const bare0 = await w.bare(w.limitRows);
     const runs: Run[] = [];
-    /** Every bare figure at the limit's rows in this workload. */
-    const bares = [bare0];
-    let limit = limitFor(bare0);
+    /** The bare figures by rows per run, one per round. */
+    const bares = new Map<number, number[]>(w.bareRows.map((r) => [r, []]));
+    const best = (rows = w.limitRows): number => Math.min(...(bares.get(rows) ?? [Number.NaN]));
+    /** One round of the bare loop at each of its rows. */
+    const bareRound = async (round: number): Promise<void> => {
+      for (const rows of w.bareRows) bares.get(rows)!.push(await w.bare(rows));
+      say(
+        `bare, round ${round + 1}: ${w.bareRows.map((r) => `${f(bares.get(r)!.at(-1)!, 3)} at ${r} row(s) per run`).join(', ')} (ms CPU per stream-second, one thread); best so far ${f(best(), 3)} at ${w.limitRows}`,
+      );
+    };
+    let client = 0;
+    let limit = 0;
     const row = (r: Run): string =>
       [
+        r.round + 1,
         `${f(r.share * 100, 0)} %`,
         r.streams,
         r.held ? 'yes' : 'no',
         `${r.finished}/${r.streams}`,
         `${f(r.lagP99, 0)} (${r.lagParts.map((x) => f(x, 0)).join(' / ')})`,
         f(r.under100 * 100, 2),
-        `${f(r.main + r.hosts, 2)} (${f(r.main, 2)} + ${f(r.hosts, 2)})`,
-        f((r.main + r.hosts) / r.bare, 2),
-        f(r.hosts / r.sameBare, 2),
-        `${f(r.hosts / r.idleBare, 2)} (${f(r.idleMs, 1)})`,
-        f(r.main / r.bare, 2),
+        `${f(r.life.main + r.life.hosts, 2)} (${f(r.life.main, 2)} + ${f(r.life.hosts, 2)})`,
+        f((r.life.main + r.life.hosts) / r.bare, 2),
+        f(r.life.main / r.bare, 2),
+        f(r.life.hosts / r.bare, 2),
+        `${f(r.openClose.main + r.openClose.hosts, 2)} (${f(r.openClose.main, 2)} + ${f(r.openClose.hosts, 2)})`,
+        f(r.steady, 2),
         f(r.client, 2),
         f(r.rows, 1),
-        f(r.runMs / r.sameBare, 2),
         r.differ ? `NO: ${r.differ} differ` : 'yes',
         f(r.load, 1),
       ].join(' | ');
     const header = (): void => {
       say(
-        'share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s (main + hosts) | server / bare | hosts / bare at same rows | hosts / bare at same rows and idle (slot idle between batches, ms) | main / bare | client ms per stream-s | rows per batch | slot run time / bare at same rows | events identical | load avg',
+        'round | share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s, whole life (main + hosts) | server / bare | main / bare | hosts / bare | open + close ms CPU per stream (main + hosts) | steady part only, server ms per stream-s | client ms per stream-s | rows per batch | events identical | load avg',
       );
-      say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
+      say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
     };
-    const runAt = async (share: number, n = Math.max(1, Math.round(share * limit))): Promise<Run> => {
-      const run = await live(w, n, share, o);
-      bares.push(await w.bare(w.limitRows, true));
-      const rows = Math.max(1, Math.round(run.rows));
-      const sameBare = w.limitRows === 1 || rows === w.limitRows ? bares.at(-1)! : await w.bare(rows, true);
-      const idleBare = await w.bare(rows, true, { ms: run.idleMs, runs: Math.max(1, Math.round(run.stepsPerRow)) });
-      const r = { ...run, bare: median(bares), sameBare, idleBare };
+    const runAt = async (round: number, share: number, n = Math.max(1, Math.round(share * limit))): Promise<Run> => {
+      const r = { ...(await live(w, n, share, round, o)), bare: best() };
       runs.push(r);
       say(row(r));
       return r;
     };
+    /** Median (spread) over the rounds of the runs `rs`: one table row. */
+    const medianRow = (label: string, rs: Run[], bare: number): string =>
+      [
+        label,
+        withSpread(
+          rs.map((r) => r.streams),
+          0,
+        ),
+        `${rs.filter((r) => r.held).length}/${rs.length}`,
+        withSpread(
+          rs.map((r) => r.lagP99),
+          0,
+        ),
+        withSpread(rs.map((r) => r.life.main + r.life.hosts)),
+        withSpread(rs.map((r) => r.life.main)),
+        withSpread(rs.map((r) => r.life.hosts)),
+        withSpread(rs.map((r) => (r.life.main + r.life.hosts) / bare)),
+        withSpread(rs.map((r) => r.life.main / bare)),
+        withSpread(rs.map((r) => r.life.hosts / bare)),
+        withSpread(rs.map((r) => r.openClose.main + r.openClose.hosts)),
+        withSpread(rs.map((r) => r.openClose.main)),
+        withSpread(rs.map((r) => r.openClose.hosts)),
+      ].join(' | ');
+    const medianHeader = (): void => {
+      say(
+        `runs | streams | held | lag p99 ms | server CPU ms per stream-s, whole life | main | slot hosts | server / bare | main / bare | hosts / bare | open + close ms CPU per stream | main | slot hosts`,
+      );
+      say('---|---|---|---|---|---|---|---|---|---|---|---|---');
+    };
+    /** The bare line over every round: best of the rounds at each rows per run. */
+    const bareLine = (): string =>
+      `bare, best of ${bares.get(w.limitRows)!.length} round(s): ${w.bareRows
+        .map(
+          (r) =>
+            `${f(best(r), 3)} at ${r} row(s) per run (rounds ${bares
+              .get(r)!
+              .map((x) => f(x, 3))
+              .join(', ')})`,
+        )
+        .join('; ')} ms CPU per stream-second`;
     if (o.streams) {
-      say(`bare: ${f(bare0, 3)} ms CPU per stream-second (${w.limitRows} row(s) per run, one thread)`);
-      header();
-      for (const n of o.streams) await runAt(n / limit, n);
+      for (let round = 0; round < o.rounds; round++) {
+        await bareRound(round);
+        limit = limitFor(best());
+        if (round === 0) header();
+        for (const n of o.streams) await runAt(round, n / limit, n);
+      }
+      const bare = best();
+      say(bareLine());
+      say(`medians over ${o.rounds} round(s), against bare ${f(bare, 3)} (spread: min-max):`);
+      medianHeader();
+      for (const n of o.streams)
+        say(
+          medianRow(
+            `${n} streams`,
+            runs.filter((r) => r.streams === n),
+            bare,
+          ),
+        );
       continue;
     }
-    // The load generator's own cost per stream-second, from a calibration run.
-    say(
-      `bare: ${f(bare0, 3)} ms CPU per stream-second (${w.limitRows} row(s) per run, one thread); calibrating the load generator at 25 % of ${f(limit, 0)} streams`,
-    );
-    header();
-    const cal = await runAt(0.25);
-    limit = limitFor(bare0 + cal.client);
-    for (const r of runs) r.share = r.streams / limit;
-    say(
-      `limit: ${CORES} cores x 1000 / (bare ${f(bare0, 3)} + load generator ${f(cal.client, 3)}) = ${f(limit, 0)} streams`,
-    );
-    const at: Record<number, Run> = {};
-    for (const share of [0.1, 0.4]) at[share] = await runAt(share);
     const rounds: number[] = [];
     for (let round = 0; round < o.rounds; round++) {
+      await bareRound(round);
+      if (round === 0) {
+        // The load generator's own cost per stream-second, from a calibration run.
+        limit = limitFor(best());
+        say(`calibrating the load generator at 25 % of ${f(limit, 0)} streams (cores x 1000 / bare)`);
+        header();
+        const cal = await runAt(round, 0.25);
+        client = cal.client;
+      }
+      limit = limitFor(best() + client);
+      say(
+        `limit, round ${round + 1}: ${CORES} cores x 1000 / (bare ${f(best(), 3)} + load generator ${f(client, 3)}) = ${f(limit, 0)} streams`,
+      );
+      for (const share of [0.1, 0.4]) await runAt(round, share);
       let share = w.target;
-      let best = 0;
-      let r = await runAt(share);
-      if (share === 0.7) at[0.7] ??= r;
+      let most = 0;
+      let r = await runAt(round, share);
       if (r.held) {
-        best = r.streams;
+        most = r.streams;
         while (share + o.step <= 1.5) {
           share = Math.round((share + o.step) * 100) / 100;
-          r = await runAt(share);
+          r = await runAt(round, share);
           if (!r.held) break;
-          best = r.streams;
+          most = r.streams;
         }
       } else {
         while (share - o.step >= 0.05) {
           share = Math.round((share - o.step) * 100) / 100;
-          r = await runAt(share);
+          r = await runAt(round, share);
           if (r.held) {
-            best = r.streams;
+            most = r.streams;
             break;
           }
         }
       }
-      rounds.push(best);
-      say(`round ${round + 1}: held ${best} streams (${f((best / limit) * 100, 0)} % of the search's limit)`);
+      if (!runs.some((x) => x.round === round && x.share === 0.7)) await runAt(round, 0.7);
+      rounds.push(most);
+      say(`round ${round + 1}: held ${most} streams (${f((most / limit) * 100, 0)} % of the round's limit)`);
     }
-    at[0.7] ??= await runAt(0.7);
-    // The bare loop again at the end. The limit the held share is judged against: the medians of
-    // every bare figure at the limit's rows (start, end, after each run) and of the load
-    // generator's cost in the runs from 25 % of the search's limit up; one figure from the start
-    // alone swung the share by a third when the machine's speed moved within the workload.
-    const bare1 = await w.bare(w.limitRows);
-    bares.push(bare1);
-    const bare = median(bares);
-    const client = median(runs.filter((r) => r.share >= 0.25).map((r) => r.client));
-    const searched = limit;
+    // The limit the held share is judged against: the best bare figure of the rounds at the
+    // model's batch size, and the median load generator cost of the runs from 25 % up.
+    const bare = best();
+    client = median(runs.filter((r) => r.share >= 0.25).map((r) => r.client));
     limit = limitFor(bare + client);
     const held = median(rounds);
+    say(bareLine());
     say(
-      `bare: ${f(bare0, 3)} at start, ${f(bare1, 3)} at end, median ${f(bare, 3)} of ${bares.length} (${f(Math.min(...bares), 3)}-${f(Math.max(...bares), 3)}) ms per stream-second; load generator: median ${f(client, 3)}`,
+      `load generator: ${withSpread(
+        runs.filter((r) => r.share >= 0.25).map((r) => r.client),
+        3,
+      )} ms per stream-s (runs from 25 % up)`,
     );
     say(
-      `limit over the workload: ${CORES} cores x 1000 / (bare ${f(bare, 3)} + load generator ${f(client, 3)}) = ${f(limit, 0)} streams (the search's, from the start: ${f(searched, 0)})`,
+      `limit: ${CORES} cores x 1000 / (bare ${f(bare, 3)} + load generator ${f(client, 3)}) = ${f(limit, 0)} streams`,
     );
     say(
       `held: ${rounds.join(', ')} streams, median ${held} = ${f((held / limit) * 100, 0)} % of the limit ${f(limit, 0)} (target ${f(w.target * 100, 0)} %)`,
     );
-    const steady = [0.1, 0.4, 0.7].map((s) => at[s]);
-    const mainMs = median(steady.map((r) => r.main));
-    const ratios = (part: (r: Run) => number): string => steady.map((r) => f(part(r) / bare, 2)).join(' / ');
-    say(
-      `server CPU per stream-s at 10 / 40 / 70 % of the search's limit: ${steady.map((r) => f(r.main + r.hosts, 2)).join(' / ')} ms = ${ratios((r) => r.main + r.hosts)}x bare (target <= 1.15); slot hosts ${ratios((r) => r.hosts)}x bare`,
-    );
-    say(
-      `main process: ${steady.map((r) => f(r.main, 3)).join(' / ')} ms per stream-s = ${ratios((r) => r.main)}x bare; one core of ingress carries about ${f(1000 / mainMs, 0)} streams`,
-    );
+    say(`medians over ${o.rounds} round(s), against bare ${f(bare, 3)} (spread: min-max):`);
+    medianHeader();
+    const at = (share: number): Run[] => runs.filter((r) => r.share === share);
+    for (const share of [0.1, 0.4, 0.7]) say(medianRow(`${f(share * 100, 0)} % of the round's limit`, at(share), bare));
+    const all = [0.1, 0.4, 0.7].map(at);
+    const ratios = (part: (r: Run) => number): string => all.map((rs) => withSpread(rs.map(part))).join(' / ');
+    const main = median(all.flat().map((r) => r.life.main));
     summary.push(
       [
         w.title,
-        f(bare, 3),
+        `${f(bare, 3)} (${w.limitRows} rows)`,
         f(client, 3),
         f(limit, 0),
         `${held} (${rounds.join(', ')})`,
         `${f((held / limit) * 100, 0)} % (${f(w.target * 100, 0)} %)`,
-        ratios((r) => r.main + r.hosts),
-        ratios((r) => r.hosts),
-        ratios((r) => r.main),
-        f(1000 / mainMs, 0),
+        ratios((r) => (r.life.main + r.life.hosts) / bare),
+        ratios((r) => r.life.hosts / bare),
+        ratios((r) => r.life.main / bare),
+        withSpread(runs.map((r) => r.openClose.main + r.openClose.hosts)),
+        f(1000 / main, 0),
       ].join(' | '),
     );
   }
   if (summary.length) {
     say();
-    say('## Summary');
+    say('## Summary (whole lives; median (min-max) over the rounds)');
     say(
-      'workload | bare ms per stream-s | load generator ms per stream-s | limit (streams) | held, median (rounds) | held / limit (target) | server / bare at 10/40/70 % | slot hosts / bare | main / bare | streams per core of ingress',
+      'workload | bare ms per stream-s, best of the rounds | load generator ms per stream-s | limit (streams) | held, median (rounds) | held / limit (target) | server / bare at 10 / 40 / 70 % | slot hosts / bare | main / bare | open + close ms CPU per stream | streams per core of ingress',
     );
-    say('---|---|---|---|---|---|---|---|---|---');
+    say('---|---|---|---|---|---|---|---|---|---|---');
     for (const s of summary) say(s);
   }
   say();

@@ -491,13 +491,18 @@ program
 program
   .command('bench')
   .description(
-    "what share of the bare models' capacity the server holds: VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run",
+    "what share of the bare models' capacity the server holds, and its CPU over each stream's whole life (open to close): VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run",
   )
   .option('--task <list>', 'workloads: vad100, vad20, wakeword (vad = vad100,vad20)', 'vad100,vad20,wakeword')
-  .option('--quick', 'about 10 minutes on 2 cores: the same rounds with 6 s runs and search steps of 10 % of the limit')
-  .option('--rounds <n>', 'rounds of the held search (median reported)', int('--rounds'), 3)
-  .option('--seconds <s>', 'audio per stream and run, s (default 15; --quick 6)', int('--seconds'))
-  .option('--streams <list>', 'fixed stream counts instead of the held search (for profiling)')
+  .option('--quick', 'the same shape, shorter: the same rounds with 6 s streams and search steps of 10 % of the limit')
+  .option(
+    '--rounds <n>',
+    'rounds of everything: bare loop (best), held search and runs (median, spread)',
+    int('--rounds'),
+    3,
+  )
+  .option('--seconds <s>', 'audio per stream and run, s (default 60; --quick 6)', int('--seconds'))
+  .option('--streams <list>', 'fixed stream counts instead of the held search (for profiling), each run in every round')
   .option('--slots <n>', 'server slots per model', int('--slots'), 2)
   .option('--batch-size <n>', "the model's max_batch_size (default: the server's)", int('--batch-size'))
   .option('--batch-delay-ms <ms>', "the model's max_batch_delay_ms (default: the server's)", int('--batch-delay-ms'))
@@ -536,7 +541,7 @@ program
       await bench({
         workloads: workloads as ('vad100' | 'vad20' | 'wakeword')[],
         rounds: opts.rounds,
-        seconds: opts.seconds ?? (opts.quick ? 6 : 15),
+        seconds: opts.seconds ?? (opts.quick ? 6 : 60),
         step: opts.quick ? 0.1 : 0.05,
         streams,
         slots: opts.slots,

@@ -1,0 +1,58 @@
+import { execFile } from 'node:child_process';
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { promisify } from 'node:util';
+import { describe, expect, it } from 'vitest';
+
+const exec = promisify(execFile);
+const root = fileURLToPath(new URL('../..', import.meta.url));
+const cli = join(root, 'dist/tools/cli.js');
+
+describe('voxserve bench', () => {
+  // Two rounds of 2 VAD streams of 2 s each (and the bare loop at 32 and 64 rows per round): ~20-40 s.
+  it('reports whole-life server CPU per stream-second (main and slot hosts apart), open + close per stream, the bare loop at 32 and 64 rows, medians with spread', async () => {
+    const { stdout } = await exec(
+      process.execPath,
+      [cli, 'bench', '--task', 'vad100', '--streams', '2', '--seconds', '2', '--warm-up', '0', '--rounds', '2'],
+      { cwd: root, timeout: 90_000 },
+    );
+    const lines = stdout.split('\n');
+    expect(lines[0]).toContain("CPU over each stream's whole life (open to close)");
+    expect(lines[0]).toContain('frame phases random');
+    // The bare loop: best of the rounds, at the batch sizes the server uses.
+    const bare = lines.find((l) => l.startsWith('bare, best of 2 round(s)'));
+    expect(bare).toMatch(/\d+\.\d{3} at 32 row\(s\) per run \(rounds \d+\.\d{3}, \d+\.\d{3}\)/);
+    expect(bare).toMatch(/\d+\.\d{3} at 64 row\(s\) per run \(rounds \d+\.\d{3}, \d+\.\d{3}\)/);
+    // Every run, one row per round.
+    const head = lines.find((l) => l.startsWith('round | '))!.split(' | ');
+    expect(head).toEqual(
+      expect.arrayContaining([
+        'server CPU ms per stream-s, whole life (main + hosts)',
+        'open + close ms CPU per stream (main + hosts)',
+        'main / bare',
+        'hosts / bare',
+      ]),
+    );
+    const runs = lines.filter((l) => /^[12] \| /.test(l));
+    expect(runs).toHaveLength(2);
+    for (const r of runs) {
+      const cells = r.split(' | ');
+      expect(cells[head.indexOf('held')]).toMatch(/^(yes|no)$/);
+      expect(cells[head.indexOf('server CPU ms per stream-s, whole life (main + hosts)')]).toMatch(
+        /^\d+\.\d\d \(\d+\.\d\d \+ \d+\.\d\d\)$/,
+      );
+      expect(cells[head.indexOf('open + close ms CPU per stream (main + hosts)')]).toMatch(
+        /^\d+\.\d\d \(\d+\.\d\d \+ \d+\.\d\d\)$/,
+      );
+    }
+    // The medians over the rounds, each with its spread (min-max).
+    const medHead = lines.find((l) => l.startsWith('runs | '))!.split(' | ');
+    const med = lines.find((l) => l.startsWith('2 streams | '))!.split(' | ');
+    expect(med).toHaveLength(medHead.length);
+    const spread = /^\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)$/;
+    for (const col of [4, 5, 6, 10, 11, 12]) expect(`${medHead[col]}: ${med[col]}`).toMatch(/: \d/);
+    expect(medHead.slice(4, 7)).toEqual(['server CPU ms per stream-s, whole life', 'main', 'slot hosts']);
+    expect(medHead.slice(10, 13)).toEqual(['open + close ms CPU per stream', 'main', 'slot hosts']);
+    for (const col of [4, 5, 6, 10]) expect(med[col]).toMatch(spread);
+  }, 90_000);
+});
