@@ -11,13 +11,13 @@ import {
   type InspectionEvent,
 } from 'xstate';
 import { effectiveTimeout } from '../runtime/admission.js';
-import { resample } from '../runtime/audio.js';
-import { decodeAudio, decodeAudioAt } from '../runtime/decode.js';
-import { RNNOISE } from '../runtime/rnnoise.js';
+import { resample } from '../runtime/audio/audio.js';
+import { decodeAudio, decodeAudioAt } from '../runtime/audio/decode.js';
+import { RNNOISE } from '../runtime/slots/rnnoise.js';
 import type { Limits } from '../runtime/config.js';
 import { errorBody, invalid, toVoxError, type VoxError } from '../runtime/errors.js';
 import { v2InferResponse } from '../runtime/oip.js';
-import type { Job, JobResult, TensorResult } from '../runtime/slot-protocol.js';
+import type { Job, JobResult, TensorResult } from '../runtime/slots/slot-protocol.js';
 import {
   createTaskSession,
   type DenoiseSession,

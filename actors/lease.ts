@@ -1,6 +1,6 @@
 import { toVoxError, type VoxError } from '../runtime/errors.js';
 import { CLOSE } from '../runtime/wire.js';
-import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
+import type { Job, JobResult, SlotInfo } from '../runtime/slots/slot-protocol.js';
 import { type Done, lapseOf } from '../runtime/batcher.js';
 import type { ModelConfig } from '../runtime/config.js';
 import type { Metrics } from '../runtime/telemetry.js';

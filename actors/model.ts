@@ -20,7 +20,7 @@ import { fromWire, voxError, VoxError, type WireError } from '../runtime/errors.
 import type { LoadedModel, ModelLoader } from '../runtime/loader.js';
 import { createLogger, type Metrics } from '../runtime/telemetry.js';
 import type { Logger } from 'pino';
-import type { Job, JobResult } from '../runtime/slot-protocol.js';
+import type { Job, JobResult } from '../runtime/slots/slot-protocol.js';
 
 /** Why a model entry is asked to give up its slots without a manager asking (DESIGN.md C12-C14). */
 export type EvictReason = 'lru' | 'idle' | 'memory';

@@ -23,8 +23,8 @@ import {
   WavStreamSniffer,
   type PcmEncoding,
   type WavStreamFormat,
-} from '../runtime/audio.js';
-import { RNNOISE } from '../runtime/rnnoise.js';
+} from '../runtime/audio/audio.js';
+import { RNNOISE } from '../runtime/slots/rnnoise.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createTaskSession, DenoiseSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';

@@ -27,7 +27,7 @@ import { availableMemory, estimateFootprint, mib, type MemoryProbe } from '../ru
 import { createLogger, Metrics } from '../runtime/telemetry.js';
 import { similarIds } from '../runtime/names.js';
 import { confinePath } from '../runtime/paths.js';
-import { WakewordFolder, type FolderProblem, type FolderScan } from '../runtime/wakeword-dir.js';
+import { WakewordFolder, type FolderProblem, type FolderScan } from '../runtime/wakeword/wakeword-dir.js';
 
 /** Config fields that name model files. */
 const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
@@ -521,7 +521,7 @@ export class Supervisor {
   }
 
   /**
-   * Applies a scan of `wakeword_dir` (runtime/wakeword-dir.ts): a new head joins the catalog (a
+   * Applies a scan of `wakeword_dir` (runtime/wakeword/wakeword-dir.ts): a new head joins the catalog (a
    * model registered lazily, listed by `GET /v1/models` and Wyoming `describe`); a head whose file
    * is gone leaves the catalog at once and the registry once idle (unloaded by an `EVICT` when it
    * is loaded and idle, then dropped when unloaded and unused: a stream on it finishes first). A

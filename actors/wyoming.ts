@@ -1,5 +1,5 @@
 import { fromCallback, type InspectionEvent } from 'xstate';
-import { checkFormat, PcmStreamDecoder } from '../runtime/audio.js';
+import { checkFormat, PcmStreamDecoder } from '../runtime/audio/audio.js';
 import { OWW_ABOUT, OWW_MODELS } from '../runtime/catalog.js';
 import { headsOf, type Limits, type ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, voxError } from '../runtime/errors.js';

@@ -24,7 +24,7 @@ import {
   type Job,
   type JobResult,
   type ToSlot,
-} from '../runtime/slot-protocol.js';
+} from '../runtime/slots/slot-protocol.js';
 
 /** The settings of a cluster node with every default applied. */
 export interface ClusterSettings extends ClusterConfig {

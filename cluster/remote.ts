@@ -10,8 +10,8 @@ import { Counter, Gauge, Histogram, type Registry } from 'prom-client';
 import type { ModelConfig } from '../runtime/config.js';
 import { fromWire, voxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
-import { SlotPool, type SlotHost } from '../runtime/slots.js';
-import type { Job, JobResult, SlotInfo } from '../runtime/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../runtime/slots/slots.js';
+import type { Job, JobResult, SlotInfo } from '../runtime/slots/slot-protocol.js';
 import { nextChange, until } from './membership.js';
 import {
   Assembler,

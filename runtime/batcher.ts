@@ -1,4 +1,4 @@
-import { RNNOISE } from './rnnoise.js';
+import { RNNOISE } from './slots/rnnoise.js';
 import {
   type DenoiseJob,
   type DenoiseResult,
@@ -10,8 +10,8 @@ import {
   type VadResult,
   type WakewordJob,
   type WakewordResult,
-} from './slot-protocol.js';
-import type { ModelPool } from './slots.js';
+} from './slots/slot-protocol.js';
+import type { ModelPool } from './slots/slots.js';
 
 /** A result with when its slot ran it and how long it waited for one (see {@link JobResult}). */
 type Timed<R> = R & Pick<JobResult, 'ran' | 'waitedMs'>;

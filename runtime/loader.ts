@@ -3,9 +3,9 @@ import { readFile } from 'node:fs/promises';
 import { headsOf, modelFiles, type ModelConfig } from './config.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from './catalog.js';
 import { looksLikeOnnx } from './onnx-file.js';
-import { SlotPool, slotFactory, type ModelPool, type SlotFactory } from './slots.js';
-import { WakewordFamilies } from './wakeword-family.js';
-import type { LoadSpec } from './slot-protocol.js';
+import { SlotPool, slotFactory, type ModelPool, type SlotFactory } from './slots/slots.js';
+import { WakewordFamilies } from './wakeword/wakeword-family.js';
+import type { LoadSpec } from './slots/slot-protocol.js';
 import type { Batcher } from './batcher.js';
 
 /** A model's loaded slots plus what they hold. `close()` stops clones, the primary, then drops shared weights. */
@@ -157,7 +157,7 @@ export interface SlotDefaults {
  * processes or worker threads as the model's (else the server's) `isolation` says. Wake-word
  * models share their slot hosts: every one with the same feature models, `slots`, isolation and
  * timeouts is a view of one family that holds the features once and loads heads as they are used
- * (runtime/wakeword-family.ts).
+ * (runtime/wakeword/wakeword-family.ts).
  * @param factory a fixed slot factory instead (tests).
  */
 export function createLoader(

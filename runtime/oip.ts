@@ -7,7 +7,7 @@
  * See https://github.com/kserve/open-inference-protocol (specification/protocol/inference_rest.md).
  */
 import { invalid, voxError } from './errors.js';
-import type { TensorMeta } from './slot-protocol.js';
+import type { TensorMeta } from './slots/slot-protocol.js';
 
 /** The protocol's datatypes and voxserve's dtypes, both ways. */
 const DATATYPES: Record<string, string> = {

@@ -1,4 +1,4 @@
-import { headLabels, OWW } from './slot-protocol.js';
+import { headLabels, OWW } from './slots/slot-protocol.js';
 
 /**
  * Reading ONNX files on the main thread without onnxruntime (whose `create` blocks the event

@@ -12,8 +12,8 @@ import { existsSync, readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { monitorEventLoopDelay } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
-import { decodeWav, resample } from '../runtime/audio.js';
-import { decodeAudio, startDecoders } from '../runtime/decode.js';
+import { decodeWav, resample } from '../runtime/audio/audio.js';
+import { decodeAudio, startDecoders } from '../runtime/audio/decode.js';
 
 const require = createRequire(import.meta.url);
 const { WaveFile } = require('wavefile') as typeof import('wavefile');

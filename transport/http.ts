@@ -2,8 +2,8 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import { pack, unpack } from 'msgpackr';
 import type { AudioFile, HttpInput, HttpOutput, HttpSocket, TaskRequest } from '../actors/http.js';
 import { MAX_TIMEOUT_MS, queryOptions } from '../runtime/config.js';
-import { MAX_SAMPLE_RATE, MIN_SAMPLE_RATE } from '../runtime/audio.js';
-import { isAudioContentType, parseJsonObject } from '../runtime/decode.js';
+import { MAX_SAMPLE_RATE, MIN_SAMPLE_RATE } from '../runtime/audio/audio.js';
+import { isAudioContentType, parseJsonObject } from '../runtime/audio/decode.js';
 
 export { parseJsonObject };
 import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';

@@ -7,7 +7,7 @@ import { validateModelConfig } from '../actors/model.js';
 import type { ClusterNode } from '../cluster/node.js';
 import { leaseGranted } from '../actors/lease.js';
 import type { ServerConfig } from '../runtime/config.js';
-import { OFF_THREAD_JSON_BYTES, parseJsonOffThread } from '../runtime/decode.js';
+import { OFF_THREAD_JSON_BYTES, parseJsonOffThread } from '../runtime/audio/decode.js';
 import { readV2Infer, v2TensorMeta } from '../runtime/oip.js';
 import { invalid, voxError, type VoxError } from '../runtime/errors.js';
 import type { Access } from './access.js';

@@ -8,7 +8,7 @@ import { Supervisor, type SupervisorOptions } from '../actors/supervisor.js';
 import { createInspection, type Inspection } from '../actors/inspection.js';
 import { drainOnShutdown, type SystemEvent } from '../actors/system.js';
 import { queryOptions, type ServerConfig } from '../runtime/config.js';
-import { startDecoders } from '../runtime/decode.js';
+import { startDecoders } from '../runtime/audio/decode.js';
 import { errorBody, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 import { SUBPROTOCOLS, type Subprotocol } from '../runtime/wire.js';
 import { createHttpSocket } from '../actors/http.js';
@@ -26,7 +26,7 @@ import { placementMachine } from '../cluster/placement-chart.js';
 import { clusterSettings } from '../cluster/nats.js';
 import { createLogger } from '../runtime/telemetry.js';
 import { availableMemory, IdleCollector } from '../runtime/memory.js';
-import { checkWakewordDir } from '../runtime/wakeword-dir.js';
+import { checkWakewordDir } from '../runtime/wakeword/wakeword-dir.js';
 
 /** A running voxserve: HTTP + WebSocket listener over a supervisor. */
 export interface VoxServer {

@@ -1,5 +1,5 @@
-import type { DenoiseResult, Job, JobResult, SlotInfo } from '../slot-protocol.js';
-import { RNNOISE } from '../rnnoise.js';
+import type { DenoiseResult, Job, JobResult, SlotInfo } from '../slots/slot-protocol.js';
+import { RNNOISE } from '../slots/rnnoise.js';
 import { WindowedSession, type TaskEvent } from './task.js';
 
 /**

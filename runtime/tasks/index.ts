@@ -1,6 +1,6 @@
 import { headsOf, parseTaskOptions, type ModelConfig } from '../config.js';
 import { invalid, voxError } from '../errors.js';
-import type { SlotInfo } from '../slot-protocol.js';
+import type { SlotInfo } from '../slots/slot-protocol.js';
 import type { TaskSession } from './task.js';
 import { DenoiseSession } from './denoise.js';
 import { VadSession, type ProbabilityStream } from './vad.js';

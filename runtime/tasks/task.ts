@@ -1,4 +1,4 @@
-import type { Job, JobResult, SlotInfo } from '../slot-protocol.js';
+import type { Job, JobResult, SlotInfo } from '../slots/slot-protocol.js';
 
 /** Events a task emits while audio is processed (DESIGN.md section 4). Times are ms from stream start. */
 export type TaskEvent =

@@ -1,6 +1,6 @@
 import type { ModelConfig } from '../config.js';
 import { invalid, voxError } from '../errors.js';
-import type { SlotInfo, TensorData, TensorJob, TensorMeta, TensorResult, WireTensor } from '../slot-protocol.js';
+import type { SlotInfo, TensorData, TensorJob, TensorMeta, TensorResult, WireTensor } from '../slots/slot-protocol.js';
 
 /**
  * The `tensor` task (docs/models.md#any-onnx-model-the-tensor-task): any ONNX model, named

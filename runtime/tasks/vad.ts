@@ -1,5 +1,5 @@
 import type { VadOptions } from '../config.js';
-import { SILERO, type Job, type JobResult, type SlotInfo, type VadResult } from '../slot-protocol.js';
+import { SILERO, type Job, type JobResult, type SlotInfo, type VadResult } from '../slots/slot-protocol.js';
 import { WindowedSession, type TaskEvent } from './task.js';
 
 const RATE = 16_000;

@@ -1,5 +1,5 @@
 import type { ResolvedHead, WakewordOptions } from '../config.js';
-import { OWW, type Job, type JobResult, type SlotInfo, type WakewordResult } from '../slot-protocol.js';
+import { OWW, type Job, type JobResult, type SlotInfo, type WakewordResult } from '../slots/slot-protocol.js';
 import { WindowedSession, type TaskEvent } from './task.js';
 
 /** openWakeWord zeroes the first 5 predictions of a stream while its buffers fill (openwakeword/model.py). */

@@ -8,8 +8,8 @@ import { Supervisor } from '../../actors/supervisor.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult } from '../../runtime/slot-protocol.js';
-import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import type { Job, JobResult } from '../../runtime/slots/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 import { InspectionLog, type InspectionRecord } from '../../runtime/telemetry.js';
 
 /** Slots whose `run` waits for `gate` (resolved at once unless a test holds it). */

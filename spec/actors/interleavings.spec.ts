@@ -18,8 +18,8 @@ import { Admission } from '../../runtime/admission.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError, voxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, LoadSpec, TensorJob, VadJob } from '../../runtime/slot-protocol.js';
-import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import type { Job, JobResult, LoadSpec, TensorJob, VadJob } from '../../runtime/slots/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 
 const RUNS = Number(process.env.FC_RUNS ?? 1000);
 /**

@@ -10,8 +10,8 @@ import { type Granted, JobPump, leaseGranted } from '../../actors/lease.js';
 import { ModelEntry } from '../../actors/model.js';
 import { ModelConfig } from '../../runtime/config.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protocol.js';
-import { type SlotHost, SlotPool } from '../../runtime/slots.js';
+import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slots/slot-protocol.js';
+import { type SlotHost, SlotPool } from '../../runtime/slots/slots.js';
 import type { TaskEvent, TaskSession } from '../../runtime/tasks/index.js';
 
 const flush = (): Promise<void> => new Promise((r) => setImmediate(r));

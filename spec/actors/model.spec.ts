@@ -3,8 +3,8 @@ import { until } from '../helpers.js';
 import { ModelEntry } from '../../actors/model.js';
 import { ModelConfig } from '../../runtime/config.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, LoadSpec } from '../../runtime/slot-protocol.js';
-import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import type { Job, JobResult, LoadSpec } from '../../runtime/slots/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 
 const config: ModelConfig = ModelConfig.parse({ id: 'm', task: 'vad', path: '/nowhere.onnx', max_streams: 4 });
 

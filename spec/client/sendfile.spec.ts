@@ -13,7 +13,7 @@ import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { VoxClient, VoxClientError, type StreamEvent } from '../../client/node.js';
-import { decodeWav, resample } from '../../runtime/audio.js';
+import { decodeWav, resample } from '../../runtime/audio/audio.js';
 import type { VoxServer } from '../../transport/server.js';
 import { fixture, fixturePath, startTestServer, WaveFile } from '../helpers.js';
 

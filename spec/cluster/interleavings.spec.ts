@@ -38,8 +38,8 @@ import { Admission } from '../../runtime/admission.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError, voxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protocol.js';
-import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slots/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 import { FakeNats } from './fake-nats.js';
 
 /** Runs per property: 150 (each of the two properties) took 36 s for the file at load average 11-14 on a 2-core machine. */

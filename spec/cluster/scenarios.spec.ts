@@ -12,8 +12,8 @@ import { ClusterNode } from '../../cluster/node.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError, voxError } from '../../runtime/errors.js';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, VadJob } from '../../runtime/slot-protocol.js';
-import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import type { Job, JobResult, VadJob } from '../../runtime/slots/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 import { FakeNats } from './fake-nats.js';
 
 const HEARTBEAT_MS = 100;

@@ -7,8 +7,8 @@ import { decodeMessage, encodeMessage, joinResults, splitJob, type RemoteJob } f
 import { vadPacking, wakewordPacking } from '../../runtime/batcher.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
 import { defaultCatalog } from '../../runtime/config.js';
-import { OWW, SILERO, type Job, type VadJob, type WakewordJob } from '../../runtime/slot-protocol.js';
-import { startWorkerSlot, type SlotHost } from '../../runtime/slots.js';
+import { OWW, SILERO, type Job, type VadJob, type WakewordJob } from '../../runtime/slots/slot-protocol.js';
+import { startWorkerSlot, type SlotHost } from '../../runtime/slots/slots.js';
 import { readFileSync } from 'node:fs';
 
 /** Deterministic noise in [-amp, amp] (a linear congruential generator). */

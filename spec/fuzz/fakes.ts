@@ -5,8 +5,8 @@
  */
 import { EventEmitter } from 'node:events';
 import type { LoadedModel, ModelLoader } from '../../runtime/loader.js';
-import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slot-protocol.js';
-import { SlotPool, type SlotHost } from '../../runtime/slots.js';
+import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slots/slot-protocol.js';
+import { SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 
 function vadResult(job: VadJob): JobResult {
   const n = job.windows.length / 512;

@@ -15,7 +15,13 @@ import { afterAll, describe, expect, it, onTestFinished } from 'vitest';
 import { validateModelConfig } from '../../actors/model.js';
 import { createStreamSocket, parseStreamParams } from '../../actors/stream.js';
 import { Supervisor } from '../../actors/supervisor.js';
-import { decodeWav, MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, PcmStreamDecoder } from '../../runtime/audio.js';
+import {
+  decodeWav,
+  MAX_CHANNELS,
+  MAX_SAMPLE_RATE,
+  MIN_SAMPLE_RATE,
+  PcmStreamDecoder,
+} from '../../runtime/audio/audio.js';
 import { loadServerConfig, ModelConfig, parseTaskOptions, ServerConfig } from '../../runtime/config.js';
 import { createTaskSession } from '../../runtime/tasks/index.js';
 import { parseBatchRequest, parseRunRequest } from '../../transport/http.js';

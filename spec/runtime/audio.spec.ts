@@ -1,6 +1,6 @@
 import { createRequire } from 'node:module';
 import { describe, expect, it } from 'vitest';
-import { decodeWav, PcmStreamDecoder, Resampler, resample, SPARE_CONVERTERS } from '../../runtime/audio.js';
+import { decodeWav, PcmStreamDecoder, Resampler, resample, SPARE_CONVERTERS } from '../../runtime/audio/audio.js';
 import { VoxError } from '../../runtime/errors.js';
 import { fixture, toneWav } from '../helpers.js';
 

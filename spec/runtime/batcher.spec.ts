@@ -7,8 +7,8 @@ import {
   type VadResult,
   type WakewordJob,
   type WakewordResult,
-} from '../../runtime/slot-protocol.js';
-import type { SlotPool } from '../../runtime/slots.js';
+} from '../../runtime/slots/slot-protocol.js';
+import type { SlotPool } from '../../runtime/slots/slots.js';
 
 /** Waits (in 1 ms steps) until `done()`. */
 const until = async (done: () => boolean): Promise<void> => {

@@ -51,7 +51,7 @@ describe('relative model paths in a config file', () => {
 
 describe('an ONNX file is recognised by its first bytes (onnx.proto ModelProto)', () => {
   it('accepts every model file the catalog ships and refuses other files', () => {
-    // Every one but RNNoise's WASM build (the `denoise` task's `rnnoise`, not ONNX: runtime/rnnoise.ts).
+    // Every one but RNNoise's WASM build (the `denoise` task's `rnnoise`, not ONNX: runtime/slots/rnnoise.ts).
     for (const f of shippedModelFiles().filter((f) => f !== RNNOISE_WASM))
       expect(looksLikeOnnx(readFileSync(f).subarray(0, 16)), f).toBe(true);
     expect(looksLikeOnnx(readFileSync(RNNOISE_WASM).subarray(0, 16))).toBe(false);

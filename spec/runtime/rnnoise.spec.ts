@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { loadRnnoiseModule, RNNOISE, RnnoiseEngine } from '../../runtime/rnnoise.js';
+import { loadRnnoiseModule, RNNOISE, RnnoiseEngine } from '../../runtime/slots/rnnoise.js';
 
 /** Deterministic noise with a tone in it, int16 scale, `frames` x 480 samples. */
 function signal(frames: number): Float32Array {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { decodeFrame, encodeFrame, type ToSlot } from '../../runtime/slot-protocol.js';
+import { decodeFrame, encodeFrame, type ToSlot } from '../../runtime/slots/slot-protocol.js';
 
 /** One frame's bytes in a buffer of their own (as the channel's `pread` gives them), at offset 0. */
 const bytes = (parts: Buffer[]): Uint8Array => new Uint8Array(Buffer.concat(parts));

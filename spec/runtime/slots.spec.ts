@@ -4,8 +4,14 @@ import { join } from 'node:path';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { defaultCatalog } from '../../runtime/config.js';
 import { voxError } from '../../runtime/errors.js';
-import { SLOT_DEPTH, type Job, type JobResult, type LoadSpec, type SlotInfo } from '../../runtime/slot-protocol.js';
-import { processSlots, SlotPool, type SlotHost } from '../../runtime/slots.js';
+import {
+  SLOT_DEPTH,
+  type Job,
+  type JobResult,
+  type LoadSpec,
+  type SlotInfo,
+} from '../../runtime/slots/slot-protocol.js';
+import { processSlots, SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 import { createTaskSession } from '../../runtime/tasks/index.js';
 import { ModelConfig } from '../../runtime/config.js';
 import { until } from '../helpers.js';

@@ -3,7 +3,7 @@ import { Worker } from 'node:worker_threads';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defaultCatalog, ServerConfig } from '../../runtime/config.js';
 import { createLoader, WeightBundles, type ModelLoader } from '../../runtime/loader.js';
-import { slotHostFile, slotOnWorker, type SlotFactory } from '../../runtime/slots.js';
+import { slotHostFile, slotOnWorker, type SlotFactory } from '../../runtime/slots/slots.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { expectSegments, fixture, loopWav, reference, streamPcm, until } from '../helpers.js';
 

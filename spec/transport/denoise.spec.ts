@@ -15,9 +15,9 @@ import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { VoxClient } from '../../client/node.js';
-import { resample } from '../../runtime/audio.js';
+import { resample } from '../../runtime/audio/audio.js';
 import { ServerConfig } from '../../runtime/config.js';
-import { loadRnnoiseModule, RNNOISE } from '../../runtime/rnnoise.js';
+import { loadRnnoiseModule, RNNOISE } from '../../runtime/slots/rnnoise.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, WaveFile } from '../helpers.js';
 

@@ -1,7 +1,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
-import { audioFormat } from '../../runtime/decode.js';
+import { audioFormat } from '../../runtime/audio/decode.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { expectSegments, fixture, handshake, reference } from '../helpers.js';
 
@@ -147,7 +147,7 @@ describe('compressed input on /v1/tasks/run', () => {
 
   it('the decoded-duration limit is checked while decoding', async () => {
     // audioFormat is the main thread's part; the limit itself is the worker's (decodeAudio's maxSeconds).
-    const { decodeAudio } = await import('../../runtime/decode.js');
+    const { decodeAudio } = await import('../../runtime/audio/decode.js');
     await expect(decodeAudio(fixture('espeak_sentence_16k.webm'), 'audio/webm', 2)).rejects.toThrow(
       /longer than the limit of 2 s/,
     );

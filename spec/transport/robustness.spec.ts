@@ -9,7 +9,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import WebSocket from 'ws';
-import { PcmStreamDecoder } from '../../runtime/audio.js';
+import { PcmStreamDecoder } from '../../runtime/audio/audio.js';
 import type { ModelLoader } from '../../runtime/loader.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';

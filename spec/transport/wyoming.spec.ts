@@ -7,7 +7,7 @@ import { connect, createServer, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
-import { Resampler } from '../../runtime/audio.js';
+import { Resampler } from '../../runtime/audio/audio.js';
 import { defaultCatalog } from '../../runtime/config.js';
 import type { VoxServer } from '../../transport/server.js';
 import { spawnServer } from '../../tools/spawn-server.js';

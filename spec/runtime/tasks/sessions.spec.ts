@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { ModelConfig } from '../../../runtime/config.js';
-import { OWW, SILERO, type Job, type JobResult } from '../../../runtime/slot-protocol.js';
+import { OWW, SILERO, type Job, type JobResult } from '../../../runtime/slots/slot-protocol.js';
 import { createTaskSession, drain, taskResult, type TaskEvent } from '../../../runtime/tasks/index.js';
 
 /**

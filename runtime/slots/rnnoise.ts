@@ -1,7 +1,7 @@
 /**
  * RNNoise (the `denoise` task's `rnnoise` model) as `@echogarden/rnnoise-wasm` ships it: the
  * xiph.org C library with its weights compiled in, built to WebAssembly (no file is read but the
- * package's own `.wasm`, nothing is downloaded). Only slot hosts load it (runtime/slot-worker.ts):
+ * package's own `.wasm`, nothing is downloaded). Only slot hosts load it (runtime/slots/slot-worker.ts):
  * a frame's processing is CPU work, which belongs off the server's event loop like an ONNX run.
  *
  * RNNoise keeps a `DenoiseState` per stream (its analysis and synthesis memories, pitch buffers
@@ -16,9 +16,9 @@
  * module instances between them, gives the library's own output sample for sample.
  */
 import { dirname, join } from 'node:path';
-import { RNNOISE_WASM } from './catalog.js';
+import { RNNOISE_WASM } from '../catalog.js';
 
-export { RNNOISE_WASM } from './catalog.js';
+export { RNNOISE_WASM } from '../catalog.js';
 
 /** The package's module factory (an Emscripten ES module), imported by path so it resolves without typings. */
 const RNNOISE_JS = join(dirname(RNNOISE_WASM), 'rnnoise.js');

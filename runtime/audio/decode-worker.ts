@@ -22,8 +22,8 @@ import {
   FORMAT_NAMES,
   parseJsonObject,
 } from './decode.js';
-import { toVoxError, voxError } from './errors.js';
-import { readTensor } from './tasks/tensor.js';
+import { toVoxError, voxError } from '../errors.js';
+import { readTensor } from '../tasks/tensor.js';
 
 /**
  * The decode worker (a worker thread started by {@link decodeAudio} in decode.ts): compressed

@@ -1,5 +1,5 @@
 import { createRequire } from 'node:module';
-import { invalid, voxError } from './errors.js';
+import { invalid, voxError } from '../errors.js';
 
 const require = createRequire(import.meta.url);
 // Both packages ship CommonJS/UMD bundles; require keeps their types usable under NodeNext.

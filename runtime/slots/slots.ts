@@ -5,7 +5,7 @@ import { join } from 'node:path';
 import type { Socket } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
-import { VoxError, voxError } from './errors.js';
+import { VoxError, voxError } from '../errors.js';
 import {
   FrameChannel,
   type FromSlot,
@@ -19,12 +19,12 @@ import {
 
 /**
  * The compiled slot host entry. Under the TypeScript sources (vitest) hosts still run the
- * compiled `dist/runtime/slot-worker.js`, so `npm run build` must have run first.
+ * compiled `dist/runtime/slots/slot-worker.js`, so `npm run build` must have run first.
  */
 export function slotHostFile(): URL {
   const sibling = new URL('./slot-worker.js', import.meta.url);
   if (existsSync(fileURLToPath(sibling))) return sibling;
-  return new URL('../dist/runtime/slot-worker.js', import.meta.url);
+  return new URL('../../dist/runtime/slots/slot-worker.js', import.meta.url);
 }
 
 /** What the pool needs of one slot; the real ones are child processes or worker threads, tests may use fakes. */
@@ -261,7 +261,7 @@ export function slotOnWorker(worker: Worker, spec: LoadSpec): Promise<SlotHost> 
 }
 
 /**
- * A factory of child-process slot hosts (`isolation: "process"`): `node dist/runtime/slot-worker.js`
+ * A factory of child-process slot hosts (`isolation: "process"`): `node dist/runtime/slots/slot-worker.js`
  * forked with two channels: the IPC channel (Node's `advanced` serialization) for `load` and
  * `release`, and a pipe (the child's fd 4) for `run` and its answer as binary frames
  * ({@link encodeFrame}), so audio crosses as raw bytes with one copy on each side. A job over
@@ -367,7 +367,7 @@ export function slotFactory(isolation: 'process' | 'thread', jobTimeoutMs: numbe
 
 /**
  * What a model entry (and its batcher) uses of its slots: a {@link SlotPool} of its own, or a view
- * of a shared one (a wake-word family, runtime/wakeword-family.ts).
+ * of a shared one (a wake-word family, runtime/wakeword/wakeword-family.ts).
  */
 export type ModelPool = Pick<
   SlotPool,

@@ -33,7 +33,7 @@ import {
   type DenoiseJob,
 } from './slot-protocol.js';
 import { RNNOISE, RnnoiseEngine } from './rnnoise.js';
-import { unsupportedDtype } from './tasks/tensor.js';
+import { unsupportedDtype } from '../tasks/tensor.js';
 
 /** The worker thread's port, or null in a child process (then `process.send` / `process.on`). */
 const port = parentPort;
@@ -364,7 +364,7 @@ async function loadTensor(model: string): Promise<SlotInfo> {
 
 /**
  * RNNoise (`denoise`): one module instance of the package's WASM build; each row of a job has its
- * state copied in, its frames denoised in place, and its state copied out (runtime/rnnoise.ts).
+ * state copied in, its frames denoised in place, and its state copied out (runtime/slots/rnnoise.ts).
  */
 async function loadDenoise(): Promise<SlotInfo> {
   const engine = await RnnoiseEngine.load();

@@ -22,7 +22,7 @@ export type LoadSpec =
   | { kind: 'wakeword'; heads: string[]; melspectrogram: Uint8Array; embedding: Uint8Array }
   /** Any ONNX model, run as it is: named tensors in, named tensors out. */
   | { kind: 'tensor'; model: string }
-  /** RNNoise (`denoise`): `model` is the package's WASM build (runtime/rnnoise.ts), which the slot imports. */
+  /** RNNoise (`denoise`): `model` is the package's WASM build (runtime/slots/rnnoise.ts), which the slot imports. */
   | { kind: 'denoise'; model: string };
 
 /**
@@ -55,7 +55,7 @@ export interface SlotInfo {
   initialEmbeddings?: Float32Array;
   /** tensor: the model's inputs and outputs, in the session's order. */
   tensor?: { inputs: TensorMeta[]; outputs: TensorMeta[] };
-  /** denoise: a fresh stream's serialised RNNoise state (runtime/rnnoise.ts). */
+  /** denoise: a fresh stream's serialised RNNoise state (runtime/slots/rnnoise.ts). */
   denoiseState?: Float32Array;
 }
 

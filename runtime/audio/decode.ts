@@ -3,7 +3,7 @@ import { availableParallelism } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
 import { MAX_AUDIO_SECONDS, MODEL_SAMPLE_RATE } from './audio.js';
-import { fromWire, voxError, type WireError } from './errors.js';
+import { fromWire, voxError, type WireError } from '../errors.js';
 
 /** Audio containers and codecs accepted by `/v1/tasks/run` and `/v1/tasks/batch`. */
 export const AUDIO_FORMATS = ['wav', 'mp3', 'ogg-vorbis', 'ogg-opus', 'flac', 'webm-opus'] as const;
@@ -190,7 +190,7 @@ export const OFF_THREAD_JSON_BYTES = 1024 * 1024;
 function workerFile(): URL {
   const sibling = new URL('./decode-worker.js', import.meta.url);
   if (existsSync(fileURLToPath(sibling))) return sibling;
-  return new URL('../dist/runtime/decode-worker.js', import.meta.url);
+  return new URL('../../dist/runtime/audio/decode-worker.js', import.meta.url);
 }
 
 /**

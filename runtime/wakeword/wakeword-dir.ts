@@ -1,9 +1,9 @@
 import { type FSWatcher, watch } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import { join } from 'node:path';
-import { invalid } from './errors.js';
-import { spellAsId } from './names.js';
-import { headProblem } from './onnx-file.js';
+import { invalid } from '../errors.js';
+import { spellAsId } from '../names.js';
+import { headProblem } from '../onnx-file.js';
 
 /**
  * `wakeword_dir` (docs/models.md#a-folder-of-wake-words): a folder of openWakeWord heads, each

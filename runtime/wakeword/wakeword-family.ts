@@ -1,7 +1,7 @@
 import { readFile } from 'node:fs/promises';
-import { headInfo } from './onnx-file.js';
-import type { Job, JobResult, LoadSpec, SlotInfo } from './slot-protocol.js';
-import { SlotPool, type ModelPool, type SlotFactory } from './slots.js';
+import { headInfo } from '../onnx-file.js';
+import type { Job, JobResult, LoadSpec, SlotInfo } from '../slots/slot-protocol.js';
+import { SlotPool, type ModelPool, type SlotFactory } from '../slots/slots.js';
 
 /**
  * Wake words share their features (issue 22): every wake-word model (a single head, an ad hoc
