@@ -63,7 +63,10 @@ export interface TaskRequest {
    * answer is the protocol's `$inference_response` (transport/v2.ts), `id` echoed.
    */
   v2?: { id?: string };
-  /** `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent `Accept: text/event-stream`). */
+  /**
+   * `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent
+   * `Accept: text/event-stream`).
+   */
   progress?: boolean;
   /** When the request arrived, `performance.now()` ms. */
   t0: number;
@@ -71,7 +74,10 @@ export interface TaskRequest {
   denoise?: string;
   /** A denoise answer's sample rate, Hz (`sample_rate=`); absent: the input's. */
   sampleRate?: number;
-  /** The client asked for JSON (`Accept: application/json`): a denoise answer is then its per-frame speech probabilities and timing, not audio. */
+  /**
+   * The client asked for JSON (`Accept: application/json`): a denoise answer is then its per-frame speech probabilities
+   * and timing, not audio.
+   */
   json?: boolean;
 }
 
@@ -282,7 +288,9 @@ interface ExchangeRun {
   outcome: string;
 }
 
-/** What a granted exchange runs its jobs with: the lease's grant and signal, and how long a job may wait for a slot, ms. */
+/**
+ * What a granted exchange runs its jobs with: the lease's grant and signal, and how long a job may wait for a slot, ms.
+ */
 interface Work {
   readonly granted: Granted;
   /** A chain's first link (`denoise=`): the denoise model's grant, under its own lease. */
@@ -444,7 +452,10 @@ async function streamBatch(x: ExchangeRun, w: Work): Promise<void> {
   x.send({ type: 'SSE_END', rid });
 }
 
-/** An exchange that failed: the error (the revocation's, if revoked) as its response, or as the last event once events have started. */
+/**
+ * An exchange that failed: the error (the revocation's, if revoked) as its response, or as the last event once events
+ * have started.
+ */
 function failExchange(x: ExchangeRun, e: unknown): void {
   const why = x.revoked ?? e;
   x.outcome = why instanceof DOMException && why.name === 'AbortError' ? 'cancelled' : toVoxError(why).type;
@@ -516,7 +527,8 @@ const exchange = fromCallback<
           'denoise',
           `a chain starts a VAD or wake-word request; '${granted.model}' is a ${granted.config.task} model`,
         );
-      // The chain's first link: an entry with its own lease, taken after the last link's (C1: before any input is prepared).
+      // The chain's first link: an entry with its own lease, taken after the last link's (C1: before any input is
+      // prepared).
       const first = leaseGranted(
         registry.require(request.denoise),
         { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
@@ -562,7 +574,10 @@ const exchange = fromCallback<
 export interface HttpSocketInput {
   limits: Limits;
   registry: Supervisor;
-  /** Bytes read from the connection so far (a request's headers still arriving count as activity); default: never changes. */
+  /**
+   * Bytes read from the connection so far (a request's headers still arriving count as activity); default: never
+   * changes.
+   */
   bytesRead?: () => number;
 }
 
@@ -570,7 +585,10 @@ interface HttpContext {
   limits: Limits;
   registry: Supervisor;
   bytesRead: () => number;
-  /** Requests handled now on this connection (task exchanges and other routes), oldest first, and which of them are unsafe. */
+  /**
+   * Requests handled now on this connection (task exchanges and other routes), oldest first, and which of them are
+   * unsafe.
+   */
   active: number[];
   unsafe: number[];
   /** Requests that arrived (pipelined) and wait for their turn, oldest first. */
@@ -614,7 +632,10 @@ export const httpSocketMachine = setup({
   delays: { keepAlive: ({ context }) => context.limits.idle_ms },
   actions: {
     markRead: assign({ readMark: ({ context }) => context.bytesRead() }),
-    /** Starts waiting requests from the oldest while the pipelining rule allows: a safe one when no unsafe one runs, an unsafe one when nothing runs. */
+    /**
+     * Starts waiting requests from the oldest while the pipelining rule allows: a safe one when no unsafe one runs, an
+     * unsafe one when nothing runs.
+     */
     startWaiting: enqueueActions(({ enqueue, context }) => {
       const active = [...context.active];
       const unsafe = [...context.unsafe];

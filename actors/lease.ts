@@ -32,7 +32,10 @@ export interface Granted {
    * bounds the wait for a slot and runs it unbatched. Aborted when the lease ends.
    */
   run: (job: Job, waitMs?: number) => Promise<JobResult>;
-  /** {@link run} without a wait bound, its end told to `done` (a stream's jobs: no promise per job, see {@link Batcher.submit}). */
+  /**
+   * {@link run} without a wait bound, its end told to `done` (a stream's jobs: no promise per job, see {@link
+   * Batcher.submit}).
+   */
   send: (job: Job, done: Done<JobResult>) => void;
   /** Time from the request to the grant of its lease (before any load), ms. */
   queueMs: number;
@@ -62,7 +65,10 @@ export interface LeaseHandle {
   release(): void;
 }
 
-/** A place in a model's line of first jobs: `before` resolves once every earlier holder's first job is submitted (or its lease ended); `done()` passes the turn on. */
+/**
+ * A place in a model's line of first jobs: `before` resolves once every earlier holder's first job is submitted (or its
+ * lease ended); `done()` passes the turn on.
+ */
 interface Turn {
   readonly before: Promise<void>;
   done(): void;
@@ -282,7 +288,10 @@ export class JobPump {
     this.ats.push(at);
   }
 
-  /** Runs every ready job, in order. While a job is in flight a call does nothing: the next job is looked for after each result. */
+  /**
+   * Runs every ready job, in order. While a job is in flight a call does nothing: the next job is looked for after each
+   * result.
+   */
   pump(): void {
     if (!this.running) this.next();
   }
@@ -294,7 +303,10 @@ export class JobPump {
     return new Promise((resolve) => this.waiters.push(resolve));
   }
 
-  /** Sends the session's next job, or (none ready) goes idle. A throw fails the pump a microtask later, as a failed job does. */
+  /**
+   * Sends the session's next job, or (none ready) goes idle. A throw fails the pump a microtask later, as a failed job
+   * does.
+   */
   private next(): void {
     let job: Job | null;
     try {

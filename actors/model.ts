@@ -54,7 +54,10 @@ export interface ModelContext {
   serverCrashCooldownMs: number;
   /** Why the pool is failing now (a `SLOT_FAILED` in `ready`), until it has closed. */
   slotFailure: string | null;
-  /** The last crash-loop failure: how many in a row, when, until when the model is held back, ms since the epoch, and why. */
+  /**
+   * The last crash-loop failure: how many in a row, when, until when the model is held back, ms since the epoch, and
+   * why.
+   */
   coolDown: CoolDown | null;
   /** The server drains (shutdown): a load in progress is abandoned and no new one starts. */
   draining: boolean;
@@ -92,17 +95,28 @@ export type ModelEvent =
   /** Give up the slots for the supervisor; refused (`EVICT_REFUSED` to `replyTo`) unless idle. */
   | { type: 'EVICT'; reason: EvictReason; replyTo?: AnyActorRef }
   | { type: 'SLOT_FAILED'; message: string }
-  /** From the `residency` actor: every slot has run its job longer than the busy timeout (C4; the pool's timer decides). */
+  /**
+   * From the `residency` actor: every slot has run its job longer than the busy timeout (C4; the pool's timer decides).
+   */
   | { type: 'SLOTS_STUCK' }
   /** From the `residency` actor: the stuck slots move again (a job ended, a slot freed). */
   | { type: 'SLOTS_FLOWING' }
-  /** The server drains (shutdown): a load in progress is abandoned (its slot hosts killed), a `LOAD` is refused `shutting_down`. */
+  /**
+   * The server drains (shutdown): a load in progress is abandoned (its slot hosts killed), a `LOAD` is refused
+   * `shutting_down`.
+   */
   | { type: 'DRAIN' }
-  /** The admission queue changed (a lease granted or released, a waiter came or left): `ready.idle` / `ready.busy` look again. */
+  /**
+   * The admission queue changed (a lease granted or released, a waiter came or left): `ready.idle` / `ready.busy` look
+   * again.
+   */
   | { type: 'LEASES' }
   /** From the `residency` actor: the cold-load gate let the load through. */
   | { type: 'LOAD_GRANTED' }
-  /** From the `residency` actor: the pool is complete (`residentBytes` measured; `remote`: its slots are on other nodes). */
+  /**
+   * From the `residency` actor: the pool is complete (`residentBytes` measured; `remote`: its slots are on other
+   * nodes).
+   */
   | { type: 'LOADED'; residentBytes: number; remote: boolean }
   | { type: 'LOAD_FAILED'; error: unknown }
   /** From the `residency` actor: the pool is closed (`error` if closing failed). */
@@ -115,7 +129,9 @@ export type ModelEvent =
 export interface ModelDeps {
   /** Builds the pool for a config (aborted when the entry leaves `resident` while loading). */
   loader: ModelLoader;
-  /** Estimated footprint of a config, bytes, sent to the supervisor's cold-load gate (0 when the memory guard is off). */
+  /**
+   * Estimated footprint of a config, bytes, sent to the supervisor's cold-load gate (0 when the memory guard is off).
+   */
   footprint: (config: ModelConfig) => Promise<number>;
   /**
    * The model's admission queue, the one home of its leases: the guards read what it holds and
@@ -158,7 +174,10 @@ export interface ModelInput {
   serverCrashCooldownMs?: number;
 }
 
-/** What a model chart emits: it has settled `ready` (the pool is live) or `unloaded` (after a failed load, `failure` says why). */
+/**
+ * What a model chart emits: it has settled `ready` (the pool is live) or `unloaded` (after a failed load, `failure`
+ * says why).
+ */
 export type ModelEmitted = { type: 'ready' } | { type: 'unloaded' };
 
 /** Replies to `EVICT`, sent to its `replyTo`. */
@@ -288,7 +307,8 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
  * - The tag `slots` marks the states whose pool exists (`ready`, and `unloading` / `reconfiguring`
  *   until it has closed): residency as the supervisor counts it (C12).
  * - A failed load returns to `unloaded` with `lastError` (not for a 503 refusal) and can be
- *   retried; so does a load still building after `loadTimeout` ms (`load_timeout_ms`); a slot that dies in `ready` unloads the model with `lastError` set.
+ *   retried; so does a load still building after `loadTimeout` ms (`load_timeout_ms`); a slot that dies in `ready`
+ * unloads the model with `lastError` set.
  * Live resources come as input ({@link ModelDeps}); {@link ModelEntry} gives the real ones.
  */
 export const modelMachine = setup({
@@ -303,7 +323,10 @@ export const modelMachine = setup({
   actions: {
     /** Takes the exclusive lease for an accepted eviction (released once closed). */
     holdForEviction: assign({ evictionLease: ({ context }) => context.deps.admission.tryAcquire(true) }),
-    /** Gives the eviction's exclusive lease back, after the chart has settled in `unloaded` (requests queued behind it load again). */
+    /**
+     * Gives the eviction's exclusive lease back, after the chart has settled in `unloaded` (requests queued behind it
+     * load again).
+     */
     releaseEviction: enqueueActions(({ context, enqueue }) => {
       const lease = context.evictionLease;
       if (!lease) return;
@@ -434,7 +457,8 @@ export const modelMachine = setup({
       states: {
         loading: {
           initial: 'queued',
-          // Shutdown: the load is abandoned (leaving `resident` stops the `residency` actor, which kills the hosts still loading).
+          // Shutdown: the load is abandoned (leaving `resident` stops the `residency` actor, which kills the hosts
+          // still loading).
           always: {
             guard: 'draining',
             target: '#model.unloaded',
@@ -523,7 +547,8 @@ export const modelMachine = setup({
               states: {
                 idle: {
                   always: { guard: 'inUse', target: 'busy' },
-                  // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; `keepAliveOff`: no timer at all.
+                  // Keep-alive: with it on, `idle.waiting` raises EVICT idle after the delay; `keepAliveOff`: no timer
+                  // at all.
                   initial: 'init',
                   states: {
                     init: { always: [{ guard: 'keepAliveOn', target: 'waiting' }, { target: 'keepAliveOff' }] },
@@ -638,7 +663,10 @@ export type ModelActor = ActorRefFrom<typeof modelMachine>;
 /** A model entry's state as `/v1/models` reports it. */
 export type ModelState = 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
 
-/** The reported state of a model chart's value (`{resident: {ready: 'idle'}}` -> `ready`, `{resident: {loading: 'queued'}}` -> `loading`). */
+/**
+ * The reported state of a model chart's value (`{resident: {ready: 'idle'}}` -> `ready`, `{resident: {loading:
+ * 'queued'}}` -> `loading`).
+ */
 export function stateName(value: unknown): ModelState {
   if (value === 'coolingDown') return 'unloaded';
   if (typeof value === 'string') return value as ModelState;
@@ -999,7 +1027,10 @@ export class ModelEntry {
     });
   }
 
-  /** Resolves once the chart has settled in one of `states` (now, or at its next `ready` / `unloaded`); rejects if the chart stops first. */
+  /**
+   * Resolves once the chart has settled in one of `states` (now, or at its next `ready` / `unloaded`); rejects if the
+   * chart stops first.
+   */
   settledIn(...states: ('ready' | 'unloaded')[]): Promise<void> {
     return new Promise<void>((resolve, reject) => {
       const step = (): void => {

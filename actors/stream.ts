@@ -288,7 +288,10 @@ export class StreamChannel {
   sink: ((frames: readonly Buffer[], count: number, arrivedAt: number) => void) | null = null;
   /** The transport's writer (set by it). */
   write: (event: WireEvent) => void = () => {};
-  /** Called once when the client goes over `limits.ws_max_messages_per_s` (set by the transport); later messages are dropped. */
+  /**
+   * Called once when the client goes over `limits.ws_max_messages_per_s` (set by the transport); later messages are
+   * dropped.
+   */
   onFlood: () => void = () => {};
   /** Called when a write has waited `limits.send_timeout_ms` to flush, with how long, ms (set by the transport). */
   onSendExpired: (waitingMs: number) => void = () => {};
@@ -298,7 +301,9 @@ export class StreamChannel {
   private unflushed = 0;
   private paused = false;
   private sendTimer: NodeJS.Timeout | null = null;
-  /** Frames of this turn, not yet flushed: the first `frameCount` (the list is kept: emptying it gave its storage up). */
+  /**
+   * Frames of this turn, not yet flushed: the first `frameCount` (the list is kept: emptying it gave its storage up).
+   */
   private readonly frames: Buffer[] = [];
   private frameCount = 0;
   private frameBytes = 0;
@@ -422,7 +427,9 @@ export class StreamChannel {
   }
 }
 
-/** Events the transport sends a stream socket actor: bytes turned into events (frames go by its {@link StreamChannel}). */
+/**
+ * Events the transport sends a stream socket actor: bytes turned into events (frames go by its {@link StreamChannel}).
+ */
 export type StreamInput =
   | { type: 'END' }
   /** A text frame that is not `{"type":"end"}`: answered with an `error` event, the stream goes on. */
@@ -443,7 +450,10 @@ export type StreamInput =
 
 /** Events the `work` actor sends its socket actor. */
 export type WorkEvent =
-  /** `sampleRate`: the rate the model runs at (16 kHz; a denoise stream: the rate its audio comes back at, the stream's). */
+  /**
+   * `sampleRate`: the rate the model runs at (16 kHz; a denoise stream: the rate its audio comes back at, the
+   * stream's).
+   */
   | { type: 'READY'; model: string; task: string; sampleRate?: number }
   /** Answer to `CHECK_IDLE`: ms since the client last sent a message. */
   | { type: 'IDLE_REPORT'; silentMs: number }
@@ -615,7 +625,10 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let frontLease: LeaseHandle | null = null;
     /** A denoise stream: RNNoise's 48 kHz output back to the stream's rate, and its encoding. */
     let back: { resampler: Resampler; encoding: PcmEncoding } | null = null;
-    /** Unprocessed audio past which reading pauses: {@link MAX_PENDING_SAMPLES} at 16 kHz (10 s), as long at the session's rate. */
+    /**
+     * Unprocessed audio past which reading pauses: {@link MAX_PENDING_SAMPLES} at 16 kHz (10 s), as long at the
+     * session's rate.
+     */
     let pendingLimit = MAX_PENDING_SAMPLES;
     /** Samples per ms at the session's rate. */
     let perMs = 16;
@@ -626,7 +639,10 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let ended = false;
     /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
     let caughtUpAt = performance.now();
-    /** The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window waiting. */
+    /**
+     * The server holds audio of the client it has not processed: not ready yet, a job in flight, or a whole window
+     * waiting.
+     */
     const behind = (): boolean =>
       !pump ||
       pump.running ||
@@ -709,7 +725,9 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       resume();
       if (ended && session.finished && !gone()) finishing.run(done);
     };
-    /** A denoise stream's audio so far (with `last`, what its resampler still holds) to the client, as binary frames. */
+    /**
+     * A denoise stream's audio so far (with `last`, what its resampler still holds) to the client, as binary frames.
+     */
     const sendAudio = (last = false): void => {
       const session = pump!.session;
       if (!back || !(session instanceof DenoiseSession)) return;
@@ -999,7 +1017,10 @@ export const streamSocketMachine = setup({
     /** What is left of the idle deadline since the last message, ms (from the last `IDLE_REPORT`). */
     idleLeft: ({ context }) => context.idleLeftMs,
     heartbeat: ({ context }) => context.limits.heartbeat_ms,
-    /** The beacon ping's interval while the server has paused reading, ms: `heartbeat_ms`, at most {@link PAUSED_PING_MS}. */
+    /**
+     * The beacon ping's interval while the server has paused reading, ms: `heartbeat_ms`, at most {@link
+     * PAUSED_PING_MS}.
+     */
     pausedPing: ({ context }) => Math.min(context.limits.heartbeat_ms, PAUSED_PING_MS),
     total: ({ context }) => context.limits.total_ms,
     /** How long `closing` waits for the peer's close frame. */
@@ -1066,7 +1087,8 @@ export const streamSocketMachine = setup({
               }) as CutEvent,
           ),
         },
-        // Stop reading a flooding client at once: the rest of its flood is not parsed (nor its close frame: `closing` ends at closeGrace).
+        // Stop reading a flooding client at once: the rest of its flood is not parsed (nor its close frame: `closing`
+        // ends at closeGrace).
         FLOODED: {
           actions: [
             raise(({ context }) => cutFor(voxError('stream_flooded', { perS: context.limits.ws_max_messages_per_s }))),

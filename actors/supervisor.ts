@@ -169,7 +169,10 @@ export const supervisorMachine = setup({
   actions: {
     /** Measures room for `current` into `context.room`. */
     measureRoom: assign({ room: ({ context }) => context.deps.measure(context.current!, context.refused) }),
-    /** Answers the current load `LOAD_REFUSED` with the figures: no room (`server_busy`) or no memory (`insufficient_memory`). */
+    /**
+     * Answers the current load `LOAD_REFUSED` with the figures: no room (`server_busy`) or no memory
+     * (`insufficient_memory`).
+     */
     refuse: sendTo(
       ({ context }) => context.current!.replyTo,
       ({ context }, params: { why: 'room' | 'memory' }): GateReply => {
@@ -357,7 +360,9 @@ export interface SupervisorOptions {
   catalog?: ModelConfig[];
   /** Available memory, bytes; default: cgroup limit and MemAvailable, the lower. */
   memoryProbe?: MemoryProbe;
-  /** A model's footprint before it has loaded, bytes; default: its files' sizes x a factor ({@link estimateFootprint}). */
+  /**
+   * A model's footprint before it has loaded, bytes; default: its files' sizes x a factor ({@link estimateFootprint}).
+   */
   footprint?: (config: ModelConfig) => Promise<number>;
   metrics?: Metrics;
   /** Default: a pino logger at the config's `log_level`. */
@@ -617,7 +622,8 @@ export class Supervisor {
       max_loaded: this.config.max_loaded_models,
       resident: others.map((e) => e.id),
       retiring: others.filter((e) => e.state !== 'ready').map((e) => e.id),
-      // Every ready model is asked in LRU order; a busy one refuses (the try-acquire), and is asked again after a change.
+      // Every ready model is asked in LRU order; a busy one refuses (the try-acquire), and is asked again after a
+      // change.
       candidates: others
         .filter((e) => e.state === 'ready' && !refused.includes(e.id))
         .sort((a, b) => (a.lastUsed ?? 0) - (b.lastUsed ?? 0))
@@ -711,7 +717,9 @@ export class Supervisor {
     return config ? this.publish(this.resolveHeads(config)) : undefined;
   }
 
-  /** The config another node of the cluster registered `id` with ({@link SupervisorOptions.elsewhere}), if valid here. */
+  /**
+   * The config another node of the cluster registered `id` with ({@link SupervisorOptions.elsewhere}), if valid here.
+   */
   private registeredElsewhere(id: string): ModelConfig | undefined {
     const body = this.elsewhere?.(id);
     if (!body) return undefined;
@@ -864,7 +872,10 @@ export class Supervisor {
     });
   }
 
-  /** The 404 (`model_not_found`) for a model id this server does not know, with the ids it probably meant ({@link similarIds}). */
+  /**
+   * The 404 (`model_not_found`) for a model id this server does not know, with the ids it probably meant ({@link
+   * similarIds}).
+   */
   unknownModel(id: string): VoxError {
     return voxError('model_not_found', { id, similar: this.similarModels(id) });
   }
@@ -971,7 +982,9 @@ export class Supervisor {
     return { unloaded, not_found };
   }
 
-  /** A registered model's chart state value (`{resident: {ready: 'idle'}}`), for `/debug`; undefined if not registered. */
+  /**
+   * A registered model's chart state value (`{resident: {ready: 'idle'}}`), for `/debug`; undefined if not registered.
+   */
   chartValue(id: string): unknown {
     return this.entries.get(id)?.actor.getSnapshot().value;
   }

@@ -41,7 +41,10 @@ export const systemMachine = setup({
   delays: {
     /** `drain_timeout_ms` (the supervisor provides the configured value). */
     drainTimeout: 10_000,
-    /** How long idle keep-alive connections are left, once drained, for their clients' next request (answered 503 with `Connection: close`): closing one while a request is on its way resets that request. */
+    /**
+     * How long idle keep-alive connections are left, once drained, for their clients' next request (answered 503 with
+     * `Connection: close`): closing one while a request is on its way resets that request.
+     */
     idleLinger: 1_000,
   },
 }).createMachine({

@@ -277,7 +277,9 @@ interface Lane {
   pump: JobPump | null;
 }
 
-/** The current audio stream of a connection: its detections so far, its format (the decoder's), and the client's clock. */
+/**
+ * The current audio stream of a connection: its detections so far, its format (the decoder's), and the client's clock.
+ */
 interface AudioStream {
   detections: number;
   format: PcmFormat;

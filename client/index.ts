@@ -20,7 +20,15 @@ import type { ModelStatus } from '../actors/model.js';
 import type { ErrorCode, WireError as ServerWireError } from '../runtime/errors.js';
 import type { Segment } from '../runtime/tasks/vad.js';
 // The wire constants the server uses too (a module with no imports: bundled for the browser as is).
-import { CLOSE, CLOSE_TYPE, KEY_PROTOCOL, SUBPROTOCOLS, typeOfStatus, type ErrorType } from '../runtime/wire.js';
+import {
+  CLOSE,
+  CLOSE_TYPE,
+  ERROR_STATUS,
+  KEY_PROTOCOL,
+  SUBPROTOCOLS,
+  typeOfStatus,
+  type ErrorType,
+} from '../runtime/wire.js';
 
 /** Error types of the wire interface (`{"error":{"type","code","message"}}`, stream `error` events). */
 export type WireErrorType = ErrorType;
@@ -72,7 +80,9 @@ export interface Timing {
   rtf: number;
 }
 
-/** A speech segment: ms and samples (16 kHz) from the start of the audio; `confidence` is the mean speech probability. */
+/**
+ * A speech segment: ms and samples (16 kHz) from the start of the audio; `confidence` is the mean speech probability.
+ */
 export type { Segment };
 
 export interface Detection {
@@ -202,7 +212,9 @@ export interface ClientOptions {
    * that answers `GET /ready` with 200 (asked in this order) and asks again after a connection error.
    */
   urls?: string[];
-  /** The management token (`management.token`): sent as `Authorization: Bearer <token>` on status and management calls. */
+  /**
+   * The management token (`management.token`): sent as `Authorization: Bearer <token>` on status and management calls.
+   */
   token?: string;
   /**
    * An API key (one of the server's `auth.api_keys`) for `run`, `batch` and streams: sent as
@@ -238,7 +250,10 @@ export interface RunOptions {
   denoise?: string;
   /** The request's own busy timeout, ms. */
   busyTimeoutMs?: number;
-  /** Content type of the bytes; default: `audio/wav` for a RIFF file, a Blob's own type, else `application/octet-stream`. */
+  /**
+   * Content type of the bytes; default: `audio/wav` for a RIFF file, a Blob's own type, else
+   * `application/octet-stream`.
+   */
   contentType?: string;
   /** Asks for progress (server-sent events) and calls this as the file is processed. */
   onProgress?: (p: Progress) => void;
@@ -262,7 +277,10 @@ export interface StreamOptions {
   busyTimeoutMs?: number;
   /** Task options (`threshold`, `max_speech_duration_s`, ...), sent as query parameters. */
   options?: Record<string, string | number | boolean>;
-  /** VAD: send a `probability` event per 32 ms window (`true`), or one per this many ms carrying that span's windows (32-60000). */
+  /**
+   * VAD: send a `probability` event per 32 ms window (`true`), or one per this many ms carrying that span's windows
+   * (32-60000).
+   */
   probabilities?: boolean | number;
   /** Wake words: send a `score` event per 80 ms step with each label's score (the task option `scores`). */
   scores?: boolean;
@@ -525,12 +543,17 @@ export class VoxClient {
     return (await (await this.request(path, init)).json()) as T;
   }
 
-  /** The `models` array of `GET /v1/models`: the registered models and the catalog models not yet used (see {@link modelList}). */
+  /**
+   * The `models` array of `GET /v1/models`: the registered models and the catalog models not yet used (see {@link
+   * modelList}).
+   */
   async models(): Promise<ModelStatus[]> {
     return (await this.modelList()).models;
   }
 
-  /** `GET /v1/models` as it is: `models`, and `failed_models` (configured models that failed to load, with the error). */
+  /**
+   * `GET /v1/models` as it is: `models`, and `failed_models` (configured models that failed to load, with the error).
+   */
   modelList(): Promise<{ models: ModelStatus[]; failed_models: { id: string; error: string }[] }> {
     return this.json('/v1/models');
   }
@@ -787,7 +810,9 @@ export interface ResumePlan {
   reopen(offsetMs: number, refused: ReadonlySet<string>): Promise<{ ws: WebSocketLike; url: string }>;
 }
 
-/** Close codes after which a stream with `resume` tries another node: the server went away or the connection dropped. */
+/**
+ * Close codes after which a stream with `resume` tries another node: the server went away or the connection dropped.
+ */
 const RESUMABLE_CLOSE = new Set<number>([CLOSE.GOING_AWAY, CLOSE.ABNORMAL]);
 
 /** A resume under way: where the new session starts, and what is reported once it does. */
@@ -917,7 +942,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
           type: 'error',
           error: { type: 'server_error', message: `undecodable event frame: ${(e as Error).message}` },
         };
-        return ws.close(1002, 'undecodable event frame');
+        return ws.close(CLOSE.PROTOCOL_ERROR, 'undecodable event frame');
       }
       this.last = event;
       this.received(event);
@@ -966,7 +991,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     }
   }
 
-  /** The server processed the audio up to `ms` on the stream's clock: the events before are handed on, the audio before is let go. */
+  /**
+   * The server processed the audio up to `ms` on the stream's clock: the events before are handed on, the audio before
+   * is let go.
+   */
   private confirm(ms: number): void {
     this.confirmedMs = ms;
     for (const e of this.held.splice(0)) this.deliver(e);
@@ -1030,7 +1058,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     return (b / this.plan!.frameBytes / this.plan!.sampleRate) * 1000;
   }
 
-  /** The node went away: starts a resume from the confirmed audio (the held events are dropped: the new session says them again). */
+  /**
+   * The node went away: starts a resume from the confirmed audio (the held events are dropped: the new session says
+   * them again).
+   */
   private resume(): void {
     const plan = this.plan!;
     this.held = [];
@@ -1058,7 +1089,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     while (!this.closedByUs && !this.info) {
       try {
         const { ws, url } = await this.plan!.reopen(r.ms, r.refused);
-        if (this.closedByUs) return ws.close(1000, 'client closed');
+        if (this.closedByUs) return ws.close(CLOSE.NORMAL, 'client closed');
         this.url = url;
         return this.attach(ws);
       } catch (e) {
@@ -1320,7 +1351,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private afterClose(): VoxClientError {
     const info = this.info;
     if (info?.error) return info.error;
-    if (info && !this.closedByUs && info.code !== 1000) {
+    if (info && !this.closedByUs && info.code !== CLOSE.NORMAL) {
       return new VoxClientError(
         CLOSE_TYPE[info.code] ?? 'server_error',
         `the server closed the stream (${info.code}${info.reason ? `: ${info.reason}` : ''}) before all audio was sent`,
@@ -1330,7 +1361,10 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     return new VoxClientError('invalid_request_error', 'send after the stream closed');
   }
 
-  /** Runs `write` after every earlier waiting send, once the socket is below its high-water mark (and, with `resume`, connected). */
+  /**
+   * Runs `write` after every earlier waiting send, once the socket is below its high-water mark (and, with `resume`,
+   * connected).
+   */
   private enqueue(write: () => void): Promise<void> {
     this.waiting++;
     const p = this.tail.then(async () => {
@@ -1374,7 +1408,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   }
 
   /** Closes the stream from this side (no `done`); the iterator ends without an error. */
-  close(code = 1000, reason = 'client closed'): void {
+  close(code: number = CLOSE.NORMAL, reason = 'client closed'): void {
     this.closedByUs = true;
     if (this.resuming) this.finish({ code, reason });
     this.ws.close(code, reason);
@@ -1398,4 +1432,4 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
 /** Whether a failed resume attempt is worth another: the node could not be reached, was busy or going away. */
 const retryable = (e: VoxClientError): boolean =>
-  e.type === 'connection_error' || e.type === 'server_busy' || e.type === 'shutting_down' || e.status === 503;
+  e.type === 'connection_error' || ERROR_STATUS[e.type] === 503 || e.status === 503;

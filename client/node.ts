@@ -15,7 +15,10 @@ export * from './index.js';
 // `stream.sendFile(path)`: under Node a file is read by its path.
 VoxStream.readPath = async (path: string) => new Uint8Array(await readFile(path));
 
-/** How long an upload waits for `100 Continue` before it sends its body anyway (RFC 9110, 10.1.1: servers that never answer it), ms. */
+/**
+ * How long an upload waits for `100 Continue` before it sends its body anyway (RFC 9110, 10.1.1: servers that never
+ * answer it), ms.
+ */
 const CONTINUE_WAIT_MS = 1000;
 
 /**

@@ -10,7 +10,9 @@ import type { KV, KvEntry } from '@nats-io/kv';
 import type { Logger } from 'pino';
 import { lockKey } from './nats.js';
 
-/** A cold-load lock as a node loading under it names it: its key and the token of that taking (a take-over changes it). */
+/**
+ * A cold-load lock as a node loading under it names it: its key and the token of that taking (a take-over changes it).
+ */
 export interface LockRef {
   key: string;
   token: string;
@@ -116,7 +118,8 @@ export class Locks {
       },
       release: async () => {
         clearInterval(renew);
-        // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until it expires).
+        // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until it
+        // expires).
         await renewing;
         await this.kv()
           .delete(key, { previousSeq: rev })

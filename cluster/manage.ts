@@ -32,6 +32,8 @@ export async function manageLoad(
     throw invalid('node', 'must be a node name (GET /v1/cluster lists them)');
   if (replicas !== undefined && (!Number.isInteger(replicas) || (replicas as number) < 1 || (replicas as number) > 64))
     throw invalid('replicas', 'must be an integer from 1 to 64');
+  if (node !== undefined && replicas !== undefined)
+    throw invalid('replicas', 'give either node (that node loads it) or replicas (that many nodes hold it), not both');
   if (typeof fields.id !== 'string' || !fields.id) throw invalid('id', 'required, a model id string');
   const id = fields.id;
   // Validated here first: an invalid config changes nothing on any node.
@@ -151,6 +153,9 @@ export async function manageUnload(
     notFound = notFound ? new Set([...notFound].filter((id) => nf.has(id))) : nf;
   });
   if (blocked.size) throw voxError('unload_timeout', { busy: [...blocked], unloaded: [...unloaded] });
+  // A node that did not answer may still hold the models: the unload is not done there (503, retry).
+  const failed = Object.entries(per).find(([, r]) => (r as { error?: string }).error !== undefined);
+  if (failed) throw voxError('node_unreachable', { node: failed[0], reason: (failed[1] as { error: string }).error });
   return { unloaded: [...unloaded], not_found: [...(notFound ?? [])].filter((id) => !unloaded.has(id)), nodes: per };
 }
 

@@ -18,13 +18,19 @@ export interface HeldModel {
   queued: number;
   active_leases: number;
   resident_bytes: number;
-  /** The model's config as registered here, a fingerprint (12 hex digits of a SHA-256): holders with the same config report the same. */
+  /**
+   * The model's config as registered here, a fingerprint (12 hex digits of a SHA-256): holders with the same config
+   * report the same.
+   */
   config: string;
   /** The config itself (as another node registers it): a model loaded here by name is known to every node from it. */
   registration?: Record<string, unknown>;
 }
 
-/** A node's registry entry, written at every heartbeat. Times in ms since the epoch (the writer's clock: shown, never compared). */
+/**
+ * A node's registry entry, written at every heartbeat. Times in ms since the epoch (the writer's clock: shown, never
+ * compared).
+ */
 export interface NodeRecord {
   node: string;
   /** The node's HTTP URL. */
@@ -84,7 +90,10 @@ export type MembershipEvent =
   | { type: 'PROBE.STOP' }
   | { type: 'CLOSE' };
 
-/** What the chart emits: `gone` (jobs in flight to the node are sent again), `back` (every request in flight is sent again). */
+/**
+ * What the chart emits: `gone` (jobs in flight to the node are sent again), `back` (every request in flight is sent
+ * again).
+ */
 export type MembershipEmitted = { type: 'gone'; node: string; why: string } | { type: 'back' };
 
 /** How often an ingress checks the nodes it has jobs in flight to (a ping; missed heartbeats), ms. */
@@ -99,7 +108,8 @@ export function liveNodes(ctx: MembershipContext, now = Date.now()): NodeRecord[
 
 /**
  * The membership chart: `connected` (heartbeats published every `heartbeat` delay, and sooner
- * after `BEAT`; while jobs are in flight, their holders probed every `probe` delay) and `disconnected` (nothing published; remote work
+ * after `BEAT`; while jobs are in flight, their holders probed every `probe` delay) and `disconnected` (nothing
+ * published; remote work
  * waits within its busy timeout), then `closed`. The registry view follows `RECORD` in either
  * state. Going back to `connected` gives the nodes that were live when NATS went 3 heartbeats from
  * now to be heard again (this node could not hear them: no sign they are gone) and emits `back`.
@@ -217,7 +227,10 @@ export const membershipMachine = setup({
 /** A running membership chart. */
 export type Membership = Actor<typeof membershipMachine>;
 
-/** The `RECORD` event for a registry entry: `seen` is its write time when written before `started` (read at join), else now. */
+/**
+ * The `RECORD` event for a registry entry: `seen` is its write time when written before `started` (read at join), else
+ * now.
+ */
 export function recordEvent(e: KvEntry, started: number): MembershipEvent {
   const node = e.key.slice('node.'.length);
   if (e.operation !== 'PUT') return { type: 'RECORD', node, record: null, seen: 0 };

@@ -101,9 +101,14 @@ export interface NatsLink {
   reopen?(): Promise<void>;
 }
 
-/** How long a registry entry outlives its last heartbeat in the bucket, ms (liveness is judged by heartbeats, not by this). */
+/**
+ * How long a registry entry outlives its last heartbeat in the bucket, ms (liveness is judged by heartbeats, not by
+ * this).
+ */
 const NODES_MAX_AGE_MS = 60_000;
-/** How long a lock entry outlives its last renewal in the bucket, ms (a lock's own deadline decides; this only sweeps). */
+/**
+ * How long a lock entry outlives its last renewal in the bucket, ms (a lock's own deadline decides; this only sweeps).
+ */
 const LOCKS_MAX_AGE_MS = 600_000;
 
 /**
@@ -168,7 +173,10 @@ export interface RemoteJob {
 export type RemoteReply =
   | { type: 'result'; result: Extract<FromSlot, { type: 'result' }>['result']; ran_ms: number }
   | { type: 'info'; info: Extract<FromSlot, { type: 'loaded' }>['info'] }
-  /** `not_held`: the node does not hold the model ready (any more). Else a VoxError's type, and its `code` (docs/errors.md). */
+  /**
+   * `not_held`: the node does not hold the model ready (any more). Else a VoxError's type, and its `code`
+   * (docs/errors.md).
+   */
   | { type: 'error'; error: string; message: string; retry_after_s?: number; code?: string };
 
 /** Encodes a job or reply as one binary frame (the slot-host frame: JSON head, Float32Arrays as raw bytes). */

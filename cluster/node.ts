@@ -11,7 +11,6 @@ import { createHash, randomUUID } from 'node:crypto';
 import type { Subscription } from '@nats-io/transport-node';
 import type { Logger } from 'pino';
 import { createActor, type InspectionEvent } from 'xstate';
-import type { ModelEntry } from '../actors/model.js';
 import type { Supervisor } from '../actors/supervisor.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { voxError } from '../runtime/errors.js';
@@ -43,7 +42,10 @@ export interface ClusterNodeOptions {
   log: Logger;
   /** Available memory, bytes (the server's probe; tests give fakes). */
   memoryProbe: MemoryProbe;
-  /** An open link to use instead of connecting to `cluster.nats` (tests give spec/cluster/fake-nats.ts's in-memory NATS). */
+  /**
+   * An open link to use instead of connecting to `cluster.nats` (tests give spec/cluster/fake-nats.ts's in-memory
+   * NATS).
+   */
   link?: NatsLink;
   /** The actor system's inspection observer (the membership chart is drawn by `/debug`). */
   inspect?: (e: InspectionEvent) => void;
@@ -171,7 +173,10 @@ export class ClusterNode {
     }
   }
 
-  /** Tells the membership chart of losing and regaining NATS (the client reconnects by itself; missed pings count as lost). */
+  /**
+   * Tells the membership chart of losing and regaining NATS (the client reconnects by itself; missed pings count as
+   * lost).
+   */
   private async watchStatus(): Promise<void> {
     for await (const s of this.link.nc.status()) {
       if (s.type === 'disconnect' || s.type === 'reconnecting' || s.type === 'staleConnection') {
@@ -184,7 +189,8 @@ export class ClusterNode {
       } else if (s.type === 'reconnect') {
         this.log.info({ server: redact(String(s.server), this.settings) }, 'cluster: NATS reconnected');
         this.membership.send({ type: 'NATS.BACK' });
-        // A server restarted without its store lost the buckets: they are created again, and the registry followed anew.
+        // A server restarted without its store lost the buckets: they are created again, and the registry followed
+        // anew.
         void this.reopen();
       }
     }
@@ -310,7 +316,10 @@ export class ClusterNode {
     }
   }
 
-  /** Whether this node's entry for `id` runs on a remote pool now (the model chart says: {@link ModelEntry.runsRemotely}). */
+  /**
+   * Whether this node's entry for `id` runs on a remote pool now (the model chart says: {@link
+   * ModelEntry.runsRemotely}).
+   */
   runsRemotely(id: string): boolean {
     return this.supervisor?.registered(id)?.runsRemotely === true;
   }
@@ -339,12 +348,18 @@ export class ClusterNode {
       .sort((a, b) => Number(a.draining) - Number(b.draining) || load(a) - load(b));
   }
 
-  /** The model's busy timeout here (runtime/admission.ts's rule: the smaller non-zero of its own and the server's), ms; 0 = none. */
+  /**
+   * The model's busy timeout here (runtime/admission.ts's rule: the smaller non-zero of its own and the server's), ms;
+   * 0 = none.
+   */
   busyTimeout(config: ModelConfig): number {
     return effectiveTimeout(undefined, config.busy_timeout_ms, this.config.busy_timeout_ms);
   }
 
-  /** The fields another node needs to register a model it does not know (its config minus server-filled paths of a group's heads). */
+  /**
+   * The fields another node needs to register a model it does not know (its config minus server-filled paths of a
+   * group's heads).
+   */
   registrationOf(config: ModelConfig): Record<string, unknown> {
     return {
       ...config,
@@ -458,7 +473,10 @@ export class ClusterNode {
   }
 }
 
-/** A registration's fingerprint (12 hex digits of a SHA-256): holders with the same config report the same ({@link HeldModel.config}). */
+/**
+ * A registration's fingerprint (12 hex digits of a SHA-256): holders with the same config report the same ({@link
+ * HeldModel.config}).
+ */
 function fingerprint(registration: Record<string, unknown> | undefined): string {
   if (!registration) return '';
   return createHash('sha256').update(JSON.stringify(registration)).digest('hex').slice(0, 12);

@@ -44,7 +44,10 @@ export const placementMachine = setup({
     loadHere: fromPromise<LoadedModel>(never),
     /** A remote pool on the live holders. */
     join: fromPromise<LoadedModel>(never),
-    /** Takes the model's load lock; null when another node holds it. A lock taken after the step was stopped is given back. */
+    /**
+     * Takes the model's load lock; null when another node holds it. A lock taken after the step was stopped is given
+     * back.
+     */
     lock: fromPromise<LoadLock | null>(never),
     /** Places under the lock (here or on another node) and releases it. */
     place: fromPromise<LoadedModel, { lock: LoadLock }>(never),

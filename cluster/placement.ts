@@ -16,7 +16,9 @@ import type { ClusterNode } from './node.js';
 
 const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
-/** Placements of one node: its `place` hook, placing again when a model's holders went, adopting behind a remote pool. */
+/**
+ * Placements of one node: its `place` hook, placing again when a model's holders went, adopting behind a remote pool.
+ */
 export class Placement {
   /** Models this node is placing now (a request waits for the placement): a cluster-wide unload waits for them. */
   readonly placing = new Set<string>();

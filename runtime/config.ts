@@ -98,14 +98,19 @@ export const ModelConfig = z
   .strictObject({
     id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, 'must be 1-128 characters of A-Z a-z 0-9 . _ -'),
     task: z.enum(TASKS),
-    /** The ONNX file: the Silero VAD model, the openWakeWord classifier head (a group with `heads` needs none), or any ONNX model (`tensor`). */
+    /**
+     * The ONNX file: the Silero VAD model, the openWakeWord classifier head (a group with `heads` needs none), or any
+     * ONNX model (`tensor`).
+     */
     path: z.preprocess((v) => (v === '' ? undefined : v), z.string().min(1).optional()),
     /**
      * Wake word only: a group of several heads on one stream (features computed once per 80 ms step
      * and fed to every head). Each names a wake-word model; its detections carry that model's id.
      */
     heads: z.array(HeadConfig).min(1).max(32).optional(),
-    /** The model's licence in plain words (`GET /v1/models`, `voxserve models`); a group's default: its heads' licences. */
+    /**
+     * The model's licence in plain words (`GET /v1/models`, `voxserve models`); a group's default: its heads' licences.
+     */
     licence: z.string().min(1).max(200).optional(),
     /** Wake word only: the phrase the head listens for (the Wyoming `info`); default: the id with dashes as spaces. */
     phrase: z.string().min(1).max(200).optional(),
@@ -114,15 +119,23 @@ export const ModelConfig = z
     embedding_path: z.string().min(1).optional(),
     slots: z.number().int().min(1).max(16).default(1),
     max_streams: z.number().int().min(1).max(65536).default(256),
-    /** Requests (and streams) that may wait for a lease; past it, 503 at once (default: the server's `max_queued`; 0 = unbounded). */
+    /**
+     * Requests (and streams) that may wait for a lease; past it, 503 at once (default: the server's `max_queued`; 0 =
+     * unbounded).
+     */
     max_queued: z.number().int().min(0).max(1_000_000).optional(),
     busy_timeout_ms: nonNegInt.optional(),
     keep_alive_ms: nonNegInt.optional(),
     /** Where this model's slot hosts run (default: the server's `isolation`). */
     isolation: z.enum(['process', 'thread']).optional(),
-    /** Longest one slot job may run before its host is killed, ms; 0 = none (default: the server's `job_timeout_ms`). */
+    /**
+     * Longest one slot job may run before its host is killed, ms; 0 = none (default: the server's `job_timeout_ms`).
+     */
     job_timeout_ms: nonNegInt.optional(),
-    /** Longest a load (all slots) or a slot's respawn may take before it is abandoned, ms; 0 = none (default: the server's `load_timeout_ms`). */
+    /**
+     * Longest a load (all slots) or a slot's respawn may take before it is abandoned, ms; 0 = none (default: the
+     * server's `load_timeout_ms`).
+     */
     load_timeout_ms: nonNegInt.optional(),
     lazy: z.boolean().default(true),
     /** Streams: jobs from different streams run together, up to this many streams per batch (1 = no batching). */
@@ -271,7 +284,8 @@ function checkModels(models: ModelConfig[], ctx: z.RefinementCtx): void {
 /**
  * Fills `task` and `path` of a config model whose id is in the embedded catalog from the
  * catalog's entry when they are omitted (`{"id":"silero-vad","slots":2}`); `path` (with the
- * catalog's `licence` and `phrase`, unless given) is inherited only when the task is the catalog's. Anything else is left for the schema to judge.
+ * catalog's `licence` and `phrase`, unless given) is inherited only when the task is the catalog's. Anything else is
+ * left for the schema to judge.
  */
 function inheritFromCatalog(value: unknown): unknown {
   if (!value || typeof value !== 'object' || Array.isArray(value)) return value;
@@ -404,7 +418,10 @@ export const ServerConfig = z.strictObject({
     .default([]),
   auth: z
     .strictObject({
-      /** Bearer keys for the inference routes and streams (none: open). Token characters only, so a browser can send one as a WebSocket subprotocol. */
+      /**
+       * Bearer keys for the inference routes and streams (none: open). Token characters only, so a browser can send one
+       * as a WebSocket subprotocol.
+       */
       api_keys: z
         .array(z.string().regex(/^[A-Za-z0-9._~-]{16,}$/, 'must be at least 16 characters of A-Z a-z 0-9 . _ ~ -'))
         .default([]),
@@ -555,7 +572,10 @@ export function loadServerConfig(file: string | undefined, overrides: Partial<Se
 /** The model file fields of a config file's `models[]` entry that are paths. */
 const PATH_FIELDS = ['path', 'melspectrogram_path', 'embedding_path'] as const;
 
-/** A config file's model entry with its relative file paths made absolute from `dir` (the file's folder); anything else unchanged (the schema judges it). */
+/**
+ * A config file's model entry with its relative file paths made absolute from `dir` (the file's folder); anything else
+ * unchanged (the schema judges it).
+ */
 function fromFolder(dir: string, model: unknown): unknown {
   if (!model || typeof model !== 'object' || Array.isArray(model)) return model;
   const m = { ...(model as Record<string, unknown>) };

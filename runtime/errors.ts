@@ -365,7 +365,10 @@ export type ErrorCode = keyof typeof ERRORS;
 /** The parameters of a code's message template (`undefined` when it takes none). */
 export type ErrorParams<C extends ErrorCode> = Parameters<(typeof ERRORS)[C]['message']>[0];
 
-/** What every code takes besides its template's parameters: a cause, and the `Retry-After` of this answer when it is known (s; a cool-down's rest). */
+/**
+ * What every code takes besides its template's parameters: a cause, and the `Retry-After` of this answer when it is
+ * known (s; a cool-down's rest).
+ */
 type Extra = { cause?: unknown; retryAfterS?: number };
 type ErrorArgs<C extends ErrorCode> =
   ErrorParams<C> extends undefined ? [params?: Extra] : [params: ErrorParams<C> & Extra];

@@ -143,7 +143,10 @@ export class WeightBundles {
   }
 }
 
-/** Where slot hosts run and how long a job and a load may take, server-wide (a model's own `isolation`, `job_timeout_ms` and `load_timeout_ms` win). */
+/**
+ * Where slot hosts run and how long a job and a load may take, server-wide (a model's own `isolation`, `job_timeout_ms`
+ * and `load_timeout_ms` win).
+ */
 export interface SlotDefaults {
   isolation: 'process' | 'thread';
   /** ms; 0 = none. */

@@ -57,7 +57,10 @@ export function estimateFootprint(config: Pick<ModelConfig, 'slots'>, fileBytes:
 /** Bytes as whole MiB, for messages. */
 export const mib = (bytes: number): string => `${Math.round(bytes / MiB)} MiB`;
 
-/** V8's full garbage collection, reached without `--expose-gc` on the command line (the flag set at run time, read from a new context). */
+/**
+ * V8's full garbage collection, reached without `--expose-gc` on the command line (the flag set at run time, read from
+ * a new context).
+ */
 let gcFn: (() => void) | null = null;
 
 /**

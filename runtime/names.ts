@@ -58,7 +58,10 @@ export function similarIds(given: string, known: Iterable<string>, tasks?: Reado
   return [...new Set([...close, ...parts, ...ofTask])].slice(0, 3);
 }
 
-/** `a` is `b` with two neighbouring characters swapped (`prot`, `port`): one slip of the fingers, where Levenshtein counts two. */
+/**
+ * `a` is `b` with two neighbouring characters swapped (`prot`, `port`): one slip of the fingers, where Levenshtein
+ * counts two.
+ */
 function swapped(a: string, b: string): boolean {
   if (a.length !== b.length) return false;
   let i = 0;

@@ -2,7 +2,8 @@
  * The Open Inference Protocol (KServe v2, REST) for `tensor` models: its JSON shapes as voxserve's
  * own tensor requests and answers (a wire codec, as transport/codec.ts is for events). `POST
  * /v2/models/{id}/infer` becomes a tensor `run` of the same model (the same lease, checks and
- * slots as `POST /v1/tasks/run`); its answer is written back in the protocol's shape. Datatypes: `BOOL`, `UINT8`-`UINT64`, `INT8`-`INT64`, `FP16` (outputs),
+ * slots as `POST /v1/tasks/run`); its answer is written back in the protocol's shape. Datatypes: `BOOL`,
+ * `UINT8`-`UINT64`, `INT8`-`INT64`, `FP16` (outputs),
  * `FP32`, `FP64`; `BYTES` is not a tensor type voxserve takes.
  * See https://github.com/kserve/open-inference-protocol (specification/protocol/inference_rest.md).
  */

@@ -81,14 +81,20 @@ function fields(buf: Uint8Array): Field[] {
 
 const text = (b: Uint8Array): string => Buffer.from(b.buffer, b.byteOffset, b.byteLength).toString('utf8');
 
-/** A graph input or output: its name, element type (onnx.proto TensorProto.DataType, 1 = float) and dimensions (a number, or the name of a dynamic one). */
+/**
+ * A graph input or output: its name, element type (onnx.proto TensorProto.DataType, 1 = float) and dimensions (a
+ * number, or the name of a dynamic one).
+ */
 interface ValueInfo {
   name: string;
   elemType: number;
   dims: (number | string)[];
 }
 
-/** onnx.proto ValueInfoProto {name 1, type 2: TypeProto {tensor_type 1: {elem_type 1, shape 2: {dim 1: {dim_value 1, dim_param 2}}}}}. */
+/**
+ * onnx.proto ValueInfoProto {name 1, type 2: TypeProto {tensor_type 1: {elem_type 1, shape 2: {dim 1: {dim_value 1,
+ * dim_param 2}}}}}.
+ */
 function valueInfo(bytes: Uint8Array): ValueInfo {
   const v: ValueInfo = { name: '', elemType: 0, dims: [] };
   for (const f of fields(bytes)) {

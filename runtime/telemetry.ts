@@ -250,7 +250,9 @@ export interface InspectionRecord {
   actor: string;
   /** The event's type (the event that caused a snapshot, for snapshots). */
   event?: string;
-  /** The event's fields (primitives, actor refs as their id, `error` objects), for events and the snapshots they cause. */
+  /**
+   * The event's fields (primitives, actor refs as their id, `error` objects), for events and the snapshots they cause.
+   */
   payload?: Record<string, unknown>;
   /** The state as a dotted path (`resident.ready.idle`), for snapshots. */
   state?: string;

@@ -4,7 +4,10 @@
  * Node or otherwise.
  */
 
-/** Error types of the wire interface and the HTTP status each stands for (a code may override it: see `runtime/errors.ts`). */
+/**
+ * Error types of the wire interface and the HTTP status each stands for (a code may override it: see
+ * `runtime/errors.ts`).
+ */
 export const ERROR_STATUS = {
   invalid_request_error: 400,
   unauthorized: 401,
@@ -34,6 +37,8 @@ export function typeOfStatus(status: number): ErrorType {
 export const CLOSE = {
   NORMAL: 1000,
   GOING_AWAY: 1001,
+  /** A frame the endpoint cannot decode (the client sends it for an undecodable event frame). */
+  PROTOCOL_ERROR: 1002,
   /** The peer vanished (no close frame). Never sent, only seen. */
   ABNORMAL: 1006,
   /** Not valid UTF-8 in a text frame (sent by `ws`). */
@@ -62,5 +67,8 @@ export const CLOSE_TYPE: Readonly<Record<number, ErrorType | 'connection_error'>
 export const SUBPROTOCOLS = ['voxserve.v1.json', 'voxserve.v1.msgpack'] as const;
 export type Subprotocol = (typeof SUBPROTOCOLS)[number];
 
-/** Subprotocol prefix that carries an API key on a stream (`voxserve.key.<key>`), for browsers, which cannot set headers. */
+/**
+ * Subprotocol prefix that carries an API key on a stream (`voxserve.key.<key>`), for browsers, which cannot set
+ * headers.
+ */
 export const KEY_PROTOCOL = 'voxserve.key.';

@@ -109,7 +109,9 @@ export async function wyomingDescribe(uri: string): Promise<WyomingInfo> {
   return JSON.parse(text.split(/\n(.*)/s)[1]) as WyomingInfo;
 }
 
-/** One line of `fixtures/REFERENCE.jsonl` (copied from the shared fixtures): independent expected values for a fixture. */
+/**
+ * One line of `fixtures/REFERENCE.jsonl` (copied from the shared fixtures): independent expected values for a fixture.
+ */
 export interface Reference {
   file: string;
   seconds: number;

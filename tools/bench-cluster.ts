@@ -18,7 +18,8 @@
  *    it (the job that was in flight, sent again), p50/p99, against the round trip of a job with
  *    no failure measured in the same run (the extra lag a failover adds is the difference).
  *
- *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--kills 20] [--parts 1,2,3]
+ *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--kills 20] [--parts
+ * 1,2,3]
  *
  * Needs Debian's nats-server at /usr/sbin/nats-server. Other processes load the CPU: say so next
  * to any figure.

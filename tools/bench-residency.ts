@@ -3,7 +3,8 @@
  * slot-host children after each unload: a leak shows as RSS growing across cycles. Baseline:
  * RSS after the first cycle. Each isolation mode runs on a fresh server, one after the other.
  *
- *   npm run build && node --expose-gc dist/tools/bench-residency.js [--cycles 50] [--size-mib 200] [--isolation thread,process]
+ *   npm run build && node --expose-gc dist/tools/bench-residency.js [--cycles 50] [--size-mib 200] [--isolation
+ * thread,process]
  */
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -42,7 +43,9 @@ wav.write('data', 36);
 wav.writeUInt32LE(3200, 40);
 
 const MiB = 1024 * 1024;
-/** With `node --expose-gc`, a full GC first: what is measured is then memory still held, not garbage not yet collected. */
+/**
+ * With `node --expose-gc`, a full GC first: what is measured is then memory still held, not garbage not yet collected.
+ */
 const rssNow = (): number => {
   (globalThis as { gc?: () => void }).gc?.();
   return treeRssBytes(process.pid);

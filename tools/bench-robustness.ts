@@ -84,7 +84,10 @@ async function post(url: string, path: string, body: Uint8Array | string, type =
   return { status: r.status, ms: performance.now() - t0, json, retryAfter: r.headers.get('retry-after') };
 }
 
-/** SIGTERM while a model with 4 slots loads (a request and a management load wait on it): time to exit against drain_timeout_ms. */
+/**
+ * SIGTERM while a model with 4 slots loads (a request and a management load wait on it): time to exit against
+ * drain_timeout_ms.
+ */
 async function shutdown(): Promise<void> {
   const drain = 3000;
   const model = join(dir, 'big.onnx');

@@ -14,7 +14,8 @@
  *   framing is measured.
  *
  *   npm run build && node dist/tools/bench-wyoming-parser.js [--server]
- *   node dist/tools/bench-wyoming-parser.js --parser OTHER/dist/transport/wyoming.js --server --cli OTHER/dist/tools/cli.js
+ *   node dist/tools/bench-wyoming-parser.js --parser OTHER/dist/transport/wyoming.js --server --cli
+ * OTHER/dist/tools/cli.js
  *
  * `--parser` measures another build's WyomingParser (e.g. the one before the fix).
  */
@@ -74,7 +75,10 @@ function processCpuMs(pid: number): number {
   return ((Number(fields[11]) + Number(fields[12])) * 1000) / 100;
 }
 
-/** Sends `bytes` on a fresh connection in pieces of `piece` bytes, `gapMs` apart; resolves once the server read them (a describe after them is answered). */
+/**
+ * Sends `bytes` on a fresh connection in pieces of `piece` bytes, `gapMs` apart; resolves once the server read them (a
+ * describe after them is answered).
+ */
 async function send(port: number, bytes: Buffer, piece: number, gapMs: number): Promise<void> {
   const socket: Socket = connect(port, '127.0.0.1');
   socket.setNoDelay(true);

@@ -56,7 +56,9 @@ export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
 export interface BenchOptions {
   /** Workloads to run, in order. */
   workloads: WorkloadName[];
-  /** Rounds of everything: the bare loop (best reported), the held search and every run (median and spread reported). */
+  /**
+   * Rounds of everything: the bare loop (best reported), the held search and every run (median and spread reported).
+   */
   rounds: number;
   /** Audio per stream and run, s. */
   seconds: number;
@@ -95,7 +97,10 @@ interface Workload {
    * words); `short`: a shorter loop.
    */
   bare(rows: number, short?: boolean): Promise<number>;
-  /** The rows per run the bare loop is measured at (VAD: the batch sizes the server uses, 32 and 64, and the one configured). */
+  /**
+   * The rows per run the bare loop is measured at (VAD: the batch sizes the server uses, 32 and 64, and the one
+   * configured).
+   */
   bareRows: number[];
   /** Rows per run for the limit's bare figure (the model's `max_batch_size`). */
   limitRows: number;
@@ -180,7 +185,10 @@ async function scrape(url: string, id: string): Promise<Map<string, number>> {
 
 const LAG_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30];
 
-/** p99 of the lag, ms, from histogram bucket counts (linear within its bucket), and the share of windows at or under 100 ms. */
+/**
+ * p99 of the lag, ms, from histogram bucket counts (linear within its bucket), and the share of windows at or under 100
+ * ms.
+ */
 function lagFrom(
   before: Map<string, number>,
   after: Map<string, number>,
@@ -220,11 +228,20 @@ interface Run {
   lagParts: [number, number, number];
   under100: number;
   held: boolean;
-  /** Server CPU ms per stream-second over every stream's whole life: from before the first opens to after the last has closed. */
+  /**
+   * Server CPU ms per stream-second over every stream's whole life: from before the first opens to after the last has
+   * closed.
+   */
   life: Apart;
-  /** Server CPU ms per stream of the streams' opening (until every stream is `ready`) and closing (from the last `done` until the server holds no stream). */
+  /**
+   * Server CPU ms per stream of the streams' opening (until every stream is `ready`) and closing (from the last `done`
+   * until the server holds no stream).
+   */
   openClose: Apart;
-  /** Server CPU ms per stream-second over the steady part alone (1 s after the start to the last frame due): the old bench's figure. */
+  /**
+   * Server CPU ms per stream-second over the steady part alone (1 s after the start to the last frame due): the old
+   * bench's figure.
+   */
   steady: number;
   /** The load generator's (this process's) CPU ms per stream-second over the whole life. */
   client: number;
@@ -243,7 +260,10 @@ async function openStreams(url: string): Promise<number> {
   return Number(/^voxserve_ws_connections (\S+)/m.exec(text)?.[1] ?? 0);
 }
 
-/** Until the server holds no WebSocket stream (at most 5 s), then 200 ms more for what its closes set going (actors stopping, leases released). */
+/**
+ * Until the server holds no WebSocket stream (at most 5 s), then 200 ms more for what its closes set going (actors
+ * stopping, leases released).
+ */
 async function settled(url: string): Promise<void> {
   const deadline = performance.now() + 5000;
   while ((await openStreams(url)) > 0 && performance.now() < deadline) await new Promise((r) => setTimeout(r, 50));
@@ -336,7 +356,8 @@ async function live(w: Workload, n: number, share: number, round: number, o: Ben
       for (const s of streams) s.ws.terminate();
       await settled(url);
     };
-    // The warm-up: the same streams' worth of audio through the new server first, not measured (see the file's docstring).
+    // The warm-up: the same streams' worth of audio through the new server first, not measured (see the file's
+    // docstring).
     // Closed before the measured streams open (the server's connection limit is the run's streams + 16).
     if (o.warmUpS > 0) {
       const warmUp = await open();
@@ -374,7 +395,8 @@ async function live(w: Workload, n: number, share: number, round: number, o: Ben
     const after = await scrape(url, w.id);
     const a = c0!;
     const b = c1 as Snap & { metrics: Promise<Map<string, number>> };
-    // For profiling (`perf record -k CLOCK_MONOTONIC`, then `perf report --time A,B`): the whole life and the steady part on the monotonic clock, s.
+    // For profiling (`perf record -k CLOCK_MONOTONIC`, then `perf report --time A,B`): the whole life and the steady
+    // part on the monotonic clock, s.
     const mono = (at: number): string =>
       ((Number(process.hrtime.bigint()) / 1e6 - (performance.now() - at)) / 1000).toFixed(6);
     if (process.env.VOXSERVE_BENCH_MARKS)

@@ -60,7 +60,10 @@ const AUDIO_TYPES: Record<string, string> = {
 /** Exit code of a command that could not start because of its configuration (flags or config file). */
 const CONFIG_ERROR = 2;
 
-/** Ends the command with `voxserve: <message>` on stderr and exit code `code` (1; {@link CONFIG_ERROR} for a configuration mistake). */
+/**
+ * Ends the command with `voxserve: <message>` on stderr and exit code `code` (1; {@link CONFIG_ERROR} for a
+ * configuration mistake).
+ */
 function die(message: string, code = 1): never {
   process.stderr.write(`voxserve: ${message}\n`);
   process.exit(code);
@@ -429,7 +432,8 @@ program
           die(
             `cannot stream ${file}: this looks like ${looks.name}; \`stream\` sends WAV audio: send it with \`${invocation()} run ${model} ${file}\` (the server decodes ${looks.name}), or convert it to WAV`,
           );
-        // The server's own checks of a WAV body (a truncated data chunk, a bit depth its encoding cannot have): a file HTTP refuses is refused here.
+        // The server's own checks of a WAV body (a truncated data chunk, a bit depth its encoding cannot have): a file
+        // HTTP refuses is refused here.
         decodeWav(bytes);
         wav = new WaveFile(bytes);
         // G.711 (telephone audio) is expanded by its codec: toBitDepth would take its bytes for 8-bit PCM.

@@ -15,7 +15,10 @@ export function treeCpuSeconds(pid: number): number {
   return processTree(pid).reduce((s, p) => s + ownCpuSeconds(p), 0);
 }
 
-/** CPU seconds of a process alone (`main`) and of its live descendants together (`hosts`: the slot hosts under process isolation). */
+/**
+ * CPU seconds of a process alone (`main`) and of its live descendants together (`hosts`: the slot hosts under process
+ * isolation).
+ */
 export function cpuApart(pid: number): { main: number; hosts: number } {
   const [main, ...kids] = processTree(pid).map(ownCpuSeconds);
   return { main, hosts: kids.reduce((a, b) => a + b, 0) };

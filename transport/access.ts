@@ -21,7 +21,10 @@ const PREFLIGHT = {
 const digest = (s: string): Buffer => createHash('sha256').update(s).digest();
 const bearer = (req: IncomingMessage): string => /^bearer\s+(.*)$/i.exec(req.headers.authorization ?? '')?.[1] ?? '';
 
-/** Host name of a `Host` header or a configured name: lower case, no port, IPv6 in brackets, IPv4 canonical; null if not a host. */
+/**
+ * Host name of a `Host` header or a configured name: lower case, no port, IPv6 in brackets, IPv4 canonical; null if not
+ * a host.
+ */
 function hostName(host: string): string | null {
   const bare = host.split(':').length > 2 && !host.startsWith('[') ? `[${host}]` : host; // an unbracketed IPv6 address
   try {

@@ -4,7 +4,10 @@ import { fileURLToPath } from 'node:url';
 import type { ServerResponse } from 'node:http';
 import { voxError } from '../runtime/errors.js';
 
-/** Where `npm run build` (vite, demo/vite.config.mjs) puts the /demo page: dist/demo (this file runs from dist/transport, or from transport/ in tests). */
+/**
+ * Where `npm run build` (vite, demo/vite.config.mjs) puts the /demo page: dist/demo (this file runs from
+ * dist/transport, or from transport/ in tests).
+ */
 const up = fileURLToPath(new URL('..', import.meta.url));
 const DEMO_DIR = basename(up) === 'dist' ? join(up, 'demo') : join(up, 'dist', 'demo');
 

@@ -84,7 +84,8 @@ export function requireMediaType(req: IncomingMessage, accepted: string[]): void
 }
 
 /**
- * `POST /v1/tasks/run` takes JSON (base64 audio, or a tensor model's inputs), msgpack (a tensor model's inputs) or a raw audio body (an `audio/...` type,
+ * `POST /v1/tasks/run` takes JSON (base64 audio, or a tensor model's inputs), msgpack (a tensor model's inputs) or a
+ * raw audio body (an `audio/...` type,
  * `application/octet-stream`, ...: {@link isAudioContentType}); checked before the body is read.
  * @throws VoxError `unsupported_media_type` (415).
  */

@@ -38,7 +38,10 @@ import type { StreamLink } from './stream.js';
  * (a router library such as find-my-way would add a dependency and still leave 405 to us).
  */
 
-/** Who may call a route: anyone, an API key holder (inference), the manager (management token), or anyone when management is on (debug pages: they hold no data). */
+/**
+ * Who may call a route: anyone, an API key holder (inference), the manager (management token), or anyone when
+ * management is on (debug pages: they hold no data).
+ */
 export type RouteAuth = 'none' | 'apiKey' | 'management' | 'managementPage';
 
 /** What a handler gets: the request, its response, the parsed URL and path parameters, and the body its route read. */
@@ -64,7 +67,10 @@ export interface Route<B = undefined> {
   readonly auth: RouteAuth;
   /** Body media types it takes, checked before the body is read (415 otherwise); a function for a rule of its own. */
   readonly accepts?: readonly string[] | ((req: IncomingMessage) => void);
-  /** A page for a person with a browser: the HTML answered (403) instead of the JSON error when management is off (auth `managementPage`). */
+  /**
+   * A page for a person with a browser: the HTML answered (403) instead of the JSON error when management is off (auth
+   * `managementPage`).
+   */
   readonly offPage?: string;
   /** Work that a server that does not accept work (starting, draining) refuses with 503. */
   readonly work?: boolean;
@@ -84,7 +90,10 @@ export interface Match {
   readonly params: Record<string, string>;
 }
 
-/** Matches `path` against one route pattern: its parameters, or null. @throws VoxError `invalid_field` for a parameter that is not valid percent-encoding. */
+/**
+ * Matches `path` against one route pattern: its parameters, or null. @throws VoxError `invalid_field` for a parameter
+ * that is not valid percent-encoding.
+ */
 function matchPath(pattern: string, path: string): Record<string, string> | null {
   if (pattern.endsWith('/*')) {
     const base = pattern.slice(0, -2);
@@ -417,7 +426,10 @@ function managementRoutes(deps: RouteDeps): Route<unknown>[] {
   ];
 }
 
-/** The task routes (API key): the transport parses, the connection's socket actor runs the task in an exchange that holds the lease. */
+/**
+ * The task routes (API key): the transport parses, the connection's socket actor runs the task in an exchange that
+ * holds the lease.
+ */
 function taskRoutes(config: ServerConfig): Route<unknown>[] {
   return [
     route({
@@ -467,7 +479,9 @@ function serverRoutes(deps: RouteDeps): Route<unknown>[] {
   ];
 }
 
-/** voxserve's version, for the protocol's server metadata: package.json, one level up from the sources, two from dist/. */
+/**
+ * voxserve's version, for the protocol's server metadata: package.json, one level up from the sources, two from dist/.
+ */
 const VERSION = ((): string => {
   for (const p of ['../package.json', '../../package.json']) {
     try {

@@ -67,7 +67,10 @@ export type ServerOptions = Pick<SupervisorOptions, 'loader' | 'catalog' | 'memo
 /** Methods RFC 9110 section 9.2.1 calls safe: pipelined, they may be handled together (RFC 9112 section 9.3.2). */
 const SAFE_METHODS = ['GET', 'HEAD', 'OPTIONS', 'TRACE'];
 
-/** After an error answered before its request body was read, how long the rest is read and discarded before the connection is cut, ms. */
+/**
+ * After an error answered before its request body was read, how long the rest is read and discarded before the
+ * connection is cut, ms.
+ */
 const LINGER_MS = 5000;
 
 /** Answers on a raw socket that is not (or no longer) an HTTP response: a JSON body, then the connection closes. */
@@ -215,7 +218,10 @@ function requestHandler(run: Running, dispatch: Dispatch): (req: IncomingMessage
   };
 }
 
-/** Answers what node's parser refuses (garbage request lines, oversized headers, deadlines) if the socket can still take it. */
+/**
+ * Answers what node's parser refuses (garbage request lines, oversized headers, deadlines) if the socket can still take
+ * it.
+ */
 function clientErrorHandler(headersTimeout: number, requestTimeout: number) {
   return (err: NodeJS.ErrnoException, socket: Duplex): void => {
     if (!socket.writable) return void socket.destroy();
@@ -324,7 +330,10 @@ async function listen(http: Server, config: ServerConfig, cluster: ClusterNode |
   return `http://${host}:${addr.port}`;
 }
 
-/** Starts what runs beside the HTTP listener: Wyoming (`wyoming.enabled`), then cluster membership; a failure closes the listener. */
+/**
+ * Starts what runs beside the HTTP listener: Wyoming (`wyoming.enabled`), then cluster membership; a failure closes the
+ * listener.
+ */
 async function startServices(run: Running, http: Server, url: string): Promise<void> {
   const { config, supervisor, cluster } = run;
   if (config.wyoming.enabled) {
@@ -363,7 +372,9 @@ function shutdownOf(run: Running, http: Server, wss: WebSocketServer): (destroy?
     released: Promise<void>;
     actor: { send: (e: { type: 'GO_AWAY'; reason: string }) => void };
   }[] => [...(run.wyoming?.links ?? [])];
-  /** Phase 2 is over: the listener closes (new connections are refused); the idle ones linger (the chart's `lingering`). */
+  /**
+   * Phase 2 is over: the listener closes (new connections are refused); the idle ones linger (the chart's `lingering`).
+   */
   let listenerClosed: Promise<void> | null = null;
   const closeListener = (): Promise<void> =>
     // net.Server's close: http.Server's would close the idle connections at once.

@@ -56,7 +56,8 @@ export function bindStream(
   channel.write = (event) => {
     if (ws.readyState !== ws.OPEN) return;
     if (ws.bufferedAmount > limits.ws_max_buffered_bytes) return tell({ type: 'SEND_BLOCKED' });
-    // A denoise stream's audio: a binary frame of raw PCM under JSON (events are text frames), an `audio` event under msgpack.
+    // A denoise stream's audio: a binary frame of raw PCM under JSON (events are text frames), an `audio` event under
+    // msgpack.
     if (event.type === 'audio' && protocol !== 'voxserve.v1.msgpack')
       return ws.send(event.data as Buffer, { binary: true }, channel.writing());
     ws.send(encodeEvent(protocol, event), channel.writing());

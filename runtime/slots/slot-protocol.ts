@@ -315,7 +315,9 @@ export function encodeFrame(msg: ToSlot | FromSlot): Buffer[] {
  */
 export const SLOT_DEPTH = 2;
 
-/** Where a job channel's frame regions start, bytes apart: frame k goes at `(k % depth) * REGION_BYTES` (a sparse file). */
+/**
+ * Where a job channel's frame regions start, bytes apart: frame k goes at `(k % depth) * REGION_BYTES` (a sparse file).
+ */
 const REGION_BYTES = 2 ** 31;
 
 /**
@@ -399,7 +401,10 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
   }
 }
 
-/** Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer); its arrays are views into that buffer. */
+/**
+ * Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer); its
+ * arrays are views into that buffer.
+ */
 export function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);
   const base = 8 + h + ((8 - (h % 8)) % 8);

@@ -267,7 +267,8 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
   // then each head for every row), not the three models row after row: its weights stay in the
   // CPU's caches from one run to the next. Measured on a 2-core EPYC (L2 1 MiB per core, the
   // three models ~3.5 MB together; other agents loading it, load average ~9), 10 rows a job:
-  // melspectrogram 410 -> 260 us, head 295 -> 160 us, embedding ~5 % less per step. Every run is still the same batch-1 run on the same input
+  // melspectrogram 410 -> 260 us, head 295 -> 160 us, embedding ~5 % less per step. Every run is still the same batch-1
+  // run on the same input
   // (rows are independent; a row's steps stay in order), so the scores are bit for bit the same.
   runJob = async (job) => {
     const { audio, mel: mels, embeddings: embs } = job as WakewordJob;

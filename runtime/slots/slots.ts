@@ -44,7 +44,10 @@ export interface SlotHost {
   run(job: Job, waitUntil?: number, signal?: AbortSignal): Promise<JobResult>;
   /** Frees the sessions and stops the slot (a process that does not exit in time is killed). Idempotent. */
   close(): Promise<void>;
-  /** Called once if the slot dies on its own (not through close); `timedOut` when it was killed for a job over its timeout. */
+  /**
+   * Called once if the slot dies on its own (not through close); `timedOut` when it was killed for a job over its
+   * timeout.
+   */
   onExit(cb: (err: Error & { timedOut?: boolean }) => void): void;
   /** Resident memory of the host's process, bytes; 0 for a thread (it shares the server's). */
   residentBytes(): number;
@@ -837,7 +840,10 @@ export class SlotPool {
     this.failCb?.(err);
   }
 
-  /** Stops every slot: respawns in flight (their hosts killed), the clones (together), then the primary. Queued jobs are rejected. */
+  /**
+   * Stops every slot: respawns in flight (their hosts killed), the clones (together), then the primary. Queued jobs are
+   * rejected.
+   */
   async close(): Promise<void> {
     this.failCb = null;
     this.fail(voxError('slots_unloaded'));

@@ -19,7 +19,8 @@ export { readTensorRequest, tensorJob, tensorOutputs, type TensorRequest } from 
  *   stream's sends them as events and keeps none (they would grow with the stream: an hour at
  *   `threshold` 1e-6 with six heads is 270,000 detections, about 20 MiB).
  * @param probabilities a VAD stream's `probability` events (see {@link ProbabilityStream}); absent: none.
- * @throws VoxError `invalid_request_error` naming the bad `options.*` field, or `probabilities` asked of a model that is not VAD;
+ * @throws VoxError `invalid_request_error` naming the bad `options.*` field, or `probabilities` asked of a model that
+ * is not VAD;
  *   `wrong_task` for a `tensor` model (it takes tensors, not audio).
  */
 export function createTaskSession(

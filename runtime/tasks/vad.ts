@@ -68,7 +68,10 @@ export class VadSegmenter {
   /** Unpadded end of the last kept segment (for the next one's start padding). */
   private lastEnd: number | null = null;
   private closed: Closed | null = null;
-  /** Window probabilities from window `probsBase` on (the current segment's and later; outside one, up to {@link PROBS_KEPT} recent). */
+  /**
+   * Window probabilities from window `probsBase` on (the current segment's and later; outside one, up to {@link
+   * PROBS_KEPT} recent).
+   */
   private probs: number[] = [];
   private probsBase = 0;
   private index = 0;
@@ -194,7 +197,10 @@ export class VadSegmenter {
     return events;
   }
 
-  /** Finishes the closed segment: end padded by half of `gap` to the next segment when under 2 x pad, else by pad (at most `limit`). */
+  /**
+   * Finishes the closed segment: end padded by half of `gap` to the next segment when under 2 x pad, else by pad (at
+   * most `limit`).
+   */
   private finishClosed(gap: number | null, limit: number): TaskEvent {
     const c = this.closed!;
     this.closed = null;

@@ -61,7 +61,8 @@ export class WakewordSession extends WindowedSession {
    * @param heads the model's heads in the same order (label = model id), with their own settings.
    * @param options the model's options with the request's on top; `override` fields win over each head's own.
    * @param override the request's own option fields (they apply to every head).
-   * @param keepResults whether `detections` keeps each detection (a file), or stays empty (a stream: its events carry them).
+   * @param keepResults whether `detections` keeps each detection (a file), or stays empty (a stream: its events carry
+   * them).
    */
   constructor(
     info: SlotInfo,

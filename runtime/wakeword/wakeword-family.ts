@@ -133,7 +133,10 @@ export class FamilyView implements ModelPool {
     private readonly release: () => Promise<void>,
   ) {}
 
-  /** This model's longest wait for a slot, ms (its busy timeout; 0 = unbounded); the family's overdue limit is the shortest. */
+  /**
+   * This model's longest wait for a slot, ms (its busy timeout; 0 = unbounded); the family's overdue limit is the
+   * shortest.
+   */
   get waitTimeoutMs(): number {
     return this.waitMs;
   }

@@ -35,7 +35,10 @@ const replay = process.env.FC_SEED
     }
   : {};
 
-/** `hangs`: a slot host that never finishes loading until it is killed (its load signal aborts: the load timeout, or an unload). */
+/**
+ * `hangs`: a slot host that never finishes loading until it is killed (its load signal aborts: the load timeout, or an
+ * unload).
+ */
 type LoadFault = 'ok' | 'throws' | 'no-session' | 'clone-fails' | 'hangs';
 type RunFault = 'ok' | 'throws' | 'worker-exits';
 
@@ -124,7 +127,8 @@ function fakeLoader(w: World): ModelLoader {
   return async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
     const id = config.id;
     w.bump(w.loadsInFlight, id, 1, 1, 'two loads at once');
-    // An abandoned load (the load timeout, an unload) is no longer the model's load: its process hosts are being killed.
+    // An abandoned load (the load timeout, an unload) is no longer the model's load: its process hosts are being
+    // killed.
     let counted = true;
     const uncount = (): void => {
       if (counted) w.bump(w.loadsInFlight, id, -1, 1, '');
@@ -514,7 +518,10 @@ async function settle(s: fc.Scheduler): Promise<void> {
   }
 }
 
-/** Models a and b; with `batch`, their one-window jobs go through a batcher (no delay timer, so the scheduler orders everything). */
+/**
+ * Models a and b; with `batch`, their one-window jobs go through a batcher (no delay timer, so the scheduler orders
+ * everything).
+ */
 const catalogOf = (batch: number): ModelConfig[] =>
   IDS.slice(0, 2).map((id) =>
     ModelConfig.parse({
@@ -582,7 +589,8 @@ async function checkInvariants(
             min_free_memory_mb: setup.memoryGuard ? 1 : 0,
             // A hung load is abandoned within the clock moves of a run.
             load_timeout_ms: 200,
-            // Fake paths, and no real I/O (confining a path to models_root resolves it on disk, which would race the scheduler).
+            // Fake paths, and no real I/O (confining a path to models_root resolves it on disk, which would race the
+            // scheduler).
             models_root: false,
           });
           // The footprint estimate is given, not read from files: real I/O would race the scheduler.

@@ -16,7 +16,10 @@ import type { TaskEvent, TaskSession } from '../../runtime/tasks/index.js';
 
 const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
 
-/** A model of one slot whose load ends when the test says; the slot records each job's tag (its first sample) in the order jobs start. */
+/**
+ * A model of one slot whose load ends when the test says; the slot records each job's tag (its first sample) in the
+ * order jobs start.
+ */
 function coldModel() {
   const started: number[] = [];
   let finishLoad!: () => void;
@@ -55,7 +58,9 @@ const job = (tag: number): VadJob => ({
   context: new Float32Array(64),
 });
 
-/** A file request: takes its lease in arrival order, then (once granted) prepares its input and submits its first job. */
+/**
+ * A file request: takes its lease in arrival order, then (once granted) prepares its input and submits its first job.
+ */
 function fileRequest(entry: ModelEntry, tag: number) {
   let prepared!: () => void;
   const input = new Promise<void>((r) => (prepared = r));

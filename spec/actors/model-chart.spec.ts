@@ -39,7 +39,9 @@ function chart(
   const leases: { exclusive: boolean; released: boolean }[] = [];
   const evictions: EvictReason[] = [];
   const resident: (LoadedModel | null)[] = [];
-  /** The fake admission queue's leases held and waiters (the chart reads them); `exclusive` a holder's lease or null. */
+  /**
+   * The fake admission queue's leases held and waiters (the chart reads them); `exclusive` a holder's lease or null.
+   */
   const admission = {
     activeLeases: 0,
     queued: 0,
@@ -85,7 +87,10 @@ function chart(
     loads.at(-1)!.resolve(pool(id));
     await flush();
   };
-  /** The admission queue changes to `active` leases held, `queued` waiters, an exclusive holder or not, and says so (`LEASES`). */
+  /**
+   * The admission queue changes to `active` leases held, `queued` waiters, an exclusive holder or not, and says so
+   * (`LEASES`).
+   */
   const setLeases = (active: number, queued: number, exclusive: boolean): void => {
     Object.assign(admission, {
       activeLeases: active,

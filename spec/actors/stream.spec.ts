@@ -69,7 +69,10 @@ describe('stream deadlines count only the peer time', () => {
     expect(expired[0]).toBeGreaterThanOrEqual(100);
   });
 
-  /** A channel of `limits.ws_max_messages_per_s` 1000 whose reading the server paused for 3 s, then resumed; `send(n)` pushes n frames at once. */
+  /**
+   * A channel of `limits.ws_max_messages_per_s` 1000 whose reading the server paused for 3 s, then resumed; `send(n)`
+   * pushes n frames at once.
+   */
   async function afterPause() {
     const channel = new StreamChannel(1000, 0);
     const seen = { flooded: 0 };

@@ -132,7 +132,8 @@ describe('supervisor on the real server', () => {
     expect(cb).toBe(200);
     const evicted = (await status(s, 'A')).last_eviction;
     expect(evicted).toMatchObject({ reason: 'lru' });
-    // Evicted only once its first request had run: at most the time A's answer took to arrive before it (the eviction's `at` is taken on the server).
+    // Evicted only once its first request had run: at most the time A's answer took to arrive before it (the eviction's
+    // `at` is taken on the server).
     expect(evicted.at).toBeGreaterThanOrEqual(aDone - 50);
     expect(await loaded(s)).toEqual(['B']);
   });

@@ -59,7 +59,10 @@ function runFile(
   });
 }
 
-/** Streams a fixture in 100 ms frames with `protocol`; resolves with every event but `ready` and `done` (their ids and timings differ). */
+/**
+ * Streams a fixture in 100 ms frames with `protocol`; resolves with every event but `ready` and `done` (their ids and
+ * timings differ).
+ */
 function streamEvents(
   server: VoxServer,
   model: string,

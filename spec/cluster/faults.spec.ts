@@ -39,7 +39,10 @@ interface Node {
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-faults-'));
 const children: ChildProcess[] = [];
 
-/** `voxserve serve --cluster` as a child process named `name` (threads for slots: a killed node leaves no orphan), with Wyoming on. */
+/**
+ * `voxserve serve --cluster` as a child process named `name` (threads for slots: a killed node leaves no orphan), with
+ * Wyoming on.
+ */
 async function startNode(nats: string, name: string, extra: Record<string, unknown> = {}): Promise<Node> {
   const file = join(dir, `${name}.json`);
   const wyoming = await freePort();

@@ -15,7 +15,8 @@
  * 500 only after an injected fault, an operation fails only with a VoxError); plus, cluster-wide: at
  * most one load of a model in flight at a time among nodes that take each other for live (excused
  * once a management load of it was asked for, which takes no lock, or its lock was taken over past
- * its deadline, or its node decided to load it while it had lost NATS: documented limits, docs/cluster.md); a load lock is never written over by another node before its deadline; every
+ * its deadline, or its node decided to load it while it had lost NATS: documented limits, docs/cluster.md); a load lock
+ * is never written over by another node before its deadline; every
  * request and stream on a live node settles, with its own results or a definite wire error, once
  * the clock has run past every deadline; no load lock left at the end.
  *
@@ -24,7 +25,8 @@
  * "two loads of a at once in the cluster", and "A took the load lock of a while B held it".
  *
  * A failure prints its seed and the scheduler's order of every step of the shrunk case. CI runs
- * seed 42 (`FC_SEED=random` explores). The runs are deterministic for a seed: `FC_SEED=<seed> npx vitest run spec/cluster/interleavings.spec.ts`
+ * seed 42 (`FC_SEED=random` explores). The runs are deterministic for a seed: `FC_SEED=<seed> npx vitest run
+ * spec/cluster/interleavings.spec.ts`
  * reruns them and shrinks to the same counterexample; `FC_RUNS=<n>` sets the number of runs.
  */
 import fc from 'fast-check';
@@ -42,7 +44,9 @@ import type { Job, JobResult, LoadSpec, VadJob } from '../../runtime/slots/slot-
 import { SlotPool, type SlotHost } from '../../runtime/slots/slots.js';
 import { FakeNats } from './fake-nats.js';
 
-/** Runs per property: 150 (each of the two properties) took 36 s for the file at load average 11-14 on a 2-core machine. */
+/**
+ * Runs per property: 150 (each of the two properties) took 36 s for the file at load average 11-14 on a 2-core machine.
+ */
 const RUNS = Number(process.env.FC_RUNS ?? 150);
 /** Each property's time limit: the clock inside a run is fake, so it only guards against a hang. */
 const RUN_TIMEOUT_MS = 300_000;
@@ -241,7 +245,10 @@ class World {
   }
 }
 
-/** A loader over fake slots on `node`; every step waits for the scheduler. A slot's result carries its job's marker back. */
+/**
+ * A loader over fake slots on `node`; every step waits for the scheduler. A slot's result carries its job's marker
+ * back.
+ */
 function fakeLoader(w: World, node: string): ModelLoader {
   return async (config: ModelConfig, signal?: AbortSignal): Promise<LoadedModel> => {
     const id = config.id;
@@ -257,7 +264,8 @@ function fakeLoader(w: World, node: string): ModelLoader {
       offline: (self ? !self.cluster.connected : false) || w.decidedOffline.has(key),
     };
     w.loadStarts(loading);
-    // An abandoned load (the load timeout, an unload) is no longer the model's load: its process hosts are being killed.
+    // An abandoned load (the load timeout, an unload) is no longer the model's load: its process hosts are being
+    // killed.
     const uncount = (): void => void w.loading.delete(loading);
     signal?.addEventListener('abort', uncount, { once: true });
     try {
@@ -331,7 +339,10 @@ function fakeLoader(w: World, node: string): ModelLoader {
   };
 }
 
-/** A one-window VAD job whose state carries `marker`: the fake slot returns it, so each answer can be matched to its job. */
+/**
+ * A one-window VAD job whose state carries `marker`: the fake slot returns it, so each answer can be matched to its
+ * job.
+ */
 const job = (marker: number): VadJob => {
   const state = new Float32Array(256);
   state[0] = marker;
@@ -618,7 +629,8 @@ const commandArb = fc.oneof(
       )
       .map(([n, ids, t, f]) => new ManageUnload(n, ids, t, f) as Cmd),
   },
-  // Shorter than 3 heartbeats: a node is taken for gone when the scheduler holds its heartbeats across moves, or it is cut off.
+  // Shorter than 3 heartbeats: a node is taken for gone when the scheduler holds its heartbeats across moves, or it is
+  // cut off.
   { weight: 4, arbitrary: fc.constantFrom(1, 20, 60, 120).map((ms) => new Advance(ms) as Cmd) },
   {
     weight: 1,

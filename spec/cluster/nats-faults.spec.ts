@@ -23,7 +23,7 @@
  * Each node: `port: 0`, threads for slots, management on, `heartbeat_ms` 1000, `job_deadline_ms`
  * 3000; `CLUSTER_LOG=info` shows the nodes' logs.
  */
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -167,7 +167,9 @@ const runFile = (url: string, model: string, file: string, ms?: number): Promise
     ms,
   );
 
-/** Polls `pred` every 50 ms until it holds; false when it did not within `ms` (never throws: a failed poll is false). */
+/**
+ * Polls `pred` every 50 ms until it holds; false when it did not within `ms` (never throws: a failed poll is false).
+ */
 async function eventually(pred: () => Promise<boolean>, ms: number): Promise<boolean> {
   const end = Date.now() + ms;
   for (;;) {
@@ -245,7 +247,10 @@ async function readyNats(url: string): Promise<string> {
   return r.status === 200 ? String(r.body.cluster?.nats) : `status ${r.status}`;
 }
 
-/** `GET /debug/state`'s `cluster.active` on `url` (the membership chart's active states): [] when absent, the status when not 200. */
+/**
+ * `GET /debug/state`'s `cluster.active` on `url` (the membership chart's active states): [] when absent, the status
+ * when not 200.
+ */
 async function clusterActive(url: string): Promise<string[]> {
   const r = await call(`${url}/debug/state`, {}, 1000);
   if (r.status !== 200) return [`(GET /debug/state: ${r.status})`];
@@ -306,7 +311,8 @@ describe('NATS restarted without its JetStream store (a container without a volu
     } finally {
       await nc.close();
     }
-    // A request for the model C holds, now that the reconnect's grace is over: answered or refused within its busy timeout.
+    // A request for the model C holds, now that the reconnect's grace is over: answered or refused within its busy
+    // timeout.
     const later = await runFile(A.url, 'silero-vad', SHORT_FILE, BUSY_MS + 10_000);
     expect
       .soft([200, 503], `remote request past the grace: ${later.status} ${JSON.stringify(later.body)}`)
@@ -522,4 +528,60 @@ describe('a cluster-wide unload during a cold placement', () => {
       expect.soft(gone, `${x.name} lists no holder of slow-jarvis: ${await holders(x.url, 'slow-jarvis')}`).toBe(true);
     }
   }, 150_000);
+});
+
+/** The compiled synthetic-model generator (tools/synth-model.ts): a Silero-shaped VAD model with a chosen run time per window. */
+function slowModel(runMs: number): string {
+  const out = join(dir, `slow-${runMs}.onnx`);
+  const gen = fileURLToPath(new URL('../../dist/tools/synth-model.js', import.meta.url));
+  const made = spawnSync(process.execPath, [gen, '--out', out, '--size-mib', '1', '--run-ms', String(runMs)]);
+  if (made.status !== 0) throw new Error(`synth-model: ${made.stderr}`);
+  return out;
+}
+
+/** The value of a Prometheus counter line on `url`'s /metrics whose labels include all of `labels`; 0 when absent. */
+async function counter(url: string, name: string, labels: Record<string, string>): Promise<number> {
+  const r = await call(`${url}/metrics`, {}, 5000);
+  let sum = 0;
+  for (const line of String(r.body).split('\n')) {
+    if (!line.startsWith(`${name}{`)) continue;
+    if (Object.entries(labels).every(([k, v]) => line.includes(`${k}="${v}"`))) sum += Number(line.split(' ').pop());
+  }
+  return sum;
+}
+
+describe('a remote job that runs longer than job_deadline_ms (a tester found it, issue 40)', () => {
+  it('is answered once by its holder: the holder is not taken for gone while the job runs within its job timeout', async () => {
+    const n = await nats();
+    // About 1.8 s per job (44 windows of 40 ms), six times the ingress's job_deadline_ms.
+    const slow = { id: 'slowvad', task: 'vad', path: slowModel(40) };
+    const { A } = await cluster(n.url, ['A', 'B'], 'B', ['slowvad'], {
+      A: { models: [slow], cluster: { job_deadline_ms: 300 } },
+      B: { models: [slow] },
+    });
+    const r = await runFile(A.url, 'slowvad', SHORT_FILE, 30_000);
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    expect(await counter(A.url, 'voxserve_remote_jobs_sent_total', { model: 'slowvad', outcome: 'gone' })).toBe(0);
+    expect(await counter(A.url, 'voxserve_remote_failovers_total', { model: 'slowvad' })).toBe(0);
+    expect(
+      await counter(A.url, 'voxserve_remote_jobs_sent_total', { model: 'slowvad', outcome: 'ok' }),
+    ).toBeGreaterThan(0);
+  }, 120_000);
+});
+
+describe('management with a node that does not answer (a tester found it, issue 40)', () => {
+  it('a cluster-wide unload answers 503 node_unreachable naming it, not 200; node and replicas together are a 400', async () => {
+    const n = await nats();
+    const { A, B } = await cluster(n.url, ['A', 'B'], 'B', ['silero-vad']);
+    const both = await post(`${A.url}/v1/models/load`, { id: 'silero-vad', node: 'B', replicas: 2 });
+    expect(both.status).toBe(400);
+    expect(both.body.error.message).toMatch(/replicas/);
+    B.child.kill('SIGSTOP');
+    const r = await post(`${A.url}/v1/models/unload_all`, {}, 30_000);
+    expect(r.status, JSON.stringify(r.body)).toBe(503);
+    expect(r.body.error.code).toBe('node_unreachable');
+    expect(r.body.error.message).toMatch(/node B/);
+    expect(r.ms).toBeLessThan(3 * HEARTBEAT_MS + 5000);
+    B.child.kill('SIGCONT');
+  }, 120_000);
 });

@@ -245,7 +245,8 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
   it('a management load whose answer arrives after the supervisor stopped is refused there as shutting down (no TypeError)', async () => {
     nodes = await startNodes(bus, ['A', 'B'], [1e12, 2e12]);
     const [a] = nodes;
-    // A asks B (the most free memory) first to load a; B answers only after A's supervisor has stopped; A then loads its own
+    // A asks B (the most free memory) first to load a; B answers only after A's supervisor has stopped; A then loads
+    // its own
     // replica (replicas: 2), on a stopped supervisor.
     bus.stall('B');
     const load = watch(

@@ -100,8 +100,10 @@ describe('/demo in headless Chromium with a fake microphone', () => {
         .toBe(true);
       expect(await page.locator('#events li[data-type="detection"]').count()).toBe(0);
       expect(errors).toEqual([]);
-      // The VAD lane draws its speech-probability curve: the stream sends probabilities, at least a window per 32 ms of the
-      // segment found (d ms), but for the 100 ms span still open (the page asks for them 100 ms at a time; a capture that
+      // The VAD lane draws its speech-probability curve: the stream sends probabilities, at least a window per 32 ms of
+      // the
+      // segment found (d ms), but for the 100 ms span still open (the page asks for them 100 ms at a time; a capture
+      // that
       // began just before the speech has sent little more than the segment: 91 windows were seen against 2972 / 32).
       const d = (await durations()).find((x) => Math.abs(x - 2972) <= 300)!;
       expect(Number(await page.locator('#timeline').getAttribute('data-probability-windows'))).toBeGreaterThan(

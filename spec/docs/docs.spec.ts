@@ -163,7 +163,8 @@ describe('examples', () => {
 
   it("the README's client example prints events of the documented shape", async () => {
     const b = blocks('README.md').find((x) => x.lang === 'js')!;
-    // Run where the README says (in the checkout, so `voxserve/client` resolves to this package), against the test server.
+    // Run where the README says (in the checkout, so `voxserve/client` resolves to this package), against the test
+    // server.
     const file = join(root, `.docs-example-${process.pid}.mjs`);
     writeFileSync(file, b.code.replace('new VoxClient()', `new VoxClient({ url: ${JSON.stringify(server.url)} })`));
     try {
@@ -231,7 +232,8 @@ describe('documented exactly where the code has it', () => {
     const keys = configKeys(ServerConfig);
     expect(keys).toContain('limits.ws_max_frame_bytes');
     expect(keys).toContain('models[].max_batch_size');
-    // A feature's own page (docs/wake-words.md, docs/cluster.md, ...) may document its keys; configuration.md links them.
+    // A feature's own page (docs/wake-words.md, docs/cluster.md, ...) may document its keys; configuration.md links
+    // them.
     const config = ticked(
       PAGES.filter((p) => p.startsWith('docs/'))
         .map(read)
@@ -269,7 +271,8 @@ describe('documented exactly where the code has it', () => {
     // (A path ending in / is a prefix: /debug/..., /demo/...)
     const code = new Set(
       [...source.matchAll(/'(\/(?:v1|v2|debug|demo|health|ready|metrics)(?:[^'\s]*[^/'\s])?)'/g)]
-        // The table's patterns as the docs write them: `/v1/models/{id}`; `/demo/*` (files below the page) with the page.
+        // The table's patterns as the docs write them: `/v1/models/{id}`; `/demo/*` (files below the page) with the
+        // page.
         .map((m) => m[1].replace(/:(\w+)/g, '{$1}').replace(/\/\*$/, ''))
         .concat('/'),
     );

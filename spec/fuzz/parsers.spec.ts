@@ -435,7 +435,10 @@ describe('fuzz: WebSocket binary frames and control messages', () => {
     });
   });
 
-  /** One client message: a PCM frame, a text frame (control), a msgpack-encoded control as a binary frame, or the client's close. */
+  /**
+   * One client message: a PCM frame, a text frame (control), a msgpack-encoded control as a binary frame, or the
+   * client's close.
+   */
   const message = fc.oneof(
     {
       weight: 6,

@@ -23,7 +23,10 @@ const row = (value: number, windows = 2): VadJob => ({
   context: new Float32Array(64).fill(value),
 });
 
-/** A pool of `size` slots, a job each, that holds each job until the test answers it; the answer echoes each row's first sample as its probabilities. */
+/**
+ * A pool of `size` slots, a job each, that holds each job until the test answers it; the answer echoes each row's first
+ * sample as its probabilities.
+ */
 function heldPool(size: number) {
   const held: { job: VadJob; answer: () => void }[] = [];
   const pool = {

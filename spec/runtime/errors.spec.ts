@@ -29,7 +29,10 @@ function sources(): string[] {
 /** The shorthands of runtime/errors.ts and the code each creates. */
 const SHORTHANDS = { invalid: 'invalid_field', toVoxError: 'internal_error' } as const;
 
-/** Codes the sources create: every quoted word in the first argument of `voxError(` (a ternary names several), and the shorthands' codes. */
+/**
+ * Codes the sources create: every quoted word in the first argument of `voxError(` (a ternary names several), and the
+ * shorthands' codes.
+ */
 function thrownCodes(): Set<string> {
   const codes = new Set<string>();
   for (const file of sources()) {

@@ -234,7 +234,8 @@ describe('main-process memory of process slot hosts (issue 25 item 14)', () => {
       // The frames between land in the channel's other regions (SLOT_DEPTH of them, used in turn).
       for (let i = 1; i < SLOT_DEPTH; i++) await pool.run(vadJob(4));
       const b = await pool.run(vadJob(4)); // smaller: it fits the buffer a grew
-      // One buffer for every SLOT_DEPTH-th frame of the host: no garbage per result (which nothing collected while idle).
+      // One buffer for every SLOT_DEPTH-th frame of the host: no garbage per result (which nothing collected while
+      // idle).
       expect((b as { probs: Float32Array }).probs.buffer).toBe((a as { probs: Float32Array }).probs.buffer);
       // So a's arrays now hold b's values: whoever keeps a result's arrays must copy them.
       expect(Array.from((a as { state: Float32Array }).state)).not.toEqual(Array.from(aState));
@@ -293,7 +294,10 @@ describe('a busy slot holds a second job queued behind its running one (SlotHost
       slots[i].fails.shift();
       slots[i].jobs.shift()!();
     };
-    /** Slot i's running job runs over its job timeout: rejected as the pool's `slotLost`; the host's exit comes later (`die`). */
+    /**
+     * Slot i's running job runs over its job timeout: rejected as the pool's `slotLost`; the host's exit comes later
+     * (`die`).
+     */
     const lose = (i: number): void => {
       slots[i].jobs.shift();
       slots[i].fails.shift()!(Object.assign(voxError('job_timeout', { ms: 100 }), { slotLost: true }));

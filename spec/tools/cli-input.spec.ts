@@ -10,7 +10,10 @@ import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { expectSegments, fixturePath, reference } from '../helpers.js';
 
-/** CLI and server start-up rough edges (issue 13): --version, environment variables, --url, --frame-ms, --option, failed eager loads. */
+/**
+ * CLI and server start-up rough edges (issue 13): --version, environment variables, --url, --frame-ms, --option, failed
+ * eager loads.
+ */
 
 const exec = promisify(execFile);
 const cli = fileURLToPath(new URL('../../dist/tools/cli.js', import.meta.url));

@@ -1,4 +1,6 @@
-/** `close()` (finish what runs, accept nothing new) against `destroy()` (cut what runs now), in process with fake slots. */
+/**
+ * `close()` (finish what runs, accept nothing new) against `destroy()` (cut what runs now), in process with fake slots.
+ */
 import { describe, expect, it, onTestFinished } from 'vitest';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';

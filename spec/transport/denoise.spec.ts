@@ -45,7 +45,10 @@ function wavOf(s16: Int16Array, rate: number): Buffer {
   return Buffer.from(w.toBuffer());
 }
 
-/** RNNoise run directly: 48 kHz float in [-1, 1], zero-padded to whole frames, one state; the output cut to the input's length. */
+/**
+ * RNNoise run directly: 48 kHz float in [-1, 1], zero-padded to whole frames, one state; the output cut to the input's
+ * length.
+ */
 async function rnnoiseDirect(x48: Float32Array): Promise<{ out: Float32Array; probs: number[] }> {
   const m = await loadRnnoiseModule();
   const st = m._rnnoise_create(0);
@@ -233,7 +236,10 @@ describe('POST /v1/tasks/run?model=rnnoise', () => {
   });
 });
 
-/** Streams s16le `s16` at `rate` to `/v1/stream?model=rnnoise` in frames of `frameMs`; the audio frames answered (concatenated) and the events. */
+/**
+ * Streams s16le `s16` at `rate` to `/v1/stream?model=rnnoise` in frames of `frameMs`; the audio frames answered
+ * (concatenated) and the events.
+ */
 function streamDenoise(
   s16: Int16Array,
   rate: number,

@@ -79,7 +79,8 @@ describe('observability', () => {
     ac.abort();
     await reader;
 
-    // `resident.ready.leases.idle` and `.busy` are both `ready` here; `resident.loading.queued` and `.building` both `loading`.
+    // `resident.ready.leases.idle` and `.busy` are both `ready` here; `resident.loading.queued` and `.building` both
+    // `loading`.
     const states = events
       .filter((e) => e.actor === 'model:obs' && e.kind === '@xstate.snapshot')
       .map((e) => e.state.replace(/^resident\./, '').replace(/^(ready|loading)\..*/, '$1'))
@@ -275,7 +276,8 @@ describe('observability', () => {
       await page.waitForSelector('svg[data-chart="model"] .state.current[data-state="resident.ready"]', {
         timeout: 5000,
       });
-      // Every chart is drawn from its definition, once per kind: the root, the supervisor, model entries, both socket actors.
+      // Every chart is drawn from its definition, once per kind: the root, the supervisor, model entries, both socket
+      // actors.
       for (const chart of ['system', 'supervisor', 'model', 'stream', 'http'])
         await page.waitForSelector(`svg[data-chart="${chart}"] .state`, { timeout: 5000 });
       expect(await page.locator('[data-chart="system"] .state.current[data-state="running"]').count()).toBe(1);

@@ -122,7 +122,8 @@ describe('issue 25 HTTP robustness', () => {
 
   it('issue 25 item 10: shutdown during a cold load (a request and a management load waiting on it) ends within drain_timeout_ms + 1 s; the load is abandoned, both answered 503 shutting_down', async () => {
     const signals: AbortSignal[] = [];
-    // A load that would take far longer than the drain (as 4 slots of a big model on a busy machine do), until abandoned.
+    // A load that would take far longer than the drain (as 4 slots of a big model on a busy machine do), until
+    // abandoned.
     const endless: ModelLoader = (_config, signal) =>
       new Promise((_resolve, reject) => {
         signals.push(signal!);

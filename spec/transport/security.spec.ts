@@ -105,7 +105,10 @@ const silence = (seconds: number): Buffer => {
   w.fromScratch(1, 16000, '16', new Int16Array(16000 * seconds));
   return Buffer.from(w.toBuffer());
 };
-/** A server that answers 413 as soon as it has a request's headers and destroys the connection once the answer is written (as a proxy may). */
+/**
+ * A server that answers 413 as soon as it has a request's headers and destroys the connection once the answer is
+ * written (as a proxy may).
+ */
 async function cutting(): Promise<{ url: string; close: () => void }> {
   const refuse = (req: IncomingMessage, res: ServerResponse): void => {
     res.writeHead(413, { 'content-type': 'application/json', connection: 'close' });
@@ -616,7 +619,8 @@ describe('voxserve/client and the CLI with API keys, and early answers', () => {
     const events = [];
     for await (const e of keyed.batch([wav], { model })) events.push(e.type);
     expect(events).toEqual(['result', 'done']);
-    // Streams: the header under Node, the subprotocol from the browser client (here with ws's constructor, which it gives no headers).
+    // Streams: the header under Node, the subprotocol from the browser client (here with ws's constructor, which it
+    // gives no headers).
     const browser = new BrowserClient({
       url: s.url,
       apiKey: key,
@@ -739,7 +743,10 @@ describe('in a browser (headless Chromium)', () => {
     });
     try {
       const page = await browser.newPage();
-      /** In the page (a string: the page has its own WebSocket): a run with the key (a preflight: audio/wav and Authorization), a stream's first event, an unload_all. */
+      /**
+       * In the page (a string: the page has its own WebSocket): a run with the key (a preflight: audio/wav and
+       * Authorization), a stream's first event, an unload_all.
+       */
       const script = `async ({ url, key, audio }) => {
         const body = Uint8Array.from(atob(audio), (c) => c.charCodeAt(0));
         const run = await fetch(url + '/v1/tasks/run?model=silero-vad', { method: 'POST', headers: { 'content-type': 'audio/wav', authorization: 'Bearer ' + key }, body }).then(

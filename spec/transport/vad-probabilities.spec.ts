@@ -79,7 +79,8 @@ describe('probability events against onnxruntime run in the test', () => {
     const at44 = up.simple(floats(s16Of(fixture('espeak_sentence_16k.wav'))));
     up.destroy();
     const s16 = Int16Array.from(at44, (v) => Math.max(-32768, Math.min(32767, Math.round(v * 32768))));
-    // What the server makes of it: libsamplerate SINC_FASTEST, stateful, 20 ms of silence to flush, cut to the signal's length at 16 kHz.
+    // What the server makes of it: libsamplerate SINC_FASTEST, stateful, 20 ms of silence to flush, cut to the signal's
+    // length at 16 kHz.
     const down = await create(1, 44_100, 16_000, { converterType: ConverterType.SRC_SINC_FASTEST });
     const out = [...down.full(floats(s16)), ...down.full(new Float32Array(882))];
     down.destroy();

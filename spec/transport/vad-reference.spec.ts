@@ -30,7 +30,10 @@ afterAll(async () => {
 
 const rateOf = (wav: Buffer): number => (new WaveFile(wav).fmt as { sampleRate: number }).sampleRate;
 
-/** Streams a WAV's PCM (s16le at its own rate, mono) in 100 ms frames; resolves with its `speech_end` events (the segments). */
+/**
+ * Streams a WAV's PCM (s16le at its own rate, mono) in 100 ms frames; resolves with its `speech_end` events (the
+ * segments).
+ */
 function streamSegments(model: string, wav: Buffer): Promise<{ start_ms: number; end_ms: number }[]> {
   const w = new WaveFile(wav);
   const { sampleRate, numChannels } = w.fmt as { sampleRate: number; numChannels: number };

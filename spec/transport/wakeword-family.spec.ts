@@ -73,7 +73,10 @@ interface Open {
   closed: Promise<number>;
 }
 
-/** Opens a stream on `model` and sends `pcm` in 100 ms frames (not ended); resolves once every frame has been processed far enough to give a result. */
+/**
+ * Opens a stream on `model` and sends `pcm` in 100 ms frames (not ended); resolves once every frame has been processed
+ * far enough to give a result.
+ */
 async function openStream(model: string, pcm: Buffer): Promise<Open> {
   const ws = new WebSocket(`${server.url.replace('http', 'ws')}/v1/stream?model=${model}&sample_rate=16000`);
   const events: Open['events'] = [];

@@ -223,7 +223,8 @@ describe('Wyoming', () => {
     c.sendWav('espeak_alexa_16k.wav');
     const started = await c.next('voice-started');
     const stopped = await c.next('voice-stopped');
-    // REFERENCE.jsonl: espeak_alexa_16k.wav speech 962-1662 ms (`segments_v6`: silero-vad is Silero v6, default parameters).
+    // REFERENCE.jsonl: espeak_alexa_16k.wav speech 962-1662 ms (`segments_v6`: silero-vad is Silero v6, default
+    // parameters).
     expect(Math.abs(started.data.timestamp - 962)).toBeLessThanOrEqual(40);
     expect(Math.abs(stopped.data.timestamp - 1662)).toBeLessThanOrEqual(40);
     expect((await c.next('detection')).data.name).toBe('alexa');

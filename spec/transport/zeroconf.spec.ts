@@ -72,7 +72,10 @@ afterAll(() => {
   }
 });
 
-/** `voxserve serve` in the namespace with Wyoming on ADDRESS (a free port); resolves with its Wyoming port once listening. */
+/**
+ * `voxserve serve` in the namespace with Wyoming on ADDRESS (a free port); resolves with its Wyoming port once
+ * listening.
+ */
 async function serveInNamespace(extra: string[]): Promise<{ port: number; child: ChildProcess; stderr: () => string }> {
   const child = spawn(
     'ip',

@@ -13,7 +13,10 @@ const WAKE = ModelConfig.parse({ id: 'w', task: 'wakeword', path: '/w.onnx' });
 const VAD = ModelConfig.parse({ id: 'v', task: 'vad', path: '/v.onnx' });
 const INFO = { heads: [{ window: 16, labels: ['@model'] }], initialEmbeddings: new Float32Array(16 * OWW.EMBEDDING) };
 
-/** A slot's answer to `job`: every wake-word step scores 0.5; VAD windows alternate 20 of speech (0.9) and 10 of silence (0.05). */
+/**
+ * A slot's answer to `job`: every wake-word step scores 0.5; VAD windows alternate 20 of speech (0.9) and 10 of silence
+ * (0.05).
+ */
 function answer(job: Job): JobResult {
   if (job.kind === 'wakeword')
     return {
