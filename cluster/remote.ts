@@ -265,12 +265,30 @@ export class RemoteJobs {
     let lastBusy = '';
     let lastGone = '';
     let replaced = 0;
+    let adoptedOffline = false;
     for (let attempt = 1; ; attempt++) {
       if (signal?.aborted) throw aborted();
       if (n.closed) throw voxError('shutting_down');
       const backing = n.backing.get(id);
       if (backing) return backing.pool.run(job, signal, end === Infinity ? 0 : left());
-      if (!(await until(n.membership, () => n.connected || n.closed || signal?.aborted === true, left())))
+      // NATS lost and no live holder known (their heartbeats unheard for 3 of them): no job can reach
+      // one, so the model is loaded here behind this pool, as a cold load would be (no lock: the
+      // documented overlap of loads decided while NATS is lost).
+      if (!n.connected && !n.holders(id).length && Date.now() < end && !adoptedOffline) {
+        adoptedOffline = true;
+        await withDeadline(n.placement.adopt(id), left()).catch((e: Error) =>
+          n.log.warn({ model: id, err: e.message }, 'cluster: NATS lost and no holder: not loaded here'),
+        );
+        continue;
+      }
+      // Waited for a heartbeat at a time: the holders known may go unheard meanwhile (then loaded here, above).
+      const back = await until(
+        n.membership,
+        () => n.connected || n.closed || signal?.aborted === true,
+        Math.min(left(), n.settings.heartbeat_ms),
+      );
+      if (!back && Date.now() < end) continue;
+      if (!back)
         throw voxError('no_holder', {
           message: `NATS (${redact(n.settings.nats, n.settings)}) was unreachable for the busy timeout; ${id} is held on other nodes`,
         });

@@ -585,3 +585,19 @@ describe('management with a node that does not answer (a tester found it, issue 
     B.child.kill('SIGCONT');
   }, 120_000);
 });
+
+describe('NATS lost after the only holder of a model died (a tester found it, issue 40)', () => {
+  it('a request on the ingress loads it here and is answered at once, not 503 at the busy timeout', async () => {
+    const n = await nats();
+    const { A, B } = await cluster(n.url, ['A', 'B'], 'B', ['silero-vad'], { A: { busy_timeout_ms: 20_000 } });
+    expect((await runFile(A.url, 'silero-vad', SHORT_FILE, 20_000)).status).toBe(200);
+    B.child.kill('SIGKILL');
+    expect(await eventually(async () => (await holders(A.url, 'silero-vad')).length === 0, 10_000)).toBe(true);
+    n.proc.kill('SIGSTOP');
+    expect(await eventually(async () => (await readyNats(A.url)) === 'disconnected', 15_000)).toBe(true);
+    const r = await runFile(A.url, 'silero-vad', SHORT_FILE, 30_000);
+    n.proc.kill('SIGCONT');
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    expect(r.ms).toBeLessThan(3 * HEARTBEAT_MS + 5000);
+  }, 120_000);
+});
