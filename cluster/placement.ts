@@ -53,6 +53,13 @@ export class Placement {
       this.placing.delete(id);
       return local();
     };
+    // Here as one candidate of a placement: still placing while it loads (its memory guard may
+    // refuse, and the placement asks another node), a holder once loaded.
+    const tryHere = async (): Promise<LoadedModel> => {
+      const m = await local();
+      this.placing.delete(id);
+      return m;
+    };
     const noHolder = (e: unknown): boolean => e instanceof VoxError && e.code === 'no_holder';
     const chart = placementMachine.provide({
       actors: {
@@ -75,7 +82,7 @@ export class Placement {
           try {
             // A placement that finished just before the lock was ours.
             if (n.holders(id).length) return await n.jobs.pool(config);
-            return await this.underLock(config, signal, here, input.lock);
+            return await this.underLock(config, signal, tryHere, input.lock);
           } finally {
             await input.lock.release();
           }

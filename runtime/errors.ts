@@ -313,11 +313,6 @@ export const ERRORS = {
     message: (p: { node: string; url: string }) =>
       `cluster.node: another live process already runs as node '${p.node}' (${p.url}); give each process its own name (--node, or cluster.node)`,
   },
-  job_too_large: {
-    type: 'server_error',
-    message: (p: { id: string; bytes: number; max: number }) =>
-      `a job for ${p.id} is ${p.bytes} bytes, over NATS's max_payload (${p.max}); raise max_payload in nats-server's config`,
-  },
   // 500: the server failed; report it if it repeats.
   model_unavailable: {
     type: 'server_error',

@@ -143,7 +143,8 @@ describe('voxserve CLI: input and rough edges', () => {
     expect(b.url).toBe(`http://127.0.0.1:${p2}`);
     await stop(b.child);
     const bad = await voxserve(['serve'], { PORT: 'eighty' });
-    expect(bad.code).toBe(1);
+    // A configuration error exits 2 (issue 43: before "listening", with what to do).
+    expect(bad.code).toBe(2);
     expect(bad.stderr).toMatch(/PORT must be a non-negative integer, got 'eighty'/);
   });
 
