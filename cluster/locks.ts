@@ -8,6 +8,7 @@
 import { randomUUID } from 'node:crypto';
 import type { KV, KvEntry } from '@nats-io/kv';
 import type { Logger } from 'pino';
+import { createActor, setup } from 'xstate';
 import { lockKey } from './nats.js';
 
 /**
@@ -34,6 +35,23 @@ export const superseded = (id: string): Error =>
   Object.assign(new Error(`the load lock of ${id} was taken over by another node`), { superseded: true });
 
 const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
+
+/** A lock this node holds: `held`, renewed at every `renew` delay (its `renew` action), until `RELEASE`. */
+export const lockMachine = setup({
+  types: { events: {} as { type: 'RELEASE' } },
+  actions: { renew: () => {} },
+  delays: { renew: 1000 },
+}).createMachine({
+  id: 'lock',
+  initial: 'held',
+  states: {
+    held: {
+      after: { renew: { target: 'held', reenter: true, actions: 'renew' } },
+      on: { RELEASE: 'released' },
+    },
+    released: { type: 'final' },
+  },
+});
 
 /** One node's view of the lock bucket: taking, renewing, judging expiry, checking a taking still holds. */
 export class Locks {
@@ -92,18 +110,22 @@ export class Locks {
     }
     this.seen.delete(key);
     let renewing: Promise<unknown> = Promise.resolve();
-    // A lease's renewal (not a wait): the lock stays this node's while it places.
-    const renew = setInterval(
-      () => {
-        renewing = this.kv()
-          .update(key, value(), rev)
-          .then(
-            (r) => (rev = r),
-            () => {},
-          );
-      },
-      Math.max(50, this.lockMs / 3),
-    );
+    // The lock stays this node's while it places: a renewal every third of `lock_ms`, a delay of its chart.
+    const renewal = createActor(
+      lockMachine.provide({
+        actions: {
+          renew: () => {
+            renewing = this.kv()
+              .update(key, value(), rev)
+              .then(
+                (r) => (rev = r),
+                () => {},
+              );
+          },
+        },
+        delays: { renew: Math.max(50, this.lockMs / 3) },
+      }),
+    ).start();
     const ref = { key, token };
     return {
       ref,
@@ -117,7 +139,7 @@ export class Locks {
         }
       },
       release: async () => {
-        clearInterval(renew);
+        renewal.send({ type: 'RELEASE' });
         // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until it
         // expires).
         await renewing;

@@ -11,7 +11,7 @@ import { createActor, fromPromise, SimulatedClock } from 'xstate';
 import { describe, expect, it } from 'vitest';
 import { liveNodes, membershipMachine, recordEvent, type NodeRecord } from '../../cluster/membership.js';
 import { placementMachine, type PlacementOutput } from '../../cluster/placement-chart.js';
-import type { LoadLock } from '../../cluster/locks.js';
+import { lockMachine, type LoadLock } from '../../cluster/locks.js';
 import type { LoadedModel } from '../../runtime/loader.js';
 import { FakeNats } from './fake-nats.js';
 
@@ -223,5 +223,25 @@ describe('a placement chart alone (SimulatedClock, fake steps)', () => {
     });
     await flush();
     expect(q.output()).toEqual({ error: refused });
+  });
+});
+
+describe('a load lock chart alone (SimulatedClock)', () => {
+  it('renews at every renew delay while held, and never after RELEASE', () => {
+    const clock = new SimulatedClock();
+    let renewals = 0;
+    const lock = createActor(
+      lockMachine.provide({ actions: { renew: () => void renewals++ }, delays: { renew: 300 } }),
+      { clock },
+    ).start();
+    clock.increment(299);
+    expect(renewals).toBe(0);
+    clock.increment(1);
+    clock.increment(300);
+    expect(renewals).toBe(2);
+    lock.send({ type: 'RELEASE' });
+    expect(lock.getSnapshot().status).toBe('done');
+    clock.increment(3000);
+    expect(renewals).toBe(2);
   });
 });
