@@ -9,7 +9,7 @@ import { randomUUID } from 'node:crypto';
 import type { KV, KvEntry } from '@nats-io/kv';
 import type { Logger } from 'pino';
 import { createActor, setup } from 'xstate';
-import { lockKey } from './nats.js';
+import { lockKey, encodeJson } from './nats.js';
 
 /**
  * A cold-load lock as a node loading under it names it: its key and the token of that taking (a take-over changes it).
@@ -33,8 +33,6 @@ export interface LoadLock {
 /** Thrown inside a placement whose load lock another node took over: the placement is given up. */
 export const superseded = (id: string): Error =>
   Object.assign(new Error(`the load lock of ${id} was taken over by another node`), { superseded: true });
-
-const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
 
 /** A lock this node holds: `held`, renewed at every `renew` delay (its `renew` action), until `RELEASE`. */
 export const lockMachine = setup({

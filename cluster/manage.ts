@@ -5,11 +5,11 @@
 import type { ModelConfig } from '../runtime/config.js';
 import { fromWire, invalid, toVoxError, VoxError, voxError } from '../runtime/errors.js';
 import { nextChange, until } from './membership.js';
-import { decodeMessage, type RemoteReply } from './nats.js';
+import { decodeMessage, type RemoteReply, encodeJson } from './nats.js';
 import type { ClusterNode } from './node.js';
 
-const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
-const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
+/** A 503 (busy, insufficient memory, shutting down): a node refused, and the next may be asked. */
+export const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
 /** What a node answers a cluster unload with. */
 type Unloaded = { unloaded: string[]; not_found: string[]; busy?: string[] };

@@ -232,6 +232,9 @@ export class Assembler {
   }
 }
 
+/** `v` as JSON bytes (registry entries, locks, requests between nodes). */
+export const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
+
 /** The registry key of a node. */
 export const nodeKey = (node: string): string => `node.${node}`;
 

@@ -28,14 +28,20 @@ import {
   type Membership,
   type NodeRecord,
 } from './membership.js';
-import { clusterSettings, connectNats, nodeKey, redact, type ClusterSettings, type NatsLink } from './nats.js';
+import {
+  clusterSettings,
+  connectNats,
+  nodeKey,
+  redact,
+  type ClusterSettings,
+  type NatsLink,
+  encodeJson,
+} from './nats.js';
 import { Placement } from './placement.js';
 import { clusterMetrics, RemoteJobs, withDeadline, type ClusterMetrics } from './remote.js';
 import { Serving } from './serve.js';
 
 export type { HeldModel, NodeRecord };
-
-const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
 
 /** What a cluster node needs from the server that runs it. */
 export interface ClusterNodeOptions {

@@ -11,10 +11,9 @@ import { superseded, type LoadLock, type LockRef } from './locks.js';
 import { createActor, fromPromise, toPromise } from 'xstate';
 import { nextChange, until } from './membership.js';
 import { placementMachine } from './placement-chart.js';
+import { is503 } from './manage.js';
 import { withDeadline } from './remote.js';
 import type { ClusterNode } from './node.js';
-
-const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
 /**
  * Placements of one node: its `place` hook, placing again when a model's holders went, adopting behind a remote pool.

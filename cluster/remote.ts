@@ -252,7 +252,9 @@ export class RemoteJobs {
     const frame = (attempt: number, wait: number): Uint8Array =>
       encodeMessage({ type: 'job', id: `${jobId}#${attempt}`, model: id, wait_ms: wait, job });
     const maxPayload = n.link.nc.info?.max_payload ?? 1024 * 1024;
-    if (frame(0, deadline).length > maxPayload) {
+    // Its arrays' bytes (the frame's head is small): a frame over max_payload anyway goes in parts.
+    const bytes = Object.values(job).reduce((k: number, v) => k + (ArrayBuffer.isView(v) ? v.byteLength : 0), 0);
+    if (bytes > maxPayload) {
       // A batch of many streams goes as two jobs of half the streams each (they run on two slots); one row goes in
       // parts.
       const halves = splitJob(job);
@@ -317,8 +319,8 @@ export class RemoteJobs {
         continue;
       }
       const node = holder.node;
-      // The holder waits for a lease and a slot at most the job deadline (then answers busy), so
-      // silence past that wait plus the deadline means it is gone.
+      // The holder waits for a lease and a slot at most the job deadline (then answers busy) and runs
+      // the job at most its job timeout, so silence past both plus the deadline means it is gone.
       const wait = Math.min(deadline, left());
       n.inflight.set(node, (n.inflight.get(node) ?? 0) + 1);
       const t0 = performance.now();

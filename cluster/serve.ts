@@ -8,10 +8,16 @@ import { leaseGranted } from '../actors/lease.js';
 import type { ModelEntry } from '../actors/model.js';
 import { toVoxError, voxError, type VoxError } from '../runtime/errors.js';
 import type { LockRef } from './locks.js';
-import { Assembler, decodeMessage, encodeMessage, publishInParts, type RemoteJob, type RemoteReply } from './nats.js';
+import {
+  Assembler,
+  decodeMessage,
+  encodeMessage,
+  publishInParts,
+  type RemoteJob,
+  type RemoteReply,
+  encodeJson,
+} from './nats.js';
 import type { ClusterNode } from './node.js';
-
-const encodeJson = (v: unknown): Uint8Array => new TextEncoder().encode(JSON.stringify(v));
 
 /** The wire form of an error for a peer (docs/errors.md's type and code). */
 export function errorReply(v: VoxError): RemoteReply {
