@@ -107,8 +107,8 @@ export type ModelEvent =
    */
   | { type: 'DRAIN' }
   /**
-   * The admission queue changed (a lease granted or released, a waiter came or left): `ready.idle` / `ready.busy` look
-   * again.
+   * The model turned in use or idle (its first lease or waiter came, or its last one left): `ready.idle` /
+   * `ready.busy` look again.
    */
   | { type: 'LEASES' }
   /** From the `residency` actor: the cold-load gate let the load through. */
@@ -135,8 +135,8 @@ export interface ModelDeps {
   footprint: (config: ModelConfig) => Promise<number>;
   /**
    * The model's admission queue, the one home of its leases: the guards read what it holds and
-   * who waits (it sends `LEASES` on every change); an accepted eviction holds its exclusive lease
-   * until the pool is closed.
+   * who waits (the entry sends `LEASES` when the model turns in use or idle); an accepted eviction
+   * holds its exclusive lease until the pool is closed.
    */
   admission: Pick<Admission, 'tryAcquire' | 'activeLeases' | 'queued' | 'exclusive'>;
   /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
@@ -297,7 +297,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
  * - The `residency` actor, invoked for as long as the entry is `resident`, loads the pool (through
  *   the supervisor's cold-load gate), holds it, and closes it on `CLOSE` or when stopped. It
  *   answers `LOADED`, `LOAD_FAILED`, `CLOSED` and, when a slot dies, `SLOT_FAILED`.
- * - `ready.idle` / `ready.busy` follow the admission queue (its guards read it; it sends `LEASES` on every change).
+ * - `ready.idle` / `ready.busy` follow the admission queue (its guards read it; it sends `LEASES` when the model turns in use or idle).
  * - `EVICT {reason}` is taken only in `ready.idle` through the guard `evictable` (no lease held, no
  *   waiter, no exclusive holder); anywhere else it is answered `EVICT_REFUSED`: that refusal is
  *   the try-acquire of eviction (C12). An accepted eviction takes the exclusive lease
@@ -846,7 +846,13 @@ export class ModelEntry {
     this.resolve = options.resolve ?? ((c) => c);
     const metrics = options.metrics;
     this.lagMetric = metrics?.processingLag.labels({ model: config.id });
+    // The chart and the supervisor hear only when the model turns in use or idle (what `inUse` and `evictable` read):
+    // an event per grant and release cost a remote job's holder ~150 µs.
+    let inUse = false;
     this.admission = new Admission(config.max_streams, () => {
+      const now = this.admission.activeLeases > 0 || this.admission.queued > 0;
+      if (now === inUse) return;
+      inUse = now;
       this.actor?.send({ type: 'LEASES' });
       onChange();
     });
@@ -999,6 +1005,9 @@ export class ModelEntry {
    *   answered if it refused the load; the signal's reason (an `AbortError`) once it aborts.
    */
   ensureReady(signal?: AbortSignal): Promise<LoadedModel> {
+    // Ready now (every warm request): answered at once, without a subscription to the chart.
+    if (this.loaded && !signal?.aborted && stateName(this.actor.getSnapshot().value) === 'ready')
+      return Promise.resolve(this.loaded);
     return new Promise<LoadedModel>((resolve, reject) => {
       let asked = false;
       const step = (): void => {
