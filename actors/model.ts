@@ -755,7 +755,7 @@ export interface EntryOptions {
   /** Completes a validated config (a wake-word group's heads get their files); may throw VoxError 400. */
   resolve?: (config: ModelConfig) => ModelConfig;
   /** Creates the chart's actor from its input; the supervisor spawns it as its child with `systemId` `model:<id>`. */
-  spawn?: (input: ModelInput) => ModelActor;
+  spawn?: (input: ModelInput, entry: ModelEntry) => ModelActor;
   /** Cluster placement (cluster/node.ts): decides where a cold load goes; `local` loads on this node. */
   place?: PlaceHook;
 }
@@ -885,7 +885,7 @@ export class ModelEntry {
       serverCrashCooldownMs: options.serverCrashCooldownMs,
     };
     this.actor = options.spawn
-      ? options.spawn(input)
+      ? options.spawn(input, this)
       : createActor(modelMachine, {
           input,
           inspect: options.inspect,

@@ -96,8 +96,9 @@ export interface RoomFigures {
 
 /** Events of the supervisor chart. */
 export type SupervisorEvent =
-  | { type: 'REGISTER'; id: string; logic: typeof modelMachine; input: ModelInput }
-  /** An unused, unloaded ad hoc wake-word group leaves the registry (its chart stops). */
+  /** A model joins the registry: its chart is spawned as `model:<id>`, its handle kept in `models` (tests may omit it). */
+  | { type: 'REGISTER'; id: string; logic: typeof modelMachine; input: ModelInput; entry?: ModelEntry }
+  /** An unused, unloaded ad hoc wake-word group leaves the registry (its chart stops, its handle goes). */
   | { type: 'UNREGISTER'; id: string }
   | ({ type: 'LOAD_REQUESTED' } & Omit<PendingLoad, 'since'>)
   /** The load granted to `id` ended (loaded or failed), or its requester went away. */
@@ -112,6 +113,11 @@ export type GateReply = { type: 'LOAD_GRANTED' } | { type: 'LOAD_REFUSED'; error
 export interface SupervisorContext {
   /** The live dependencies it was created with. */
   deps: Required<SupervisorInput>;
+  /**
+   * The registry: each registered model's handle by id, set and deleted in the same transitions that spawn and stop
+   * its chart `model:<id>` (one home: the registry and the chart's children cannot disagree).
+   */
+  models: ReadonlyMap<string, ModelEntry>;
   /** Cold loads waiting for the gate, FIFO. */
   pending: PendingLoad[];
   /** The cold load the gate is working for (making room, then loading). */
@@ -229,6 +235,7 @@ export const supervisorMachine = setup({
   id: 'supervisor',
   context: ({ input }) => ({
     deps: { now: Date.now, ...input },
+    models: new Map(),
     pending: [],
     current: null,
     refused: [],
@@ -241,15 +248,28 @@ export const supervisorMachine = setup({
     // or `system.get('model:<id>')`): the logic comes with the event (the model chart; a test gives
     // fakes), its live dependencies with its input.
     REGISTER: {
-      actions: enqueueActions(({ enqueue, event }) =>
+      actions: enqueueActions(({ enqueue, event, context }) => {
         (enqueue.spawnChild as (logic: AnyActorLogic, options: object) => void)(event.logic, {
           id: `model:${event.id}`,
           systemId: `model:${event.id}`,
           input: event.input,
-        }),
-      ),
+        });
+        const { entry } = event;
+        if (entry) enqueue.assign({ models: new Map(context.models).set(event.id, entry) });
+      }),
     },
-    UNREGISTER: { actions: stopChild(({ event }) => `model:${event.id}`) },
+    UNREGISTER: {
+      actions: [
+        stopChild(({ event }) => `model:${event.id}`),
+        assign({
+          models: ({ context, event }) => {
+            const models = new Map(context.models);
+            models.delete(event.id);
+            return models;
+          },
+        }),
+      ],
+    },
     LOAD_REQUESTED: [
       {
         guard: 'guarded',
@@ -388,7 +408,10 @@ export class Supervisor {
   readonly root: Actor<typeof systemMachine>;
   /** The supervisor chart (the root's child, `systemId` `supervisor`). */
   readonly actor: ActorRefFrom<typeof supervisorMachine>;
-  private readonly entries = new Map<string, ModelEntry>();
+  /** The registry: the supervisor chart's `models` (its one home; empty while the constructor runs). */
+  private get entries(): ReadonlyMap<string, ModelEntry> {
+    return this.actor?.getSnapshot().context.models ?? new Map();
+  }
   private readonly catalog = new Map<string, ModelConfig>();
   private readonly baseLoader: ModelLoader;
   private readonly probe: MemoryProbe;
@@ -598,8 +621,8 @@ export class Supervisor {
 
   /** Takes an unloaded, unused entry out of the registry, with its metric series. */
   private unregister(id: string): void {
-    this.entries.delete(id);
     this.adHoc.delete(id);
+    this.measuredPerSlot.delete(id);
     this.actor.send({ type: 'UNREGISTER', id });
     void this.metrics.forget(id);
   }
@@ -912,13 +935,12 @@ export class Supervisor {
       resolve: this.resolveHeads,
       log: this.log.child({ model: config.id }),
       metrics: this.metrics,
-      spawn: (input) => {
-        this.actor.send({ type: 'REGISTER', id: config.id, logic: modelMachine, input });
+      spawn: (input, self) => {
+        this.actor.send({ type: 'REGISTER', id: config.id, logic: modelMachine, input, entry: self });
         return (this.actor.getSnapshot().children as Record<string, ModelActor>)[`model:${config.id}`];
       },
     });
     before?.(entry);
-    this.entries.set(config.id, entry);
     if (this.draining) entry.drain();
     return entry;
   }
