@@ -5,15 +5,16 @@
  * - placement.ts: cold loads placed here or on another node under the load lock (locks.ts);
  * - remote.ts: the remote pool, whose jobs go to the holders and fail over;
  * - serve.ts: what this node serves to the others (jobs through the shared lease path);
- * - manage.ts: management loads and unloads across nodes, and a draining node's hand-over.
+ * - manage.ts: management loads and unloads across nodes, and a draining node's hand-over;
+ * - name.ts: the node's name in the registry, claimed at join and held by compare-and-set heartbeats.
  */
-import { createHash, randomUUID } from 'node:crypto';
+import { createHash } from 'node:crypto';
 import type { Subscription } from '@nats-io/transport-node';
 import type { Logger } from 'pino';
 import { createActor, type InspectionEvent } from 'xstate';
 import type { Supervisor } from '../actors/supervisor.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
-import { voxError } from '../runtime/errors.js';
+import { type VoxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
 import { effectiveTimeout } from '../runtime/admission.js';
@@ -23,7 +24,6 @@ import {
   liveNodes,
   membershipMachine,
   recordEvent,
-  until,
   type HeldModel,
   type Membership,
   type NodeRecord,
@@ -39,6 +39,7 @@ import {
 } from './nats.js';
 import { Placement } from './placement.js';
 import { clusterMetrics, RemoteJobs, withDeadline, type ClusterMetrics } from './remote.js';
+import { NodeName } from './name.js';
 import { Serving } from './serve.js';
 
 export type { HeldModel, NodeRecord };
@@ -86,8 +87,10 @@ export class ClusterNode {
    * (its jobs and other nodes' run on it), so the streams on the pool go on (docs/cluster.md).
    */
   readonly backing = new Map<string, LoadedModel>();
-  /** Names this process's NATS sessions ({@link NodeRecord.session}: `<boot>.<reconnects>`). */
-  private readonly boot = randomUUID().slice(0, 8);
+  /** This node's name in the registry, held by compare-and-set heartbeats. */
+  private readonly nodeName: NodeName;
+  /** Told once when another process took this node's name ({@link publish}); the CLI drains and exits 1. */
+  onNameLost: (error: VoxError) => void = () => {};
   private stopWatch: (() => void) | null = null;
   private reopening: Promise<void> | null = null;
   private handover: Promise<void> = Promise.resolve();
@@ -110,6 +113,7 @@ export class ClusterNode {
       },
     );
     this.locks = new Locks(() => this.link.locks, this.settings.node, this.settings.lock_ms, options.log);
+    this.nodeName = new NodeName(this.settings.node, () => this.link.nodes, this.membership);
     this.jobs = new RemoteJobs(this);
     this.placement = new Placement(this);
     this.serving = new Serving(this);
@@ -147,7 +151,7 @@ export class ClusterNode {
   }
 
   /** The node's subject for `what`. */
-  subject(node: string, what: 'job' | 'info' | 'load' | 'unload' | 'ping'): string {
+  subject(node: string, what: 'job' | 'cancel' | 'info' | 'load' | 'unload' | 'ping'): string {
     return `${this.settings.subject_prefix}.node.${node}.${what}`;
   }
 
@@ -221,7 +225,7 @@ export class ClusterNode {
    * @throws VoxError `node_name_taken` naming the other process's URL.
    */
   async attach(supervisor: Supervisor, url: string): Promise<void> {
-    await this.refuseTakenName();
+    await this.nodeName.claim();
     this.supervisor = supervisor;
     this.url = url;
     this.metrics = clusterMetrics(supervisor.metrics.registry);
@@ -233,28 +237,6 @@ export class ClusterNode {
       { nats: redact(this.settings.nats, this.settings), heartbeat_ms: this.settings.heartbeat_ms },
       'cluster: joined',
     );
-  }
-
-  /**
-   * A registry entry under this node's name written by another process (not this one's session)
-   * and written again within 2.5 of its heartbeats is another live process with the same name:
-   * both would serve every job sent to the name. An entry that is not written again is a dead
-   * process's (a restart after a crash) and is taken over.
-   * @throws VoxError `node_name_taken`.
-   */
-  private async refuseTakenName(): Promise<void> {
-    const mine = (r?: NodeRecord): boolean => r?.session?.startsWith(`${this.boot}.`) === true;
-    // The bucket itself: the registry watch may not have delivered it yet.
-    const e = await this.link.nodes.get(nodeKey(this.name)).catch(() => null);
-    if (!e || e.operation !== 'PUT') return;
-    const first = e.json<NodeRecord>();
-    if (mine(first)) return;
-    const again = (): boolean => {
-      const now = this.membership.getSnapshot().context.view.get(this.name)?.record;
-      return !!now && now.at !== first.at && !mine(now);
-    };
-    if (await until(this.membership, again, 2.5 * first.heartbeat_ms))
-      throw voxError('node_name_taken', { node: this.name, url: first.url ?? 'its URL unknown' });
   }
 
   /** Publishes a heartbeat soon (after a model's state changed). */
@@ -307,19 +289,33 @@ export class ClusterNode {
       max_loaded_models: this.config.max_loaded_models,
       min_free_memory_mb: this.config.min_free_memory_mb,
       models,
-      session: `${this.boot}.${this.membership.getSnapshot().context.reconnects}`,
+      session: `${this.nodeName.boot}.${this.membership.getSnapshot().context.reconnects}`,
     };
   }
 
-  /** Writes this node's registry entry (the membership chart's `publish`); a lost bucket is created again. */
+  /**
+   * Writes this node's registry entry (the membership chart's `publish`; a compare-and-set, {@link NodeName.write});
+   * a lost bucket is created again; a name another process took is given up ({@link yieldName}).
+   */
   async publish(): Promise<void> {
-    if (!this.supervisor || this.closed || !this.connected) return;
-    try {
-      await this.link.nodes.put(nodeKey(this.name), encodeJson(this.record()));
-    } catch (e) {
-      this.log.debug({ err: (e as Error).message }, 'cluster: heartbeat not written');
-      if (this.connected && !this.reopening) void this.reopen();
-    }
+    if (!this.supervisor || this.closed || !this.connected || this.nodeName.lost) return;
+    const failed = await this.nodeName.write(encodeJson(this.record()));
+    if (!failed) return;
+    if (failed.taken) return this.yieldName(failed.taken);
+    this.log.debug({ err: failed.error.message }, 'cluster: heartbeat not written');
+    if (this.connected && !this.reopening) void this.reopen();
+  }
+
+  /**
+   * Gives the node's name up to the process that took it: stops serving this name's subjects and writing its entry (the
+   * entry is the other's now: {@link close} leaves it), then tells {@link onNameLost} (the CLI exits 1).
+   */
+  private yieldName(error: VoxError): void {
+    if (this.nodeName.lost) return;
+    this.nodeName.lost = true;
+    this.log.error({ err: error.message }, 'cluster: node name taken over, leaving the cluster');
+    for (const s of this.subs.splice(0)) s.unsubscribe();
+    this.onNameLost(error);
   }
 
   /**
@@ -465,7 +461,7 @@ export class ClusterNode {
   async close(): Promise<void> {
     if (this.closed) return;
     try {
-      if (this.connected && this.supervisor)
+      if (this.connected && this.supervisor && !this.nodeName.lost)
         await withDeadline(this.link.nodes.delete(nodeKey(this.name)), 3 * this.settings.heartbeat_ms).catch(() => {});
     } finally {
       this.closed = true;

@@ -325,7 +325,11 @@ export class RemoteJobs {
       n.inflight.set(node, (n.inflight.get(node) ?? 0) + 1);
       const t0 = performance.now();
       const token = `${seq}.${attempt}`;
-      const stop = (): void => this.settleWhere((p) => p === this.pending.get(token), { lost: true });
+      const stop = (): void => {
+        this.settleWhere((p) => p === this.pending.get(token), { lost: true });
+        // The client left: the holder drops the job too (it leaves the queue there, or gives its lease back).
+        if (n.connected) n.link.nc.publish(n.subject(node, 'cancel'), new TextEncoder().encode(`${jobId}#${attempt}`));
+      };
       signal?.addEventListener('abort', stop, { once: true });
       let outcome: Attempt;
       try {

@@ -31,6 +31,8 @@ export class Serving {
   /** When this node last served another node's job, per model (this node's clock). */
   readonly lastServed = new Map<string, number>();
   private readonly parts = new Assembler();
+  /** Peers' jobs being served here, by their id (`<ingress>:<seq>#<attempt>`): a cancel aborts one. */
+  private readonly running = new Map<string, AbortController>();
 
   constructor(private readonly n: ClusterNode) {}
 
@@ -66,6 +68,12 @@ export class Serving {
     on(n.subject(n.name, 'load'), (d) => this.once('load', d, () => this.load(d)));
     on(n.subject(n.name, 'unload'), (d) => this.once('unload', d, () => this.unload(d)));
     n.subs.push(nc.subscribe(n.subject(n.name, 'ping'), { callback: (_e, m) => void m.respond() }));
+    // The job's client left (its ingress stopped waiting): the job leaves the queue or gives its lease back.
+    n.subs.push(
+      nc.subscribe(n.subject(n.name, 'cancel'), {
+        callback: (_e, m) => this.running.get(new TextDecoder().decode(m.data))?.abort(),
+      }),
+    );
     n.subs.push(nc.subscribe(`${n.jobs.inbox}.>`, { callback: (_e, m) => n.jobs.onReply(m) }));
   }
 
@@ -100,11 +108,13 @@ export class Serving {
     let outcome = 'ok';
     /** The lease was revoked under the job (a forced unload): the model is not held here any more. */
     let revoked = false;
+    const cancel = new AbortController();
+    this.running.set(msg.id, cancel);
     try {
       const backing = n.runsRemotely(msg.model) ? n.backing.get(msg.model) : undefined;
       if (backing) {
         try {
-          const result = await backing.pool.run(msg.job, undefined, msg.wait_ms);
+          const result = await backing.pool.run(msg.job, cancel.signal, msg.wait_ms);
           return encodeMessage({ type: 'result', result, ran_ms: result.ran ? result.ran[1] - result.ran[0] : 0 });
         } catch (e) {
           // Its remote pool was unloaded under the job (the backing pool closes with it): not held
@@ -124,6 +134,7 @@ export class Serving {
         { requestTimeoutMs: msg.wait_ms, metrics: n.supervisor!.metrics },
         () => void (revoked = true),
       );
+      cancel.signal.addEventListener('abort', () => handle.release(), { once: true });
       try {
         const result = await (await granted).run(msg.job, msg.wait_ms);
         return encodeMessage({ type: 'result', result, ran_ms: result.ran ? result.ran[1] - result.ran[0] : 0 });
@@ -132,6 +143,10 @@ export class Serving {
       }
     } catch (e) {
       const v = toVoxError(e);
+      if (cancel.signal.aborted) {
+        outcome = 'cancelled'; // nobody waits for the reply
+        return encodeMessage(errorReply(v));
+      }
       if (revoked || (n.draining && v.status >= 500)) {
         // A draining node unloading its models, or a forced unload, fails the jobs still on them: it
         // holds the model no more, so the ingress sends the job (which gave no result) to another holder.
@@ -142,6 +157,7 @@ export class Serving {
       outcome = v.type;
       return encodeMessage(errorReply(v));
     } finally {
+      this.running.delete(msg.id);
       n.metrics?.served.inc({ model: msg.model, outcome });
       this.lastServed.set(msg.model, Date.now());
     }

@@ -298,6 +298,15 @@ program
         (e) => die(`shutdown failed: ${(e as Error).message}`),
       );
     };
+    // Another process took this node's name while this one was paused or cut off: it drains and leaves, exit 1.
+    if (server.cluster)
+      server.cluster.onNameLost = (e) => {
+        process.stderr.write(`voxserve: ${e.message}; this process leaves the cluster\n`);
+        server.close().then(
+          () => process.exit(1),
+          () => process.exit(1),
+        );
+      };
     process.on('SIGTERM', () => stop('SIGTERM'));
     process.on('SIGINT', () => stop('SIGINT'));
     // Announced once the signals are handled: whoever reads this line may stop the server at once.

@@ -19,6 +19,8 @@
  * 6. A model loaded with `{"node": "c"}` that only c registers is usable from every node.
  * 7. A cluster-wide unload during a cold placement lets the request under way finish (200), then
  *    unloads, as on a single node.
+ * Then what testers found (each names it): among them a node paused past its heartbeats whose name a
+ * newcomer took gives it up when it wakes, and a client leaving drops its job at the holder too.
  * The nodes run the compiled CLI (`npm run build` first); nats-server is Debian's (/usr/sbin).
  * Each node: `port: 0`, threads for slots, management on, `heartbeat_ms` 1000, `job_deadline_ms`
  * 3000; `CLUSTER_LOG=info` shows the nodes' logs.
@@ -418,6 +420,38 @@ describe('two processes started with the same node name', () => {
   }, 90_000);
 });
 
+describe('a node paused past its heartbeats while a newcomer took its name (a tester found it, issue 40)', () => {
+  it('gives the name up when it wakes (exit 1, naming the newcomer), and the newcomer keeps it: no job runs twice', async () => {
+    const n = await nats();
+    const old = await startNode(n.url, 'pz');
+    let stderr = '';
+    old.child.stderr!.on('data', (d: Buffer) => {
+      stderr += d.toString();
+    });
+    expect((await runFile(old.url, 'silero-vad', SHORT_FILE)).status).toBe(200);
+    // Paused past 2.5 heartbeats: a newcomer under the same name takes its entry for a dead process's and joins.
+    old.child.kill('SIGSTOP');
+    await sleep(3 * HEARTBEAT_MS);
+    const newcomer = await startNode(n.url, 'pz');
+    old.child.kill('SIGCONT');
+    // Its next heartbeat finds the newcomer's entry: it leaves instead of writing its own over it.
+    const exit = await within(
+      new Promise<number | null>((r) =>
+        old.child.exitCode !== null ? r(old.child.exitCode) : old.child.once('exit', (code) => r(code)),
+      ),
+      15_000,
+      'the woken node still running 15 s after SIGCONT',
+    ).catch((e: Error) => e);
+    expect.soft(exit, `the woken node; stderr: ${stderr}`).toBe(1);
+    expect.soft(stderr, 'its message names the newcomer').toContain(newcomer.url);
+    // The newcomer holds the name: the registry's entry is its own, and it serves.
+    const r = await call(`${newcomer.url}/v1/cluster`, {}, 2000);
+    const entry = (r.body.nodes as { node: string; url: string }[]).find((x) => x.node === 'pz');
+    expect(entry?.url).toBe(newcomer.url);
+    expect((await runFile(newcomer.url, 'silero-vad', SHORT_FILE)).status).toBe(200);
+  }, 120_000);
+});
+
 describe('a tensor request larger than NATS max_payload (1 MB) on a model another node holds', () => {
   it('2.4 MiB of input (the limit is 16 MiB) gives the holder’s own answer', async () => {
     const n = await nats();
@@ -566,6 +600,44 @@ describe('a remote job that runs longer than job_deadline_ms (a tester found it,
     expect(
       await counter(A.url, 'voxserve_remote_jobs_sent_total', { model: 'slowvad', outcome: 'ok' }),
     ).toBeGreaterThan(0);
+  }, 120_000);
+});
+
+describe('a client that leaves while its job waits at the holder (a tester found it, issue 40)', () => {
+  it('the holder drops the job at once (it leaves the queue there) instead of running it for nobody', async () => {
+    const n = await nats();
+    // About 6.6 s per Front_Center run (44 windows of 150 ms); one lease at a time.
+    const slow = { id: 'slowvad', task: 'vad', path: slowModel(150), max_streams: 1 };
+    const { A, B } = await cluster(n.url, ['A', 'B'], 'B', ['slowvad'], {
+      A: { models: [slow], busy_timeout_ms: 60_000, cluster: { job_deadline_ms: 30_000 } },
+      B: { models: [slow], busy_timeout_ms: 60_000 },
+    });
+    const status = async (): Promise<{ active_leases: number; queued_requests: number }> =>
+      (await call(`${B.url}/v1/models/slowvad`, {}, 2000)).body;
+    // B's own request holds its only lease for seconds.
+    let blockerDone = false;
+    const blocker = runFile(B.url, 'slowvad', SHORT_FILE, 60_000).finally(() => (blockerDone = true));
+    expect(await eventually(async () => (await status()).active_leases === 1, 10_000)).toBe(true);
+    // A's client asks, its job queues at B, and the client leaves.
+    const client = new AbortController();
+    const left = fetch(`${A.url}/v1/tasks/run?model=slowvad`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(fixture(SHORT_FILE)),
+      signal: client.signal,
+    }).catch((e: Error) => e);
+    expect(await eventually(async () => (await status()).queued_requests === 1, 10_000)).toBe(true);
+    client.abort();
+    await left;
+    // Gone from B's queue while B's own run goes on (without the cancel it waits there, then runs for nobody).
+    expect(await eventually(async () => (await status()).queued_requests === 0, 2000)).toBe(true);
+    expect(blockerDone).toBe(false);
+    expect((await blocker).status).toBe(200);
+    await sleep(500);
+    expect(await counter(B.url, 'voxserve_remote_jobs_served_total', { model: 'slowvad', outcome: 'cancelled' })).toBe(
+      1,
+    );
+    expect(await counter(B.url, 'voxserve_remote_jobs_served_total', { model: 'slowvad', outcome: 'ok' })).toBe(0);
   }, 120_000);
 });
 
