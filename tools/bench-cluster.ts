@@ -45,8 +45,16 @@ const { values } = parseArgs({
     seconds: { type: 'string', default: '10' },
     kills: { type: 'string', default: '20' },
     parts: { type: 'string', default: '1,2,3' },
+    help: { type: 'boolean', short: 'h', default: false },
   },
 });
+if (values.help) {
+  process.stdout.write(
+    'usage: node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--kills 20] [--parts 1,2,3]\n' +
+      '  part 1: a remote job against a local one; 2: live streams on 2 nodes against 1; 3: failover after SIGKILL\n',
+  );
+  process.exit(0);
+}
 const KILLS = Number(values.kills);
 const PARTS = new Set(values.parts.split(','));
 const JOBS = Number(values.jobs);
