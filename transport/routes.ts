@@ -233,10 +233,11 @@ function taskBody(
       throw e;
     }
     // A large JSON body is parsed (and its tensors read) in a decode worker, not on the event loop.
-    // (Not a body with binary tensor data after its JSON: /v2's Inference-Header-Content-Length.)
+    // (JSON by its type, or with none: only /v2 takes that, as tritonclient sends it; not a body with binary tensor
+    // data after its JSON: /v2's Inference-Header-Content-Length.)
     if (
       body.length >= OFF_THREAD_JSON_BYTES &&
-      mediaType(req) === 'application/json' &&
+      (mediaType(req) === 'application/json' || mediaType(req) === '') &&
       req.headers[INFERENCE_HEADER] === undefined
     )
       (body as Buffer & { parsed?: Record<string, unknown> }).parsed = await parseJsonOffThread(body);
@@ -500,16 +501,15 @@ const VERSION = ((): string => {
 })();
 
 /**
- * `POST /v2/models/{id}/infer` takes `application/json`, or a body with binary tensor data
- * (`Inference-Header-Content-Length` set) as `application/octet-stream` or with no type at all, as
- * tritonclient sends it (a custom header: a browser cannot send it across sites without a CORS
- * preflight, as it cannot send JSON).
+ * `POST /v2/models/{id}/infer` takes `application/json`, or no Content-Type at all (tritonclient's
+ * HTTP client sends none); a body with binary tensor data (`Inference-Header-Content-Length` set)
+ * also `application/octet-stream`. (A browser on another site is refused by its Origin first.)
  * @throws VoxError `unsupported_media_type` (415).
  */
 function requireV2InferMediaType(req: IncomingMessage): void {
   const type = mediaType(req);
-  if (type === 'application/json') return;
-  if (req.headers[INFERENCE_HEADER] !== undefined && (type === '' || type === 'application/octet-stream')) return;
+  if (type === 'application/json' || type === '') return;
+  if (req.headers[INFERENCE_HEADER] !== undefined && type === 'application/octet-stream') return;
   throw voxError('unsupported_media_type', {
     expected: 'application/json, or application/octet-stream with Inference-Header-Content-Length (binary tensor data)',
     got: type,

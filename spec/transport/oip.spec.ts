@@ -77,17 +77,45 @@ function stringsModel(): Uint8Array {
   }).finish();
 }
 
+/** A model of one FP16 input: `f` (FP32 [4]) = Cast(`h`, FP16 [4]). */
+function halfModel(): Uint8Array {
+  const info = (name: string, elemType: number) => ({
+    name,
+    type: { tensorType: { elemType, shape: { dim: [{ dimValue: 4 }] } } },
+  });
+  return onnx.ModelProto.encode({
+    irVersion: 7,
+    opsetImport: [{ domain: '', version: 13 }],
+    graph: {
+      name: 'oip-half',
+      node: [
+        {
+          opType: 'Cast',
+          input: ['h'],
+          output: ['f'],
+          name: 'f',
+          attribute: [{ name: 'to', type: onnx.AttributeProto.AttributeType.INT, i: T.FLOAT }],
+        },
+      ],
+      input: [info('h', T.FLOAT16)],
+      output: [info('f', T.FLOAT)],
+    },
+  }).finish();
+}
+
 let server: VoxServer;
 let dir: string;
 beforeAll(async () => {
   dir = mkdtempSync(join(tmpdir(), 'vox-oip-'));
   writeFileSync(join(dir, 'mymodel.onnx'), exampleModel());
   writeFileSync(join(dir, 'strings.onnx'), stringsModel());
+  writeFileSync(join(dir, 'half.onnx'), halfModel());
   server = await startTestServer({
     models_root: dir,
     models: [
       { id: 'mymodel', task: 'tensor', path: join(dir, 'mymodel.onnx') },
       { id: 'strings', task: 'tensor', path: join(dir, 'strings.onnx') },
+      { id: 'half', task: 'tensor', path: join(dir, 'half.onnx') },
     ],
   });
 });
@@ -286,6 +314,23 @@ describe('Open Inference Protocol: binary tensor data extension (issue 43)', () 
     expect(a.status, a.body.toString()).toBe(200);
     expect(a.headers.get('inference-header-content-length')).toBeNull();
     expect(JSON.parse(a.body.toString())).toEqual(reference.json);
+    // And JSON alone, with no Content-Type and no Inference-Header-Content-Length (tritonclient's
+    // request when no input is binary).
+    const bare = await fetch(`${server.url}/v2/models/mymodel/infer`, {
+      method: 'POST',
+      body: new Blob([JSON.stringify({ id: '7', inputs: jsonInputs })]),
+    });
+    expect(bare.status).toBe(200);
+    expect(await bare.json()).toEqual(reference.json);
+    const text = await fetch(`${server.url}/v2/models/mymodel/infer`, {
+      method: 'POST',
+      headers: { 'content-type': 'text/plain' },
+      body: JSON.stringify({ inputs: jsonInputs }),
+    });
+    expect(text.status).toBe(415);
+    expect((await text.json()).error).toMatch(
+      /application\/json, or application\/octet-stream with Inference-Header-Content-Length/,
+    );
   });
 
   it("binary_data_output asks for every output as binary data; an output's binary_data: false overrides it", async () => {
@@ -339,6 +384,28 @@ describe('Open Inference Protocol: binary tensor data extension (issue 43)', () 
     expect(JSON.parse(bad.body.toString())).toEqual({
       error: "inputs[0] (binary data): BYTES element 0 is not UTF-8 text; voxserve's string tensors hold text only",
     });
+  });
+
+  it('FP16 inputs go as binary data, the exact half-precision bits; as JSON numbers they are refused', async () => {
+    // IEEE 754 binary16: 0x3c00 = 1, 0xc000 = -2, 0x3800 = 0.5, 0x7bff = 65504 (the largest finite).
+    const bits = Buffer.alloc(8);
+    [0x3c00, 0xc000, 0x3800, 0x7bff].forEach((b, i) => bits.writeUInt16LE(b, i * 2));
+    const a = await inferBinary(
+      'half',
+      { inputs: [{ name: 'h', shape: [4], datatype: 'FP16', parameters: { binary_data_size: 8 } }] },
+      [bits],
+    );
+    expect(a.status, a.body.toString()).toBe(200);
+    expect(JSON.parse(a.body.toString()).outputs).toEqual([
+      { name: 'f', shape: [4], datatype: 'FP32', data: [1, -2, 0.5, 65504] },
+    ]);
+    const json = await inferJson('half', {
+      inputs: [{ name: 'h', shape: [4], datatype: 'FP16', data: [1, -2, 0.5, 1] }],
+    });
+    expect(json.status).toBe(400);
+    expect(json.json.error).toMatch(
+      /^inputs\[0\]\.datatype: must be one of .* \(FP16 as binary data only\), got "FP16"$/,
+    );
   });
 
   it('binary data that does not add up is a 400 naming the input or the header', async () => {
