@@ -444,6 +444,16 @@ describe('Open Inference Protocol: binary tensor data extension (issue 43)', () 
     });
     expect(past.status).toBe(400);
     expect(await past.json()).toEqual({ error: 'Inference-Header-Content-Length: 999 bytes, but the body has 2' });
+    // The extension's raw binary request (no JSON header) is not taken: said so.
+    const raw = await fetch(`${server.url}/v2/models/mymodel/infer`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/octet-stream', 'inference-header-content-length': '0' },
+      body: Buffer.concat([u32le([1, 2, 3, 4]), Uint8Array.of(1, 0, 1)]),
+    });
+    expect(raw.status).toBe(400);
+    expect((await raw.json()).error).toMatch(
+      /^Inference-Header-Content-Length: 0 \(a raw binary request, with no JSON header\) is not supported/,
+    );
   });
 });
 
