@@ -16,7 +16,7 @@ import { decodeAudio, decodeAudioAt } from '../runtime/audio/decode.js';
 import { RNNOISE } from '../runtime/slots/rnnoise.js';
 import type { Limits } from '../runtime/config.js';
 import { errorBody, invalid, toVoxError, type VoxError } from '../runtime/errors.js';
-import { v2InferResponse } from '../runtime/oip.js';
+import { type BinaryOutputs, v2InferResponse } from '../runtime/oip.js';
 import type { Job, JobResult, TensorResult } from '../runtime/slots/slot-protocol.js';
 import {
   createTaskSession,
@@ -60,9 +60,10 @@ export interface TaskRequest {
   tensor?: { fields: { inputs?: unknown; outputs?: unknown }; binary: boolean };
   /**
    * A tensor `run` that came by the Open Inference Protocol (`POST /v2/models/{id}/infer`): its
-   * answer is the protocol's `$inference_response` (transport/v2.ts), `id` echoed.
+   * answer is the protocol's `$inference_response` (runtime/oip.ts), `id` echoed, the outputs in
+   * `binary` as binary tensor data after the JSON.
    */
-  v2?: { id?: string };
+  v2?: { id?: string; binary: BinaryOutputs };
   /**
    * `run` only: answer with server-sent events, `progress` while the file is processed, then `result` (the client sent
    * `Accept: text/event-stream`).
@@ -91,8 +92,19 @@ export interface ResponseError {
 /** What an exchange (one request) tells its socket actor; the socket actor emits it as {@link HttpOutput}. */
 type ExchangeEvent =
   /** The whole response (`run`): JSON, or msgpack (a tensor request that asked for it). */
-  /** `wav`: the body is a WAV file (a denoise answer), a Buffer. */
-  | { type: 'RESPONSE'; rid: number; status: number; body: unknown; msgpack?: boolean; wav?: boolean }
+  /**
+   * `wav`: the body is a WAV file (a denoise answer), a Buffer. `inferenceHeaderLength`: the body is
+   * a Buffer, an Open Inference Protocol answer with binary tensor data: JSON of this many bytes, then the data.
+   */
+  | {
+      type: 'RESPONSE';
+      rid: number;
+      status: number;
+      body: unknown;
+      msgpack?: boolean;
+      wav?: boolean;
+      inferenceHeaderLength?: number;
+    }
   /** Server-sent events (`batch`): headers, then each event, then the end. */
   | { type: 'SSE_START'; rid: number }
   | { type: 'SSE_EVENT'; rid: number; name: string; data: unknown }
@@ -121,7 +133,15 @@ export type HttpInput =
 export type HttpOutput =
   /** Request `rid` may be handled now (its turn among the pipelined requests of the connection). */
   | { type: 'start'; rid: number }
-  | { type: 'respond'; rid: number; status: number; body: unknown; msgpack?: boolean; wav?: boolean }
+  | {
+      type: 'respond';
+      rid: number;
+      status: number;
+      body: unknown;
+      msgpack?: boolean;
+      wav?: boolean;
+      inferenceHeaderLength?: number;
+    }
   | { type: 'sse-start'; rid: number }
   | { type: 'sse-event'; rid: number; name: string; data: unknown }
   | { type: 'sse-end'; rid: number; error?: ResponseError['body'] }
@@ -319,13 +339,18 @@ async function answerTensor(x: ExchangeRun, w: Work, tensors: TensorRequest): Pr
   if (r.ran) x.figures.inferenceMs += r.ran[1] - r.ran[0];
   x.figures.queueMs += r.waitedMs ?? 0;
   if (x.request.v2) {
-    const outputs = tensorOutputs(r as TensorResult, false) as Parameters<typeof v2InferResponse>[2];
-    return x.send({
-      type: 'RESPONSE',
-      rid: x.rid,
-      status: 200,
-      body: v2InferResponse(granted.model, x.request.v2.id, outputs),
-    });
+    const answer = v2InferResponse(
+      granted.model,
+      x.request.v2.id,
+      (r as TensorResult).outputs,
+      x.request.v2.binary,
+      (outputs) => tensorOutputs({ kind: 'tensor', outputs }, false) as Record<string, { data: unknown }>,
+    );
+    return x.send(
+      'json' in answer
+        ? { type: 'RESPONSE', rid: x.rid, status: 200, body: answer.json }
+        : { type: 'RESPONSE', rid: x.rid, status: 200, body: answer.body, inferenceHeaderLength: answer.headerLength },
+    );
   }
   x.send({
     type: 'RESPONSE',
@@ -705,6 +730,7 @@ export const httpSocketMachine = setup({
             body: event.body,
             msgpack: event.msgpack,
             wav: event.wav,
+            inferenceHeaderLength: event.inferenceHeaderLength,
           }) as HttpOutput,
       ),
     },

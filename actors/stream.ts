@@ -24,6 +24,7 @@ import {
   type PcmEncoding,
   type WavStreamFormat,
 } from '../runtime/audio/audio.js';
+import { decodeAudioAt } from '../runtime/audio/decode.js';
 import { RNNOISE } from '../runtime/slots/rnnoise.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
@@ -674,6 +675,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     /** Frames that came while the decoder takes a WAV header's format (a new converter rate): pushed once it has. */
     let held: Buffer[] | null = null;
     let streamParams: StreamParams | null = null;
+    /**
+     * A compressed file the stream started with (Ogg, FLAC, WebM, MP3 with ID3): its bytes so far,
+     * kept until `end` (at most `limits.max_body_bytes`), then decoded whole ({@link decodeFile}).
+     */
+    let file: { parts: Buffer[]; bytes: number } | null = null;
+    /** The rate a compressed file is decoded to: the first session's (16 kHz, or RNNoise's 48 kHz). */
+    let fileRate = 16_000;
 
     /** The header's format for the decoder, then what was held meanwhile. */
     const reformat = (format: WavStreamFormat, first: Buffer, at: number): void => {
@@ -702,8 +710,14 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
           held.push(frames[i]);
           continue;
         }
-        const { bytes, format } = sniffer.feed(frames[i]);
-        if (format) reformat(format, bytes, at);
+        const { bytes, format, file: starts } = sniffer.feed(frames[i]);
+        if (starts) file = { parts: [], bytes: 0 };
+        if (file) {
+          file.bytes += bytes.length;
+          if (file.bytes > input.limits.max_body_bytes)
+            throw voxError('body_too_large', { bytes: file.bytes, limit: input.limits.max_body_bytes });
+          file.parts.push(Buffer.from(bytes));
+        } else if (format) reformat(format, bytes, at);
         else if (bytes.length) session.push(decoder!.push(bytes));
       }
       stats.receivedSamples = session.receivedSamples;
@@ -753,9 +767,33 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       });
     };
 
+    /**
+     * At `end`, a compressed file the stream received: decoded whole in a decode worker (as `POST
+     * /v1/tasks/run` decodes it: mono, at {@link fileRate}), its samples into the first session, then
+     * the stream finishes as it does after PCM. The format parameters of the query do not apply.
+     */
+    const decodeFile = (): void => {
+      const bytes = Buffer.concat(file!.parts);
+      file = null;
+      held = [];
+      // (decodeAudioAt throws at once for a format it does not take: a rejection here too.)
+      Promise.resolve()
+        .then(() => decodeAudioAt(bytes, undefined, fileRate))
+        .then(({ samples }) => {
+          if (gone()) return;
+          held = null;
+          const first = front?.pump ?? pump!;
+          first.session.push(samples);
+          first.arrived(performance.now());
+          finishAudio();
+        })
+        .catch(fail);
+    };
+
     const finishAudio = (): void => {
-      // After the decoder has taken a WAV header's format (`reformat` calls it again then).
+      // After the decoder has taken a WAV header's format, or decoded a file (they call it again then).
       if (held) return;
+      if (file) return decodeFile();
       const rest = sniffer.flush();
       if (rest.length) (front?.session ?? pump!.session).push(decoder!.push(rest));
       if (front) {
@@ -792,6 +830,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         params.channels,
         denoise || first ? RNNOISE.RATE : undefined,
       );
+      fileRate = denoise || first ? RNNOISE.RATE : 16_000;
       if (denoise)
         back = { resampler: await Resampler.create(RNNOISE.RATE, params.sampleRate), encoding: params.encoding };
       // Made before the sessions: nothing awaits between the pumps' creation and the first audio.

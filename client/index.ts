@@ -404,6 +404,9 @@ function wavHeader(
   return null;
 }
 
+/** The compressed formats (by {@link compressedName}) a stream takes whole, decoding them at `end` (MP3: with an ID3 tag). */
+const STREAM_FILES = ['Ogg Opus', 'Ogg Vorbis', 'Ogg', 'FLAC', 'WebM', 'MP3'];
+
 /** The name of a compressed audio format by its first bytes, or null. */
 function compressedName(b: Uint8Array): string | null {
   if (text(b, 0, 4) === 'OggS') {
@@ -1243,16 +1246,20 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   static readPath?: (path: string) => Promise<Uint8Array>;
 
   /**
-   * Sends a whole WAV file (PCM 8/16/24/32-bit, float, mu-law or A-law; any rate and channel
-   * count), header included, in frames of 64 KiB, each awaited as {@link VoxStream.send} is: the
-   * server reads the header and takes the stream's format from it, so open the stream without
-   * `sampleRate`, `encoding` and `channels` (given ones that the header contradicts fail the
-   * stream, saying so). Call `end()` after it for the `done`.
+   * Sends a whole audio file in frames of 64 KiB, each awaited as {@link VoxStream.send} is. A WAV
+   * file (PCM 8/16/24/32-bit, float, mu-law or A-law; any rate and channel count) goes header
+   * included: the server reads the header and takes the stream's format from it, so open the
+   * stream without `sampleRate`, `encoding` and `channels` (given ones that the header
+   * contradicts fail the stream, saying so). A compressed file the server decodes (Ogg Opus, Ogg
+   * Vorbis, FLAC, WebM/Opus, MP3 with an ID3 tag) goes as it is: the server keeps it until `end()`
+   * and decodes it whole then, as `run` does, so its events come after `end()` (the stream's
+   * format options do not apply to it). Call `end()` after it for the `done`.
    * @param file a path (under Node), or the file's bytes or Blob.
-   * @throws VoxClientError `invalid_request_error` when the bytes are not a WAV file (a compressed
-   *   file is named: send it with {@link VoxClient.run}, whose server decodes it), or, on a stream
-   *   with `resume`, when the header's format is not the one the stream was opened with (a
-   *   resumed stream re-sends samples, not the header); as `send` once the stream has closed.
+   * @throws VoxClientError `invalid_request_error` when the bytes are neither a WAV file nor a
+   *   compressed file the stream takes (an MP3 without an ID3 tag, or another format, is named:
+   *   send it with {@link VoxClient.run}), or, on a stream with `resume`, when the file is
+   *   compressed (a resumed stream re-sends samples, and a compressed file cannot be cut) or its
+   *   WAV header's format is not the one the stream was opened with; as `send` once the stream has closed.
    */
   async sendFile(file: string | AudioInput): Promise<void> {
     let bytes: Uint8Array;
@@ -1262,17 +1269,22 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       bytes = await VoxStream.readPath(file);
     } else bytes = await bytesOf(file);
     const header = wavHeader(bytes);
-    if (!header) {
-      const looks = compressedName(bytes);
+    const looks = header ? null : compressedName(bytes);
+    const whole = looks !== null && STREAM_FILES.includes(looks) && (looks !== 'MP3' || text(bytes, 0, 3) === 'ID3');
+    if (!header && !whole)
       throw new VoxClientError(
         'invalid_request_error',
         looks
-          ? `this looks like ${looks}: a stream takes WAV or raw PCM; send a compressed file with run() (POST /v1/tasks/run decodes it), or convert it to WAV`
-          : `not a WAV file (it starts with ${hex(bytes.subarray(0, 4))}); a stream takes WAV or raw PCM (send)`,
+          ? `this looks like ${looks === 'MP3' ? 'MP3 without an ID3 tag' : looks}: a stream takes WAV, Ogg, FLAC, WebM, MP3 with an ID3 tag or raw PCM; send it with run() (POST /v1/tasks/run decodes it), or convert it to WAV`
+          : `not a WAV file (it starts with ${hex(bytes.subarray(0, 4))}); a stream takes WAV, Ogg, FLAC, WebM, MP3 or raw PCM (send)`,
       );
-    }
+    if (whole && this.plan)
+      throw new VoxClientError(
+        'invalid_request_error',
+        `sendFile on a stream with resume: ${looks} cannot be resumed part way (a resumed stream re-sends samples); send it with run(), or convert it to WAV`,
+      );
     let body = bytes;
-    if (this.plan) {
+    if (this.plan && header) {
       // A resumed stream re-sends samples only: the format must be the stream's own.
       const encoding = header.tag === 1 && header.bits === 16 ? 2 : header.tag === 3 && header.bits === 32 ? 4 : 0;
       if (header.sampleRate !== this.plan.sampleRate || encoding * header.channels !== this.plan.frameBytes)

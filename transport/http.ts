@@ -6,7 +6,7 @@ import { MAX_SAMPLE_RATE, MIN_SAMPLE_RATE } from '../runtime/audio/audio.js';
 import { isAudioContentType, parseJsonObject } from '../runtime/audio/decode.js';
 
 export { parseJsonObject };
-import { errorBody, invalid, toVoxError, voxError, type VoxError } from '../runtime/errors.js';
+import { errorBody, invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 
 /** Writes a JSON response. */
 export function sendJson(
@@ -33,6 +33,27 @@ function sendWav(res: ServerResponse, status: number, bytes: Buffer): void {
   res.end(bytes);
 }
 
+/**
+ * Writes an Open Inference Protocol answer with binary tensor data: `body` is the JSON answer
+ * (`headerLength` bytes, given in `Inference-Header-Content-Length`) then the tensors' bytes.
+ */
+function sendInferenceBinary(res: ServerResponse, status: number, body: Buffer, headerLength: number): void {
+  res.writeHead(status, {
+    'content-type': 'application/octet-stream',
+    'inference-header-content-length': headerLength,
+    'content-length': body.length,
+  });
+  res.end(body);
+}
+
+/**
+ * An error's body in the protocol of the request's path: under `/v2` the Open Inference Protocol's
+ * `$inference_error_response`, `{"error": "<message>"}`; elsewhere voxserve's `{"error": {type, code, message}}`.
+ */
+export function errorBodyFor(res: ServerResponse, body: { error: Pick<WireError, 'message'> }): unknown {
+  return /^\/v2(?:[/?]|$)/.test(res.req?.url ?? '') ? { error: body.error.message } : body;
+}
+
 /** Media types of a msgpack body (a `tensor` request): the IANA one and the two in common use. */
 export const MSGPACK_TYPES = ['application/msgpack', 'application/vnd.msgpack', 'application/x-msgpack'];
 
@@ -43,7 +64,7 @@ export function sendError(res: ServerResponse, err: unknown): void {
     res.destroy();
     return;
   }
-  sendJson(res, e.status, errorBody(e), errorHeaders(e));
+  sendJson(res, e.status, errorBodyFor(res, errorBody(e)), errorHeaders(e));
 }
 
 /** Headers an error answer carries: `Retry-After` on 503s, `WWW-Authenticate` on 401s. */
@@ -459,13 +480,15 @@ export function bindHttp(socket: { end(): void; destroyed: boolean }, actor: Htt
     switch (o.type) {
       case 'respond':
         if (o.wav) return sendWav(res, o.status, o.body as Buffer);
+        if (o.inferenceHeaderLength !== undefined)
+          return sendInferenceBinary(res, o.status, o.body as Buffer, o.inferenceHeaderLength);
         return o.msgpack ? sendMsgpack(res, o.status, o.body) : sendJson(res, o.status, o.body);
       case 'fail':
         if (res.headersSent) return void res.destroy();
         return sendJson(
           res,
           o.error.status,
-          o.error.body,
+          errorBodyFor(res, o.error.body),
           o.error.retryAfterS !== undefined ? { 'retry-after': String(o.error.retryAfterS) } : {},
         );
       case 'sse-start':

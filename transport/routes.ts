@@ -8,7 +8,7 @@ import type { ClusterNode } from '../cluster/node.js';
 import { leaseGranted } from '../actors/lease.js';
 import type { ServerConfig } from '../runtime/config.js';
 import { OFF_THREAD_JSON_BYTES, parseJsonOffThread } from '../runtime/audio/decode.js';
-import { readV2Infer, v2TensorMeta } from '../runtime/oip.js';
+import { INFERENCE_HEADER, readV2Infer, splitBinaryBody, v2TensorMeta } from '../runtime/oip.js';
 import { invalid, voxError, type VoxError } from '../runtime/errors.js';
 import type { Access } from './access.js';
 import { type ActorDirectory, CHARTS, DEBUG_PAGE, debugState, ELK_SCRIPT, streamActors } from './debug.js';
@@ -233,7 +233,13 @@ function taskBody(
       throw e;
     }
     // A large JSON body is parsed (and its tensors read) in a decode worker, not on the event loop.
-    if (body.length >= OFF_THREAD_JSON_BYTES && mediaType(req) === 'application/json')
+    // (JSON by its type, or with none: only /v2 takes that, as tritonclient sends it; not a body with binary tensor
+    // data after its JSON: /v2's Inference-Header-Content-Length.)
+    if (
+      body.length >= OFF_THREAD_JSON_BYTES &&
+      (mediaType(req) === 'application/json' || mediaType(req) === '') &&
+      req.headers[INFERENCE_HEADER] === undefined
+    )
       (body as Buffer & { parsed?: Record<string, unknown> }).parsed = await parseJsonOffThread(body);
     return parse(req, url, body, t0);
   };
@@ -495,8 +501,24 @@ const VERSION = ((): string => {
 })();
 
 /**
+ * `POST /v2/models/{id}/infer` takes `application/json`, or no Content-Type at all (tritonclient's
+ * HTTP client sends none); a body with binary tensor data (`Inference-Header-Content-Length` set)
+ * also `application/octet-stream`. (A browser on another site is refused by its Origin first.)
+ * @throws VoxError `unsupported_media_type` (415).
+ */
+function requireV2InferMediaType(req: IncomingMessage): void {
+  const type = mediaType(req);
+  if (type === 'application/json' || type === '') return;
+  if (req.headers[INFERENCE_HEADER] !== undefined && type === 'application/octet-stream') return;
+  throw voxError('unsupported_media_type', {
+    expected: 'application/json, or application/octet-stream with Inference-Header-Content-Length (binary tensor data)',
+    got: type,
+  });
+}
+
+/**
  * The Open Inference Protocol (KServe v2 REST, runtime/oip.ts) for `tensor` models: health, server
- * and model metadata, model readiness, and inference (JSON), as Triton, KServe and their clients
+ * and model metadata, model readiness, and inference (JSON, and the binary tensor data extension), as Triton, KServe and their clients
  * speak it. Inference takes the same lease, checks and slots as a tensor `POST /v1/tasks/run`.
  */
 function inferenceProtocolRoutes(deps: RouteDeps): Route<unknown>[] {
@@ -529,7 +551,8 @@ function inferenceProtocolRoutes(deps: RouteDeps): Route<unknown>[] {
       method: 'GET',
       path: '/v2',
       auth: 'none',
-      handle: ({ res }) => sendJson(res, 200, { name: 'voxserve', version: VERSION, extensions: [] }),
+      handle: ({ res }) =>
+        sendJson(res, 200, { name: 'voxserve', version: VERSION, extensions: ['binary_tensor_data'] }),
     }),
     route({
       method: 'GET',
@@ -567,12 +590,21 @@ function inferenceProtocolRoutes(deps: RouteDeps): Route<unknown>[] {
       method: 'POST',
       path: '/v2/models/:id/infer',
       auth: 'apiKey',
-      accepts: ['application/json'],
+      accepts: requireV2InferMediaType,
       work: true,
-      body: taskBody(config, (_req, url, body, t0): TaskRequest => {
+      body: taskBody(config, (req, url, body, t0): TaskRequest => {
         const id = decodeURIComponent(url.pathname.split('/')[3]);
-        const { fields, id: requestId } = readV2Infer(parseJsonObject(body));
-        return { kind: 'run', model: id, files: [], tensor: { fields, binary: false }, v2: { id: requestId }, t0 };
+        const header = req.headers[INFERENCE_HEADER];
+        const parts = header === undefined ? { json: body, binary: undefined } : splitBinaryBody(String(header), body);
+        const { fields, id: requestId, binary } = readV2Infer(parseJsonObject(parts.json), parts.binary);
+        return {
+          kind: 'run',
+          model: id,
+          files: [],
+          tensor: { fields, binary: false },
+          v2: { id: requestId, binary },
+          t0,
+        };
       }),
       handle: ({ link, rid, body, params }) => {
         tensorModel(params.id);

@@ -592,6 +592,14 @@ export interface WavStreamFormat {
   description: string;
 }
 
+/**
+ * The first bytes of a compressed audio file a stream takes whole ({@link WavStreamSniffer}): Ogg,
+ * FLAC, WebM (EBML) and MP3 with an ID3 tag. Each is 3-4 bytes that a stream of raw PCM all but
+ * never starts with (an MP3 without an ID3 tag starts with an 11-bit frame sync, which raw PCM
+ * can: it is not taken on a stream).
+ */
+const FILE_MAGIC = ['OggS', 'fLaC', '\x1a\x45\xdf\xa3', 'ID3'];
+
 /** A WAV header longer than this (its chunks before `data`) is refused on a stream, bytes. */
 const MAX_STREAM_HEADER_BYTES = 1024 * 1024;
 
@@ -600,6 +608,8 @@ const MAX_STREAM_HEADER_BYTES = 1024 * 1024;
  * a client that sends a whole WAV file on a stream (`VoxStream.sendFile`) need not tell the
  * stream its format, the header does. Feed it the stream's frames until it has decided; then it
  * passes the `data` chunk's bytes on (and drops what follows that chunk, such as a `LIST` chunk).
+ * A stream that starts as a compressed file ({@link FILE_MAGIC}) is said to be one (`file`): its
+ * bytes are passed on as they are, for the stream to decode whole at its end.
  */
 export class WavStreamSniffer {
   /** Bytes held while undecided. */
@@ -610,11 +620,12 @@ export class WavStreamSniffer {
 
   /**
    * Takes one frame of the stream.
-   * @returns the bytes to decode (possibly none), and `format` on the call that read a WAV header.
+   * @returns the bytes to decode (possibly none), and `format` on the call that read a WAV header,
+   *   or `file` on the call that found a compressed file's start.
    * @throws VoxError `invalid_request_error` for a WAV header that is broken or declares an
    *   encoding a stream cannot read.
    */
-  feed(frame: Buffer): { bytes: Buffer; format?: WavStreamFormat } {
+  feed(frame: Buffer): { bytes: Buffer; format?: WavStreamFormat; file?: true } {
     if (this.decided) return { bytes: this.cap(frame) };
     const buf = this.head.length ? Buffer.concat([this.head, frame]) : frame;
     const found = readWavHeader(buf);
@@ -625,6 +636,7 @@ export class WavStreamSniffer {
     this.decided = true;
     this.head = EMPTY;
     if (found === 'pcm') return { bytes: buf };
+    if (found === 'file') return { bytes: buf, file: true };
     this.left = found.dataBytes;
     return { bytes: this.cap(buf.subarray(found.headerBytes)), format: found.format };
   }
@@ -652,12 +664,15 @@ const startsWithAscii = (buf: Buffer, at: number, text: string): boolean => {
 
 /**
  * Reads a WAV header at the start of `buf`: `pcm` when the bytes are not a WAV file's start,
- * `more` when they may be one but its header is not complete yet.
+ * `more` when they may be one but its header is not complete yet, `file` for a compressed file's
+ * start ({@link FILE_MAGIC}).
  * @throws VoxError `invalid_audio` / `unsupported_audio` for a header a stream cannot use.
  */
 function readWavHeader(
   buf: Buffer,
-): 'pcm' | 'more' | { format: WavStreamFormat; headerBytes: number; dataBytes: number | null } {
+): 'pcm' | 'more' | 'file' | { format: WavStreamFormat; headerBytes: number; dataBytes: number | null } {
+  const magic = FILE_MAGIC.find((m) => startsWithAscii(buf, 0, m));
+  if (magic) return buf.length < magic.length ? 'more' : 'file';
   if (!(startsWithAscii(buf, 0, 'RIFF') || startsWithAscii(buf, 0, 'RF64'))) return 'pcm';
   if (buf.length < 12) return 'more';
   if (!startsWithAscii(buf, 8, 'WAVE')) return 'pcm';

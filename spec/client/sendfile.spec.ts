@@ -3,7 +3,8 @@
  * server reads its header and takes the stream's format from it. The README's client example,
  * taken from README.md as it stands, runs on a 44.1 kHz stereo WAV and an 8 kHz mu-law WAV and
  * prints the speech segments `POST /v1/tasks/run` finds in the same file; a declared format the
- * header contradicts fails the stream, saying so.
+ * header contradicts fails the stream, saying so. A compressed file (Ogg, FLAC, WebM, MP3 with
+ * an ID3 tag) goes whole, and the server decodes it at `end`: the file route's segments again.
  */
 import { execFile } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
@@ -43,14 +44,22 @@ async function stereo44k(): Promise<Buffer> {
 
 /** The file route's segments of a file, as `[start_ms, end_ms]`. */
 async function fileSegments(bytes: Buffer): Promise<number[][]> {
+  return (await fileRoute(bytes, 'audio/wav')).segments;
+}
+
+/** `POST /v1/tasks/run` of a file: its segments as `[start_ms, end_ms]`, and its audio's duration, ms. */
+async function fileRoute(bytes: Buffer, type: string): Promise<{ segments: number[][]; durationMs: number }> {
   const res = await fetch(`${server.url}/v1/tasks/run?model=silero-vad`, {
     method: 'POST',
-    headers: { 'content-type': 'audio/wav' },
+    headers: { 'content-type': type },
     body: new Uint8Array(bytes),
   });
   expect(res.status).toBe(200);
-  const body = (await res.json()) as { segments: { start_ms: number; end_ms: number }[] };
-  return body.segments.map((s) => [s.start_ms, s.end_ms]);
+  const body = (await res.json()) as {
+    segments: { start_ms: number; end_ms: number }[];
+    timing: { audio_duration_ms: number };
+  };
+  return { segments: body.segments.map((s) => [s.start_ms, s.end_ms]), durationMs: body.timing.audio_duration_ms };
 }
 
 /** README.md's client example (its first `js` block), run as the README says, on `file`. */
@@ -147,11 +156,72 @@ describe('sendFile (issue 43)', () => {
     expect(error.closeCode).toBe(1008);
   }, 30_000);
 
-  it('a compressed file is named, with what to do instead', async () => {
+  it('compressed files (Ogg Vorbis, Ogg Opus, FLAC, WebM/Opus, MP3) go whole: the file route segments and duration', async () => {
+    for (const name of [
+      'Front_Center.ogg',
+      'silero_test.opus',
+      'espeak_alexa_16k.flac',
+      'espeak_sentence_16k.webm',
+      'silero_test.mp3',
+    ]) {
+      const bytes = fixture(name);
+      const stream = await vox().stream({ model: 'silero-vad' });
+      const sent = stream.sendFile(bytes).then(() => stream.end());
+      const events: StreamEvent[] = [];
+      for await (const e of stream) events.push(e);
+      await sent;
+      const reference = await fileRoute(bytes, 'application/octet-stream');
+      // silero_test.opus has no speech (fixtures/README.md): its answer is no segments, and the duration.
+      if (name !== 'silero_test.opus') expect(reference.segments.length, name).toBeGreaterThan(0);
+      expect(
+        events.flatMap((e) => (e.type === 'speech_end' ? [[e.start_ms, e.end_ms]] : [])),
+        name,
+      ).toEqual(reference.segments);
+      const done = events.at(-1)!;
+      expect(done.type, name).toBe('done');
+      expect(
+        Math.abs((done as { processed_ms: number }).processed_ms - reference.durationMs),
+        name,
+      ).toBeLessThanOrEqual(1);
+    }
+  }, 120_000);
+
+  it('a compressed file the decoder cannot read, or one over limits.max_body_bytes, fails the stream saying so', async () => {
+    const failure = async (url: string, bytes: Uint8Array): Promise<VoxClientError> => {
+      const stream = await new VoxClient({ url }).stream({ model: 'silero-vad' });
+      const sent = stream.sendFile(bytes).then(() => stream.end());
+      const error = await (async () => {
+        for await (const _ of stream);
+      })().catch((e) => e);
+      await sent.catch(() => {});
+      return error;
+    };
+    const notOgg = await failure(server.url, Buffer.concat([Buffer.from('OggS'), Buffer.alloc(200)]));
+    expect(notOgg).toBeInstanceOf(VoxClientError);
+    expect(notOgg.message).toMatch(/^audio: Ogg with an unknown codec is not supported; accepted: WAV/);
+    expect(notOgg.closeCode).toBe(1008);
+    const small = await startTestServer({ limits: { max_body_bytes: 4096 } });
+    try {
+      const big = await failure(small.url, fixture('Front_Center.ogg'));
+      expect(big.message).toMatch(/^body of \d+ bytes exceeds limits\.max_body_bytes \(4096\)$/);
+      expect(big.closeCode).toBe(1009);
+    } finally {
+      await small.close();
+    }
+  }, 60_000);
+
+  it('an MP3 without an ID3 tag, or a format no stream takes, is named, with what to do instead', async () => {
+    const mp3 = fixture('silero_test.mp3');
+    // ID3v2: a 10-byte header whose last 4 bytes give the tag's size, 7 bits each.
+    const tag = 10 + ((mp3[6] << 21) | (mp3[7] << 14) | (mp3[8] << 7) | mp3[9]);
+    const bare = mp3.subarray(tag);
+    expect(bare[0]).toBe(0xff);
     const stream = await vox().stream({ model: 'silero-vad' });
-    await expect(stream.sendFile(fixture('Front_Center.ogg'))).rejects.toThrow(
-      'this looks like Ogg Vorbis: a stream takes WAV or raw PCM; send a compressed file with run() (POST /v1/tasks/run decodes it), or convert it to WAV',
+    await expect(stream.sendFile(bare)).rejects.toThrow(
+      'this looks like MP3 without an ID3 tag: a stream takes WAV, Ogg, FLAC, WebM, MP3 with an ID3 tag or raw PCM; send it with run() (POST /v1/tasks/run decodes it), or convert it to WAV',
     );
+    const m4a = Buffer.concat([Buffer.from([0, 0, 0, 0x20]), Buffer.from('ftypM4A '), Buffer.alloc(24)]);
+    await expect(stream.sendFile(m4a)).rejects.toThrow('this looks like MP4/M4A: a stream takes WAV, Ogg');
     stream.close();
   });
 });
