@@ -483,7 +483,10 @@ export type StreamOutput =
 /** Figures the `work` actor keeps for the closing log line. */
 interface StreamStats {
   model?: string;
+  /** Audio received, in samples at {@link StreamStats.rate}. */
   receivedSamples: number;
+  /** The rate `receivedSamples` counts at, Hz: 16 kHz, or 48 kHz where the audio goes into RNNoise first. */
+  rate: number;
 }
 
 /** What a stream socket actor is created with. */
@@ -817,6 +820,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         : null;
       if (gone()) return link?.close();
       front = link;
+      // The audio the stream counts is what the decoder gives: 48 kHz into RNNoise (a chain or a denoise stream).
+      stats.rate = denoise || first ? RNNOISE.RATE : 16_000;
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
       perMs = (session.rate ?? 16_000) / 1000;
       pendingLimit = MAX_PENDING_SAMPLES * ((first ? RNNOISE.RATE / 1000 : perMs) / 16);
@@ -988,7 +993,7 @@ export const streamSocketMachine = setup({
           model,
           code,
           reason: cutReason ?? undefined,
-          processed_ms: Math.round(stats.receivedSamples / 16),
+          processed_ms: Math.round((stats.receivedSamples * 1000) / stats.rate),
           duration_ms: Math.round(performance.now() - context.openedAt),
         },
         'stream closed',
@@ -1305,7 +1310,7 @@ export function createStreamSocket(
   const id = randomUUID();
   const channel =
     protocol?.channel ?? new StreamChannel(input.limits.ws_max_messages_per_s, input.limits.send_timeout_ms);
-  live.set(id, { ...input, channel, stats: { receivedSamples: 0 } });
+  live.set(id, { ...input, channel, stats: { receivedSamples: 0, rate: 16_000 } });
   const machine = protocol ? streamSocketMachine.provide({ actors: { work: protocol.work } }) : streamSocketMachine;
   const actor = createActor(machine, { input: { id, limits: input.limits }, inspect, id: `socket:${++socketSeq}` });
   const drop = (): void => void live.delete(id);

@@ -9,10 +9,12 @@
 import { execFile } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { connect } from 'node:net';
+import { Writable } from 'node:stream';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
+import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { VoxClient } from '../../client/node.js';
@@ -618,6 +620,48 @@ describe('wyoming.denoise: a bad value is a configuration error naming the field
       ['silero-vad', /wyoming\.denoise.*'silero-vad' is a vad model, not a denoise model/],
     ] as const) {
       await expect(startTestServer({ wyoming: { enabled: true, port: 0, denoise: id } }), id).rejects.toThrow(problem);
+    }
+  });
+});
+
+describe("the close log line's processed_ms is the audio's length (RNNoise counts 48 kHz samples inside)", () => {
+  it('2 s sent to a rnnoise stream, a chained VAD stream and a chained Wyoming connection: processed_ms 2000 each', async () => {
+    const lines: Record<string, unknown>[] = [];
+    const sink = new Writable({
+      write(chunk, _enc, cb) {
+        for (const l of chunk.toString().split('\n')) if (l) lines.push(JSON.parse(l));
+        cb();
+      },
+    });
+    const s = await startServer(
+      ServerConfig.parse({ port: 0, wyoming: { enabled: true, port: 0, denoise: 'rnnoise' } }),
+      { log: pino({ level: 'info' }, sink) },
+    );
+    try {
+      const two = samplesOf('espeak_sentence_16k.wav').s16.subarray(0, 32_000);
+      const pcm = Buffer.from(two.buffer, two.byteOffset, two.byteLength);
+      for (const query of ['model=rnnoise', 'model=silero-vad&denoise=rnnoise']) {
+        const ws = new WebSocket(`${s.url.replace('http', 'ws')}/v1/stream?sample_rate=16000&${query}`);
+        await new Promise<void>((resolve, reject) => {
+          ws.on('error', reject);
+          ws.on('message', (d, binary) => {
+            if (binary || JSON.parse(d.toString()).type !== 'ready') return;
+            for (let o = 0; o < pcm.length; o += 3200) ws.send(pcm.subarray(o, o + 3200));
+            ws.send(JSON.stringify({ type: 'end' }));
+          });
+          ws.on('close', () => resolve());
+        });
+      }
+      await wyoming(s.wyoming!.port, ['alexa'], two);
+      const closed = () => lines.filter((l) => l.msg === 'stream closed');
+      await until(() => closed().length === 3, 10_000);
+      expect(closed().map((l) => [l.route, l.model, l.processed_ms])).toEqual([
+        ['stream', 'rnnoise', 2000],
+        ['stream', 'silero-vad', 2000],
+        ['wyoming', 'alexa', 2000],
+      ]);
+    } finally {
+      await s.close();
     }
   });
 });
