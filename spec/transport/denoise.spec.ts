@@ -495,14 +495,15 @@ describe('rnnoise streams batched together', () => {
 
 /**
  * A Wyoming session on 127.0.0.1:`port` (the framing of the Wyoming README: a JSON header line,
- * then data and payload bytes): `detect {names}`, `s16` (16 kHz mono) in 100 ms `audio-chunk`s
- * stamped with their ms of audio, `audio-stop`; resolves with every event (type plus data) once
- * `not-detected` or a `detection` and `done(events)` have come.
+ * then data and payload bytes): `detect {names}`, then per audio stream of `s16` (16 kHz mono;
+ * several: one after another on the connection) `audio-start`, 100 ms `audio-chunk`s stamped with
+ * their ms of audio, `audio-stop`, and a wait for its `not-detected` or `detection` (and
+ * `done(events)`); resolves with every event (type plus data).
  */
 async function wyoming(
   port: number,
   names: string[],
-  s16: Int16Array,
+  s16: Int16Array | Int16Array[],
   done: (events: { type: string; [k: string]: unknown }[]) => boolean = () => true,
 ): Promise<{ type: string; [k: string]: unknown }[]> {
   const socket = connect(port, '127.0.0.1');
@@ -526,17 +527,17 @@ async function wyoming(
     socket.write(Buffer.concat([Buffer.from(`${JSON.stringify(header)}\n`), body, payload ?? Buffer.alloc(0)]));
   };
   const fmt = { rate: 16_000, width: 2, channels: 1 };
-  const pcm = Buffer.from(s16.buffer, s16.byteOffset, s16.byteLength);
+  const answers = (): number =>
+    events.filter((e) => e.type === 'error' || e.type === 'not-detected' || e.type === 'detection').length;
   send('detect', { names });
-  send('audio-start', { ...fmt, timestamp: 0 });
-  for (let o = 0; o < pcm.length; o += 3200)
-    send('audio-chunk', { ...fmt, timestamp: o / 32 }, pcm.subarray(o, o + 3200));
-  send('audio-stop', { timestamp: pcm.length / 32 });
-  await until(
-    () =>
-      events.some((e) => e.type === 'error' || e.type === 'not-detected' || (e.type === 'detection' && done(events))),
-    60_000,
-  );
+  for (const [i, one] of (Array.isArray(s16) ? s16 : [s16]).entries()) {
+    const pcm = Buffer.from(one.buffer, one.byteOffset, one.byteLength);
+    send('audio-start', { ...fmt, timestamp: 0 });
+    for (let o = 0; o < pcm.length; o += 3200)
+      send('audio-chunk', { ...fmt, timestamp: o / 32 }, pcm.subarray(o, o + 3200));
+    send('audio-stop', { timestamp: pcm.length / 32 });
+    await until(() => events.some((e) => e.type === 'error') || (answers() > i && done(events)), 60_000);
+  }
   socket.end();
   return events;
 }
@@ -609,6 +610,16 @@ describe('a chain on Wyoming: wyoming.denoise = "rnnoise"', () => {
     socket.destroy();
     expect(during.rnnoise).toBe(1);
     await until(async () => Object.values(await leases(chained)).every((n) => n === 0), 10_000);
+  });
+
+  it('one chained connection, three audio streams (a new first link each): alexa, silence, alexa', async () => {
+    const alexa = samplesOf('espeak_alexa_16k.wav').s16;
+    const events = await wyoming(chained.wyoming!.port, ['alexa'], [alexa, new Int16Array(16_000), alexa]);
+    expect(events.map((e) => (e.type === 'detection' ? `${e.type}:${e.name}` : e.type))).toEqual([
+      'detection:alexa',
+      'not-detected',
+      'detection:alexa',
+    ]);
   });
 });
 
