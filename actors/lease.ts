@@ -1,10 +1,12 @@
-import { toVoxError, type VoxError } from '../runtime/errors.js';
+import { Resampler } from '../runtime/audio/audio.js';
+import { invalid, toVoxError, type VoxError } from '../runtime/errors.js';
+import { RNNOISE } from '../runtime/slots/rnnoise.js';
 import { CLOSE } from '../runtime/wire.js';
 import type { Job, JobResult, SlotInfo } from '../runtime/slots/slot-protocol.js';
 import { type Done, lapseOf } from '../runtime/batcher.js';
 import type { ModelConfig } from '../runtime/config.js';
 import type { Metrics } from '../runtime/telemetry.js';
-import type { TaskEvent, TaskSession } from '../runtime/tasks/index.js';
+import { createTaskSession, type DenoiseSession, type TaskEvent, type TaskSession } from '../runtime/tasks/index.js';
 import type { ModelEntry } from './model.js';
 
 /**
@@ -373,4 +375,98 @@ export class JobPump {
       this.head = 0;
     }
   }
+}
+
+/**
+ * The first link of a chain (`denoise=rnnoise` on a VAD or wake-word stream; `wyoming.denoise` on
+ * a Wyoming connection): 48 kHz audio pushed into {@link session} (the decoder's output) is
+ * denoised on the denoise model's slots, under that model's own lease (`granted`), and handed on
+ * at 16 kHz, in order, to the next model(s) by `hooks.out`. A WebSocket stream and a Wyoming
+ * connection both chain through it; an HTTP file chains through `denoisedAt16k` (actors/http.ts).
+ */
+export class ChainLink {
+  /** The denoise session: push 48 kHz mono samples ([-1, 1]) into it, then `pump.arrived` and `pump.pump`. */
+  readonly session: DenoiseSession;
+  readonly pump: JobPump;
+  /** Resolves {@link end}'s promise once the last audio has gone `out`. */
+  private ending: (() => void) | null = null;
+  private flushed = false;
+  private closed = false;
+
+  private constructor(
+    granted: Granted,
+    /** RNNoise's 48 kHz output to the 16 kHz the next model takes. */
+    private readonly toNext: Resampler,
+    hooks: ChainHooks,
+  ) {
+    const session = createTaskSession(granted.config, granted.info, undefined, false) as DenoiseSession;
+    this.session = session;
+    this.pump = new JobPump(session, granted, {
+      emit: () => {},
+      accepted: () => {
+        if (this.closed) return;
+        const out = toNext.push(session.takeOutput());
+        if (out.length) hooks.out(out);
+        hooks.accepted?.();
+      },
+      idle: () => {
+        if (this.closed) return;
+        hooks.idle?.();
+        if (!session.finished || this.flushed) return;
+        // The session is done: the resampler's tail, then the end is told.
+        this.flushed = true;
+        const tail = toNext.flush();
+        if (tail.length) hooks.out(tail);
+        this.ending?.();
+      },
+      fail: hooks.fail,
+    });
+  }
+
+  /**
+   * A link on the denoise model `granted` holds a lease on.
+   * @param field the setting or parameter that named the model (`denoise`, `wyoming.denoise`), for the error.
+   * @throws VoxError `invalid_request_error` naming `field` when `granted` is not a denoise model.
+   */
+  static async create(granted: Granted, field: string, hooks: ChainHooks): Promise<ChainLink> {
+    if (granted.config.task !== 'denoise')
+      throw invalid(field, `'${granted.model}' is a ${granted.config.task} model, not a denoise model (rnnoise)`);
+    return new ChainLink(granted, await Resampler.create(RNNOISE.RATE, 16_000), hooks);
+  }
+
+  /** The link holds audio it has not handed on yet: a job in flight, or a whole frame waiting. */
+  get busy(): boolean {
+    return this.pump.running || this.session.pendingSamples >= this.session.step;
+  }
+
+  /**
+   * No more audio comes: what the link holds is denoised and handed on (the resampler's tail
+   * last). Resolves once all of it has gone `out`; never when a job failed (`hooks.fail` was told).
+   */
+  end(): Promise<void> {
+    const done = new Promise<void>((resolve) => {
+      this.ending = resolve;
+    });
+    this.session.end();
+    this.pump.pump();
+    return done;
+  }
+
+  /** Frees the resampler; results still to come are dropped. */
+  close(): void {
+    this.closed = true;
+    this.toNext.close();
+  }
+}
+
+/** What a {@link ChainLink} tells its owner. */
+export interface ChainHooks {
+  /** Denoised audio, 16 kHz mono in [-1, 1], in order (a view: copy what you keep beyond the call). */
+  out: (samples: Float32Array) => void;
+  /** After each job's audio has gone `out`. */
+  accepted?: () => void;
+  /** The link has no job left (before its end's tail goes `out`). */
+  idle?: () => void;
+  /** A job failed: the link stops. */
+  fail: (e: unknown) => void;
 }

@@ -30,7 +30,7 @@ import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js'
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createTaskSession, DenoiseSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
 import type { Supervisor } from './supervisor.js';
-import { CLOSE, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
+import { ChainLink, CLOSE, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
 
 export { CLOSE } from './lease.js';
 
@@ -484,7 +484,10 @@ export type StreamOutput =
 /** Figures the `work` actor keeps for the closing log line. */
 interface StreamStats {
   model?: string;
+  /** Audio received, in samples at {@link StreamStats.rate}. */
   receivedSamples: number;
+  /** The rate `receivedSamples` counts at, Hz: 16 kHz, or 48 kHz where the audio goes into RNNoise first. */
+  rate: number;
 }
 
 /** What a stream socket actor is created with. */
@@ -622,7 +625,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
      * A chain (`denoise=`): its first link, the denoise model under a lease of its own. The audio
      * goes through `pump` there; its 48 kHz output, at 16 kHz (`toMain`), into the last model's session.
      */
-    let front: { pump: JobPump; session: DenoiseSession; toMain: Resampler; flushed: boolean } | null = null;
+    let front: ChainLink | null = null;
     let frontLease: LeaseHandle | null = null;
     /** A denoise stream: RNNoise's 48 kHz output back to the stream's rate, and its encoding. */
     let back: { resampler: Resampler; encoding: PcmEncoding } | null = null;
@@ -650,7 +653,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       early.length > 0 ||
       held !== null ||
       pump.session.pendingSamples >= pump.session.step ||
-      (front !== null && (front.pump.running || front.session.pendingSamples >= front.session.step));
+      (front?.busy ?? false);
     const gone = (): boolean => stopped || (lease?.signal.aborted ?? false) || (frontLease?.signal.aborted ?? false);
 
     const fail = (e: unknown): void => {
@@ -797,11 +800,16 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       const rest = sniffer.flush();
       if (rest.length) (front?.session ?? pump!.session).push(decoder!.push(rest));
       if (front) {
-        // The chain's first link finishes first; its idle hook then ends the last model's session.
+        // The chain's first link finishes first (its audio all handed on), then the last model's session.
         front.session.push(decoder!.end());
         stats.receivedSamples = front.session.receivedSamples;
-        front.session.end();
-        return front.pump.pump();
+        const last = pump!;
+        void front.end().then(() => {
+          if (gone()) return;
+          for (const e of last.session.end()) emitTask(e);
+          last.pump();
+        });
+        return;
       }
       const session = pump!.session;
       // The resampler's held-back tail first, so a stream gives the samples a file would.
@@ -822,8 +830,6 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
           'denoise',
           `a chain starts a VAD or wake-word stream; '${granted.model}' is a ${granted.config.task} model`,
         );
-      if (first && first.config.task !== 'denoise')
-        throw invalid('denoise', `'${first.model}' is a ${first.config.task} model, not a denoise model (rnnoise)`);
       decoder = await PcmStreamDecoder.create(
         params.encoding,
         params.sampleRate,
@@ -834,8 +840,27 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       if (denoise)
         back = { resampler: await Resampler.create(RNNOISE.RATE, params.sampleRate), encoding: params.encoding };
       // Made before the sessions: nothing awaits between the pumps' creation and the first audio.
-      const chainResampler = first ? await Resampler.create(RNNOISE.RATE, 16_000) : null;
-      if (gone()) return chainResampler?.close();
+      const link = first
+        ? await ChainLink.create(first, 'denoise', {
+            out: (samples) => {
+              pump!.session.push(samples);
+              pump!.arrived(performance.now());
+              pump!.pump();
+            },
+            accepted: () => {
+              if (paused && link!.session.pendingSamples < pendingLimit / 2) resume();
+            },
+            idle: () => {
+              caughtUpAt = performance.now();
+              resume();
+            },
+            fail,
+          })
+        : null;
+      if (gone()) return link?.close();
+      front = link;
+      // The audio the stream counts is what the decoder gives: 48 kHz into RNNoise (a chain or a denoise stream).
+      stats.rate = denoise || first ? RNNOISE.RATE : 16_000;
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
       perMs = (session.rate ?? 16_000) / 1000;
       pendingLimit = MAX_PENDING_SAMPLES * ((first ? RNNOISE.RATE / 1000 : perMs) / 16);
@@ -851,33 +876,6 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         idle,
         fail,
       });
-      if (first) {
-        const fs = createTaskSession(first.config, first.info, undefined, false) as DenoiseSession;
-        const toMain = chainResampler!;
-        const link = { session: fs, toMain, flushed: false, pump: null as unknown as JobPump };
-        link.pump = new JobPump(fs, first, {
-          emit: () => {},
-          accepted: () => {
-            session.push(toMain.push(fs.takeOutput()));
-            pump!.arrived(performance.now());
-            pump!.pump();
-            if (paused && fs.pendingSamples < pendingLimit / 2) resume();
-          },
-          idle: () => {
-            caughtUpAt = performance.now();
-            resume();
-            if (!ended || !fs.finished || link.flushed || gone()) return;
-            // The first link is done: its resampler's tail, then the last model's end.
-            link.flushed = true;
-            session.push(toMain.flush());
-            for (const e of session.end()) emitTask(e);
-            pump!.arrived(performance.now());
-            pump!.pump();
-          },
-          fail,
-        });
-        front = link;
-      }
       send({
         type: 'READY',
         model: granted.model,
@@ -958,7 +956,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       channel.close();
       decoder?.close();
       back?.resampler.close();
-      front?.toMain.close();
+      front?.close();
       frontLease?.release();
       lease?.release();
     };
@@ -1034,7 +1032,7 @@ export const streamSocketMachine = setup({
           model,
           code,
           reason: cutReason ?? undefined,
-          processed_ms: Math.round(stats.receivedSamples / 16),
+          processed_ms: Math.round((stats.receivedSamples * 1000) / stats.rate),
           duration_ms: Math.round(performance.now() - context.openedAt),
         },
         'stream closed',
@@ -1351,7 +1349,7 @@ export function createStreamSocket(
   const id = randomUUID();
   const channel =
     protocol?.channel ?? new StreamChannel(input.limits.ws_max_messages_per_s, input.limits.send_timeout_ms);
-  live.set(id, { ...input, channel, stats: { receivedSamples: 0 } });
+  live.set(id, { ...input, channel, stats: { receivedSamples: 0, rate: 16_000 } });
   const machine = protocol ? streamSocketMachine.provide({ actors: { work: protocol.work } }) : streamSocketMachine;
   const actor = createActor(machine, { input: { id, limits: input.limits }, inspect, id: `socket:${++socketSeq}` });
   const drop = (): void => void live.delete(id);

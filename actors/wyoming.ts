@@ -5,7 +5,8 @@ import { headsOf, type Limits, type ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, voxError } from '../runtime/errors.js';
 import { spellAsId } from '../runtime/names.js';
 import { createTaskSession, type TaskEvent } from '../runtime/tasks/index.js';
-import { JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
+import { RNNOISE } from '../runtime/slots/rnnoise.js';
+import { ChainLink, JobPump, leaseGranted, type Granted, type LeaseHandle } from './lease.js';
 import {
   createStreamSocket,
   MAX_PENDING_SAMPLES,
@@ -27,7 +28,9 @@ import type { Supervisor } from './supervisor.js';
  * stream (resampled to 16 kHz), `audio-chunk` carries PCM, `audio-stop` ends it; the answers are
  * `detection {name, timestamp}` as they happen, `not-detected` at `audio-stop` when none fired,
  * and `voice-started` / `voice-stopped` when `detect` also names a VAD model (`silero-vad`).
- * A connection may carry several audio streams one after another.
+ * A connection may carry several audio streams one after another. With `wyoming.denoise` set, the
+ * audio goes through that denoise model first (a {@link ChainLink} under its own lease, as a
+ * WebSocket stream's `denoise=`), and every model hears the denoised audio.
  */
 
 /** A Wyoming event as parsed by the transport: type, data (header `data` merged with the data section) and payload. */
@@ -114,6 +117,20 @@ export function resolveNames(
   const [only] = wakeIds;
   if (wakeIds.size === 1 && registry.configOf(only)?.heads) return { wake: only, vad, asked };
   return { wake: wake.size ? [...wake].sort().join(',') : null, vad, asked };
+}
+
+/**
+ * Checks `wyoming.denoise` at start: absent, or a denoise model the server knows (configured or
+ * in the catalog), so that a typo is a configuration error, not every connection's failure.
+ * @throws VoxError `invalid_request_error` naming `wyoming.denoise`.
+ */
+export function checkWyomingDenoise(registry: Supervisor): void {
+  const id = registry.config.wyoming.denoise;
+  if (id === undefined) return;
+  const config = registry.configOf(id);
+  if (!config) throw invalid('wyoming.denoise', `'${id}' is not a model this server knows; a denoise model: rnnoise`);
+  if (config.task !== 'denoise')
+    throw invalid('wyoming.denoise', `'${id}' is a ${config.task} model, not a denoise model (rnnoise)`);
 }
 
 /**
@@ -302,6 +319,10 @@ class WyomingConnection {
   private names: unknown;
   private lanes: Lane[] = [];
   private laneKey = '';
+  /** `wyoming.denoise`'s model, under its lease (taken at the first audio stream, kept for the connection). */
+  private chain: { lease: LeaseHandle; granted: Granted } | null = null;
+  /** The current audio stream's first link when `chain` is set: the decoder's 48 kHz audio goes through it. */
+  private link: ChainLink | null = null;
   /** The name each head was asked by in the last `detect` (detections carry it back). */
   private asked = new Map<string, string>();
   /** The head (model id) of each detection label of the wake lane. */
@@ -370,7 +391,9 @@ class WyomingConnection {
     this.channel.onEvent = null;
     this.stopped = true;
     this.decoder?.close();
+    this.link?.close();
     for (const l of this.lanes) l.lease.release();
+    this.chain?.lease.release();
   }
 
   private readonly fail = (e: unknown): void => {
@@ -384,7 +407,8 @@ class WyomingConnection {
   private readonly backlog = (): void => {
     const p =
       this.queued > MAX_EARLY_BYTES ||
-      this.lanes.some((l) => (l.pump?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES);
+      this.lanes.some((l) => (l.pump?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES) ||
+      (this.link?.session.pendingSamples ?? 0) > MAX_PENDING_SAMPLES * (RNNOISE.RATE / 16_000);
     if (p !== this.paused) this.send({ type: p ? 'PAUSE' : 'RESUME' });
     this.paused = p;
   };
@@ -442,15 +466,7 @@ class WyomingConnection {
       ['vad', want.vad],
     ] as const) {
       if (!mid) continue;
-      const { handle, granted } = leaseGranted(
-        this.registry.requireForWork(mid),
-        { metrics: this.registry.metrics },
-        (e) => {
-          if (this.stopped) return;
-          this.stopped = true;
-          this.send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
-        },
-      );
+      const { handle, granted } = this.lease(mid);
       const lane = { kind, lease: handle } as Lane;
       this.lanes.push(lane);
       lane.granted = await granted;
@@ -458,6 +474,22 @@ class WyomingConnection {
       if (kind === 'wake') this.headOf = headOfLabel(lane.granted);
     }
     this.laneKey = key;
+    const denoise = this.registry.config.wyoming.denoise;
+    if (denoise && !this.chain) {
+      // The chain's first link: asked once the last models' leases are held, as a WebSocket stream's.
+      const { handle, granted } = this.lease(denoise);
+      this.chain = { lease: handle, granted: null as unknown as Granted };
+      this.chain.granted = await granted;
+    }
+  }
+
+  /** A lease on `model` for this connection; a revocation fails the connection. */
+  private lease(model: string): { handle: LeaseHandle; granted: Promise<Granted> } {
+    return leaseGranted(this.registry.requireForWork(model), { metrics: this.registry.metrics }, (e) => {
+      if (this.stopped) return;
+      this.stopped = true;
+      this.send({ type: 'FAILED', error: e.error.toWire(), code: e.code });
+    });
   }
 
   /** `audio-start` (or a first `audio-chunk`, which carries its format): a new audio stream. */
@@ -469,9 +501,18 @@ class WyomingConnection {
     if (this.stopped) return;
     this.decoder?.close();
     this.decoder = null;
-    const next = await PcmStreamDecoder.create('s16le', format.rate, format.channels);
+    const chain = this.chain?.granted;
+    const next = await PcmStreamDecoder.create('s16le', format.rate, format.channels, chain ? RNNOISE.RATE : undefined);
     if (this.stopped) return next.close();
     this.decoder = next;
+    this.link = chain
+      ? await ChainLink.create(chain, 'wyoming.denoise', {
+          out: (samples) => this.toLanes(samples, performance.now()),
+          accepted: this.backlog,
+          fail: this.fail,
+        })
+      : null;
+    if (this.stopped) return this.link?.close();
     for (const l of this.lanes)
       l.pump = new JobPump(createTaskSession(l.granted.config, l.granted.info, undefined, false), l.granted, {
         emit: this.emit,
@@ -495,6 +536,8 @@ class WyomingConnection {
     if (current) {
       const held = this.decoder?.end();
       if (held?.length) this.feed(held, undefined);
+      // A chain's first link hands on all it holds before the models' sessions end.
+      if (this.link) await this.link.end();
       await Promise.all(
         this.lanes.map((l) => {
           for (const e of l.pump!.session.end()) this.emit(e);
@@ -507,21 +550,37 @@ class WyomingConnection {
       // No audio stream: what the latest `detect` asks decides (not the last stream's lanes).
       this.channel.write({ type: 'not-detected' });
     this.audio = null;
+    this.link?.close();
+    this.link = null;
     for (const l of this.lanes) l.pump = null;
   }
 
-  /** Converted samples (16 kHz mono) to every lane; `timestamp` is the client's for their chunk. */
+  /**
+   * Converted samples (mono; 16 kHz, or 48 kHz into a chain's first link) to every lane, or to the
+   * link; `timestamp` is the client's for their chunk.
+   */
   private feed(samples: Float32Array, timestamp: number | undefined): void {
     if (!this.audio) return;
-    this.audio.clock.chunk(samples.length, timestamp);
+    // The client's clock and the figures count 16 kHz samples, as the models hear them.
+    const at16k = this.link ? samples.length * (16_000 / RNNOISE.RATE) : samples.length;
+    this.audio.clock.chunk(at16k, timestamp);
     if (samples.length === 0) return;
+    this.stats.receivedSamples += at16k;
     const at = performance.now();
+    if (!this.link) return this.toLanes(samples, at);
+    this.link.session.push(samples);
+    this.link.pump.arrived(at);
+    this.link.pump.pump();
+    this.backlog();
+  }
+
+  /** 16 kHz samples, arrived at `at` (performance.now() ms), to every lane's session. */
+  private toLanes(samples: Float32Array, at: number): void {
     for (const l of this.lanes) {
       l.pump!.session.push(samples);
       l.pump!.arrived(at);
       l.pump!.pump();
     }
-    this.stats.receivedSamples += samples.length;
     this.backlog();
   }
 

@@ -3,7 +3,10 @@
  * AudioContext's rate) -> libsamplerate (WASM, SINC_FASTEST) to 16 kHz -> s16le -> one
  * `voxserve/client` stream per chosen model. A canvas timeline draws the last
  * {@link WINDOW_MS} of audio: for each VAD model its speech-probability curve (the stream's
- * `probability` events) over its speech segments, and wake-word detections.
+ * `probability` events) over its speech segments, and wake-word detections. With the denoise
+ * toggle, the microphone also goes, at the AudioContext's own rate, to a denoise stream
+ * (`rnnoise`), whose answered audio is played (WebAudio, in order) and drawn as a level beside the
+ * microphone's.
  * The page is served by the server it calls (same origin, so the Origin check lets it in); the
  * API key field, when filled, goes on each stream as the subprotocol `voxserve.key.<key>`.
  */
@@ -39,11 +42,33 @@ const stopButton = el<HTMLButtonElement>('stop');
 const status = el<HTMLSpanElement>('status');
 const eventList = el<HTMLOListElement>('events');
 const fileInput = el<HTMLInputElement>('file');
+const denoiseToggle = el<HTMLInputElement>('denoise');
 
 let lanes: Lane[] = [];
 /** Audio sent so far, ms: the stream time of "now". */
 let sentMs = 0;
 let stopCapture: (() => Promise<void>) | null = null;
+/** The denoise model the toggle streams to (the first the server lists), if any. */
+let denoiseModel: string | null = null;
+
+/**
+ * The denoise toggle's stream while the microphone runs: the microphone at the AudioContext's
+ * rate to the denoise model; what it answers is played from `playAt` on, chunk after chunk.
+ */
+interface Denoising {
+  model: string;
+  stream: VoxStream;
+  rate: number;
+  /** Where the next answered chunk starts playing, AudioContext time, s. */
+  playAt: number;
+  /** Per 20 ms of audio: the microphone's level and the denoised level, dBFS, by stream time, ms. */
+  raw: { at: number; db: number }[];
+  denoised: { at: number; db: number }[];
+  /** Denoised samples received so far (they make the denoised levels' clock). */
+  received: number;
+  status: string;
+}
+let denoising: Denoising | null = null;
 
 function say(text: string, error = false): void {
   status.textContent = text;
@@ -72,6 +97,49 @@ function logEvent(model: string, e: StreamEvent): void {
   li.textContent = `${(sentMs / 1000).toFixed(2).padStart(7)} s  ${model}  ${type} ${JSON.stringify(rest)}`;
   eventList.prepend(li);
   while (eventList.children.length > 300) eventList.lastElementChild!.remove();
+}
+
+/** RMS of each whole 20 ms block of `samples` ([-1, 1], `rate` Hz) from stream time `at` ms, dBFS (floor -80). */
+function levels(samples: Float32Array, rate: number, at: number): { at: number; db: number }[] {
+  const block = Math.round(rate / 50);
+  const out: { at: number; db: number }[] = [];
+  for (let o = 0; o + block <= samples.length; o += block) {
+    let sum = 0;
+    for (let i = o; i < o + block; i++) sum += samples[i] * samples[i];
+    out.push({ at: at + (o * 1000) / rate, db: Math.max(-80, 10 * Math.log10(sum / block + 1e-12)) });
+  }
+  return out;
+}
+
+/** Keeps the last two timeline windows of 20 ms levels. */
+function keep(list: { at: number; db: number }[], more: { at: number; db: number }[]): void {
+  list.push(...more);
+  if (list.length > 2 * (WINDOW_MS / 20)) list.splice(0, WINDOW_MS / 20);
+}
+
+/** A chunk of denoised audio (s16le at the stream's rate): played after the one before, and its level drawn. */
+function playDenoised(ctx: AudioContext, d: Denoising, data: Uint8Array): void {
+  // A copy: the chunk's bytes may start at an odd offset.
+  const pcm = new Int16Array(data.slice().buffer);
+  if (!pcm.length) return;
+  const samples = Float32Array.from(pcm, (v) => v / 32768);
+  // The last answers come after Stop has closed the context: drawn, not played.
+  if (ctx.state !== 'closed') {
+    const buffer = ctx.createBuffer(1, samples.length, d.rate);
+    buffer.copyToChannel(samples, 0);
+    const source = ctx.createBufferSource();
+    source.buffer = buffer;
+    source.connect(ctx.destination);
+    // A little ahead of now, so that chunks arriving unevenly still play back to back.
+    d.playAt = Math.max(d.playAt, ctx.currentTime + 0.1);
+    source.start(d.playAt);
+    d.playAt += buffer.duration;
+  }
+  keep(d.denoised, levels(samples, d.rate, (d.received * 1000) / d.rate));
+  d.received += samples.length;
+  // For the page's test: denoised audio played so far, chunks and ms.
+  canvas.dataset.denoisedChunks = String(Number(canvas.dataset.denoisedChunks ?? 0) + 1);
+  canvas.dataset.denoisedMs = String(Math.round((d.received * 1000) / d.rate));
 }
 
 function onEvent(lane: Lane, e: StreamEvent): void {
@@ -109,7 +177,10 @@ async function listModels(): Promise<void> {
     const models = await vox.models();
     const wanted = new URLSearchParams(location.search).get('models')?.split(',') ?? ['silero-vad', 'hey-jarvis'];
     box.replaceChildren(Object.assign(document.createElement('legend'), { textContent: 'models' }));
-    for (const m of models) {
+    // A denoise model answers audio, not events: the denoise toggle streams to it.
+    denoiseModel = models.find((m) => m.task === 'denoise')?.id ?? null;
+    denoiseToggle.disabled = denoiseModel === null;
+    for (const m of models.filter((x) => x.task !== 'denoise')) {
       const label = document.createElement('label');
       const input = Object.assign(document.createElement('input'), {
         type: 'checkbox',
@@ -195,9 +266,19 @@ async function runFile(file: File): Promise<void> {
   fileInput.value = '';
 }
 
+/** Float samples in [-1, 1] as 16-bit PCM. */
+function toS16(samples: Float32Array): Int16Array {
+  const pcm = new Int16Array(samples.length);
+  for (let i = 0; i < samples.length; i++) {
+    const v = Math.max(-1, Math.min(1, samples[i]));
+    pcm[i] = v < 0 ? v * 0x8000 : v * 0x7fff;
+  }
+  return pcm;
+}
+
 async function start(): Promise<void> {
   const chosen = chosenModels();
-  if (!chosen.length) return say('choose at least one model', true);
+  if (!chosen.length && !denoiseToggle.checked) return say('choose at least one model, or denoise', true);
   startButton.disabled = true;
   let client: VoxClient;
   try {
@@ -221,6 +302,35 @@ async function start(): Promise<void> {
       ctx.sampleRate === RATE
         ? null
         : await create(1, ctx.sampleRate, RATE, { converterType: ConverterType.SRC_SINC_FASTEST });
+    if (denoiseToggle.checked && denoiseModel) {
+      // The microphone at its own rate: RNNoise runs at 48 kHz, and the answer comes back at this rate to play.
+      const model = denoiseModel;
+      const stream = await client.stream({ model, sampleRate: ctx.sampleRate, encoding: 's16le' });
+      const d: Denoising = {
+        model,
+        stream,
+        rate: ctx.sampleRate,
+        playAt: 0,
+        raw: [],
+        denoised: [],
+        received: 0,
+        status: 'streaming',
+      };
+      denoising = d;
+      const playTo = ctx;
+      void (async () => {
+        try {
+          for await (const e of stream) {
+            if (e.type === 'audio') playDenoised(playTo, d, e.data);
+            else logEvent(model, e);
+          }
+          d.status = 'done';
+        } catch (err) {
+          d.status = err instanceof VoxClientError ? `${err.type}: ${err.message}` : String(err);
+          say(`${model}: ${d.status}`, true);
+        }
+      })();
+    } else denoising = null;
     say(`connecting ${lanes.length} stream(s) ...`);
     await Promise.all(
       lanes.map(async (lane) => {
@@ -254,14 +364,16 @@ async function start(): Promise<void> {
     const mute = ctx.createGain();
     mute.gain.value = 0;
     source.connect(capture).connect(mute).connect(ctx.destination);
+    const d = denoising;
+    const micRate = ctx.sampleRate;
     capture.port.onmessage = (m: MessageEvent<Float32Array>) => {
-      const samples = resampler ? resampler.full(m.data).slice() : m.data;
-      const pcm = new Int16Array(samples.length);
-      for (let i = 0; i < samples.length; i++) {
-        const v = Math.max(-1, Math.min(1, samples[i]));
-        pcm[i] = v < 0 ? v * 0x8000 : v * 0x7fff;
+      if (d) {
+        keep(d.raw, levels(m.data, micRate, sentMs));
+        d.stream.send(toS16(m.data)).catch(() => {});
       }
+      const samples = resampler ? resampler.full(m.data).slice() : m.data;
       sentMs += (samples.length * 1000) / RATE;
+      const pcm = toS16(samples);
       for (const lane of lanes) lane.stream?.send(pcm).catch(() => {});
     };
     const [m, c] = [mic, ctx];
@@ -270,14 +382,17 @@ async function start(): Promise<void> {
       for (const t of m.getTracks()) t.stop();
       await c.close();
       resampler?.destroy();
-      await Promise.all(lanes.map((l) => l.stream?.end().catch(() => {})));
+      await Promise.all([...lanes.map((l) => l.stream?.end().catch(() => {})), d?.stream.end().catch(() => {})]);
     };
     stopButton.disabled = false;
-    say(`streaming at 16 kHz (microphone at ${ctx.sampleRate} Hz) to ${lanes.map((l) => l.model).join(', ')}`);
+    const to = [...lanes.map((l) => l.model), ...(d ? [`${d.model} (at ${d.rate} Hz, played back)`] : [])];
+    say(`streaming at 16 kHz (microphone at ${ctx.sampleRate} Hz) to ${to.join(', ')}`);
   } catch (e) {
     for (const t of mic?.getTracks() ?? []) t.stop();
     await ctx?.close().catch(() => {});
     for (const lane of lanes) lane.stream?.close();
+    denoising?.stream.close();
+    denoising = null;
     startButton.disabled = false;
     say(why(e), true);
   }
@@ -307,7 +422,8 @@ function draw(): void {
   const end = Math.max(sentMs, WINDOW_MS);
   const t0 = end - WINDOW_MS;
   const x = (t: number): number => left + ((t - t0) / WINDOW_MS) * (w - left - 8);
-  const rows = lanes.length;
+  const d = denoising;
+  const rows = lanes.length + (d ? 1 : 0);
   const rowH = (h - 22) / Math.max(rows, 2);
   g.font = '12px system-ui, sans-serif';
   g.textBaseline = 'middle';
@@ -395,6 +511,39 @@ function draw(): void {
       g.fillText(lane.status, left + 6, top + 10);
     }
   });
+  if (d) {
+    // The denoise row: the microphone's level and the denoised level, -80 dBFS at the bottom, 0 at the top.
+    const row = lanes.length;
+    const top = rowH * row + 4;
+    g.strokeStyle = '#eceff5';
+    g.beginPath();
+    g.moveTo(0, rowH * row);
+    g.lineTo(w, rowH * row);
+    g.stroke();
+    label(row, d.model, 'raw / denoised');
+    for (const [list, colour] of [
+      [d.raw, '#9aa3b5'],
+      [d.denoised, '#1d4f91'],
+    ] as const) {
+      g.strokeStyle = colour;
+      g.lineWidth = 1.5;
+      g.beginPath();
+      let first = true;
+      for (const p of list) {
+        if (p.at < t0) continue;
+        const py = top + (-p.db / 80) * (rowH - 8);
+        if (first) g.moveTo(x(p.at), py);
+        else g.lineTo(x(p.at), py);
+        first = false;
+      }
+      g.stroke();
+      g.lineWidth = 1;
+    }
+    if (d.status !== 'streaming') {
+      g.fillStyle = d.status.includes(':') ? '#b3261e' : '#6b7385';
+      g.fillText(d.status, left + 6, top + 10);
+    }
+  }
   requestAnimationFrame(draw);
 }
 

@@ -469,6 +469,12 @@ export const ServerConfig = z.strictObject({
        * `voxserve-<host name>`), or `false`. Default: on when `host` is not a loopback address.
        */
       zeroconf: z.union([z.boolean(), z.string().min(1).max(63)]).optional(),
+      /**
+       * A denoise model (`rnnoise`) every connection's audio goes through before its wake-word
+       * and VAD models (a chain, as `denoise=` on a WebSocket stream), under its own lease.
+       * Absent: none. Checked at start: it must name a denoise model (`wyoming.denoise` in the error).
+       */
+      denoise: z.string().min(1).optional(),
     })
     .default({ enabled: false, host: '127.0.0.1', port: 10400, idle_ms: 0, event_timeout_ms: 10_000 }),
   /**

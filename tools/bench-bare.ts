@@ -1,13 +1,15 @@
 /**
  * The bare loops `voxserve bench` (tools/bench.ts) judges the server against: one onnxruntime-node
  * session set on one thread in a plain loop over real speech, nothing else (Silero VAD; the
- * openWakeWord pipeline: melspectrogram, embedding, heads).
+ * openWakeWord pipeline: melspectrogram, embedding, heads); for RNNoise, `@echogarden/rnnoise-wasm`
+ * itself on 48 kHz frames of 480 samples, one state.
  *
  * Each loop runs in a process of its own (`bareInChild`): `process.cpuUsage()` counts every
  * thread of a process, and in the bench's own process it counted the load generator's garbage
  * collection after a run too (a 30-row VAD loop read 3.0 ms per stream-second there against 1.8
- * alone). Run directly: `node dist/tools/bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]]` or
- * `node dist/tools/bench-bare.js wakeword HEAD[,HEAD] BATCH STEPS` prints CPU ms per stream-second.
+ * alone). Run directly: `node dist/tools/bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]]`,
+ * `node dist/tools/bench-bare.js wakeword HEAD[,HEAD] BATCH STEPS` or
+ * `node dist/tools/bench-bare.js denoise FRAMES` prints CPU ms per stream-second.
  */
 import { execFile } from 'node:child_process';
 import { readFileSync } from 'node:fs';
@@ -17,6 +19,7 @@ import { promisify } from 'node:util';
 import ort from 'onnxruntime-node';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../runtime/catalog.js';
 import { defaultCatalog } from '../runtime/config.js';
+import { loadRnnoiseModule, RNNOISE } from '../runtime/slots/rnnoise.js';
 
 const root = fileURLToPath(new URL('../..', import.meta.url));
 const STEP = 1280;
@@ -141,9 +144,53 @@ export async function bareVad(rows: number, windows = 20_000, idleMs = 0, runsPe
   return (ms / (runs * rows)) * (16000 / 512);
 }
 
+/** 48 kHz mono s16le speech: the two 48 kHz fixtures ("front center", "front left"). */
+export function speech48k(): Buffer {
+  return Buffer.concat([fixture('Front_Center.wav'), fixture('Front_Left.wav')]);
+}
+
+/**
+ * The bare RNNoise loop: `@echogarden/rnnoise-wasm`'s module (loaded as the slot hosts load it,
+ * nothing else of voxserve), one `DenoiseState`, `rnnoise_process_frame` on 480-sample frames of
+ * 48 kHz speech ({@link speech48k}, looped) back to back, the frame copied into the module's heap
+ * and the output read back as floats: what a frame costs with nothing around it (no state copied
+ * in and out, no messages, no resampling).
+ * @returns CPU ms per stream-second over `frames` frames (10 ms each), after 200 to warm up.
+ */
+export async function bareDenoise(frames: number): Promise<number> {
+  const m = await loadRnnoiseModule();
+  const st = m._rnnoise_create(0);
+  const inp = m._malloc(RNNOISE.FRAME * 4);
+  const outp = m._malloc(RNNOISE.FRAME * 4);
+  const pcm = speech48k();
+  const samples = new Float32Array(pcm.length / 2);
+  // RNNoise takes samples at int16 scale as float.
+  for (let i = 0; i < samples.length; i++) samples[i] = pcm.readInt16LE(2 * i);
+  const out = new Float32Array(RNNOISE.FRAME);
+  const usable = samples.length - (samples.length % RNNOISE.FRAME);
+  let sink = 0;
+  const loop = (n: number): number => {
+    const c0 = process.cpuUsage();
+    for (let f = 0; f < n; f++) {
+      const at = (f * RNNOISE.FRAME) % usable;
+      m.HEAPF32.set(samples.subarray(at, at + RNNOISE.FRAME), inp >> 2);
+      sink += m._rnnoise_process_frame(st, outp, inp);
+      out.set(m.HEAPF32.subarray(outp >> 2, (outp >> 2) + RNNOISE.FRAME));
+    }
+    const c = process.cpuUsage(c0);
+    return (c.user + c.system) / 1000;
+  };
+  loop(200);
+  const ms = loop(frames);
+  m._rnnoise_destroy(st);
+  if (!Number.isFinite(sink)) throw new Error('rnnoise gave no probability');
+  return (ms / frames) * (1000 / 10);
+}
+
 /**
  * One bare loop in a fresh process of its own (this file run directly), so its CPU figure counts
- * the loop alone. `args`: `['vad', rows, windows, idleMs?, runsPerIdle?]` or `['wakeword', 'head,head', batch, steps]`.
+ * the loop alone. `args`: `['vad', rows, windows, idleMs?, runsPerIdle?]`, `['wakeword', 'head,head', batch, steps]`
+ * or `['denoise', frames]`.
  * @returns CPU ms per stream-second. @throws if the child fails or prints no number.
  */
 export async function bareInChild(args: (string | number)[]): Promise<number> {
@@ -167,10 +214,12 @@ if (process.argv[1] === fileURLToPath(import.meta.url)) {
         ? await bareVad(count(a), count(b), idle, d === undefined ? 1 : count(d))
         : kind === 'wakeword' && heads.every((h) => known.has(h)) && count(b) && count(c)
           ? await bareWakeword(heads, count(b), count(c))
-          : Number.NaN;
+          : kind === 'denoise' && count(a) && b === undefined
+            ? await bareDenoise(count(a))
+            : Number.NaN;
   if (!Number.isFinite(ms)) {
     console.error(
-      'usage: bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]] | wakeword HEAD[,HEAD] BATCH STEPS (positive integers up to 10^7 but IDLE_MS, ms >= 0; HEAD a default wake-word model, e.g. hey-jarvis); prints CPU ms per stream-second',
+      'usage: bench-bare.js vad ROWS WINDOWS [IDLE_MS [RUNS_PER_IDLE]] | wakeword HEAD[,HEAD] BATCH STEPS | denoise FRAMES (positive integers up to 10^7 but IDLE_MS, ms >= 0; HEAD a default wake-word model, e.g. hey-jarvis); prints CPU ms per stream-second',
     );
     process.exit(2);
   }

@@ -1,7 +1,7 @@
 /**
  * `voxserve bench`: what share of the bare models' capacity the server holds, and what a stream
  * costs the server over its whole life, per workload (VAD with 100 ms frames, VAD with 20 ms
- * frames, wake words), in one run on this machine (docs/benchmarks-efficiency.md, "What it
+ * frames, wake words; RNNoise with 20 ms frames of 48 kHz audio, `--task denoise`), in one run on this machine (docs/benchmarks-efficiency.md, "What it
  * measures"). Everything runs in `rounds` rounds; each round measures the bare loop, then runs
  * 10 % and 40 % of the round's limit, the held search and 70 %.
  *
@@ -9,6 +9,8 @@
  *   process of its own; see tools/bench-bare.ts), once per round at the batch sizes the server
  *   uses (VAD: 32 and 64 rows per run, and `--batch-size`; wake words: one step at a time); the
  *   figure judged against is the best (lowest) of the rounds at the model's `max_batch_size`.
+ *   RNNoise's bare loop is `@echogarden/rnnoise-wasm` itself, one 480-sample frame at a time (it
+ *   has no batch dimension).
  * - **limit**: streams the bare models could run on this machine's cores: cores x 1000 / (bare
  *   CPU ms per stream-second + the load generator's own CPU ms per stream-second, from a
  *   calibration run at 25 % of cores x 1000 / bare in the first round).
@@ -32,7 +34,8 @@
  *   the same; a run where they are not is flagged.
  *
  * Each run starts a fresh `voxserve serve` child process and drives N real-time WebSocket
- * streams (16 kHz s16le, each frame sent when its audio has elapsed, each stream's frame phase
+ * streams (16 kHz s16le; 48 kHz for RNNoise, whose answers are audio, so no resampling is
+ * counted against it; each frame sent when its audio has elapsed, each stream's frame phase
  * random, as unsynchronised clients') from this process. Before its measured streams, the server
  * gets a warm-up: N streams of `warmUpS` seconds each, started, ended and closed the same way,
  * not measured (a server fresh from start runs its first second or so of work several times
@@ -40,18 +43,19 @@
  * instead of the search.
  */
 import type { ChildProcess } from 'node:child_process';
+import { createHash, type Hash } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { cpus, loadavg } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import WebSocket from 'ws';
 import { defaultCatalog } from '../runtime/config.js';
-import { bareInChild } from './bench-bare.js';
+import { bareInChild, speech48k } from './bench-bare.js';
 import { paceFrames } from './pace.js';
 import { cpuApart } from './proc.js';
 import { spawnWithConfig, stopSpawned } from './spawn-server.js';
 
-export type WorkloadName = 'vad100' | 'vad20' | 'wakeword';
+export type WorkloadName = 'vad100' | 'vad20' | 'wakeword' | 'denoise';
 
 export interface BenchOptions {
   /** Workloads to run, in order. */
@@ -91,7 +95,10 @@ interface Workload {
   frameMs: number;
   /** The held target, share of the limit. */
   target: number;
+  /** Mono s16le at {@link Workload.rate}, looped. */
   pcm: Buffer;
+  /** The streams' sample rate, Hz (`sample_rate=`). */
+  rate: number;
   /**
    * Bare CPU ms per stream-second, with `rows` streams per run (VAD) or one at a time (wake
    * words); `short`: a shorter loop.
@@ -104,14 +111,18 @@ interface Workload {
   bareRows: number[];
   /** Rows per run for the limit's bare figure (the model's `max_batch_size`). */
   limitRows: number;
-  /** Samples per window (VAD) or step (wake word): the unit of the processing-lag histogram. */
+  /** Samples (at `rate`) per window (VAD), step (wake word) or frame (RNNoise): the unit of the processing-lag histogram. */
   stepSamples: number;
-  /** An event's identity for the identical-events check; null for events that are not task results. */
+  /**
+   * An event's identity for the identical-events check; null for events that are not task results. A denoise
+   * stream's answer is audio: its identity is a digest of every byte of it.
+   */
   eventKey(e: Record<string, unknown>): string | null;
 }
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
 const jarvis = defaultCatalog().find((m) => m.id === 'hey-jarvis')!;
+const rnnoise = defaultCatalog().find((m) => m.id === 'rnnoise')!;
 
 const vadEvent = (e: Record<string, unknown>): string | null =>
   e.type === 'speech_start'
@@ -125,6 +136,22 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
     ...(o.batchSize ? { max_batch_size: o.batchSize } : {}),
     ...(o.batchDelayMs !== undefined ? { max_batch_delay_ms: o.batchDelayMs } : {}),
   };
+  if (name === 'denoise') {
+    return {
+      title: 'denoise (rnnoise), 48 kHz, 20 ms frames',
+      id: 'rnnoise',
+      model: { ...rnnoise, ...batching },
+      frameMs: 20,
+      target: 0.7,
+      pcm: speech48k(),
+      rate: 48_000,
+      bare: (_rows, short) => bareInChild(['denoise', short ? 2000 : 6000]),
+      bareRows: [1],
+      limitRows: 1,
+      stepSamples: 480,
+      eventKey: () => null,
+    };
+  }
   if (name === 'wakeword') {
     return {
       title: 'wake word (hey-jarvis), 100 ms frames',
@@ -133,6 +160,7 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
       frameMs: 100,
       target: 0.7,
       pcm: Buffer.concat([fixture('espeak_alexa_16k.wav'), fixture('espeak_sentence_16k.wav')]),
+      rate: 16_000,
       bare: (_rows, short) => bareInChild(['wakeword', 'hey-jarvis', 1, short ? 300 : 600]),
       bareRows: [1],
       limitRows: 1,
@@ -148,6 +176,7 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
     frameMs,
     target: name === 'vad20' ? 0.6 : 0.7,
     pcm: fixture('espeak_sentence_16k.wav'),
+    rate: 16_000,
     bare: (rows, short) => bareInChild(['vad', rows, short ? 6000 : 20_000]),
     bareRows: [...new Set([32, 64, o.batchSize ?? 32])].sort((a, b) => a - b),
     // The model's max_batch_size (the server's default 32): the largest run it forms.
@@ -279,9 +308,9 @@ async function live(w: Workload, n: number, share: number, round: number, o: Ben
   const { child, url } = await startServer(w, n, o);
   const pid = child.pid!;
   try {
-    const frameBytes = Math.round((16000 * w.frameMs) / 1000) * 2;
+    const frameBytes = Math.round((w.rate * w.frameMs) / 1000) * 2;
     const totalFrames = Math.round((o.seconds * 1000) / w.frameMs);
-    const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=${w.id}${o.probabilities && w.id === 'silero-vad' ? '&probabilities=true' : ''}`;
+    const wsUrl = `${url.replace('http', 'ws')}/v1/stream?model=${w.id}${w.rate !== 16_000 ? `&sample_rate=${w.rate}` : ''}${o.probabilities && w.id === 'silero-vad' ? '&probabilities=true' : ''}`;
     interface S {
       ws: WebSocket;
       next: number;
@@ -290,6 +319,8 @@ async function live(w: Workload, n: number, share: number, round: number, o: Ben
       lastSentAt: number;
       doneAt: number;
       events: string[];
+      /** A denoise stream's answered audio, every byte, digested (its identity in `events` at `done`). */
+      audio: Hash | null;
     }
     /** N streams, each open and `ready`. */
     const open = (): Promise<S[]> =>
@@ -306,14 +337,17 @@ async function live(w: Workload, n: number, share: number, round: number, o: Ben
                 lastSentAt: 0,
                 doneAt: 0,
                 events: [],
+                audio: null,
               };
               s.ws.on('error', reject);
-              s.ws.on('message', (d) => {
+              s.ws.on('message', (d: Buffer, binary) => {
+                if (binary) return void (s.audio ??= createHash('sha1')).update(d);
                 const e = JSON.parse(d.toString()) as Record<string, unknown>;
                 const key = w.eventKey(e);
                 if (key) s.events.push(key);
                 else if (e.type === 'ready') resolve(s);
                 else if (e.type === 'done') {
+                  if (s.audio) s.events.push(s.audio.digest('hex'));
                   s.done = true;
                   s.doneAt = performance.now();
                 }
@@ -407,7 +441,7 @@ async function live(w: Workload, n: number, share: number, round: number, o: Ben
     // Stream-seconds processed: when the server falls behind, its CPU goes to fewer of them.
     const windows = (m: Map<string, number>): number => m.get('voxserve_processing_lag_seconds_count') ?? 0;
     const streamS = (m0: Map<string, number>, m1: Map<string, number>): number =>
-      ((windows(m1) - windows(m0)) * w.stepSamples) / 16000;
+      ((windows(m1) - windows(m0)) * w.stepSamples) / w.rate;
     const lifeS = streamS(before, after);
     const cpu = (x: Snap, y: Snap, part: 'main' | 'hosts'): number => (y.server[part] - x.server[part]) * 1000;
     const lag = lagFrom(before, after);

@@ -16,6 +16,7 @@ import { LOG_LEVELS } from '../runtime/telemetry.js';
 import { VoxError } from '../runtime/errors.js';
 import { startServer } from '../transport/server.js';
 import { progressBar } from './progress.js';
+import type { WorkloadName } from './bench.js';
 
 const require = createRequire(import.meta.url);
 const { WaveFile } = require('wavefile') as typeof import('wavefile');
@@ -504,9 +505,9 @@ program
 program
   .command('bench')
   .description(
-    "what share of the bare models' capacity the server holds, and its CPU over each stream's whole life (open to close): VAD (100 and 20 ms frames) and wake words, against the bare loop measured in the same run",
+    "what share of the bare models' capacity the server holds, and its CPU over each stream's whole life (open to close): VAD (100 and 20 ms frames), wake words and (--task denoise) RNNoise, against the bare loop measured in the same run",
   )
-  .option('--task <list>', 'workloads: vad100, vad20, wakeword (vad = vad100,vad20)', 'vad100,vad20,wakeword')
+  .option('--task <list>', 'workloads: vad100, vad20, wakeword, denoise (vad = vad100,vad20)', 'vad100,vad20,wakeword')
   .option('--quick', 'the same shape, shorter: the same rounds with 6 s streams and search steps of 10 % of the limit')
   .option(
     '--rounds <n>',
@@ -542,7 +543,7 @@ program
       warmUp: number;
     }) => {
       const workloads = opts.task.split(',').flatMap((t) => (t === 'vad' ? ['vad100', 'vad20'] : [t]));
-      const known = ['vad100', 'vad20', 'wakeword'];
+      const known = ['vad100', 'vad20', 'wakeword', 'denoise'];
       if (!workloads.every((t) => known.includes(t)))
         die(`--task must be a comma-separated list of ${known.join(', ')} (or vad), got '${opts.task}'`);
       const streams = opts.streams?.split(',').map(Number);
@@ -552,7 +553,7 @@ program
         die(`--isolation must be process or thread, got '${opts.isolation}'`);
       const { bench } = await import('./bench.js');
       await bench({
-        workloads: workloads as ('vad100' | 'vad20' | 'wakeword')[],
+        workloads: workloads as WorkloadName[],
         rounds: opts.rounds,
         seconds: opts.seconds ?? (opts.quick ? 6 : 60),
         step: opts.quick ? 0.1 : 0.05,

@@ -19,6 +19,7 @@ import { ActorDirectory } from './debug.js';
 import { bindStream, type StreamLink } from './stream.js';
 import { createDispatch, type Dispatch } from './routes.js';
 import { startWyoming, type WyomingService } from './wyoming.js';
+import { checkWyomingDenoise } from '../actors/wyoming.js';
 import { membershipMachine } from '../cluster/membership.js';
 import { announceWyoming, zeroconfWanted, type Announcement } from './zeroconf.js';
 import { ClusterNode } from '../cluster/node.js';
@@ -482,6 +483,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     place: cluster?.place,
     elsewhere: cluster?.registeredElsewhere,
   });
+  // Before anything listens: a Wyoming chain naming no denoise model is a configuration mistake.
+  checkWyomingDenoise(supervisor);
   const { root } = supervisor;
   const streams = new Set<StreamLink>();
   const inflight = new Set<Promise<void>>();

@@ -142,6 +142,39 @@ describe('/demo in headless Chromium with a fake microphone', () => {
   });
 });
 
+describe('/demo denoise toggle (issue 42)', () => {
+  it('streams the microphone to rnnoise and plays the denoised audio it answers, beside the VAD lane', async () => {
+    const browser = await browserWithMic(fixturePath('espeak_sentence_16k.wav'));
+    try {
+      const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+      const errors: string[] = [];
+      page.on('pageerror', (e) => errors.push(e.message));
+      page.on('console', (m) => m.type() === 'error' && errors.push(m.text()));
+      await page.goto(`${server.url}/demo?models=silero-vad`);
+      await page.waitForSelector('#models input[value="silero-vad"]:checked');
+      // rnnoise is the toggle, not a lane: it answers audio, not events.
+      expect(await page.locator('#models input[value="rnnoise"]').count()).toBe(0);
+      await page.check('#denoise');
+      await page.click('#start');
+      await page.waitForSelector('#events li[data-model="rnnoise"][data-type="ready"]', { timeout: 20_000 });
+      // Denoised audio comes back and is played: more than 2 s of it, in many chunks, while the VAD lane runs.
+      const played = async (): Promise<number> =>
+        Number(await page.locator('#timeline').getAttribute('data-denoised-ms'));
+      await expect.poll(played, { timeout: 30_000, interval: 250 }).toBeGreaterThan(2000);
+      expect(Number(await page.locator('#timeline').getAttribute('data-denoised-chunks'))).toBeGreaterThan(10);
+      expect(await page.textContent('#status')).toMatch(/rnnoise \(at \d+ Hz, played back\)/);
+      await page.waitForSelector('#events li[data-model="silero-vad"][data-type="speech_end"]', { timeout: 30_000 });
+      mkdirSync('spec/artifacts', { recursive: true });
+      await page.screenshot({ path: 'spec/artifacts/demo-denoise.png', fullPage: true });
+      await page.click('#stop');
+      await page.waitForSelector('#events li[data-model="rnnoise"][data-type="done"]', { timeout: 10_000 });
+      expect(errors).toEqual([]);
+    } finally {
+      await browser.close();
+    }
+  });
+});
+
 describe('/demo file picker (issue 43)', () => {
   it('runs each ticked model on a chosen file (an Ogg too): segments, a detection and its scores', async () => {
     const browser = await browserWithMic(fixturePath('silence_3s_16k.wav'));

@@ -55,4 +55,56 @@ describe('voxserve bench', () => {
     expect(medHead.slice(10, 13)).toEqual(['open + close ms CPU per stream', 'main', 'slot hosts']);
     for (const col of [4, 5, 6, 10]) expect(med[col]).toMatch(spread);
   }, 90_000);
+
+  // --quick with fixed counts: two rounds of 2 RNNoise streams of 2 s each, and the bare library loop per round: ~30 s.
+  it('--task denoise: RNNoise streams (48 kHz) against @echogarden/rnnoise-wasm run bare in the same run, server CPU against bare, identical denoised audio', async () => {
+    const { stdout } = await exec(
+      process.execPath,
+      [
+        cli,
+        'bench',
+        '--quick',
+        '--task',
+        'denoise',
+        '--streams',
+        '2',
+        '--seconds',
+        '2',
+        '--warm-up',
+        '0',
+        '--rounds',
+        '2',
+      ],
+      { cwd: root, timeout: 120_000 },
+    );
+    const lines = stdout.split('\n');
+    expect(lines).toContain('## denoise (rnnoise), 48 kHz, 20 ms frames');
+    // The bare library: one frame at a time, a figure per round and the best of them.
+    const bare = lines.find((l) => l.startsWith('bare, best of 2 round(s)'));
+    expect(bare).toMatch(
+      /^bare, best of 2 round\(s\): (\d+\.\d{3}) at 1 row\(s\) per run \(rounds \d+\.\d{3}, \d+\.\d{3}\)/,
+    );
+    const bareMs = Number(/: (\d+\.\d{3}) at 1 row/.exec(bare!)![1]);
+    // RNNoise costs about 0.17 ms per 10 ms frame (docs/models.md): well above zero, and under a core per stream.
+    expect(bareMs).toBeGreaterThan(1);
+    expect(bareMs).toBeLessThan(1000);
+    const head = lines.find((l) => l.startsWith('round | '))!.split(' | ');
+    const runs = lines.filter((l) => /^[12] \| /.test(l)).map((l) => l.split(' | '));
+    expect(runs).toHaveLength(2);
+    for (const cells of runs) {
+      expect(cells[head.indexOf('streams')]).toBe('2');
+      expect(cells[head.indexOf('held')]).toMatch(/^(yes|no)$/);
+      // Done within 1 s of the last frame: on a loaded machine one may be later (the lag is judged by `held`).
+      expect(cells[head.indexOf('finished')]).toMatch(/^[0-2]\/2$/);
+      const life = cells[head.indexOf('server CPU ms per stream-s, whole life (main + hosts)')];
+      expect(life).toMatch(/^\d+\.\d\d \(\d+\.\d\d \+ \d+\.\d\d\)$/);
+      // Server / bare is the whole-life figure over the best bare figure.
+      const ratio = Number(cells[head.indexOf('server / bare')]);
+      expect(ratio).toBeCloseTo(Number(life.split(' ')[0]) / bareMs, 1);
+      // Every stream sent the same audio: the denoised audio answered (every byte, digested) is the same.
+      expect(cells[head.indexOf('events identical')]).toBe('yes');
+    }
+    const med = lines.find((l) => l.startsWith('2 streams | '))!.split(' | ');
+    expect(med[7]).toMatch(/^\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)$/);
+  }, 120_000);
 });

@@ -8,10 +8,13 @@
  */
 import { execFile } from 'node:child_process';
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { connect } from 'node:net';
+import { Writable } from 'node:stream';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
+import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { VoxClient } from '../../client/node.js';
@@ -19,7 +22,7 @@ import { resample } from '../../runtime/audio/audio.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { loadRnnoiseModule, RNNOISE } from '../../runtime/slots/rnnoise.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, WaveFile } from '../helpers.js';
+import { fixture, startTestServer, until, WaveFile } from '../helpers.js';
 
 let server: VoxServer;
 beforeAll(async () => {
@@ -487,5 +490,189 @@ describe('rnnoise streams batched together', () => {
           ?.split(' ')[1],
       );
     expect(figure('voxserve_batch_size_sum')).toBeGreaterThan(figure('voxserve_batch_size_count'));
+  });
+});
+
+/**
+ * A Wyoming session on 127.0.0.1:`port` (the framing of the Wyoming README: a JSON header line,
+ * then data and payload bytes): `detect {names}`, then per audio stream of `s16` (16 kHz mono;
+ * several: one after another on the connection) `audio-start`, 100 ms `audio-chunk`s stamped with
+ * their ms of audio, `audio-stop`, and a wait for its `not-detected` or `detection` (and
+ * `done(events)`); resolves with every event (type plus data).
+ */
+async function wyoming(
+  port: number,
+  names: string[],
+  s16: Int16Array | Int16Array[],
+  done: (events: { type: string; [k: string]: unknown }[]) => boolean = () => true,
+): Promise<{ type: string; [k: string]: unknown }[]> {
+  const socket = connect(port, '127.0.0.1');
+  socket.on('error', () => {});
+  const events: { type: string; [k: string]: unknown }[] = [];
+  let buf = Buffer.alloc(0);
+  socket.on('data', (d: Buffer) => {
+    buf = Buffer.concat([buf, d]);
+    for (let nl = buf.indexOf('\n'); nl >= 0; nl = buf.indexOf('\n')) {
+      const header = JSON.parse(buf.subarray(0, nl).toString());
+      const dl = header.data_length ?? 0;
+      if (buf.length < nl + 1 + dl + (header.payload_length ?? 0)) break;
+      const data = dl ? JSON.parse(buf.subarray(nl + 1, nl + 1 + dl).toString()) : {};
+      events.push({ type: header.type, ...header.data, ...data });
+      buf = buf.subarray(nl + 1 + dl + (header.payload_length ?? 0));
+    }
+  });
+  const send = (type: string, data: Record<string, unknown>, payload?: Buffer): void => {
+    const body = Buffer.from(JSON.stringify(data));
+    const header = { type, data_length: body.length, payload_length: payload?.length ?? 0 };
+    socket.write(Buffer.concat([Buffer.from(`${JSON.stringify(header)}\n`), body, payload ?? Buffer.alloc(0)]));
+  };
+  const fmt = { rate: 16_000, width: 2, channels: 1 };
+  const answers = (): number =>
+    events.filter((e) => e.type === 'error' || e.type === 'not-detected' || e.type === 'detection').length;
+  send('detect', { names });
+  for (const [i, one] of (Array.isArray(s16) ? s16 : [s16]).entries()) {
+    const pcm = Buffer.from(one.buffer, one.byteOffset, one.byteLength);
+    send('audio-start', { ...fmt, timestamp: 0 });
+    for (let o = 0; o < pcm.length; o += 3200)
+      send('audio-chunk', { ...fmt, timestamp: o / 32 }, pcm.subarray(o, o + 3200));
+    send('audio-stop', { timestamp: pcm.length / 32 });
+    await until(() => events.some((e) => e.type === 'error') || (answers() > i && done(events)), 60_000);
+  }
+  socket.end();
+  return events;
+}
+
+describe('a chain on Wyoming: wyoming.denoise = "rnnoise"', () => {
+  // Both with Silero v6 at threshold 0.1 (Wyoming takes the model's configured options), one with the chain.
+  const vadLow = { models: [{ id: 'silero-vad', options: { threshold: 0.1 } }] };
+  let plain: VoxServer;
+  let chained: VoxServer;
+  beforeAll(async () => {
+    [plain, chained] = await Promise.all([
+      startTestServer({ ...vadLow, wyoming: { enabled: true, port: 0 } }),
+      startTestServer({ ...vadLow, wyoming: { enabled: true, port: 0, denoise: 'rnnoise' } }),
+    ]);
+  });
+  afterAll(async () => {
+    await Promise.all([plain?.close(), chained?.close()]);
+  });
+  const leases = async (s: VoxServer): Promise<Record<string, number>> => {
+    const { models } = (await (await fetch(`${s.url}/v1/models`)).json()) as {
+      models: { id: string; active_leases: number }[];
+    };
+    return Object.fromEntries(models.map((m) => [m.id, m.active_leases]));
+  };
+
+  it.each([1, 2])(
+    'clicks (seed %i): voice-started without the chain, none with it; not-detected either way',
+    async (seed) => {
+      const speech = (es: { type: string }[]) => es.filter((e) => e.type === 'voice-started').length;
+      const alone = await wyoming(plain.wyoming!.port, ['alexa', 'silero-vad'], clicks(seed));
+      const denoised = await wyoming(chained.wyoming!.port, ['alexa', 'silero-vad'], clicks(seed));
+      console.log(
+        `Wyoming, clicks (seed ${seed}): VAD alone ${speech(alone)} voice-started, with wyoming.denoise ${speech(denoised)}`,
+      );
+      expect(speech(alone)).toBeGreaterThan(0);
+      expect(speech(denoised)).toBe(0);
+      expect(denoised.map((e) => e.type)).toEqual(['not-detected']);
+    },
+  );
+
+  it("the chained connection still hears 'alexa' (detection) and its speech where the HTTP chain finds it; the link holds its own lease", async () => {
+    const { s16 } = samplesOf('espeak_alexa_16k.wav');
+    const port = chained.wyoming!.port;
+    const events = await wyoming(port, ['alexa', 'silero-vad'], s16, (es) =>
+      es.some((e) => e.type === 'voice-stopped'),
+    );
+    // The HTTP chain on the same audio and server: the reference the Wyoming chain must agree with.
+    const res = await fetch(`${chained.url}/v1/tasks/run?model=silero-vad&denoise=rnnoise`, {
+      method: 'POST',
+      headers: { 'content-type': 'audio/wav' },
+      body: new Uint8Array(wavOf(s16, 16_000)),
+    });
+    const { segments } = (await res.json()) as { segments: { start_ms: number; end_ms: number }[] };
+    expect(events.find((e) => e.type === 'detection')).toMatchObject({ name: 'alexa' });
+    const started = events.filter((e) => e.type === 'voice-started').map((e) => e.timestamp as number);
+    const stopped = events.filter((e) => e.type === 'voice-stopped').map((e) => e.timestamp as number);
+    expect(started.length).toBe(segments.length);
+    segments.forEach((s, i) => {
+      // One Silero window (32 ms) apart at most: the stream's and the file's resampling differ only at the edges.
+      expect(Math.abs(started[i] - s.start_ms)).toBeLessThanOrEqual(32);
+      expect(Math.abs(stopped[i] - s.end_ms)).toBeLessThanOrEqual(32);
+    });
+    // A connection open with the chain: rnnoise leased beside the wake word and VAD models.
+    const socket = connect(port, '127.0.0.1');
+    socket.on('error', () => {});
+    const body = Buffer.from(JSON.stringify({ rate: 16_000, width: 2, channels: 1 }));
+    socket.write(`${JSON.stringify({ type: 'audio-start', data_length: body.length })}\n${body}`);
+    await until(async () => (await leases(chained)).rnnoise === 1, 20_000);
+    const during = await leases(chained);
+    socket.destroy();
+    expect(during.rnnoise).toBe(1);
+    await until(async () => Object.values(await leases(chained)).every((n) => n === 0), 10_000);
+  });
+
+  it('one chained connection, three audio streams (a new first link each): alexa, silence, alexa', async () => {
+    const alexa = samplesOf('espeak_alexa_16k.wav').s16;
+    const events = await wyoming(chained.wyoming!.port, ['alexa'], [alexa, new Int16Array(16_000), alexa]);
+    expect(events.map((e) => (e.type === 'detection' ? `${e.type}:${e.name}` : e.type))).toEqual([
+      'detection:alexa',
+      'not-detected',
+      'detection:alexa',
+    ]);
+  });
+});
+
+describe('wyoming.denoise: a bad value is a configuration error naming the field', () => {
+  it('not a string, an unknown model, a model that is not a denoise model', async () => {
+    expect(() => ServerConfig.parse({ wyoming: { denoise: 5 } })).toThrow(/wyoming.*denoise/s);
+    for (const [id, problem] of [
+      ['nope', /wyoming\.denoise.*'nope' is not a model this server knows/],
+      ['silero-vad', /wyoming\.denoise.*'silero-vad' is a vad model, not a denoise model/],
+    ] as const) {
+      await expect(startTestServer({ wyoming: { enabled: true, port: 0, denoise: id } }), id).rejects.toThrow(problem);
+    }
+  });
+});
+
+describe("the close log line's processed_ms is the audio's length (RNNoise counts 48 kHz samples inside)", () => {
+  it('2 s sent to a rnnoise stream, a chained VAD stream and a chained Wyoming connection: processed_ms 2000 each', async () => {
+    const lines: Record<string, unknown>[] = [];
+    const sink = new Writable({
+      write(chunk, _enc, cb) {
+        for (const l of chunk.toString().split('\n')) if (l) lines.push(JSON.parse(l));
+        cb();
+      },
+    });
+    const s = await startServer(
+      ServerConfig.parse({ port: 0, wyoming: { enabled: true, port: 0, denoise: 'rnnoise' } }),
+      { log: pino({ level: 'info' }, sink) },
+    );
+    try {
+      const two = samplesOf('espeak_sentence_16k.wav').s16.subarray(0, 32_000);
+      const pcm = Buffer.from(two.buffer, two.byteOffset, two.byteLength);
+      for (const query of ['model=rnnoise', 'model=silero-vad&denoise=rnnoise']) {
+        const ws = new WebSocket(`${s.url.replace('http', 'ws')}/v1/stream?sample_rate=16000&${query}`);
+        await new Promise<void>((resolve, reject) => {
+          ws.on('error', reject);
+          ws.on('message', (d, binary) => {
+            if (binary || JSON.parse(d.toString()).type !== 'ready') return;
+            for (let o = 0; o < pcm.length; o += 3200) ws.send(pcm.subarray(o, o + 3200));
+            ws.send(JSON.stringify({ type: 'end' }));
+          });
+          ws.on('close', () => resolve());
+        });
+      }
+      await wyoming(s.wyoming!.port, ['alexa'], two);
+      const closed = () => lines.filter((l) => l.msg === 'stream closed');
+      await until(() => closed().length === 3, 10_000);
+      expect(closed().map((l) => [l.route, l.model, l.processed_ms])).toEqual([
+        ['stream', 'rnnoise', 2000],
+        ['stream', 'silero-vad', 2000],
+        ['wyoming', 'alexa', 2000],
+      ]);
+    } finally {
+      await s.close();
+    }
   });
 });
