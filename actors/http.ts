@@ -554,8 +554,16 @@ const exchange = fromCallback<
         );
       // The chain's first link: an entry with its own lease, taken after the last link's (C1: before any input is
       // prepared).
+      let link: ReturnType<typeof registry.require>;
+      try {
+        link = registry.require(request.denoise);
+      } catch (e) {
+        const v = toVoxError(e);
+        if (v.status === 404) throw invalid('denoise', v.message);
+        throw e;
+      }
       const first = leaseGranted(
-        registry.require(request.denoise),
+        link,
         { requestTimeoutMs: request.busyTimeoutMs, metrics: registry.metrics, ordered: true },
         (e) => (x.revoked = e.error),
       );

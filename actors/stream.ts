@@ -628,7 +628,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let front: ChainLink | null = null;
     let frontLease: LeaseHandle | null = null;
     /** A denoise stream: RNNoise's 48 kHz output back to the stream's rate, and its encoding. */
-    let back: { resampler: Resampler; encoding: PcmEncoding } | null = null;
+    let back: { resampler: Resampler; rate: number; encoding: PcmEncoding } | null = null;
     /**
      * Unprocessed audio past which reading pauses: {@link MAX_PENDING_SAMPLES} at 16 kHz (10 s), as long at the
      * session's rate.
@@ -692,8 +692,16 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       held = [];
       decoder!
         .reformat(format.sampleRate, format.channels, format.encoding)
-        .then(() => {
-          if (gone()) return;
+        // A denoise stream's audio goes back at the header's rate (the rate the client now sends at).
+        .then(() =>
+          back && back.rate !== format.sampleRate ? Resampler.create(RNNOISE.RATE, format.sampleRate) : null,
+        )
+        .then((resampler) => {
+          if (gone()) return resampler?.close();
+          if (resampler && back) {
+            back.resampler.close();
+            back = { ...back, resampler, rate: format.sampleRate };
+          }
           const frames = held!;
           held = null;
           // `first` has passed the sniffer already (the samples after the header); the held frames not yet.
@@ -838,7 +846,11 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       );
       fileRate = denoise || first ? RNNOISE.RATE : 16_000;
       if (denoise)
-        back = { resampler: await Resampler.create(RNNOISE.RATE, params.sampleRate), encoding: params.encoding };
+        back = {
+          resampler: await Resampler.create(RNNOISE.RATE, params.sampleRate),
+          rate: params.sampleRate,
+          encoding: params.encoding,
+        };
       // Made before the sessions: nothing awaits between the pumps' creation and the first audio.
       const link = first
         ? await ChainLink.create(first, 'denoise', {

@@ -157,6 +157,8 @@ export class Serving {
       outcome = v.type;
       return encodeMessage(errorReply(v));
     } finally {
+      // A job already running when its client left ends as it runs; nobody takes its reply.
+      if (cancel.signal.aborted) outcome = 'cancelled';
       this.running.delete(msg.id);
       n.metrics?.served.inc({ model: msg.model, outcome });
       this.lastServed.set(msg.model, Date.now());

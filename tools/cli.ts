@@ -424,12 +424,21 @@ program
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
   .option('--scores', "wake words: print each 80 ms step's score per label (score events)")
+  .option('-o, --out <file>', 'a denoise stream (rnnoise): write the audio it answers to this WAV file')
   .addOption(new Option('--api-key <key>', "one of the server's auth.api_keys").env('VOXSERVE_API_KEY'))
   .action(
     async (
       model: string,
       file: string,
-      opts: { url: string; realtime?: boolean; frameMs: number; protocol: string; apiKey?: string; scores?: boolean },
+      opts: {
+        url: string;
+        realtime?: boolean;
+        frameMs: number;
+        protocol: string;
+        apiKey?: string;
+        scores?: boolean;
+        out?: string;
+      },
     ) => {
       if (opts.protocol !== 'json' && opts.protocol !== 'msgpack')
         die(`--protocol must be json or msgpack, got '${opts.protocol}'`);
@@ -474,8 +483,15 @@ program
         failed(opts.url, e);
       }
       let errors = 0;
+      const audio: Uint8Array[] = [];
       const printing = (async () => {
         for await (const event of stream) {
+          // Denoised audio is not printed as numbers: its size is, and `-o` keeps it.
+          if (event.type === 'audio') {
+            audio.push(event.data);
+            process.stdout.write(`${JSON.stringify({ type: 'audio', bytes: event.data.length })}\n`);
+            continue;
+          }
           process.stdout.write(`${JSON.stringify(event)}\n`);
           if (event.type === 'error') errors++;
         }
@@ -497,6 +513,14 @@ program
       } catch (e) {
         await printing.catch(() => {});
         failed(opts.url, e);
+      }
+      if (opts.out) {
+        // Mono 16-bit PCM at the rate the stream was opened with (the file's), as the stream answers it.
+        const pcm16 = Buffer.concat(audio);
+        const out = new WaveFile();
+        out.fromScratch(1, fmt.sampleRate, '16', new Int16Array(pcm16.buffer, pcm16.byteOffset, pcm16.length / 2));
+        writeFileSync(opts.out, out.toBuffer());
+        process.stderr.write(`wrote ${opts.out} (${pcm16.length / 2} samples at ${fmt.sampleRate} Hz)\n`);
       }
       process.exit(errors ? 1 : 0);
     },

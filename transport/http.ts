@@ -194,6 +194,8 @@ const TENSOR_FIELDS = ['model', 'inputs', 'outputs', 'busy_timeout_ms'];
 
 /** Query parameters of `/v1/tasks/run` with a raw audio body, besides task options. */
 const RUN_QUERY = ['model', 'busy_timeout_ms', 'sample_rate', 'denoise'];
+/** Fields of a `POST /v1/tasks/batch` body (a chain's `denoise` too; a denoise model answers one file at a time). */
+const BATCH_FIELDS = ['model', 'files', 'busy_timeout_ms', 'options', 'denoise'];
 
 /**
  * A chain's `denoise` (query string or JSON): the id of the denoise model the audio goes through first.
@@ -326,6 +328,9 @@ export async function parseMultipartRun(
     ],
     busyTimeoutMs: parseTimeout(query.get('busy_timeout_ms') ?? undefined),
     options,
+    sampleRate: parseSampleRate(query.get('sample_rate') ?? undefined),
+    denoise: parseDenoise(query.get('denoise') ?? undefined),
+    json: acceptsJson(req),
     t0,
   };
   return /(^|,)\s*text\/event-stream\s*(;|,|$)/i.test(req.headers.accept ?? '')
@@ -426,6 +431,12 @@ export const MAX_BATCH_FILES = 256;
 export function parseBatchRequest(url: URL, body: Buffer, t0: number): TaskRequest {
   noQuery(url);
   const json = parseJsonObject(body);
+  const unknown = Object.keys(json).filter((k) => !BATCH_FIELDS.includes(k));
+  if (unknown.length)
+    throw voxError('unknown_field', {
+      field: unknown[0],
+      problem: `unknown field; expected ${BATCH_FIELDS.join(', ')}`,
+    });
   if (typeof json.model !== 'string' || !json.model) throw invalid('model', 'required, a model id string');
   const files = json.files;
   if (!Array.isArray(files) || files.length === 0 || files.length > MAX_BATCH_FILES)
@@ -436,6 +447,7 @@ export function parseBatchRequest(url: URL, body: Buffer, t0: number): TaskReque
     files: files.map((f, i) => parseBase64Audio(f, `files.${i}`)),
     busyTimeoutMs: parseTimeout(json.busy_timeout_ms),
     options: json.options,
+    denoise: parseDenoise(json.denoise),
     t0,
   };
 }

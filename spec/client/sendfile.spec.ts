@@ -140,6 +140,21 @@ describe('sendFile (issue 43)', () => {
     );
   }, 90_000);
 
+  it("an rnnoise stream given a WAV answers at the header's rate, as many samples as it was sent (a newcomer's finding: 16 kHz)", async () => {
+    const bytes = fixture('Front_Center.wav'); // 48 kHz
+    const { sampleRate, samples } = {
+      sampleRate: bytes.readUInt32LE(24),
+      samples: new WaveFile(bytes).getSamples(false, Int16Array).length,
+    };
+    expect(sampleRate).toBe(48_000);
+    const stream = await vox().stream({ model: 'rnnoise' });
+    const sent = stream.sendFile(bytes).then(() => stream.end());
+    let back = 0;
+    for await (const e of stream) if (e.type === 'audio') back += e.data.length / 2; // s16le
+    await sent;
+    expect(back).toBe(samples);
+  }, 60_000);
+
   it('a declared format the WAV header contradicts fails the stream, saying so', async () => {
     const bytes = await stereo44k();
     const stream = await vox().stream({ model: 'silero-vad', sampleRate: 16000 });

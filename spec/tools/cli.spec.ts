@@ -57,6 +57,22 @@ describe('voxserve CLI', () => {
     expect(events[1]).toMatchObject({ label: 'alexa' });
   });
 
+  it("stream rnnoise prints each audio chunk's size, not its bytes as numbers, and -o writes the denoised WAV", async () => {
+    const out = join(mkdtempSync(join(tmpdir(), 'voxserve-cli-')), 'out.wav');
+    const input = readFileSync(fixturePath('Front_Center.wav'));
+    const r = await voxserve('stream', 'rnnoise', fixturePath('Front_Center.wav'), '--url', server.url, '-o', out);
+    expect(r.code, r.stderr).toBe(0);
+    const lines = r.stdout.trim().split('\n');
+    expect(Math.max(...lines.map((l) => l.length))).toBeLessThan(200);
+    const audio = lines.map((l) => JSON.parse(l)).filter((e) => e.type === 'audio');
+    const bytes = audio.reduce((n, e) => n + e.bytes, 0);
+    // The WAV header (RIFF, fmt, data size at byte 40): as many samples back as sent, at the file's rate.
+    const wav = readFileSync(out);
+    expect(wav.readUInt32LE(24)).toBe(input.readUInt32LE(24));
+    expect(wav.readUInt32LE(40)).toBe(bytes);
+    expect(bytes / 2).toBe(input.readUInt32LE(40) / 2);
+  });
+
   it.each(['espeak_sentence_8k_mulaw.wav', 'espeak_sentence_8k_alaw.wav'])(
     'stream sends telephone audio (%s) expanded by its G.711 codec: the speech of its source',
     async (file) => {

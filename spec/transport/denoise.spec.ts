@@ -215,6 +215,36 @@ describe('POST /v1/tasks/run?model=rnnoise', () => {
     );
   });
 
+  it("a batch takes a chain (denoise) and refuses unknown fields (a newcomer's finding: both were ignored)", async () => {
+    const file = fixture('Front_Center.wav');
+    const batch = async (extra: Record<string, unknown>): Promise<Response> =>
+      fetch(`${server.url}/v1/tasks/batch`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ model: 'silero-vad', files: [file.toString('base64')], ...extra }),
+      });
+    const resultOf = async (r: Response): Promise<unknown> => {
+      expect(r.status).toBe(200);
+      const text = await r.text();
+      const line = text.split('\n').find((l, i, all) => all[i - 1] === 'event: result' && l.startsWith('data: '));
+      return (JSON.parse(line!.slice(6)) as { segments: unknown }).segments;
+    };
+    const runOf = async (query: string): Promise<unknown> => {
+      const r = await fetch(`${server.url}/v1/tasks/run?model=silero-vad${query}`, {
+        method: 'POST',
+        headers: { 'content-type': 'audio/wav' },
+        body: new Uint8Array(file),
+      });
+      return ((await r.json()) as { segments: unknown }).segments;
+    };
+    const chained = await resultOf(await batch({ denoise: 'rnnoise' }));
+    expect(chained).toEqual(await runOf('&denoise=rnnoise'));
+    expect(chained).not.toEqual(await runOf(''));
+    const unknown = await batch({ sample_rate: 8000 });
+    expect(unknown.status).toBe(400);
+    expect(((await unknown.json()) as { error: { message: string } }).error.message).toMatch(/sample_rate/);
+  });
+
   it('noisy speech (fixture + white noise at 0 and 5 dB SNR) comes back with a higher SNR against the clean speech', async () => {
     const { s16, rate } = samplesOf('silero_test.wav');
     const clean = Float32Array.from(s16.subarray(0, rate * 20), (v) => (v / 32768) * 0.5);

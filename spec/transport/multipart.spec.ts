@@ -122,3 +122,32 @@ describe('multipart uploads on POST /v1/tasks/run (issue 43)', () => {
     expect((await foreign.json()).error.code).toBe('origin_not_allowed');
   });
 });
+
+describe("a form's denoise, sample_rate and Accept (a newcomer's finding: they were ignored)", () => {
+  it('a chain, a denoise answer at a chosen rate, JSON on Accept, and a bad chain refused, as with the raw body', async () => {
+    const post = (fields: Record<string, string>, headers: Record<string, string> = {}) =>
+      fetch(`${server.url}/v1/tasks/run`, {
+        method: 'POST',
+        headers,
+        body: form(fields, [['file', 'Front_Center.wav', 'audio/wav']]),
+      });
+    const chain = await post({ model: 'silero-vad', denoise: 'rnnoise' });
+    expect(chain.status).toBe(200);
+    const chained = strip(await chain.json()) as Record<string, unknown>;
+    expect(chained).toEqual(await raw('silero-vad', 'Front_Center.wav', '&denoise=rnnoise'));
+    // The chain changes the answer (else the test could not tell it was ignored).
+    expect(chained.segments).not.toEqual((await raw('silero-vad', 'Front_Center.wav')).segments);
+    const wav = await post({ model: 'rnnoise', sample_rate: '16000' });
+    expect(wav.status).toBe(200);
+    const bytes = Buffer.from(await wav.arrayBuffer());
+    expect(bytes.readUInt32LE(24)).toBe(16_000); // the WAV header's sample rate
+    const json = await post({ model: 'rnnoise' }, { accept: 'application/json' });
+    expect(json.headers.get('content-type')).toMatch(/json/);
+    const bad = await post({ model: 'silero-vad', denoise: 'silero-vad' });
+    expect(bad.status).toBe(400);
+    expect((await bad.json()).error.message).toMatch(/denoise/);
+    const unknown = await post({ model: 'silero-vad', denoise: 'nope' });
+    expect(unknown.status).toBe(400);
+    expect((await unknown.json()).error.message).toMatch(/^denoise: /);
+  });
+});
