@@ -225,10 +225,18 @@ export function readV2Infer(json: Record<string, unknown>, binary?: Buffer): V2I
  * Splits a body with binary tensor data at `Inference-Header-Content-Length`: the JSON part and the
  * bytes after it.
  * @param header the header's value as received.
+ * @param maxTensorBytes `limits.max_tensor_bytes`: the bytes after the JSON are the binary inputs' data
+ *   as it is counted against that limit (a `BYTES` element its 4-byte length and its text), so more is
+ *   refused here, before a `BYTES` input's elements are read one by one on the event loop.
  * @throws VoxError `invalid_field` naming the header: not a whole number, 0 (a raw binary request,
- *   which voxserve does not take), or past the body's end.
+ *   which voxserve does not take), or past the body's end; `tensor_too_large` (413) for more binary
+ *   data than `maxTensorBytes`.
  */
-export function splitBinaryBody(header: string, body: Buffer): { json: Buffer; binary: Buffer } {
+export function splitBinaryBody(
+  header: string,
+  body: Buffer,
+  maxTensorBytes: number,
+): { json: Buffer; binary: Buffer } {
   const field = 'Inference-Header-Content-Length';
   if (!/^\d{1,12}$/.test(header.trim()))
     throw invalid(field, `must be the JSON part's length in bytes, got ${JSON.stringify(header.slice(0, 32))}`);
@@ -239,6 +247,7 @@ export function splitBinaryBody(header: string, body: Buffer): { json: Buffer; b
       '0 (a raw binary request, with no JSON header) is not supported: send the JSON inference request first',
     );
   if (n > body.length) throw invalid(field, `${n} bytes, but the body has ${body.length}`);
+  if (body.length - n > maxTensorBytes) throw voxError('tensor_too_large', { limit: maxTensorBytes });
   return { json: body.subarray(0, n), binary: body.subarray(n) };
 }
 

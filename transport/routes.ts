@@ -595,7 +595,10 @@ function inferenceProtocolRoutes(deps: RouteDeps): Route<unknown>[] {
       body: taskBody(config, (req, url, body, t0): TaskRequest => {
         const id = decodeURIComponent(url.pathname.split('/')[3]);
         const header = req.headers[INFERENCE_HEADER];
-        const parts = header === undefined ? { json: body, binary: undefined } : splitBinaryBody(String(header), body);
+        const parts =
+          header === undefined
+            ? { json: body, binary: undefined }
+            : splitBinaryBody(String(header), body, config.limits.max_tensor_bytes);
         const { fields, id: requestId, binary } = readV2Infer(parseJsonObject(parts.json), parts.binary);
         return {
           kind: 'run',

@@ -262,7 +262,8 @@ function fromList(field: string, dtype: Exclude<Dtype, 'string'>, list: unknown[
 /**
  * Reads the tensor fields of a `POST /v1/tasks/run` body (JSON or msgpack, already decoded):
  * `inputs` (an object of named tensors, {@link readTensor}) and `outputs` (a list of names, optional).
- * @param maxBytes `limits.max_tensor_bytes`: the inputs' data together may not be larger.
+ * @param maxBytes `limits.max_tensor_bytes`: the inputs' data together may not be larger (a string element
+ *   counts its UTF-8 bytes and 4, its length in the binary tensor data form).
  * @throws VoxError `invalid_tensor` / `invalid_field` naming the field; `tensor_too_large` (413).
  */
 export function readTensorRequest(
@@ -278,7 +279,9 @@ export function readTensorRequest(
   for (const [name, value] of Object.entries(raw)) {
     const t = readTensor(name, value);
     bytes += Array.isArray(t.data)
-      ? t.data.reduce((n, v) => n + Buffer.byteLength(v), 0)
+      ? // A string counts its UTF-8 bytes and 4 for its length (as the binary tensor data form carries it), so
+        // many empty strings are not free: each is an object on the event loop and in the slot host.
+        t.data.reduce((n, v) => n + 4 + Buffer.byteLength(v), 0)
       : (t.data as TensorData).byteLength;
     if (bytes > maxBytes) throw voxError('tensor_too_large', { limit: maxBytes });
     inputs[name] = t;

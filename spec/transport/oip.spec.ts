@@ -457,6 +457,33 @@ describe('Open Inference Protocol: binary tensor data extension (issue 43)', () 
   });
 });
 
+describe('Open Inference Protocol: many empty BYTES elements are not free (limits.max_tensor_bytes)', () => {
+  // One more empty element than limits.max_tensor_bytes (16 MiB, the default) holds at 4 bytes each: the
+  // extension's layout gives each element a 4-byte length, so 4 Mi + 1 empty strings are 16 MiB + 4 bytes.
+  const n = (16 * 1024 * 1024) / 4 + 1;
+
+  it('as binary data: a 413 before its elements are read (a 90 MB body of them blocked the event loop for 24 s)', async () => {
+    const zeros = Buffer.alloc(n * 4);
+    const a = await inferBinary(
+      'strings',
+      { inputs: [{ name: 'text', shape: [n], datatype: 'BYTES', parameters: { binary_data_size: zeros.length } }] },
+      [zeros],
+    );
+    expect(a.status, a.body.toString().slice(0, 200)).toBe(413);
+    expect(JSON.parse(a.body.toString())).toEqual({
+      error: 'tensor inputs exceed limits.max_tensor_bytes (16777216)',
+    });
+  });
+
+  it('as JSON strings: counted the same, each its UTF-8 bytes and 4', async () => {
+    const a = await inferJson('strings', {
+      inputs: [{ name: 'text', shape: [n], datatype: 'BYTES', data: new Array(n).fill('') }],
+    });
+    expect(a.status).toBe(413);
+    expect(a.json).toEqual({ error: 'tensor inputs exceed limits.max_tensor_bytes (16777216)' });
+  });
+});
+
 describe('Open Inference Protocol: errors in the protocol\'s shape, {"error": "<message>"} (issue 43)', () => {
   it('an unknown model is a 404 on every model route; an unknown /v2 route a 404; a bad field a 400 naming it', async () => {
     for (const [method, path] of [
