@@ -161,7 +161,8 @@ export function readV2Infer(json: Record<string, unknown>, binary?: Buffer): V2I
   const params = readParameters('', json.parameters, ['binary_data_output']);
   if (!Array.isArray(json.inputs) || !json.inputs.length)
     throw invalid('inputs', 'required: a list of input tensors [{"name", "shape", "datatype", "data"}]');
-  const inputs: Record<string, unknown> = {};
+  // No prototype: an input named `__proto__` is an input like any other (then refused by name), not the object's prototype.
+  const inputs: Record<string, unknown> = Object.create(null);
   let offset = 0;
   json.inputs.forEach((raw, i) => {
     const at = `inputs[${i}]`;

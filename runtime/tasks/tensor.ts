@@ -274,7 +274,8 @@ export function readTensorRequest(
   const raw = body.inputs;
   if (!raw || typeof raw !== 'object' || Array.isArray(raw) || ArrayBuffer.isView(raw))
     throw invalid('inputs', 'required: an object of named tensors {"<name>": {"dtype", "shape", "data"}}');
-  const inputs: Record<string, WireTensor> = {};
+  // No prototype: an input named `__proto__` is an input like any other (then refused by name), not the object's prototype.
+  const inputs: Record<string, WireTensor> = Object.create(null);
   let bytes = 0;
   for (const [name, value] of Object.entries(raw)) {
     const t = readTensor(name, value);

@@ -457,6 +457,20 @@ describe('Open Inference Protocol: binary tensor data extension (issue 43)', () 
   });
 });
 
+describe('Open Inference Protocol: an input named __proto__', () => {
+  it("is an input the model does not have, named so (it was taken as the inputs object's prototype and lost)", async () => {
+    const a = await inferJson('mymodel', {
+      inputs: [
+        { name: 'input0', shape: [2, 2], datatype: 'UINT32', data: [1, 2, 3, 4] },
+        { name: 'input1', shape: [3], datatype: 'BOOL', data: [true, false, true] },
+        { name: '__proto__', shape: [1], datatype: 'FP32', data: [0] },
+      ],
+    });
+    expect(a.status).toBe(400);
+    expect(a.json.error).toMatch(/^inputs\.__proto__: model mymodel has no such input/);
+  });
+});
+
 describe('Open Inference Protocol: a large JSON part before binary data is parsed off the event loop', () => {
   it('1 MiB of JSON (a long id) with Inference-Header-Content-Length: no JSON.parse of it on the main thread, id echoed', async () => {
     // The server runs in this process: a JSON.parse of the request's JSON here is one on its event loop. (A 60 MB
