@@ -20,6 +20,7 @@
  */
 import { invalid, voxError } from './errors.js';
 import type { TensorMeta, WireTensor } from './slots/slot-protocol.js';
+import { MAX_RANK } from './tasks/tensor.js';
 
 /** The protocol's datatypes and voxserve's dtypes, both ways. */
 const DATATYPES: Record<string, string> = {
@@ -111,8 +112,11 @@ function readParameters(at: string, raw: unknown, allowed: string[]): Record<str
 function binaryInput(at: string, datatype: string, shape: unknown, bytes: Buffer): Uint8Array | string[] {
   const field = `${at}.parameters.binary_data_size`;
   if (datatype !== 'BYTES') {
-    // A shape that is not a list of sizes is left to readTensor to name.
-    const sizes = Array.isArray(shape) && shape.every((d) => Number.isSafeInteger(d) && d >= 0) ? shape : null;
+    // A shape that is not a list of sizes (at most MAX_RANK of them) is left to readTensor to name.
+    const sizes =
+      Array.isArray(shape) && shape.length <= MAX_RANK && shape.every((d) => Number.isSafeInteger(d) && d >= 0)
+        ? shape
+        : null;
     const count = sizes ? sizes.reduce((n: number, d: number) => n * d, 1) : 0;
     const want = count * ELEMENT_BYTES[datatype];
     if (sizes && bytes.length !== want)

@@ -75,7 +75,7 @@ const RANGE: Partial<Record<Dtype, [bigint, bigint]>> = {
 const FLOAT_MAX: Record<string, number> = { float16: 65504, float32: 3.4028234663852886e38 };
 
 /** Most dimensions a tensor may have (ONNX itself sets no limit; no model of ours comes near). */
-const MAX_RANK = 32;
+export const MAX_RANK = 32;
 
 /** A `tensor` request as the transport read it: inputs by name, the outputs wanted, and how to answer. */
 export interface TensorRequest {

@@ -457,6 +457,20 @@ describe('Open Inference Protocol: binary tensor data extension (issue 43)', () 
   });
 });
 
+describe('Open Inference Protocol: a binary input with a shape of more than 32 dimensions', () => {
+  it('is refused for its shape, not with every dimension written out (a 2 MB shape answered 3 MB)', async () => {
+    const shape = new Array(100_000).fill(1);
+    const a = await inferBinary(
+      'mymodel',
+      { inputs: [{ name: 'input0', shape, datatype: 'UINT32', parameters: { binary_data_size: 8 } }] },
+      [u32le([1, 2])],
+    );
+    expect(a.status).toBe(400);
+    expect(a.body.length).toBeLessThan(1000);
+    expect(JSON.parse(a.body.toString()).error).toMatch(/^inputs\.input0\.shape: must be a list of at most 32 /);
+  });
+});
+
 describe('Open Inference Protocol: an input named __proto__', () => {
   it("is an input the model does not have, named so (it was taken as the inputs object's prototype and lost)", async () => {
     const a = await inferJson('mymodel', {
