@@ -20,6 +20,7 @@
  */
 import { invalid, voxError } from './errors.js';
 import type { TensorMeta, WireTensor } from './slots/slot-protocol.js';
+import { MAX_RANK } from './tasks/tensor.js';
 
 /** The protocol's datatypes and voxserve's dtypes, both ways. */
 const DATATYPES: Record<string, string> = {
@@ -111,8 +112,11 @@ function readParameters(at: string, raw: unknown, allowed: string[]): Record<str
 function binaryInput(at: string, datatype: string, shape: unknown, bytes: Buffer): Uint8Array | string[] {
   const field = `${at}.parameters.binary_data_size`;
   if (datatype !== 'BYTES') {
-    // A shape that is not a list of sizes is left to readTensor to name.
-    const sizes = Array.isArray(shape) && shape.every((d) => Number.isSafeInteger(d) && d >= 0) ? shape : null;
+    // A shape that is not a list of sizes (at most MAX_RANK of them) is left to readTensor to name.
+    const sizes =
+      Array.isArray(shape) && shape.length <= MAX_RANK && shape.every((d) => Number.isSafeInteger(d) && d >= 0)
+        ? shape
+        : null;
     const count = sizes ? sizes.reduce((n: number, d: number) => n * d, 1) : 0;
     const want = count * ELEMENT_BYTES[datatype];
     if (sizes && bytes.length !== want)
@@ -161,7 +165,8 @@ export function readV2Infer(json: Record<string, unknown>, binary?: Buffer): V2I
   const params = readParameters('', json.parameters, ['binary_data_output']);
   if (!Array.isArray(json.inputs) || !json.inputs.length)
     throw invalid('inputs', 'required: a list of input tensors [{"name", "shape", "datatype", "data"}]');
-  const inputs: Record<string, unknown> = {};
+  // No prototype: an input named `__proto__` is an input like any other (then refused by name), not the object's prototype.
+  const inputs: Record<string, unknown> = Object.create(null);
   let offset = 0;
   json.inputs.forEach((raw, i) => {
     const at = `inputs[${i}]`;
@@ -225,10 +230,18 @@ export function readV2Infer(json: Record<string, unknown>, binary?: Buffer): V2I
  * Splits a body with binary tensor data at `Inference-Header-Content-Length`: the JSON part and the
  * bytes after it.
  * @param header the header's value as received.
+ * @param maxTensorBytes `limits.max_tensor_bytes`: the bytes after the JSON are the binary inputs' data
+ *   as it is counted against that limit (a `BYTES` element its 4-byte length and its text), so more is
+ *   refused here, before a `BYTES` input's elements are read one by one on the event loop.
  * @throws VoxError `invalid_field` naming the header: not a whole number, 0 (a raw binary request,
- *   which voxserve does not take), or past the body's end.
+ *   which voxserve does not take), or past the body's end; `tensor_too_large` (413) for more binary
+ *   data than `maxTensorBytes`.
  */
-export function splitBinaryBody(header: string, body: Buffer): { json: Buffer; binary: Buffer } {
+export function splitBinaryBody(
+  header: string,
+  body: Buffer,
+  maxTensorBytes: number,
+): { json: Buffer; binary: Buffer } {
   const field = 'Inference-Header-Content-Length';
   if (!/^\d{1,12}$/.test(header.trim()))
     throw invalid(field, `must be the JSON part's length in bytes, got ${JSON.stringify(header.slice(0, 32))}`);
@@ -239,6 +252,7 @@ export function splitBinaryBody(header: string, body: Buffer): { json: Buffer; b
       '0 (a raw binary request, with no JSON header) is not supported: send the JSON inference request first',
     );
   if (n > body.length) throw invalid(field, `${n} bytes, but the body has ${body.length}`);
+  if (body.length - n > maxTensorBytes) throw voxError('tensor_too_large', { limit: maxTensorBytes });
   return { json: body.subarray(0, n), binary: body.subarray(n) };
 }
 

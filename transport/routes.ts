@@ -592,11 +592,19 @@ function inferenceProtocolRoutes(deps: RouteDeps): Route<unknown>[] {
       auth: 'apiKey',
       accepts: requireV2InferMediaType,
       work: true,
-      body: taskBody(config, (req, url, body, t0): TaskRequest => {
+      body: taskBody(config, async (req, url, body, t0): Promise<TaskRequest> => {
         const id = decodeURIComponent(url.pathname.split('/')[3]);
         const header = req.headers[INFERENCE_HEADER];
-        const parts = header === undefined ? { json: body, binary: undefined } : splitBinaryBody(String(header), body);
-        const { fields, id: requestId, binary } = readV2Infer(parseJsonObject(parts.json), parts.binary);
+        const parts =
+          header === undefined
+            ? { json: body, binary: undefined }
+            : splitBinaryBody(String(header), body, config.limits.max_tensor_bytes);
+        // The JSON part of a body with binary data is parsed off the event loop when large, as a JSON body is (taskBody).
+        const json =
+          parts.binary && parts.json.length >= OFF_THREAD_JSON_BYTES
+            ? await parseJsonOffThread(parts.json)
+            : parseJsonObject(parts.json);
+        const { fields, id: requestId, binary } = readV2Infer(json, parts.binary);
         return {
           kind: 'run',
           model: id,

@@ -82,6 +82,11 @@ class MonoCollector {
       });
     }
     if (d.samplesDecoded === 0) return;
+    // (ogg-vorbis gives a negative count for some damaged input, such as many Ogg files joined end to end.)
+    if (!Number.isSafeInteger(d.samplesDecoded) || d.samplesDecoded < 0)
+      throw voxError('invalid_audio', {
+        problem: `not a readable ${this.name} file (its decoder reported ${d.samplesDecoded} samples for a chunk)`,
+      });
     if (this.rate === 0) {
       checkFormat(d.sampleRate, d.channelData.length);
       this.rate = d.sampleRate;

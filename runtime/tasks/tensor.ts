@@ -75,7 +75,7 @@ const RANGE: Partial<Record<Dtype, [bigint, bigint]>> = {
 const FLOAT_MAX: Record<string, number> = { float16: 65504, float32: 3.4028234663852886e38 };
 
 /** Most dimensions a tensor may have (ONNX itself sets no limit; no model of ours comes near). */
-const MAX_RANK = 32;
+export const MAX_RANK = 32;
 
 /** A `tensor` request as the transport read it: inputs by name, the outputs wanted, and how to answer. */
 export interface TensorRequest {
@@ -262,7 +262,8 @@ function fromList(field: string, dtype: Exclude<Dtype, 'string'>, list: unknown[
 /**
  * Reads the tensor fields of a `POST /v1/tasks/run` body (JSON or msgpack, already decoded):
  * `inputs` (an object of named tensors, {@link readTensor}) and `outputs` (a list of names, optional).
- * @param maxBytes `limits.max_tensor_bytes`: the inputs' data together may not be larger.
+ * @param maxBytes `limits.max_tensor_bytes`: the inputs' data together may not be larger (a string element
+ *   counts its UTF-8 bytes and 4, its length in the binary tensor data form).
  * @throws VoxError `invalid_tensor` / `invalid_field` naming the field; `tensor_too_large` (413).
  */
 export function readTensorRequest(
@@ -273,12 +274,15 @@ export function readTensorRequest(
   const raw = body.inputs;
   if (!raw || typeof raw !== 'object' || Array.isArray(raw) || ArrayBuffer.isView(raw))
     throw invalid('inputs', 'required: an object of named tensors {"<name>": {"dtype", "shape", "data"}}');
-  const inputs: Record<string, WireTensor> = {};
+  // No prototype: an input named `__proto__` is an input like any other (then refused by name), not the object's prototype.
+  const inputs: Record<string, WireTensor> = Object.create(null);
   let bytes = 0;
   for (const [name, value] of Object.entries(raw)) {
     const t = readTensor(name, value);
     bytes += Array.isArray(t.data)
-      ? t.data.reduce((n, v) => n + Buffer.byteLength(v), 0)
+      ? // A string counts its UTF-8 bytes and 4 for its length (as the binary tensor data form carries it), so
+        // many empty strings are not free: each is an object on the event loop and in the slot host.
+        t.data.reduce((n, v) => n + 4 + Buffer.byteLength(v), 0)
       : (t.data as TensorData).byteLength;
     if (bytes > maxBytes) throw voxError('tensor_too_large', { limit: maxBytes });
     inputs[name] = t;

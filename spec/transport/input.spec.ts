@@ -89,6 +89,13 @@ describe('compressed input on /v1/tasks/run', () => {
     ['an MP3 cut inside its ID3 tag', cut('silero_test.mp3', 0.5), 'audio/mpeg', /not a readable MP3 file/],
     ['a corrupt Ogg Vorbis', corrupt('Front_Center.ogg'), 'audio/ogg', /Ogg Vorbis/],
     ['a corrupt FLAC', corrupt('espeak_alexa_16k.flac'), 'audio/flac', /FLAC/],
+    [
+      // The decoder reports a negative sample count for a chunk of these (it answered 500 'Invalid typed array length').
+      '50 Ogg Vorbis files joined end to end',
+      Buffer.concat(new Array(50).fill(fixture('Front_Center.ogg'))),
+      'audio/ogg',
+      /not a readable Ogg Vorbis file \(its decoder reported -\d+ samples for a chunk\)/,
+    ],
     ['garbage declared as MP3', Buffer.alloc(4000, 7), 'audio/mpeg', /not a readable MP3 file/],
     ['garbage declared as Ogg', Buffer.alloc(4000, 7), 'audio/ogg', /not a readable Ogg file/],
   ])('%s -> 400 naming the format, and the server keeps serving', async (_what, body, type, message) => {

@@ -8,7 +8,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import type { VoxServer } from '../../transport/server.js';
 import { startTestServer } from '../helpers.js';
 
@@ -454,6 +454,94 @@ describe('Open Inference Protocol: binary tensor data extension (issue 43)', () 
     expect((await raw.json()).error).toMatch(
       /^Inference-Header-Content-Length: 0 \(a raw binary request, with no JSON header\) is not supported/,
     );
+  });
+});
+
+describe('Open Inference Protocol: a binary input with a shape of more than 32 dimensions', () => {
+  it('is refused for its shape, not with every dimension written out (a 2 MB shape answered 3 MB)', async () => {
+    const shape = new Array(100_000).fill(1);
+    const a = await inferBinary(
+      'mymodel',
+      { inputs: [{ name: 'input0', shape, datatype: 'UINT32', parameters: { binary_data_size: 8 } }] },
+      [u32le([1, 2])],
+    );
+    expect(a.status).toBe(400);
+    expect(a.body.length).toBeLessThan(1000);
+    expect(JSON.parse(a.body.toString()).error).toMatch(/^inputs\.input0\.shape: must be a list of at most 32 /);
+  });
+});
+
+describe('Open Inference Protocol: an input named __proto__', () => {
+  it("is an input the model does not have, named so (it was taken as the inputs object's prototype and lost)", async () => {
+    const a = await inferJson('mymodel', {
+      inputs: [
+        { name: 'input0', shape: [2, 2], datatype: 'UINT32', data: [1, 2, 3, 4] },
+        { name: 'input1', shape: [3], datatype: 'BOOL', data: [true, false, true] },
+        { name: '__proto__', shape: [1], datatype: 'FP32', data: [0] },
+      ],
+    });
+    expect(a.status).toBe(400);
+    expect(a.json.error).toMatch(/^inputs\.__proto__: model mymodel has no such input/);
+  });
+});
+
+describe('Open Inference Protocol: a large JSON part before binary data is parsed off the event loop', () => {
+  it('1 MiB of JSON (a long id) with Inference-Header-Content-Length: no JSON.parse of it on the main thread, id echoed', async () => {
+    // The server runs in this process: a JSON.parse of the request's JSON here is one on its event loop. (A 60 MB
+    // JSON part with the header held /health 6 s, against 1.7 s for the same body without it.)
+    const id = 'x'.repeat(1024 * 1024);
+    const parse = vi.spyOn(JSON, 'parse');
+    let a: Awaited<ReturnType<typeof inferBinary>>;
+    let calls: unknown[][];
+    try {
+      a = await inferBinary(
+        'mymodel',
+        {
+          id,
+          inputs: [
+            { name: 'input0', shape: [2, 2], datatype: 'UINT32', parameters: { binary_data_size: 16 } },
+            { name: 'input1', shape: [3], datatype: 'BOOL', parameters: { binary_data_size: 3 } },
+          ],
+        },
+        [u32le([1, 2, 3, 4]), Uint8Array.of(1, 0, 1)],
+      );
+    } finally {
+      calls = [...parse.mock.calls]; // (mockRestore clears them)
+      parse.mockRestore();
+    }
+    const onMain = calls.filter(([text]) => typeof text === 'string' && text.length >= id.length);
+    expect(onMain.length).toBe(0);
+    expect(a.status).toBe(200);
+    const answer = JSON.parse(a.body.toString());
+    expect(answer.id === id).toBe(true);
+    expect(answer.outputs).toEqual([{ name: 'output0', shape: [3, 2], datatype: 'FP32', data: [1, 2, 3, 4, 1, 0] }]);
+  });
+});
+
+describe('Open Inference Protocol: many empty BYTES elements are not free (limits.max_tensor_bytes)', () => {
+  // One more empty element than limits.max_tensor_bytes (16 MiB, the default) holds at 4 bytes each: the
+  // extension's layout gives each element a 4-byte length, so 4 Mi + 1 empty strings are 16 MiB + 4 bytes.
+  const n = (16 * 1024 * 1024) / 4 + 1;
+
+  it('as binary data: a 413 before its elements are read (a 90 MB body of them blocked the event loop for 24 s)', async () => {
+    const zeros = Buffer.alloc(n * 4);
+    const a = await inferBinary(
+      'strings',
+      { inputs: [{ name: 'text', shape: [n], datatype: 'BYTES', parameters: { binary_data_size: zeros.length } }] },
+      [zeros],
+    );
+    expect(a.status, a.body.toString().slice(0, 200)).toBe(413);
+    expect(JSON.parse(a.body.toString())).toEqual({
+      error: 'tensor inputs exceed limits.max_tensor_bytes (16777216)',
+    });
+  });
+
+  it('as JSON strings: counted the same, each its UTF-8 bytes and 4', async () => {
+    const a = await inferJson('strings', {
+      inputs: [{ name: 'text', shape: [n], datatype: 'BYTES', data: new Array(n).fill('') }],
+    });
+    expect(a.status).toBe(413);
+    expect(a.json).toEqual({ error: 'tensor inputs exceed limits.max_tensor_bytes (16777216)' });
   });
 });
 

@@ -206,6 +206,13 @@ describe('a request the model cannot take is a 400 naming the input and what the
     );
   });
 
+  it("an input named __proto__ is one the model does not have (it answered a 500 'Cannot read properties of undefined')", async () => {
+    // JSON.parse makes `__proto__` an own key, as any JSON body does; an object literal would set the prototype.
+    const inputs = { ...good, ...JSON.parse('{"__proto__": {"dtype": "float32", "shape": [1], "data": [0]}}') };
+    expect(Object.keys(inputs)).toContain('__proto__');
+    await expect400({ model: 'vad-tensor', inputs }, 'invalid_tensor', 'inputs.__proto__', 'no such input');
+  });
+
   it('an unknown output', () =>
     expect400(
       { model: 'vad-tensor', inputs: good, outputs: ['output', 'probability'] },
