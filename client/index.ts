@@ -672,6 +672,12 @@ export class VoxClient {
       },
       'apiKey',
     );
+    // A model that is not a denoise model answers its JSON result: not audio, so not returned as if it were.
+    if (!/^audio\/wav\b/.test(res.headers.get('content-type') ?? ''))
+      throw new VoxClientError(
+        'invalid_request_error',
+        `model: '${opts.model ?? 'rnnoise'}' is not a denoise model (it answered ${res.headers.get('content-type')}, not audio); denoise() takes a denoise model such as rnnoise`,
+      );
     return new Uint8Array(await res.arrayBuffer());
   }
 

@@ -360,9 +360,15 @@ program
         die(`cannot read ${file}: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`);
       }
       if (opts.output !== undefined) {
+        // -o takes the denoise answer's own options only: the others would be dropped silently.
+        if (opts.denoise !== undefined || Object.keys(opts.option).some((k) => k !== 'sample_rate'))
+          die(
+            "-o writes a denoise model's audio: it takes --option sample_rate=HZ only (not --denoise or task options)",
+          );
         try {
           const wav = await client(opts.url, opts.apiKey).denoise(audio, {
             model,
+            sampleRate: opts.option.sample_rate === undefined ? undefined : Number(opts.option.sample_rate),
             contentType: AUDIO_TYPES[extname(file).toLowerCase()],
           });
           writeFileSync(opts.output, wav);
@@ -424,7 +430,7 @@ program
   .option('--frame-ms <ms>', 'frame length, 1-10000 ms', frameMs, 100)
   .option('--protocol <p>', 'event encoding: json or msgpack', 'json')
   .option('--scores', "wake words: print each 80 ms step's score per label (score events)")
-  .option('-o, --out <file>', 'a denoise stream (rnnoise): write the audio it answers to this WAV file')
+  .option('-o, --output <file>', 'a denoise stream (rnnoise): write the audio it answers to this WAV file')
   .addOption(new Option('--api-key <key>', "one of the server's auth.api_keys").env('VOXSERVE_API_KEY'))
   .action(
     async (
@@ -437,7 +443,7 @@ program
         protocol: string;
         apiKey?: string;
         scores?: boolean;
-        out?: string;
+        output?: string;
       },
     ) => {
       if (opts.protocol !== 'json' && opts.protocol !== 'msgpack')
@@ -514,13 +520,13 @@ program
         await printing.catch(() => {});
         failed(opts.url, e);
       }
-      if (opts.out) {
+      if (opts.output) {
         // Mono 16-bit PCM at the rate the stream was opened with (the file's), as the stream answers it.
         const pcm16 = Buffer.concat(audio);
         const out = new WaveFile();
         out.fromScratch(1, fmt.sampleRate, '16', new Int16Array(pcm16.buffer, pcm16.byteOffset, pcm16.length / 2));
-        writeFileSync(opts.out, out.toBuffer());
-        process.stderr.write(`wrote ${opts.out} (${pcm16.length / 2} samples at ${fmt.sampleRate} Hz)\n`);
+        writeFileSync(opts.output, out.toBuffer());
+        process.stderr.write(`wrote ${opts.output} (${pcm16.length / 2} samples at ${fmt.sampleRate} Hz)\n`);
       }
       process.exit(errors ? 1 : 0);
     },

@@ -37,7 +37,7 @@ export function homePage(demo: boolean, debug: boolean): string {
   return page(
     'voxserve',
     `<h1>voxserve ${version}</h1>
-<p>Voice models (Silero VAD, openWakeWord) over HTTP, WebSocket and Wyoming.</p>
+<p>Voice models (Silero VAD, openWakeWord, RNNoise) over HTTP, WebSocket and Wyoming.</p>
 <ul>
 ${demo ? item('/demo', 'talk into your microphone and see speech and wake words live') : '<li><code>/demo</code> is off on this server (<code>demo.enabled</code> in the config turns it on)</li>'}
 ${debug ? item('/debug', 'the state charts of the running server') : item('/debug', 'the state charts (off here: it says how to turn it on)')}

@@ -73,6 +73,35 @@ describe('voxserve CLI', () => {
     expect(bytes / 2).toBe(input.readUInt32LE(40) / 2);
   });
 
+  it("run -o: --option sample_rate chooses the WAV's rate; a model that is not a denoise model is refused, not written", async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'voxserve-cli-'));
+    const at16 = join(dir, 'a.wav');
+    const r = await voxserve(
+      'run',
+      'rnnoise',
+      fixturePath('Front_Center.wav'),
+      '--url',
+      server.url,
+      '-o',
+      at16,
+      '--option',
+      'sample_rate=16000',
+    );
+    expect(r.code, r.stderr).toBe(0);
+    expect(readFileSync(at16).readUInt32LE(24)).toBe(16_000);
+    const vad = await voxserve(
+      'run',
+      'silero-vad',
+      fixturePath('Front_Center.wav'),
+      '--url',
+      server.url,
+      '-o',
+      join(dir, 'b.wav'),
+    );
+    expect(vad.code).not.toBe(0);
+    expect(vad.stdout).toMatch(/not a denoise model/);
+  });
+
   it.each(['espeak_sentence_8k_mulaw.wav', 'espeak_sentence_8k_alaw.wav'])(
     'stream sends telephone audio (%s) expanded by its G.711 codec: the speech of its source',
     async (file) => {
