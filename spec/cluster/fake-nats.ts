@@ -18,7 +18,9 @@
  *   network cut: the server keeps its subscriptions, so senders get no "no responders"; its
  *   operations go through in order when {@link FakeNats.heal}ed); {@link FakeNats.kill} ends it as a
  *   dead process's connection (its subscriptions gone, its messages dropped, its key-value
- *   operations failing).
+ *   operations failing); {@link FakeNats.dropNext} loses the next message of a kind in transit (core
+ *   NATS delivers at most once: a slow consumer's overflow, a route cut between servers), its sender
+ *   none the wiser.
  */
 import type { KvEntry } from '@nats-io/kv';
 import { createInbox, errors, type Msg } from '@nats-io/transport-node';
@@ -226,6 +228,8 @@ export class FakeNats {
    * `no responders`, and key-value operations by bucket and name (`locks create`, ...).
    */
   readonly sent: Record<string, number> = {};
+  /** Kinds (as counted in {@link sent}) whose next message is lost in transit, see {@link dropNext}. */
+  private readonly toDrop: string[] = [];
   /** Called on every key-value write (the suite records lock take-overs). */
   onWrite?: (w: KvWrite) => void;
 
@@ -350,6 +354,20 @@ export class FakeNats {
     }
   }
 
+  /**
+   * The next message of `kind` routed is lost (counted as `dropped <kind>` in {@link sent}): `reply` a
+   * reply to a request, else the last token of a node subject (`load`, `unload`, `job`, `part`, `info`,
+   * `ping`). Nobody is told: a request waits for its timeout, as over nats-server.
+   */
+  dropNext(kind: string): void {
+    this.toDrop.push(kind);
+  }
+
+  /** Messages are no longer lost: the losses asked for by {@link dropNext} and not yet made are forgotten. */
+  dropNone(): void {
+    this.toDrop.length = 0;
+  }
+
   /** Whether `name`'s connection is up or stalled (not killed or closed). */
   alive(name: string): boolean {
     return [...this.conns].some((c) => c.name === name && c.state !== 'dead' && c.state !== 'closed');
@@ -382,7 +400,13 @@ export class FakeNats {
     const targets = [...this.conns]
       .filter((c) => c.state !== 'lost')
       .flatMap((c) => [...c.subs].filter((s) => matches(s.subject, subject)));
-    this.count(headers ? 'no responders' : subject.startsWith('_INBOX.') ? 'reply' : subject.split('.').pop()!);
+    const kind = headers ? 'no responders' : subject.startsWith('_INBOX.') ? 'reply' : subject.split('.').pop()!;
+    const drop = this.toDrop.indexOf(kind);
+    if (drop >= 0) {
+      this.toDrop.splice(drop, 1);
+      return this.count(`dropped ${kind}`);
+    }
+    this.count(kind);
     if (!targets.length) {
       // nats-server answers a request nobody listens to with a 503 status on its reply subject.
       if (reply && !headers) this.route(reply, empty, undefined, { code: 503 });

@@ -589,6 +589,20 @@ class LoseNats implements Cmd {
   toString = (): string => `loseNats(${this.node})`;
 }
 
+/**
+ * The next message of a kind is lost in transit (core NATS delivers at most once): a management
+ * call's request or reply, a job, a job's answer, a holder probe. Every call must still be
+ * answered (a definite error within its bound), and every request too.
+ */
+class DropMessage implements Cmd {
+  constructor(readonly kind: string) {}
+  check = (): boolean => true;
+  async run(_m: object, { w }: Real): Promise<void> {
+    w.bus.dropNext(this.kind);
+  }
+  toString = (): string => `drop(next ${this.kind})`;
+}
+
 class Heal implements Cmd {
   constructor(readonly node: number) {}
   check = (): boolean => true;
@@ -640,6 +654,10 @@ const commandArb = fc.oneof(
   { weight: 1, arbitrary: fc.tuple(nodeArb, fc.boolean()).map(([n, e]) => new Stall(n, e) as Cmd) },
   { weight: 1, arbitrary: nodeArb.map((n) => new LoseNats(n) as Cmd) },
   { weight: 2, arbitrary: nodeArb.map((n) => new Heal(n) as Cmd) },
+  {
+    weight: 2,
+    arbitrary: fc.constantFrom('unload', 'load', 'reply', 'job', 'ping', 'info').map((k) => new DropMessage(k) as Cmd),
+  },
 );
 
 /** Records, per admission queue, the order in which acquisitions are granted (as spec/actors/interleavings does). */
@@ -723,6 +741,8 @@ async function startNodes(w: World, names: string[], memory: number[]): Promise<
       busy_timeout_ms: BUSY_TIMEOUT_MS,
       // A hung load is abandoned within the clock moves of a run.
       load_timeout_ms: 200,
+      // A job lost in transit is sent again within its wait, this and the job deadline (docs/cluster.md).
+      job_timeout_ms: 300,
       min_free_memory_mb: 1,
       models_root: false,
       cluster: {
@@ -857,6 +877,7 @@ async function checkCluster(names: string[]): Promise<void> {
             await fc.scheduledModelRun(s, () => ({ model: {}, real: { w } }), cmds);
             // Cut-off nodes come back, memory comes back, open streams' clients go away, and the clock
             // runs past every deadline (busy timeouts, job deadlines, load timeouts, lock deadlines).
+            bus.dropNone();
             for (const n of w.nodes) {
               bus.heal(n.name);
               n.memory = 3e12;
