@@ -465,8 +465,10 @@ export class ClusterNode {
   async close(): Promise<void> {
     if (this.closed) return;
     try {
-      if (this.connected && this.supervisor)
+      if (this.connected && this.supervisor) {
+        await withDeadline(this.locks.releaseAll(), 3 * this.settings.heartbeat_ms).catch(() => {});
         await withDeadline(this.link.nodes.delete(nodeKey(this.name)), 3 * this.settings.heartbeat_ms).catch(() => {});
+      }
     } finally {
       this.closed = true;
       this.membership.send({ type: 'CLOSE' });

@@ -20,7 +20,7 @@
  *   dead process's connection (its subscriptions gone, its messages dropped, its key-value
  *   operations failing); {@link FakeNats.dropNext} loses the next message of a kind in transit (core
  *   NATS delivers at most once: a slow consumer's overflow, a route cut between servers), its sender
- *   none the wiser.
+ *   none the wiser; {@link FakeNats.lag} delays a connection's watches.
  */
 import type { KvEntry } from '@nats-io/kv';
 import { createInbox, errors, type Msg } from '@nats-io/transport-node';
@@ -35,6 +35,8 @@ type Callback = (err: Error | null, m: Msg) => void;
 class Conn {
   /** `lost`: NATS lost it (see {@link FakeNats.lose}). */
   state: 'up' | 'stalled' | 'lost' | 'dead' | 'closed' = 'up';
+  /** Its key-value watches hear each write this long after it was made, ms ({@link FakeNats.lag}). */
+  lagMs = 0;
   /** Bumped when the connection is lost: messages routed to it before are dropped. */
   epoch = 0;
   /** Status events not yet read, and the reader waiting for one. */
@@ -363,6 +365,14 @@ export class FakeNats {
     this.toDrop.push(kind);
   }
 
+  /**
+   * `name`'s key-value watches hear each later write `ms` after it was made (0: at once), in order: a
+   * registry watch lagging behind (a slow consumer, a far JetStream replica).
+   */
+  lag(name: string, ms: number): void {
+    for (const c of this.conns) if (c.name === name) c.lagMs = ms;
+  }
+
   /** Messages are no longer lost: the losses asked for by {@link dropNext} and not yet made are forgotten. */
   dropNone(): void {
     this.toDrop.length = 0;
@@ -441,7 +451,9 @@ export class FakeNats {
 
   /** A bucket write reaching one watcher: a step of its own, in the watcher's order. */
   toWatcher(w: Watcher, e: KvEntry): void {
+    const due = Date.now() + w.conn.lagMs;
     w.chain = w.chain
+      .then(() => (Date.now() < due ? new Promise<void>((r) => setTimeout(r, due - Date.now())) : undefined))
       .then(() => w.conn.gate())
       .then(() => this.step(`${w.conn.name} hears ${e.bucket} ${e.operation} ${e.key}`))
       .then(() => w.push(e));

@@ -300,4 +300,17 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     expect(r).not.toBe('pending');
     expect((r as { error?: VoxError }).error).toMatchObject({ code: 'node_unreachable', status: 503 });
   });
+
+  it('a node leaving the cluster releases the load locks its abandoned placements still hold (not left until their deadline)', async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a] = nodes;
+    // A placement holding a's lock is abandoned with the node: its release would come after the connection closed.
+    const lock = await a.cluster.locks.take('a');
+    expect(lock).not.toBeNull();
+    await a.cluster.close();
+    const live = [...bus.locks.entries.values()].filter((e) => e.operation === 'PUT');
+    expect(live.map((e) => e.key)).toEqual([]);
+    // Its placement's own release later is a no-op.
+    await lock!.release();
+  });
 });
