@@ -55,7 +55,7 @@ export const lockMachine = setup({
 export class Locks {
   /** Each lock key held by another node: the revision this node last saw and since when (this node's clock). */
   private readonly seen = new Map<string, { rev: number; since: number }>();
-  /** The locks this node holds now (taken, not yet released). */
+  /** The locks this node holds now (taken, and not yet deleted from the bucket). */
   private readonly live = new Set<LoadLock>();
 
   /**
@@ -142,7 +142,6 @@ export class Locks {
       // Once: a lock released by releaseAll (this node leaving) is not deleted again by its placement.
       release: () =>
         (released ??= (async () => {
-          this.live.delete(lock);
           renewal.send({ type: 'RELEASE' });
           // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until it
           // expires).
@@ -150,6 +149,8 @@ export class Locks {
           await this.kv()
             .delete(key, { previousSeq: rev })
             .catch(() => {});
+          // Counted until deleted: a node leaving waits for a release under way too.
+          this.live.delete(lock);
         })()),
     };
     this.live.add(lock);

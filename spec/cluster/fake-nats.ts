@@ -373,6 +373,11 @@ export class FakeNats {
     for (const c of this.conns) if (c.name === name) c.lagMs = ms;
   }
 
+  /** How many losses asked for by {@link dropNext} are still to come. */
+  get dropsPending(): number {
+    return this.toDrop.length;
+  }
+
   /** Messages are no longer lost: the losses asked for by {@link dropNext} and not yet made are forgotten. */
   dropNone(): void {
     this.toDrop.length = 0;
