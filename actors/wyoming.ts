@@ -442,6 +442,10 @@ class WyomingConnection {
       ['vad', want.vad],
     ] as const) {
       if (!mid) continue;
+      // Closed while the previous lane's lease was awaited: close() released the lanes it saw; a
+      // lease taken now would never be (found by the interleaving suite: FC_SEED=-43480333, a
+      // connection on a wake word and a VAD model dropped while the wake word's slot died).
+      if (this.stopped) return;
       const { handle, granted } = leaseGranted(
         this.registry.requireForWork(mid),
         { metrics: this.registry.metrics },
