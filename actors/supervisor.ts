@@ -426,6 +426,8 @@ export class Supervisor {
   private folder: WakewordFolder | null = null;
   /** The ids of `wakeword_dir`'s heads (in the catalog while their file is there). */
   private folderIds = new Set<string>();
+  /** The file a folder head's reconfiguration under way asks for, by id (see {@link syncFolder}). */
+  private readonly folderPaths = new Map<string, string>();
   /** `wakeword_dir`'s files that are not heads, from its last scan. */
   private folderProblems: FolderProblem[] = [];
   /** Folder models whose file is gone: they leave the registry once idle ({@link syncFolder}). */
@@ -566,24 +568,33 @@ export class Supervisor {
       }
       now.add(h.id);
       this.leaving.delete(h.id);
-      if (this.catalog.get(h.id)?.path === h.path) continue;
-      const config = ModelConfig.parse({ id: h.id, task: 'wakeword', path: h.path });
-      this.catalog.set(h.id, config);
-      this.log.info({ model: h.id, path: h.path }, 'wakeword_dir: wake word added');
+      if (this.catalog.get(h.id)?.path !== h.path) {
+        this.catalog.set(h.id, ModelConfig.parse({ id: h.id, task: 'wakeword', path: h.path }));
+        this.log.info({ model: h.id, path: h.path }, 'wakeword_dir: wake word added');
+      }
       // Another file (a new version) for a registered id: an unloaded, unused entry is dropped (the
       // next request registers the new file); a loaded one is reconfigured to it (C8: requests
-      // already running finish on the old head, the next ones run on the new).
+      // already running finish on the old head, the next ones run on the new). Its file is the one
+      // its last reconfiguration asked for: a version that changes back while one waits for the
+      // model's requests is asked for after it (in FIFO order), so the folder's file wins.
       const e = this.entries.get(h.id);
-      if (!e || e.config.path === h.path) continue;
+      if (!e || (this.folderPaths.get(h.id) ?? e.config.path) === h.path) continue;
       const a = e.admission;
-      if (e.state === 'unloaded' && a.activeLeases === 0 && a.queued === 0 && !a.exclusive) this.unregister(h.id);
-      else
-        e.configure({ path: h.path }, 0).catch((err: Error) =>
+      if (e.state === 'unloaded' && a.activeLeases === 0 && a.queued === 0 && !a.exclusive) {
+        this.unregister(h.id);
+        continue;
+      }
+      this.folderPaths.set(h.id, h.path);
+      e.configure({ path: h.path }, 0)
+        .catch((err: Error) =>
           this.log.warn(
             { model: h.id, path: h.path, err: err.message },
             'wakeword_dir: the new version failed to load',
           ),
-        );
+        )
+        .finally(() => {
+          if (this.folderPaths.get(h.id) === h.path) this.folderPaths.delete(h.id);
+        });
     }
     for (const id of this.folderIds)
       if (!now.has(id)) {

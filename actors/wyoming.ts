@@ -466,6 +466,10 @@ class WyomingConnection {
       ['vad', want.vad],
     ] as const) {
       if (!mid) continue;
+      // Closed while the previous lane's lease was awaited: close() released the lanes it saw; a
+      // lease taken now would never be (found by the interleaving suite: FC_SEED=-43480333, a
+      // connection on a wake word and a VAD model dropped while the wake word's slot died).
+      if (this.stopped) return;
       const { handle, granted } = this.lease(mid);
       const lane = { kind, lease: handle } as Lane;
       this.lanes.push(lane);
@@ -475,7 +479,7 @@ class WyomingConnection {
     }
     this.laneKey = key;
     const denoise = this.registry.config.wyoming.denoise;
-    if (denoise && !this.chain) {
+    if (denoise && !this.chain && !this.stopped) {
       // The chain's first link: asked once the last models' leases are held, as a WebSocket stream's.
       const { handle, granted } = this.lease(denoise);
       this.chain = { lease: handle, granted: null as unknown as Granted };

@@ -55,6 +55,8 @@ export const lockMachine = setup({
 export class Locks {
   /** Each lock key held by another node: the revision this node last saw and since when (this node's clock). */
   private readonly seen = new Map<string, { rev: number; since: number }>();
+  /** The locks this node holds now (taken, and not yet deleted from the bucket). */
+  private readonly live = new Set<LoadLock>();
 
   /**
    * @param kv the lock bucket.
@@ -125,7 +127,8 @@ export class Locks {
       }),
     ).start();
     const ref = { key, token };
-    return {
+    let released: Promise<void> | null = null;
+    const lock: LoadLock = {
       ref,
       held: async () => {
         try {
@@ -136,16 +139,31 @@ export class Locks {
           return this.holds(ref);
         }
       },
-      release: async () => {
-        renewal.send({ type: 'RELEASE' });
-        // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until it
-        // expires).
-        await renewing;
-        await this.kv()
-          .delete(key, { previousSeq: rev })
-          .catch(() => {});
-      },
+      // Once: a lock released by releaseAll (this node leaving) is not deleted again by its placement.
+      release: () =>
+        (released ??= (async () => {
+          renewal.send({ type: 'RELEASE' });
+          // A renewal in flight changes the revision: the delete waits for it (else it fails and the lock stays until it
+          // expires).
+          await renewing;
+          await this.kv()
+            .delete(key, { previousSeq: rev })
+            .catch(() => {});
+          // Counted until deleted: a node leaving waits for a release under way too.
+          this.live.delete(lock);
+        })()),
     };
+    this.live.add(lock);
+    return lock;
+  }
+
+  /**
+   * Releases every lock this node holds: it is leaving the cluster, and a placement abandoned with
+   * it would release its lock only after the connection has closed (the lock then stands until its
+   * deadline, and other nodes wait that long to load the model).
+   */
+  async releaseAll(): Promise<void> {
+    await Promise.all([...this.live].map((l) => l.release()));
   }
 
   /** Whether the lock `ref` names is still that taking (its token); true when NATS cannot tell. */

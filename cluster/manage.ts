@@ -11,6 +11,19 @@ import type { ClusterNode } from './node.js';
 /** A 503 (busy, insufficient memory, shutting down): a node refused, and the next may be asked. */
 export const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
 
+/**
+ * How long a node asked to load or unload a model may take to answer, ms: what it may wait for the
+ * model's requests (the server's busy timeout; a single node's unload waits as long), plus `loadMs`
+ * for a load (its load timeout), plus 3 heartbeats and 1 s (closing slot hosts, transit). Past it
+ * the request or its answer is taken for lost in transit (core NATS delivers at most once): the
+ * call answers 503 `node_unreachable`. A wait configured unbounded (0) is capped at an hour.
+ */
+export function answerWithin(n: ClusterNode, loadMs?: number): number {
+  const waits = [n.config.busy_timeout_ms, ...(loadMs === undefined ? [] : [loadMs])];
+  if (waits.includes(0)) return 3_600_000;
+  return waits.reduce((a, b) => a + b, 0) + 3 * n.settings.heartbeat_ms + 1_000;
+}
+
 /** What a node answers a cluster unload with. */
 type Unloaded = { unloaded: string[]; not_found: string[]; busy?: string[] };
 
@@ -41,7 +54,13 @@ export async function manageLoad(
   const registration = n.registrationOf(config);
   const loadOn = async (at: string): Promise<void> => {
     if (at === n.name) await n.serving.loadHere(id, fields, registration);
-    else await n.ask(at, 'load', { id, fields, config: registration }, 3_600_000);
+    else
+      await n.ask(
+        at,
+        'load',
+        { id, fields, config: registration },
+        answerWithin(n, config.load_timeout_ms ?? n.config.load_timeout_ms),
+      );
   };
   const ready = (at: string[]): Promise<boolean> =>
     until(
@@ -127,7 +146,7 @@ export async function manageUnload(
             at,
             at === n.name
               ? await n.serving.unloadHere(ids, force, body.remote_only, body.except)
-              : await n.ask<Unloaded>(at, 'unload', { ids, force, ...body }, 3_600_000),
+              : await n.ask<Unloaded>(at, 'unload', { ids, force, ...body }, answerWithin(n)),
           );
         } catch (e) {
           each(at, toVoxError(e));
@@ -227,6 +246,10 @@ export async function handOver(n: ClusterNode): Promise<void> {
  * the node is no longer live; the request is sent again when this node's NATS connection comes
  * back, and when the node's heartbeat shows that its own came back since the request was sent
  * ({@link NodeRecord.session}): the request or its answer may have been lost with the connection.
+ * It is sent again too after 3 heartbeats without an answer from a live node (core NATS delivers at
+ * most once: a message may be lost in transit); the first answer to any copy counts (a node serves a
+ * load or unload copy from the one it is serving, cluster/serve.ts). Nobody answers for it past
+ * `timeoutMs` from the first copy: `node_unreachable`.
  * @throws VoxError the node's error (with its type), `node_unreachable` when nobody answers for it.
  */
 export async function ask<T>(
@@ -237,16 +260,28 @@ export async function ask<T>(
   timeoutMs: number,
 ): Promise<T> {
   let data: Uint8Array;
+  const end = Date.now() + timeoutMs;
+  const silence = 3 * n.settings.heartbeat_ms;
   try {
     let sent = '';
-    let reply!: Promise<{ data: Uint8Array }>;
+    let sentAt = 0;
+    let reply: Promise<{ data: Uint8Array }> | null = null;
     for (;;) {
       const ctx = n.membership.getSnapshot().context;
       const session = `${ctx.reconnects}/${ctx.view.get(node)?.record.session}`;
-      if (sent !== session) {
-        if (sent) n.log.info({ on: node, what }, 'cluster: a NATS connection came back; the request is sent again');
+      const silent = reply !== null && Date.now() - sentAt >= silence;
+      if (sent !== session || silent) {
+        if (sent !== session && sent)
+          n.log.info({ on: node, what }, 'cluster: a NATS connection came back; the request is sent again');
+        else if (silent)
+          n.log.info({ on: node, what }, 'cluster: no answer for 3 heartbeats; the request is sent again');
+        const copy = n.link.nc.request(n.subject(node, what), encodeJson(body), {
+          timeout: Math.max(1, end - Date.now()),
+        });
+        // A copy lost with a connection never answers; one lost in transit may still: either counts.
+        reply = sent !== session || !reply ? copy : firstOf(reply, copy);
         sent = session;
-        reply = n.link.nc.request(n.subject(node, what), encodeJson(body), { timeout: timeoutMs });
+        sentAt = Date.now();
       }
       const r = await Promise.race([reply, nextChange(n.membership, n.settings.heartbeat_ms).then(() => null)]);
       if (r) {
@@ -271,3 +306,7 @@ export async function ask<T>(
       : fromWire({ code: r.code, message: `node ${node}: ${r.message}` });
   return r as T;
 }
+
+/** The first answer of two copies of a request; once both failed, the later copy's error. */
+const firstOf = <T>(a: Promise<T>, b: Promise<T>): Promise<T> =>
+  Promise.any([a, b]).catch((e: AggregateError) => Promise.reject(e.errors[1]));

@@ -461,8 +461,14 @@ export class ClusterNode {
   async close(): Promise<void> {
     if (this.closed) return;
     try {
-      if (this.connected && this.supervisor && !this.nodeName.lost)
-        await withDeadline(this.link.nodes.delete(nodeKey(this.name)), 3 * this.settings.heartbeat_ms).catch(() => {});
+      if (this.connected && this.supervisor) {
+        await withDeadline(this.locks.releaseAll(), 3 * this.settings.heartbeat_ms).catch(() => {});
+        // A name another process took is its entry now: left as it is.
+        if (!this.nodeName.lost)
+          await withDeadline(this.link.nodes.delete(nodeKey(this.name)), 3 * this.settings.heartbeat_ms).catch(
+            () => {},
+          );
+      }
     } finally {
       this.closed = true;
       this.membership.send({ type: 'CLOSE' });

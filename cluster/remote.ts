@@ -184,7 +184,9 @@ export class RemoteJobs {
     const why: string[] = [];
     for (const h of holders) {
       try {
-        info = (await n.ask<{ info: SlotInfo }>(h.node, 'info', { model: id }, 10_000)).info;
+        // Within the busy timeout (at most 10 s): a request or an answer lost in transit is not waited for longer.
+        const within = Math.min(10_000, n.busyTimeout(config) || 10_000);
+        info = (await n.ask<{ info: SlotInfo }>(h.node, 'info', { model: id }, within)).info;
         break;
       } catch (e) {
         why.push(`${h.node}: ${(e as Error).message}`);

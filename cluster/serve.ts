@@ -53,9 +53,14 @@ export class Serving {
             }
             const respond = (reply: Uint8Array): void => {
               if (!m.reply) return;
-              // A job's reply may be larger than max_payload (a tensor's output): its ingress joins the parts.
-              if (subject.includes('.job')) publishInParts(nc, m.reply, reply);
-              else m.respond(reply);
+              try {
+                // A job's reply may be larger than max_payload (a tensor's output): its ingress joins the parts.
+                if (subject.includes('.job')) publishInParts(nc, m.reply, reply);
+                else m.respond(reply);
+              } catch {
+                // This node has left (its connection closed while it served): the answer is lost, as a
+                // dead node's; the asking node sends the job again or answers node_unreachable.
+              }
             };
             void handler(data).then(respond, (e) => respond(encodeMessage(errorReply(toVoxError(e)))));
           },
@@ -79,14 +84,25 @@ export class Serving {
 
   /**
    * Serves a load or unload request, or joins the same request still being served: the asking node
-   * sends a request again when a NATS connection came back, and a second copy served on its own
-   * would queue behind the first.
+   * sends a request again when a NATS connection came back or after 3 heartbeats without an answer
+   * (cluster/manage.ts `ask`), and a second copy served on its own would queue behind the first. A
+   * placement's load (it carries its lock, unique to that placement) is answered from the first
+   * copy for 4 heartbeats more: a late copy would load the model again after the placing node took
+   * the first answer and moved on (two loads at once in the cluster).
    */
   private once(what: string, data: Uint8Array, serve: () => Promise<Uint8Array>): Promise<Uint8Array> {
-    const key = `${what} ${new TextDecoder().decode(data)}`;
+    const text = new TextDecoder().decode(data);
+    const key = `${what} ${text}`;
     const running = this.serving.get(key);
     if (running) return running;
-    const p = serve().finally(() => this.serving.delete(key));
+    const p = serve();
+    const keep =
+      what === 'load' && (JSON.parse(text) as { lock?: unknown }).lock ? 4 * this.n.settings.heartbeat_ms : 0;
+    const forget = (): void => {
+      if (!keep) return void this.serving.delete(key);
+      setTimeout(() => this.serving.get(key) === p && this.serving.delete(key), keep).unref?.();
+    };
+    p.then(forget, forget);
     this.serving.set(key, p);
     return p;
   }

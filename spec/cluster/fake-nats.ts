@@ -18,7 +18,9 @@
  *   network cut: the server keeps its subscriptions, so senders get no "no responders"; its
  *   operations go through in order when {@link FakeNats.heal}ed); {@link FakeNats.kill} ends it as a
  *   dead process's connection (its subscriptions gone, its messages dropped, its key-value
- *   operations failing).
+ *   operations failing); {@link FakeNats.dropNext} loses the next message of a kind in transit (core
+ *   NATS delivers at most once: a slow consumer's overflow, a route cut between servers), its sender
+ *   none the wiser; {@link FakeNats.lag} delays a connection's watches.
  */
 import type { KvEntry } from '@nats-io/kv';
 import { createInbox, errors, type Msg } from '@nats-io/transport-node';
@@ -33,6 +35,8 @@ type Callback = (err: Error | null, m: Msg) => void;
 class Conn {
   /** `lost`: NATS lost it (see {@link FakeNats.lose}). */
   state: 'up' | 'stalled' | 'lost' | 'dead' | 'closed' = 'up';
+  /** Its key-value watches hear each write this long after it was made, ms ({@link FakeNats.lag}). */
+  lagMs = 0;
   /** Bumped when the connection is lost: messages routed to it before are dropped. */
   epoch = 0;
   /** Status events not yet read, and the reader waiting for one. */
@@ -226,6 +230,8 @@ export class FakeNats {
    * `no responders`, and key-value operations by bucket and name (`locks create`, ...).
    */
   readonly sent: Record<string, number> = {};
+  /** Kinds (as counted in {@link sent}) whose next message is lost in transit, see {@link dropNext}. */
+  private readonly toDrop: string[] = [];
   /** Called on every key-value write (the suite records lock take-overs). */
   onWrite?: (w: KvWrite) => void;
 
@@ -350,6 +356,33 @@ export class FakeNats {
     }
   }
 
+  /**
+   * The next message of `kind` routed is lost (counted as `dropped <kind>` in {@link sent}): `reply` a
+   * reply to a request, else the last token of a node subject (`load`, `unload`, `job`, `part`, `info`,
+   * `ping`). Nobody is told: a request waits for its timeout, as over nats-server.
+   */
+  dropNext(kind: string): void {
+    this.toDrop.push(kind);
+  }
+
+  /**
+   * `name`'s key-value watches hear each later write `ms` after it was made (0: at once), in order: a
+   * registry watch lagging behind (a slow consumer, a far JetStream replica).
+   */
+  lag(name: string, ms: number): void {
+    for (const c of this.conns) if (c.name === name) c.lagMs = ms;
+  }
+
+  /** How many losses asked for by {@link dropNext} are still to come. */
+  get dropsPending(): number {
+    return this.toDrop.length;
+  }
+
+  /** Messages are no longer lost: the losses asked for by {@link dropNext} and not yet made are forgotten. */
+  dropNone(): void {
+    this.toDrop.length = 0;
+  }
+
   /** Whether `name`'s connection is up or stalled (not killed or closed). */
   alive(name: string): boolean {
     return [...this.conns].some((c) => c.name === name && c.state !== 'dead' && c.state !== 'closed');
@@ -382,7 +415,13 @@ export class FakeNats {
     const targets = [...this.conns]
       .filter((c) => c.state !== 'lost')
       .flatMap((c) => [...c.subs].filter((s) => matches(s.subject, subject)));
-    this.count(headers ? 'no responders' : subject.startsWith('_INBOX.') ? 'reply' : subject.split('.').pop()!);
+    const kind = headers ? 'no responders' : subject.startsWith('_INBOX.') ? 'reply' : subject.split('.').pop()!;
+    const drop = this.toDrop.indexOf(kind);
+    if (drop >= 0) {
+      this.toDrop.splice(drop, 1);
+      return this.count(`dropped ${kind}`);
+    }
+    this.count(kind);
     if (!targets.length) {
       // nats-server answers a request nobody listens to with a 503 status on its reply subject.
       if (reply && !headers) this.route(reply, empty, undefined, { code: 503 });
@@ -417,7 +456,9 @@ export class FakeNats {
 
   /** A bucket write reaching one watcher: a step of its own, in the watcher's order. */
   toWatcher(w: Watcher, e: KvEntry): void {
+    const due = Date.now() + w.conn.lagMs;
     w.chain = w.chain
+      .then(() => (Date.now() < due ? new Promise<void>((r) => setTimeout(r, due - Date.now())) : undefined))
       .then(() => w.conn.gate())
       .then(() => this.step(`${w.conn.name} hears ${e.bucket} ${e.operation} ${e.key}`))
       .then(() => w.push(e));

@@ -8,6 +8,7 @@ import { pino } from 'pino';
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import { validateModelConfig } from '../../actors/model.js';
 import { Supervisor } from '../../actors/supervisor.js';
+import { answerWithin } from '../../cluster/manage.js';
 import { ClusterNode } from '../../cluster/node.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError, voxError } from '../../runtime/errors.js';
@@ -262,5 +263,54 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     expect(load()).toMatchObject({
       value: { nodes: ['B'], replicas: 1, refused: [expect.stringMatching(/^A: .*shutting down/i)] },
     });
+  });
+
+  it.each(['unload', 'reply'])(
+    'an unload whose %s is lost in transit is sent again after 3 heartbeats of silence and answered (not waited for an hour)',
+    async (kind) => {
+      nodes = await startNodes(bus, ['A', 'B']);
+      const [a, b] = nodes;
+      await b.cluster.loadHere('a', {});
+      await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+      bus.dropNext(kind);
+      const unload = watch(a.cluster.manageUnload(['a'], 'B'));
+      // Both nodes stay live and connected: only the silence tells.
+      await vi.advanceTimersByTimeAsync(5 * HEARTBEAT_MS);
+      expect(bus.sent[`dropped ${kind}`]).toBe(1);
+      expect(unload()).toMatchObject({ value: { unloaded: ['a'], nodes: { B: { unloaded: ['a'] } } } });
+      expect(b.sup.status('a')?.state).toBe('unloaded');
+    },
+  );
+
+  it('a management call no answer of which ever arrives is answered 503 node_unreachable within its bound (the busy timeout and a margin)', async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a, b] = nodes;
+    await b.cluster.loadHere('a', {});
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+    // Every answer from B is lost (its copies sent again every 3 heartbeats included).
+    for (let i = 0; i < 50; i++) bus.dropNext('reply');
+    const bound = answerWithin(a.cluster);
+    // The bound from docs/cluster.md: the busy timeout, 3 heartbeats and 1 s.
+    expect(bound).toBe(BUSY_TIMEOUT_MS + 3 * HEARTBEAT_MS + 1000);
+    const unload = watch(a.cluster.manageUnload(['a'], 'B'));
+    await vi.advanceTimersByTimeAsync(bound - 50);
+    expect(unload()).toBe('pending');
+    await vi.advanceTimersByTimeAsync(100);
+    const r = unload();
+    expect(r).not.toBe('pending');
+    expect((r as { error?: VoxError }).error).toMatchObject({ code: 'node_unreachable', status: 503 });
+  });
+
+  it('a node leaving the cluster releases the load locks its abandoned placements still hold (not left until their deadline)', async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a] = nodes;
+    // A placement holding a's lock is abandoned with the node: its release would come after the connection closed.
+    const lock = await a.cluster.locks.take('a');
+    expect(lock).not.toBeNull();
+    await a.cluster.close();
+    const live = [...bus.locks.entries.values()].filter((e) => e.operation === 'PUT');
+    expect(live.map((e) => e.key)).toEqual([]);
+    // Its placement's own release later is a no-op.
+    await lock!.release();
   });
 });
