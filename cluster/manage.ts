@@ -155,26 +155,35 @@ export async function manageUnload(
     );
   };
   const blocked = new Set<string>();
+  /** Nodes that did not answer, or answered an error, with it (the last phase's, when both failed). */
+  const failures = new Map<string, VoxError>();
   if (node === undefined) {
     await onEvery({ remote_only: true }, (at, r) => {
-      if (r instanceof VoxError) per[at] = { error: r.message };
-      else for (const id of r.busy ?? []) blocked.add(id);
+      if (r instanceof VoxError) {
+        per[at] = { error: r.message };
+        failures.set(at, r);
+      } else for (const id of r.busy ?? []) blocked.add(id);
     });
   }
   await onEvery({ except: [...blocked] }, (at, r) => {
     if (r instanceof VoxError) {
       per[at] = { error: r.message };
+      failures.set(at, r);
       return;
     }
     per[at] = r;
+    failures.delete(at);
     for (const id of r.unloaded) unloaded.add(id);
     const nf = new Set(r.not_found);
     notFound = notFound ? new Set([...notFound].filter((id) => nf.has(id))) : nf;
   });
   if (blocked.size) throw voxError('unload_timeout', { busy: [...blocked], unloaded: [...unloaded] });
   // A node that did not answer may still hold the models: the unload is not done there (503, retry).
-  const failed = Object.entries(per).find(([, r]) => (r as { error?: string }).error !== undefined);
-  if (failed) throw voxError('node_unreachable', { node: failed[0], reason: (failed[1] as { error: string }).error });
+  const [failedAt, error] = [...failures][0] ?? [];
+  if (failedAt && error)
+    throw error.code === 'node_unreachable'
+      ? error
+      : voxError('node_unreachable', { node: failedAt, reason: error.message });
   return { unloaded: [...unloaded], not_found: [...(notFound ?? [])].filter((id) => !unloaded.has(id)), nodes: per };
 }
 
