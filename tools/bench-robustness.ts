@@ -436,6 +436,11 @@ async function churn(): Promise<void> {
       metric_series: text.split('\n').filter((l) => l && !l.startsWith('#')).length,
     };
   };
+  /** Unloads every model, then idles `idleS` (the idle collection runs). */
+  const unloadAll = async (): Promise<void> => {
+    count('unload_all', (await post(url, '/v1/models/unload_all', '{}', 'application/json')).status);
+    await sleep(idleS * 1000);
+  };
   /** SIGUSR2 to the server: a heap snapshot when it runs with `--heapsnapshot-signal=SIGUSR2`. */
   const snapshot = async (): Promise<void> => {
     if (!(process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').includes('heapsnapshot-signal')) return;
@@ -447,6 +452,8 @@ async function churn(): Promise<void> {
     const cold = await sample();
     await round1(0);
     await sleep(idleS * 1000);
+    const warmLoaded = await sample();
+    await unloadAll();
     const warm = await sample();
     await snapshot();
     const t0 = performance.now();
@@ -454,6 +461,9 @@ async function churn(): Promise<void> {
     const ran = (performance.now() - t0) / 1000;
     const after = await sample();
     await sleep(idleS * 1000);
+    const idleLoaded = await sample();
+    const hosts = round((treeRssBytes(pid) - ownRss(pid)) / MiB, 0);
+    await unloadAll();
     const idle = await sample();
     await snapshot();
     console.log(
@@ -461,19 +471,22 @@ async function churn(): Promise<void> {
         figure: 'main-process memory after wake-word churn',
         isolation,
         rounds,
-        streams_per_round: streams + 1,
+        streams_per_round: streams + 2,
         ran_s: round(ran),
         statuses,
         closes,
         errors,
         cold,
+        warm_models_loaded: warmLoaded,
         warm,
         after_churn: after,
-        [`after_${idleS}s_idle`]: idle,
+        [`after_${idleS}s_idle_models_loaded`]: idleLoaded,
+        after_unload_all_and_idle: idle,
         rss_ratio_idle_vs_cold: round(idle.rss_mib / cold.rss_mib, 2),
         rss_ratio_idle_vs_warm: round(idle.rss_mib / warm.rss_mib, 2),
+        rss_ratio_loaded_vs_warm_loaded: round(idleLoaded.rss_mib / warmLoaded.rss_mib, 2),
         heap_ratio_idle_vs_warm: round(idle.heap_mib / warm.heap_mib, 2),
-        slot_hosts_rss_mib: round((treeRssBytes(pid) - ownRss(pid)) / MiB, 0),
+        slot_hosts_rss_mib_models_loaded: hosts,
       }),
     );
   } finally {
