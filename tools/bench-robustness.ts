@@ -7,14 +7,16 @@
  *   node dist/tools/bench-robustness.js groups      # memory after 57 ad hoc wake-word groups
  *   node dist/tools/bench-robustness.js crashloop   # other clients' latency while a model crash-loops
  *   node dist/tools/bench-robustness.js memory      # main-process memory after wake-word streams, then idle
+ *   node dist/tools/bench-robustness.js churn       # main-process memory after wake-word churn, then idle
  *
  * Each prints one JSON line of figures.
  */
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import WebSocket from 'ws';
+import { OWW_MODELS } from '../runtime/catalog.js';
 import { defaultCatalog } from '../runtime/config.js';
 import { processTree, treeRssBytes } from './proc.js';
 import { spawnServer } from './spawn-server.js';
@@ -316,8 +318,184 @@ async function memory(): Promise<void> {
   }
 }
 
+/**
+ * Issue 44 item 6: main-process memory after wake-word churn. A server with a watched wake-word
+ * folder and management runs `ROUNDS` rounds (default 30) of: `STREAMS` (default 6) concurrent
+ * WebSocket streams, each on an ad hoc group of 2-4 heads (embedded and folder heads, so groups
+ * come and go past `max_ad_hoc_groups`), a managed head reconfigured (its `slots` changed) and
+ * force-unloaded under a live stream, and the folder changed (a head copied in, the previous
+ * round's removed). Then it idles `IDLE_S` (default 20) seconds. RSS (from /proc), heap used and
+ * external memory (`/metrics`) of the main process, against the same process before the churn:
+ * `cold` just after start, `warm` after one round and the same idle. `ISOLATION=thread` runs the
+ * slot hosts as threads of the main process.
+ */
+async function churn(): Promise<void> {
+  const rounds = Number(process.env.ROUNDS ?? 30);
+  const streams = Number(process.env.STREAMS ?? 6);
+  const idleS = Number(process.env.IDLE_S ?? 20);
+  const isolation = process.env.ISOLATION ?? 'process';
+  const folder = join(dir, 'wakewords');
+  mkdirSync(folder);
+  const heads = ['alexa', 'hey_jarvis', 'hey_mycroft', 'hey_rhasspy', 'timer', 'weather'];
+  const file = (h: string): string => join(OWW_MODELS, `${h}_v0.1.onnx`);
+  copyFileSync(file('alexa'), join(folder, 'my_alexa_v0.1.onnx'));
+  const { child, url } = await spawnServer(
+    config('churn', {
+      isolation,
+      wakeword_dir: folder,
+      management: { enabled: true },
+      models_root: OWW_MODELS,
+      limits: { idle_ms: 0, heartbeat_ms: 0 },
+    }),
+  );
+  const pid = child.pid!;
+  const speech = readFileSync(join(root, 'spec/fixtures/espeak_sentence_16k.wav')).subarray(44);
+  const closes: Record<string, number> = {};
+  const errors: Record<string, number> = {};
+  /**
+   * One stream on `model` sending `secs` of speech as fast as the server takes it (Infinity: one
+   * frame each 50 ms until the server closes it); resolves on close, whatever its code.
+   */
+  const stream = (model: string, secs: number): Promise<void> =>
+    new Promise((resolve) => {
+      const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/stream?model=${model}`);
+      ws.on('error', () => {});
+      ws.on('message', async (d) => {
+        const e = JSON.parse(d.toString());
+        if (e.type === 'ready') {
+          const frames = Math.ceil((secs * 32000) / speech.length);
+          for (let i = 0; i < frames && ws.readyState === WebSocket.OPEN; i++) {
+            while (ws.bufferedAmount > 1 << 20) await sleep(5);
+            ws.send(speech);
+            if (secs === Number.POSITIVE_INFINITY) await sleep(50);
+          }
+          if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: 'end' }));
+        }
+        if (e.type === 'done') ws.close();
+        if (e.type === 'error' && process.env.DEBUG) console.error(model, e.error?.message);
+        if (e.type === 'error') errors[e.error?.type] = (errors[e.error?.type] ?? 0) + 1;
+      });
+      ws.on('close', (code) => {
+        closes[code] = (closes[code] ?? 0) + 1;
+        resolve();
+      });
+    });
+  const json = (path: string, body: unknown) => post(url, path, JSON.stringify(body), 'application/json');
+  const statuses: Record<string, number> = {};
+  const count = (what: string, status: number) => {
+    statuses[`${what} ${status}`] = (statuses[`${what} ${status}`] ?? 0) + 1;
+  };
+  let folderHead = 'my_alexa';
+  /** One round of churn (`r` picks its groups and files). */
+  const round1 = async (r: number): Promise<void> => {
+    const names = [...heads.map((h) => h.replaceAll('_', '-')), folderHead.replaceAll('_', '-')];
+    const groups = Array.from({ length: streams }, (_, i) => {
+      const size = 2 + ((r + i) % 3);
+      return Array.from({ length: size }, (_, k) => names[(r * 5 + i * 3 + k * 2) % names.length]);
+    }).map((g) => [...new Set(g)].join(','));
+    const live = groups.map((g) => stream(g, 4));
+    // A managed head, loaded by the management API.
+    const load = await json('/v1/models/load', {
+      id: 'managed',
+      task: 'wakeword',
+      path: `${heads[r % heads.length]}_v0.1.onnx`,
+      slots: 1 + (r % 2),
+    });
+    count('load', load.status);
+    // Reconfigured while a stream runs on it (the reconfigure waits for it), then force-unloaded under a stream that
+    // would never end.
+    const short = stream('managed', 4);
+    await sleep(300);
+    count('reconfigure', (await json('/v1/models/load', { id: 'managed', slots: 2 - (r % 2) })).status);
+    await short;
+    const onManaged = stream('managed', Number.POSITIVE_INFINITY);
+    await sleep(500);
+    count('unload', (await json('/v1/models/unload', { id: 'managed', force: true })).status);
+    // The folder changes: a new head in, the previous one out.
+    const next = `w${r}_${heads[r % heads.length]}`;
+    copyFileSync(file(heads[r % heads.length]), join(folder, `${next}_v0.1.onnx`));
+    rmSync(join(folder, `${folderHead}_v0.1.onnx`), { force: true });
+    folderHead = next;
+    await Promise.all([...live, onManaged]);
+    const id = next.replaceAll('_', '-');
+    for (let t = 0; t < 100; t++) {
+      const listed = (await (await fetch(`${url}/v1/models`)).json()) as { models: { id: string }[] };
+      if (listed.models.some((m) => m.id === id)) break;
+      await sleep(100);
+    }
+    // A forced unload of one of this round's groups, idle by now.
+    count('unload group', (await json('/v1/models/unload', { id: groups[0], force: true })).status);
+  };
+  const sample = async () => {
+    const text = await (await fetch(`${url}/metrics`)).text();
+    const m = (name: string): number => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1] ?? Number.NaN);
+    return {
+      rss_mib: round(ownRss(pid) / MiB, 0),
+      heap_mib: round(m('voxserve_nodejs_heap_size_used_bytes') / MiB, 0),
+      external_mib: round(m('voxserve_nodejs_external_memory_bytes') / MiB, 0),
+      metric_series: text.split('\n').filter((l) => l && !l.startsWith('#')).length,
+    };
+  };
+  /** Unloads every model, then idles `idleS` (the idle collection runs). */
+  const unloadAll = async (): Promise<void> => {
+    count('unload_all', (await post(url, '/v1/models/unload_all', '{}', 'application/json')).status);
+    await sleep(idleS * 1000);
+  };
+  /** SIGUSR2 to the server: a heap snapshot when it runs with `--heapsnapshot-signal=SIGUSR2`. */
+  const snapshot = async (): Promise<void> => {
+    if (!(process.env.VOXSERVE_SERVER_NODE_ARGS ?? '').includes('heapsnapshot-signal')) return;
+    child.kill('SIGUSR2');
+    await sleep(5000);
+  };
+  try {
+    await sleep(1000);
+    const cold = await sample();
+    await round1(0);
+    await sleep(idleS * 1000);
+    const warmLoaded = await sample();
+    await unloadAll();
+    const warm = await sample();
+    await snapshot();
+    const t0 = performance.now();
+    for (let r = 1; r <= rounds; r++) await round1(r);
+    const ran = (performance.now() - t0) / 1000;
+    const after = await sample();
+    await sleep(idleS * 1000);
+    const idleLoaded = await sample();
+    const hosts = round((treeRssBytes(pid) - ownRss(pid)) / MiB, 0);
+    await unloadAll();
+    const idle = await sample();
+    await snapshot();
+    console.log(
+      JSON.stringify({
+        figure: 'main-process memory after wake-word churn',
+        isolation,
+        rounds,
+        streams_per_round: streams + 2,
+        ran_s: round(ran),
+        statuses,
+        closes,
+        errors,
+        cold,
+        warm_models_loaded: warmLoaded,
+        warm,
+        after_churn: after,
+        [`after_${idleS}s_idle_models_loaded`]: idleLoaded,
+        after_unload_all_and_idle: idle,
+        rss_ratio_idle_vs_cold: round(idle.rss_mib / cold.rss_mib, 2),
+        rss_ratio_idle_vs_warm: round(idle.rss_mib / warm.rss_mib, 2),
+        rss_ratio_loaded_vs_warm_loaded: round(idleLoaded.rss_mib / warmLoaded.rss_mib, 2),
+        heap_ratio_idle_vs_warm: round(idle.heap_mib / warm.heap_mib, 2),
+        slot_hosts_rss_mib_models_loaded: hosts,
+      }),
+    );
+  } finally {
+    child.kill('SIGKILL');
+  }
+}
+
 const what = process.argv[2];
-const runs: Record<string, () => Promise<void>> = { shutdown, groups, crashloop, memory };
+const runs: Record<string, () => Promise<void>> = { shutdown, groups, crashloop, memory, churn };
 if (!runs[what]) {
   console.error(`usage: bench-robustness ${Object.keys(runs).join('|')}`);
   process.exit(2);

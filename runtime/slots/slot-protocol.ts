@@ -100,6 +100,11 @@ export interface WakewordJob {
   counts?: number[];
   /** The heads' files to run, in this order (absent: the heads the slot loaded); loaded on first use. */
   heads?: string[];
+  /**
+   * Every head file the family's models name now (a family's job): the host releases each head it loaded that is
+   * not in it (their models have unloaded, their files may be gone), before it runs the job.
+   */
+  keep?: string[];
 }
 export interface WakewordResult {
   kind: 'wakeword';
@@ -107,6 +112,8 @@ export interface WakewordResult {
   scores: Float32Array;
   mel: Float32Array;
   embeddings: Float32Array;
+  /** Heads the host holds once the job has run (a family's host loads them as jobs name them). */
+  headsLoaded?: number;
 }
 
 /** The typed arrays a tensor's data may be (onnxruntime-node's: `bool` is a Uint8Array of 0 and 1). */

@@ -229,7 +229,7 @@ async function noiseEmbeddings(
  * The openWakeWord pipeline with several heads: per 80 ms step the melspectrogram and the
  * embedding run once, and every head reads the last N embeddings of the same buffer. The heads
  * are the spec's, or (a wake-word family's slot host, whose spec has none) the ones each job
- * names, loaded on first use and kept.
+ * names, loaded on first use and kept while a job's `keep` names them.
  */
 async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Promise<SlotInfo> {
   const mel = await create(spec.melspectrogram);
@@ -270,8 +270,19 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
   // melspectrogram 410 -> 260 us, head 295 -> 160 us, embedding ~5 % less per step. Every run is still the same batch-1
   // run on the same input
   // (rows are independent; a row's steps stay in order), so the scores are bit for bit the same.
+  /** Releases every head loaded on a job's demand that `keep` does not name (a family's models no longer use it). */
+  const dropUnused = async (keep: string[]): Promise<void> => {
+    const wanted = new Set([...keep, ...spec.heads]);
+    for (const [path, h] of loaded) {
+      if (wanted.has(path)) continue;
+      loaded.delete(path);
+      sessions = sessions.filter((s) => s !== h.session);
+      await h.session.release();
+    }
+  };
   runJob = async (job) => {
-    const { audio, mel: mels, embeddings: embs } = job as WakewordJob;
+    const { audio, mel: mels, embeddings: embs, keep } = job as WakewordJob;
+    if (keep) await dropUnused(keep);
     const heads = (job as WakewordJob).heads ? await headsOf((job as WakewordJob).heads!) : specHeads;
     const columns = heads.reduce((n, h) => n + h.labels.length, 0);
     const counts = (job as WakewordJob).counts ?? [(audio.length - OWW.LOOKBACK) / OWW.STEP];
@@ -319,7 +330,7 @@ async function loadWakeword(spec: Extract<LoadSpec, { kind: 'wakeword' }>): Prom
         col += h.labels.length;
       }
     }
-    return { kind: 'wakeword', scores, mel: mels, embeddings: embs };
+    return { kind: 'wakeword', scores, mel: mels, embeddings: embs, headsLoaded: loaded.size };
   };
   return { heads: specHeads.map((h) => ({ window: h.window, labels: h.labels })), initialEmbeddings };
 }

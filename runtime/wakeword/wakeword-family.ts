@@ -11,7 +11,8 @@ import { SlotPool, type ModelPool, type SlotFactory } from '../slots/slots.js';
  * jobs carry its heads' files, and its `SlotInfo` (each head's window and labels) is read from
  * the head files here, on the main thread, without onnxruntime. So `alexa`, `hey-jarvis` and
  * `alexa,hey-jarvis` cost three model entries (admission, leases, status) and three heads, not
- * three sets of slot hosts. The family starts with its first model and stops with its last.
+ * three sets of slot hosts. The family starts with its first model and stops with its last; a
+ * head no model of the family names any more is released by its hosts at their next job.
  */
 
 /** One family: its pool (once started), the models using it, and what they do when it fails. */
@@ -19,7 +20,12 @@ interface Family {
   pool: Promise<SlotPool>;
   views: Set<FamilyView>;
   failed: boolean;
+  /** Every head file its models name (sent with each job: the hosts release the heads of models gone). */
+  keep: string[];
 }
+
+/** The head files `views` name, each once. */
+const keepOf = (views: Set<FamilyView>): string[] => [...new Set([...views].flatMap((v) => v.heads))];
 
 /** The shared slot hosts of the wake-word models, by family key (feature models, slots, host settings). */
 export class WakewordFamilies {
@@ -44,7 +50,7 @@ export class WakewordFamilies {
     let family = this.families.get(key);
     if (!family || family.failed) {
       const pool = SlotPool.start(spec, count, factory, opts);
-      const f: Family = { pool, views: new Set(), failed: false };
+      const f: Family = { pool, views: new Set(), failed: false, keep: [] };
       family = f;
       this.families.set(key, f);
       pool.then(
@@ -80,8 +86,10 @@ export class WakewordFamilies {
       { ...info, initialEmbeddings: pool.info.initialEmbeddings },
       () => f.views.size,
       limits,
+      () => f.keep,
       () => {
         f.views.delete(view);
+        f.keep = keepOf(f.views);
         limits();
         if (f.views.size > 0) return Promise.resolve();
         if (this.families.get(key) === f) this.families.delete(key);
@@ -89,6 +97,7 @@ export class WakewordFamilies {
       },
     );
     f.views.add(view);
+    f.keep = keepOf(f.views);
     return view;
   }
 
@@ -126,10 +135,13 @@ export class FamilyView implements ModelPool {
 
   constructor(
     private readonly pool: SlotPool,
-    private readonly heads: string[],
+    /** This model's head files. */
+    readonly heads: string[],
     readonly info: SlotInfo,
     private readonly members: () => number,
     private readonly limitsChanged: () => void,
+    /** Every head file the family's models name now. */
+    private readonly keep: () => string[],
     private readonly release: () => Promise<void>,
   ) {}
 
@@ -188,7 +200,7 @@ export class FamilyView implements ModelPool {
     this.running++;
     try {
       const r = await this.pool.run(
-        job.kind === 'wakeword' ? { ...job, heads: this.heads } : job,
+        job.kind === 'wakeword' ? { ...job, heads: this.heads, keep: this.keep() } : job,
         signal,
         limit.length ? Math.min(...limit) : 0,
         behind,
