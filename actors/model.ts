@@ -12,6 +12,7 @@ import {
   type ActorRefFrom,
   type AnyActorRef,
   type InspectionEvent,
+  type SnapshotFrom,
 } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { Batcher, denoisePacking, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
@@ -61,6 +62,29 @@ export interface ModelContext {
   coolDown: CoolDown | null;
   /** The server drains (shutdown): a load in progress is abandoned and no new one starts. */
   draining: boolean;
+  /** The server's busy-timeout ceiling, ms (0 = unbounded); the model's `busy_timeout_ms` lowers it ({@link busyTimeoutOf}). */
+  serverBusyTimeoutMs: number;
+  /**
+   * The exclusive holder (a manager, or an accepted eviction) has held its lease longer than the busy timeout (C4): set by
+   * the delayed `HOLDER_OVERDUE` the chart raises at `HOLDER {held: true}`, cleared by the next `HOLDER`.
+   */
+  holderOverdue: boolean;
+  /** Evictions accepted since start (LRU, memory or idle). */
+  evictions: number;
+}
+
+/** A model's busy-timeout ceiling, ms: min(model, server), 0 = unbounded. Also the overdue limit of C4. */
+export function busyTimeoutOf(context: Pick<ModelContext, 'config' | 'serverBusyTimeoutMs'>): number {
+  return effectiveTimeout(undefined, context.config.busy_timeout_ms, context.serverBusyTimeoutMs);
+}
+
+/**
+ * True while the model is stuck (DESIGN.md C4), the one home of that question: its chart is `ready.work.stuck` (every
+ * slot has been running one inference for longer than the busy timeout: the pool's slot-wait timer says so), or its
+ * exclusive holder is overdue (`context.holderOverdue`, the chart's own timer). A new request is refused 503 at once.
+ */
+export function isStuck(snapshot: ModelSnapshot): boolean {
+  return snapshot.context.holderOverdue || snapshot.matches({ resident: { ready: { work: 'stuck' } } });
 }
 
 /** A crash-looping model's cool-down (issue 25 item 9), ms since the epoch. */
@@ -111,6 +135,13 @@ export type ModelEvent =
    * `ready.busy` look again.
    */
   | { type: 'LEASES' }
+  /**
+   * The exclusive lease changed hands (a manager or an accepted eviction took it, or gave it back): the holder's busy
+   * timeout starts again (`held`) or stops. Sent only when the holder changes, never per request.
+   */
+  | { type: 'HOLDER'; held: boolean }
+  /** Raised by the chart itself, busy-timeout ms after `HOLDER {held: true}`: the holder is overdue (C4). */
+  | { type: 'HOLDER_OVERDUE' }
   /** From the `residency` actor: the cold-load gate let the load through. */
   | { type: 'LOAD_GRANTED' }
   /**
@@ -139,11 +170,9 @@ export interface ModelDeps {
    * holds its exclusive lease until the pool is closed.
    */
   admission: Pick<Admission, 'tryAcquire' | 'activeLeases' | 'queued' | 'exclusive'>;
-  /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
-  busyTimeoutMs: () => number;
   /** The pool is live (`model`), or is being closed (null): not resident from that moment (C9). */
   resident: (model: LoadedModel | null) => void;
-  /** An eviction was accepted (counted and logged by the entry). */
+  /** An eviction was accepted (the chart counts it; the entry logs it and tells the metrics). */
   evicted: (reason: EvictReason) => void;
   /** The clock, ms since the epoch (default `Date.now`). */
   now?: () => number;
@@ -172,6 +201,8 @@ export interface ModelInput {
   serverLoadTimeoutMs?: number;
   /** `crash_cooldown_ms` (0 = off). */
   serverCrashCooldownMs?: number;
+  /** The server's `busy_timeout_ms` ceiling (0 = unbounded). */
+  serverBusyTimeoutMs?: number;
 }
 
 /**
@@ -196,6 +227,8 @@ export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { ty
 export interface ResidencyInput {
   config: ModelConfig;
   deps: ModelDeps;
+  /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
+  busyTimeoutMs: number;
 }
 
 /**
@@ -205,7 +238,7 @@ export interface ResidencyInput {
  * a slot dies, `SLOT_FAILED`.
  */
 const residency = fromCallback<ResidencyEvent, ResidencyInput>(
-  ({ input: { config, deps }, sendBack, receive, self, system }) => {
+  ({ input: { config, deps, busyTimeoutMs }, sendBack, receive, self, system }) => {
     let model: LoadedModel | null = null;
     let stopped = false;
     /** Aborted when the entry leaves `resident` (an unload, or the load timeout) while loading. */
@@ -238,7 +271,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
           type: 'LOAD_REQUESTED',
           id: config.id,
           needed_bytes,
-          timeout_ms: deps.busyTimeoutMs(),
+          timeout_ms: busyTimeoutMs,
           replyTo: self,
         });
         await granted;
@@ -333,8 +366,22 @@ export const modelMachine = setup({
       enqueue.assign({ evictionLease: null });
       enqueue(() => queueMicrotask(() => lease.release()));
     }),
-    /** Counts and logs an accepted eviction. */
-    recordEviction: ({ context }, params: { reason: EvictReason }) => context.deps.evicted(params.reason),
+    /** Counts an accepted eviction (and tells the entry, which logs it and tells the metrics). */
+    recordEviction: enqueueActions(({ context, enqueue }, params: { reason: EvictReason }) => {
+      enqueue.assign({ evictions: context.evictions + 1 });
+      enqueue(() => context.deps.evicted(params.reason));
+    }),
+    /**
+     * The exclusive holder changed: its overdue flag clears and, for a new holder under a busy timeout, the chart's own
+     * timer starts (`HOLDER_OVERDUE` after the busy timeout, C4).
+     */
+    watchHolder: enqueueActions(({ context, event, enqueue }) => {
+      enqueue.cancel('holderOverdue');
+      if (context.holderOverdue) enqueue.assign({ holderOverdue: false });
+      const limit = busyTimeoutOf(context);
+      if ((event as { held?: boolean }).held && limit > 0)
+        enqueue.raise({ type: 'HOLDER_OVERDUE' }, { id: 'holderOverdue', delay: limit });
+    }),
   },
   guards: {
     /** Leases held or waiting (read from the admission queue): the model is in use. */
@@ -381,12 +428,17 @@ export const modelMachine = setup({
     slotFailure: null,
     coolDown: null,
     draining: false,
+    serverBusyTimeoutMs: input.serverBusyTimeoutMs ?? 0,
+    holderOverdue: false,
+    evictions: 0,
   }),
   initial: 'unloaded',
   on: {
     DRAIN: { actions: assign({ draining: true }) },
     // No action: taking the event is enough for `ready.idle` / `ready.busy` to look at the queue again.
     LEASES: {},
+    HOLDER: { actions: 'watchHolder' },
+    HOLDER_OVERDUE: { actions: assign({ holderOverdue: true }) },
     // Taken only where a state does not take it first (ready.idle, through `evictable`).
     EVICT: {
       actions: enqueueActions(({ enqueue, event, context, self }) => {
@@ -451,7 +503,7 @@ export const modelMachine = setup({
       invoke: {
         id: 'residency',
         src: 'residency',
-        input: ({ context }) => ({ config: context.config, deps: context.deps }),
+        input: ({ context }) => ({ config: context.config, deps: context.deps, busyTimeoutMs: busyTimeoutOf(context) }),
       },
       initial: 'loading',
       states: {
@@ -660,6 +712,7 @@ export const modelMachine = setup({
 });
 
 export type ModelActor = ActorRefFrom<typeof modelMachine>;
+export type ModelSnapshot = SnapshotFrom<typeof modelMachine>;
 /** A model entry's state as `/v1/models` reports it. */
 export type ModelState = 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
 
@@ -832,24 +885,27 @@ export class ModelEntry {
   private lagCount = 0;
   private readonly lagMetric?: { observe(v: number): void };
   private lastUsedAt: number | null = null;
-  private readonly serverBusyTimeoutMs: number;
   private readonly resolve: (config: ModelConfig) => ModelConfig;
   private readonly maxQueuedOf: (config: ModelConfig) => number;
-  /** Evictions accepted since start (LRU, memory or idle). */
-  evictions = 0;
 
   constructor(config: ModelConfig, options: EntryOptions) {
     this.id = config.id;
     const onChange = options.onChange ?? (() => {});
     this.log = options.log ?? createLogger('silent');
-    this.serverBusyTimeoutMs = options.serverBusyTimeoutMs ?? 0;
     this.resolve = options.resolve ?? ((c) => c);
     const metrics = options.metrics;
     this.lagMetric = metrics?.processingLag.labels({ model: config.id });
-    // The chart and the supervisor hear only when the model turns in use or idle (what `inUse` and `evictable` read):
-    // an event per grant and release cost a remote job's holder ~150 µs.
+    // The chart and the supervisor hear only when the model turns in use or idle (what `inUse` and `evictable` read),
+    // and the chart when the exclusive holder changes (`HOLDER`, its overdue timer): an event per grant and release
+    // cost a remote job's holder ~150 µs.
     let inUse = false;
+    let holder: Lease | null = null;
     this.admission = new Admission(config.max_streams, () => {
+      const ex = this.admission.exclusive;
+      if (ex !== holder) {
+        holder = ex;
+        this.actor?.send({ type: 'HOLDER', held: ex !== null });
+      }
       const now = this.admission.activeLeases > 0 || this.admission.queued > 0;
       if (now === inUse) return;
       inUse = now;
@@ -866,13 +922,11 @@ export class ModelEntry {
       place: place && (async (c, signal, local) => settle(await place(c, signal, local), c)),
       footprint: async (c) => (await options.footprint?.(c)) ?? 0,
       admission: this.admission,
-      busyTimeoutMs: () => this.busyTimeoutMs,
       resident: (m) => {
         this.loaded = m;
         if (m) this.touch();
       },
       evicted: (reason) => {
-        this.evictions++;
         metrics?.evictions.inc({ model: config.id, reason });
         this.log.info({ reason, idle_ms: this.lastUsedAt ? Date.now() - this.lastUsedAt : undefined }, 'evict');
       },
@@ -883,6 +937,7 @@ export class ModelEntry {
       serverIdleUnloadMs: options.serverIdleUnloadMs,
       serverLoadTimeoutMs: options.serverLoadTimeoutMs,
       serverCrashCooldownMs: options.serverCrashCooldownMs,
+      serverBusyTimeoutMs: options.serverBusyTimeoutMs,
     };
     this.actor = options.spawn
       ? options.spawn(input, this)
@@ -955,22 +1010,9 @@ export class ModelEntry {
     return this.lastUsedAt;
   }
 
-  /** The model's busy-timeout ceiling: min(model, server), 0 = unbounded. Also the overdue limit of C4. */
+  /** The model's busy-timeout ceiling (the chart's {@link busyTimeoutOf}): min(model, server), 0 = unbounded. */
   get busyTimeoutMs(): number {
-    return effectiveTimeout(undefined, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
-  }
-
-  /**
-   * True while the model is stuck (DESIGN.md C4): its chart is `ready.work.stuck` (every slot has
-   * been running one inference for longer than the busy timeout: the pool's timer says so), or the
-   * exclusive holder has held its lease that long.
-   */
-  private stuck(): boolean {
-    const limit = this.busyTimeoutMs;
-    if (limit <= 0) return false;
-    const ex = this.admission.exclusive;
-    if (ex && Date.now() - ex.grantedAt > limit) return true;
-    return this.actor.getSnapshot().matches({ resident: { ready: { work: 'stuck' } } });
+    return busyTimeoutOf(this.actor.getSnapshot().context);
   }
 
   /**
@@ -986,10 +1028,10 @@ export class ModelEntry {
     signal?: AbortSignal;
     onRevoke?: (reason: Error) => void;
   }): Promise<Lease> {
-    const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
-    if (this.stuck()) {
-      throw voxError('model_stuck', { id: this.id, ms: this.busyTimeoutMs });
-    }
+    const s = this.actor.getSnapshot();
+    const ceiling = busyTimeoutOf(s.context);
+    const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, ceiling, 0);
+    if (isStuck(s)) throw voxError('model_stuck', { id: this.id, ms: ceiling });
     const lease = await this.admission.acquire({ timeoutMs, signal: opts.signal, onRevoke: opts.onRevoke });
     this.touch();
     return lease;

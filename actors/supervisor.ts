@@ -712,7 +712,7 @@ export class Supervisor {
   /** Models evicted (LRU, memory or idle) since start. */
   get evictions(): number {
     let n = 0;
-    for (const e of this.entries.values()) n += e.evictions;
+    for (const e of this.entries.values()) n += e.actor.getSnapshot().context.evictions;
     return n;
   }
 

@@ -5,7 +5,15 @@
  */
 import { describe, expect, it } from 'vitest';
 import { createActor, fromCallback, SimulatedClock, type AnyActorRef } from 'xstate';
-import { modelMachine, stateName, type EvictReason, type EvictReply, type ModelDeps } from '../../actors/model.js';
+import {
+  busyTimeoutOf,
+  isStuck,
+  modelMachine,
+  stateName,
+  type EvictReason,
+  type EvictReply,
+  type ModelDeps,
+} from '../../actors/model.js';
 import { ModelConfig } from '../../runtime/config.js';
 import { VoxError } from '../../runtime/errors.js';
 import type { LoadedModel } from '../../runtime/loader.js';
@@ -14,7 +22,7 @@ const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
 
 function chart(
   fields: Record<string, unknown> = {},
-  server: { idle?: number; loadTimeout?: number; crashCooldown?: number } = {},
+  server: { idle?: number; loadTimeout?: number; crashCooldown?: number; busy?: number } = {},
 ) {
   const clock = new SimulatedClock();
   const loads: {
@@ -57,7 +65,6 @@ function chart(
       new Promise((resolve, reject) => loads.push({ config: config as ModelConfig, signal: signal!, resolve, reject })),
     footprint: async () => 0,
     admission,
-    busyTimeoutMs: () => 0,
     resident: (m) => void resident.push(m),
     evicted: (reason) => void evictions.push(reason),
     now: () => clock.now(),
@@ -71,6 +78,7 @@ function chart(
       serverIdleUnloadMs: server.idle ?? 0,
       serverLoadTimeoutMs: server.loadTimeout ?? 0,
       serverCrashCooldownMs: server.crashCooldown ?? 0,
+      serverBusyTimeoutMs: server.busy ?? 0,
     },
   });
   actor.start();
@@ -217,6 +225,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(stateName(c.value())).toBe('unloading');
     expect(c.replies).toEqual([{ type: 'EVICTED', id: 'm', reason: 'lru' }]);
     expect(c.evictions).toEqual(['lru']);
+    expect(c.actor.getSnapshot().context.evictions).toBe(1);
     expect(c.leases).toEqual([{ exclusive: true, released: false }]);
     expect(c.actor.getSnapshot().context.evicted).toEqual({ reason: 'lru', at: c.clock.now() });
     await flush();
@@ -241,6 +250,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
       { type: 'EVICT_REFUSED', id: 'm', reason: 'lru', state: 'ready' },
     ]);
     expect(c.evictions).toEqual([]);
+    expect(c.actor.getSnapshot().context.evictions).toBe(0);
     expect(stateName(c.value())).toBe('ready');
   });
 
@@ -332,6 +342,48 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(stateName(c.value())).toBe('unloading');
   });
 
+  it("stuck (C4) is the chart's: its exclusive holder overdue past the busy timeout (its own timer, restarted per holder), or ready.work.stuck", async () => {
+    const c = chart({ busy_timeout_ms: 500 }, { busy: 800 });
+    const stuck = () => isStuck(c.actor.getSnapshot());
+    expect(busyTimeoutOf(c.actor.getSnapshot().context)).toBe(500);
+    // A manager holds the exclusive lease (the model unloaded: a load under it, say).
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(499);
+    expect(stuck()).toBe(false);
+    c.clock.increment(1);
+    expect(stuck()).toBe(true);
+    expect(c.value()).toBe('unloaded'); // a flag, not a state: whatever the holder does meanwhile
+    c.actor.send({ type: 'HOLDER', held: false });
+    expect(stuck()).toBe(false);
+    c.clock.increment(1000);
+    expect(stuck()).toBe(false);
+    // A new holder starts the timer again: one after another, each has its own busy timeout.
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(300);
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(300);
+    expect(stuck()).toBe(false);
+    c.clock.increment(200);
+    expect(stuck()).toBe(true);
+    c.actor.send({ type: 'HOLDER', held: false });
+    // The slots stuck (the pool's timer): stuck too, until they move.
+    await c.load();
+    c.stuckSlots(true);
+    expect(stuck()).toBe(true);
+    c.stuckSlots(false);
+    expect(stuck()).toBe(false);
+  });
+
+  it('the busy timeout is min(model, server), 0 = unbounded: no holder is ever overdue then', () => {
+    expect(busyTimeoutOf(chart({}, { busy: 400 }).actor.getSnapshot().context)).toBe(400);
+    expect(busyTimeoutOf(chart({ busy_timeout_ms: 900 }, { busy: 400 }).actor.getSnapshot().context)).toBe(400);
+    const c = chart();
+    expect(busyTimeoutOf(c.actor.getSnapshot().context)).toBe(0);
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(3_600_000);
+    expect(isStuck(c.actor.getSnapshot())).toBe(false);
+  });
+
   it('SLOT_FAILED in ready unloads the model with lastError', async () => {
     const c = chart();
     await c.load();
@@ -399,7 +451,6 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
       loader: () => new Promise(() => void loads.push(1)),
       footprint: async () => 5,
       admission: { tryAcquire: () => null, activeLeases: 0, queued: 0, exclusive: null },
-      busyTimeoutMs: () => 700,
       resident: () => {},
       evicted: () => {},
     });
