@@ -203,6 +203,8 @@ export interface ModelInput {
   serverCrashCooldownMs?: number;
   /** The server's `busy_timeout_ms` ceiling (0 = unbounded). */
   serverBusyTimeoutMs?: number;
+  /** The server drains already (registered during shutdown): no load starts. */
+  draining?: boolean;
 }
 
 /**
@@ -427,7 +429,7 @@ export const modelMachine = setup({
     serverCrashCooldownMs: input.serverCrashCooldownMs ?? 0,
     slotFailure: null,
     coolDown: null,
-    draining: false,
+    draining: input.draining ?? false,
     serverBusyTimeoutMs: input.serverBusyTimeoutMs ?? 0,
     holderOverdue: false,
     evictions: 0,
@@ -1214,14 +1216,6 @@ export class ModelEntry {
           : null,
       licence: s.context.config.licence ?? null,
     };
-  }
-
-  /**
-   * The server drains (shutdown phase 1): a load in progress is abandoned (its slot hosts
-   * killed; its waiters get 503 `shutting_down`) and no new load starts.
-   */
-  drain(): void {
-    this.actor.send({ type: 'DRAIN' });
   }
 
   /**

@@ -105,6 +105,11 @@ export type SupervisorEvent =
   | { type: 'LOAD_FINISHED'; id: string }
   /** A model's leases, state or residency changed: room may have been freed. */
   | { type: 'MODEL_CHANGED' }
+  /**
+   * The server drains (shutdown phase 1): every model chart hears `DRAIN` (a cold load in progress is abandoned, no new
+   * one starts), and so does every model registered from now on (its chart starts draining).
+   */
+  | { type: 'DRAIN' }
   | EvictReply;
 
 /** Replies of the gate to a `LOAD_REQUESTED`. */
@@ -129,6 +134,8 @@ export interface SupervisorContext {
   victim: { id: string; reason: EvictReason } | null;
   /** What the current load waits for, while it waits. */
   waitingFor: 'release' | 'memory' | null;
+  /** The server drains (`DRAIN`): a model registered now starts draining. */
+  draining: boolean;
 }
 
 /** A supervisor chart's input: its live dependencies (the chart closes over nothing else). */
@@ -242,6 +249,7 @@ export const supervisorMachine = setup({
     room: null,
     victim: null,
     waitingFor: null,
+    draining: false,
   }),
   on: {
     // A model entry is the chart's child `model:<id>` (its ref: `snapshot.children['model:<id>']`,
@@ -252,10 +260,17 @@ export const supervisorMachine = setup({
         (enqueue.spawnChild as (logic: AnyActorLogic, options: object) => void)(event.logic, {
           id: `model:${event.id}`,
           systemId: `model:${event.id}`,
-          input: event.input,
+          input: context.draining ? { ...event.input, draining: true } : event.input,
         });
         const { entry } = event;
         if (entry) enqueue.assign({ models: new Map(context.models).set(event.id, entry) });
+      }),
+    },
+    DRAIN: {
+      actions: enqueueActions(({ enqueue, self }) => {
+        enqueue.assign({ draining: true });
+        for (const [id, child] of Object.entries(self.getSnapshot().children as Record<string, AnyActorRef>))
+          if (id.startsWith('model:')) enqueue.sendTo(child, { type: 'DRAIN' });
       }),
     },
     UNREGISTER: {
@@ -952,7 +967,6 @@ export class Supervisor {
       },
     });
     before?.(entry);
-    if (this.draining) entry.drain();
     return entry;
   }
   /**
@@ -1061,9 +1075,6 @@ export class Supervisor {
     return c ? unregisteredStatus(c) : undefined;
   }
 
-  /** True once shutdown has begun: nothing loads any more. */
-  private draining = false;
-
   /**
    * Stops accepting work (`/ready` answers 503): the root goes `draining` and emits `drain`; every
    * model entry drains (a cold load in progress is abandoned, its slot hosts killed, its waiters
@@ -1072,8 +1083,7 @@ export class Supervisor {
   beginShutdown(): void {
     this.folder?.stop();
     this.root.send({ type: 'SHUTDOWN' });
-    this.draining = true;
-    for (const e of this.entries.values()) e.drain();
+    this.actor.send({ type: 'DRAIN' });
   }
 
   /** Shutdown past the drain deadline: every queued request gets `err`, every lease holder is revoked. */
