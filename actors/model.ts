@@ -71,6 +71,8 @@ export interface ModelContext {
   holderOverdue: boolean;
   /** Evictions accepted since start (LRU, memory or idle). */
   evictions: number;
+  /** An `UNLOAD` came while the pool was loading (or being replaced): the model unloads once it is ready. */
+  unloadAsked: boolean;
 }
 
 /** A model's busy-timeout ceiling, ms: min(model, server), 0 = unbounded. Also the overdue limit of C4. */
@@ -393,6 +395,7 @@ export const modelMachine = setup({
       deps.admission.activeLeases === 0 && deps.admission.queued === 0 && !deps.admission.exclusive,
     keepAliveOn: ({ context }) => (context.config.keep_alive_ms ?? context.serverIdleUnloadMs) > 0,
     hasNext: ({ context }) => context.next !== null,
+    unloadAsked: ({ context }) => context.unloadAsked,
     draining: ({ context }) => context.draining,
     /** The pool closed because it failed (a crash loop), and cool-downs are on. */
     crashLooped: ({ context }) => context.slotFailure !== null && context.serverCrashCooldownMs > 0,
@@ -433,6 +436,7 @@ export const modelMachine = setup({
     serverBusyTimeoutMs: input.serverBusyTimeoutMs ?? 0,
     holderOverdue: false,
     evictions: 0,
+    unloadAsked: false,
   }),
   initial: 'unloaded',
   on: {
@@ -458,7 +462,7 @@ export const modelMachine = setup({
   },
   states: {
     unloaded: {
-      entry: emit({ type: 'unloaded' }),
+      entry: [emit({ type: 'unloaded' }), assign({ unloadAsked: false })],
       on: {
         LOAD: [
           // While the server drains, nothing loads (the waiter hears `unloaded` with the refusal).
@@ -477,7 +481,7 @@ export const modelMachine = setup({
      * `coolDown` ms have passed; a changed config (a manager's reconfiguration) ends it at once.
      */
     coolingDown: {
-      entry: emit({ type: 'unloaded' }),
+      entry: [emit({ type: 'unloaded' }), assign({ unloadAsked: false })],
       after: { coolDown: 'unloaded' },
       on: {
         LOAD: {
@@ -542,6 +546,8 @@ export const modelMachine = setup({
             },
           },
           on: {
+            // Unloaded once ready (the manager's exclusive lease keeps requests out meanwhile).
+            UNLOAD: { actions: assign({ unloadAsked: true }) },
             LOADED: {
               target: 'ready',
               actions: assign({
@@ -587,6 +593,8 @@ export const modelMachine = setup({
           tags: ['slots'],
           entry: emit({ type: 'ready' }),
           type: 'parallel',
+          // An UNLOAD that came while loading: `ready` is reached (and emitted), then left.
+          always: { guard: 'unloadAsked', target: 'unloading' },
           on: {
             UNLOAD: 'unloading',
             SLOT_FAILED: {
@@ -649,7 +657,7 @@ export const modelMachine = setup({
         },
         unloading: {
           tags: ['slots'],
-          entry: sendTo('residency', { type: 'CLOSE' }),
+          entry: [sendTo('residency', { type: 'CLOSE' }), assign({ unloadAsked: false })],
           on: {
             CLOSED: [
               {
@@ -689,6 +697,8 @@ export const modelMachine = setup({
           tags: ['slots'],
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
+            // Unloaded once the new config has loaded (committed, as a reconfiguration does).
+            UNLOAD: { actions: assign({ unloadAsked: true }) },
             CLOSED: [
               {
                 guard: and(['hasNext', ({ event }) => !event.error]),
@@ -1165,8 +1175,8 @@ export class ModelEntry {
   unloadUnder(barrier: Promise<Lease>): Promise<void> {
     return barrier.then(async (lease) => {
       try {
-        await this.settledIn('ready', 'unloaded');
-        if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
+        // The chart unloads now, or once a load under way is ready; unloaded, it has nothing to do.
+        this.actor.send({ type: 'UNLOAD' });
         await this.settledIn('unloaded');
       } finally {
         lease.release();

@@ -296,6 +296,33 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(e.actor.getSnapshot().context.lastError).toBe('close failed');
   });
 
+  it("UNLOAD while loading is the chart's to keep: `ready` is reached (and emitted), then unloaded; once done (or the load failed) the next load stays ready", async () => {
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.actor.send({ type: 'UNLOAD' });
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(c.actor.getSnapshot().context.unloadAsked).toBe(true);
+    c.loads[0].resolve(c.pool('m'));
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(c.emitted).toEqual(['ready', 'unloaded']);
+    expect(c.closed).toEqual(['m']);
+    expect(c.actor.getSnapshot().context.unloadAsked).toBe(false);
+    await c.load();
+    expect(stateName(c.value())).toBe('ready');
+    // Asked while loading, and the load fails: unloaded, nothing left asked.
+    const f = chart();
+    f.actor.send({ type: 'LOAD' });
+    await flush();
+    f.actor.send({ type: 'UNLOAD' });
+    f.loads[0].reject(new Error('bad weights'));
+    await flush();
+    expect(f.value()).toBe('unloaded');
+    await f.load();
+    expect(stateName(f.value())).toBe('ready');
+  });
+
   it('residency (the `slots` tag): from LOADED until the pool has closed, retiring included; not while loading or unloaded', async () => {
     const c = chart();
     const slots = (): boolean => c.actor.getSnapshot().hasTag('slots');
