@@ -473,7 +473,8 @@ export class Supervisor {
     // Said before the server listens: the error names the config field and the wake words it knows, not a route.
     for (const [i, m] of config.models.entries()) this.resolveHeads(m, `models.${i}.`);
     const supervisor: SupervisorInput = {
-      guarded: this.guarded,
+      // Cold loads pass the gate one at a time (C11): the chart's `guarded`.
+      guarded: config.max_loaded_models > 0 || config.min_free_memory_mb > 0,
       measure: (target, refused) => this.measureRoom(target, refused),
     };
     this.root = createActor(
@@ -651,11 +652,6 @@ export class Supervisor {
     this.measuredPerSlot.delete(id);
     this.actor.send({ type: 'UNREGISTER', id });
     void this.metrics.forget(id);
-  }
-
-  /** True when cold loads pass through the supervisor's gate one at a time (C11). */
-  get guarded(): boolean {
-    return this.config.max_loaded_models > 0 || this.config.min_free_memory_mb > 0;
   }
 
   /** The chart's `measureRoom`: what is resident, retiring and evictable now, and the free memory. */
