@@ -462,7 +462,11 @@ export const modelMachine = setup({
   },
   states: {
     unloaded: {
-      entry: [emit({ type: 'unloaded' }), assign({ unloadAsked: false })],
+      // A reconfiguration kept while loading or unloading is committed here, whichever way the chart came.
+      entry: [
+        assign({ unloadAsked: false, config: ({ context }) => context.next ?? context.config, next: null }),
+        emit({ type: 'unloaded' }),
+      ],
       on: {
         LOAD: [
           // While the server drains, nothing loads (the waiter hears `unloaded` with the refusal).
@@ -482,6 +486,8 @@ export const modelMachine = setup({
      */
     coolingDown: {
       entry: [emit({ type: 'unloaded' }), assign({ unloadAsked: false })],
+      // A reconfiguration kept while loading or unloading ends the cool-down, as one sent now does.
+      always: { guard: 'hasNext', target: 'unloaded', actions: assign({ coolDown: null }) },
       after: { coolDown: 'unloaded' },
       on: {
         LOAD: {
@@ -548,6 +554,8 @@ export const modelMachine = setup({
           on: {
             // Unloaded once ready (the manager's exclusive lease keeps requests out meanwhile).
             UNLOAD: { actions: assign({ unloadAsked: true }) },
+            // Kept: applied once ready (closed, committed, loaded again), or committed if the load ends unloaded.
+            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
             LOADED: {
               target: 'ready',
               actions: assign({
@@ -594,7 +602,10 @@ export const modelMachine = setup({
           entry: emit({ type: 'ready' }),
           type: 'parallel',
           // An UNLOAD that came while loading: `ready` is reached (and emitted), then left.
-          always: { guard: 'unloadAsked', target: 'unloading' },
+          always: [
+            { guard: 'unloadAsked', target: 'unloading' },
+            { guard: 'hasNext', target: 'reconfiguring' },
+          ],
           on: {
             UNLOAD: 'unloading',
             SLOT_FAILED: {
@@ -659,6 +670,8 @@ export const modelMachine = setup({
           tags: ['slots'],
           entry: [sendTo('residency', { type: 'CLOSE' }), assign({ unloadAsked: false })],
           on: {
+            // Kept: committed once the pool has closed (in `unloaded`).
+            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
             CLOSED: [
               {
                 // The pool failed (a crash loop): held back instead of reloaded by the next request.
@@ -699,6 +712,8 @@ export const modelMachine = setup({
           on: {
             // Unloaded once the new config has loaded (committed, as a reconfiguration does).
             UNLOAD: { actions: assign({ unloadAsked: true }) },
+            // The last reconfiguration wins.
+            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
             CLOSED: [
               {
                 guard: and(['hasNext', ({ event }) => !event.error]),
@@ -1145,9 +1160,8 @@ export class ModelEntry {
     const lease = await this.admission.acquire({ exclusive: true, timeoutMs, signal });
     try {
       if (changed) {
-        // Under the exclusive lease nothing else moves the chart but a load or a slot failure.
-        await this.settledIn('ready', 'unloaded');
-        // Committed at once when unloaded, else once the old pool has closed (before the new load).
+        // Committed at once when unloaded, else once the old pool has closed (before the new load); a load or a
+        // slot failure under way first ends as it would (the chart keeps the new config until then).
         this.actor.send({ type: 'RECONFIGURE', config: next });
         this.admission.maxQueued = this.maxQueuedOf(next);
         this.admission.setPlaces(next.max_streams);

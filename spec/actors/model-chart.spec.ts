@@ -437,6 +437,41 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(c.loads.at(-1)!.config).toBe(next);
   });
 
+  it('RECONFIGURE while loading or unloading is kept: applied once ready (old pool closed, new config loaded), committed if the chart ends unloaded', async () => {
+    const b = ModelConfig.parse({ id: 'm', task: 'vad', path: '/b.onnx' });
+    // While loading, the load then succeeds: ready (emitted), then reconfiguring, then the new config loads.
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.actor.send({ type: 'RECONFIGURE', config: b });
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    c.loads[0].resolve(c.pool('old'));
+    await flush();
+    expect(c.closed).toEqual(['old']);
+    expect(c.emitted).toEqual(['ready']);
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(c.loads.at(-1)!.config).toBe(b);
+    expect(c.actor.getSnapshot().context).toMatchObject({ config: b, next: null });
+    // While loading, the load fails: unloaded with the new config committed.
+    const f = chart();
+    f.actor.send({ type: 'LOAD' });
+    await flush();
+    f.actor.send({ type: 'RECONFIGURE', config: b });
+    f.loads[0].reject(new Error('bad weights'));
+    await flush();
+    expect(f.value()).toBe('unloaded');
+    expect(f.actor.getSnapshot().context).toMatchObject({ config: b, next: null });
+    // While unloading (a slot died), with cool-downs on: committed, not held back.
+    const u = chart({}, { crashCooldown: 10_000 });
+    await u.load();
+    u.failSlot(new Error('slot died'));
+    expect(stateName(u.value())).toBe('unloading');
+    u.actor.send({ type: 'RECONFIGURE', config: b });
+    await flush();
+    expect(u.value()).toBe('unloaded');
+    expect(u.actor.getSnapshot().context).toMatchObject({ config: b, next: null, coolDown: null });
+  });
+
   it('RECONFIGURE whose old pool fails to close: the new config is committed, unloaded, with the error', async () => {
     const c = chart();
     c.actor.send({ type: 'LOAD' });
