@@ -894,6 +894,11 @@ function reportStateChanges(actor: ModelActor, log: Logger, onChange: () => void
   });
 }
 
+/** Sends `event` to a model chart that still runs (a stopped one, unregistered or shut down, hears nothing). */
+function tell(actor: ModelActor, event: ModelEvent): void {
+  if (actor.getSnapshot().status === 'active') actor.send(event);
+}
+
 /**
  * One registered model: its state-chart actor plus its admission queue (the FIFO of leases).
  * Requests hold a lease (see {@link Admission}) from before their input is prepared until their
@@ -931,12 +936,12 @@ export class ModelEntry {
       const ex = this.admission.exclusive;
       if (ex !== holder) {
         holder = ex;
-        this.actor?.send({ type: 'HOLDER', held: ex !== null });
+        if (this.actor) tell(this.actor, { type: 'HOLDER', held: ex !== null });
       }
       const now = this.admission.activeLeases > 0 || this.admission.queued > 0;
       if (now === inUse) return;
       inUse = now;
-      this.actor?.send({ type: 'LEASES' });
+      if (this.actor) tell(this.actor, { type: 'LEASES' });
       onChange();
     });
     const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;
@@ -1162,7 +1167,7 @@ export class ModelEntry {
       if (changed) {
         // Committed at once when unloaded, else once the old pool has closed (before the new load); a load or a
         // slot failure under way first ends as it would (the chart keeps the new config until then).
-        this.actor.send({ type: 'RECONFIGURE', config: next });
+        tell(this.actor, { type: 'RECONFIGURE', config: next });
         this.admission.maxQueued = this.maxQueuedOf(next);
         this.admission.setPlaces(next.max_streams);
       }
@@ -1190,7 +1195,7 @@ export class ModelEntry {
     return barrier.then(async (lease) => {
       try {
         // The chart unloads now, or once a load under way is ready; unloaded, it has nothing to do.
-        this.actor.send({ type: 'UNLOAD' });
+        tell(this.actor, { type: 'UNLOAD' });
         await this.settledIn('unloaded');
       } finally {
         lease.release();
