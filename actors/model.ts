@@ -12,6 +12,7 @@ import {
   type ActorRefFrom,
   type AnyActorRef,
   type InspectionEvent,
+  type SnapshotFrom,
 } from 'xstate';
 import { Admission, effectiveTimeout, type Lease } from '../runtime/admission.js';
 import { Batcher, denoisePacking, vadPacking, wakewordPacking, type Packing } from '../runtime/batcher.js';
@@ -61,6 +62,31 @@ export interface ModelContext {
   coolDown: CoolDown | null;
   /** The server drains (shutdown): a load in progress is abandoned and no new one starts. */
   draining: boolean;
+  /** The server's busy-timeout ceiling, ms (0 = unbounded); the model's `busy_timeout_ms` lowers it ({@link busyTimeoutOf}). */
+  serverBusyTimeoutMs: number;
+  /**
+   * The exclusive holder (a manager, or an accepted eviction) has held its lease longer than the busy timeout (C4): set by
+   * the delayed `HOLDER_OVERDUE` the chart raises at `HOLDER {held: true}`, cleared by the next `HOLDER`.
+   */
+  holderOverdue: boolean;
+  /** Evictions accepted since start (LRU, memory or idle). */
+  evictions: number;
+  /** An `UNLOAD` came while the pool was loading (or being replaced): the model unloads once it is ready. */
+  unloadAsked: boolean;
+}
+
+/** A model's busy-timeout ceiling, ms: min(model, server), 0 = unbounded. Also the overdue limit of C4. */
+export function busyTimeoutOf(context: Pick<ModelContext, 'config' | 'serverBusyTimeoutMs'>): number {
+  return effectiveTimeout(undefined, context.config.busy_timeout_ms, context.serverBusyTimeoutMs);
+}
+
+/**
+ * True while the model is stuck (DESIGN.md C4), the one home of that question: its chart is `ready.work.stuck` (every
+ * slot has been running one inference for longer than the busy timeout: the pool's slot-wait timer says so), or its
+ * exclusive holder is overdue (`context.holderOverdue`, the chart's own timer). A new request is refused 503 at once.
+ */
+export function isStuck(snapshot: ModelSnapshot): boolean {
+  return snapshot.context.holderOverdue || snapshot.matches({ resident: { ready: { work: 'stuck' } } });
 }
 
 /** A crash-looping model's cool-down (issue 25 item 9), ms since the epoch. */
@@ -111,6 +137,13 @@ export type ModelEvent =
    * `ready.busy` look again.
    */
   | { type: 'LEASES' }
+  /**
+   * The exclusive lease changed hands (a manager or an accepted eviction took it, or gave it back): the holder's busy
+   * timeout starts again (`held`) or stops. Sent only when the holder changes, never per request.
+   */
+  | { type: 'HOLDER'; held: boolean }
+  /** Raised by the chart itself, busy-timeout ms after `HOLDER {held: true}`: the holder is overdue (C4). */
+  | { type: 'HOLDER_OVERDUE' }
   /** From the `residency` actor: the cold-load gate let the load through. */
   | { type: 'LOAD_GRANTED' }
   /**
@@ -139,11 +172,9 @@ export interface ModelDeps {
    * holds its exclusive lease until the pool is closed.
    */
   admission: Pick<Admission, 'tryAcquire' | 'activeLeases' | 'queued' | 'exclusive'>;
-  /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
-  busyTimeoutMs: () => number;
   /** The pool is live (`model`), or is being closed (null): not resident from that moment (C9). */
   resident: (model: LoadedModel | null) => void;
-  /** An eviction was accepted (counted and logged by the entry). */
+  /** An eviction was accepted (the chart counts it; the entry logs it and tells the metrics). */
   evicted: (reason: EvictReason) => void;
   /** The clock, ms since the epoch (default `Date.now`). */
   now?: () => number;
@@ -172,6 +203,10 @@ export interface ModelInput {
   serverLoadTimeoutMs?: number;
   /** `crash_cooldown_ms` (0 = off). */
   serverCrashCooldownMs?: number;
+  /** The server's `busy_timeout_ms` ceiling (0 = unbounded). */
+  serverBusyTimeoutMs?: number;
+  /** The server drains already (registered during shutdown): no load starts. */
+  draining?: boolean;
 }
 
 /**
@@ -196,6 +231,8 @@ export type ResidencyEvent = { type: 'CLOSE' } | { type: 'LOAD_GRANTED' } | { ty
 export interface ResidencyInput {
   config: ModelConfig;
   deps: ModelDeps;
+  /** The busy timeout a cold load may wait at the gate, ms (0 = unbounded). */
+  busyTimeoutMs: number;
 }
 
 /**
@@ -205,7 +242,7 @@ export interface ResidencyInput {
  * a slot dies, `SLOT_FAILED`.
  */
 const residency = fromCallback<ResidencyEvent, ResidencyInput>(
-  ({ input: { config, deps }, sendBack, receive, self, system }) => {
+  ({ input: { config, deps, busyTimeoutMs }, sendBack, receive, self, system }) => {
     let model: LoadedModel | null = null;
     let stopped = false;
     /** Aborted when the entry leaves `resident` (an unload, or the load timeout) while loading. */
@@ -238,7 +275,7 @@ const residency = fromCallback<ResidencyEvent, ResidencyInput>(
           type: 'LOAD_REQUESTED',
           id: config.id,
           needed_bytes,
-          timeout_ms: deps.busyTimeoutMs(),
+          timeout_ms: busyTimeoutMs,
           replyTo: self,
         });
         await granted;
@@ -333,8 +370,22 @@ export const modelMachine = setup({
       enqueue.assign({ evictionLease: null });
       enqueue(() => queueMicrotask(() => lease.release()));
     }),
-    /** Counts and logs an accepted eviction. */
-    recordEviction: ({ context }, params: { reason: EvictReason }) => context.deps.evicted(params.reason),
+    /** Counts an accepted eviction (and tells the entry, which logs it and tells the metrics). */
+    recordEviction: enqueueActions(({ context, enqueue }, params: { reason: EvictReason }) => {
+      enqueue.assign({ evictions: context.evictions + 1 });
+      enqueue(() => context.deps.evicted(params.reason));
+    }),
+    /**
+     * The exclusive holder changed: its overdue flag clears and, for a new holder under a busy timeout, the chart's own
+     * timer starts (`HOLDER_OVERDUE` after the busy timeout, C4).
+     */
+    watchHolder: enqueueActions(({ context, event, enqueue }) => {
+      enqueue.cancel('holderOverdue');
+      if (context.holderOverdue) enqueue.assign({ holderOverdue: false });
+      const limit = busyTimeoutOf(context);
+      if ((event as { held?: boolean }).held && limit > 0)
+        enqueue.raise({ type: 'HOLDER_OVERDUE' }, { id: 'holderOverdue', delay: limit });
+    }),
   },
   guards: {
     /** Leases held or waiting (read from the admission queue): the model is in use. */
@@ -344,6 +395,7 @@ export const modelMachine = setup({
       deps.admission.activeLeases === 0 && deps.admission.queued === 0 && !deps.admission.exclusive,
     keepAliveOn: ({ context }) => (context.config.keep_alive_ms ?? context.serverIdleUnloadMs) > 0,
     hasNext: ({ context }) => context.next !== null,
+    unloadAsked: ({ context }) => context.unloadAsked,
     draining: ({ context }) => context.draining,
     /** The pool closed because it failed (a crash loop), and cool-downs are on. */
     crashLooped: ({ context }) => context.slotFailure !== null && context.serverCrashCooldownMs > 0,
@@ -380,13 +432,19 @@ export const modelMachine = setup({
     serverCrashCooldownMs: input.serverCrashCooldownMs ?? 0,
     slotFailure: null,
     coolDown: null,
-    draining: false,
+    draining: input.draining ?? false,
+    serverBusyTimeoutMs: input.serverBusyTimeoutMs ?? 0,
+    holderOverdue: false,
+    evictions: 0,
+    unloadAsked: false,
   }),
   initial: 'unloaded',
   on: {
     DRAIN: { actions: assign({ draining: true }) },
     // No action: taking the event is enough for `ready.idle` / `ready.busy` to look at the queue again.
     LEASES: {},
+    HOLDER: { actions: 'watchHolder' },
+    HOLDER_OVERDUE: { actions: assign({ holderOverdue: true }) },
     // Taken only where a state does not take it first (ready.idle, through `evictable`).
     EVICT: {
       actions: enqueueActions(({ enqueue, event, context, self }) => {
@@ -404,7 +462,11 @@ export const modelMachine = setup({
   },
   states: {
     unloaded: {
-      entry: emit({ type: 'unloaded' }),
+      // A reconfiguration kept while loading or unloading is committed here, whichever way the chart came.
+      entry: [
+        assign({ unloadAsked: false, config: ({ context }) => context.next ?? context.config, next: null }),
+        emit({ type: 'unloaded' }),
+      ],
       on: {
         LOAD: [
           // While the server drains, nothing loads (the waiter hears `unloaded` with the refusal).
@@ -423,7 +485,9 @@ export const modelMachine = setup({
      * `coolDown` ms have passed; a changed config (a manager's reconfiguration) ends it at once.
      */
     coolingDown: {
-      entry: emit({ type: 'unloaded' }),
+      entry: [emit({ type: 'unloaded' }), assign({ unloadAsked: false })],
+      // A reconfiguration kept while loading or unloading ends the cool-down, as one sent now does.
+      always: { guard: 'hasNext', target: 'unloaded', actions: assign({ coolDown: null }) },
       after: { coolDown: 'unloaded' },
       on: {
         LOAD: {
@@ -451,7 +515,7 @@ export const modelMachine = setup({
       invoke: {
         id: 'residency',
         src: 'residency',
-        input: ({ context }) => ({ config: context.config, deps: context.deps }),
+        input: ({ context }) => ({ config: context.config, deps: context.deps, busyTimeoutMs: busyTimeoutOf(context) }),
       },
       initial: 'loading',
       states: {
@@ -488,6 +552,10 @@ export const modelMachine = setup({
             },
           },
           on: {
+            // Unloaded once ready (the manager's exclusive lease keeps requests out meanwhile).
+            UNLOAD: { actions: assign({ unloadAsked: true }) },
+            // Kept: applied once ready (closed, committed, loaded again), or committed if the load ends unloaded.
+            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
             LOADED: {
               target: 'ready',
               actions: assign({
@@ -533,6 +601,11 @@ export const modelMachine = setup({
           tags: ['slots'],
           entry: emit({ type: 'ready' }),
           type: 'parallel',
+          // An UNLOAD that came while loading: `ready` is reached (and emitted), then left.
+          always: [
+            { guard: 'unloadAsked', target: 'unloading' },
+            { guard: 'hasNext', target: 'reconfiguring' },
+          ],
           on: {
             UNLOAD: 'unloading',
             SLOT_FAILED: {
@@ -595,8 +668,10 @@ export const modelMachine = setup({
         },
         unloading: {
           tags: ['slots'],
-          entry: sendTo('residency', { type: 'CLOSE' }),
+          entry: [sendTo('residency', { type: 'CLOSE' }), assign({ unloadAsked: false })],
           on: {
+            // Kept: committed once the pool has closed (in `unloaded`).
+            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
             CLOSED: [
               {
                 // The pool failed (a crash loop): held back instead of reloaded by the next request.
@@ -635,6 +710,10 @@ export const modelMachine = setup({
           tags: ['slots'],
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
+            // Unloaded once the new config has loaded (committed, as a reconfiguration does).
+            UNLOAD: { actions: assign({ unloadAsked: true }) },
+            // The last reconfiguration wins.
+            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
             CLOSED: [
               {
                 guard: and(['hasNext', ({ event }) => !event.error]),
@@ -660,6 +739,7 @@ export const modelMachine = setup({
 });
 
 export type ModelActor = ActorRefFrom<typeof modelMachine>;
+export type ModelSnapshot = SnapshotFrom<typeof modelMachine>;
 /** A model entry's state as `/v1/models` reports it. */
 export type ModelState = 'unloaded' | 'loading' | 'ready' | 'unloading' | 'reconfiguring';
 
@@ -814,6 +894,11 @@ function reportStateChanges(actor: ModelActor, log: Logger, onChange: () => void
   });
 }
 
+/** Sends `event` to a model chart that still runs (a stopped one, unregistered or shut down, hears nothing). */
+function tell(actor: ModelActor, event: ModelEvent): void {
+  if (actor.getSnapshot().status === 'active') actor.send(event);
+}
+
 /**
  * One registered model: its state-chart actor plus its admission queue (the FIFO of leases).
  * Requests hold a lease (see {@link Admission}) from before their input is prepared until their
@@ -832,28 +917,31 @@ export class ModelEntry {
   private lagCount = 0;
   private readonly lagMetric?: { observe(v: number): void };
   private lastUsedAt: number | null = null;
-  private readonly serverBusyTimeoutMs: number;
   private readonly resolve: (config: ModelConfig) => ModelConfig;
   private readonly maxQueuedOf: (config: ModelConfig) => number;
-  /** Evictions accepted since start (LRU, memory or idle). */
-  evictions = 0;
 
   constructor(config: ModelConfig, options: EntryOptions) {
     this.id = config.id;
     const onChange = options.onChange ?? (() => {});
     this.log = options.log ?? createLogger('silent');
-    this.serverBusyTimeoutMs = options.serverBusyTimeoutMs ?? 0;
     this.resolve = options.resolve ?? ((c) => c);
     const metrics = options.metrics;
     this.lagMetric = metrics?.processingLag.labels({ model: config.id });
-    // The chart and the supervisor hear only when the model turns in use or idle (what `inUse` and `evictable` read):
-    // an event per grant and release cost a remote job's holder ~150 µs.
+    // The chart and the supervisor hear only when the model turns in use or idle (what `inUse` and `evictable` read),
+    // and the chart when the exclusive holder changes (`HOLDER`, its overdue timer): an event per grant and release
+    // cost a remote job's holder ~150 µs.
     let inUse = false;
+    let holder: Lease | null = null;
     this.admission = new Admission(config.max_streams, () => {
+      const ex = this.admission.exclusive;
+      if (ex !== holder) {
+        holder = ex;
+        if (this.actor) tell(this.actor, { type: 'HOLDER', held: ex !== null });
+      }
       const now = this.admission.activeLeases > 0 || this.admission.queued > 0;
       if (now === inUse) return;
       inUse = now;
-      this.actor?.send({ type: 'LEASES' });
+      if (this.actor) tell(this.actor, { type: 'LEASES' });
       onChange();
     });
     const maxQueued = (c: ModelConfig): number => c.max_queued ?? options.serverMaxQueued ?? 0;
@@ -866,13 +954,11 @@ export class ModelEntry {
       place: place && (async (c, signal, local) => settle(await place(c, signal, local), c)),
       footprint: async (c) => (await options.footprint?.(c)) ?? 0,
       admission: this.admission,
-      busyTimeoutMs: () => this.busyTimeoutMs,
       resident: (m) => {
         this.loaded = m;
         if (m) this.touch();
       },
       evicted: (reason) => {
-        this.evictions++;
         metrics?.evictions.inc({ model: config.id, reason });
         this.log.info({ reason, idle_ms: this.lastUsedAt ? Date.now() - this.lastUsedAt : undefined }, 'evict');
       },
@@ -883,6 +969,7 @@ export class ModelEntry {
       serverIdleUnloadMs: options.serverIdleUnloadMs,
       serverLoadTimeoutMs: options.serverLoadTimeoutMs,
       serverCrashCooldownMs: options.serverCrashCooldownMs,
+      serverBusyTimeoutMs: options.serverBusyTimeoutMs,
     };
     this.actor = options.spawn
       ? options.spawn(input, this)
@@ -955,22 +1042,9 @@ export class ModelEntry {
     return this.lastUsedAt;
   }
 
-  /** The model's busy-timeout ceiling: min(model, server), 0 = unbounded. Also the overdue limit of C4. */
+  /** The model's busy-timeout ceiling (the chart's {@link busyTimeoutOf}): min(model, server), 0 = unbounded. */
   get busyTimeoutMs(): number {
-    return effectiveTimeout(undefined, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
-  }
-
-  /**
-   * True while the model is stuck (DESIGN.md C4): its chart is `ready.work.stuck` (every slot has
-   * been running one inference for longer than the busy timeout: the pool's timer says so), or the
-   * exclusive holder has held its lease that long.
-   */
-  private stuck(): boolean {
-    const limit = this.busyTimeoutMs;
-    if (limit <= 0) return false;
-    const ex = this.admission.exclusive;
-    if (ex && Date.now() - ex.grantedAt > limit) return true;
-    return this.actor.getSnapshot().matches({ resident: { ready: { work: 'stuck' } } });
+    return busyTimeoutOf(this.actor.getSnapshot().context);
   }
 
   /**
@@ -986,10 +1060,10 @@ export class ModelEntry {
     signal?: AbortSignal;
     onRevoke?: (reason: Error) => void;
   }): Promise<Lease> {
-    const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, this.config.busy_timeout_ms, this.serverBusyTimeoutMs);
-    if (this.stuck()) {
-      throw voxError('model_stuck', { id: this.id, ms: this.busyTimeoutMs });
-    }
+    const s = this.actor.getSnapshot();
+    const ceiling = busyTimeoutOf(s.context);
+    const timeoutMs = effectiveTimeout(opts.requestTimeoutMs, ceiling, 0);
+    if (isStuck(s)) throw voxError('model_stuck', { id: this.id, ms: ceiling });
     const lease = await this.admission.acquire({ timeoutMs, signal: opts.signal, onRevoke: opts.onRevoke });
     this.touch();
     return lease;
@@ -1091,10 +1165,9 @@ export class ModelEntry {
     const lease = await this.admission.acquire({ exclusive: true, timeoutMs, signal });
     try {
       if (changed) {
-        // Under the exclusive lease nothing else moves the chart but a load or a slot failure.
-        await this.settledIn('ready', 'unloaded');
-        // Committed at once when unloaded, else once the old pool has closed (before the new load).
-        this.actor.send({ type: 'RECONFIGURE', config: next });
+        // Committed at once when unloaded, else once the old pool has closed (before the new load); a load or a
+        // slot failure under way first ends as it would (the chart keeps the new config until then).
+        tell(this.actor, { type: 'RECONFIGURE', config: next });
         this.admission.maxQueued = this.maxQueuedOf(next);
         this.admission.setPlaces(next.max_streams);
       }
@@ -1121,8 +1194,8 @@ export class ModelEntry {
   unloadUnder(barrier: Promise<Lease>): Promise<void> {
     return barrier.then(async (lease) => {
       try {
-        await this.settledIn('ready', 'unloaded');
-        if (this.state === 'ready') this.actor.send({ type: 'UNLOAD' });
+        // The chart unloads now, or once a load under way is ready; unloaded, it has nothing to do.
+        tell(this.actor, { type: 'UNLOAD' });
         await this.settledIn('unloaded');
       } finally {
         lease.release();
@@ -1172,14 +1245,6 @@ export class ModelEntry {
           : null,
       licence: s.context.config.licence ?? null,
     };
-  }
-
-  /**
-   * The server drains (shutdown phase 1): a load in progress is abandoned (its slot hosts
-   * killed; its waiters get 503 `shutting_down`) and no new load starts.
-   */
-  drain(): void {
-    this.actor.send({ type: 'DRAIN' });
   }
 
   /**

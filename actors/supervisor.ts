@@ -105,6 +105,11 @@ export type SupervisorEvent =
   | { type: 'LOAD_FINISHED'; id: string }
   /** A model's leases, state or residency changed: room may have been freed. */
   | { type: 'MODEL_CHANGED' }
+  /**
+   * The server drains (shutdown phase 1): every model chart hears `DRAIN` (a cold load in progress is abandoned, no new
+   * one starts), and so does every model registered from now on (its chart starts draining).
+   */
+  | { type: 'DRAIN' }
   | EvictReply;
 
 /** Replies of the gate to a `LOAD_REQUESTED`. */
@@ -129,6 +134,8 @@ export interface SupervisorContext {
   victim: { id: string; reason: EvictReason } | null;
   /** What the current load waits for, while it waits. */
   waitingFor: 'release' | 'memory' | null;
+  /** The server drains (`DRAIN`): a model registered now starts draining. */
+  draining: boolean;
 }
 
 /** A supervisor chart's input: its live dependencies (the chart closes over nothing else). */
@@ -242,6 +249,7 @@ export const supervisorMachine = setup({
     room: null,
     victim: null,
     waitingFor: null,
+    draining: false,
   }),
   on: {
     // A model entry is the chart's child `model:<id>` (its ref: `snapshot.children['model:<id>']`,
@@ -252,10 +260,17 @@ export const supervisorMachine = setup({
         (enqueue.spawnChild as (logic: AnyActorLogic, options: object) => void)(event.logic, {
           id: `model:${event.id}`,
           systemId: `model:${event.id}`,
-          input: event.input,
+          input: context.draining ? { ...event.input, draining: true } : event.input,
         });
         const { entry } = event;
         if (entry) enqueue.assign({ models: new Map(context.models).set(event.id, entry) });
+      }),
+    },
+    DRAIN: {
+      actions: enqueueActions(({ enqueue, self }) => {
+        enqueue.assign({ draining: true });
+        for (const [id, child] of Object.entries(self.getSnapshot().children as Record<string, AnyActorRef>))
+          if (id.startsWith('model:')) enqueue.sendTo(child, { type: 'DRAIN' });
       }),
     },
     UNREGISTER: {
@@ -458,7 +473,8 @@ export class Supervisor {
     // Said before the server listens: the error names the config field and the wake words it knows, not a route.
     for (const [i, m] of config.models.entries()) this.resolveHeads(m, `models.${i}.`);
     const supervisor: SupervisorInput = {
-      guarded: this.guarded,
+      // Cold loads pass the gate one at a time (C11): the chart's `guarded`.
+      guarded: config.max_loaded_models > 0 || config.min_free_memory_mb > 0,
       measure: (target, refused) => this.measureRoom(target, refused),
     };
     this.root = createActor(
@@ -638,11 +654,6 @@ export class Supervisor {
     void this.metrics.forget(id);
   }
 
-  /** True when cold loads pass through the supervisor's gate one at a time (C11). */
-  get guarded(): boolean {
-    return this.config.max_loaded_models > 0 || this.config.min_free_memory_mb > 0;
-  }
-
   /** The chart's `measureRoom`: what is resident, retiring and evictable now, and the free memory. */
   private measureRoom(target: PendingLoad, refused: string[]): RoomFigures {
     // Resident: models whose slots exist here, retiring ones included (the charts' `slots` tag).
@@ -712,7 +723,7 @@ export class Supervisor {
   /** Models evicted (LRU, memory or idle) since start. */
   get evictions(): number {
     let n = 0;
-    for (const e of this.entries.values()) n += e.evictions;
+    for (const e of this.entries.values()) n += e.actor.getSnapshot().context.evictions;
     return n;
   }
 
@@ -952,7 +963,6 @@ export class Supervisor {
       },
     });
     before?.(entry);
-    if (this.draining) entry.drain();
     return entry;
   }
   /**
@@ -1061,9 +1071,6 @@ export class Supervisor {
     return c ? unregisteredStatus(c) : undefined;
   }
 
-  /** True once shutdown has begun: nothing loads any more. */
-  private draining = false;
-
   /**
    * Stops accepting work (`/ready` answers 503): the root goes `draining` and emits `drain`; every
    * model entry drains (a cold load in progress is abandoned, its slot hosts killed, its waiters
@@ -1072,8 +1079,7 @@ export class Supervisor {
   beginShutdown(): void {
     this.folder?.stop();
     this.root.send({ type: 'SHUTDOWN' });
-    this.draining = true;
-    for (const e of this.entries.values()) e.drain();
+    this.actor.send({ type: 'DRAIN' });
   }
 
   /** Shutdown past the drain deadline: every queued request gets `err`, every lease holder is revoked. */

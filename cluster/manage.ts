@@ -3,9 +3,9 @@
  * `node` or `replicas`, cluster-wide unloads, and the hand-over of a draining node's models.
  */
 import type { ModelConfig } from '../runtime/config.js';
-import { fromWire, invalid, toVoxError, VoxError, voxError } from '../runtime/errors.js';
+import { invalid, toVoxError, VoxError, voxError } from '../runtime/errors.js';
 import { nextChange, until } from './membership.js';
-import { decodeMessage, type RemoteReply, encodeJson } from './nats.js';
+import { decodeMessage, type RemoteReply, encodeJson, replyError } from './nats.js';
 import type { ClusterNode } from './node.js';
 
 /** A 503 (busy, insufficient memory, shutting down): a node refused, and the next may be asked. */
@@ -309,10 +309,7 @@ export async function ask<T>(
     if (text.startsWith('{')) return JSON.parse(text) as T;
   }
   const r = decodeMessage<RemoteReply>(data);
-  if (r.type === 'error')
-    throw r.error === 'not_held'
-      ? voxError('no_holder', { message: `node ${node}: ${r.message}` })
-      : fromWire({ code: r.code, message: `node ${node}: ${r.message}` });
+  if (r.type === 'error') throw replyError(node, r);
   return r as T;
 }
 

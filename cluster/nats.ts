@@ -15,6 +15,7 @@ import {
 import { jetstream } from '@nats-io/jetstream';
 import { Kvm, type KV } from '@nats-io/kv';
 import type { ClusterConfig } from '../runtime/config.js';
+import { fromWire, voxError, type VoxError } from '../runtime/errors.js';
 import {
   decodeFrame,
   encodeFrame,
@@ -178,6 +179,28 @@ export type RemoteReply =
    * (docs/errors.md).
    */
   | { type: 'error'; error: string; message: string; retry_after_s?: number; code?: string };
+
+/** A peer's error reply. */
+export type ErrorReply = Extract<RemoteReply, { type: 'error' }>;
+
+/** The one encoding of an error for a peer: the VoxError's type and code (docs/errors.md) and its Retry-After. */
+export function errorReply(v: VoxError): ErrorReply {
+  return { type: 'error', error: v.type, code: v.code, message: v.message, retry_after_s: v.retryAfterS };
+}
+
+/** The reply of a node that does not hold the model ready (any more): its ingress sends the job elsewhere. */
+export function notHeld(message: string): ErrorReply {
+  return { type: 'error', error: 'not_held', message };
+}
+
+/**
+ * The one decoding of a peer's error reply: the VoxError it stands for (by its code), its message prefixed with the
+ * node; `not_held` is 503 `no_holder`.
+ */
+export function replyError(node: string, r: ErrorReply): VoxError {
+  const message = `node ${node}: ${r.message}`;
+  return r.error === 'not_held' ? voxError('no_holder', { message }) : fromWire({ code: r.code, message });
+}
 
 /** Encodes a job or reply as one binary frame (the slot-host frame: JSON head, Float32Arrays as raw bytes). */
 export function encodeMessage(msg: RemoteJob | RemoteReply): Uint8Array {

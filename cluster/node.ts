@@ -12,12 +12,12 @@ import { createHash } from 'node:crypto';
 import type { Subscription } from '@nats-io/transport-node';
 import type { Logger } from 'pino';
 import { createActor, type InspectionEvent } from 'xstate';
+import { busyTimeoutOf } from '../actors/model.js';
 import type { Supervisor } from '../actors/supervisor.js';
 import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { type VoxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
-import { effectiveTimeout } from '../runtime/admission.js';
 import { Locks, type LockRef } from './locks.js';
 import { ask, handOver, manageLoad, manageUnload } from './manage.js';
 import {
@@ -350,12 +350,9 @@ export class ClusterNode {
       .sort((a, b) => Number(a.draining) - Number(b.draining) || load(a) - load(b));
   }
 
-  /**
-   * The model's busy timeout here (runtime/admission.ts's rule: the smaller non-zero of its own and the server's), ms;
-   * 0 = none.
-   */
+  /** The model's busy timeout here (the model chart's {@link busyTimeoutOf}: min(its own, the server's)), ms; 0 = none. */
   busyTimeout(config: ModelConfig): number {
-    return effectiveTimeout(undefined, config.busy_timeout_ms, this.config.busy_timeout_ms);
+    return busyTimeoutOf({ config, serverBusyTimeoutMs: this.config.busy_timeout_ms });
   }
 
   /**

@@ -8,7 +8,7 @@
 import { createInbox, type Msg } from '@nats-io/transport-node';
 import { Counter, Gauge, Histogram, type Registry } from 'prom-client';
 import type { ModelConfig } from '../runtime/config.js';
-import { fromWire, voxError } from '../runtime/errors.js';
+import { voxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import { SlotPool, type SlotHost } from '../runtime/slots/slots.js';
 import type { Job, JobResult, SlotInfo } from '../runtime/slots/slot-protocol.js';
@@ -17,9 +17,11 @@ import {
   Assembler,
   decodeMessage,
   encodeMessage,
+  errorReply,
   joinResults,
   publishInParts,
   redact,
+  replyError,
   splitJob,
   type RemoteReply,
 } from './nats.js';
@@ -133,7 +135,7 @@ export class RemoteJobs {
     try {
       p.settle({ reply: decodeMessage<RemoteReply>(data) });
     } catch (e) {
-      p.settle({ reply: { type: 'error', error: 'server_error', code: 'node_failed', message: (e as Error).message } });
+      p.settle({ reply: errorReply(voxError('node_failed', { message: (e as Error).message })) });
     }
   }
 
@@ -371,7 +373,7 @@ export class RemoteJobs {
         skip.add(node);
         continue;
       }
-      throw fromWire({ code: reply.code, message: `node ${node}: ${reply.message}` });
+      throw replyError(node, reply);
     }
   }
 

@@ -6,23 +6,19 @@
  */
 import { leaseGranted } from '../actors/lease.js';
 import type { ModelEntry } from '../actors/model.js';
-import { toVoxError, voxError, type VoxError } from '../runtime/errors.js';
+import { toVoxError, voxError } from '../runtime/errors.js';
 import type { LockRef } from './locks.js';
 import {
   Assembler,
   decodeMessage,
   encodeMessage,
+  errorReply,
+  notHeld,
   publishInParts,
   type RemoteJob,
-  type RemoteReply,
   encodeJson,
 } from './nats.js';
 import type { ClusterNode } from './node.js';
-
-/** The wire form of an error for a peer (docs/errors.md's type and code). */
-export function errorReply(v: VoxError): RemoteReply {
-  return { type: 'error', error: v.type, code: v.code, message: v.message, retry_after_s: v.retryAfterS };
-}
 
 /** What one node serves to the others on its subjects. */
 export class Serving {
@@ -137,13 +133,13 @@ export class Serving {
           // here any more, so the ingress sends the job (which gave no result) to another holder.
           if (n.backing.get(msg.model) === backing) throw e;
           outcome = 'not_held';
-          return encodeMessage({ type: 'error', error: 'not_held', message: `${n.name} no longer holds ${msg.model}` });
+          return encodeMessage(notHeld(`${n.name} no longer holds ${msg.model}`));
         }
       }
       const entry = this.held(msg.model);
       if (!entry) {
         outcome = 'not_held';
-        return encodeMessage({ type: 'error', error: 'not_held', message: `${n.name} does not hold ${msg.model}` });
+        return encodeMessage(notHeld(`${n.name} does not hold ${msg.model}`));
       }
       const { handle, granted } = leaseGranted(
         entry,
@@ -168,7 +164,7 @@ export class Serving {
         // holds the model no more, so the ingress sends the job (which gave no result) to another holder.
         outcome = 'not_held';
         const why = revoked ? `${msg.model} was unloaded (forced)` : 'is stopping';
-        return encodeMessage({ type: 'error', error: 'not_held', message: `${n.name}: ${why}: ${v.message}` });
+        return encodeMessage(notHeld(`${n.name}: ${why}: ${v.message}`));
       }
       outcome = v.type;
       return encodeMessage(errorReply(v));
@@ -187,8 +183,7 @@ export class Serving {
     const backing = this.n.runsRemotely(model) ? this.n.backing.get(model) : undefined;
     if (backing) return encodeMessage({ type: 'info', info: backing.pool.info });
     const entry = this.held(model);
-    if (!entry)
-      return encodeMessage({ type: 'error', error: 'not_held', message: `${this.n.name} does not hold ${model}` });
+    if (!entry) return encodeMessage(notHeld(`${this.n.name} does not hold ${model}`));
     const { pool } = await entry.ensureReady();
     return encodeMessage({ type: 'info', info: pool.info });
   }

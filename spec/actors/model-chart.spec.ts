@@ -5,7 +5,15 @@
  */
 import { describe, expect, it } from 'vitest';
 import { createActor, fromCallback, SimulatedClock, type AnyActorRef } from 'xstate';
-import { modelMachine, stateName, type EvictReason, type EvictReply, type ModelDeps } from '../../actors/model.js';
+import {
+  busyTimeoutOf,
+  isStuck,
+  modelMachine,
+  stateName,
+  type EvictReason,
+  type EvictReply,
+  type ModelDeps,
+} from '../../actors/model.js';
 import { ModelConfig } from '../../runtime/config.js';
 import { VoxError } from '../../runtime/errors.js';
 import type { LoadedModel } from '../../runtime/loader.js';
@@ -14,7 +22,7 @@ const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
 
 function chart(
   fields: Record<string, unknown> = {},
-  server: { idle?: number; loadTimeout?: number; crashCooldown?: number } = {},
+  server: { idle?: number; loadTimeout?: number; crashCooldown?: number; busy?: number } = {},
 ) {
   const clock = new SimulatedClock();
   const loads: {
@@ -57,7 +65,6 @@ function chart(
       new Promise((resolve, reject) => loads.push({ config: config as ModelConfig, signal: signal!, resolve, reject })),
     footprint: async () => 0,
     admission,
-    busyTimeoutMs: () => 0,
     resident: (m) => void resident.push(m),
     evicted: (reason) => void evictions.push(reason),
     now: () => clock.now(),
@@ -71,6 +78,7 @@ function chart(
       serverIdleUnloadMs: server.idle ?? 0,
       serverLoadTimeoutMs: server.loadTimeout ?? 0,
       serverCrashCooldownMs: server.crashCooldown ?? 0,
+      serverBusyTimeoutMs: server.busy ?? 0,
     },
   });
   actor.start();
@@ -217,6 +225,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(stateName(c.value())).toBe('unloading');
     expect(c.replies).toEqual([{ type: 'EVICTED', id: 'm', reason: 'lru' }]);
     expect(c.evictions).toEqual(['lru']);
+    expect(c.actor.getSnapshot().context.evictions).toBe(1);
     expect(c.leases).toEqual([{ exclusive: true, released: false }]);
     expect(c.actor.getSnapshot().context.evicted).toEqual({ reason: 'lru', at: c.clock.now() });
     await flush();
@@ -241,6 +250,7 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
       { type: 'EVICT_REFUSED', id: 'm', reason: 'lru', state: 'ready' },
     ]);
     expect(c.evictions).toEqual([]);
+    expect(c.actor.getSnapshot().context.evictions).toBe(0);
     expect(stateName(c.value())).toBe('ready');
   });
 
@@ -284,6 +294,33 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     e.actor.send({ type: 'UNLOAD' });
     await flush();
     expect(e.actor.getSnapshot().context.lastError).toBe('close failed');
+  });
+
+  it("UNLOAD while loading is the chart's to keep: `ready` is reached (and emitted), then unloaded; once done (or the load failed) the next load stays ready", async () => {
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.actor.send({ type: 'UNLOAD' });
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(c.actor.getSnapshot().context.unloadAsked).toBe(true);
+    c.loads[0].resolve(c.pool('m'));
+    await flush();
+    expect(c.value()).toBe('unloaded');
+    expect(c.emitted).toEqual(['ready', 'unloaded']);
+    expect(c.closed).toEqual(['m']);
+    expect(c.actor.getSnapshot().context.unloadAsked).toBe(false);
+    await c.load();
+    expect(stateName(c.value())).toBe('ready');
+    // Asked while loading, and the load fails: unloaded, nothing left asked.
+    const f = chart();
+    f.actor.send({ type: 'LOAD' });
+    await flush();
+    f.actor.send({ type: 'UNLOAD' });
+    f.loads[0].reject(new Error('bad weights'));
+    await flush();
+    expect(f.value()).toBe('unloaded');
+    await f.load();
+    expect(stateName(f.value())).toBe('ready');
   });
 
   it('residency (the `slots` tag): from LOADED until the pool has closed, retiring included; not while loading or unloaded', async () => {
@@ -332,6 +369,48 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(stateName(c.value())).toBe('unloading');
   });
 
+  it("stuck (C4) is the chart's: its exclusive holder overdue past the busy timeout (its own timer, restarted per holder), or ready.work.stuck", async () => {
+    const c = chart({ busy_timeout_ms: 500 }, { busy: 800 });
+    const stuck = () => isStuck(c.actor.getSnapshot());
+    expect(busyTimeoutOf(c.actor.getSnapshot().context)).toBe(500);
+    // A manager holds the exclusive lease (the model unloaded: a load under it, say).
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(499);
+    expect(stuck()).toBe(false);
+    c.clock.increment(1);
+    expect(stuck()).toBe(true);
+    expect(c.value()).toBe('unloaded'); // a flag, not a state: whatever the holder does meanwhile
+    c.actor.send({ type: 'HOLDER', held: false });
+    expect(stuck()).toBe(false);
+    c.clock.increment(1000);
+    expect(stuck()).toBe(false);
+    // A new holder starts the timer again: one after another, each has its own busy timeout.
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(300);
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(300);
+    expect(stuck()).toBe(false);
+    c.clock.increment(200);
+    expect(stuck()).toBe(true);
+    c.actor.send({ type: 'HOLDER', held: false });
+    // The slots stuck (the pool's timer): stuck too, until they move.
+    await c.load();
+    c.stuckSlots(true);
+    expect(stuck()).toBe(true);
+    c.stuckSlots(false);
+    expect(stuck()).toBe(false);
+  });
+
+  it('the busy timeout is min(model, server), 0 = unbounded: no holder is ever overdue then', () => {
+    expect(busyTimeoutOf(chart({}, { busy: 400 }).actor.getSnapshot().context)).toBe(400);
+    expect(busyTimeoutOf(chart({ busy_timeout_ms: 900 }, { busy: 400 }).actor.getSnapshot().context)).toBe(400);
+    const c = chart();
+    expect(busyTimeoutOf(c.actor.getSnapshot().context)).toBe(0);
+    c.actor.send({ type: 'HOLDER', held: true });
+    c.clock.increment(3_600_000);
+    expect(isStuck(c.actor.getSnapshot())).toBe(false);
+  });
+
   it('SLOT_FAILED in ready unloads the model with lastError', async () => {
     const c = chart();
     await c.load();
@@ -356,6 +435,41 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
     expect(c.value()).toEqual({ resident: { loading: 'building' } });
     expect(c.actor.getSnapshot().context).toMatchObject({ config: next, next: null });
     expect(c.loads.at(-1)!.config).toBe(next);
+  });
+
+  it('RECONFIGURE while loading or unloading is kept: applied once ready (old pool closed, new config loaded), committed if the chart ends unloaded', async () => {
+    const b = ModelConfig.parse({ id: 'm', task: 'vad', path: '/b.onnx' });
+    // While loading, the load then succeeds: ready (emitted), then reconfiguring, then the new config loads.
+    const c = chart();
+    c.actor.send({ type: 'LOAD' });
+    await flush();
+    c.actor.send({ type: 'RECONFIGURE', config: b });
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    c.loads[0].resolve(c.pool('old'));
+    await flush();
+    expect(c.closed).toEqual(['old']);
+    expect(c.emitted).toEqual(['ready']);
+    expect(c.value()).toEqual({ resident: { loading: 'building' } });
+    expect(c.loads.at(-1)!.config).toBe(b);
+    expect(c.actor.getSnapshot().context).toMatchObject({ config: b, next: null });
+    // While loading, the load fails: unloaded with the new config committed.
+    const f = chart();
+    f.actor.send({ type: 'LOAD' });
+    await flush();
+    f.actor.send({ type: 'RECONFIGURE', config: b });
+    f.loads[0].reject(new Error('bad weights'));
+    await flush();
+    expect(f.value()).toBe('unloaded');
+    expect(f.actor.getSnapshot().context).toMatchObject({ config: b, next: null });
+    // While unloading (a slot died), with cool-downs on: committed, not held back.
+    const u = chart({}, { crashCooldown: 10_000 });
+    await u.load();
+    u.failSlot(new Error('slot died'));
+    expect(stateName(u.value())).toBe('unloading');
+    u.actor.send({ type: 'RECONFIGURE', config: b });
+    await flush();
+    expect(u.value()).toBe('unloaded');
+    expect(u.actor.getSnapshot().context).toMatchObject({ config: b, next: null, coolDown: null });
   });
 
   it('RECONFIGURE whose old pool fails to close: the new config is committed, unloaded, with the error', async () => {
@@ -399,7 +513,6 @@ describe('model chart (createActor, SimulatedClock, no ModelEntry class)', () =>
       loader: () => new Promise(() => void loads.push(1)),
       footprint: async () => 5,
       admission: { tryAcquire: () => null, activeLeases: 0, queued: 0, exclusive: null },
-      busyTimeoutMs: () => 700,
       resident: () => {},
       evicted: () => {},
     });

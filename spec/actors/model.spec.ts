@@ -157,6 +157,23 @@ describe('ModelEntry', () => {
     expect(e.state).toBe('unloaded');
   });
 
+  it('C4: a manager holding the exclusive lease past the busy timeout makes new requests 503 model_stuck at once (the chart hears HOLDER); once it lets go they are admitted', async () => {
+    const e = new ModelEntry(ModelConfig.parse({ ...config, busy_timeout_ms: 60 }), { loader: fakeLoader().loader });
+    const manager = await e.admission.acquire({ exclusive: true });
+    // Within the busy timeout: a request queues behind the manager (and times out like any waiter).
+    const early = e.admit({}).catch((err: { code?: string }) => err.code);
+    await new Promise((r) => setTimeout(r, 80));
+    expect(await early).toBe('busy_timeout');
+    // Past it: refused at once.
+    const t0 = performance.now();
+    await expect(e.admit({})).rejects.toMatchObject({ code: 'model_stuck' });
+    expect(performance.now() - t0).toBeLessThan(20);
+    manager.release();
+    const lease = await e.admit({});
+    expect(e.admission.activeLeases).toBe(1);
+    lease.release();
+  });
+
   it('a load still building after load_timeout_ms is abandoned: its signal aborts, the model is unloaded with last_error naming the timeout, and a later load can succeed', async () => {
     let signal: AbortSignal | undefined;
     let hang = true;

@@ -216,4 +216,28 @@ describe('supervisor chart (createActor, SimulatedClock, no Supervisor class)', 
     expect(g.actor.getSnapshot().context.current?.id).toBe('y');
     expect(y).toEqual([]);
   });
+
+  it('DRAIN (shutdown) reaches every model chart, and a model registered afterwards starts draining (its input says so)', () => {
+    const actor = createActor(supervisorMachine, { input: { guarded: false, measure: () => ({}) as RoomFigures } });
+    actor.start();
+    const heard: { id: string; type?: string; draining?: boolean }[] = [];
+    const model = (id: string) =>
+      fromCallback<{ type: string }, { draining?: boolean }>(({ input, receive }) => {
+        heard.push({ id, draining: input.draining });
+        receive((e) => void heard.push({ id, type: e.type }));
+      }) as unknown as typeof modelMachine;
+    actor.send({ type: 'REGISTER', id: 'a', logic: model('a'), input: {} as never });
+    actor.send({ type: 'REGISTER', id: 'b', logic: model('b'), input: {} as never });
+    expect(actor.getSnapshot().context.draining).toBe(false);
+    actor.send({ type: 'DRAIN' });
+    actor.send({ type: 'REGISTER', id: 'c', logic: model('c'), input: {} as never });
+    expect(heard).toEqual([
+      { id: 'a', draining: undefined },
+      { id: 'b', draining: undefined },
+      { id: 'a', type: 'DRAIN' },
+      { id: 'b', type: 'DRAIN' },
+      { id: 'c', draining: true },
+    ]);
+    expect(actor.getSnapshot().context.draining).toBe(true);
+  });
 });

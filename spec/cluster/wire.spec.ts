@@ -3,7 +3,18 @@
  * for NATS's max_payload gives, joined, the result the whole batch gives on a real slot host.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { decodeMessage, encodeMessage, joinResults, splitJob, type RemoteJob } from '../../cluster/nats.js';
+import {
+  decodeMessage,
+  encodeMessage,
+  errorReply,
+  joinResults,
+  notHeld,
+  replyError,
+  splitJob,
+  type ErrorReply,
+  type RemoteJob,
+} from '../../cluster/nats.js';
+import { voxError } from '../../runtime/errors.js';
 import { vadPacking, wakewordPacking } from '../../runtime/batcher.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
 import { defaultCatalog } from '../../runtime/config.js';
@@ -23,6 +34,32 @@ function noise(n: number, amp: number, seed: number): Float32Array {
 }
 
 const path = (id: string): string => defaultCatalog().find((c) => c.id === id)!.path;
+
+describe('error replies to a peer: one encoding (errorReply, notHeld), one decoding (replyError)', () => {
+  it('an error crosses the frame with its code, type and Retry-After; the node is named; not_held is 503 no_holder', () => {
+    const sent = voxError('model_stuck', { id: 'm', ms: 500 });
+    const r = decodeMessage<ErrorReply>(encodeMessage(errorReply(sent)));
+    expect(r).toMatchObject({
+      type: 'error',
+      error: 'server_busy',
+      code: 'model_stuck',
+      retry_after_s: sent.retryAfterS,
+    });
+    const back = replyError('b', r);
+    expect([back.code, back.type, back.status, back.message]).toEqual([
+      'model_stuck',
+      sent.type,
+      sent.status,
+      `node b: ${sent.message}`,
+    ]);
+    const gone = replyError('c', decodeMessage<ErrorReply>(encodeMessage(notHeld('c does not hold m'))));
+    expect([gone.code, gone.status, gone.message]).toEqual(['no_holder', 503, 'node c: c does not hold m']);
+    // An unknown code (a newer peer) is a 500 internal_error with the peer's message.
+    expect(replyError('d', { type: 'error', error: 'x', code: 'not_a_code', message: 'm' }).code).toBe(
+      'internal_error',
+    );
+  });
+});
 
 describe('remote job frames', () => {
   let vad: SlotHost;
