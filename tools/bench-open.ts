@@ -8,7 +8,9 @@
  * and its ratio to 16 kHz are printed. One server for the run, one warm-up round at every rate
  * first (not counted).
  *
- *   npm run build && node dist/tools/bench-open.js [--streams 200] [--concurrency 4] [--rounds 3]
+ *   npm run build && node dist/tools/bench-open.js [--streams 200] [--concurrency 4] [--rounds 3] [--rates 16000,8000,48000]
+ *
+ * `--rates` measures only those rates (the first is the one the others are divided by).
  */
 import { parseArgs } from 'node:util';
 import WebSocket from 'ws';
@@ -17,7 +19,9 @@ import { cpuApart } from './proc.js';
 import { spawnWithConfig } from './spawn-server.js';
 
 const usage = (): never => {
-  console.error('usage: bench-open.js [--streams N] [--concurrency C] [--rounds R] (positive integers up to 100000)');
+  console.error(
+    'usage: bench-open.js [--streams N] [--concurrency C] [--rounds R] (positive integers up to 100000) [--rates 16000,8000,48000]',
+  );
   process.exit(2);
 };
 let values: Record<string, string | undefined> = {};
@@ -27,6 +31,7 @@ try {
       streams: { type: 'string', default: '200' },
       concurrency: { type: 'string', default: '4' },
       rounds: { type: 'string', default: '3' },
+      rates: { type: 'string', default: '16000,8000,48000' },
     },
   }));
 } catch {
@@ -35,7 +40,7 @@ try {
 const [N, C, ROUNDS] = [values.streams, values.concurrency, values.rounds].map((x) =>
   /^[1-9]\d{0,4}$/.test(x ?? '') ? Number(x) : usage(),
 );
-const RATES = [16000, 8000, 48000];
+const RATES = (values.rates ?? '').split(',').map((x) => (/^\d{4,6}$/.test(x) ? Number(x) : usage()));
 
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
 const { child, url } = await spawnWithConfig({
@@ -98,14 +103,14 @@ try {
   console.log(
     `main-process CPU per stream opened, fed 1 s of audio and closed (${N} streams, ${C} at a time, ${ROUNDS} round(s)):`,
   );
-  const base = median(ms.get(16000)!);
+  const base = median(ms.get(RATES[0])!);
   for (const rate of RATES) {
     const m = median(ms.get(rate)!);
     console.log(
       `${String(rate).padStart(5)} Hz: ${m.toFixed(2)} ms (rounds ${ms
         .get(rate)!
         .map((x) => x.toFixed(2))
-        .join(', ')}), ${(m / base).toFixed(2)}x 16 kHz`,
+        .join(', ')}), ${(m / base).toFixed(2)}x ${RATES[0]} Hz`,
     );
   }
 } finally {
