@@ -11,7 +11,7 @@
  *
  * Each prints one JSON line of figures.
  */
-import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { copyFileSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -49,6 +49,15 @@ function treePss(pid: number): number {
 /** One process's resident bytes. */
 const ownRss = (pid: number): number =>
   Number(/VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) * 1024;
+
+/** The thread ids of a process now (`/proc/<pid>/task`; empty once it has exited). */
+function threadIds(pid: number): number[] {
+  try {
+    return readdirSync(`/proc/${pid}/task`).map(Number);
+  } catch {
+    return [];
+  }
+}
 
 /** A metric's value from `/metrics` (the first sample of that name). */
 async function metric(url: string, name: string): Promise<number> {
@@ -326,8 +335,11 @@ async function memory(): Promise<void> {
  * force-unloaded under a live stream, and the folder changed (a head copied in, the previous
  * round's removed). Then it idles `IDLE_S` (default 20) seconds. RSS (from /proc), heap used and
  * external memory (`/metrics`) of the main process, against the same process before the churn:
- * `cold` just after start, `warm` after one round and the same idle. `ISOLATION=thread` runs the
- * slot hosts as threads of the main process.
+ * `cold` just after start, `warm` after one round and the same idle; and the threads the main
+ * process started during the churn (`/proc/<pid>/task` polled each 100 ms, against its threads
+ * once warm). `ISOLATION=thread` runs the slot hosts as threads of the main process. `FRAME_MS`
+ * sends each stream's audio in frames of that many ms (default: the whole 5.8 s sentence as one
+ * frame). `HOLD_S` keeps the server running that many seconds after the figures (to inspect it).
  */
 async function churn(): Promise<void> {
   const rounds = Number(process.env.ROUNDS ?? 30);
@@ -350,6 +362,8 @@ async function churn(): Promise<void> {
   );
   const pid = child.pid!;
   const speech = readFileSync(join(root, 'spec/fixtures/espeak_sentence_16k.wav')).subarray(44);
+  // FRAME_MS: each WebSocket frame's audio, ms (default: the whole 5.8 s sentence in one frame).
+  const frameBytes = Number(process.env.FRAME_MS ?? 0) * 32 || speech.length;
   const closes: Record<string, number> = {};
   const errors: Record<string, number> = {};
   /**
@@ -363,10 +377,11 @@ async function churn(): Promise<void> {
       ws.on('message', async (d) => {
         const e = JSON.parse(d.toString());
         if (e.type === 'ready') {
-          const frames = Math.ceil((secs * 32000) / speech.length);
+          const frames = Math.ceil((secs * 32000) / frameBytes);
           for (let i = 0; i < frames && ws.readyState === WebSocket.OPEN; i++) {
             while (ws.bufferedAmount > 1 << 20) await sleep(5);
-            ws.send(speech);
+            const at = (i * frameBytes) % speech.length;
+            ws.send(speech.subarray(at, at + frameBytes));
             if (secs === Number.POSITIVE_INFINITY) await sleep(50);
           }
           if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: 'end' }));
@@ -433,6 +448,7 @@ async function churn(): Promise<void> {
       rss_mib: round(ownRss(pid) / MiB, 0),
       heap_mib: round(m('voxserve_nodejs_heap_size_used_bytes') / MiB, 0),
       external_mib: round(m('voxserve_nodejs_external_memory_bytes') / MiB, 0),
+      threads: threadIds(pid).length,
       metric_series: text.split('\n').filter((l) => l && !l.startsWith('#')).length,
     };
   };
@@ -456,9 +472,17 @@ async function churn(): Promise<void> {
     await unloadAll();
     const warm = await sample();
     await snapshot();
+    // The main process's threads, polled through the churn: any not there once warm was started by it.
+    const warmThreads = new Set(threadIds(pid));
+    const seen = new Set<number>();
+    const poll = setInterval(() => {
+      for (const t of threadIds(pid)) seen.add(t);
+    }, 100);
     const t0 = performance.now();
     for (let r = 1; r <= rounds; r++) await round1(r);
     const ran = (performance.now() - t0) / 1000;
+    clearInterval(poll);
+    const started = [...seen].filter((t) => !warmThreads.has(t)).length;
     const after = await sample();
     await sleep(idleS * 1000);
     const idleLoaded = await sample();
@@ -471,6 +495,7 @@ async function churn(): Promise<void> {
         figure: 'main-process memory after wake-word churn',
         isolation,
         rounds,
+        frame_bytes: frameBytes,
         streams_per_round: streams + 2,
         ran_s: round(ran),
         statuses,
@@ -486,9 +511,11 @@ async function churn(): Promise<void> {
         rss_ratio_idle_vs_warm: round(idle.rss_mib / warm.rss_mib, 2),
         rss_ratio_loaded_vs_warm_loaded: round(idleLoaded.rss_mib / warmLoaded.rss_mib, 2),
         heap_ratio_idle_vs_warm: round(idle.heap_mib / warm.heap_mib, 2),
+        threads_started_during_churn: started,
         slot_hosts_rss_mib_models_loaded: hosts,
       }),
     );
+    await sleep(Number(process.env.HOLD_S ?? 0) * 1000);
   } finally {
     child.kill('SIGKILL');
   }
