@@ -370,6 +370,12 @@ export const modelMachine = setup({
       enqueue.assign({ evictionLease: null });
       enqueue(() => queueMicrotask(() => lease.release()));
     }),
+    /** A `RECONFIGURE` that comes while the pool is loading or closing: kept, the last one wins (applied once settled). */
+    keepReconfiguration: assign({
+      next: ({ context, event }) => (event.type === 'RECONFIGURE' ? event.config : context.next),
+    }),
+    /** An `UNLOAD` that comes while the pool is loading or being replaced: kept, done once ready. */
+    keepUnload: assign({ unloadAsked: true }),
     /** Counts an accepted eviction (and tells the entry, which logs it and tells the metrics). */
     recordEviction: enqueueActions(({ context, enqueue }, params: { reason: EvictReason }) => {
       enqueue.assign({ evictions: context.evictions + 1 });
@@ -553,9 +559,9 @@ export const modelMachine = setup({
           },
           on: {
             // Unloaded once ready (the manager's exclusive lease keeps requests out meanwhile).
-            UNLOAD: { actions: assign({ unloadAsked: true }) },
+            UNLOAD: { actions: 'keepUnload' },
             // Kept: applied once ready (closed, committed, loaded again), or committed if the load ends unloaded.
-            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
+            RECONFIGURE: { actions: 'keepReconfiguration' },
             LOADED: {
               target: 'ready',
               actions: assign({
@@ -671,7 +677,7 @@ export const modelMachine = setup({
           entry: [sendTo('residency', { type: 'CLOSE' }), assign({ unloadAsked: false })],
           on: {
             // Kept: committed once the pool has closed (in `unloaded`).
-            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
+            RECONFIGURE: { actions: 'keepReconfiguration' },
             CLOSED: [
               {
                 // The pool failed (a crash loop): held back instead of reloaded by the next request.
@@ -711,9 +717,9 @@ export const modelMachine = setup({
           entry: sendTo('residency', { type: 'CLOSE' }),
           on: {
             // Unloaded once the new config has loaded (committed, as a reconfiguration does).
-            UNLOAD: { actions: assign({ unloadAsked: true }) },
+            UNLOAD: { actions: 'keepUnload' },
             // The last reconfiguration wins.
-            RECONFIGURE: { actions: assign({ next: ({ event }) => event.config }) },
+            RECONFIGURE: { actions: 'keepReconfiguration' },
             CLOSED: [
               {
                 guard: and(['hasNext', ({ event }) => !event.error]),
