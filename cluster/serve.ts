@@ -236,7 +236,25 @@ export class Serving {
       }
     }
     if (!entry) throw voxError('model_not_found', { id, hint: `not on ${n.name}` });
-    if (n.runsRemotely(id)) await entry.unload(timeout);
+    // A placement of it under way here may have chosen another node before the pin below: its load
+    // ends in a remote pool, which is given up and loaded here in a second round (the pin is set by then).
+    for (let round = 0; ; round++) {
+      if (n.runsRemotely(id)) await entry.unload(timeout);
+      const loaded = await this.loadPinned(entry, id, fields, lock);
+      if (!n.runsRemotely(id) || round === 1) return loaded;
+    }
+  }
+
+  /** {@link loadHere}'s load with the pin set: a placement of `id` starting here loads it here. */
+  private async loadPinned(
+    entry: ModelEntry,
+    id: string,
+    fields: Record<string, unknown>,
+    lock?: LockRef,
+  ): Promise<{ id: string; loaded: true; reconfigured: boolean }> {
+    const n = this.n;
+    const sup = n.supervisor!;
+    const timeout = n.config.busy_timeout_ms;
     n.pinned.set(id, lock);
     // A placement of this model waiting here (for the lock another node holds) loads it now: the beat wakes it.
     n.beat();

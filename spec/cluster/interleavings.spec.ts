@@ -533,8 +533,10 @@ class ManageLoad implements Cmd {
       this.toString(),
       n,
       async () => {
-        // An unload under way (its second phase may come after this load) counts as a disturbance.
-        const disturbed = w.unloading ? -1 : w.disturbed;
+        // An unload under way (its second phase may come after this load) counts as a disturbance, and so
+        // does a node's memory at 0: any load there evicts an idle model to make room, this one too (LRU,
+        // as on a single node) (FC_SEED=-1771985523 FC_RUNS=994, 3 nodes).
+        const disturbed = w.unloading || w.nodes.some((x) => x.memory === 0) ? -1 : w.disturbed;
         const r = (await n.cluster.manageLoad(body, (fields) => {
           const known = typeof fields.id === 'string' ? n.sup.configOf(fields.id) : undefined;
           return validateModelConfig(known ? { ...known, ...fields } : fields);
