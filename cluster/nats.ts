@@ -14,6 +14,7 @@ import {
 } from '@nats-io/transport-node';
 import { jetstream } from '@nats-io/jetstream';
 import { Kvm, type KV } from '@nats-io/kv';
+import { assign, createActor, fromPromise, setup, waitFor } from 'xstate';
 import type { ClusterConfig } from '../runtime/config.js';
 import { fromWire, voxError, type VoxError } from '../runtime/errors.js';
 import {
@@ -129,35 +130,69 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
     await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS }),
     await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS }),
   ];
-  // A NATS cluster that has just started elects its JetStream leader after a moment: retried until the connect timeout.
-  const end = Date.now() + s.connect_timeout_ms;
-  for (;;) {
-    try {
-      const [nodes, locks] = await open();
-      const link: NatsLink = {
-        nc,
-        nodes,
-        locks,
-        reopen: async () => {
-          [link.nodes, link.locks] = await open();
-        },
-      };
-      return link;
-    } catch (e) {
-      if (Date.now() < end) {
-        await new Promise((r) => setTimeout(r, 250));
-        continue;
-      }
-      await nc.close().catch(() => {});
-      throw new Error(
-        redact(
-          `cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${(e as Error).message}`,
-          s,
-        ),
-      );
-    }
+  // A NATS cluster that has just started elects its JetStream leader after a moment: tried again until the connect timeout.
+  const opening = createActor(openingMachine, { input: { open, timeoutMs: s.connect_timeout_ms } }).start();
+  const done = await waitFor(opening, (o) => o.status === 'done');
+  const [nodes, locks] = done.context.buckets ?? [];
+  if (nodes && locks) {
+    const link: NatsLink = {
+      nc,
+      nodes,
+      locks,
+      reopen: async () => {
+        [link.nodes, link.locks] = await open();
+      },
+    };
+    return link;
   }
+  await nc.close().catch(() => {});
+  const why = done.context.error
+    ? (done.context.error as Error).message
+    : `no answer within ${s.connect_timeout_ms} ms`;
+  throw new Error(
+    redact(
+      `cluster.nats: NATS at ${s.nats} has no usable JetStream key-value store (start nats-server with -js): ${why}`,
+      s,
+    ),
+  );
 }
+
+/**
+ * Opening the buckets at join: `opening` (one try), `waiting` (250 ms after a refusal: a NATS
+ * cluster just started has no JetStream leader yet, and NATS raises no event when it has one),
+ * until `timeoutMs` ends it in `failed` with the last error. Every wait a delay of the chart.
+ */
+export const openingMachine = setup({
+  types: {
+    input: {} as { open: () => Promise<[KV, KV]>; timeoutMs: number },
+    context: {} as { open: () => Promise<[KV, KV]>; timeoutMs: number; buckets?: [KV, KV]; error?: unknown },
+  },
+  actors: { open: fromPromise<[KV, KV], () => Promise<[KV, KV]>>(({ input }) => input()) },
+  delays: { retry: 250, deadline: ({ context }) => context.timeoutMs },
+}).createMachine({
+  id: 'opening',
+  context: ({ input }) => input,
+  initial: 'trying',
+  states: {
+    trying: {
+      initial: 'opening',
+      after: { deadline: 'failed' },
+      states: {
+        opening: {
+          invoke: {
+            src: 'open',
+            input: ({ context }) => context.open,
+            onDone: { target: '#opening.opened', actions: assign({ buckets: ({ event }) => event.output }) },
+            onError: { target: 'waiting', actions: assign({ error: ({ event }) => event.error }) },
+          },
+        },
+        waiting: { after: { retry: 'opening' } },
+      },
+    },
+    opened: { type: 'final' },
+    failed: { type: 'final' },
+  },
+});
 
 /** A message of the cluster's job subjects: the slot-host protocol's `run` plus what a holder needs. */
 export interface RemoteJob {

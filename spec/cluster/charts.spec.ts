@@ -5,7 +5,8 @@
  * fakes. What each asserts is the chart's documented behaviour (cluster/membership.ts,
  * cluster/placement-chart.ts, docs/cluster.md): heartbeats as delays, NATS lost and back, nodes
  * gone until heard of again, the probe only while jobs are in flight; placements bounded by the
- * busy timeout, waiting for another node's lock, given up after a take-over, ended by ABORT.
+ * busy timeout, waiting for another node's lock, given up after a take-over, ended by ABORT; the
+ * buckets opened at join, tried again until the connect timeout.
  */
 import { createActor, fromPromise, SimulatedClock } from 'xstate';
 import { describe, expect, it } from 'vitest';
@@ -14,6 +15,8 @@ import { placementMachine, type PlacementOutput } from '../../cluster/placement-
 import { lockMachine, type LoadLock } from '../../cluster/locks.js';
 import type { LoadedModel } from '../../runtime/loader.js';
 import { FakeNats } from './fake-nats.js';
+import { openingMachine } from '../../cluster/nats.js';
+import type { KV } from '@nats-io/kv';
 
 const HEARTBEAT_MS = 1000;
 const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
@@ -243,5 +246,52 @@ describe('a load lock chart alone (SimulatedClock)', () => {
     expect(lock.getSnapshot().status).toBe('done');
     clock.increment(3000);
     expect(renewals).toBe(2);
+  });
+});
+
+describe('the bucket opening chart alone (SimulatedClock)', () => {
+  // docs/cluster.md `connect_timeout_ms`: a NATS cluster just started has no JetStream leader for a
+  // moment; the node tries again until the connect timeout, then fails with the last refusal.
+  const opening = (answers: (() => Promise<[KV, KV]>)[], timeoutMs: number) => {
+    const clock = new SimulatedClock();
+    let tries = 0;
+    const open = (): Promise<[KV, KV]> => answers[Math.min(tries++, answers.length - 1)]();
+    const actor = createActor(openingMachine, { clock, input: { open, timeoutMs } }).start();
+    return { actor, clock, tries: () => tries };
+  };
+  const refused = (): Promise<[KV, KV]> => Promise.reject(new Error('no JetStream leader'));
+  const buckets = [{}, {}] as [KV, KV];
+
+  it('refused twice, then opened: tried again 250 ms after each refusal, opened with the buckets', async () => {
+    const { actor, clock, tries } = opening([refused, refused, () => Promise.resolve(buckets)], 5000);
+    await flush();
+    expect(tries()).toBe(1);
+    expect(actor.getSnapshot().value).toEqual({ trying: 'waiting' });
+    clock.increment(249);
+    await flush();
+    expect(tries()).toBe(1);
+    clock.increment(1);
+    await flush();
+    clock.increment(250);
+    await flush();
+    expect(tries()).toBe(3);
+    expect(actor.getSnapshot().value).toBe('opened');
+    expect(actor.getSnapshot().context.buckets).toBe(buckets);
+  });
+
+  it('refused until the connect timeout: failed then with the last refusal, and no try after it', async () => {
+    const { actor, clock, tries } = opening([refused], 1000);
+    for (let t = 0; t < 1000; t += 250) {
+      await flush();
+      clock.increment(250);
+    }
+    await flush();
+    expect(actor.getSnapshot().value).toBe('failed');
+    expect((actor.getSnapshot().context.error as Error).message).toBe('no JetStream leader');
+    const n = tries();
+    expect(n).toBe(4);
+    clock.increment(5000);
+    await flush();
+    expect(tries()).toBe(n);
   });
 });
