@@ -27,6 +27,15 @@ export interface LoadLock {
    * lock over since (this node was paused past `lock_ms`); true when NATS cannot tell.
    */
   held(): Promise<boolean>;
+  /**
+   * The node asked to load under this lock, while it has not answered (else null). A node leaving
+   * then does not delete the lock: that load may be under way, and another node taking the lock
+   * meanwhile would load the model a second time at once (FC_SEED=-329688292 FC_RUNS=591, 3 nodes).
+   * It rewrites the lock with `lent_to` naming that node, which gives it back once it holds the
+   * model ({@link Locks.clear}); if that node never loads it (the request lost, its load failed),
+   * the lock stands until it expires (`lock_ms`).
+   */
+  lent: string | null;
   release(): Promise<void>;
 }
 
@@ -101,7 +110,13 @@ export class Locks {
     const key = lockKey(model);
     const token = randomUUID();
     // `deadline` is the writer's clock, for people reading the bucket: no other node reads it.
-    const value = (): Uint8Array => encodeJson({ owner: this.owner, token, model, deadline: Date.now() + this.lockMs });
+    const fields = (): Record<string, unknown> => ({
+      owner: this.owner,
+      token,
+      model,
+      deadline: Date.now() + this.lockMs,
+    });
+    const value = (): Uint8Array => encodeJson(fields());
     let rev: number;
     try {
       rev = await this.kv().create(key, value());
@@ -139,6 +154,14 @@ export class Locks {
       renewing = Promise.all([renewing, p.catch(() => {})]);
       return p;
     };
+    // An update in flight (a renewal, or a `held` check) changes the revision: a release waits for every one
+    // (else it fails on the old revision and the lock stays until it expires: FC_SEED=-367663738 FC_RUNS=282).
+    const settled = async (): Promise<void> => {
+      for (let under = renewing; ; under = renewing) {
+        await under;
+        if (under === renewing) break;
+      }
+    };
     // The lock stays this node's while it places: a renewal every third of `lock_ms`, a delay of its chart.
     const renewal = createActor(
       lockMachine.provide({
@@ -163,16 +186,20 @@ export class Locks {
           return this.holds(ref);
         }
       },
+      lent: null,
       // Once: a lock released by releaseAll (this node leaving) is not deleted again by its placement.
       release: () =>
         (released ??= (async () => {
           renewal.send({ type: 'RELEASE' });
-          // An update in flight (a renewal, or a `held` check) changes the revision: the delete waits for every one
-          // (else it fails on the old revision and the lock stays until it expires: FC_SEED=-367663738 FC_RUNS=282).
-          for (let under = renewing; ; under = renewing) {
-            await under;
-            if (under === renewing) break;
+          if (this.leaving && lock.lent) {
+            await settled();
+            await this.kv()
+              .update(key, encodeJson({ ...fields(), lent_to: lock.lent }), rev)
+              .catch(() => {});
+            this.live.delete(lock);
+            return;
           }
+          await settled();
           await this.kv()
             .delete(key, { previousSeq: rev })
             .catch(() => {});
@@ -185,7 +212,8 @@ export class Locks {
   }
 
   /**
-   * Releases every lock this node holds: it is leaving the cluster, and a placement abandoned with
+   * Releases every lock this node holds (a lent one only stops being renewed: {@link LoadLock.lent}):
+   * it is leaving the cluster, and a placement abandoned with
    * it would release its lock only after the connection has closed (the lock then stands until its
    * deadline, and other nodes wait that long to load the model).
    */
@@ -195,6 +223,22 @@ export class Locks {
     // expires: FC_SEED=1750973698 FC_RUNS=644, 3 nodes).
     await Promise.all([...this.taking]);
     await Promise.all([...this.live].map((l) => l.release()));
+  }
+
+  /**
+   * Deletes the lock `ref` names if it is still that taking (compare-and-set on its revision): the
+   * node that loaded under another's lock gives it back once it is registered as the holder, so a
+   * lock its placing node left lent ({@link LoadLock.lent}) does not stand until it expires. The
+   * placing node's own release then finds it gone. Never throws (NATS away: the lock expires).
+   */
+  async clear(ref: LockRef): Promise<void> {
+    try {
+      const e = await this.kv().get(ref.key);
+      if (e?.operation === 'PUT' && e.json<{ token?: string }>().token === ref.token)
+        await this.kv().delete(ref.key, { previousSeq: e.revision });
+    } catch {
+      // Taken over, renewed meanwhile, or NATS away: left to its holder or its expiry.
+    }
   }
 
   /** Whether the lock `ref` names is still that taking (its token); true when NATS cannot tell. */

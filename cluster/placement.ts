@@ -172,9 +172,11 @@ export class Placement {
         }
       }
       n.log.info({ model: id, on: c.node, free_bytes: c.free_bytes }, 'cluster: placing on another node');
+      lock.lent = c.node;
       const reply = await n
         .ask(c.node, 'load', { id, config: n.registrationOf(config), lock: lock.ref }, n.settings.lock_ms * 100)
-        .catch((e: unknown) => e as Error);
+        .catch((e: unknown) => e as Error)
+        .finally(() => (lock.lent = null));
       if (reply instanceof Error) {
         if (!is503(reply) && !(reply instanceof VoxError && reply.type === 'not_found')) throw reply;
         memory &&= (reply as VoxError).type === 'insufficient_memory';
@@ -223,14 +225,17 @@ export class Placement {
             // Registered before the lock is released, so the next node to take it finds this holder.
             return await n.publish();
           }
-          await n.ask(
-            c.node,
-            'load',
-            { id, config: n.registrationOf(config), adopt: true, lock: lock.ref },
-            // As long as the node is live (ask stops waiting once it is not): giving up on a load still
-            // running there and asking the next node would load the model twice.
-            n.settings.lock_ms * 100,
-          );
+          lock.lent = c.node;
+          await n
+            .ask(
+              c.node,
+              'load',
+              { id, config: n.registrationOf(config), adopt: true, lock: lock.ref },
+              // As long as the node is live (ask stops waiting once it is not): giving up on a load still
+              // running there and asking the next node would load the model twice.
+              n.settings.lock_ms * 100,
+            )
+            .finally(() => (lock.lent = null));
           await until(n.membership, () => n.holders(id).some((h) => h.node === c.node), 3 * n.settings.heartbeat_ms);
           return;
         } catch (e) {

@@ -204,6 +204,12 @@ export class Serving {
     };
     if (body.adopt && this.n.runsRemotely(body.id)) await this.n.placement.adopt(body.id);
     else await this.loadHere(body.id, body.fields ?? {}, body.config, body.lock);
+    if (body.lock) {
+      // Registered as the holder first (the next node to take the lock finds it), then the lock is
+      // given back from here: its placing node may have left meanwhile, the lock lent to this load.
+      await this.n.publish();
+      await this.n.locks.clear(body.lock);
+    }
     return encodeMessage({ type: 'info', info: {} });
   }
 

@@ -129,7 +129,7 @@ describe('the membership chart alone (SimulatedClock, in-memory NATS)', () => {
 });
 
 const model = { pool: {}, residentBytes: 0, close: async () => {} } as unknown as LoadedModel;
-const lock: LoadLock = { ref: { key: 'k', token: 't' }, held: async () => true, release: async () => {} };
+const lock: LoadLock = { ref: { key: 'k', token: 't' }, held: async () => true, lent: null, release: async () => {} };
 
 /** A placement chart with fake steps (`steps` overrides) and guards; its output, or null while it runs. */
 function placement(

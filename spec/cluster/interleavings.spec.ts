@@ -161,6 +161,8 @@ class World {
   readonly takenOver = new Set<string>();
   /** How often the single-flight check was excused, and why (reported). */
   readonly excused = { managing: 0, takenOver: 0, gone: 0, offline: 0, draining: 0 };
+  /** Load locks a node left standing as it left, lent to a load it had asked for (reported). */
+  lentLocks = 0;
   faultsUsed = 0;
   /**
    * Commands that may keep a drain's hand-over from succeeding, or undo a management load, ran: a
@@ -970,6 +972,8 @@ const fresh = () => ({
   sent: {} as Record<string, number>,
   /** Load locks taken over from another node (its deadline passed). */
   takeovers: 0,
+  /** Load locks left lent by a node leaving (World.lentLocks). */
+  lentLocks: 0,
   /** Drains whose hand-over was checked (nothing disturbed the run) and had models to hand over. */
   handedOver: 0,
   /** The nodes' cluster metrics summed over the runs: remote jobs served by outcome, job attempts sent again by why. */
@@ -1102,10 +1106,13 @@ async function checkCluster(names: string[]): Promise<void> {
             }
             // No load lock left by a node that lived to leave, unless it lost NATS during the run (a
             // release it made meanwhile failed: the lock lasts until its deadline, by design), or it
-            // was drained after being cut off (it may have left while cut off: the same).
+            // was drained after being cut off (it may have left while cut off: the same), or it left
+            // while a node it asked to load under the lock had not answered (`lent_to`: the lock
+            // stands for that load until its deadline unless that node loads it; cluster/locks.ts).
             const locks = [...bus.locks.entries.values()]
               .filter((e) => e.operation === 'PUT')
-              .map((e) => e.json<{ owner: string; model: string }>())
+              .map((e) => e.json<{ owner: string; model: string; lent_to?: string }>())
+              .filter((l) => !(l.lent_to && w.nodes.find((n) => n.name === l.owner)?.stopped && ++w.lentLocks))
               .filter(
                 (l) =>
                   !w.nodes.find((n) => n.name === l.owner)?.dead &&
@@ -1118,6 +1125,7 @@ async function checkCluster(names: string[]): Promise<void> {
             totals.commands += [...cmds].length;
             totals.steps += s.report().length;
             totals.takeovers += w.takeovers;
+            totals.lentLocks += w.lentLocks;
             totals.handedOver += w.handedOver;
             await tally(w, 'voxserve_remote_jobs_served_total', 'outcome', totals.served);
             await tally(w, 'voxserve_remote_failovers_total', 'why', totals.failovers);
@@ -1138,7 +1146,7 @@ async function checkCluster(names: string[]): Promise<void> {
       throw e;
     });
   console.log(
-    `cluster interleavings (${names.length} nodes): ${totals.runs} runs, ${totals.commands} commands, ${totals.steps} scheduled steps in random order; messages ${JSON.stringify(totals.sent)}; overlapping loads excused ${JSON.stringify(totals.overlaps)}; ${totals.takeovers} lock take-overs; ${totals.handedOver} drains handed models over; remote jobs served ${JSON.stringify(totals.served)}, sent again ${JSON.stringify(totals.failovers)}`,
+    `cluster interleavings (${names.length} nodes): ${totals.runs} runs, ${totals.commands} commands, ${totals.steps} scheduled steps in random order; messages ${JSON.stringify(totals.sent)}; overlapping loads excused ${JSON.stringify(totals.overlaps)}; ${totals.takeovers} lock take-overs; ${totals.lentLocks} lent locks left by a node leaving; ${totals.handedOver} drains handed models over; remote jobs served ${JSON.stringify(totals.served)}, sent again ${JSON.stringify(totals.failovers)}`,
   );
 }
 
