@@ -203,7 +203,7 @@ export function check(history: Event[], final: Final, expected: Record<string, u
         if (h.active_leases > 0)
           out.push({ kind: 'lease-left', detail: `${m.id}: ${n.node} lists ${h.active_leases} leases on ${h.node}` });
     }
-  for (const [model, views] of holdersSeen)
+  for (const views of holdersSeen.values())
     for (const n of final.nodes) if (!views.has(n.node)) views.set(n.node, '(model not listed)');
   for (const [model, configs] of configsSeen)
     if (configs.size > 1) out.push({ kind: 'configs-differ', detail: `${model}: configs ${[...configs].join(', ')}` });

@@ -15,6 +15,7 @@
  */
 import { readdirSync, readFileSync } from 'node:fs';
 import { Kvm } from '@nats-io/kv';
+import { jetstreamManager } from '@nats-io/jetstream';
 import { connect, type NatsConnection } from '@nats-io/transport-node';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
@@ -40,7 +41,8 @@ const MODEL = 'silero-vad';
 const STREAM_FILE = 'espeak_sentence_16k.wav';
 const FILE = 'Front_Center.wav';
 const STREAMS = 4;
-const PARTITION_MS = 10_000;
+/** How long a fault lasts, ms. */
+const FAULT_MS = 10_000;
 
 let net: Net;
 let nats: NatsHost[];
@@ -370,12 +372,27 @@ async function placeOn(holder: string): Promise<void> {
     ).toBe(true);
 }
 
+/** A fault of a run: `start` at 3 s into the load, `end` FAULT_MS later; `node` the voxserve node it takes away, if any. */
+interface Fault {
+  node?: string;
+  start(): void | Promise<void>;
+  end(): void | Promise<void>;
+}
+
+/** `name`'s link down, then up. */
+const partition = (name: string): Fault => ({
+  node: name,
+  start: () => net.down(nodes[name].host),
+  end: () => net.up(nodes[name].host),
+});
+
 /**
- * One run: MODEL on `holder`, load through `ingress`, `cut` partitioned after 3 s for
- * PARTITION_MS, healed, 8 s more load; then checked. Prints the figures; returns the time from the
- * partition to a new holder every ingress lists (ms), or null when none was needed or seen.
+ * One run: MODEL on `holder`, load through `ingress`, the fault after 3 s for FAULT_MS, then 8 s
+ * more load; then the history is checked and the figures printed (requests, answers, failures by
+ * kind, the time from the fault to a new holder that every ingress lists when the fault took the
+ * holder away, the loads with their node and start from the fault).
  */
-async function run(name: string, holder: string, cut: string, ingress: string[]): Promise<void> {
+async function run(name: string, holder: string, ingress: string[], fault: Fault): Promise<void> {
   await placeOn(holder);
   const since = Date.now();
   const history: Event[] = [];
@@ -384,33 +401,34 @@ async function run(name: string, holder: string, cut: string, ingress: string[])
     history,
   );
   await sleep(3000);
-  const cutAt = Date.now();
-  net.down(nodes[cut].host);
+  const faultAt = Date.now();
+  await fault.start();
   let replacedMs: number | null = null;
-  if (cut === holder) {
+  if (fault.node === holder) {
     const replaced = await eventually(async () => {
       const views = await Promise.all(ingress.map((n) => holders(nodes[n])));
-      return views.every((h) => h?.some((x) => x !== cut));
-    }, PARTITION_MS);
-    if (replaced) replacedMs = Date.now() - cutAt;
+      return views.every((h) => h?.some((x) => x !== holder));
+    }, FAULT_MS);
+    if (replaced) replacedMs = Date.now() - faultAt;
   }
-  await sleep(Math.max(0, cutAt + PARTITION_MS - Date.now()));
-  net.up(nodes[cut].host);
+  await sleep(Math.max(0, faultAt + FAULT_MS - Date.now()));
+  await fault.end();
   await sleep(8000);
   await stop();
   const final = await settle();
   const all = [...history, ...fromLogs(since)];
   const violations = check(all, final, expected);
+  const loads = all.flatMap((e) => (e.type === 'load' ? [`${e.node}@${e.start - faultAt}ms`] : []));
   console.log(
-    `${name}: ${JSON.stringify({ ...figures(history), time_to_replace_ms: replacedMs, loads: all.filter((e) => e.type === 'load').length, lock_ops: all.filter((e) => e.type === 'lock').length })}`,
+    `${name}: ${JSON.stringify({ ...figures(history), time_to_replace_ms: replacedMs, loads, lock_ops: all.filter((e) => e.type === 'lock').length })}`,
   );
   expect(violations).toEqual([]);
-  if (cut === holder) expect(replacedMs, 'a connected node holds the model within the partition').not.toBeNull();
+  if (fault.node === holder) expect(replacedMs, 'a node left holds the model within the fault').not.toBeNull();
 }
 
 describe('partitions on real links (3 nats-servers, 3 nodes, each in its own namespace)', () => {
   it('(a) the holder partitioned for 10 s under load, then healed: the history checks', async () => {
-    await run('(a) holder a partitioned', 'a', 'a', ['b', 'c']);
+    await run('(a) holder a partitioned', 'a', ['b', 'c'], partition('a'));
   }, 180_000);
 
   it('(b) a non-holder partitioned for 10 s under load, then healed: the history checks', async () => {
@@ -422,6 +440,31 @@ describe('partitions on real links (3 nats-servers, 3 nodes, each in its own nam
       30_000,
     );
     expect(r.status).toBe(200);
-    await run('(b) non-holder c partitioned', 'b', 'c', ['a', 'b']);
+    await run('(b) non-holder c partitioned', 'b', ['a', 'b'], partition('c'));
+  }, 180_000);
+
+  it('(c) the holder paused (SIGSTOP) for 10 s, past its heartbeats, under load, then resumed: the history checks', async () => {
+    await run('(c) holder c paused', 'c', ['a', 'b'], {
+      node: 'c',
+      start: () => {
+        nodes.c.child.kill('SIGSTOP');
+      },
+      end: () => {
+        nodes.c.child.kill('SIGCONT');
+      },
+    });
+  }, 180_000);
+
+  it('(d) a nats-server that holds neither bucket killed under load, restarted 10 s later: the history checks', async () => {
+    const jsm = await jetstreamManager(lockNc!);
+    const leaders = new Set<string>();
+    for (const b of ['voxserve_nodes', 'voxserve_locks'])
+      leaders.add(String((await jsm.streams.info(`KV_${b}`)).cluster?.leader));
+    const victim = nats.find((n) => !leaders.has(n.host.name))!;
+    expect(victim, `a nats-server holding no bucket (leaders: ${[...leaders]})`).toBeDefined();
+    await run(`(d) ${victim.host.name} killed`, 'a', ['b', 'c'], {
+      start: () => victim.kill(),
+      end: () => victim.restart(),
+    });
   }, 180_000);
 });
