@@ -4,6 +4,8 @@
  * nats-servers (one JetStream cluster) and three `voxserve serve --cluster` nodes (the compiled CLI:
  * `npm run build` first), each in its own network namespace on one bridge (spec/cluster/netns.ts);
  * a partition sets a node's link down, so it loses NATS, the other nodes and the test alike.
+ * Runs: (a) the holder partitioned for 10 s, (b) a non-holder, (c) the holder paused (SIGSTOP)
+ * 10 s, (d) a nats-server holding neither bucket killed and started again 10 s later.
  * Load, through the nodes that stay connected: 4 live VAD streams at all times (a 5.8 s recording
  * sent in real time, 100 ms frames) and a file request every 200 ms. Everything is recorded as a
  * history (spec/cluster/history.ts) and checked after each run; the expected results are a single
