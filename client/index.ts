@@ -505,12 +505,15 @@ export class VoxClient {
 
   /**
    * Picks the first of `order` (the `urls`, in some order) answering `GET /ready` 200 as the node in use.
+   * Each look-up is bounded by `heartbeatMs` (10 s when it is 0): a node that has not answered by then is passed over.
    * @throws VoxClientError `connection_error` when none does (and forgets the pick).
    */
   private async firstReady(order: string[]): Promise<string> {
     for (const u of order) {
       try {
-        if ((await this.fetchImpl(`${u}/ready`)).ok) return (this.url = u);
+        // Bounded: a frozen node (SIGSTOP, a hung host) accepts the connection and never answers.
+        const signal = AbortSignal.timeout(this.heartbeatMs || DEFAULT_HEARTBEAT_MS);
+        if ((await this.fetchImpl(`${u}/ready`, { signal })).ok) return (this.url = u);
       } catch {
         // not reachable: the next one
       }
@@ -832,6 +835,8 @@ interface Resuming {
   ms: number;
   gap: { start_ms: number; end_ms: number };
   deadline: number;
+  /** Ends the resume at `deadline`, whatever the attempt under way is doing. */
+  timer: ReturnType<typeof setTimeout>;
   /** The error of the last failed attempt. */
   error: VoxClientError;
   /** Nodes that refused an attempt (a handshake refused, or closed before `ready`): tried last. */
@@ -1024,6 +1029,8 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
   /** The current socket closed: the end of the stream, or (with `resume`) a resume, or the next attempt of one. */
   private socketClosed(c: { code: number; reason: string }): void {
+    // Already over (a resume that timed out drops its attempt).
+    if (this.info) return;
     const wasReady = this.connected;
     this.connected = false;
     const done = this.pendingDone;
@@ -1056,6 +1063,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     for (const e of this.held.splice(0)) this.deliver(e);
     if (done) this.deliver(done);
     this.info = info;
+    if (this.resuming) clearTimeout(this.resuming.timer);
     this.resuming = null;
     if (info.error) this.markRefused(info.error);
     this.notify('close', info);
@@ -1085,10 +1093,24 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       ms: k * this.gridMs,
       gap: { start_ms: this.confirmedMs, end_ms: Math.max(sentMs, this.confirmedMs) },
       deadline: Date.now() + plan.timeoutMs,
+      timer: setTimeout(() => this.resumeExpired(), plan.timeoutMs),
       error: new VoxClientError('connection_error', `the stream on ${this.url} was lost`),
-      refused: new Set(),
+      // The node that went away is tried after the others.
+      refused: new Set([this.url]),
     };
     void this.retry(true);
+  }
+
+  /**
+   * The resume's `timeoutMs` has passed: the stream fails, and the attempt under way (a look-up or a handshake
+   * that a frozen node never answers) is dropped.
+   */
+  private resumeExpired(): void {
+    if (!this.resuming || this.info) return;
+    const attempt = this.ws;
+    this.finish({ code: CLOSE.ABNORMAL, reason: '', error: this.resumeFailed(this.resuming) });
+    if (attempt.terminate) attempt.terminate();
+    else attempt.close(CLOSE.NORMAL, 'resume timed out');
   }
 
   /** One attempt to open the stream on a node (after a pause, but for the first). */
@@ -1098,7 +1120,11 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     while (!this.closedByUs && !this.info) {
       try {
         const { ws, url } = await this.plan!.reopen(r.ms, r.refused);
-        if (this.closedByUs) return ws.close(CLOSE.NORMAL, 'client closed');
+        if (this.closedByUs || this.info) {
+          // Not attached: its handshake's error would have no listener.
+          ws.addEventListener('error', () => {});
+          return ws.close(CLOSE.NORMAL, 'client closed');
+        }
         this.url = url;
         return this.attach(ws);
       } catch (e) {
@@ -1122,6 +1148,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private resumed(ready: StreamEventOf<'ready'>): void {
     const r = this.resuming!;
     this.resuming = null;
+    clearTimeout(r.timer);
     const end = Math.max(r.gap.end_ms, r.ms);
     this.deliver({
       type: 'resumed',
@@ -1320,13 +1347,12 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
         : new Uint8Array(pcm);
       this.chunks.push({ data: bytes.slice(), start: this.given });
       this.given += bytes.byteLength;
-      this.trim();
       const end = this.given;
-      if (this.waiting === 0 && this.connected && this.ws.bufferedAmount < this.highWaterMark) {
+      if (this.waiting === 0 && this.connected && this.ws.bufferedAmount < this.highWaterMark && this.roomToKeep()) {
         this.writeUpTo(end);
         return Promise.resolve();
       }
-      return this.enqueue(() => this.writeUpTo(end));
+      return this.enqueue(() => this.writeUpTo(end), true);
     }
     if (this.waiting === 0 && this.ws.bufferedAmount < this.highWaterMark) {
       this.ws.send(pcm);
@@ -1348,17 +1374,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     }
   }
 
-  /** Keeps the newest `bufferMs` of the PCM not confirmed (and all that is not written yet). */
-  private trim(): void {
-    const keep = (this.plan!.bufferMs * this.plan!.sampleRate * this.plan!.frameBytes) / 1000;
-    let n = 0;
-    while (
-      n + 1 < this.chunks.length &&
-      this.given - this.chunks[n + 1].start >= keep &&
-      this.chunks[n].start + this.chunks[n].data.byteLength <= this.written
-    )
-      n++;
-    if (n) this.chunks.splice(0, n);
+  /**
+   * Whether the next frame may be written: the PCM written and not yet confirmed is under `bufferMs`. Every byte
+   * not confirmed is kept (a resume re-sends it), so past that `send` waits for the server's `progress`.
+   */
+  private roomToKeep(): boolean {
+    const head = this.chunks[0]?.start ?? this.written;
+    return this.written - head < (this.plan!.bufferMs * this.plan!.sampleRate * this.plan!.frameBytes) / 1000;
   }
 
   /**
@@ -1381,13 +1403,17 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
   /**
    * Runs `write` after every earlier waiting send, once the socket is below its high-water mark (and, with `resume`,
-   * connected).
+   * connected, and for PCM (`keeps`) once less than `bufferMs` is unconfirmed).
    */
-  private enqueue(write: () => void): Promise<void> {
+  private enqueue(write: () => void, keeps = false): Promise<void> {
     this.waiting++;
     const p = this.tail.then(async () => {
       try {
-        while (!this.info && ((this.plan && !this.connected) || this.ws.bufferedAmount >= this.highWaterMark))
+        while (
+          !this.info &&
+          ((this.plan && (!this.connected || (keeps && !this.roomToKeep()))) ||
+            this.ws.bufferedAmount >= this.highWaterMark)
+        )
           await new Promise((r) => setTimeout(r, 10));
         if (this.info) throw this.afterClose();
         write();
