@@ -135,8 +135,9 @@ export type StreamEvent =
    * Made by the client, not sent by a server (streams with `resume`): the stream's node went away
    * and the stream goes on at `url` (new `session_id`). `gap`: the audio sent but not confirmed
    * by the old node (its events, if any, were lost with it); `resent`: what was sent again to the
-   * new node, whose clock starts at `resent.start_ms` (`offset_ms`); `dropped`: the part of the
-   * gap no longer kept (older than `bufferMs`), never analysed, or null. ms on the stream's clock.
+   * new node, whose clock starts at `resent.start_ms` (`offset_ms`); `dropped`: null (every
+   * unconfirmed byte is kept; older clients reported here the part of a gap longer than
+   * `bufferMs` they had let go). ms on the stream's clock.
    */
   | {
       type: 'resumed';
@@ -290,10 +291,11 @@ export interface StreamOptions {
    * Resume the stream on another node when its node goes away (the connection drops, close 1001,
    * or the heartbeat fails): `true`, or `{ bufferMs, timeoutMs }`; default `true` when the client
    * was given several `urls`, else off. The stream asks the server for `progress` events, keeps
-   * the audio the server has not confirmed (the newest `bufferMs` of it, default 30000), and on a
-   * loss opens the stream again on a node answering `/ready` (trying for `timeoutMs`, default
-   * 30000) with its clock at the confirmed audio (`offset_ms`), re-sends the rest, and reports
-   * the gap as a `resumed` event (docs/client.md).
+   * every byte the server has not confirmed (`send` waits once `bufferMs` of written audio,
+   * default 30000, is unconfirmed), and on a loss opens the stream again on a node answering
+   * `/ready` (each look-up bounded by `heartbeatMs`; the stream fails at `timeoutMs`, default
+   * 30000, whatever the attempt is doing) with its clock at the confirmed audio (`offset_ms`),
+   * re-sends the rest, and reports the gap as a `resumed` event (docs/client.md).
    */
   resume?: boolean | { bufferMs?: number; timeoutMs?: number };
 }
@@ -806,7 +808,7 @@ type Listener = (e: never) => void;
  * {@link VoxClient.stream}. @internal
  */
 export interface ResumePlan {
-  /** Audio kept for re-sending, ms of the stream's audio (the newest that much). */
+  /** Written, unconfirmed audio past which `send` waits for a `progress`, ms of the stream's audio. */
   bufferMs: number;
   /** How long to try nodes before the stream fails, ms. */
   timeoutMs: number;
@@ -1335,7 +1337,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
    * Sends a frame of PCM in the stream's encoding (a frame may end mid-sample). Resolves at once
    * while the socket holds less than `highWaterMark` unsent; otherwise it waits until it drains
    * below (frames keep their order); with `resume`, also while the stream resumes on another
-   * node. Await it: that is what bounds memory. With `resume`, the frame is copied (kept until the
+   * node, and while `bufferMs` of written audio waits for the server's `progress`. Await it: that is what bounds memory. With `resume`, the frame is copied (kept until the
    * server confirms it), so the caller may reuse its buffer.
    * @throws VoxClientError once the stream has closed.
    */
