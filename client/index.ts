@@ -105,7 +105,11 @@ export type TaskResult =
 
 /** Events of a live stream, as the server sends them. Times are ms from the stream's start. */
 export type StreamEvent =
-  | { type: 'ready'; session_id: string; model: string; task: string; sample_rate: number }
+  /**
+   * `window_ms` (from this version on): the model's window (Silero VAD 32), step (wake word 80) or frame (denoise 10),
+   * ms: the grid from the session's start on which the model runs. A resumed stream starts on it.
+   */
+  | { type: 'ready'; session_id: string; model: string; task: string; sample_rate: number; window_ms?: number }
   | { type: 'speech_start'; at_ms: number }
   | { type: 'speech_end'; start_ms: number; end_ms: number; confidence: number }
   | { type: 'detection'; label: string; score: number; at_ms: number }
@@ -902,9 +906,12 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   /** The `done` of the current session, until its close says whether it is the last. */
   private pendingDone: StreamEventOf<'done'> | null = null;
   private resuming: Resuming | null = null;
-  /** ms per step at which a whole number of frames starts (1 at 16 kHz, 10 at 44.1 kHz), and its bytes. */
-  private readonly gridMs: number = 1;
-  private readonly gridBytes: number = 0;
+  /**
+   * ms per step at which a whole number of frames starts (1 at 16 kHz, 10 at 44.1 kHz) and, once `ready` named the
+   * model's window (`window_ms`), a window starts too (32 for Silero VAD at 16 kHz): a resume starts on it. Its bytes.
+   */
+  private gridMs = 1;
+  private gridBytes = 0;
 
   /** @internal use {@link VoxClient.stream}. */
   constructor(
@@ -978,6 +985,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     if (event.type === 'ready') {
       this.connected = true;
       if (this.resuming) return this.resumed(event);
+      if (this.plan) this.onWindowGrid(event.window_ms);
       this.ready = event;
       this.markOpened();
       return this.deliver(event);
@@ -1005,6 +1013,17 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       default:
         this.held.push(event);
     }
+  }
+
+  /**
+   * Puts the resume grid on the model's windows of `windowMs` (a whole number of ms; a server before `window_ms`
+   * sends none, and the grid stays on whole samples): the least multiple of both.
+   */
+  private onWindowGrid(windowMs: number | undefined): void {
+    if (!windowMs || !Number.isInteger(windowMs) || windowMs < 1) return;
+    const times = windowMs / greatestCommonDivisor(this.gridMs, windowMs);
+    this.gridMs *= times;
+    this.gridBytes *= times;
   }
 
   /**
@@ -1085,7 +1104,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     const plan = this.plan!;
     this.held = [];
     const head = this.chunks[0]?.start ?? this.given;
-    // At the confirmed ms, on a whole frame; later if the buffer no longer reaches back there.
+    // At the last step of the grid (whole frames, and the model's windows) at or before the confirmed ms.
     const k = Math.max(Math.floor(this.confirmedMs / this.gridMs), Math.ceil(head / this.gridBytes));
     const byte = Math.max(head, Math.min(k * this.gridBytes, this.given));
     const sentMs = Math.round(this.msOf(this.given));

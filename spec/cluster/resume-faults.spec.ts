@@ -129,6 +129,16 @@ function split(events: StreamEvent[]): { r: StreamEventOf<'resumed'>; before: St
   return { r: resumed[0], before: events.slice(0, at), after: events.slice(at + 1) };
 }
 
+/** A node that sees silero-vad ready on C. */
+async function modelSeen(n: { url: string }): Promise<void> {
+  await until(async () => {
+    const body = (await (await fetch(`${n.url}/v1/models`)).json()) as {
+      models: { id: string; nodes?: { node: string; state: string }[] }[];
+    };
+    return body.models.find((m) => m.id === 'silero-vad')?.nodes?.some((x) => x.state === 'ready') ?? false;
+  }, 10_000);
+}
+
 describe('a resumed stream at the edges of a node failure', () => {
   it('an ingress frozen with SIGSTOP: noticed by the heartbeat, the look-up of the next node bounded, the stream resumed on B', async () => {
     const vox = new VoxClient({ urls: [A.url, B.url, C.url], heartbeatMs: 2000 });
@@ -196,5 +206,40 @@ describe('a resumed stream at the edges of a node failure', () => {
     const got = [...early, ...ends(after)];
     for (const w of whole) expect(got.some((s) => w.start_ms < s.end_ms && s.start_ms < w.end_ms)).toBe(true);
     console.log(`end() then SIGKILL: gap ${JSON.stringify(r.gap)} re-sent whole; ${got.length} segments`);
+  }, 120_000);
+
+  it("a resume confirmed off the model's window grid (a draining ingress's done at 20050 ms) starts on it: after the gap, the continuous run's segments beyond the first", async () => {
+    const D = await startNode(nats.url, 'D');
+    await modelSeen(D);
+    const vox = new VoxClient({ urls: [D.url, C.url], heartbeatMs: 2000 });
+    const stream = await vox.stream({ model: 'silero-vad', sampleRate: RATE });
+    expect(stream.serverUrl).toBe(D.url);
+    const { events, reading } = collect(stream);
+    // 20050 ms: not a whole number of 32 ms windows. D drains (SIGTERM): its done confirms all of it, then 1001.
+    const cut = 20_050 * 32;
+    for (let o = 0; o < cut; o += FRAME) await stream.send(pcm.subarray(o, Math.min(o + FRAME, cut)));
+    await until(() => events.some((e) => e.type === 'progress' && e.processed_ms >= 19_000), 30_000);
+    D.child.kill('SIGTERM');
+    await until(() => events.some((e) => e.type === 'resumed'), 30_000);
+    for (let o = cut; o < pcm.length; o += FRAME) await stream.send(pcm.subarray(o, o + FRAME));
+    const done = await stream.end();
+    await reading;
+    const { r, after } = split(events);
+    expect(r.previous_url).toBe(D.url);
+    expect(r.url).toBe(C.url);
+    expect(r.gap.start_ms).toBe(20_050);
+    expect(done.processed_ms).toBe(totalMs);
+    // The continuous run (one node, the whole recording) from the resume on, beyond the first segment after it;
+    // the same segments: starts equal, ends within one 32 ms window (the fresh recurrent state).
+    const continuous = whole.filter((s) => s.end_ms > r.gap.start_ms).slice(1);
+    const resumed = ends(after)
+      .filter((s) => s.end_ms > r.gap.start_ms)
+      .slice(1);
+    expect(continuous.length).toBeGreaterThan(5);
+    expect(resumed.map((s) => s.start_ms)).toEqual(continuous.map((s) => s.start_ms));
+    resumed.forEach((s, i) => expect(Math.abs(s.end_ms - continuous[i].end_ms)).toBeLessThanOrEqual(32));
+    console.log(
+      `drained at 20050 ms: resent from ${r.resent.start_ms} ms; ${resumed.length} segments after the first equal the continuous run's`,
+    );
   }, 120_000);
 });
