@@ -304,8 +304,13 @@ export interface StreamOptions {
   resume?: boolean | { bufferMs?: number; timeoutMs?: number };
 }
 
-/** Audio a resumable stream keeps for re-sending by default, ms. */
+/** Written, unconfirmed audio past which `send` waits on a resumable stream by default, ms. */
 export const DEFAULT_RESUME_BUFFER_MS = 30_000;
+/**
+ * The least `resume.bufferMs`, ms: under it `send` would wait on audio the server cannot confirm yet (its last
+ * partial window, or the frames of one job).
+ */
+export const MIN_RESUME_BUFFER_MS = 1000;
 /** How long a stream tries to resume by default, ms. */
 export const DEFAULT_RESUME_TIMEOUT_MS = 30_000;
 
@@ -770,12 +775,12 @@ export class VoxClient {
       const o = typeof resume === 'object' ? resume : {};
       const bufferMs = o.bufferMs ?? DEFAULT_RESUME_BUFFER_MS;
       const timeoutMs = o.timeoutMs ?? DEFAULT_RESUME_TIMEOUT_MS;
-      for (const [name, v] of [
-        ['resume.bufferMs', bufferMs],
-        ['resume.timeoutMs', timeoutMs],
+      for (const [name, v, min] of [
+        ['resume.bufferMs', bufferMs, MIN_RESUME_BUFFER_MS],
+        ['resume.timeoutMs', timeoutMs, 0],
       ] as const)
-        if (typeof v !== 'number' || !(v >= 0) || v > 2_147_483_647)
-          throw new TypeError(`${name}: a number of ms from 0 to 2147483647, got ${String(v)}`);
+        if (typeof v !== 'number' || !(v >= min) || v > 2_147_483_647)
+          throw new TypeError(`${name}: a number of ms from ${min} to 2147483647, got ${String(v)}`);
       plan = {
         bufferMs,
         timeoutMs,
@@ -1033,14 +1038,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private confirm(ms: number): void {
     this.confirmedMs = ms;
     for (const e of this.held.splice(0)) this.deliver(e);
-    const upTo = Math.floor(ms / this.gridMs) * this.gridBytes;
+    const upTo = Math.min(Math.floor(ms / this.gridMs) * this.gridBytes, this.written);
     let n = 0;
-    while (
-      n < this.chunks.length &&
-      this.chunks[n].start + this.chunks[n].data.byteLength <= Math.min(upTo, this.written)
-    )
-      n++;
+    while (n < this.chunks.length && this.chunks[n].start + this.chunks[n].data.byteLength <= upTo) n++;
     if (n) this.chunks.splice(0, n);
+    // A frame confirmed in part keeps its rest only: a frame longer than bufferMs must not hold `send` back.
+    const c = this.chunks[0];
+    if (c && c.start < upTo) this.chunks[0] = { data: c.data.subarray(upTo - c.start), start: upTo };
   }
 
   private deliver(event: StreamEvent): void {

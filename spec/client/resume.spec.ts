@@ -202,6 +202,24 @@ describe('resume (scripted nodes)', () => {
     stream.close();
   });
 
+  it('a frame longer than bufferMs, confirmed but for its last partial window, does not hold the next send back', async () => {
+    const a = await fakeNode();
+    const stream = await new VoxClient({ urls: [a.url, a.url] }).stream({ model: 'm', resume: { bufferMs: 1000 } });
+    const seen: StreamEvent[] = [];
+    void collect(stream, seen).catch(() => {});
+    await stream.send(audio(0, 1500));
+    const received = (): number => a.streams[0].audio.reduce((n, d) => n + d.length, 0);
+    await until(() => received() === 1500 * 32);
+    // The server confirms whole 32 ms windows: 46 of them; 28 ms wait for more audio.
+    a.streams[0].ws.send(event({ type: 'progress', processed_ms: 1472 }));
+    await until(() => seen.some((e) => e.type === 'progress'));
+    const next = stream.send(audio(1500, 100));
+    await expect(
+      Promise.race([next.then(() => 'sent'), new Promise((r) => setTimeout(() => r('waiting'), 3000))]),
+    ).resolves.toBe('sent');
+    stream.close();
+  });
+
   it('a frozen node (its /ready never answered) is passed over after heartbeatMs, and the lost node is asked last', async () => {
     const [a, b, c] = [await fakeNode(), await fakeNode(), await fakeNode()];
     const stream = await new VoxClient({ urls: [a.url, b.url, c.url], heartbeatMs: 500 }).stream({ model: 'm' });
