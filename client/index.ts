@@ -296,7 +296,7 @@ export interface StreamOptions {
    * or the heartbeat fails): `true`, or `{ bufferMs, timeoutMs }`; default `true` when the client
    * was given several `urls`, else off. The stream asks the server for `progress` events, keeps
    * every byte the server has not confirmed (`send` waits once `bufferMs` of written audio,
-   * default 30000, is unconfirmed), and on a loss opens the stream again on a node answering
+   * default 30000, at least {@link MIN_RESUME_BUFFER_MS}, is unconfirmed), and on a loss opens the stream again on a node answering
    * `/ready` (each look-up bounded by `heartbeatMs`; the stream fails at `timeoutMs`, default
    * 30000, whatever the attempt is doing) with its clock at the confirmed audio (`offset_ms`),
    * re-sends the rest, and reports the gap as a `resumed` event (docs/client.md).
@@ -1360,8 +1360,9 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
    * Sends a frame of PCM in the stream's encoding (a frame may end mid-sample). Resolves at once
    * while the socket holds less than `highWaterMark` unsent; otherwise it waits until it drains
    * below (frames keep their order); with `resume`, also while the stream resumes on another
-   * node, and while `bufferMs` of written audio waits for the server's `progress`. Await it: that is what bounds memory. With `resume`, the frame is copied (kept until the
-   * server confirms it), so the caller may reuse its buffer.
+   * node, and while `bufferMs` of written audio waits for the server's `progress`. Await it: that
+   * is what bounds memory. With `resume`, the frame is copied (kept until the server confirms
+   * it), so the caller may reuse its buffer.
    * @throws VoxClientError once the stream has closed.
    */
   send(pcm: ArrayBuffer | ArrayBufferView): Promise<void> {
