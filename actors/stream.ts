@@ -453,9 +453,10 @@ export type StreamInput =
 export type WorkEvent =
   /**
    * `sampleRate`: the rate the model runs at (16 kHz; a denoise stream: the rate its audio comes back at, the
-   * stream's).
+   * stream's). `windowMs`: the model's window (VAD, 32 ms), step (wake word, 80 ms) or frame (denoise, 10 ms),
+   * ms: the grid from the session's start on which it runs the model.
    */
-  | { type: 'READY'; model: string; task: string; sampleRate?: number }
+  | { type: 'READY'; model: string; task: string; sampleRate?: number; windowMs?: number }
   /** Answer to `CHECK_IDLE`: ms since the client last sent a message. */
   | { type: 'IDLE_REPORT'; silentMs: number }
   | { type: 'PAUSE' }
@@ -893,6 +894,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         model: granted.model,
         task: granted.config.task,
         sampleRate: denoise ? params.sampleRate : 16_000,
+        windowMs: session.step / perMs,
       });
       caughtUpAt = performance.now();
       const buffered = early;
@@ -1019,6 +1021,7 @@ export const streamSocketMachine = setup({
           model: ready.model,
           task: ready.task,
           sample_rate: ready.sampleRate ?? 16_000,
+          window_ms: ready.windowMs,
         },
       });
     }),

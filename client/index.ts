@@ -105,7 +105,11 @@ export type TaskResult =
 
 /** Events of a live stream, as the server sends them. Times are ms from the stream's start. */
 export type StreamEvent =
-  | { type: 'ready'; session_id: string; model: string; task: string; sample_rate: number }
+  /**
+   * `window_ms` (from this version on): the model's window (Silero VAD 32), step (wake word 80) or frame (denoise 10),
+   * ms: the grid from the session's start on which the model runs. A resumed stream starts on it.
+   */
+  | { type: 'ready'; session_id: string; model: string; task: string; sample_rate: number; window_ms?: number }
   | { type: 'speech_start'; at_ms: number }
   | { type: 'speech_end'; start_ms: number; end_ms: number; confidence: number }
   | { type: 'detection'; label: string; score: number; at_ms: number }
@@ -135,8 +139,9 @@ export type StreamEvent =
    * Made by the client, not sent by a server (streams with `resume`): the stream's node went away
    * and the stream goes on at `url` (new `session_id`). `gap`: the audio sent but not confirmed
    * by the old node (its events, if any, were lost with it); `resent`: what was sent again to the
-   * new node, whose clock starts at `resent.start_ms` (`offset_ms`); `dropped`: the part of the
-   * gap no longer kept (older than `bufferMs`), never analysed, or null. ms on the stream's clock.
+   * new node, whose clock starts at `resent.start_ms` (`offset_ms`); `dropped`: null (every
+   * unconfirmed byte is kept; older clients reported here the part of a gap longer than
+   * `bufferMs` they had let go). ms on the stream's clock.
    */
   | {
       type: 'resumed';
@@ -290,16 +295,22 @@ export interface StreamOptions {
    * Resume the stream on another node when its node goes away (the connection drops, close 1001,
    * or the heartbeat fails): `true`, or `{ bufferMs, timeoutMs }`; default `true` when the client
    * was given several `urls`, else off. The stream asks the server for `progress` events, keeps
-   * the audio the server has not confirmed (the newest `bufferMs` of it, default 30000), and on a
-   * loss opens the stream again on a node answering `/ready` (trying for `timeoutMs`, default
-   * 30000) with its clock at the confirmed audio (`offset_ms`), re-sends the rest, and reports
-   * the gap as a `resumed` event (docs/client.md).
+   * every byte the server has not confirmed (`send` waits once `bufferMs` of written audio,
+   * default 30000, at least {@link MIN_RESUME_BUFFER_MS}, is unconfirmed), and on a loss opens the stream again on a node answering
+   * `/ready` (each look-up bounded by `heartbeatMs`; the stream fails at `timeoutMs`, default
+   * 30000, whatever the attempt is doing) with its clock at the confirmed audio (`offset_ms`),
+   * re-sends the rest, and reports the gap as a `resumed` event (docs/client.md).
    */
   resume?: boolean | { bufferMs?: number; timeoutMs?: number };
 }
 
-/** Audio a resumable stream keeps for re-sending by default, ms. */
+/** Written, unconfirmed audio past which `send` waits on a resumable stream by default, ms. */
 export const DEFAULT_RESUME_BUFFER_MS = 30_000;
+/**
+ * The least `resume.bufferMs`, ms: under it `send` would wait on audio the server cannot confirm yet (its last
+ * partial window, or the frames of one job).
+ */
+export const MIN_RESUME_BUFFER_MS = 1000;
 /** How long a stream tries to resume by default, ms. */
 export const DEFAULT_RESUME_TIMEOUT_MS = 30_000;
 
@@ -505,12 +516,15 @@ export class VoxClient {
 
   /**
    * Picks the first of `order` (the `urls`, in some order) answering `GET /ready` 200 as the node in use.
+   * Each look-up is bounded by `heartbeatMs` (10 s when it is 0): a node that has not answered by then is passed over.
    * @throws VoxClientError `connection_error` when none does (and forgets the pick).
    */
   private async firstReady(order: string[]): Promise<string> {
     for (const u of order) {
       try {
-        if ((await this.fetchImpl(`${u}/ready`)).ok) return (this.url = u);
+        // Bounded: a frozen node (SIGSTOP, a hung host) accepts the connection and never answers.
+        const signal = AbortSignal.timeout(this.heartbeatMs || DEFAULT_HEARTBEAT_MS);
+        if ((await this.fetchImpl(`${u}/ready`, { signal })).ok) return (this.url = u);
       } catch {
         // not reachable: the next one
       }
@@ -761,12 +775,12 @@ export class VoxClient {
       const o = typeof resume === 'object' ? resume : {};
       const bufferMs = o.bufferMs ?? DEFAULT_RESUME_BUFFER_MS;
       const timeoutMs = o.timeoutMs ?? DEFAULT_RESUME_TIMEOUT_MS;
-      for (const [name, v] of [
-        ['resume.bufferMs', bufferMs],
-        ['resume.timeoutMs', timeoutMs],
+      for (const [name, v, min] of [
+        ['resume.bufferMs', bufferMs, MIN_RESUME_BUFFER_MS],
+        ['resume.timeoutMs', timeoutMs, 0],
       ] as const)
-        if (typeof v !== 'number' || !(v >= 0) || v > 2_147_483_647)
-          throw new TypeError(`${name}: a number of ms from 0 to 2147483647, got ${String(v)}`);
+        if (typeof v !== 'number' || !(v >= min) || v > 2_147_483_647)
+          throw new TypeError(`${name}: a number of ms from ${min} to 2147483647, got ${String(v)}`);
       plan = {
         bufferMs,
         timeoutMs,
@@ -803,7 +817,7 @@ type Listener = (e: never) => void;
  * {@link VoxClient.stream}. @internal
  */
 export interface ResumePlan {
-  /** Audio kept for re-sending, ms of the stream's audio (the newest that much). */
+  /** Written, unconfirmed audio past which `send` waits for a `progress`, ms of the stream's audio. */
   bufferMs: number;
   /** How long to try nodes before the stream fails, ms. */
   timeoutMs: number;
@@ -832,6 +846,8 @@ interface Resuming {
   ms: number;
   gap: { start_ms: number; end_ms: number };
   deadline: number;
+  /** Ends the resume at `deadline`, whatever the attempt under way is doing. */
+  timer: ReturnType<typeof setTimeout>;
   /** The error of the last failed attempt. */
   error: VoxClientError;
   /** Nodes that refused an attempt (a handshake refused, or closed before `ready`): tried last. */
@@ -895,9 +911,12 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   /** The `done` of the current session, until its close says whether it is the last. */
   private pendingDone: StreamEventOf<'done'> | null = null;
   private resuming: Resuming | null = null;
-  /** ms per step at which a whole number of frames starts (1 at 16 kHz, 10 at 44.1 kHz), and its bytes. */
-  private readonly gridMs: number = 1;
-  private readonly gridBytes: number = 0;
+  /**
+   * ms per step at which a whole number of frames starts (1 at 16 kHz, 10 at 44.1 kHz) and, once `ready` named the
+   * model's window (`window_ms`), a window starts too (32 for Silero VAD at 16 kHz): a resume starts on it. Its bytes.
+   */
+  private gridMs = 1;
+  private gridBytes = 0;
 
   /** @internal use {@link VoxClient.stream}. */
   constructor(
@@ -971,6 +990,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     if (event.type === 'ready') {
       this.connected = true;
       if (this.resuming) return this.resumed(event);
+      if (this.plan) this.onWindowGrid(event.window_ms);
       this.ready = event;
       this.markOpened();
       return this.deliver(event);
@@ -1001,20 +1021,30 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   }
 
   /**
+   * Puts the resume grid on the model's windows of `windowMs` (a whole number of ms; a server before `window_ms`
+   * sends none, and the grid stays on whole samples): the least multiple of both.
+   */
+  private onWindowGrid(windowMs: number | undefined): void {
+    if (!windowMs || !Number.isInteger(windowMs) || windowMs < 1) return;
+    const times = windowMs / greatestCommonDivisor(this.gridMs, windowMs);
+    this.gridMs *= times;
+    this.gridBytes *= times;
+  }
+
+  /**
    * The server processed the audio up to `ms` on the stream's clock: the events before are handed on, the audio before
    * is let go.
    */
   private confirm(ms: number): void {
     this.confirmedMs = ms;
     for (const e of this.held.splice(0)) this.deliver(e);
-    const upTo = Math.floor(ms / this.gridMs) * this.gridBytes;
+    const upTo = Math.min(Math.floor(ms / this.gridMs) * this.gridBytes, this.written);
     let n = 0;
-    while (
-      n < this.chunks.length &&
-      this.chunks[n].start + this.chunks[n].data.byteLength <= Math.min(upTo, this.written)
-    )
-      n++;
+    while (n < this.chunks.length && this.chunks[n].start + this.chunks[n].data.byteLength <= upTo) n++;
     if (n) this.chunks.splice(0, n);
+    // A frame confirmed in part keeps its rest only: a frame longer than bufferMs must not hold `send` back.
+    const c = this.chunks[0];
+    if (c && c.start < upTo) this.chunks[0] = { data: c.data.subarray(upTo - c.start), start: upTo };
   }
 
   private deliver(event: StreamEvent): void {
@@ -1024,6 +1054,8 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
   /** The current socket closed: the end of the stream, or (with `resume`) a resume, or the next attempt of one. */
   private socketClosed(c: { code: number; reason: string }): void {
+    // Already over (a resume that timed out drops its attempt).
+    if (this.info) return;
     const wasReady = this.connected;
     this.connected = false;
     const done = this.pendingDone;
@@ -1056,6 +1088,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     for (const e of this.held.splice(0)) this.deliver(e);
     if (done) this.deliver(done);
     this.info = info;
+    if (this.resuming) clearTimeout(this.resuming.timer);
     this.resuming = null;
     if (info.error) this.markRefused(info.error);
     this.notify('close', info);
@@ -1075,7 +1108,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     const plan = this.plan!;
     this.held = [];
     const head = this.chunks[0]?.start ?? this.given;
-    // At the confirmed ms, on a whole frame; later if the buffer no longer reaches back there.
+    // At the last step of the grid (whole frames, and the model's windows) at or before the confirmed ms.
     const k = Math.max(Math.floor(this.confirmedMs / this.gridMs), Math.ceil(head / this.gridBytes));
     const byte = Math.max(head, Math.min(k * this.gridBytes, this.given));
     const sentMs = Math.round(this.msOf(this.given));
@@ -1085,10 +1118,24 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
       ms: k * this.gridMs,
       gap: { start_ms: this.confirmedMs, end_ms: Math.max(sentMs, this.confirmedMs) },
       deadline: Date.now() + plan.timeoutMs,
+      timer: setTimeout(() => this.resumeExpired(), plan.timeoutMs),
       error: new VoxClientError('connection_error', `the stream on ${this.url} was lost`),
-      refused: new Set(),
+      // The node that went away is tried after the others.
+      refused: new Set([this.url]),
     };
     void this.retry(true);
+  }
+
+  /**
+   * The resume's `timeoutMs` has passed: the stream fails, and the attempt under way (a look-up or a handshake
+   * that a frozen node never answers) is dropped.
+   */
+  private resumeExpired(): void {
+    if (!this.resuming || this.info) return;
+    const attempt = this.ws;
+    this.finish({ code: CLOSE.ABNORMAL, reason: '', error: this.resumeFailed(this.resuming) });
+    if (attempt.terminate) attempt.terminate();
+    else attempt.close(CLOSE.NORMAL, 'resume timed out');
   }
 
   /** One attempt to open the stream on a node (after a pause, but for the first). */
@@ -1098,7 +1145,11 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     while (!this.closedByUs && !this.info) {
       try {
         const { ws, url } = await this.plan!.reopen(r.ms, r.refused);
-        if (this.closedByUs) return ws.close(CLOSE.NORMAL, 'client closed');
+        if (this.closedByUs || this.info) {
+          // Not attached: its handshake's error would have no listener.
+          ws.addEventListener('error', () => {});
+          return ws.close(CLOSE.NORMAL, 'client closed');
+        }
         this.url = url;
         return this.attach(ws);
       } catch (e) {
@@ -1122,6 +1173,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private resumed(ready: StreamEventOf<'ready'>): void {
     const r = this.resuming!;
     this.resuming = null;
+    clearTimeout(r.timer);
     const end = Math.max(r.gap.end_ms, r.ms);
     this.deliver({
       type: 'resumed',
@@ -1308,8 +1360,9 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
    * Sends a frame of PCM in the stream's encoding (a frame may end mid-sample). Resolves at once
    * while the socket holds less than `highWaterMark` unsent; otherwise it waits until it drains
    * below (frames keep their order); with `resume`, also while the stream resumes on another
-   * node. Await it: that is what bounds memory. With `resume`, the frame is copied (kept until the
-   * server confirms it), so the caller may reuse its buffer.
+   * node, and while `bufferMs` of written audio waits for the server's `progress`. Await it: that
+   * is what bounds memory. With `resume`, the frame is copied (kept until the server confirms
+   * it), so the caller may reuse its buffer.
    * @throws VoxClientError once the stream has closed.
    */
   send(pcm: ArrayBuffer | ArrayBufferView): Promise<void> {
@@ -1320,13 +1373,12 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
         : new Uint8Array(pcm);
       this.chunks.push({ data: bytes.slice(), start: this.given });
       this.given += bytes.byteLength;
-      this.trim();
       const end = this.given;
-      if (this.waiting === 0 && this.connected && this.ws.bufferedAmount < this.highWaterMark) {
+      if (this.waiting === 0 && this.connected && this.ws.bufferedAmount < this.highWaterMark && this.roomToKeep()) {
         this.writeUpTo(end);
         return Promise.resolve();
       }
-      return this.enqueue(() => this.writeUpTo(end));
+      return this.enqueue(() => this.writeUpTo(end), true);
     }
     if (this.waiting === 0 && this.ws.bufferedAmount < this.highWaterMark) {
       this.ws.send(pcm);
@@ -1348,17 +1400,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     }
   }
 
-  /** Keeps the newest `bufferMs` of the PCM not confirmed (and all that is not written yet). */
-  private trim(): void {
-    const keep = (this.plan!.bufferMs * this.plan!.sampleRate * this.plan!.frameBytes) / 1000;
-    let n = 0;
-    while (
-      n + 1 < this.chunks.length &&
-      this.given - this.chunks[n + 1].start >= keep &&
-      this.chunks[n].start + this.chunks[n].data.byteLength <= this.written
-    )
-      n++;
-    if (n) this.chunks.splice(0, n);
+  /**
+   * Whether the next frame may be written: the PCM written and not yet confirmed is under `bufferMs`. Every byte
+   * not confirmed is kept (a resume re-sends it), so past that `send` waits for the server's `progress`.
+   */
+  private roomToKeep(): boolean {
+    const head = this.chunks[0]?.start ?? this.written;
+    return this.written - head < (this.plan!.bufferMs * this.plan!.sampleRate * this.plan!.frameBytes) / 1000;
   }
 
   /**
@@ -1381,13 +1429,17 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
 
   /**
    * Runs `write` after every earlier waiting send, once the socket is below its high-water mark (and, with `resume`,
-   * connected).
+   * connected, and for PCM (`keeps`) once less than `bufferMs` is unconfirmed).
    */
-  private enqueue(write: () => void): Promise<void> {
+  private enqueue(write: () => void, keeps = false): Promise<void> {
     this.waiting++;
     const p = this.tail.then(async () => {
       try {
-        while (!this.info && ((this.plan && !this.connected) || this.ws.bufferedAmount >= this.highWaterMark))
+        while (
+          !this.info &&
+          ((this.plan && (!this.connected || (keeps && !this.roomToKeep()))) ||
+            this.ws.bufferedAmount >= this.highWaterMark)
+        )
           await new Promise((r) => setTimeout(r, 10));
         if (this.info) throw this.afterClose();
         write();

@@ -21,6 +21,8 @@ interface FakeNode {
   onStream: (s: FakeNode['streams'][number]) => void;
   /** Answer handshakes with this HTTP status instead of upgrading. */
   refuse: number | null;
+  /** Never answer `/ready` (a frozen node: its kernel accepts, nothing answers), or never answer the upgrade. */
+  hang: 'ready' | 'upgrade' | null;
   close(): Promise<void>;
 }
 
@@ -30,12 +32,16 @@ afterEach(async () => {
 });
 
 async function fakeNode(): Promise<FakeNode> {
+  /** Upgrades never answered (`hang`), destroyed at `close`. */
+  const hung: { destroy(): void }[] = [];
   const http: Server = createServer((req, res) => {
+    if (node.hang === 'ready') return;
     res.statusCode = req.url === '/ready' && node.ready ? 200 : 503;
     res.end('{}');
   });
   const wss = new WebSocketServer({ noServer: true, handleProtocols: (p) => [...p][0] });
   http.on('upgrade', (req, socket, head) => {
+    if (node.hang === 'upgrade') return void hung.push(socket);
     if (node.refuse) {
       const body = '{"error":{"type":"not_found","message":"model: no such model"}}';
       socket.end(
@@ -57,10 +63,12 @@ async function fakeNode(): Promise<FakeNode> {
     ready: true,
     streams: [],
     refuse: null,
+    hang: null,
     onStream: (s) =>
       s.ws.send(JSON.stringify({ type: 'ready', session_id: 'x', model: 'm', task: 'vad', sample_rate: 16000 })),
     close: async () => {
       for (const c of wss.clients) c.terminate();
+      for (const socket of hung) socket.destroy();
       http.closeAllConnections();
       await new Promise((r) => http.close(r));
     },
@@ -151,26 +159,100 @@ describe('resume (scripted nodes)', () => {
     expect((await stream.closed).error).toBeUndefined();
   });
 
-  it('a gap longer than bufferMs: the newest bufferMs is re-sent, the rest reported as dropped', async () => {
+  it('bufferMs of audio written and unconfirmed: send waits for a progress, and a resume re-sends all of it (nothing dropped)', async () => {
     const [a, b] = [await fakeNode(), await fakeNode()];
     const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm', resume: { bufferMs: 1000 } });
     const events: StreamEvent[] = [];
     void collect(stream, events).catch(() => {});
     const sent = audio(0, 3000);
-    for (let o = 0; o < sent.length; o += 3200) await stream.send(sent.subarray(o, o + 3200));
-    await until(() => a.streams[0].audio.reduce((n, d) => n + d.length, 0) === sent.length);
+    let given = 0;
+    const sending = (async () => {
+      for (let o = 0; o < sent.length; o += 3200) {
+        await stream.send(sent.subarray(o, o + 3200));
+        given = o + 3200;
+      }
+    })();
+    const received = (): number => a.streams[0].audio.reduce((n, d) => n + d.length, 0);
+    await until(() => received() === 1000 * 32);
+    // Nothing confirmed: the 1000 ms written are all kept, and the next send waits.
+    await new Promise((r) => setTimeout(r, 300));
+    expect(received()).toBe(1000 * 32);
+    expect(given).toBeLessThanOrEqual(1100 * 32);
+    a.streams[0].ws.send(event({ type: 'progress', processed_ms: 500 }));
+    await until(() => received() === 1500 * 32);
     a.ready = false;
     a.streams[0].ws.terminate();
     await until(() => events.some((e) => e.type === 'resumed'));
+    // The gap ends at what send() was given: the frame waiting in it (1500-1600 ms) too.
     expect(events.find((e) => e.type === 'resumed')).toMatchObject({
-      gap: { start_ms: 0, end_ms: 3000 },
-      resent: { start_ms: 2000, end_ms: 3000 },
-      dropped: { start_ms: 0, end_ms: 2000 },
+      gap: { start_ms: 500, end_ms: 1600 },
+      resent: { start_ms: 500, end_ms: 1600 },
+      dropped: null,
     });
-    expect(b.streams[0].query.get('offset_ms')).toBe('2000');
-    await until(() => b.streams[0].audio.reduce((n, d) => n + d.length, 0) === 1000 * 32);
-    expect(Buffer.concat(b.streams[0].audio).equals(sent.subarray(2000 * 32))).toBe(true);
+    expect(b.streams[0].query.get('offset_ms')).toBe('500');
+    const atB = (): number => b.streams[0].audio.reduce((n, d) => n + d.length, 0);
+    // B is sent the kept 500-1600 ms; each progress lets another bufferMs go.
+    await until(() => atB() === 1100 * 32);
+    b.streams[0].ws.send(event({ type: 'progress', processed_ms: 1600 }));
+    await until(() => atB() === 2100 * 32);
+    b.streams[0].ws.send(event({ type: 'progress', processed_ms: 2600 }));
+    await sending;
+    await until(() => atB() === 2500 * 32);
+    expect(Buffer.concat(b.streams[0].audio).equals(sent.subarray(500 * 32))).toBe(true);
     stream.close();
+  });
+
+  it('a frame longer than bufferMs, confirmed but for its last partial window, does not hold the next send back', async () => {
+    const a = await fakeNode();
+    const stream = await new VoxClient({ urls: [a.url, a.url] }).stream({ model: 'm', resume: { bufferMs: 1000 } });
+    const seen: StreamEvent[] = [];
+    void collect(stream, seen).catch(() => {});
+    await stream.send(audio(0, 1500));
+    const received = (): number => a.streams[0].audio.reduce((n, d) => n + d.length, 0);
+    await until(() => received() === 1500 * 32);
+    // The server confirms whole 32 ms windows: 46 of them; 28 ms wait for more audio.
+    a.streams[0].ws.send(event({ type: 'progress', processed_ms: 1472 }));
+    await until(() => seen.some((e) => e.type === 'progress'));
+    const next = stream.send(audio(1500, 100));
+    await expect(
+      Promise.race([next.then(() => 'sent'), new Promise((r) => setTimeout(() => r('waiting'), 3000))]),
+    ).resolves.toBe('sent');
+    stream.close();
+  });
+
+  it('a frozen node (its /ready never answered) is passed over after heartbeatMs, and the lost node is asked last', async () => {
+    const [a, b, c] = [await fakeNode(), await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url, c.url], heartbeatMs: 500 }).stream({ model: 'm' });
+    const events: StreamEvent[] = [];
+    void collect(stream, events).catch(() => {});
+    b.hang = 'ready';
+    a.streams[0].ws.terminate();
+    await until(() => events.some((e) => e.type === 'resumed'), 8000);
+    expect(stream.serverUrl).toBe(c.url);
+    expect(a.streams.length).toBe(1);
+    stream.close();
+  });
+
+  it('timeoutMs is enforced whatever the node does: one that answers /ready and never the handshake (heartbeatMs 0)', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    const stream = await new VoxClient({ urls: [a.url, b.url], heartbeatMs: 0 }).stream({
+      model: 'm',
+      resume: { timeoutMs: 600 },
+    });
+    const reading = collect(stream, []);
+    a.ready = false;
+    b.hang = 'upgrade';
+    a.streams[0].ws.terminate();
+    const err = await Promise.race([
+      reading.then(
+        () => null,
+        (e) => e,
+      ),
+      new Promise((r) => setTimeout(() => r('still waiting 8 s later'), 8000)),
+    ]);
+    expect(err).toBeInstanceOf(VoxClientError);
+    expect((err as VoxClientError).message).toMatch(/was lost and could not be resumed within 600 ms/);
+    expect((await stream.closed).error).toBe(err);
   });
 
   it('a resume attempt refused before ready (error event, close 1013: no holder yet) is tried again, and its error is not handed on', async () => {
