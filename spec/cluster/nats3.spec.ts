@@ -4,6 +4,7 @@
  * serve --cluster` processes given the three URLs.
  * (a) The registry and lock buckets have 3 replicas, read through JetStream's own API, and
  *     `GET /v1/cluster` says so.
+ *     Buckets found with 1 replica (created on one server) are scaled up to 3.
  * (b) The server holding the registry bucket's stream leader is killed (SIGKILL): the nodes keep
  *     seeing each other and a cold request for a model no node holds is answered 200 within a few
  *     seconds (with 1-replica buckets the registry went with the server: 503 after 31 s).
@@ -19,7 +20,8 @@ import type { ChildProcess } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { jetstreamManager } from '@nats-io/jetstream';
+import { jetstream, jetstreamManager } from '@nats-io/jetstream';
+import { Kvm } from '@nats-io/kv';
 import { connect } from '@nats-io/transport-node';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
@@ -247,6 +249,28 @@ describe('NATS as three servers', () => {
       expect(nats.servers).toEqual(servers.map((s) => `127.0.0.1:${s.server.port}`).sort());
       expect(nats.server).toBe((await serverOf(url === A ? 'A' : 'C'))?.name);
     }
+  }, 120_000);
+
+  it('(a) buckets found with 1 replica on three servers are scaled up to 3', async () => {
+    await natsCluster();
+    const nc = await connect({ servers: servers[0].server.url });
+    try {
+      const kvm = new Kvm(jetstream(nc));
+      // Created the way a 1-server NATS had them (every wait bounded: a fresh cluster elects its leader first).
+      const created = await eventually(async () => {
+        await kvm.create('voxserve_nodes', { history: 1, replicas: 1 });
+        await kvm.create('voxserve_locks', { history: 1, replicas: 1 });
+        return true;
+      }, 20_000);
+      expect(created, 'buckets created with 1 replica').not.toBeNull();
+    } finally {
+      await nc.close();
+    }
+    expect(await jetstreamView(servers[0].server.url)).toMatchObject({ nodes: 1, locks: 1 });
+    const A = await startNode('A');
+    const view = await jetstreamView(servers[0].server.url);
+    expect({ nodes: view.nodes, locks: view.locks }).toEqual({ nodes: 3, locks: 3 });
+    expect((await clusterOf(A)).nats.replicas).toEqual({ nodes: 3, locks: 3 });
   }, 120_000);
 
   it('(b) killing the server that leads the registry bucket: the nodes keep seeing each other, a cold request is answered 200', async () => {
