@@ -12,8 +12,9 @@ import {
   type NatsConnection,
   type NodeConnectionOptions,
 } from '@nats-io/transport-node';
-import { jetstream } from '@nats-io/jetstream';
+import { jetstream, jetstreamManager, type JetStreamManager } from '@nats-io/jetstream';
 import { Kvm, type KV } from '@nats-io/kv';
+import type { Logger } from 'pino';
 import { assign, createActor, fromPromise, setup, waitFor } from 'xstate';
 import type { ClusterConfig } from '../runtime/config.js';
 import { fromWire, voxError, type VoxError } from '../runtime/errors.js';
@@ -101,6 +102,72 @@ export interface NatsLink {
    * @throws Error when JetStream does not answer within its timeout.
    */
   reopen?(): Promise<void>;
+  /**
+   * How many servers hold a copy of each bucket (its stream's replicas), as last opened; absent on
+   * the in-memory NATS.
+   */
+  replicas?: BucketReplicas;
+}
+
+/** The replicas of the two buckets' streams (1, or 3 on a NATS cluster of 3 or more servers). */
+export interface BucketReplicas {
+  nodes: number;
+  locks: number;
+}
+
+/**
+ * The replicas the buckets should have on the NATS that `nc` is connected to: 3 when the server's
+ * INFO names a cluster of 3 or more servers (`connect_urls`, which the servers gossip as routes
+ * form), else 1 (JetStream refuses 3 replicas on fewer servers).
+ */
+export function wantedReplicas(nc: NatsConnection): number {
+  return (nc.info?.connect_urls?.length ?? 1) >= 3 ? 3 : 1;
+}
+
+/**
+ * The NATS side of `GET /v1/cluster` (docs/http-api.md): the configured URL(s) with credentials
+ * hidden, the name of the server this node is connected to (null when none), the servers of the
+ * NATS cluster as that server names them (`host:port`; the configured URLs when it names none),
+ * and each bucket's replicas (null on the in-memory NATS).
+ */
+export function natsSide(
+  link: NatsLink,
+  s: ClusterSettings,
+): { url: string; server: string | null; servers: string[]; replicas: BucketReplicas | null } {
+  const urls = link.nc.info?.connect_urls;
+  const servers = urls?.length ? [...urls].sort() : natsServers(s.nats).map((u) => redact(u, s));
+  return {
+    url: redact(s.nats, s),
+    server: link.nc.info?.server_name ?? null,
+    servers,
+    replicas: link.replicas ?? null,
+  };
+}
+
+/**
+ * Raises the replicas of bucket `bucket`'s stream (`KV_<bucket>`) to `want` when it has fewer (a
+ * bucket created on one server that became a cluster of three, or by an older voxserve);
+ * nats-server 2.9 moves the data itself. When NATS refuses, a warning names the bucket and the
+ * command that does it, and the bucket goes on with the replicas it has.
+ * @returns the stream's replicas after the attempt.
+ */
+async function ensureReplicas(jsm: JetStreamManager, bucket: string, want: number, log?: Logger): Promise<number> {
+  const stream = `KV_${bucket}`;
+  const info = await jsm.streams.info(stream);
+  const has = info.config.num_replicas || 1;
+  if (has >= want) return has;
+  try {
+    const updated = await jsm.streams.update(stream, { ...info.config, num_replicas: want });
+    log?.info({ bucket, replicas: want }, 'cluster: NATS bucket scaled up to the NATS cluster');
+    return updated.config.num_replicas;
+  } catch (e) {
+    log?.warn(
+      { bucket, replicas: has, want, err: (e as Error).message },
+      `cluster: NATS bucket ${bucket} has ${has} replica(s) on a cluster of ${want} or more servers; ` +
+        `losing the server that holds it stops placement: run \`nats stream edit ${stream} --replicas ${want}\``,
+    );
+    return has;
+  }
 }
 
 /**
@@ -114,10 +181,12 @@ const NODES_MAX_AGE_MS = 60_000;
 const LOCKS_MAX_AGE_MS = 600_000;
 
 /**
- * Connects to NATS and opens (creating if needed) the registry and lock buckets.
+ * Connects to NATS and opens (creating if needed) the registry and lock buckets, with 3 replicas on
+ * a NATS cluster of 3 or more servers ({@link wantedReplicas}; buckets found with fewer are scaled
+ * up, or a warning on `log` says what to do), else 1. {@link NatsLink.reopen} follows the same rule.
  * @throws Error naming the URL when NATS cannot be reached or refuses the credentials.
  */
-export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
+export async function connectNats(s: ClusterSettings, log?: Logger): Promise<NatsLink> {
   let nc: NatsConnection;
   try {
     nc = await connect(natsOptions(s));
@@ -125,10 +194,19 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
     throw new Error(redact(`cluster.nats: cannot connect to NATS at ${s.nats}: ${(e as Error).message}`, s));
   }
   // Key-value operations answer within a few heartbeats or fail: no wait in the cluster outlasts a busy timeout.
-  const kvm = new Kvm(jetstream(nc, { timeout: Math.min(5000, Math.max(1000, 3 * s.heartbeat_ms)) }));
+  const timeout = Math.min(5000, Math.max(1000, 3 * s.heartbeat_ms));
+  const kvm = new Kvm(jetstream(nc, { timeout }));
+  const replicas: BucketReplicas = { nodes: 1, locks: 1 };
+  const bucket = async (which: keyof BucketReplicas, ttl: number): Promise<KV> => {
+    const name = `${s.subject_prefix}_${which}`;
+    const want = wantedReplicas(nc);
+    const kv = await kvm.create(name, { history: 1, ttl, replicas: want });
+    replicas[which] = await ensureReplicas(await jetstreamManager(nc, { timeout }), name, want, log);
+    return kv;
+  };
   const open = async (): Promise<[KV, KV]> => [
-    await kvm.create(`${s.subject_prefix}_nodes`, { history: 1, ttl: NODES_MAX_AGE_MS }),
-    await kvm.create(`${s.subject_prefix}_locks`, { history: 1, ttl: LOCKS_MAX_AGE_MS }),
+    await bucket('nodes', NODES_MAX_AGE_MS),
+    await bucket('locks', LOCKS_MAX_AGE_MS),
   ];
   // A NATS cluster that has just started elects its JetStream leader after a moment: tried again until the connect timeout.
   const opening = createActor(openingMachine, { input: { open, timeoutMs: s.connect_timeout_ms } }).start();
@@ -139,6 +217,7 @@ export async function connectNats(s: ClusterSettings): Promise<NatsLink> {
       nc,
       nodes,
       locks,
+      replicas,
       reopen: async () => {
         [link.nodes, link.locks] = await open();
       },

@@ -31,6 +31,8 @@ import {
 import {
   clusterSettings,
   connectNats,
+  natsSide,
+  wantedReplicas,
   nodeKey,
   redact,
   type ClusterSettings,
@@ -93,6 +95,7 @@ export class ClusterNode {
   onNameLost: (error: VoxError) => void = () => {};
   private stopWatch: (() => void) | null = null;
   private reopening: Promise<void> | null = null;
+  private watchedAt = 0; // when the registry watch was last made, ms since the epoch
   private handover: Promise<void> = Promise.resolve();
   metrics: ClusterMetrics | null = null;
 
@@ -130,7 +133,7 @@ export class ClusterNode {
    * @throws Error `cluster.nats: cannot connect to NATS at <url>: <why>`.
    */
   static async connect(config: ServerConfig, options: ClusterNodeOptions): Promise<ClusterNode> {
-    const link = options.link ?? (await connectNats(clusterSettings(config.cluster!)));
+    const link = options.link ?? (await connectNats(clusterSettings(config.cluster!), options.log));
     const node = new ClusterNode(link, config, options);
     await node.watch();
     void node.watchStatus();
@@ -158,7 +161,7 @@ export class ClusterNode {
   /** Follows the registry bucket (every node's last heartbeat) into the membership chart. */
   private async watch(): Promise<void> {
     this.stopWatch?.();
-    const started = Date.now();
+    const started = (this.watchedAt = Date.now());
     const it = await this.link.nodes.watch({ key: 'node.>' });
     this.stopWatch = () => it.stop();
     void (async () => {
@@ -201,6 +204,9 @@ export class ClusterNode {
         this.membership.send({ type: 'NATS.BACK' });
         // A server restarted without its store lost the buckets: they are created again, and the registry followed
         // anew.
+        void this.reopen();
+      } else if (s.type === 'update' && this.link.replicas && this.link.replicas.nodes < wantedReplicas(this.link.nc)) {
+        // The NATS cluster grew to 3 servers (its routes formed after this node joined): the buckets are scaled up.
         void this.reopen();
       }
     }
@@ -300,6 +306,9 @@ export class ClusterNode {
   async publish(): Promise<void> {
     if (!this.supervisor || this.closed || !this.connected || this.nodeName.lost) return;
     const failed = await this.nodeName.write(encodeJson(this.record()));
+    // A registry watch whose consumer went with a NATS server hears nothing, not even this node's heartbeats: made anew.
+    const heard = Math.max(this.watchedAt, this.membership.getSnapshot().context.view.get(this.name)?.seen ?? 0);
+    if (!failed && Date.now() - heard > 3 * this.settings.heartbeat_ms && !this.reopening) void this.reopen();
     if (!failed) return;
     if (failed.taken) return this.yieldName(failed.taken);
     this.log.debug({ err: failed.error.message }, 'cluster: heartbeat not written');
@@ -408,7 +417,7 @@ export class ClusterNode {
     if (this.supervisor) live.set(this.name, this.record());
     return {
       node: this.name,
-      nats: { url: redact(this.settings.nats, this.settings), connected: this.connected },
+      nats: { ...natsSide(this.link, this.settings), connected: this.connected },
       heartbeat_ms: this.settings.heartbeat_ms,
       nodes: [...live.values()]
         .sort((a, b) => a.node.localeCompare(b.node))
