@@ -30,10 +30,12 @@ describe('ServerConfig models (found by spec/fuzz)', () => {
     ).toThrow(/^models\.2\.id: 'a' is already the id of another model/);
   });
 
-  it('validates a model\'s autoscale, naming the field', () => {
+  it("validates a model's autoscale, naming the field", () => {
     const as = (autoscale: unknown) => parseWith(ServerConfig, { models: [{ ...model, id: 'a', autoscale }] });
     expect(() => as({ max_replicas: 3 })).toThrow(/^models\.0\.autoscale\.target_wait_ms: /);
-    expect(() => as({ max_replicas: 0, target_wait_ms: 200 })).toThrow(/^models\.0\.autoscale\.max_replicas: Too small/);
+    expect(() => as({ max_replicas: 0, target_wait_ms: 200 })).toThrow(
+      /^models\.0\.autoscale\.max_replicas: Too small/,
+    );
     expect(() => as({ min_replicas: 3, max_replicas: 2, target_wait_ms: 200 })).toThrow(
       /^models\.0\.autoscale\.max_replicas: must be at least min_replicas \(3\)/,
     );
