@@ -18,6 +18,7 @@ import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { type VoxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
+import { Autoscaler } from './autoscale.js';
 import { Locks, type LockRef } from './locks.js';
 import { ask, handOver, manageLoad, manageUnload } from './manage.js';
 import {
@@ -70,6 +71,7 @@ export class ClusterNode {
   readonly jobs: RemoteJobs;
   readonly placement: Placement;
   readonly serving: Serving;
+  readonly autoscaler = new Autoscaler(this);
   supervisor: Supervisor | null = null;
   private url: string | null = null;
   readonly subs: Subscription[] = [];
@@ -290,6 +292,7 @@ export class ClusterNode {
       min_free_memory_mb: this.config.min_free_memory_mb,
       models,
       session: `${this.nodeName.boot}.${this.membership.getSnapshot().context.reconnects}`,
+      ...this.autoscaler.report(),
     };
   }
 
@@ -299,6 +302,7 @@ export class ClusterNode {
    */
   async publish(): Promise<void> {
     if (!this.supervisor || this.closed || !this.connected || this.nodeName.lost) return;
+    this.autoscaler.heard();
     const failed = await this.nodeName.write(encodeJson(this.record()));
     if (!failed) return;
     if (failed.taken) return this.yieldName(failed.taken);
@@ -445,6 +449,7 @@ export class ClusterNode {
   drain(): void {
     if (this.draining) return;
     this.draining = true;
+    this.autoscaler.stop();
     void this.publish();
     if (this.supervisor && this.connected) this.handover = handOver(this);
   }
@@ -457,6 +462,7 @@ export class ClusterNode {
   /** Leaves the cluster: stops the heartbeat, removes this node's entry, closes the connection. */
   async close(): Promise<void> {
     if (this.closed) return;
+    this.autoscaler.stop();
     try {
       if (this.connected && this.supervisor) {
         await withDeadline(this.locks.releaseAll(), 3 * this.settings.heartbeat_ms).catch(() => {});
