@@ -81,7 +81,7 @@ const never = (): never => {
 /**
  * `steady` -> `over` (a sample over target) -> after `scale_up_after_ms` still over -> `scalingUp`
  * (one more replica placed) -> `settling` until a sample shows the new count (at most
- * {@link SETTLE_MS}) -> `steady`; likewise `under` -> after `scale_down_after_ms` -> `scalingDown`
+ * {@link SETTLE_MS}) -> `cooling` for `scale_up_after_ms` (samples only kept) -> `steady`; likewise `under` -> after `scale_down_after_ms` -> `scalingDown`
  * (one replica drained and unloaded). A sample no longer over (under) goes back to `steady`. A step
  * that fails goes back to `steady` (tried again after the delay); `failed` (provided) logs it.
  */
@@ -192,11 +192,17 @@ export const scalerMachine = setup({
         },
       },
     },
+    // The new count shown: the waits measured before it (streams started on fewer replicas) are not
+    // taken for the new count's for `scale_up_after_ms`.
+    cooling: {
+      after: { upAfter: 'steady' },
+      on: { SAMPLE: { actions: assign({ sample: ({ event }) => event }) } },
+    },
     settling: {
       after: { [SETTLE_MS]: { target: 'steady', actions: assign({ pending: null }) } },
       on: {
         SAMPLE: [
-          { guard: 'shown', target: 'steady', actions: assign({ pending: null, sample: ({ event }) => event }) },
+          { guard: 'shown', target: 'cooling', actions: assign({ pending: null, sample: ({ event }) => event }) },
           { actions: assign({ sample: ({ event }) => event }) },
         ],
       },

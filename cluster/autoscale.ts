@@ -53,7 +53,7 @@ export class Autoscaler {
         ...(change ? { last_change: change } : {}),
       };
     }
-    return out;
+    return Object.keys(out).length ? { autoscale: out } : {};
   }
 
   /**
@@ -94,13 +94,14 @@ export class Autoscaler {
   }
 
   /**
-   * `GET /v1/models`'s `autoscale` of a model: its replicas (live nodes holding it ready) and the
-   * last change; undefined when the model is not autoscaled (here, nor by any node's report).
+   * `GET /v1/models`'s `autoscale` of a model: its replicas (live nodes holding it ready), the
+   * highest wait the nodes report (ms, as of their last heartbeats) and the last change; undefined when the model is not autoscaled (here, nor by any node's report).
    */
-  status(id: string): { replicas: number; last_change: ReplicaChange | null } | undefined {
+  status(id: string): { replicas: number; wait_ms: number; last_change: ReplicaChange | null } | undefined {
     const nodes = this.n.nodes();
     if (!this.n.supervisor?.configOf(id)?.autoscale && !nodes.some((r) => r.autoscale?.[id])) return undefined;
-    return { replicas: replicasOf(nodes, id).length, last_change: this.lastChange(id) };
+    const { replicas, wait_ms } = sampleOf(nodes, id);
+    return { replicas, wait_ms, last_change: this.lastChange(id) };
   }
 
   /** Stops every scaler (the node drains or leaves). */

@@ -73,7 +73,7 @@ describe('the scaler chart alone (SimulatedClock)', () => {
     expect(calls).toEqual([]);
   });
 
-  it('waits for the heartbeats to show the new replica before deciding again (at most SETTLE_MS)', async () => {
+  it('waits for the heartbeats to show the new replica (at most SETTLE_MS), then scale_up_after_ms, before deciding again', async () => {
     const { actor, calls, feed } = scaler();
     await feed(3100, over(1));
     expect(calls).toEqual(['add']);
@@ -81,8 +81,12 @@ describe('the scaler chart alone (SimulatedClock)', () => {
     await feed(4000, over(1));
     expect(actor.getSnapshot().value).toBe('settling');
     expect(calls).toEqual(['add']);
-    await feed(100, { replicas: 2, wait_ms: 100, busy_slots: 2, slots: 2 });
+    // Shown: the waits of the next scale_up_after_ms (streams begun on 1 replica) are not acted on.
+    await feed(2900, { replicas: 2, wait_ms: 900, busy_slots: 2, slots: 2 });
+    expect(actor.getSnapshot().value).toBe('cooling');
+    await feed(200, { replicas: 2, wait_ms: 100, busy_slots: 2, slots: 2 });
     expect(actor.getSnapshot().value).toBe('steady');
+    expect(calls).toEqual(['add']);
     // Never shown: back to deciding after SETTLE_MS.
     const b = scaler();
     await b.feed(3100, over(1));
