@@ -14,7 +14,7 @@ export interface ScaleSample {
   replicas: number;
   /** The highest queue wait or stream lag p95 any node reports for the model, ms. */
   wait_ms: number;
-  /** Slots running a job now, summed over the holders. */
+  /** Slots running a job, summed over the holders (cluster/autoscale.ts averages it over the heartbeats). */
   busy_slots: number;
   /** Slots summed over the holders. */
   slots: number;

@@ -33,6 +33,8 @@ export class Autoscaler {
   private readonly scalers = new Map<string, Scaler>();
   /** The last change decided here per model, kept when this node stops deciding (shown until a newer one). */
   private readonly changes = new Map<string, ReplicaChange>();
+  /** Per model decided here, the holders' busy slots averaged over the heartbeats. */
+  private readonly busy = new Map<string, number>();
 
   constructor(private readonly n: ClusterNode) {}
 
@@ -78,7 +80,12 @@ export class Autoscaler {
       if (!scaler) {
         scaler = this.start(id, autoscale);
       }
-      scaler.send({ type: 'SAMPLE', ...sampleOf(nodes, id) });
+      // Busy slots are a heartbeat's instant: averaged (each heartbeat weighing 0.2) so that one idle
+      // instant under load is not taken for "under", nor one job of a light load for "busy".
+      const sample = sampleOf(nodes, id);
+      const busy = 0.8 * (this.busy.get(id) ?? sample.busy_slots) + 0.2 * sample.busy_slots;
+      this.busy.set(id, busy);
+      scaler.send({ type: 'SAMPLE', ...sample, busy_slots: Math.round(busy * 100) / 100 });
     }
   }
 
@@ -115,6 +122,7 @@ export class Autoscaler {
     if (change) this.changes.set(id, change);
     scaler.stop();
     this.scalers.delete(id);
+    this.busy.delete(id);
   }
 
   private start(id: string, autoscale: Autoscale): Scaler {
