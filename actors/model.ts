@@ -919,6 +919,8 @@ export class ModelEntry {
   private loaded: LoadedModel | null = null;
   /** The last 4,096 stream windows' processing lag, ms (a ring). */
   private readonly lags = new Float64Array(4096);
+  /** When each lag of {@link lags} was recorded, ms since the epoch. */
+  private readonly lagTimes = new Float64Array(4096);
   private lagNext = 0;
   private lagCount = 0;
   private readonly lagMetric?: { observe(v: number): void };
@@ -1030,6 +1032,7 @@ export class ModelEntry {
 
   /** Records one stream window's processing lag (last sample arrival to result), ms. */
   recordLag(ms: number): void {
+    this.lagTimes[this.lagNext % this.lags.length] = Date.now();
     this.lags[this.lagNext++ % this.lags.length] = ms;
     this.lagCount++;
     this.lagMetric?.observe(ms / 1000);
@@ -1041,6 +1044,20 @@ export class ModelEntry {
     const sorted = Array.from(this.lags.subarray(0, n)).sort((a, b) => a - b);
     const at = (q: number): number => Math.round(sorted[Math.min(n - 1, Math.floor(q * n))] * 10) / 10;
     return { p50: at(0.5), p99: at(0.99), windows: this.lagCount };
+  }
+
+  /**
+   * How long this model's work waits now, ms: the higher of the oldest queued request's wait and the
+   * p95 of the stream windows' processing lag recorded in the last `windowMs` (0 without any). What
+   * an autoscaled model's replicas follow (cluster/autoscale.ts).
+   */
+  recentWaitMs(windowMs: number, now = Date.now()): number {
+    const recent: number[] = [];
+    for (let i = 0; i < Math.min(this.lagCount, this.lags.length); i++)
+      if (now - this.lagTimes[i] <= windowMs) recent.push(this.lags[i]);
+    recent.sort((a, b) => a - b);
+    const p95 = recent.length ? recent[Math.min(recent.length - 1, Math.floor(0.95 * recent.length))] : 0;
+    return Math.max(this.admission.oldestWaitMs(now), p95);
   }
 
   /** `last_used_at`, ms since the epoch (null if never used). */

@@ -6,6 +6,7 @@
  */
 import type { KvEntry } from '@nats-io/kv';
 import { assign, emit, setup, waitFor, type Actor } from 'xstate';
+import type { AutoscaleReport } from './autoscale.js';
 
 /** One model as a node reports it in its heartbeat. */
 export interface HeldModel {
@@ -44,6 +45,8 @@ export interface NodeRecord {
   min_free_memory_mb: number;
   /** Models held here (a local pool), by id. */
   models: Record<string, HeldModel>;
+  /** Per autoscaled model this node serves: its wait and the last change it decided (cluster/autoscale.ts). */
+  autoscale?: Record<string, AutoscaleReport>;
   /**
    * This node's NATS session (`<boot>.<reconnects>`): changes when its connection to NATS came back
    * (or the process restarted). A request another node sent it before may have been lost with the

@@ -18,6 +18,7 @@ import type { ModelConfig, ServerConfig } from '../runtime/config.js';
 import { type VoxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import type { MemoryProbe } from '../runtime/memory.js';
+import { Autoscaler } from './autoscale.js';
 import { Locks, type LockRef } from './locks.js';
 import { ask, handOver, manageLoad, manageUnload } from './manage.js';
 import {
@@ -72,6 +73,7 @@ export class ClusterNode {
   readonly jobs: RemoteJobs;
   readonly placement: Placement;
   readonly serving: Serving;
+  readonly autoscaler = new Autoscaler(this);
   supervisor: Supervisor | null = null;
   private url: string | null = null;
   readonly subs: Subscription[] = [];
@@ -296,6 +298,7 @@ export class ClusterNode {
       min_free_memory_mb: this.config.min_free_memory_mb,
       models,
       session: `${this.nodeName.boot}.${this.membership.getSnapshot().context.reconnects}`,
+      ...this.autoscaler.report(),
     };
   }
 
@@ -305,6 +308,7 @@ export class ClusterNode {
    */
   async publish(): Promise<void> {
     if (!this.supervisor || this.closed || !this.connected || this.nodeName.lost) return;
+    this.autoscaler.heard();
     const failed = await this.nodeName.write(encodeJson(this.record()));
     // A registry watch whose consumer went with a NATS server hears nothing, not even this node's heartbeats: made anew.
     const heard = Math.max(this.watchedAt, this.membership.getSnapshot().context.view.get(this.name)?.seen ?? 0);
@@ -454,6 +458,7 @@ export class ClusterNode {
   drain(): void {
     if (this.draining) return;
     this.draining = true;
+    this.autoscaler.stop();
     void this.publish();
     if (this.supervisor && this.connected) this.handover = handOver(this);
   }
@@ -466,6 +471,7 @@ export class ClusterNode {
   /** Leaves the cluster: stops the heartbeat, removes this node's entry, closes the connection. */
   async close(): Promise<void> {
     if (this.closed) return;
+    this.autoscaler.stop();
     try {
       if (this.connected && this.supervisor) {
         await withDeadline(this.locks.releaseAll(), 3 * this.settings.heartbeat_ms).catch(() => {});

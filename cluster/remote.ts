@@ -25,6 +25,7 @@ import {
   splitJob,
   type RemoteReply,
 } from './nats.js';
+import type { NodeRecord } from './membership.js';
 import type { ClusterNode } from './node.js';
 
 /**
@@ -227,7 +228,7 @@ export class RemoteJobs {
   }
 
   /**
-   * Sends one job to a holder, least loaded first, or runs it here on the model's backing pool when
+   * Sends one job to a holder picked by two random choices ({@link pickHolder}), or runs it here on the model's backing pool when
    * this node holds it behind its remote pool. A holder that answers busy or no longer holds the
    * model is skipped; when all are busy (or none is live) the job waits for the next change of the
    * membership chart and asks again, up to the busy timeout. A holder taken for gone is skipped and
@@ -299,7 +300,7 @@ export class RemoteJobs {
           message: `NATS (${redact(n.settings.nats, n.settings)}) was unreachable for the busy timeout; ${id} is held on other nodes`,
         });
       if (signal?.aborted) throw aborted();
-      const holder = n.holders(id).find((h) => !skip.has(h.node));
+      const holder = pickHolder(id, n.holders(id), skip, n.inflight);
       if (!holder) {
         const expired = Date.now() >= end;
         // No node holds it any more (unloaded there, or its holders gone): placed again, once a few heartbeats, within
@@ -381,6 +382,34 @@ export class RemoteJobs {
   close(): void {
     this.settleWhere(() => true, { lost: true });
   }
+}
+
+/**
+ * The holder a job goes to (the power of two choices, Mitzenmacher): of `holders` not in `skip`
+ * (draining ones only when no other is left), two drawn at random, the less loaded: its queued
+ * requests and active leases (from its heartbeat) plus the jobs this ingress has in flight to it
+ * (`inflight`, by node), per slot; a tie goes to the first drawn. Unlike always the least loaded,
+ * ingresses that heard the same heartbeats do not all pile onto one holder until the next.
+ * @param random a number in [0, 1) (a spec gives a seeded one).
+ * @returns undefined when no holder is left.
+ */
+export function pickHolder(
+  model: string,
+  holders: NodeRecord[],
+  skip: ReadonlySet<string>,
+  inflight: ReadonlyMap<string, number>,
+  random: () => number = Math.random,
+): NodeRecord | undefined {
+  const open = holders.filter((h) => !skip.has(h.node));
+  const pool = open.some((h) => !h.draining) ? open.filter((h) => !h.draining) : open;
+  if (pool.length <= 1) return pool[0];
+  const i = Math.floor(random() * pool.length);
+  const j = (i + 1 + Math.floor(random() * (pool.length - 1))) % pool.length;
+  const load = (h: NodeRecord): number => {
+    const m = h.models[model];
+    return (m.queued + m.active_leases + (inflight.get(h.node) ?? 0)) / Math.max(1, m.slots);
+  };
+  return load(pool[j]) < load(pool[i]) ? pool[j] : pool[i];
 }
 
 /** `p`, or a rejection after `ms` (p goes on; its outcome is dropped). */

@@ -159,11 +159,12 @@ export class Serving {
         outcome = 'cancelled'; // nobody waits for the reply
         return encodeMessage(errorReply(v));
       }
-      if (revoked || (n.draining && v.status >= 500)) {
-        // A draining node unloading its models, or a forced unload, fails the jobs still on them: it
+      if (revoked || (v.status >= 500 && (n.draining || !this.held(msg.model)))) {
+        // A draining node unloading its models, an unload (an autoscaler draining a replica), or a
+        // forced unload, fails the jobs still on them: it
         // holds the model no more, so the ingress sends the job (which gave no result) to another holder.
         outcome = 'not_held';
-        const why = revoked ? `${msg.model} was unloaded (forced)` : 'is stopping';
+        const why = revoked ? `${msg.model} was unloaded (forced)` : n.draining ? 'is stopping' : 'unloaded it';
         return encodeMessage(notHeld(`${n.name}: ${why}: ${v.message}`));
       }
       outcome = v.type;

@@ -93,6 +93,31 @@ const OPTIONS_OF = {
   denoise: DenoiseOptions,
 } as const;
 
+/**
+ * A model's autoscaling in a cluster (docs/cluster.md "Replicas that follow load"): how many nodes
+ * hold it follows its load. Times in ms. Over `target_wait_ms` (the highest queue wait or stream lag
+ * p95 any node reports for it) for `scale_up_after_ms`: one more replica, up to `max_replicas`.
+ * Under it, with the holders' busy slots fitting in one replica fewer at half use, for
+ * `scale_down_after_ms`: one replica drained and unloaded, never below `min_replicas`.
+ */
+export const Autoscale = z
+  .strictObject({
+    min_replicas: z.number().int().min(1).max(64).default(1),
+    max_replicas: z.number().int().min(1).max(64),
+    target_wait_ms: z.number().int().min(1).max(MAX_TIMEOUT_MS),
+    scale_up_after_ms: z.number().int().min(0).max(MAX_TIMEOUT_MS).default(30_000),
+    scale_down_after_ms: z.number().int().min(0).max(MAX_TIMEOUT_MS).default(300_000),
+  })
+  .superRefine((a, ctx) => {
+    if (a.max_replicas < a.min_replicas)
+      ctx.addIssue({
+        code: 'custom',
+        path: ['max_replicas'],
+        message: `must be at least min_replicas (${a.min_replicas})`,
+      });
+  });
+export type Autoscale = z.infer<typeof Autoscale>;
+
 /** One model as registered (config file `models[]` or `POST /v1/models/load`). */
 export const ModelConfig = z
   .strictObject({
@@ -143,6 +168,8 @@ export const ModelConfig = z
     /** Streams: the longest a job waits for company before its batch is sent, ms. */
     max_batch_delay_ms: z.number().int().min(0).max(1000).default(10),
     options: z.record(z.string(), z.unknown()).default({}),
+    /** In a cluster: the number of replicas follows the load ({@link Autoscale}); absent: fixed. */
+    autoscale: Autoscale.optional(),
   })
   .superRefine((m, ctx) => {
     if (m.heads && m.task !== 'wakeword')

@@ -163,7 +163,10 @@ export interface RouteDeps {
 /** Answers one HTTP request on the connection's socket actor `link` as request `rid`; throws the error to answer. */
 export type Dispatch = (req: IncomingMessage, res: ServerResponse, link: HttpLink, rid: number) => Promise<void>;
 
-/** In a cluster, each model's status gains the nodes holding it; models held only elsewhere are listed too. */
+/**
+ * In a cluster, each model's status gains the nodes holding it, and an autoscaled one its `autoscale`
+ * (`{replicas, last_change: {at, from, to, why} | null}`); models held only elsewhere are listed too.
+ */
 function withNodes<T extends { id: string }>(cluster: ClusterNode | null, list: T[]): (T & { nodes?: unknown[] })[] {
   if (!cluster) return list;
   const held = cluster.holdersByModel();
@@ -173,7 +176,11 @@ function withNodes<T extends { id: string }>(cluster: ClusterNode | null, list: 
       out.push({ id, task: nodes[0].task, state: 'unloaded', loaded: false, nodes } as unknown as T & {
         nodes: unknown[];
       });
-  return out;
+  // An autoscaled model: its replicas and why their number last changed.
+  return out.map((m) => {
+    const autoscale = cluster.autoscaler.status(m.id);
+    return autoscale ? { ...m, autoscale } : m;
+  });
 }
 
 /** Management routes in a cluster: load by placement (`node`, `replicas`), unloads on every node unless `node`. */

@@ -29,4 +29,25 @@ describe('ServerConfig models (found by spec/fuzz)', () => {
       }),
     ).toThrow(/^models\.2\.id: 'a' is already the id of another model/);
   });
+
+  it("validates a model's autoscale, naming the field", () => {
+    const as = (autoscale: unknown) => parseWith(ServerConfig, { models: [{ ...model, id: 'a', autoscale }] });
+    expect(() => as({ max_replicas: 3 })).toThrow(/^models\.0\.autoscale\.target_wait_ms: /);
+    expect(() => as({ max_replicas: 0, target_wait_ms: 200 })).toThrow(
+      /^models\.0\.autoscale\.max_replicas: Too small/,
+    );
+    expect(() => as({ min_replicas: 3, max_replicas: 2, target_wait_ms: 200 })).toThrow(
+      /^models\.0\.autoscale\.max_replicas: must be at least min_replicas \(3\)/,
+    );
+    expect(() => as({ max_replicas: 2, target_wait_ms: 200, scale_up_ms: 1 })).toThrow(
+      /^models\.0\.autoscale: Unrecognized key: "scale_up_ms"/,
+    );
+    expect(as({ max_replicas: 3, target_wait_ms: 200 }).models[0].autoscale).toEqual({
+      min_replicas: 1,
+      max_replicas: 3,
+      target_wait_ms: 200,
+      scale_up_after_ms: 30_000,
+      scale_down_after_ms: 300_000,
+    });
+  });
 });

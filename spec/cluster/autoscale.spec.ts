@@ -1,0 +1,195 @@
+/**
+ * Replicas that follow load (issue 41), in parts: the scaler chart alone (SimulatedClock, fake
+ * steps), and the ingress's pick of a holder by two random choices (a seeded random). What each
+ * asserts is the documented behaviour (docs/cluster.md "Replicas that follow load").
+ */
+import { createActor, fromPromise, SimulatedClock } from 'xstate';
+import { describe, expect, it } from 'vitest';
+import { type ScaleSample, scalerMachine, SETTLE_MS } from '../../cluster/autoscale-chart.js';
+import { pickHolder } from '../../cluster/remote.js';
+import type { NodeRecord } from '../../cluster/membership.js';
+
+const flush = (): Promise<void> => new Promise((r) => setImmediate(r));
+const AUTOSCALE = {
+  min_replicas: 1,
+  max_replicas: 3,
+  target_wait_ms: 200,
+  scale_up_after_ms: 3000,
+  scale_down_after_ms: 5000,
+};
+
+function scaler(autoscale = AUTOSCALE) {
+  const clock = new SimulatedClock();
+  const calls: string[] = [];
+  const actor = createActor(
+    scalerMachine.provide({
+      actors: {
+        addReplica: fromPromise(async () => {
+          calls.push('add');
+          return 'B';
+        }),
+        removeReplica: fromPromise(async () => {
+          calls.push('remove');
+          return 'B';
+        }),
+      },
+    }),
+    { clock, input: { id: 'ww', autoscale } },
+  );
+  actor.start();
+  /** A heartbeat's sample every 100 ms for `ms`. */
+  const feed = async (ms: number, s: ScaleSample): Promise<void> => {
+    for (let t = 0; t < ms; t += 100) {
+      actor.send({ type: 'SAMPLE', ...s });
+      clock.increment(100);
+      await flush();
+    }
+  };
+  return { actor, clock, calls, feed };
+}
+
+const over = (replicas: number): ScaleSample => ({ replicas, wait_ms: 900, busy_slots: replicas, slots: replicas });
+const idle = (replicas: number): ScaleSample => ({ replicas, wait_ms: 0, busy_slots: 0, slots: replicas });
+
+describe('the scaler chart alone (SimulatedClock)', () => {
+  it('places one more replica once the wait was over target for scale_up_after_ms, not sooner', async () => {
+    const { actor, calls, feed } = scaler();
+    await feed(2900, over(1));
+    expect(actor.getSnapshot().value).toBe('over');
+    expect(calls).toEqual([]);
+    await feed(200, over(1));
+    expect(calls).toEqual(['add']);
+    const change = actor.getSnapshot().context.last_change!;
+    expect(change).toMatchObject({ from: 1, to: 2 });
+    expect(change.why).toMatch(/wait p95 900 ms over target_wait_ms 200 for 3000 ms/);
+  });
+
+  it('does not scale up when the wait goes back within target before scale_up_after_ms', async () => {
+    const { actor, calls, feed } = scaler();
+    await feed(2500, over(1));
+    await feed(100, { replicas: 1, wait_ms: 150, busy_slots: 1, slots: 1 });
+    expect(actor.getSnapshot().value).toBe('steady');
+    await feed(2500, over(1));
+    expect(calls).toEqual([]);
+  });
+
+  it('waits for the heartbeats to show the new replica (at most SETTLE_MS), then scale_up_after_ms, before deciding again', async () => {
+    const { actor, calls, feed } = scaler();
+    await feed(3100, over(1));
+    expect(calls).toEqual(['add']);
+    // Heartbeats still showing 1 replica: not taken for "still over".
+    await feed(4000, over(1));
+    expect(actor.getSnapshot().value).toBe('settling');
+    expect(calls).toEqual(['add']);
+    // Shown: the waits of the next scale_up_after_ms (streams begun on 1 replica) are not acted on.
+    await feed(2900, { replicas: 2, wait_ms: 900, busy_slots: 2, slots: 2 });
+    expect(actor.getSnapshot().value).toBe('cooling');
+    await feed(200, { replicas: 2, wait_ms: 100, busy_slots: 2, slots: 2 });
+    expect(actor.getSnapshot().value).toBe('steady');
+    expect(calls).toEqual(['add']);
+    // Never shown: back to deciding after SETTLE_MS.
+    const b = scaler();
+    await b.feed(3100, over(1));
+    await b.feed(SETTLE_MS + 100, idle(1));
+    expect(b.actor.getSnapshot().value).toBe('steady');
+  });
+
+  it('never scales past max_replicas', async () => {
+    const { calls, feed } = scaler();
+    await feed(10_000, over(3));
+    expect(calls).toEqual([]);
+  });
+
+  it('drains one replica after scale_down_after_ms under target, never below min_replicas', async () => {
+    const { actor, calls, feed } = scaler();
+    await feed(4900, idle(2));
+    expect(calls).toEqual([]);
+    await feed(200, idle(2));
+    expect(calls).toEqual(['remove']);
+    expect(actor.getSnapshot().context.last_change).toMatchObject({ from: 2, to: 1 });
+    expect(actor.getSnapshot().context.last_change!.why).toMatch(/within target_wait_ms 200 and 0 of 2 slots busy/);
+    await feed(100, idle(1));
+    await feed(20_000, idle(1));
+    expect(calls).toEqual(['remove']);
+    const two = scaler({ ...AUTOSCALE, min_replicas: 2 });
+    await two.feed(20_000, idle(2));
+    expect(two.calls).toEqual([]);
+  });
+
+  it('keeps two replicas under 1.5 replicas of load with the wait within target (no flapping)', async () => {
+    const { calls, feed } = scaler();
+    for (let i = 0; i < 100; i++) await feed(100, { replicas: 2, wait_ms: 60, busy_slots: i % 2 ? 1 : 2, slots: 2 });
+    expect(calls).toEqual([]);
+  });
+
+  it('places a replica at once when fewer than min_replicas hold it, after scale_up_after_ms', async () => {
+    const { calls, feed } = scaler({ ...AUTOSCALE, min_replicas: 2 });
+    await feed(3100, idle(1));
+    expect(calls).toEqual(['add']);
+  });
+});
+
+const holder = (node: string, queued: number, active_leases: number): NodeRecord => ({
+  node,
+  url: null,
+  at: 0,
+  heartbeat_ms: 1000,
+  free_bytes: 1,
+  draining: false,
+  max_loaded_models: 0,
+  min_free_memory_mb: 0,
+  models: {
+    ww: {
+      task: 'wakeword',
+      state: 'ready',
+      slots: 1,
+      free_slots: 1,
+      queued,
+      active_leases,
+      resident_bytes: 0,
+      config: '0',
+    },
+  },
+});
+
+/** A seeded random in [0, 1) (mulberry32). */
+function seeded(seed: number): () => number {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+describe('the ingress picks a holder by two random choices', () => {
+  const holders = [holder('A', 0, 0), holder('B', 3, 2), holder('C', 0, 1), holder('D', 9, 9)];
+
+  it('of two holders drawn at random, takes the one with the fewer queued requests and active leases', () => {
+    const random = seeded(42);
+    const counts = new Map<string, number>();
+    for (let i = 0; i < 1000; i++) {
+      const h = pickHolder('ww', holders, new Set(), new Map(), random)!;
+      counts.set(h.node, (counts.get(h.node) ?? 0) + 1);
+    }
+    // D (the most loaded) is never taken: of any pair with D, the other has less load.
+    expect(counts.get('D') ?? 0).toBe(0);
+    // Every other holder is taken (not all jobs to the least loaded), A (the least loaded) most.
+    expect(counts.get('A')! > counts.get('C')! && counts.get('C')! > counts.get('B')!).toBe(true);
+    expect(counts.get('B')! > 0).toBe(true);
+  });
+
+  it('counts the jobs this ingress has in flight to each holder, skips the ones given, and asks draining ones last', () => {
+    const random = seeded(7);
+    // A: 6 jobs in flight from here, against B's 3 queued and 2 active leases; C skipped.
+    for (let i = 0; i < 200; i++)
+      expect(pickHolder('ww', holders.slice(0, 3), new Set(['C']), new Map([['A', 6]]), random)!.node).toBe('B');
+    const draining = { ...holders[0], draining: true };
+    for (let i = 0; i < 200; i++)
+      expect(pickHolder('ww', [draining, holders[3]], new Set(), new Map(), random)!.node).toBe('D');
+    expect(pickHolder('ww', [draining, holders[3]], new Set(['D']), new Map(), random)!.node).toBe('A');
+    expect(pickHolder('ww', [draining], new Set(['A']), new Map(), random)).toBeUndefined();
+  });
+});
