@@ -4,6 +4,7 @@
  * back" as events that the remote jobs of cluster/remote.ts react to. One actor per node, with
  * `systemId: 'cluster'`, created by cluster/node.ts and drawn by `/debug`.
  */
+import { createHash } from 'node:crypto';
 import type { KvEntry } from '@nats-io/kv';
 import { assign, emit, setup, waitFor, type Actor } from 'xstate';
 import type { AutoscaleReport } from './autoscale.js';
@@ -271,4 +272,13 @@ export async function until(m: Membership, pred: () => boolean, ms: number): Pro
   } catch {
     return pred();
   }
+}
+
+/**
+ * A registration's fingerprint (12 hex digits of a SHA-256): holders with the same config report the same ({@link
+ * HeldModel.config}).
+ */
+export function fingerprint(registration: Record<string, unknown> | undefined): string {
+  if (!registration) return '';
+  return createHash('sha256').update(JSON.stringify(registration)).digest('hex').slice(0, 12);
 }

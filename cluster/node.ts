@@ -8,7 +8,6 @@
  * - manage.ts: management loads and unloads across nodes, and a draining node's hand-over;
  * - name.ts: the node's name in the registry, claimed at join and held by compare-and-set heartbeats.
  */
-import { createHash } from 'node:crypto';
 import type { Subscription } from '@nats-io/transport-node';
 import type { Logger } from 'pino';
 import { createActor, type InspectionEvent } from 'xstate';
@@ -22,6 +21,7 @@ import { Autoscaler } from './autoscale.js';
 import { Locks, type LockRef } from './locks.js';
 import { ask, handOver, manageLoad, manageUnload } from './manage.js';
 import {
+  fingerprint,
   liveNodes,
   membershipMachine,
   recordEvent,
@@ -491,13 +491,4 @@ export class ClusterNode {
       await this.link.nc.close().catch(() => {});
     }
   }
-}
-
-/**
- * A registration's fingerprint (12 hex digits of a SHA-256): holders with the same config report the same ({@link
- * HeldModel.config}).
- */
-function fingerprint(registration: Record<string, unknown> | undefined): string {
-  if (!registration) return '';
-  return createHash('sha256').update(JSON.stringify(registration)).digest('hex').slice(0, 12);
 }
