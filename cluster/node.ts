@@ -312,7 +312,10 @@ export class ClusterNode {
     const failed = await this.nodeName.write(encodeJson(this.record()));
     // A registry watch whose consumer went with a NATS server hears nothing, not even this node's heartbeats: made anew.
     const heard = Math.max(this.watchedAt, this.membership.getSnapshot().context.view.get(this.name)?.seen ?? 0);
-    if (!failed && Date.now() - heard > 3 * this.settings.heartbeat_ms && !this.reopening) void this.reopen();
+    if (!failed && Date.now() - heard > 3 * this.settings.heartbeat_ms && !this.reopening) {
+      this.log.warn({ silent_ms: Date.now() - heard }, 'cluster: the registry watch is silent; opened again');
+      void this.reopen();
+    }
     if (!failed) return;
     if (failed.taken) return this.yieldName(failed.taken);
     this.log.debug({ err: failed.error.message }, 'cluster: heartbeat not written');
