@@ -7,6 +7,7 @@
 import { createHash } from 'node:crypto';
 import type { KvEntry } from '@nats-io/kv';
 import { assign, emit, setup, waitFor, type Actor } from 'xstate';
+import { z } from 'zod';
 import type { AutoscaleReport } from './autoscale.js';
 
 /** One model as a node reports it in its heartbeat. */
@@ -237,9 +238,52 @@ export type Membership = Actor<typeof membershipMachine>;
  */
 export function recordEvent(e: KvEntry, started: number): MembershipEvent {
   const node = e.key.slice('node.'.length);
-  if (e.operation !== 'PUT') return { type: 'RECORD', node, record: null, seen: 0 };
+  const record = e.operation === 'PUT' ? parseRecord(e) : null;
+  if (!record) return { type: 'RECORD', node, record: null, seen: 0 };
   const created = e.created.getTime();
-  return { type: 'RECORD', node, record: e.json<NodeRecord>(), seen: created < started ? created : Date.now() };
+  return { type: 'RECORD', node, record, seen: created < started ? created : Date.now() };
+}
+
+const finite = z.number().finite();
+/** The fields of a registry entry the cluster reads (others are kept as they are). */
+const recordSchema = z.looseObject({
+  node: z.string(),
+  url: z.string().nullable(),
+  at: finite,
+  heartbeat_ms: finite.positive(),
+  free_bytes: finite,
+  draining: z.boolean(),
+  max_loaded_models: finite,
+  min_free_memory_mb: finite,
+  models: z.record(
+    z.string(),
+    z.looseObject({
+      task: z.string(),
+      state: z.string(),
+      slots: finite.int().positive(),
+      free_slots: finite,
+      queued: finite,
+      active_leases: finite,
+      resident_bytes: finite,
+      config: z.string(),
+    }),
+  ),
+  session: z.string().optional(),
+});
+
+/**
+ * A registry entry's record, or null when it is not one a node writes (not JSON, or a field
+ * missing or of the wrong type: anyone who can write to the bucket could put it there). Such an
+ * entry counts as no node, and following the registry goes on (before, one ended every node's
+ * watch for good).
+ */
+export function parseRecord(e: KvEntry): NodeRecord | null {
+  try {
+    const r = recordSchema.safeParse(e.json());
+    return r.success && r.data.node === e.key.slice('node.'.length) ? (r.data as unknown as NodeRecord) : null;
+  } catch {
+    return null;
+  }
 }
 
 /**

@@ -353,11 +353,24 @@ export function publishInParts(nc: NatsConnection, subject: string, data: Uint8A
 export class Assembler {
   private readonly open = new Map<string, { parts: Uint8Array[]; at: number }>();
 
-  /** Adds one part. @returns the whole message once its last part came, else null. */
+  /**
+   * Adds one part. @returns the whole message once its last part came, else null (also for a part
+   * that is not one {@link publishInParts} sends: dropped, never thrown into the NATS client,
+   * which would close the connection).
+   */
   add(part: Uint8Array): Uint8Array | null {
     const buf = Buffer.from(part.buffer, part.byteOffset, part.byteLength);
-    const len = buf.readUInt32LE(0);
-    const { id, i, n } = JSON.parse(buf.subarray(4, 4 + len).toString()) as { id: string; i: number; n: number };
+    let head: { id?: unknown; i?: unknown; n?: unknown } | null;
+    let len: number;
+    try {
+      len = buf.readUInt32LE(0);
+      head = JSON.parse(buf.subarray(4, 4 + len).toString());
+    } catch {
+      return null;
+    }
+    if (typeof head?.id !== 'string' || !Number.isInteger(head.n) || !Number.isInteger(head.i)) return null;
+    const { id, i, n } = head as { id: string; i: number; n: number };
+    if (n < 1 || i < 0 || i >= n) return null;
     const now = Date.now();
     for (const [k, v] of this.open) if (now - v.at > 60_000) this.open.delete(k);
     const entry = this.open.get(id) ?? { parts: [], at: now };

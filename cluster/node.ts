@@ -24,6 +24,7 @@ import {
   fingerprint,
   liveNodes,
   membershipMachine,
+  parseRecord,
   recordEvent,
   type HeldModel,
   type Membership,
@@ -177,11 +178,12 @@ export class ClusterNode {
       const kv = this.link.nodes;
       for await (const key of await kv.keys('node.>')) {
         const e = await kv.get(key);
-        if (!e || e.operation !== 'PUT') continue;
+        const record = e?.operation === 'PUT' ? parseRecord(e) : null;
+        if (!e || !record) continue;
         const seen = e.created.getTime();
         const name = key.slice('node.'.length);
         if ((this.membership.getSnapshot().context.view.get(name)?.seen ?? -1) < seen)
-          this.membership.send({ type: 'RECORD', node: name, record: e.json<NodeRecord>(), seen });
+          this.membership.send({ type: 'RECORD', node: name, record, seen });
       }
     } catch (e) {
       this.log.debug({ err: (e as Error).message }, 'cluster: registry not read');

@@ -92,8 +92,7 @@ export class Serving {
     const running = this.serving.get(key);
     if (running) return running;
     const p = serve();
-    const keep =
-      what === 'load' && (JSON.parse(text) as { lock?: unknown }).lock ? 4 * this.n.settings.heartbeat_ms : 0;
+    const keep = what === 'load' && withLock(text) ? 4 * this.n.settings.heartbeat_ms : 0;
     const forget = (): void => {
       if (!keep) return void this.serving.delete(key);
       setTimeout(() => this.serving.get(key) === p && this.serving.delete(key), keep).unref?.();
@@ -342,5 +341,14 @@ export class Serving {
     } finally {
       n.beat();
     }
+  }
+}
+
+/** Whether a load request carries a placement's lock; false for a body that is not JSON (its load answers the error). */
+function withLock(text: string): boolean {
+  try {
+    return !!(JSON.parse(text) as { lock?: unknown } | null)?.lock;
+  } catch {
+    return false;
   }
 }

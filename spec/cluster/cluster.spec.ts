@@ -4,10 +4,13 @@
  * Expected results come from a single node without a cluster (S) running the same recordings.
  */
 import { spawn } from 'node:child_process';
+import { Kvm } from '@nats-io/kv';
+import { connect } from '@nats-io/transport-node';
 import { unpack } from 'msgpackr';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { VoxClient } from '../../client/node.js';
+import { decodeMessage, type RemoteReply } from '../../cluster/nats.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, until, WaveFile } from '../helpers.js';
@@ -344,6 +347,38 @@ describe('three nodes and one NATS server', () => {
       expect(r.body.error.message).toMatch(/no node of the cluster could load hey-rhasspy \(3 asked\)/);
       expect(await holders(A, 'hey-rhasspy')).toEqual([]);
     });
+  });
+
+  it("malformed messages on a node's subjects and malformed registry entries: every node stays up, connected, and hears the others", async () => {
+    // Anyone who can publish on NATS can send these (a breaker did): before, the first killed B, the
+    // second closed C's NATS connection, the third ended every node's registry watch for good.
+    const nc = await connect({ servers: nats.url });
+    const enc = (t: string): Uint8Array => new TextEncoder().encode(t);
+    try {
+      for (const body of ['not json', 'null', '[]']) {
+        const r = await nc.request('voxserve.node.B.load', enc(body), { timeout: 5000 });
+        expect(decodeMessage<RemoteReply>(r.data).type, body).toBe('error');
+      }
+      for (const part of ['garbage', '\u00ff\u00ff\u00ff\u007fxx', '\u0004\u0000\u0000\u0000null'])
+        nc.publish('voxserve.node.C.job.part', enc(part));
+      const kv = await new Kvm(nc).open('voxserve_nodes');
+      await kv.put('node.x', enc('not json'));
+      await kv.put('node.y', enc('{"node":"y"}'));
+      await kv.put('node.z', enc('[]'));
+      await new Promise((res) => setTimeout(res, 4 * HEARTBEAT_MS));
+      for (const s of all()) {
+        const { body } = await json(`${s.url}/v1/cluster`);
+        expect(body.nats.connected).toBe(true);
+        expect(body.nodes.map((n: { node: string }) => n.node)).toEqual(['A', 'B', 'C']);
+        // Heard within the last heartbeats: the registry watch goes on.
+        for (const n of body.nodes) expect(n.last_seen_ms, n.node).toBeLessThan(3 * HEARTBEAT_MS);
+      }
+      for (const k of ['node.x', 'node.y', 'node.z']) await kv.delete(k);
+      const r = await runFile(A, 'silero-vad-v5', 'silero_test.wav');
+      expect(r.status, JSON.stringify(r.body)).toBe(200);
+    } finally {
+      await nc.close();
+    }
   });
 
   it('losing NATS: /ready says so, and a node keeps serving the models it holds', async () => {
