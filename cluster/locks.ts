@@ -68,6 +68,12 @@ export class Locks {
   private readonly live = new Set<LoadLock>();
   /** Takings under way: a node leaving waits for them ({@link releaseAll}). */
   private readonly taking = new Set<Promise<LoadLock | null>>();
+  /**
+   * Lock keys whose create had no answer, with the token written: NATS may write it after this node
+   * gave up (a freeze), and nothing would delete it before it expires (a breaker saw the next cold
+   * request 503 at its busy timeout).
+   */
+  private readonly unsure = new Map<string, string>();
   /** Set by {@link releaseAll}: the node is leaving and takes no lock any more. */
   private leaving = false;
 
@@ -125,6 +131,8 @@ export class Locks {
       try {
         e = await this.kv().get(key);
       } catch {
+        // The create's answer was lost (NATS frozen): it may still be written. Deleted by {@link sweep}.
+        this.unsure.set(key, token);
         return null;
       }
       if (e && e.operation === 'PUT') {
@@ -241,6 +249,25 @@ export class Locks {
         await this.kv().delete(ref.key, { previousSeq: e.revision });
     } catch {
       // Taken over, or NATS away: left to its expiry.
+    }
+  }
+
+  /**
+   * Deletes the locks whose create had no answer ({@link unsure}) if NATS wrote them after all and
+   * no taking of this node holds them; called after each heartbeat NATS acknowledged. Never throws
+   * (NATS away again: tried at the next heartbeat).
+   */
+  async sweep(): Promise<void> {
+    for (const [key, token] of this.unsure) {
+      try {
+        const e = await this.kv().get(key);
+        const live = [...this.live].some((l) => l.ref.key === key && l.ref.token === token);
+        if (e?.operation === 'PUT' && e.json<{ token?: string }>().token === token && !live)
+          await this.kv().delete(key, { previousSeq: e.revision });
+        this.unsure.delete(key);
+      } catch {
+        // Not now: at the next heartbeat.
+      }
     }
   }
 

@@ -318,7 +318,7 @@ export class ClusterNode {
       this.log.warn({ silent_ms: Date.now() - heard }, 'cluster: the registry watch is silent; opened again');
       void this.reopen();
     }
-    if (!failed) return;
+    if (!failed) return void this.locks.sweep();
     if (failed.taken) return this.yieldName(failed.taken);
     this.log.debug({ err: failed.error.message }, 'cluster: heartbeat not written');
     if (this.connected && !this.reopening) void this.reopen();

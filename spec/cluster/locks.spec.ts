@@ -77,4 +77,36 @@ describe('cold-load locks', () => {
     expect(await b.locks.take('n')).toBeNull();
     expect(b.entry('n')).toBeUndefined();
   });
+
+  it('a create whose answer was lost (NATS frozen) but which NATS wrote after is deleted at the next heartbeat', async () => {
+    const nats = new FakeNats(() => Promise.resolve());
+    const link = nats.connect('A');
+    let frozen = true;
+    // As a frozen server: the create is written, yet the client hears no answer, nor to the get after it.
+    const kv = new Proxy(link.locks, {
+      get(target, prop, receiver) {
+        const real = Reflect.get(target, prop, receiver) as (...a: unknown[]) => Promise<unknown>;
+        if (typeof real !== 'function') return real;
+        return async (...args: unknown[]) => {
+          const answer = await real.apply(target, args);
+          if (frozen && (prop === 'create' || prop === 'get')) throw new Error('TIMEOUT');
+          return answer;
+        };
+      },
+    });
+    const locks = new Locks(() => kv, 'A', 60_000, pino({ level: 'silent' }));
+    expect(await locks.take('m')).toBeNull();
+    expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('PUT');
+    await locks.sweep(); // still frozen: kept for the next heartbeat
+    expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('PUT');
+    frozen = false;
+    await locks.sweep();
+    expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('DEL');
+    // A lock taken afterwards is this node's again, and a sweep leaves it alone.
+    const lock = (await locks.take('m'))!;
+    expect(lock).not.toBeNull();
+    await locks.sweep();
+    expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('PUT');
+    await lock.release();
+  });
 });
