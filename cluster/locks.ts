@@ -220,9 +220,9 @@ export class Locks {
   }
 
   /**
-   * Releases every lock this node holds (a lent one only stops being renewed: {@link LoadLock.lent}):
-   * it is leaving the cluster, and a placement abandoned with
-   * it would release its lock only after the connection has closed (the lock then stands until its
+   * Releases every lock this node holds (a lent one is left to the node loading under it:
+   * {@link LoadLock.lent}): it is leaving the cluster, and a placement abandoned with it would
+   * release its lock only after the connection has closed (the lock then stands until its
    * deadline, and other nodes wait that long to load the model).
    */
   async releaseAll(): Promise<void> {
