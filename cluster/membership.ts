@@ -55,7 +55,32 @@ export interface NodeRecord {
    * connection, so that node sends it again (cluster/manage.ts `ask`).
    */
   session?: string;
+  /**
+   * This process's records counted from 1 (one per write): of two records of one process, the
+   * higher is the newer, whichever way each came (the registry watch, which may lag, or a read of
+   * the registry). Absent from nodes of earlier versions.
+   */
+  seq?: number;
 }
+
+/**
+ * Whether `next` is not newer than `known`: both written by the same process (the boot part of
+ * `session`) and `next`'s `seq` no higher. A lagging registry watch then cannot take a node's view
+ * back to a heartbeat older than one read from the registry. False when either has no `seq`.
+ */
+export function notNewer(known: NodeRecord | undefined, next: NodeRecord): boolean {
+  const boot = (r: NodeRecord): string | undefined => r.session?.split('.')[0];
+  return known?.seq !== undefined && next.seq !== undefined && boot(known) === boot(next) && next.seq <= known.seq;
+}
+
+/**
+ * Whether a record read from the registry (written at `seen`, ms since the epoch) is newer than the
+ * view's `known`: by its writer's count ({@link notNewer}) when both have one, else heard of later.
+ */
+export const readIsNewer = (known: Seen | undefined, record: NodeRecord, seen: number): boolean =>
+  record.seq !== undefined && known?.record.seq !== undefined
+    ? !notNewer(known.record, record)
+    : (known?.seen ?? -1) < seen;
 
 /** A registry entry plus when this node last heard of it (ms since the epoch, this node's clock). */
 export interface Seen {
@@ -152,6 +177,7 @@ export const membershipMachine = setup({
   initial: 'connected',
   on: {
     RECORD: {
+      guard: ({ context, event }) => !event.record || !notNewer(context.view.get(event.node)?.record, event.record),
       actions: assign({
         view: ({ context, event }) => {
           const view = new Map(context.view);
@@ -269,6 +295,7 @@ const recordSchema = z.looseObject({
     }),
   ),
   session: z.string().optional(),
+  seq: finite.int().optional(),
 });
 
 /**

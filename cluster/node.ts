@@ -25,6 +25,7 @@ import {
   liveNodes,
   membershipMachine,
   parseRecord,
+  readIsNewer,
   recordEvent,
   type HeldModel,
   type Membership,
@@ -99,6 +100,7 @@ export class ClusterNode {
   private stopWatch: (() => void) | null = null;
   private reopening: Promise<void> | null = null;
   private watchedAt = 0; // when the registry watch was last made, ms since the epoch
+  private written = 0; // records written, the last one's `seq`
   private handover: Promise<void> = Promise.resolve();
   metrics: ClusterMetrics | null = null;
 
@@ -179,10 +181,9 @@ export class ClusterNode {
       for await (const key of await kv.keys('node.>')) {
         const e = await kv.get(key);
         const record = e?.operation === 'PUT' ? parseRecord(e) : null;
-        if (!e || !record) continue;
-        const seen = e.created.getTime();
+        const seen = e?.created.getTime() ?? 0;
         const name = key.slice('node.'.length);
-        if ((this.membership.getSnapshot().context.view.get(name)?.seen ?? -1) < seen)
+        if (record && readIsNewer(this.membership.getSnapshot().context.view.get(name), record, seen))
           this.membership.send({ type: 'RECORD', node: name, record, seen });
       }
     } catch (e) {
@@ -311,7 +312,7 @@ export class ClusterNode {
   async publish(): Promise<void> {
     if (!this.supervisor || this.closed || !this.connected || this.nodeName.lost) return;
     this.autoscaler.heard();
-    const failed = await this.nodeName.write(encodeJson(this.record()));
+    const failed = await this.nodeName.write(encodeJson({ ...this.record(), seq: ++this.written }));
     // A registry watch whose consumer went with a NATS server hears nothing, not even this node's heartbeats: made anew.
     const heard = Math.max(this.watchedAt, this.membership.getSnapshot().context.view.get(this.name)?.seen ?? 0);
     if (!failed && Date.now() - heard > 3 * this.settings.heartbeat_ms && !this.reopening) {

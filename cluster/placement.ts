@@ -71,11 +71,17 @@ export class Placement {
           return this.fenced(id, here, ref);
         }),
         join: fromPromise(() => n.jobs.pool(config)),
-        // A lock that comes after the step was stopped (the deadline passed) is given back.
+        // A lock that comes after the step was stopped (the deadline passed) is given back. Under
+        // the lock the registry is read afresh: a placement that just gave the lock back wrote its
+        // holder there first, which this node's registry watch may not show yet; a node still
+        // loading the model is waited for as a lock held (then joined), not loaded beside.
         lock: fromPromise(async ({ signal: stopped }) => {
           const lock = await n.locks.take(id);
-          if (stopped.aborted) await lock?.release();
-          return lock;
+          if (lock && !stopped.aborted) await n.refreshView();
+          const loading = n.nodes().some((r) => r.node !== n.name && r.models[id]?.state === 'loading');
+          if (!lock || (!stopped.aborted && !loading)) return lock;
+          await lock.release();
+          return null;
         }),
         place: fromPromise(async ({ input }) => {
           try {
@@ -159,8 +165,13 @@ export class Placement {
         try {
           n.log.info({ model: id, free_bytes: c.free_bytes }, 'cluster: placing here');
           const m = await local();
-          // Compare-and-set on the lock before the load counts (split brain: see fenced()).
-          if (await lock.held()) return m;
+          // Compare-and-set on the lock before the load counts (split brain: see fenced()); then
+          // this node written as loading it before the lock is given back (the next node to take
+          // the lock finds it).
+          if (await lock.held()) {
+            await n.publish();
+            return m;
+          }
           await m.close();
           throw superseded(id);
         } catch (e) {

@@ -113,6 +113,41 @@ describe('the membership chart alone (SimulatedClock, in-memory NATS)', () => {
     expect(actor.getSnapshot().context.view.get('B')!.seen).toBeGreaterThan(heard);
   });
 
+  it("keeps a process's newest record: an older one (a lagging watch's, after a read of the registry) is not taken back", () => {
+    const { actor } = membership();
+    const at = (seq: number, session = 'boot1.0', models = {}): NodeRecord => ({
+      ...record('B'),
+      seq,
+      session,
+      models,
+    });
+    const held = {
+      a: {
+        task: 'vad',
+        state: 'ready',
+        slots: 1,
+        free_slots: 1,
+        queued: 0,
+        active_leases: 0,
+        resident_bytes: 0,
+        config: 'x',
+      },
+    };
+    const seqOf = (): number | undefined => actor.getSnapshot().context.view.get('B')?.record.seq;
+    actor.send({ type: 'RECORD', node: 'B', record: at(5, 'boot1.0', held), seen: 100 });
+    actor.send({ type: 'RECORD', node: 'B', record: at(4), seen: 200 });
+    expect(seqOf()).toBe(5);
+    expect(actor.getSnapshot().context.view.get('B')!.record.models).toHaveProperty('a');
+    // A reconnect of the same process counts on; a restarted process (another boot) counts afresh.
+    actor.send({ type: 'RECORD', node: 'B', record: at(6, 'boot1.1'), seen: 300 });
+    expect(seqOf()).toBe(6);
+    actor.send({ type: 'RECORD', node: 'B', record: at(1, 'boot2.0'), seen: 400 });
+    expect(seqOf()).toBe(1);
+    // A record with no count (an earlier version's node) is taken as it comes.
+    actor.send({ type: 'RECORD', node: 'B', record: { ...record('B'), session: 'boot2.0' }, seen: 500 });
+    expect(seqOf()).toBeUndefined();
+  });
+
   it('probes holders every 50 ms only between PROBE.START and PROBE.STOP', () => {
     const { actor, clock, calls } = membership();
     clock.increment(500);

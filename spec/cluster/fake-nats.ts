@@ -10,7 +10,7 @@
  *   with a reply subject that nobody subscribes to is answered on that subject by a no-responders
  *   status (empty data, header code 503), as nats-server does for clients with headers on; a
  *   `request` then fails at once with nats.js's `RequestError` whose cause is `NoRespondersError`.
- * - Key-value buckets (`nodes`, `locks`): `put`, `get`, `create` and `update` (compare-and-set on the
+ * - Key-value buckets (`nodes`, `locks`): `put`, `get`, `keys`, `create` and `update` (compare-and-set on the
  *   key's last revision; `create` succeeds on an absent or deleted key), `delete` (with
  *   `previousSeq`: compare-and-set too), `watch` (the last entry per key, then every write, in
  *   order). Revisions are one sequence per bucket, as in JetStream.
@@ -191,6 +191,10 @@ class Bucket {
     return {
       put: (key: string, value: Uint8Array) => op(`put ${key}`, () => this.write(conn, key, value, 'PUT')),
       get: (key: string) => op(`get ${key}`, () => this.entries.get(key) ?? null),
+      keys: (filter: string) =>
+        op(`keys ${filter}`, () =>
+          [...this.entries.values()].filter((e) => e.operation === 'PUT' && matches(filter, e.key)).map((e) => e.key),
+        ),
       create: (key: string, value: Uint8Array) =>
         op(`create ${key}`, () => {
           if (isLive(key)) throw new Error(`wrong last sequence: ${last(key)}`);

@@ -313,4 +313,23 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     // Its placement's own release later is a no-op.
     await lock!.release();
   });
+
+  it('a node whose registry watch lags takes the load lock right after another node loaded the model on itself: it uses that holder, no second load', async () => {
+    // A has the most free memory as A sees it, so A's first request loads a on A. B's registry
+    // watch lags (a write reaches it 10 heartbeats late), and B reports more free memory than A by
+    // the time of B's own first request, right after A's placement gave the lock back.
+    nodes = await startNodes(bus, ['A', 'B'], [2e12, 1e12]);
+    const [a, b] = nodes;
+    bus.lag('B', 10 * HEARTBEAT_MS);
+    b.memory = 3e12;
+    expect(await request(a, 'a', 1)).toBe(1);
+    expect(a.loads).toBe(1);
+    const theirs = watch(request(b, 'a', 2));
+    await vi.advanceTimersByTimeAsync(BUSY_TIMEOUT_MS);
+    // Before: B took the free lock, saw no holder (its view of A predates A's load) and loaded a
+    // on itself (most free memory): two holders from one first request each.
+    expect(theirs()).toEqual({ value: 2 });
+    expect(b.loads).toBe(0);
+    expect(a.loads).toBe(1);
+  });
 });
