@@ -18,8 +18,12 @@ export interface PlacementInput {
 /** How a placement ended: the model (local or remote pool), or the error to answer with. */
 export type PlacementOutput = { model: LoadedModel } | { error: unknown };
 
-/** Events: `ABORT` (the load was abandoned: its request left) ends a placement that is waiting. */
-export type PlacementEvent = { type: 'ABORT'; reason: unknown };
+/**
+ * Events: `ABORT` (the load was abandoned: its request left) ends a placement that is waiting;
+ * `OFFLINE` (the membership chart lost NATS) makes one still taking the lock decide again (it then
+ * loads here) instead of waiting out the lock's key-value timeouts.
+ */
+export type PlacementEvent = { type: 'ABORT'; reason: unknown } | { type: 'OFFLINE' };
 
 const never = (): never => {
   throw new Error('placement chart: a step was not provided');
@@ -101,7 +105,10 @@ export const placementMachine = setup({
     },
     locking: {
       after: { deadline: 'timedOut' },
-      on: { ABORT: { target: 'failed', actions: assign({ output: ({ event }) => ({ error: event.reason }) }) } },
+      on: {
+        ABORT: { target: 'failed', actions: assign({ output: ({ event }) => ({ error: event.reason }) }) },
+        OFFLINE: 'deciding',
+      },
       invoke: {
         src: 'lock',
         onDone: [

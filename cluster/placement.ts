@@ -113,6 +113,7 @@ export class Placement {
     });
     const actor = createActor(chart, { input: { id, end }, inspect: n.options.inspect });
     const abort = (): void => actor.send({ type: 'ABORT', reason: signal.reason });
+    const offline = n.membership.subscribe((s) => s.matches('connected') || actor.send({ type: 'OFFLINE' }));
     try {
       const done = toPromise(actor.start());
       signal.addEventListener('abort', abort, { once: true });
@@ -122,6 +123,7 @@ export class Placement {
       return output.model;
     } finally {
       signal.removeEventListener('abort', abort);
+      offline.unsubscribe();
       this.placing.delete(id);
     }
   };

@@ -247,6 +247,24 @@ describe('a placement chart alone (SimulatedClock, fake steps)', () => {
     expect(p.output()).toEqual({ model });
   });
 
+  it("OFFLINE (NATS lost) while the lock is being taken: decides again and loads here, not after the lock's timeouts", async () => {
+    let offline = false;
+    let here = 0;
+    const p = placement(
+      { lock: () => new Promise(() => {}), loadHere: async () => (here++, model) },
+      { offline: () => offline },
+      60_000,
+    );
+    await flush();
+    expect(p.actor.getSnapshot().value).toBe('locking');
+    offline = true;
+    p.actor.send({ type: 'OFFLINE' });
+    await flush();
+    expect(p.output()).toEqual({ model });
+    expect(here).toBe(1);
+    expect(p.states).toEqual(['locking', 'loadingHere', 'placed']);
+  });
+
   it('ABORT (the request left) ends a waiting placement with its reason; a refusal fails it with the error', async () => {
     const p = placement({ lock: async () => null });
     await flush();

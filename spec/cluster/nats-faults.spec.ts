@@ -19,7 +19,8 @@
  * 6. A model loaded with `{"node": "c"}` that only c registers is usable from every node.
  * 7. A cluster-wide unload during a cold placement lets the request under way finish (200), then
  *    unloads, as on a single node.
- * Then what testers found (each names it): among them a node paused past its heartbeats whose name a
+ * Then what testers found (each names it): among them a cold request arriving as NATS freezes
+ * loads the model here once the loss is noticed, a node paused past its heartbeats whose name a
  * newcomer took gives it up when it wakes, and a client leaving drops its job at the holder too.
  * The nodes run the compiled CLI (`npm run build` first); nats-server is Debian's (/usr/sbin).
  * Each node: `port: 0`, threads for slots, management on, `heartbeat_ms` 1000, `job_deadline_ms`
@@ -655,6 +656,22 @@ describe('management with a node that does not answer (a tester found it, issue 
     expect(r.body.error.message).toMatch(/node B/);
     expect(r.ms).toBeLessThan(3 * HEARTBEAT_MS + 5000);
     B.child.kill('SIGCONT');
+  }, 120_000);
+});
+
+describe('NATS frozen just as a cold request arrives (a breaker found it, issue 40)', () => {
+  /**
+   * A's busy timeout, ms: shorter than the load lock's two key-value timeouts with NATS frozen (3 s
+   * each at `heartbeat_ms` 1000), longer than the time to notice the loss (3 missed pings, about 3.5 s).
+   */
+  const COLD_BUSY_MS = 5500;
+  it('loads the model here once the loss is noticed: 200, not 503 cluster_load_timeout at the busy timeout', async () => {
+    const n = await nats();
+    const { A } = await cluster(n.url, ['A', 'C'], 'C', ['silero-vad'], { A: { busy_timeout_ms: COLD_BUSY_MS } });
+    n.proc.kill('SIGSTOP');
+    const r = await runFile(A.url, 'hey-jarvis', WAKE_FILE, COLD_BUSY_MS + 15_000);
+    n.proc.kill('SIGCONT');
+    expect(r.status, `${JSON.stringify(r.body)} after ${r.ms} ms`).toBe(200);
   }, 120_000);
 });
 
