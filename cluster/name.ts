@@ -14,6 +14,7 @@ export class NodeName {
   readonly boot = randomUUID().slice(0, 8);
   /** Revision of this node's last write (0: none yet, or the bucket was made anew). */
   private rev = 0;
+  private writing: Promise<unknown> = Promise.resolve();
   /** Another process took the name: nothing may be written or served under it any more. */
   lost = false;
 
@@ -60,7 +61,14 @@ export class NodeName {
    *   process's URL) when another process's entry stands under the name now: our own at another revision (a write
    *   whose answer was lost) is adopted, none (a bucket made anew) is written afresh next time.
    */
-  async write(value: Uint8Array): Promise<null | { error: Error; taken?: VoxError }> {
+  write(value: Uint8Array): Promise<null | { error: Error; taken?: VoxError }> {
+    // One at a time, in order: two at once would fail each other's compare-and-set.
+    const written = this.writing.then(() => this.writeNow(value));
+    this.writing = written.catch(() => null);
+    return written;
+  }
+
+  private async writeNow(value: Uint8Array): Promise<null | { error: Error; taken?: VoxError }> {
     const key = nodeKey(this.name);
     try {
       this.rev = this.rev ? await this.bucket().update(key, value, this.rev) : await this.bucket().put(key, value);

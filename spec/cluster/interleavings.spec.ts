@@ -733,8 +733,13 @@ class Drain implements Cmd {
     if (n.dead || n.stopped || w.nodes.filter((x) => !x.dead && !x.stopped).length < 2) return;
     n.stopped = true;
     const held = (at: Node, id: string): boolean => (w.livePools.get(`${at.name}/${id}`) ?? 0) > 0;
+    // Ready here (a load still under way when the drain begins is not handed over: docs/cluster.md).
     const sole = IDS.filter(
-      (id) => held(n, id) && w.usedRemotely.has(`${n.name}/${id}`) && !w.nodes.some((o) => o !== n && held(o, id)),
+      (id) =>
+        held(n, id) &&
+        n.sup.status(id)?.state === 'ready' &&
+        w.usedRemotely.has(`${n.name}/${id}`) &&
+        !w.nodes.some((o) => o !== n && held(o, id)),
     );
     // Checked only when nothing impairs the cluster when the drain begins (a node that lost NATS hands
     // nothing over) and nothing disturbs it meanwhile.
