@@ -69,11 +69,16 @@ export class Locks {
   /** Takings under way: a node leaving waits for them ({@link releaseAll}). */
   private readonly taking = new Set<Promise<LoadLock | null>>();
   /**
-   * Lock keys whose create had no answer, with the token written: NATS may write it after this node
-   * gave up (a freeze), and nothing would delete it before it expires (a breaker saw the next cold
-   * request 503 at its busy timeout).
+   * Lock keys whose create had no answer, or whose release was not deleted, with the token written:
+   * NATS may write the create (or an update) after this node gave up (a freeze), and nothing would
+   * delete it before it expires (a breaker saw the next cold request 503 at its busy timeout).
    */
   private readonly unsure = new Map<string, string>();
+  /**
+   * Set when the node left before {@link releaseAll} ended (NATS slower than the node's bound for
+   * it, 3 heartbeats): the locks not released stand until they expire (`lock_ms`).
+   */
+  gaveUp = false;
   /** Set by {@link releaseAll}: the node is leaving and takes no lock any more. */
   private leaving = false;
 
@@ -208,9 +213,11 @@ export class Locks {
             return;
           }
           await settled();
+          // Not deleted (NATS away, or an update whose answer was lost written after all, so the
+          // revision moved): deleted by {@link sweep} if still this taking's.
           await this.kv()
             .delete(key, { previousSeq: rev })
-            .catch(() => {});
+            .catch(() => this.unsure.set(key, token));
           // Counted until deleted: a node leaving waits for a release under way too.
           this.live.delete(lock);
         })()),
@@ -253,7 +260,7 @@ export class Locks {
   }
 
   /**
-   * Deletes the locks whose create had no answer ({@link unsure}) if NATS wrote them after all and
+   * Deletes the locks whose create had no answer or whose release failed ({@link unsure}) if NATS wrote them and
    * no taking of this node holds them; called after each heartbeat NATS acknowledged. Never throws
    * (NATS away again: tried at the next heartbeat).
    */

@@ -209,9 +209,17 @@ export async function handOver(n: ClusterNode): Promise<void> {
     sole.map(async (id) => {
       const config = sup.configOf(id);
       if (!config) return;
-      const lock = await n.locks.take(id);
+      // A placement of this node gives its lock back just after it answers (cluster/placement.ts),
+      // another node's may hold it a moment: taken at a later change of membership, in the deadline.
+      let lock = await n.locks.take(id);
+      while (!lock && Date.now() < end) {
+        await nextChange(n.membership, Math.min(n.settings.heartbeat_ms, end - Date.now()));
+        lock = await n.locks.take(id);
+      }
       if (!lock) return;
       try {
+        // Placed on another node meanwhile.
+        if (n.nodes().some((r) => r.node !== n.name && !r.draining && r.models[id]?.state === 'ready')) return;
         for (const r of n
           .nodes()
           .filter((r) => r.node !== n.name && !r.draining)

@@ -277,7 +277,7 @@ export class ClusterNode {
         };
         continue;
       }
-      if (s.state === 'unloaded' || this.runsRemotely(s.id)) continue;
+      if (s.state === 'unloaded' || this.runsRemotely(s.id) || this.placement.placesOnly(s.id, s.state)) continue;
       models[s.id] = {
         task: s.task,
         state: s.state,
@@ -480,12 +480,10 @@ export class ClusterNode {
     this.autoscaler.stop();
     try {
       if (this.connected && this.supervisor) {
-        await withDeadline(this.locks.releaseAll(), 3 * this.settings.heartbeat_ms).catch(() => {});
+        const bound = 3 * this.settings.heartbeat_ms;
+        await withDeadline(this.locks.releaseAll(), bound).catch(() => (this.locks.gaveUp = true));
         // A name another process took is its entry now: left as it is.
-        if (!this.nodeName.lost)
-          await withDeadline(this.link.nodes.delete(nodeKey(this.name)), 3 * this.settings.heartbeat_ms).catch(
-            () => {},
-          );
+        if (!this.nodeName.lost) await withDeadline(this.link.nodes.delete(nodeKey(this.name)), bound).catch(() => {});
       }
     } finally {
       this.closed = true;

@@ -26,6 +26,15 @@ export class Placement {
   constructor(private readonly n: ClusterNode) {}
 
   /**
+   * Whether a model this node lists as `state` is only being placed from here (its request waits
+   * for the lock or a holder elsewhere): not listed in this node's heartbeat, where `loading` means
+   * a load here (the next node to take the lock waits for it).
+   */
+  placesOnly(id: string, state: string): boolean {
+    return state === 'loading' && this.placing.has(id);
+  }
+
+  /**
    * The model entry's `place` hook. Local when NATS is unreachable or this node was asked to hold
    * the model; a remote pool when another node holds it ready; else a placement under the model's
    * cluster lock: the live nodes by most free memory first, each deciding by its own guards
@@ -84,12 +93,15 @@ export class Placement {
           return null;
         }),
         place: fromPromise(async ({ input }) => {
+          let written: Promise<unknown> = Promise.resolve();
           try {
             // A placement that finished just before the lock was ours.
             if (n.holders(id).length) return await n.jobs.pool(config);
-            return await this.underLock(config, signal, tryHere, input.lock);
+            return await this.underLock(config, signal, tryHere, input.lock, (w) => (written = w));
           } finally {
-            await input.lock.release();
+            // Given back once this node's entry says it loads the model (underLock), not waited for:
+            // NATS frozen now delays no answer (the lock is renewed till then, or expires).
+            void written.then(() => input.lock.release());
           }
         }),
         // Split brain: this node was paused past the lock's expiry and another took it over and placed
@@ -151,6 +163,7 @@ export class Placement {
     signal: AbortSignal,
     local: () => Promise<LoadedModel>,
     lock: LoadLock,
+    wrote: (registry: Promise<void>) => void,
   ): Promise<LoadedModel> {
     const n = this.n;
     const id = config.id;
@@ -171,7 +184,7 @@ export class Placement {
           // this node written as loading it before the lock is given back (the next node to take
           // the lock finds it).
           if (await lock.held()) {
-            await n.publish();
+            wrote(n.publish());
             return m;
           }
           await m.close();

@@ -109,4 +109,34 @@ describe('cold-load locks', () => {
     expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('PUT');
     await lock.release();
   });
+
+  it('a release that fails because an update whose answer was lost was written after all is deleted at the next heartbeat', async () => {
+    const nats = new FakeNats(() => Promise.resolve());
+    const link = nats.connect('A');
+    let frozen = false;
+    // As a frozen server: an update is written, yet the client hears no answer, nor to a get.
+    const kv = new Proxy(link.locks, {
+      get(target, prop, receiver) {
+        const real = Reflect.get(target, prop, receiver) as (...a: unknown[]) => Promise<unknown>;
+        if (typeof real !== 'function') return real;
+        return async (...args: unknown[]) => {
+          const answer = await real.apply(target, args);
+          if (frozen && (prop === 'update' || prop === 'get')) throw new Error('TIMEOUT');
+          return answer;
+        };
+      },
+    });
+    const locks = new Locks(() => kv, 'A', 60_000, pino({ level: 'silent' }));
+    const lock = (await locks.take('m'))!;
+    expect(lock).not.toBeNull();
+    frozen = true;
+    // The compare-and-set before a load counts: written, its answer lost; NATS cannot tell whose the lock is.
+    expect(await lock.held()).toBe(true);
+    // The release's delete on the revision it knows fails: the lock stands.
+    await lock.release();
+    expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('PUT');
+    frozen = false;
+    await locks.sweep();
+    expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('DEL');
+  });
 });

@@ -9,6 +9,7 @@ import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import { validateModelConfig } from '../../actors/model.js';
 import { Supervisor } from '../../actors/supervisor.js';
 import { answerWithin } from '../../cluster/manage.js';
+import { encodeJson, lockKey } from '../../cluster/nats.js';
 import { ClusterNode } from '../../cluster/node.js';
 import { ModelConfig, ServerConfig } from '../../runtime/config.js';
 import { VoxError, voxError } from '../../runtime/errors.js';
@@ -84,12 +85,17 @@ function loader(n: TestNode): ModelLoader {
 
 const log = pino({ level: process.env.CLUSTER_LOG ?? 'silent' });
 
-async function startNodes(bus: FakeNats, names: string[], memory: number[] = []): Promise<TestNode[]> {
+async function startNodes(
+  bus: FakeNats,
+  names: string[],
+  memory: number[] = [],
+  busyMs = BUSY_TIMEOUT_MS,
+): Promise<TestNode[]> {
   const nodes: TestNode[] = [];
   for (const [i, name] of names.entries()) {
     const config = ServerConfig.parse({
       log_level: 'silent',
-      busy_timeout_ms: BUSY_TIMEOUT_MS,
+      busy_timeout_ms: busyMs,
       load_timeout_ms: LOAD_TIMEOUT_MS,
       models_root: false,
       cluster: { nats: 'nats://fake:4222', node: name, heartbeat_ms: HEARTBEAT_MS, lock_ms: 400, job_deadline_ms: 100 },
@@ -331,5 +337,22 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     expect(theirs()).toEqual({ value: 2 });
     expect(b.loads).toBe(0);
     expect(a.loads).toBe(1);
+  });
+
+  it("first requests on two nodes at once while a dead node's load lock stands: one takes it over and loads, the other joins it", async () => {
+    // Each node's model entry is loading while its placement waits for the lock; a node only
+    // placing must not be taken for one loading it (else whoever takes the lock over waits for the
+    // other, and both answer 503 at their busy timeout: a breaker found it).
+    nodes = await startNodes(bus, ['A', 'B'], [2e12, 1e12], 3000);
+    const [a, b] = nodes;
+    const ghost = bus.connect('ghost');
+    await ghost.locks.create(lockKey('a'), encodeJson({ owner: 'ghost', token: 'x', model: 'a', deadline: 0 }));
+    bus.kill('ghost');
+    const mine = watch(request(a, 'a', 1));
+    const theirs = watch(request(b, 'a', 2));
+    await vi.advanceTimersByTimeAsync(400 + 10 * HEARTBEAT_MS);
+    expect(mine()).toEqual({ value: 1 });
+    expect(theirs()).toEqual({ value: 2 });
+    expect(a.loads + b.loads).toBe(1);
   });
 });
