@@ -266,7 +266,7 @@ export async function handOver(n: ClusterNode): Promise<void> {
  * It is sent again too after 3 heartbeats without an answer from a live node (core NATS delivers at
  * most once: a message may be lost in transit); the first answer to any copy counts (a node serves a
  * load or unload copy from the one it is serving, cluster/serve.ts). Nobody answers for it past
- * `timeoutMs` from the first copy: `node_unreachable`.
+ * `timeoutMs` from the first copy, or once `signal` is aborted: `node_unreachable`.
  * @throws VoxError the node's error (with its type), `node_unreachable` when nobody answers for it.
  */
 export async function ask<T>(
@@ -275,6 +275,7 @@ export async function ask<T>(
   what: 'info' | 'load' | 'unload',
   body: unknown,
   timeoutMs: number,
+  signal?: AbortSignal,
 ): Promise<T> {
   let data: Uint8Array;
   const end = Date.now() + timeoutMs;
@@ -306,6 +307,7 @@ export async function ask<T>(
         break;
       }
       if (n.closed) throw new Error('this node is stopping');
+      if (signal?.aborted) throw new Error(String(signal.reason));
       if (n.connected && !n.nodes().some((r) => r.node === node))
         throw new Error('it left the cluster (no heartbeat heard)');
     }

@@ -393,8 +393,8 @@ export class ClusterNode {
   }
 
   /** A request to another node's subject (cluster/manage.ts {@link ask}). */
-  ask<T>(node: string, what: 'info' | 'load' | 'unload', body: unknown, timeoutMs: number): Promise<T> {
-    return ask<T>(this, node, what, body, timeoutMs);
+  ask<T>(node: string, what: 'info' | 'load' | 'unload', body: unknown, ms: number, signal?: AbortSignal): Promise<T> {
+    return ask<T>(this, node, what, body, ms, signal);
   }
 
   /** Loads (or reconfigures) `id` on this node with a local pool (cluster/serve.ts). */

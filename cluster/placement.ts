@@ -8,7 +8,7 @@ import type { ModelConfig } from '../runtime/config.js';
 import { VoxError, voxError } from '../runtime/errors.js';
 import type { LoadedModel } from '../runtime/loader.js';
 import { superseded, type LoadLock, type LockRef } from './locks.js';
-import { createActor, fromPromise, toPromise } from 'xstate';
+import { createActor, fromPromise, toPromise, waitFor } from 'xstate';
 import { nextChange, until } from './membership.js';
 import { placementMachine } from './placement-chart.js';
 import { is503 } from './manage.js';
@@ -197,12 +197,28 @@ export class Placement {
           continue;
         }
       }
+      // NATS lost: no other node can be asked (this one is, in its turn), and one asked is not waited for.
+      if (!n.connected) continue;
       n.log.info({ model: id, on: c.node, free_bytes: c.free_bytes }, 'cluster: placing on another node');
       lock.lent = c.node;
+      const asking = new AbortController();
+      waitFor(n.membership, (s) => !s.matches('connected'), { timeout: Infinity, signal: asking.signal }).then(
+        () => asking.abort('this node lost NATS'),
+        () => {},
+      );
       const reply = await n
-        .ask(c.node, 'load', { id, config: n.registrationOf(config), lock: lock.ref }, n.settings.lock_ms * 100)
+        .ask(
+          c.node,
+          'load',
+          { id, config: n.registrationOf(config), lock: lock.ref },
+          n.settings.lock_ms * 100,
+          asking.signal,
+        )
         .catch((e: unknown) => e as Error)
-        .finally(() => (lock.lent = null));
+        .finally(() => {
+          asking.abort();
+          lock.lent = null;
+        });
       if (reply instanceof Error) {
         if (!is503(reply) && !(reply instanceof VoxError && reply.type === 'not_found')) throw reply;
         memory &&= (reply as VoxError).type === 'insufficient_memory';

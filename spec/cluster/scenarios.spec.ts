@@ -355,4 +355,21 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     expect(theirs()).toEqual({ value: 2 });
     expect(a.loads + b.loads).toBe(1);
   });
+
+  it('NATS lost while the lock holder waits for another node to load: it loads here within the busy timeout', async () => {
+    nodes = await startNodes(bus, ['A', 'B'], [1e12, 2e12], 3000);
+    const [a, b] = nodes;
+    // B (the most free memory) is asked to load and does not answer; then A loses NATS.
+    bus.stall('B');
+    const mine = watch(request(a, 'a', 1));
+    await vi.advanceTimersByTimeAsync(10);
+    bus.lose('A');
+    await vi.advanceTimersByTimeAsync(2900);
+    expect(mine()).toEqual({ value: 1 });
+    expect(a.loads).toBe(1);
+    expect(b.loads).toBe(0);
+    bus.heal('A');
+    bus.heal('B');
+    await vi.advanceTimersByTimeAsync(5 * HEARTBEAT_MS);
+  });
 });
