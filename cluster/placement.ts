@@ -101,7 +101,7 @@ export class Placement {
           } finally {
             // Given back once this node's entry says it loads the model (underLock), not waited for:
             // NATS frozen now delays no answer (the lock is renewed till then, or expires).
-            void written.then(() => input.lock.release());
+            void written.catch(() => {}).then(() => input.lock.release());
           }
         }),
         // Split brain: this node was paused past the lock's expiry and another took it over and placed
