@@ -11,6 +11,26 @@ import { Locks } from '../../cluster/locks.js';
 import { lockKey } from '../../cluster/nats.js';
 import { FakeNats } from './fake-nats.js';
 
+/**
+ * A frozen server as the client sees it, over the in-memory NATS: node A's locks bucket, whose
+ * operations named in `lost` are carried out but answered with a timeout while `frozen()` holds.
+ */
+function frozenLocks(lost: string[], frozen: () => boolean) {
+  const nats = new FakeNats(() => Promise.resolve());
+  const kv = new Proxy(nats.connect('A').locks, {
+    get(target, prop, receiver) {
+      const real = Reflect.get(target, prop, receiver) as (...a: unknown[]) => Promise<unknown>;
+      if (typeof real !== 'function') return real;
+      return async (...args: unknown[]) => {
+        const answer = await real.apply(target, args);
+        if (frozen() && lost.includes(String(prop))) throw new Error('TIMEOUT');
+        return answer;
+      };
+    },
+  });
+  return { nats, locks: new Locks(() => kv, 'A', 60_000, pino({ level: 'silent' })) };
+}
+
 /** A bus whose operations matching `hold` wait until the test lets them through (`let(label)`). */
 function bus() {
   const waiting = new Map<string, () => void>();
@@ -79,22 +99,9 @@ describe('cold-load locks', () => {
   });
 
   it('a create whose answer was lost (NATS frozen) but which NATS wrote after is deleted at the next heartbeat', async () => {
-    const nats = new FakeNats(() => Promise.resolve());
-    const link = nats.connect('A');
     let frozen = true;
     // As a frozen server: the create is written, yet the client hears no answer, nor to the get after it.
-    const kv = new Proxy(link.locks, {
-      get(target, prop, receiver) {
-        const real = Reflect.get(target, prop, receiver) as (...a: unknown[]) => Promise<unknown>;
-        if (typeof real !== 'function') return real;
-        return async (...args: unknown[]) => {
-          const answer = await real.apply(target, args);
-          if (frozen && (prop === 'create' || prop === 'get')) throw new Error('TIMEOUT');
-          return answer;
-        };
-      },
-    });
-    const locks = new Locks(() => kv, 'A', 60_000, pino({ level: 'silent' }));
+    const { nats, locks } = frozenLocks(['create', 'get'], () => frozen);
     expect(await locks.take('m')).toBeNull();
     expect(nats.locks.entries.get(lockKey('m'))?.operation).toBe('PUT');
     await locks.sweep(); // still frozen: kept for the next heartbeat
@@ -111,22 +118,9 @@ describe('cold-load locks', () => {
   });
 
   it('a release that fails because an update whose answer was lost was written after all is deleted at the next heartbeat', async () => {
-    const nats = new FakeNats(() => Promise.resolve());
-    const link = nats.connect('A');
     let frozen = false;
     // As a frozen server: an update is written, yet the client hears no answer, nor to a get.
-    const kv = new Proxy(link.locks, {
-      get(target, prop, receiver) {
-        const real = Reflect.get(target, prop, receiver) as (...a: unknown[]) => Promise<unknown>;
-        if (typeof real !== 'function') return real;
-        return async (...args: unknown[]) => {
-          const answer = await real.apply(target, args);
-          if (frozen && (prop === 'update' || prop === 'get')) throw new Error('TIMEOUT');
-          return answer;
-        };
-      },
-    });
-    const locks = new Locks(() => kv, 'A', 60_000, pino({ level: 'silent' }));
+    const { nats, locks } = frozenLocks(['update', 'get'], () => frozen);
     const lock = (await locks.take('m'))!;
     expect(lock).not.toBeNull();
     frozen = true;
