@@ -29,6 +29,7 @@ import { RNNOISE } from '../runtime/slots/rnnoise.js';
 import { MAX_TIMEOUT_MS, queryOptions, type Limits } from '../runtime/config.js';
 import { invalid, toVoxError, voxError, type VoxError, type WireError } from '../runtime/errors.js';
 import { createTaskSession, DenoiseSession, type ProbabilityStream, type TaskEvent } from '../runtime/tasks/index.js';
+import { parseCheckpoint, VadSession, type VadCheckpoint } from '../runtime/tasks/vad.js';
 import type { Supervisor } from './supervisor.js';
 import { ChainLink, CLOSE, JobPump, requestLease, type Granted, type LeaseHandle } from './lease.js';
 
@@ -59,6 +60,13 @@ export interface StreamParams {
   offsetMs: number;
   /** `progress=true`: a `progress {processed_ms}` event after each job's events (docs/websocket-api.md). */
   progress: boolean;
+  /** `checkpoints=true` (with `progress=true`): a VAD stream's `progress` carries a `checkpoint` to resume from. */
+  checkpoints: boolean;
+  /**
+   * `resume_from=<checkpoint>` (VAD): the stream goes on from a checkpoint an earlier stream gave: its clock, Silero's
+   * state and the segmenter's; the audio sent is the audio from the checkpoint's `processed_ms` on.
+   */
+  resumeFrom?: VadCheckpoint;
   /** `denoise=rnnoise` (a chain, VAD or wake word): the denoise model the audio goes through first. */
   denoise?: string;
 }
@@ -77,6 +85,8 @@ export const STREAM_QUERY = [
   'probability_interval_ms',
   'offset_ms',
   'progress',
+  'checkpoints',
+  'resume_from',
   'denoise',
 ] as const;
 
@@ -113,6 +123,16 @@ export function parseStreamParams(url: URL): StreamParams {
   const progress = url.searchParams.get('progress');
   if (progress !== null && progress !== 'true' && progress !== 'false')
     throw invalid('progress', `must be true or false, got '${progress.slice(0, 32)}'`);
+  const checkpoints = url.searchParams.get('checkpoints');
+  if (checkpoints !== null && checkpoints !== 'true' && checkpoints !== 'false')
+    throw invalid('checkpoints', `must be true or false, got '${checkpoints.slice(0, 32)}'`);
+  if (checkpoints === 'true' && progress !== 'true')
+    throw invalid('checkpoints', 'a checkpoint comes in a progress event: give progress=true too');
+  const from = url.searchParams.get('resume_from');
+  const resumeFrom = from === null ? undefined : parseCheckpoint(from);
+  for (const other of ['offset_ms', 'probabilities', 'probability_interval_ms', 'denoise'])
+    if (resumeFrom && url.searchParams.has(other))
+      throw invalid('resume_from', `a checkpoint sets the stream's clock and state: not with ${other}`);
   // An interval asks for probabilities by itself; under one window (32 ms) each span would hold at most one.
   const intervalMs = intParam(url, 'probability_interval_ms', undefined, 32, 60_000);
   const sampleRate = intParam(url, 'sample_rate', 16_000, MIN_SAMPLE_RATE, MAX_SAMPLE_RATE)!;
@@ -132,6 +152,8 @@ export function parseStreamParams(url: URL): StreamParams {
     probabilities: intervalMs !== undefined ? { intervalMs } : probabilities === 'true' ? { intervalMs: 0 } : undefined,
     offsetMs: intParam(url, 'offset_ms', 0, 0, MAX_OFFSET_MS)!,
     progress: progress === 'true',
+    checkpoints: checkpoints === 'true',
+    resumeFrom,
     denoise: denoiseParam(url),
   };
 }
@@ -432,7 +454,11 @@ export class StreamChannel {
  * Events the transport sends a stream socket actor: bytes turned into events (frames go by its {@link StreamChannel}).
  */
 export type StreamInput =
-  | { type: 'END' }
+  /**
+   * The client's `end`; `handOver` (the root's drain): a VAD stream with checkpoints stops at its last whole window
+   * and its `done` carries the checkpoint there, for the client to go on on another node.
+   */
+  | { type: 'END'; handOver?: boolean }
   /** A text frame that is not `{"type":"end"}`: answered with an `error` event, the stream goes on. */
   | { type: 'BAD_CONTROL'; error: WireError }
   | { type: 'PONG' }
@@ -461,7 +487,7 @@ export type WorkEvent =
   | { type: 'IDLE_REPORT'; silentMs: number }
   | { type: 'PAUSE' }
   | { type: 'RESUME' }
-  | { type: 'DONE'; processed_ms: number; timing: Record<string, number> }
+  | { type: 'DONE'; processed_ms: number; timing: Record<string, number>; checkpoint?: string }
   | { type: 'FAILED'; error: WireError; code: number };
 
 /** Closes the stream with `code` and `reason`; with `error`, an `error` event first tells the client why. */
@@ -642,6 +668,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     let earlyBytes = 0;
     let paused = false;
     let ended = false;
+    /**
+     * Drained with checkpoints (a VAD stream, `checkpoints=true`): the stream stops at its last whole window, not
+     * padded, and `done` there carries the checkpoint (the client re-sends the rest to another node).
+     */
+    let handOver = false;
+    /** The VAD session whose `progress` events carry checkpoints, or null. */
+    let vad: VadSession | null = null;
     /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
     let caughtUpAt = performance.now();
     /**
@@ -749,7 +782,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       const session = pump!.session;
       caughtUpAt = performance.now();
       resume();
-      if (ended && session.finished && !gone()) finishing.run(done);
+      if (ended && (session.finished || handOver) && !gone()) finishing.run(done);
     };
     /**
      * A denoise stream's audio so far (with `last`, what its resampler still holds) to the client, as binary frames.
@@ -766,9 +799,11 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       if (gone()) return;
       sendAudio(true);
       const wallMs = performance.now() - t0;
-      const audioMs = pump!.session.receivedSamples / perMs;
+      const checkpoint = handOver ? vad!.checkpoint(offsetMs) : null;
+      const audioMs = (checkpoint ? pump!.session.processedSamples : pump!.session.receivedSamples) / perMs;
       send({
         type: 'DONE',
+        ...(checkpoint ? { checkpoint } : {}),
         processed_ms: offsetMs + Math.round(audioMs),
         timing: {
           wall_ms: Math.round(wallMs),
@@ -805,6 +840,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     const finishAudio = (): void => {
       // After the decoder has taken a WAV header's format, or decoded a file (they call it again then).
       if (held) return;
+      // Handed over: the whole windows run, the rest is left to the next node (idle then says done).
+      if (handOver) return pump!.pump();
       if (file) return decodeFile();
       const rest = sniffer.flush();
       if (rest.length) (front?.session ?? pump!.session).push(decoder!.push(rest));
@@ -831,7 +868,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
     /** The lease is granted and the model ready: decode, make the session, say `READY`, take what came early. */
     const start = async (params: StreamParams, granted: Granted, first?: Granted): Promise<void> => {
       queueMs = granted.queueMs + (first?.queueMs ?? 0);
-      offsetMs = params.offsetMs;
+      offsetMs = params.resumeFrom?.baseMs ?? params.offsetMs;
       streamParams = params;
       const denoise = granted.config.task === 'denoise';
       if (first && granted.config.task !== 'vad' && granted.config.task !== 'wakeword')
@@ -875,6 +912,16 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       // The audio the stream counts is what the decoder gives: 48 kHz into RNNoise (a chain or a denoise stream).
       stats.rate = denoise || first ? RNNOISE.RATE : 16_000;
       const session = createTaskSession(granted.config, granted.info, params.options, false, params.probabilities);
+      if (params.resumeFrom) {
+        if (!(session instanceof VadSession))
+          throw invalid(
+            'resume_from',
+            `a checkpoint is a VAD stream's; '${granted.model}' is a ${granted.config.task} model`,
+          );
+        session.restore(params.resumeFrom);
+      }
+      // A chain's VAD session is not all of the stream's state (RNNoise's is not in the checkpoint): none.
+      vad = params.checkpoints && !first && session instanceof VadSession ? session : null;
       perMs = (session.rate ?? 16_000) / 1000;
       pendingLimit = MAX_PENDING_SAMPLES * ((first ? RNNOISE.RATE / 1000 : perMs) / 16);
       pump = new JobPump(session, granted, {
@@ -882,8 +929,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         accepted: () => {
           sendAudio();
           // After the job's events, so a client that saw this has seen every event of the audio before it.
-          if (params.progress)
-            channel.write({ type: 'progress', processed_ms: offsetMs + Math.round(session.processedSamples / perMs) });
+          if (params.progress) {
+            const processed_ms = offsetMs + Math.round(session.processedSamples / perMs);
+            const checkpoint = vad?.checkpoint(offsetMs);
+            channel.write(
+              checkpoint ? { type: 'progress', processed_ms, checkpoint } : { type: 'progress', processed_ms },
+            );
+          }
           if (paused && session.pendingSamples < pendingLimit / 2) resume();
         },
         idle,
@@ -961,6 +1013,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         });
       } else if (e.type === 'END' && !ended) {
         ended = true;
+        handOver = (e.handOver ?? false) && vad !== null && file === null;
         if (pump) finishAudio();
       }
     });
@@ -1198,7 +1251,10 @@ export const streamSocketMachine = setup({
                 END: { target: 'draining', actions: [assign({ ended: true }), sendTo('work', { type: 'END' })] },
                 DRAIN: {
                   target: 'draining',
-                  actions: [assign({ doneCode: CLOSE.GOING_AWAY, ended: true }), sendTo('work', { type: 'END' })],
+                  actions: [
+                    assign({ doneCode: CLOSE.GOING_AWAY, ended: true }),
+                    sendTo('work', { type: 'END', handOver: true }),
+                  ],
                 },
               },
             },
@@ -1213,7 +1269,14 @@ export const streamSocketMachine = setup({
                       ({ event }) =>
                         ({
                           type: 'send',
-                          event: { type: 'done', processed_ms: event.processed_ms, timing: event.timing },
+                          event: event.checkpoint
+                            ? {
+                                type: 'done',
+                                processed_ms: event.processed_ms,
+                                timing: event.timing,
+                                checkpoint: event.checkpoint,
+                              }
+                            : { type: 'done', processed_ms: event.processed_ms, timing: event.timing },
                         }) as StreamOutput,
                     ),
                     emit(

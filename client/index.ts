@@ -123,7 +123,11 @@ export type StreamEvent =
   | { type: 'score'; at_ms: number; scores: Record<string, number> }
   /** A bad control frame (the stream goes on), or the reason of the close that follows. */
   | { type: 'error'; error: WireError }
-  | { type: 'done'; processed_ms: number; timing: Timing }
+  /**
+   * The stream's end. `checkpoint`: a draining node's `done` (close 1001 follows) on a VAD stream with checkpoints:
+   * it stopped at its last whole window (`processed_ms`), for the stream to go on from there on another node.
+   */
+  | { type: 'done'; processed_ms: number; timing: Timing; checkpoint?: string }
   /**
    * A denoise stream (`model=rnnoise`, docs/websocket-api.md): the next chunk of denoised audio,
    * raw mono PCM in the stream's encoding and at its sample rate, in order (a binary frame under
@@ -133,13 +137,15 @@ export type StreamEvent =
   /**
    * Streams with `resume` (they ask for it with `progress=true`): the server has processed the
    * audio up to `processed_ms` on the stream's clock, and every event of it before this one was sent.
+   * `checkpoint` (VAD streams that asked with `checkpoints=true`, as `resume` does): where a new
+   * session goes on from exactly, Silero's state and the segmenter's included (`resume_from`).
    */
-  | { type: 'progress'; processed_ms: number }
+  | { type: 'progress'; processed_ms: number; checkpoint?: string }
   /**
    * Made by the client, not sent by a server (streams with `resume`): the stream's node went away
    * and the stream goes on at `url` (new `session_id`). `gap`: the audio sent but not confirmed
    * by the old node (its events, if any, were lost with it); `resent`: what was sent again to the
-   * new node, whose clock starts at `resent.start_ms` (`offset_ms`); `dropped`: null (every
+   * new node, whose clock starts at `resent.start_ms` (`offset_ms`, or its checkpoint's); `dropped`: null (every
    * unconfirmed byte is kept; older clients reported here the part of a gap longer than
    * `bufferMs` they had let go). ms on the stream's clock.
    */
@@ -294,7 +300,8 @@ export interface StreamOptions {
   /**
    * Resume the stream on another node when its node goes away (the connection drops, close 1001,
    * or the heartbeat fails): `true`, or `{ bufferMs, timeoutMs }`; default `true` when the client
-   * was given several `urls`, else off. The stream asks the server for `progress` events, keeps
+   * was given several `urls`, else off. The stream asks the server for `progress` events (with
+   * `checkpoints`: a VAD stream then resumes from the model's state, `resume_from`), keeps
    * every byte the server has not confirmed (`send` waits once `bufferMs` of written audio,
    * default 30000, at least {@link MIN_RESUME_BUFFER_MS}, is unconfirmed), and on a loss opens the stream again on a node answering
    * `/ready` (each look-up bounded by `heartbeatMs`; the stream fails at `timeoutMs`, default
@@ -754,10 +761,15 @@ export class VoxClient {
     if (typeof opts.probabilities === 'number') q.set('probability_interval_ms', String(opts.probabilities));
     else if (opts.probabilities) q.set('probabilities', 'true');
     const resume = opts.resume ?? this.urls.length > 1;
-    if (resume) q.set('progress', 'true');
-    const open = (base: string, offsetMs: number): WebSocketLike => {
-      if (offsetMs) q.set('offset_ms', String(offsetMs));
+    if (resume) {
+      q.set('progress', 'true');
+      q.set('checkpoints', 'true');
+    }
+    const open = (base: string, offsetMs: number, checkpoint?: string): WebSocketLike => {
+      if (offsetMs && !checkpoint) q.set('offset_ms', String(offsetMs));
       else q.delete('offset_ms');
+      if (checkpoint) q.set('resume_from', checkpoint);
+      else q.delete('resume_from');
       const url = `${base.replace(/^http/, 'ws')}/v1/stream?${q}`;
       const auth = this.apiKey ? this.streamCredentials(this.apiKey) : { protocols: [] };
       const wsOptions = {
@@ -786,7 +798,7 @@ export class VoxClient {
         timeoutMs,
         sampleRate: opts.sampleRate ?? 16000,
         frameBytes: (opts.channels ?? 1) * (opts.encoding === 'f32le' ? 4 : 2),
-        reopen: async (offsetMs, refused) => {
+        reopen: async (offsetMs, refused, checkpoint) => {
           // The node in use went away: pick again among `urls`, the nodes that refused this resume last.
           if (this.urls.length > 1)
             this.picked = this.firstReady([
@@ -794,7 +806,7 @@ export class VoxClient {
               ...this.urls.filter((u) => refused.has(u)),
             ]);
           const base = await this.node();
-          return { ws: open(base, offsetMs), url: base };
+          return { ws: open(base, offsetMs, checkpoint), url: base };
         },
       };
     }
@@ -826,11 +838,15 @@ export interface ResumePlan {
   /** Bytes per frame: channels x 2 (s16le) or 4 (f32le). */
   frameBytes: number;
   /**
-   * Opens the stream again, on a node answering `/ready`, its clock starting at `offsetMs`.
+   * Opens the stream again on a node answering `/ready` (the nodes in `refused`, which refused this
+   * resume, last): its clock starting at `offsetMs`, or from `checkpoint` (`resume_from`, whose clock it is).
    * @throws VoxClientError when no node answers.
    */
-  /** Opens the stream on a node answering `/ready`, trying the nodes in `refused` (they refused this resume) last. */
-  reopen(offsetMs: number, refused: ReadonlySet<string>): Promise<{ ws: WebSocketLike; url: string }>;
+  reopen(
+    offsetMs: number,
+    refused: ReadonlySet<string>,
+    checkpoint?: string,
+  ): Promise<{ ws: WebSocketLike; url: string }>;
 }
 
 /**
@@ -844,6 +860,8 @@ interface Resuming {
   /** Where the new session's audio starts: byte of the PCM sent, and ms on the stream's clock. */
   byte: number;
   ms: number;
+  /** The checkpoint at `ms` the new session goes on from (`resume_from`), or none (a fresh session at `ms`). */
+  checkpoint?: string;
   gap: { start_ms: number; end_ms: number };
   deadline: number;
   /** Ends the resume at `deadline`, whatever the attempt under way is doing. */
@@ -863,8 +881,9 @@ const greatestCommonDivisor = (a: number, b: number): number => (b ? greatestCom
  *
  * With a {@link ResumePlan} (`resume`), the stream outlives its connection: when the node goes
  * away (the connection drops, close 1001, or the heartbeat fails), it opens the stream again on a
- * node answering `/ready` with `offset_ms` at the audio the old one had confirmed (`progress`
- * events), re-sends the audio sent since (the newest `bufferMs` of it), and reports the gap as a
+ * node answering `/ready` from the last checkpoint (`resume_from`: a VAD stream's `progress`
+ * carries one, the model's state included) or else with `offset_ms` at the audio the old one had
+ * confirmed (`progress` events), re-sends the audio sent since, and reports the gap as a
  * `resumed` event. Events are handed on once a `progress` (or `done`) after them confirms them, so
  * an event whose confirmation was lost with the node is said once, by the new session.
  */
@@ -900,6 +919,13 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
   private held: StreamEvent[] = [];
   /** The stream's clock up to which the server has processed the audio, ms. */
   private confirmedMs = 0;
+  /** The last checkpoint a `progress` carried (VAD), and the ms it is at. */
+  private checkpoint: { ms: number; text: string } | null = null;
+  /**
+   * After a resume from a checkpoint before the confirmed audio: the events of the new session up to this ms were
+   * handed on already (from the old one), and are dropped.
+   */
+  private repeatedUpToMs = -1;
   /** Bytes of PCM given to `send`, and written to the current socket. */
   private given = 0;
   private written = 0;
@@ -1001,10 +1027,17 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     }
     switch (event.type) {
       case 'progress':
+        if (event.checkpoint) this.checkpoint = { ms: event.processed_ms, text: event.checkpoint };
+        if (event.processed_ms <= this.repeatedUpToMs) {
+          // Said already, by the session before the resume.
+          this.held = [];
+          return;
+        }
         this.confirm(event.processed_ms);
         return this.deliver(event);
       case 'done':
         // The last event, or a draining node's (close 1001 follows): the socket's close tells.
+        if (event.checkpoint) this.checkpoint = { ms: event.processed_ms, text: event.checkpoint };
         this.confirm(event.processed_ms);
         this.pendingDone = event;
         return;
@@ -1110,12 +1143,25 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     const head = this.chunks[0]?.start ?? this.given;
     // At the last step of the grid (whole frames, and the model's windows) at or before the confirmed ms.
     const k = Math.max(Math.floor(this.confirmedMs / this.gridMs), Math.ceil(head / this.gridBytes));
-    const byte = Math.max(head, Math.min(k * this.gridBytes, this.given));
+    let byte = Math.max(head, Math.min(k * this.gridBytes, this.given));
+    let ms = k * this.gridMs;
+    // From the last checkpoint, when its audio is still here and starts on a whole frame: the new session goes on
+    // exactly as the old one would have.
+    const cp = this.checkpoint;
+    const cpByte = cp && ((cp.ms * plan.sampleRate) / 1000) * plan.frameBytes;
+    const fromCheckpoint =
+      cp !== null && Number.isInteger(cpByte! / plan.frameBytes) && cpByte! >= head && cpByte! <= this.given;
+    if (fromCheckpoint) {
+      byte = cpByte!;
+      ms = cp.ms;
+    }
+    this.repeatedUpToMs = fromCheckpoint ? this.confirmedMs : -1;
     const sentMs = Math.round(this.msOf(this.given));
     this.resuming = {
       previousUrl: this.url,
       byte,
-      ms: k * this.gridMs,
+      ms,
+      checkpoint: fromCheckpoint ? cp.text : undefined,
       gap: { start_ms: this.confirmedMs, end_ms: Math.max(sentMs, this.confirmedMs) },
       deadline: Date.now() + plan.timeoutMs,
       timer: setTimeout(() => this.resumeExpired(), plan.timeoutMs),
@@ -1144,7 +1190,7 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     if (!first) await new Promise((res) => setTimeout(res, 250));
     while (!this.closedByUs && !this.info) {
       try {
-        const { ws, url } = await this.plan!.reopen(r.ms, r.refused);
+        const { ws, url } = await this.plan!.reopen(r.ms, r.refused, r.checkpoint);
         if (this.closedByUs || this.info) {
           // Not attached: its handshake's error would have no listener.
           ws.addEventListener('error', () => {});

@@ -1,4 +1,6 @@
+import { z } from 'zod';
 import type { VadOptions } from '../config.js';
+import { invalid } from '../errors.js';
 import { SILERO, type Job, type JobResult, type SlotInfo, type VadResult } from '../slots/slot-protocol.js';
 import { WindowedSession, type TaskEvent } from './task.js';
 
@@ -144,6 +146,35 @@ export class VadSegmenter {
     return this.settle(cur, processed, events);
   }
 
+  /** The segmenter's state (not its options, nor the segments kept), for {@link VadSession.checkpoint}. */
+  snapshot(): SegmenterState {
+    return {
+      triggered: this.triggered,
+      start: this.start,
+      tempEnd: this.tempEnd,
+      prevEnd: this.prevEnd,
+      nextStart: this.nextStart,
+      possibleEnds: this.possibleEnds.map(([e, s]) => [e, s]),
+      started: this.started,
+      startPadded: this.startPadded,
+      lastEnd: this.lastEnd,
+      closed: this.closed && { ...this.closed },
+      probs: [...this.probs],
+      probsBase: this.probsBase,
+      index: this.index,
+    };
+  }
+
+  /** Takes on a state {@link snapshot} gave (of a segmenter with the same options). */
+  restore(s: SegmenterState): void {
+    Object.assign(this, {
+      ...s,
+      possibleEnds: s.possibleEnds.map(([e, x]) => [e, x]),
+      closed: s.closed && { ...s.closed },
+      probs: [...s.probs],
+    });
+  }
+
   /** End of audio at `total` samples: keeps an open segment long enough, and finishes the last one. */
   finish(total: number): TaskEvent[] {
     const events: TaskEvent[] = [];
@@ -217,6 +248,119 @@ export class VadSegmenter {
   }
 }
 
+/** A {@link VadSegmenter}'s state (samples, window indexes and probabilities), as `snapshot` gives it. */
+export type SegmenterState = z.infer<typeof segmenterState>;
+
+const sample = z
+  .number()
+  .int()
+  .min(0)
+  .max(2 ** 45);
+const segmenterState = z
+  .object({
+    triggered: z.boolean(),
+    start: sample,
+    tempEnd: sample,
+    prevEnd: sample,
+    nextStart: sample,
+    possibleEnds: z.array(z.tuple([sample, sample])).max(100_000),
+    started: z.boolean(),
+    startPadded: sample,
+    lastEnd: sample.nullable(),
+    closed: z.object({ start_sample: sample, end: sample, confidence: z.number().min(0).max(1) }).nullable(),
+    probs: z.array(z.number().min(0).max(1)),
+    probsBase: sample,
+    index: sample,
+  })
+  .strict();
+
+/** Where a VAD stream resumes from: its clock's start, the samples processed, Silero's state and the segmenter's. */
+export interface VadCheckpoint {
+  /** The stream's clock at its sample 0, ms (its `offset_ms`). */
+  baseMs: number;
+  /** Samples processed (16 kHz), a whole number of windows. */
+  processed: number;
+  state: Float32Array;
+  context: Float32Array;
+  segmenter: SegmenterState;
+}
+
+/** The longest checkpoint a VAD stream gives, characters: it fits a URL (a `resume_from`) with room to spare. */
+export const MAX_CHECKPOINT_CHARS = 8192;
+
+const checkpointHeader = z
+  .object({
+    v: z.literal(1),
+    base_ms: z.number().int().min(0).max(604_800_000),
+    processed: sample.refine((n) => n % SILERO.WINDOW === 0, 'a whole number of windows'),
+    segmenter: segmenterState.omit({ probs: true }).extend({ probs: z.number().int().min(0) }),
+  })
+  .strict();
+
+/**
+ * Encodes a checkpoint as base64url of: a little-endian uint32 (the JSON header's bytes), the JSON
+ * header (version, clock, samples, the segmenter's numbers), then float32s: Silero's state (256),
+ * its context (64) and the segmenter's window probabilities. Float32 because the model gives float32:
+ * every value comes back bit for bit.
+ */
+function encodeCheckpoint(c: VadCheckpoint): string {
+  const { probs, ...rest } = c.segmenter;
+  const head = Buffer.from(
+    JSON.stringify({ v: 1, base_ms: c.baseMs, processed: c.processed, segmenter: { ...rest, probs: probs.length } }),
+  );
+  const floats = new Float32Array(SILERO.STATE + SILERO.CONTEXT + probs.length);
+  floats.set(c.state);
+  floats.set(c.context, SILERO.STATE);
+  floats.set(probs, SILERO.STATE + SILERO.CONTEXT);
+  const out = Buffer.alloc(4 + head.length + floats.byteLength);
+  out.writeUInt32LE(head.length, 0);
+  head.copy(out, 4);
+  Buffer.from(floats.buffer).copy(out, 4 + head.length);
+  return out.toString('base64url');
+}
+
+/**
+ * Reads a checkpoint a VAD stream gave (its `progress` event's `checkpoint`).
+ * @throws VoxError `invalid_field` naming `resume_from`: not base64url, not a checkpoint of this
+ *   version, inconsistent (window counts, lengths), or a value out of range (a probability outside
+ *   0..1, a state value not finite).
+ */
+export function parseCheckpoint(text: string): VadCheckpoint {
+  const bad = (problem: string) => invalid('resume_from', `not a VAD stream's checkpoint: ${problem}`);
+  if (text.length > MAX_CHECKPOINT_CHARS || !/^[A-Za-z0-9_-]+$/.test(text))
+    throw bad(`base64url of at most ${MAX_CHECKPOINT_CHARS} characters expected`);
+  const bytes = Buffer.from(text, 'base64url');
+  const headLength = bytes.length >= 4 ? bytes.readUInt32LE(0) : Infinity;
+  if (4 + headLength > bytes.length) throw bad('too short');
+  let head: z.infer<typeof checkpointHeader>;
+  try {
+    const parsed = checkpointHeader.safeParse(JSON.parse(bytes.subarray(4, 4 + headLength).toString('utf8')));
+    if (!parsed.success)
+      throw new Error(parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; '));
+    head = parsed.data;
+  } catch (e) {
+    throw bad((e as Error).message.slice(0, 200));
+  }
+  const n = head.segmenter.probs;
+  const rest = bytes.subarray(4 + headLength);
+  if (rest.length !== 4 * (SILERO.STATE + SILERO.CONTEXT + n)) throw bad('its float32 part has the wrong length');
+  const floats = new Float32Array(rest.length / 4);
+  Buffer.from(floats.buffer).set(rest);
+  if (!floats.every(Number.isFinite)) throw bad('a value is not finite');
+  const probs = [...floats.subarray(SILERO.STATE + SILERO.CONTEXT)];
+  const segmenter = segmenterState.safeParse({ ...head.segmenter, probs });
+  if (!segmenter.success) throw bad('a probability outside 0..1');
+  if (head.segmenter.index * SILERO.WINDOW !== head.processed || head.segmenter.probsBase + n !== head.segmenter.index)
+    throw bad('its window counts disagree');
+  return {
+    baseMs: head.base_ms,
+    processed: head.processed,
+    state: floats.slice(0, SILERO.STATE),
+    context: floats.slice(SILERO.STATE, SILERO.STATE + SILERO.CONTEXT),
+    segmenter: segmenter.data,
+  };
+}
+
 /**
  * A stream's opt-in speech probabilities: one `probability` event per 32 ms window
  * (`intervalMs` 0), or one per `intervalMs` span of stream time carrying the windows that start
@@ -280,6 +424,39 @@ export class VadSession extends WindowedSession {
     const e: TaskEvent = { type: 'probability', at_ms: this.spanStart, p: this.span };
     this.span = [];
     return [e];
+  }
+
+  /**
+   * Where a stream resumes from after the audio processed so far (see {@link parseCheckpoint} for the
+   * form; a `progress` event's `checkpoint`, docs/websocket-api.md): a session restored from it gives
+   * the events this one would have given, bit for bit. `baseMs`: the stream's clock at sample 0.
+   * Null while a job is out, once the audio ended, with `probability` events (their span is not kept),
+   * or past {@link MAX_CHECKPOINT_CHARS} (a segment of about 25 s or more under way).
+   */
+  checkpoint(baseMs: number): string | null {
+    if (this.inFlight || this.ended || this.probabilities || this.processed % SILERO.WINDOW) return null;
+    const text = encodeCheckpoint({
+      baseMs,
+      processed: this.processed,
+      state: this.state,
+      context: this.context,
+      segmenter: this.segmenter.snapshot(),
+    });
+    return text.length <= MAX_CHECKPOINT_CHARS ? text : null;
+  }
+
+  /**
+   * Continues from `c` ({@link parseCheckpoint}): before any audio is pushed, on a session made with the
+   * same options. The audio pushed next is the audio from sample `c.processed` of the stream on.
+   * @throws Error when audio was pushed already, or with `probability` events.
+   */
+  restore(c: VadCheckpoint): void {
+    if (this.received || this.probabilities) throw new Error('restore: only a fresh session without probabilities');
+    this.state.set(c.state);
+    this.context.set(c.context);
+    this.segmenter.restore(c.segmenter);
+    this.received = this.processed = c.processed;
+    this.windows = c.processed / SILERO.WINDOW;
   }
 
   nextJob(maxSteps: number): Job | null {

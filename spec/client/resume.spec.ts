@@ -159,6 +159,57 @@ describe('resume (scripted nodes)', () => {
     expect((await stream.closed).error).toBeUndefined();
   });
 
+  it('a progress with a checkpoint: the next node gets resume_from (no offset_ms) and the audio from the checkpoint; events the new node says again up to the audio confirmed are dropped', async () => {
+    const [a, b] = [await fakeNode(), await fakeNode()];
+    // Silero's 32 ms windows: the audio is kept from the last window start at or before the confirmed ms.
+    a.onStream = (s) =>
+      s.ws.send(event({ type: 'ready', session_id: 'x', model: 'm', task: 'vad', sample_rate: 16000, window_ms: 32 }));
+    const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
+    expect(a.streams[0].query.get('checkpoints')).toBe('true');
+    const events: StreamEvent[] = [];
+    const reading = collect(stream, events);
+    const sent = audio(0, 3000);
+    for (let o = 0; o < sent.length; o += 3200) await stream.send(sent.subarray(o, o + 3200));
+    await until(() => a.streams[0].audio.reduce((n, d) => n + d.length, 0) === sent.length);
+    const A = a.streams[0].ws;
+    // A checkpoint at 1024 ms; then (a draining node's done) the audio confirmed to 1050 ms, with an event.
+    A.send(event({ type: 'progress', processed_ms: 1024, checkpoint: 'CP-1024' }));
+    A.send(event({ type: 'speech_start', at_ms: 1040 }));
+    A.send(event({ type: 'done', processed_ms: 1050, timing: {} }));
+    await new Promise((r) => setTimeout(r, 50));
+    a.ready = false;
+    A.close(1001, 'going away');
+    await until(() => b.streams.length === 1 && b.streams[0].audio.reduce((n, d) => n + d.length, 0) === 1976 * 32);
+    const B = b.streams[0];
+    expect(B.query.get('resume_from')).toBe('CP-1024');
+    expect(B.query.has('offset_ms')).toBe(false);
+    expect(Buffer.concat(B.audio).equals(sent.subarray(1024 * 32))).toBe(true);
+    // B says the event of 1024-1056 ms again (dropped: it was handed on), then a new one.
+    B.ws.send(event({ type: 'speech_start', at_ms: 1040 }));
+    B.ws.send(event({ type: 'progress', processed_ms: 1024 + 32 - 6 }));
+    B.ws.send(event({ type: 'speech_end', start_ms: 1040, end_ms: 2000, confidence: 0.9 }));
+    B.ws.send(event({ type: 'progress', processed_ms: 3000, checkpoint: 'CP-3000' }));
+    const ending = stream.end();
+    await until(() => B.texts.includes('{"type":"end"}'));
+    B.ws.send(event({ type: 'done', processed_ms: 3000, timing: {} }));
+    B.ws.close(1000, 'done');
+    await ending;
+    await reading;
+    expect(events.map((e) => e.type)).toEqual([
+      'ready',
+      'progress',
+      'speech_start',
+      'resumed',
+      'speech_end',
+      'progress',
+      'done',
+    ]);
+    expect(events[3]).toMatchObject({
+      gap: { start_ms: 1050, end_ms: 3000 },
+      resent: { start_ms: 1024, end_ms: 3000 },
+    });
+  });
+
   it('bufferMs of audio written and unconfirmed: send waits for a progress, and a resume re-sends all of it (nothing dropped)', async () => {
     const [a, b] = [await fakeNode(), await fakeNode()];
     const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm', resume: { bufferMs: 1000 } });

@@ -243,7 +243,7 @@ describe('task options as query parameters', () => {
     expect(typo.status).toBe(400);
     expect(JSON.parse(typo.body).error.code).toBe('unknown_field');
     expect(JSON.parse(typo.body).error.message).toMatch(
-      /^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, offset_ms, progress, denoise, threshold/,
+      /^samplerate: unknown query parameter; expected model, sample_rate, encoding, channels, busy_timeout_ms, probabilities, probability_interval_ms, offset_ms, progress, checkpoints, resume_from, denoise, threshold/,
     );
     expect(
       (

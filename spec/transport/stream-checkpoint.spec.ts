@@ -1,0 +1,189 @@
+/**
+ * A VAD stream resumed from a checkpoint (docs/websocket-api.md "Resuming a stream"): a stream with
+ * `progress=true&checkpoints=true` gives a `checkpoint` in each `progress`; a new stream opened with
+ * `resume_from=<checkpoint>` and sent the audio from there gives the events the first stream would
+ * have given, bit for bit (Silero's recurrent state and the segmenter's are in the checkpoint).
+ * Expected values: the same recording streamed in one piece (itself checked against
+ * spec/fixtures/REFERENCE.jsonl, silero-vad's own segmentation); a fresh stream at the same point
+ * (`offset_ms`, the state starting from zero) is shown to differ, so the comparison can fail.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import WebSocket from 'ws';
+import { parseStreamParams } from '../../actors/stream.js';
+import { ServerConfig } from '../../runtime/config.js';
+import { startServer, type VoxServer } from '../../transport/server.js';
+import { expectSegments, fixture, reference, streamPcm, until, WaveFile } from '../helpers.js';
+
+type Event = Record<string, any>;
+const FILE = 'silero_test.wav';
+const pcm = Buffer.from((new WaveFile(fixture(FILE)).data as { samples: Uint8Array }).samples);
+const totalMs = pcm.length / 32;
+
+let server: VoxServer;
+let ws: string;
+beforeAll(async () => {
+  server = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
+  ws = `${server.url.replace('http', 'ws')}/v1/stream`;
+});
+afterAll(async () => {
+  await server?.close();
+});
+
+/** The events of the task (speech_start, speech_end), whole. */
+const task = (events: Event[]) => events.filter((e) => e.type === 'speech_start' || e.type === 'speech_end');
+
+/**
+ * Streams the recording up to `cutMs` with checkpoints, waits for the progress of its last whole window, and drops the
+ * connection (no `end`): the events so far, and that progress (its ms and checkpoint).
+ */
+async function upTo(cutMs: number): Promise<{ events: Event[]; at: number; checkpoint: string }> {
+  const socket = new WebSocket(`${ws}?model=silero-vad&progress=true&checkpoints=true`);
+  const events: Event[] = [];
+  socket.on('error', () => {});
+  socket.on('message', (d) => events.push(JSON.parse(d.toString())));
+  await until(() => events.some((e) => e.type === 'ready'), 10_000);
+  const cut = cutMs * 32;
+  for (let o = 0; o < cut; o += 3200) socket.send(pcm.subarray(o, Math.min(o + 3200, cut)));
+  const last = Math.floor(cutMs / 32) * 32;
+  await until(() => events.some((e) => e.type === 'progress' && e.processed_ms === last), 10_000);
+  socket.terminate();
+  const p = events.find((e) => e.type === 'progress' && e.processed_ms === last)!;
+  expect(typeof p.checkpoint, JSON.stringify(p).slice(0, 200)).toBe('string');
+  return { events: events.slice(0, events.indexOf(p) + 1), at: last, checkpoint: p.checkpoint };
+}
+
+describe('resume_from: a VAD stream goes on from a checkpoint', () => {
+  let whole: Event[];
+  beforeAll(async () => {
+    const r = await streamPcm(`${ws}?model=silero-vad`, pcm);
+    expect(r.code).toBe(1000);
+    whole = task(r.events);
+    const segments = whole
+      .filter((e) => e.type === 'speech_end')
+      .map((e) => ({ start_ms: e.start_ms, end_ms: e.end_ms }));
+    expectSegments(segments, reference(FILE).segments_v6, 40);
+  });
+
+  it("cut anywhere (in silence, in speech): the events before the cut and those from the checkpoint on are the whole stream's, bit for bit; a fresh session at the cut differs", async () => {
+    let freshDiffers = 0;
+    const cuts = [2_000, 7_777, 13_050, 19_500, 26_010, 33_333, 41_000, 48_640, 55_555];
+    for (const cutMs of cuts) {
+      const first = await upTo(cutMs);
+      const query = (q: string) => `${ws}?model=silero-vad&progress=true&checkpoints=true&${q}`;
+      const rest = pcm.subarray(first.at * 32);
+      const resumed = await streamPcm(query(`resume_from=${first.checkpoint}`), rest);
+      expect(resumed.code).toBe(1000);
+      expect([...task(first.events), ...task(resumed.events)], `cut at ${cutMs} ms`).toEqual(whole);
+      // Its clock goes on from the checkpoint's: progress and done on the whole stream's clock.
+      const progress = resumed.events.filter((e) => e.type === 'progress').map((e) => e.processed_ms);
+      expect(progress[0]).toBeGreaterThan(first.at);
+      expect(resumed.events.find((e) => e.type === 'done')?.processed_ms).toBe(totalMs);
+      const fresh = await streamPcm(query(`offset_ms=${first.at}`), rest);
+      if (JSON.stringify([...task(first.events), ...task(fresh.events)]) !== JSON.stringify(whole)) freshDiffers++;
+    }
+    console.log(
+      `resume_from: ${cuts.length} cuts equal the whole stream; a fresh session at the cut differs at ${freshDiffers}`,
+    );
+    expect(freshDiffers).toBeGreaterThan(0);
+  }, 120_000);
+
+  it("resumed twice: the second checkpoint is on the same clock, and the events still the whole stream's", async () => {
+    const a = await upTo(9_000);
+    const socket = new WebSocket(`${ws}?model=silero-vad&progress=true&checkpoints=true&resume_from=${a.checkpoint}`);
+    const events: Event[] = [];
+    socket.on('error', () => {});
+    socket.on('message', (d) => events.push(JSON.parse(d.toString())));
+    await until(() => events.some((e) => e.type === 'ready'), 10_000);
+    const cut = 30_016 * 32;
+    for (let o = a.at * 32; o < cut; o += 3200) socket.send(pcm.subarray(o, Math.min(o + 3200, cut)));
+    await until(() => events.some((e) => e.type === 'progress' && e.processed_ms === 30_016), 10_000);
+    socket.terminate();
+    const p = events.find((e) => e.type === 'progress' && e.processed_ms === 30_016)!;
+    const b = events.slice(0, events.indexOf(p) + 1);
+    const c = await streamPcm(
+      `${ws}?model=silero-vad&progress=true&checkpoints=true&resume_from=${p.checkpoint}`,
+      pcm.subarray(30_016 * 32),
+    );
+    expect([...task(a.events), ...task(b), ...task(c.events)]).toEqual(whole);
+  }, 60_000);
+});
+
+describe('checkpoints and resume_from: refused clearly, the server unharmed', () => {
+  const parse = (q: string) => parseStreamParams(new URL(`/v1/stream?model=silero-vad&${q}`, 'http://localhost'));
+  let good: string;
+  beforeAll(async () => {
+    good = (await upTo(3_000)).checkpoint;
+  });
+
+  it('checkpoints=true without progress=true, or not a boolean: named', () => {
+    expect(() => parse('checkpoints=true')).toThrow(/^checkpoints: a checkpoint comes in a progress event/);
+    expect(() => parse('progress=true&checkpoints=1')).toThrow(/^checkpoints: must be true or false/);
+  });
+
+  it('resume_from with offset_ms, probabilities or a denoise chain: named', () => {
+    for (const other of ['offset_ms=5', 'probabilities=true', 'probability_interval_ms=64', 'denoise=rnnoise'])
+      expect(() => parse(`resume_from=${good}&${other}`)).toThrow(/^resume_from: a checkpoint sets the stream's clock/);
+  });
+
+  it('a resume_from that is not a checkpoint (garbage, cut short, a value changed): named, before any audio', () => {
+    const bytes = Buffer.from(good, 'base64url');
+    const flipped = Buffer.from(bytes);
+    // The last float32 (a window probability, or Silero's context): made 2.0, or NaN.
+    flipped.writeFloatLE(Number.NaN, flipped.length - 4);
+    const head = bytes.readUInt32LE(0);
+    const json = JSON.parse(bytes.subarray(4, 4 + head).toString());
+    const lying = (change: (j: Record<string, any>) => void): string => {
+      const j = structuredClone(json);
+      change(j);
+      const h = Buffer.from(JSON.stringify(j));
+      const out = Buffer.alloc(4 + h.length + bytes.length - 4 - head);
+      out.writeUInt32LE(h.length, 0);
+      h.copy(out, 4);
+      bytes.subarray(4 + head).copy(out, 4 + h.length);
+      return out.toString('base64url');
+    };
+    for (const bad of [
+      'not a checkpoint!',
+      'AAAA',
+      good.slice(0, 100),
+      flipped.toString('base64url'),
+      lying((j) => (j.v = 2)),
+      lying((j) => (j.processed += 1)),
+      lying((j) => (j.segmenter.index += 1)),
+      lying((j) => (j.segmenter.start = -1)),
+      lying((j) => (j.extra = 1)),
+      'A'.repeat(9000),
+    ])
+      expect(() => parse(`resume_from=${encodeURIComponent(bad)}`), bad.slice(0, 40)).toThrow(
+        /^resume_from: not a VAD stream's checkpoint: /,
+      );
+  });
+
+  it('on a stream: a bad checkpoint is an error event naming resume_from, close 1008; a wake-word model refuses one; the server serves on', async () => {
+    const bad = await streamPcm(`${ws}?model=silero-vad&resume_from=AAAA`, Buffer.alloc(3200));
+    expect(bad.code).toBe(1008);
+    expect(bad.events.at(-1)).toMatchObject({
+      type: 'error',
+      error: { type: 'invalid_request_error', message: expect.stringMatching(/^resume_from: /) },
+    });
+    const wake = await streamPcm(`${ws}?model=alexa&resume_from=${good}`, Buffer.alloc(3200));
+    expect(wake.code).toBe(1008);
+    expect(wake.events.at(-1)).toMatchObject({
+      type: 'error',
+      error: {
+        message: expect.stringMatching(/^resume_from: a checkpoint is a VAD stream's; 'alexa' is a wakeword model/),
+      },
+    });
+    // No checkpoint for a wake-word stream, nor a VAD stream with probabilities: progress without one.
+    for (const q of ['model=alexa', 'model=silero-vad&probabilities=true']) {
+      const r = await streamPcm(`${ws}?${q}&progress=true&checkpoints=true`, pcm.subarray(0, 32_000 * 3));
+      const progress = r.events.filter((e) => e.type === 'progress');
+      expect(progress.length, q).toBeGreaterThan(0);
+      expect(
+        progress.some((e) => 'checkpoint' in e),
+        q,
+      ).toBe(false);
+    }
+    expect((await fetch(`${server.url}/ready`)).status).toBe(200);
+  }, 60_000);
+});
