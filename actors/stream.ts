@@ -782,7 +782,13 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       const session = pump!.session;
       caughtUpAt = performance.now();
       resume();
-      if (ended && (session.finished || handOver) && !gone()) finishing.run(done);
+      if (!ended || gone()) return;
+      // No checkpoint to hand over (a segment too long for one): the stream finishes as at `end`.
+      if (handOver && !vad!.checkpoint(offsetMs)) {
+        handOver = false;
+        return finishAudio();
+      }
+      if (session.finished || handOver) finishing.run(done);
     };
     /**
      * A denoise stream's audio so far (with `last`, what its resampler still holds) to the client, as binary frames.

@@ -431,7 +431,7 @@ export class VadSession extends WindowedSession {
    * form; a `progress` event's `checkpoint`, docs/websocket-api.md): a session restored from it gives
    * the events this one would have given, bit for bit. `baseMs`: the stream's clock at sample 0.
    * Null while a job is out, once the audio ended, with `probability` events (their span is not kept),
-   * or past {@link MAX_CHECKPOINT_CHARS} (a segment of about 25 s or more under way).
+   * or past {@link MAX_CHECKPOINT_CHARS} (a segment of about 35 s or more under way).
    */
   checkpoint(baseMs: number): string | null {
     if (this.inFlight || this.ended || this.probabilities || this.processed % SILERO.WINDOW) return null;

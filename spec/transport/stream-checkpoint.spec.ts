@@ -187,3 +187,60 @@ describe('checkpoints and resume_from: refused clearly, the server unharmed', ()
     expect((await fetch(`${server.url}/ready`)).status).toBe(200);
   }, 60_000);
 });
+
+describe('a draining server hands a checkpointed VAD stream over', () => {
+  /**
+   * Streams `ms` of the recording with `query` and checkpoints, waits until the server has run its whole windows, then
+   * closes the server (the drain): the events and the close code.
+   */
+  async function drained(query: string, ms: number): Promise<{ events: Event[]; code: number }> {
+    const s = await startServer(ServerConfig.parse({ log_level: 'silent', port: 0 }));
+    const socket = new WebSocket(
+      `${s.url.replace('http', 'ws')}/v1/stream?model=silero-vad&progress=true&checkpoints=true&${query}`,
+    );
+    const events: Event[] = [];
+    socket.on('error', () => {});
+    socket.on('message', (d) => events.push(JSON.parse(d.toString())));
+    const closed = new Promise<number>((resolve) => socket.on('close', (code) => resolve(code)));
+    await until(() => events.some((e) => e.type === 'ready'), 10_000);
+    for (let o = 0; o < ms * 32; o += 3200) socket.send(pcm.subarray(o, Math.min(o + 3200, ms * 32)));
+    const last = Math.floor(ms / 32) * 32;
+    await until(() => events.some((e) => e.type === 'progress' && e.processed_ms === last), 30_000);
+    await s.close();
+    return { events, code: await closed };
+  }
+
+  it('done at its last whole window with the checkpoint there (not the padded end), then 1001', async () => {
+    const { events, code } = await drained('', 20_050);
+    expect(code).toBe(1001);
+    const done = events.find((e) => e.type === 'done')!;
+    expect(done.processed_ms).toBe(20_032);
+    expect(typeof done.checkpoint).toBe('string');
+    // Resumed from it (here, on this process's server), the events are the whole stream's.
+    const rest = await streamPcm(
+      `${ws}?model=silero-vad&progress=true&checkpoints=true&resume_from=${done.checkpoint}`,
+      pcm.subarray(20_032 * 32),
+    );
+    const whole = task((await streamPcm(`${ws}?model=silero-vad`, pcm)).events);
+    expect([...task(events), ...task(rest.events)]).toEqual(whole);
+  }, 60_000);
+
+  it('a segment too long for a checkpoint (8,192 characters): progress carries none, and the drain finishes the stream as at end (the segment closed, all audio counted)', async () => {
+    // Silences never end a segment: one segment from the first speech on.
+    const { events, code } = await drained('min_silence_duration_ms=600000', 50_000);
+    expect(code).toBe(1001);
+    const progress = events.filter((e) => e.type === 'progress');
+    expect(progress[0].checkpoint).toEqual(expect.any(String));
+    expect(progress.at(-1)!.checkpoint).toBeUndefined();
+    const lastWith = progress.filter((e) => e.checkpoint).at(-1)!;
+    console.log(
+      `one segment from ${events.find((e) => e.type === 'speech_start')?.at_ms} ms: the last checkpoint at ${lastWith.processed_ms} ms, ${lastWith.checkpoint.length} characters`,
+    );
+    const done = events.find((e) => e.type === 'done')!;
+    expect(done.checkpoint).toBeUndefined();
+    expect(done.processed_ms).toBe(50_000);
+    const ends = events.filter((e) => e.type === 'speech_end');
+    expect(ends).toHaveLength(1);
+    expect(ends[0].end_ms).toBe(50_000);
+  }, 60_000);
+});
