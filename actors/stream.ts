@@ -673,8 +673,9 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
      * padded, and `done` there carries the checkpoint (the client re-sends the rest to another node).
      */
     let handOver = false;
-    /** The VAD session whose `progress` events carry checkpoints, or null. */
+    /** The VAD session whose `progress` events carry checkpoints (of model `vadModel`), or null. */
     let vad: VadSession | null = null;
+    let vadModel = '';
     /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
     let caughtUpAt = performance.now();
     /**
@@ -784,7 +785,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       resume();
       if (!ended || gone()) return;
       // No checkpoint to hand over (a segment too long for one): the stream finishes as at `end`.
-      if (handOver && !vad!.checkpoint(offsetMs)) {
+      if (handOver && !vad!.checkpoint(vadModel, offsetMs)) {
         handOver = false;
         return finishAudio();
       }
@@ -805,7 +806,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       if (gone()) return;
       sendAudio(true);
       const wallMs = performance.now() - t0;
-      const checkpoint = handOver ? vad!.checkpoint(offsetMs) : null;
+      const checkpoint = handOver ? vad!.checkpoint(vadModel, offsetMs) : null;
       const audioMs = (checkpoint ? pump!.session.processedSamples : pump!.session.receivedSamples) / perMs;
       send({
         type: 'DONE',
@@ -924,10 +925,11 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
             'resume_from',
             `a checkpoint is a VAD stream's; '${granted.model}' is a ${granted.config.task} model`,
           );
-        session.restore(params.resumeFrom);
+        session.restore(params.resumeFrom, granted.model);
       }
       // A chain's VAD session is not all of the stream's state (RNNoise's is not in the checkpoint): none.
       vad = params.checkpoints && !first && session instanceof VadSession ? session : null;
+      vadModel = granted.model;
       perMs = (session.rate ?? 16_000) / 1000;
       pendingLimit = MAX_PENDING_SAMPLES * ((first ? RNNOISE.RATE / 1000 : perMs) / 16);
       pump = new JobPump(session, granted, {
@@ -937,7 +939,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
           // After the job's events, so a client that saw this has seen every event of the audio before it.
           if (params.progress) {
             const processed_ms = offsetMs + Math.round(session.processedSamples / perMs);
-            const checkpoint = vad?.checkpoint(offsetMs);
+            const checkpoint = vad?.checkpoint(vadModel, offsetMs);
             channel.write(
               checkpoint ? { type: 'progress', processed_ms, checkpoint } : { type: 'progress', processed_ms },
             );

@@ -7,7 +7,7 @@ import { readFileSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { basename, extname, relative, resolve } from 'node:path';
 import { setFlagsFromString } from 'node:v8';
-import { Command, InvalidArgumentError, Option } from 'commander';
+import { Command, CommanderError, InvalidArgumentError, Option } from 'commander';
 import { VoxClient, VoxClientError, type ModelStatus, type VoxStream } from '../client/node.js';
 import { decodeWav } from '../runtime/audio/audio.js';
 import { describeBytes } from '../runtime/audio/decode.js';
@@ -169,7 +169,10 @@ process.stdout.on('error', (e: NodeJS.ErrnoException) => {
 
 const program = new Command('voxserve')
   .description('Voice models (Silero VAD, openWakeWord) over HTTP, WebSocket and Wyoming')
-  .version(version, '-V, --version');
+  .version(version, '-V, --version')
+  // A flag commander cannot read (unknown, or a value it refuses) is a configuration mistake too: exit 2, not
+  // commander's 1 (its `error: ...` line is printed already). Set before the commands: they inherit it.
+  .exitOverride();
 
 program
   .command('serve')
@@ -598,4 +601,7 @@ program
     },
   );
 
-program.parseAsync().catch((e) => die((e as Error).message));
+program.parseAsync().catch((e) => {
+  if (e instanceof CommanderError) process.exit(e.exitCode === 0 ? 0 : CONFIG_ERROR);
+  die((e as Error).message);
+});

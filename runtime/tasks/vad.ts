@@ -1,3 +1,4 @@
+import { createHash } from 'node:crypto';
 import { z } from 'zod';
 import type { VadOptions } from '../config.js';
 import { invalid } from '../errors.js';
@@ -274,8 +275,15 @@ const segmenterState = z
   })
   .strict();
 
-/** Where a VAD stream resumes from: its clock's start, the samples processed, Silero's state and the segmenter's. */
+/**
+ * Where a VAD stream resumes from: its model and options (a fingerprint), its clock's start, the samples processed,
+ * Silero's state and the segmenter's.
+ */
 export interface VadCheckpoint {
+  /** The model's id. */
+  model: string;
+  /** The task options' fingerprint ({@link optionsFingerprint}). */
+  options: string;
   /** The stream's clock at its sample 0, ms (its `offset_ms`). */
   baseMs: number;
   /** Samples processed (16 kHz), a whole number of windows. */
@@ -291,45 +299,68 @@ export const MAX_CHECKPOINT_CHARS = 8192;
 const checkpointHeader = z
   .object({
     v: z.literal(1),
+    model: z.string().max(256),
+    options: z.string().regex(/^[0-9a-f]{16}$/),
     base_ms: z.number().int().min(0).max(604_800_000),
     processed: sample.refine((n) => n % SILERO.WINDOW === 0, 'a whole number of windows'),
     segmenter: segmenterState.omit({ probs: true }).extend({ probs: z.number().int().min(0) }),
   })
   .strict();
 
+/** Bytes of SHA-256 that end a checkpoint: an integrity check (a checkpoint cut or edited), not a signature. */
+const CHECK_BYTES = 8;
+const digest = (b: Uint8Array): Buffer => createHash('sha256').update(b).digest().subarray(0, CHECK_BYTES);
+
+/** 16 hex digits of SHA-256 over VAD task options (as parsed: the schema's key order). */
+const optionsFingerprint = (o: VadOptions): string =>
+  createHash('sha256').update(JSON.stringify(o)).digest('hex').slice(0, 16);
+
 /**
  * Encodes a checkpoint as base64url of: a little-endian uint32 (the JSON header's bytes), the JSON
- * header (version, clock, samples, the segmenter's numbers), then float32s: Silero's state (256),
- * its context (64) and the segmenter's window probabilities. Float32 because the model gives float32:
- * every value comes back bit for bit.
+ * header (version, model, options' fingerprint, clock, samples, the segmenter's numbers), float32s
+ * (Silero's state (256), its context (64) and the segmenter's window probabilities; float32 because
+ * the model gives float32: every value comes back bit for bit), then the first 8 bytes of SHA-256
+ * over all that.
  */
 function encodeCheckpoint(c: VadCheckpoint): string {
   const { probs, ...rest } = c.segmenter;
   const head = Buffer.from(
-    JSON.stringify({ v: 1, base_ms: c.baseMs, processed: c.processed, segmenter: { ...rest, probs: probs.length } }),
+    JSON.stringify({
+      v: 1,
+      model: c.model,
+      options: c.options,
+      base_ms: c.baseMs,
+      processed: c.processed,
+      segmenter: { ...rest, probs: probs.length },
+    }),
   );
   const floats = new Float32Array(SILERO.STATE + SILERO.CONTEXT + probs.length);
   floats.set(c.state);
   floats.set(c.context, SILERO.STATE);
   floats.set(probs, SILERO.STATE + SILERO.CONTEXT);
-  const out = Buffer.alloc(4 + head.length + floats.byteLength);
+  const size = 4 + head.length + floats.byteLength;
+  const out = Buffer.alloc(size + CHECK_BYTES);
   out.writeUInt32LE(head.length, 0);
   head.copy(out, 4);
   Buffer.from(floats.buffer).copy(out, 4 + head.length);
+  digest(out.subarray(0, size)).copy(out, size);
   return out.toString('base64url');
 }
 
 /**
  * Reads a checkpoint a VAD stream gave (its `progress` event's `checkpoint`).
  * @throws VoxError `invalid_field` naming `resume_from`: not base64url, not a checkpoint of this
- *   version, inconsistent (window counts, lengths), or a value out of range (a probability outside
- *   0..1, a state value not finite).
+ *   version, cut or edited (its SHA-256 check), inconsistent (window counts, lengths), or a value out of
+ *   range (a probability outside 0..1, a state value not finite).
  */
 export function parseCheckpoint(text: string): VadCheckpoint {
   const bad = (problem: string) => invalid('resume_from', `not a VAD stream's checkpoint: ${problem}`);
   if (text.length > MAX_CHECKPOINT_CHARS || !/^[A-Za-z0-9_-]+$/.test(text))
     throw bad(`base64url of at most ${MAX_CHECKPOINT_CHARS} characters expected`);
-  const bytes = Buffer.from(text, 'base64url');
+  const all = Buffer.from(text, 'base64url');
+  const bytes = all.subarray(0, Math.max(0, all.length - CHECK_BYTES));
+  if (all.length <= CHECK_BYTES || !digest(bytes).equals(all.subarray(bytes.length)))
+    throw bad('its integrity check fails (cut short or edited)');
   const headLength = bytes.length >= 4 ? bytes.readUInt32LE(0) : Infinity;
   if (4 + headLength > bytes.length) throw bad('too short');
   let head: z.infer<typeof checkpointHeader>;
@@ -353,6 +384,8 @@ export function parseCheckpoint(text: string): VadCheckpoint {
   if (head.segmenter.index * SILERO.WINDOW !== head.processed || head.segmenter.probsBase + n !== head.segmenter.index)
     throw bad('its window counts disagree');
   return {
+    model: head.model,
+    options: head.options,
     baseMs: head.base_ms,
     processed: head.processed,
     state: floats.slice(0, SILERO.STATE),
@@ -397,7 +430,11 @@ export class VadSession extends WindowedSession {
   ) {
     super(SILERO.WINDOW);
     this.segmenter = new VadSegmenter(options, keepResults);
+    this.options = optionsFingerprint(options);
   }
+
+  /** The task options' fingerprint, in checkpoints. */
+  private readonly options: string;
 
   get processedSamples(): number {
     return this.processed;
@@ -429,13 +466,16 @@ export class VadSession extends WindowedSession {
   /**
    * Where a stream resumes from after the audio processed so far (see {@link parseCheckpoint} for the
    * form; a `progress` event's `checkpoint`, docs/websocket-api.md): a session restored from it gives
-   * the events this one would have given, bit for bit. `baseMs`: the stream's clock at sample 0.
-   * Null while a job is out, once the audio ended, with `probability` events (their span is not kept),
-   * or past {@link MAX_CHECKPOINT_CHARS} (a segment of about 35 s or more under way).
+   * the events this one would have given, bit for bit. `model`: the model's id; `baseMs`: the stream's
+   * clock at sample 0. Null while a job is out, after the last (padded) window, with `probability`
+   * events (their span is not kept), or past {@link MAX_CHECKPOINT_CHARS} (a segment of about 35 s
+   * or more under way).
    */
-  checkpoint(baseMs: number): string | null {
-    if (this.inFlight || this.ended || this.probabilities || this.processed % SILERO.WINDOW) return null;
+  checkpoint(model: string, baseMs: number): string | null {
+    if (this.inFlight || this.probabilities || this.processed % SILERO.WINDOW) return null;
     const text = encodeCheckpoint({
+      model,
+      options: this.options,
       baseMs,
       processed: this.processed,
       state: this.state,
@@ -446,12 +486,17 @@ export class VadSession extends WindowedSession {
   }
 
   /**
-   * Continues from `c` ({@link parseCheckpoint}): before any audio is pushed, on a session made with the
-   * same options. The audio pushed next is the audio from sample `c.processed` of the stream on.
-   * @throws Error when audio was pushed already, or with `probability` events.
+   * Continues from `c` ({@link parseCheckpoint}), a checkpoint of `model` with this session's options,
+   * before any audio is pushed. The audio pushed next is the audio from sample `c.processed` of the stream on.
+   * @throws VoxError `invalid_field` naming `resume_from` when the checkpoint is another model's or
+   *   was taken with other task options. Error when audio was pushed already, or with `probability` events.
    */
-  restore(c: VadCheckpoint): void {
+  restore(c: VadCheckpoint, model: string): void {
     if (this.received || this.probabilities) throw new Error('restore: only a fresh session without probabilities');
+    if (c.model !== model)
+      throw invalid('resume_from', `a checkpoint of model '${c.model.slice(0, 64)}', not of '${model}'`);
+    if (c.options !== this.options)
+      throw invalid('resume_from', 'a checkpoint taken with other task options: give the same ones (threshold, ...)');
     this.state.set(c.state);
     this.context.set(c.context);
     this.segmenter.restore(c.segmenter);

@@ -7,6 +7,7 @@
  * spec/fixtures/REFERENCE.jsonl, silero-vad's own segmentation); a fresh stream at the same point
  * (`offset_ms`, the state starting from zero) is shown to differ, so the comparison can fail.
  */
+import { createHash } from 'node:crypto';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { parseStreamParams } from '../../actors/stream.js';
@@ -125,11 +126,13 @@ describe('checkpoints and resume_from: refused clearly, the server unharmed', ()
       expect(() => parse(`resume_from=${good}&${other}`)).toThrow(/^resume_from: a checkpoint sets the stream's clock/);
   });
 
-  it('a resume_from that is not a checkpoint (garbage, cut short, a value changed): named, before any audio', () => {
-    const bytes = Buffer.from(good, 'base64url');
-    const flipped = Buffer.from(bytes);
-    // The last float32 (a window probability, or Silero's context): made 2.0, or NaN.
-    flipped.writeFloatLE(Number.NaN, flipped.length - 4);
+  it('a resume_from that is not a checkpoint (garbage, cut short, a character changed, a field changed): named, before any audio', () => {
+    // The documented form: uint32 header length, JSON header, float32s, then the first 8 bytes of SHA-256 of all that.
+    const all = Buffer.from(good, 'base64url');
+    const bytes = all.subarray(0, all.length - 8);
+    const sealed = (b: Buffer): string =>
+      Buffer.concat([b, createHash('sha256').update(b).digest().subarray(0, 8)]).toString('base64url');
+    expect(sealed(bytes)).toBe(good);
     const head = bytes.readUInt32LE(0);
     const json = JSON.parse(bytes.subarray(4, 4 + head).toString());
     const lying = (change: (j: Record<string, any>) => void): string => {
@@ -140,23 +143,52 @@ describe('checkpoints and resume_from: refused clearly, the server unharmed', ()
       out.writeUInt32LE(h.length, 0);
       h.copy(out, 4);
       bytes.subarray(4 + head).copy(out, 4 + h.length);
-      return out.toString('base64url');
+      return sealed(out);
     };
-    for (const bad of [
-      'not a checkpoint!',
-      'AAAA',
-      good.slice(0, 100),
-      flipped.toString('base64url'),
-      lying((j) => (j.v = 2)),
-      lying((j) => (j.processed += 1)),
-      lying((j) => (j.segmenter.index += 1)),
-      lying((j) => (j.segmenter.start = -1)),
-      lying((j) => (j.extra = 1)),
-      'A'.repeat(9000),
-    ])
+    const withLast = (v: number): string => {
+      const b = Buffer.from(bytes);
+      b.writeFloatLE(v, b.length - 4);
+      return sealed(b);
+    };
+    // One character of the state region changed: caught by the check.
+    const i = Math.floor(good.length * 0.6);
+    const edited = good.slice(0, i) + (good[i] === 'A' ? 'B' : 'A') + good.slice(i + 1);
+    for (const [bad, problem] of [
+      ['not a checkpoint!', /base64url of at most 8192/],
+      ['AAAA', /integrity check/],
+      [good.slice(0, 100), /integrity check/],
+      [edited, /integrity check/],
+      [`${good.slice(0, -5)}AAAAA`, /integrity check/],
+      [withLast(Number.NaN), /not finite/],
+      [lying((j) => (j.v = 2)), /v: /],
+      [lying((j) => (j.processed += 1)), /processed: /],
+      [lying((j) => (j.segmenter.index += 1)), /window counts disagree/],
+      [lying((j) => (j.segmenter.start = -1)), /segmenter.start: /],
+      [lying((j) => (j.extra = 1)), /extra/],
+      ['A'.repeat(9000), /at most 8192/],
+    ] as const)
       expect(() => parse(`resume_from=${encodeURIComponent(bad)}`), bad.slice(0, 40)).toThrow(
-        /^resume_from: not a VAD stream's checkpoint: /,
+        new RegExp(`^resume_from: not a VAD stream's checkpoint: .*${problem.source}`),
       );
+  });
+
+  it('a checkpoint of another model, or taken with other task options: refused naming resume_from', async () => {
+    const other = await streamPcm(`${ws}?model=silero-vad-v5&resume_from=${good}`, Buffer.alloc(3200));
+    expect(other.code).toBe(1008);
+    expect(other.events.at(-1)?.error?.message).toMatch(
+      /^resume_from: a checkpoint of model 'silero-vad', not of 'silero-vad-v5'/,
+    );
+    const options = await streamPcm(`${ws}?model=silero-vad&threshold=0.9&resume_from=${good}`, Buffer.alloc(3200));
+    expect(options.code).toBe(1008);
+    expect(options.events.at(-1)?.error?.message).toMatch(/^resume_from: a checkpoint taken with other task options/);
+  });
+
+  it('a stream sent at once and ended: its progress events after the end still carry checkpoints, but for the last (padded) window', async () => {
+    const r = await streamPcm(`${ws}?model=silero-vad&progress=true&checkpoints=true`, pcm.subarray(0, 20_010 * 32));
+    const progress = r.events.filter((e) => e.type === 'progress');
+    expect(progress.length).toBeGreaterThan(5);
+    expect(progress.slice(0, -1).every((e) => typeof e.checkpoint === 'string')).toBe(true);
+    expect(progress.at(-1)).toEqual({ type: 'progress', processed_ms: 20_010 });
   });
 
   it('on a stream: a bad checkpoint is an error event naming resume_from, close 1008; a wake-word model refuses one; the server serves on', async () => {
