@@ -268,7 +268,8 @@ export class JobPump {
   private readonly ends: number[] = [];
   private readonly ats: number[] = [];
   private head = 0;
-  private windows = 0;
+  /** Windows whose lag is recorded: from the session's processed ones on (a resumed stream starts past 0). */
+  private windows: number;
   /** Windows (or steps) per job: {@link MAX_JOB_MS} of audio. */
   private readonly maxSteps: number;
 
@@ -288,6 +289,7 @@ export class JobPump {
   ) {
     // MAX_JOB_MS of audio at the session's rate (16 kHz; a denoise stream's 48 kHz).
     this.maxSteps = Math.max(1, Math.floor((MAX_JOB_MS * ((session.rate ?? 16_000) / 1000)) / session.step));
+    this.windows = Math.floor(session.processedSamples / session.step);
   }
 
   /** Samples arrived at `at` (performance.now(), ms), already pushed into the session. */

@@ -252,11 +252,9 @@ export class VadSegmenter {
 /** A {@link VadSegmenter}'s state (samples, window indexes and probabilities), as `snapshot` gives it. */
 export type SegmenterState = z.infer<typeof segmenterState>;
 
-const sample = z
-  .number()
-  .int()
-  .min(0)
-  .max(2 ** 45);
+/** The most samples a checkpoint counts: a week of 16 kHz audio, as `offset_ms` allows. */
+const MAX_SAMPLES = 7 * 24 * 3600 * RATE;
+const sample = z.number().int().min(0).max(MAX_SAMPLES);
 const segmenterState = z
   .object({
     triggered: z.boolean(),
@@ -383,6 +381,17 @@ export function parseCheckpoint(text: string): VadCheckpoint {
   if (!segmenter.success) throw bad('a probability outside 0..1');
   if (head.segmenter.index * SILERO.WINDOW !== head.processed || head.segmenter.probsBase + n !== head.segmenter.index)
     throw bad('its window counts disagree');
+  // Positions as the segmenter makes them: window starts (but the padded ones), none past the audio processed.
+  const g = segmenter.data;
+  const starts = [g.start, g.tempEnd, g.prevEnd, g.nextStart, ...g.possibleEnds.map(([e]) => e)];
+  const ends = [g.startPadded, g.lastEnd ?? 0, g.closed?.start_sample ?? 0, g.closed?.end ?? 0];
+  if (
+    starts.some((x) => x % SILERO.WINDOW) ||
+    [...starts, ...ends].some((x) => x > head.processed) ||
+    (g.closed && g.closed.start_sample > g.closed.end) ||
+    g.probsBase * SILERO.WINDOW > head.processed
+  )
+    throw bad("the segmenter's positions disagree with each other");
   return {
     model: head.model,
     options: head.options,

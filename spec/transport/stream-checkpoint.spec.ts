@@ -165,6 +165,19 @@ describe('checkpoints and resume_from: refused clearly, the server unharmed', ()
       [lying((j) => (j.segmenter.index += 1)), /window counts disagree/],
       [lying((j) => (j.segmenter.start = -1)), /segmenter.start: /],
       [lying((j) => (j.extra = 1)), /extra/],
+      // A week of audio at most (a breaker's 2^45 samples held the event loop for good).
+      [
+        lying((j) => {
+          j.processed = 604_800_512 * 16;
+          j.segmenter.index = j.processed / 512;
+          j.segmenter.probsBase = j.segmenter.index - json.segmenter.probs;
+        }),
+        /processed: /,
+      ],
+      // Positions that disagree: a segment closed before it began, a window start off the grid, past the audio.
+      [lying((j) => (j.segmenter.closed = { start_sample: 5120, end: 512, confidence: 0.5 })), /positions disagree/],
+      [lying((j) => (j.segmenter.start = 3)), /positions disagree/],
+      [lying((j) => (j.segmenter.lastEnd = j.processed + 512)), /positions disagree/],
       ['A'.repeat(9000), /at most 8192/],
     ] as const)
       expect(() => parse(`resume_from=${encodeURIComponent(bad)}`), bad.slice(0, 40)).toThrow(
