@@ -188,12 +188,12 @@ describe('checkpoints and resume_from: refused clearly, the server unharmed', ()
   it('a checkpoint of another model, or taken with other task options: refused naming resume_from', async () => {
     const other = await streamPcm(`${ws}?model=silero-vad-v5&resume_from=${good}`, Buffer.alloc(3200));
     expect(other.code).toBe(1008);
-    expect(other.events.at(-1)?.error?.message).toMatch(
+    expect((other.events.at(-1) as Event).error?.message).toMatch(
       /^resume_from: a checkpoint of model 'silero-vad', not of 'silero-vad-v5'/,
     );
     const options = await streamPcm(`${ws}?model=silero-vad&threshold=0.9&resume_from=${good}`, Buffer.alloc(3200));
     expect(options.code).toBe(1008);
-    expect(options.events.at(-1)?.error?.message).toMatch(/^resume_from: a checkpoint taken with other task options/);
+    expect((options.events.at(-1) as Event).error?.message).toMatch(/^resume_from: a checkpoint taken with other task options/);
   });
 
   it('a stream sent at once and ended: its progress events after the end still carry checkpoints, but for the last (padded) window', async () => {
