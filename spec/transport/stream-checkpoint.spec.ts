@@ -193,7 +193,9 @@ describe('checkpoints and resume_from: refused clearly, the server unharmed', ()
     );
     const options = await streamPcm(`${ws}?model=silero-vad&threshold=0.9&resume_from=${good}`, Buffer.alloc(3200));
     expect(options.code).toBe(1008);
-    expect((options.events.at(-1) as Event).error?.message).toMatch(/^resume_from: a checkpoint taken with other task options/);
+    expect((options.events.at(-1) as Event).error?.message).toMatch(
+      /^resume_from: a checkpoint taken with other task options/,
+    );
   });
 
   it('a stream sent at once and ended: its progress events after the end still carry checkpoints, but for the last (padded) window', async () => {
