@@ -64,7 +64,7 @@ function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
  * A session on `source` (a path, or the model's bytes). `arena: false` turns off onnxruntime's CPU
  * memory arena: a wake-word family's batches change size with the streams it serves, and the arena
  * keeps the largest batch's buffers for the session's life (20 head combinations at once took
- * 1.11-1.22x one combination's memory with it, 1.12-1.15x without; the CPU per stream-second the same).
+ * 1.11-1.22x one combination's memory with it, 1.09-1.17x without; the CPU per stream-second the same).
  */
 async function create(source: string | Uint8Array, arena = true): Promise<ort.InferenceSession> {
   const options = arena ? OPTIONS : { ...OPTIONS, enableCpuMemArena: false };
