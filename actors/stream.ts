@@ -673,9 +673,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
      * padded, and `done` there carries the checkpoint (the client re-sends the rest to another node).
      */
     let handOver = false;
-    /** The VAD session whose `progress` events carry checkpoints (of model `vadModel`), or null. */
-    let vad: VadSession | null = null;
-    let vadModel = '';
+    /** A VAD stream with `checkpoints=true`: its checkpoint now (null when it cannot give one); else null. */
+    let checkpoint: (() => string | null) | null = null;
     /** When the server last had nothing of the client's left to do (see `behind`), performance.now() ms. */
     let caughtUpAt = performance.now();
     /**
@@ -784,12 +783,14 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       caughtUpAt = performance.now();
       resume();
       if (!ended || gone()) return;
-      // No checkpoint to hand over (a segment too long for one): the stream finishes as at `end`.
-      if (handOver && !vad!.checkpoint(vadModel, offsetMs)) {
+      if (handOver) {
+        const given = checkpoint!();
+        if (given) return finishing.run(() => done(given));
+        // No checkpoint to hand over (a segment too long for one): the stream finishes as at `end`.
         handOver = false;
         return finishAudio();
       }
-      if (session.finished || handOver) finishing.run(done);
+      if (session.finished) finishing.run(done);
     };
     /**
      * A denoise stream's audio so far (with `last`, what its resampler still holds) to the client, as binary frames.
@@ -802,15 +803,15 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
       if (out.length) channel.write({ type: 'audio', data: encodePcm(out, back.encoding) });
       if (tail?.length) channel.write({ type: 'audio', data: encodePcm(tail, back.encoding) });
     };
-    const done = (): void => {
+    /** `done`; handed over (a drain), at the audio processed, with the checkpoint there. */
+    const done = (handedOver?: string): void => {
       if (gone()) return;
       sendAudio(true);
       const wallMs = performance.now() - t0;
-      const checkpoint = handOver ? vad!.checkpoint(vadModel, offsetMs) : null;
-      const audioMs = (checkpoint ? pump!.session.processedSamples : pump!.session.receivedSamples) / perMs;
+      const audioMs = (handedOver ? pump!.session.processedSamples : pump!.session.receivedSamples) / perMs;
       send({
         type: 'DONE',
-        ...(checkpoint ? { checkpoint } : {}),
+        ...(handedOver ? { checkpoint: handedOver } : {}),
         processed_ms: offsetMs + Math.round(audioMs),
         timing: {
           wall_ms: Math.round(wallMs),
@@ -928,8 +929,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         session.restore(params.resumeFrom, granted.model);
       }
       // A chain's VAD session is not all of the stream's state (RNNoise's is not in the checkpoint): none.
-      vad = params.checkpoints && !first && session instanceof VadSession ? session : null;
-      vadModel = granted.model;
+      if (params.checkpoints && !first && session instanceof VadSession)
+        checkpoint = () => session.checkpoint(granted.model, offsetMs);
       perMs = (session.rate ?? 16_000) / 1000;
       pendingLimit = MAX_PENDING_SAMPLES * ((first ? RNNOISE.RATE / 1000 : perMs) / 16);
       pump = new JobPump(session, granted, {
@@ -939,10 +940,8 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
           // After the job's events, so a client that saw this has seen every event of the audio before it.
           if (params.progress) {
             const processed_ms = offsetMs + Math.round(session.processedSamples / perMs);
-            const checkpoint = vad?.checkpoint(vadModel, offsetMs);
-            channel.write(
-              checkpoint ? { type: 'progress', processed_ms, checkpoint } : { type: 'progress', processed_ms },
-            );
+            const given = checkpoint?.();
+            channel.write({ type: 'progress', processed_ms, ...(given ? { checkpoint: given } : {}) });
           }
           if (paused && session.pendingSamples < pendingLimit / 2) resume();
         },
@@ -1021,7 +1020,7 @@ const streamWork = fromCallback<StreamInput | { type: 'CHECK_IDLE' }, { id: stri
         });
       } else if (e.type === 'END' && !ended) {
         ended = true;
-        handOver = (e.handOver ?? false) && vad !== null && file === null;
+        handOver = (e.handOver ?? false) && checkpoint !== null && file === null;
         if (pump) finishAudio();
       }
     });
@@ -1277,14 +1276,12 @@ export const streamSocketMachine = setup({
                       ({ event }) =>
                         ({
                           type: 'send',
-                          event: event.checkpoint
-                            ? {
-                                type: 'done',
-                                processed_ms: event.processed_ms,
-                                timing: event.timing,
-                                checkpoint: event.checkpoint,
-                              }
-                            : { type: 'done', processed_ms: event.processed_ms, timing: event.timing },
+                          event: {
+                            type: 'done',
+                            processed_ms: event.processed_ms,
+                            timing: event.timing,
+                            ...(event.checkpoint ? { checkpoint: event.checkpoint } : {}),
+                          },
                         }) as StreamOutput,
                     ),
                     emit(

@@ -1148,11 +1148,14 @@ export class VoxStream implements AsyncIterable<StreamEvent> {
     // From the last checkpoint, when its audio is still here and starts on a whole frame: the new session goes on
     // exactly as the old one would have.
     const cp = this.checkpoint;
-    const cpByte = cp && ((cp.ms * plan.sampleRate) / 1000) * plan.frameBytes;
+    const frames = cp ? (cp.ms * plan.sampleRate) / 1000 : Number.NaN;
     const fromCheckpoint =
-      cp !== null && Number.isInteger(cpByte! / plan.frameBytes) && cpByte! >= head && cpByte! <= this.given;
+      cp !== null &&
+      Number.isInteger(frames) &&
+      frames * plan.frameBytes >= head &&
+      frames * plan.frameBytes <= this.given;
     if (fromCheckpoint) {
-      byte = cpByte!;
+      byte = frames * plan.frameBytes;
       ms = cp.ms;
     }
     this.repeatedUpToMs = fromCheckpoint ? this.confirmedMs : -1;

@@ -250,12 +250,13 @@ export class VadSegmenter {
 }
 
 /** A {@link VadSegmenter}'s state (samples, window indexes and probabilities), as `snapshot` gives it. */
-export type SegmenterState = z.infer<typeof segmenterState>;
+export type SegmenterState = Omit<z.infer<typeof segmenterNumbers>, 'probs'> & { probs: number[] };
 
 /** The most samples a checkpoint counts: a week of 16 kHz audio, as `offset_ms` allows. */
 const MAX_SAMPLES = 7 * 24 * 3600 * RATE;
 const sample = z.number().int().min(0).max(MAX_SAMPLES);
-const segmenterState = z
+/** The segmenter's state in a checkpoint's header: its window probabilities as their count (they follow as float32). */
+const segmenterNumbers = z
   .object({
     triggered: z.boolean(),
     start: sample,
@@ -267,7 +268,7 @@ const segmenterState = z
     startPadded: sample,
     lastEnd: sample.nullable(),
     closed: z.object({ start_sample: sample, end: sample, confidence: z.number().min(0).max(1) }).nullable(),
-    probs: z.array(z.number().min(0).max(1)),
+    probs: z.number().int().min(0),
     probsBase: sample,
     index: sample,
   })
@@ -301,7 +302,7 @@ const checkpointHeader = z
     options: z.string().regex(/^[0-9a-f]{16}$/),
     base_ms: z.number().int().min(0).max(604_800_000),
     processed: sample.refine((n) => n % SILERO.WINDOW === 0, 'a whole number of windows'),
-    segmenter: segmenterState.omit({ probs: true }).extend({ probs: z.number().int().min(0) }),
+    segmenter: segmenterNumbers,
   })
   .strict();
 
@@ -377,19 +378,17 @@ export function parseCheckpoint(text: string): VadCheckpoint {
   Buffer.from(floats.buffer).set(rest);
   if (!floats.every(Number.isFinite)) throw bad('a value is not finite');
   const probs = [...floats.subarray(SILERO.STATE + SILERO.CONTEXT)];
-  const segmenter = segmenterState.safeParse({ ...head.segmenter, probs });
-  if (!segmenter.success) throw bad('a probability outside 0..1');
-  if (head.segmenter.index * SILERO.WINDOW !== head.processed || head.segmenter.probsBase + n !== head.segmenter.index)
+  if (probs.some((p) => p < 0 || p > 1)) throw bad('a probability outside 0..1');
+  const g: SegmenterState = { ...head.segmenter, probs };
+  if (g.index * SILERO.WINDOW !== head.processed || g.probsBase + n !== g.index)
     throw bad('its window counts disagree');
   // Positions as the segmenter makes them: window starts (but the padded ones), none past the audio processed.
-  const g = segmenter.data;
   const starts = [g.start, g.tempEnd, g.prevEnd, g.nextStart, ...g.possibleEnds.map(([e]) => e)];
   const ends = [g.startPadded, g.lastEnd ?? 0, g.closed?.start_sample ?? 0, g.closed?.end ?? 0];
   if (
     starts.some((x) => x % SILERO.WINDOW) ||
     [...starts, ...ends].some((x) => x > head.processed) ||
-    (g.closed && g.closed.start_sample > g.closed.end) ||
-    g.probsBase * SILERO.WINDOW > head.processed
+    (g.closed && g.closed.start_sample > g.closed.end)
   )
     throw bad("the segmenter's positions disagree with each other");
   return {
@@ -399,7 +398,7 @@ export function parseCheckpoint(text: string): VadCheckpoint {
     processed: head.processed,
     state: floats.slice(0, SILERO.STATE),
     context: floats.slice(SILERO.STATE, SILERO.STATE + SILERO.CONTEXT),
-    segmenter: segmenter.data,
+    segmenter: g,
   };
 }
 

@@ -9,7 +9,7 @@ import { createServer, type Server } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import { WebSocketServer, type WebSocket } from 'ws';
-import { VoxClient, VoxClientError, type StreamEvent } from '../../client/node.js';
+import { VoxClient, VoxClientError, type StreamEvent, type VoxStream } from '../../client/node.js';
 import { until } from '../helpers.js';
 
 /** A scripted node: answers `/ready` (200 while `ready`), and hands each stream's socket and query to `onStream`. */
@@ -85,6 +85,14 @@ function audio(fromMs: number, ms: number): Buffer {
   return b;
 }
 
+/** Sends `ms` of {@link audio} from 0 in 100 ms frames; resolves once `node`'s first stream has all of it. */
+async function sendAll(stream: VoxStream, node: FakeNode, ms: number): Promise<Buffer> {
+  const sent = audio(0, ms);
+  for (let o = 0; o < sent.length; o += 3200) await stream.send(sent.subarray(o, o + 3200));
+  await until(() => node.streams[0].audio.reduce((n, d) => n + d.length, 0) === sent.length);
+  return sent;
+}
+
 async function collect(stream: AsyncIterable<StreamEvent>, into: StreamEvent[]): Promise<void> {
   for await (const e of stream) into.push(e);
 }
@@ -109,9 +117,7 @@ describe('resume (scripted nodes)', () => {
     const stream = await new VoxClient({ urls: [a.url, b.url] }).stream({ model: 'm' });
     const events: StreamEvent[] = [];
     const reading = collect(stream, events);
-    const sent = audio(0, 3000);
-    for (let o = 0; o < sent.length; o += 3200) await stream.send(sent.subarray(o, o + 3200));
-    await until(() => a.streams[0].audio.reduce((n, d) => n + d.length, 0) === sent.length);
+    const sent = await sendAll(stream, a, 3000);
     const A = a.streams[0].ws;
     // Confirmed up to 1024 ms; an event after that confirmation is lost with the node.
     A.send(event({ type: 'speech_start', at_ms: 500 }));
@@ -168,9 +174,7 @@ describe('resume (scripted nodes)', () => {
     expect(a.streams[0].query.get('checkpoints')).toBe('true');
     const events: StreamEvent[] = [];
     const reading = collect(stream, events);
-    const sent = audio(0, 3000);
-    for (let o = 0; o < sent.length; o += 3200) await stream.send(sent.subarray(o, o + 3200));
-    await until(() => a.streams[0].audio.reduce((n, d) => n + d.length, 0) === sent.length);
+    const sent = await sendAll(stream, a, 3000);
     const A = a.streams[0].ws;
     // A checkpoint at 1024 ms; then (a draining node's done) the audio confirmed to 1050 ms, with an event.
     A.send(event({ type: 'progress', processed_ms: 1024, checkpoint: 'CP-1024' }));
