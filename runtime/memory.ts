@@ -1,4 +1,5 @@
 import { readFileSync } from 'node:fs';
+import { createRequire } from 'node:module';
 import { freemem } from 'node:os';
 import { setFlagsFromString } from 'node:v8';
 import { runInNewContext } from 'node:vm';
@@ -79,8 +80,40 @@ export function collectGarbage(): void {
   gcFn();
 }
 
+/** glibc's `malloc_trim`, bound once (null: not glibc, or koffi's binary missing; undefined: not tried yet). */
+let mallocTrim: ((pad: number) => number) | null | undefined;
+
 /**
- * Collects garbage once after each spell of work, when the server has been idle for `idleMs`:
+ * Gives the memory malloc holds free back to the system: glibc's `malloc_trim(0)`, which since
+ * glibc 2.8 releases the free pages inside every arena, not only its top (man 3 malloc_trim). The
+ * server's main process needs it once idle: glibc raises its mmap threshold to the size of the
+ * largest block freed (up to 32 MiB), so the medium buffers of streams, jobs and head files come
+ * from the main arena, and the pages they leave free stayed resident (23-42 MiB after wake-word
+ * churn, issue 44 item 6; docs/operations.md). Called through koffi (an FFI: JavaScript cannot
+ * reach libc). Blocks by what it gives back: 0.15 ms on a fresh process, 4-5 ms for 55 MiB; the
+ * first call also loads koffi (~10 ms).
+ * @returns true if malloc was trimmed; false where there is no glibc (macOS, musl) or no FFI
+ */
+export function trimFreedMemory(): boolean {
+  if (mallocTrim === undefined) {
+    mallocTrim = null;
+    try {
+      if (process.platform === 'linux') {
+        const koffi = createRequire(import.meta.url)('koffi') as (typeof import('koffi'))['default'];
+        mallocTrim = koffi.load('libc.so.6').func('int malloc_trim(size_t pad)') as (pad: number) => number;
+      }
+    } catch {
+      // no glibc (musl), or koffi has no binary for this platform: the memory stays with malloc
+    }
+  }
+  if (!mallocTrim) return false;
+  mallocTrim(0);
+  return true;
+}
+
+/**
+ * Collects garbage, then gives malloc's free pages back ({@link trimFreedMemory}), once after each
+ * spell of work, when the server has been idle for `idleMs`:
  * `busy()` says whether work is in flight (requests, streams; checked every `idleMs` / 5);
  * `touch()` marks work too short to be seen that way.
  */
@@ -109,6 +142,7 @@ export class IdleCollector {
         quietSince = 0;
         this.runs++;
         collectGarbage();
+        trimFreedMemory();
       },
       Math.max(10, idleMs / 5),
     ).unref();
