@@ -99,7 +99,7 @@ export function trimFreedMemory(): boolean {
     mallocTrim = null;
     try {
       if (process.platform === 'linux') {
-        const koffi = createRequire(import.meta.url)('koffi') as (typeof import('koffi'))['default'];
+        const koffi = createRequire(import.meta.url)('koffi') as typeof import('koffi')['default'];
         mallocTrim = koffi.load('libc.so.6').func('int malloc_trim(size_t pad)') as (pad: number) => number;
       }
     } catch {
