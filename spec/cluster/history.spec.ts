@@ -30,14 +30,17 @@ function good(): { history: Event[]; final: Final } {
     { type: 'unload', node: 'c', model: 'silero-vad', at: t + 10_000 },
     { type: 'load', node: 'b', model: 'silero-vad', start: t + 10_001, end: t + 10_400 },
     { type: 'ok', id: 's1', at: t + 5000, result: EVENTS },
-    // resumed: the events before the gap equal the single node's; after it they may differ
+    // resumed without a checkpoint: the events before the gap equal the single node's; after it they may differ
     {
       type: 'ok',
       id: 's2',
       at: t + 5000,
       result: [...EVENTS.slice(0, 2), { type: 'speech_start', at_ms: 3100 }],
-      gap: { from_ms: 2000, to_ms: 2500 },
+      gap: { from_ms: 2000, to_ms: 2500, checkpoint: false },
     },
+    // resumed from the model's checkpoint: every event equals the single node's
+    { type: 'invoke', id: 's3', op: 'stream', node: 'c', model: 'silero-vad', input: 'a.wav', at: t, busy_ms: 3000 },
+    { type: 'ok', id: 's3', at: t + 6000, result: EVENTS, gap: { from_ms: 2000, to_ms: 2500, checkpoint: true } },
   ];
   const final: Final = {
     nodes: ['a', 'b', 'c'].map((node) => ({
@@ -135,6 +138,13 @@ describe('history checker', () => {
     const { history, final } = good();
     const s2 = history.find((e) => e.type === 'ok' && e.id === 's2') as { result: unknown };
     s2.result = [EVENTS[0]];
+    expect(check(history, final, expected).map((v) => v.kind)).toEqual(['wrong-result']);
+  });
+
+  it('a stream resumed from a checkpoint with events after its gap that differ is a wrong result', () => {
+    const { history, final } = good();
+    const s3 = history.find((e) => e.type === 'ok' && e.id === 's3') as { result: unknown };
+    s3.result = [...EVENTS.slice(0, 3), { type: 'speech_end', start_ms: 3000, end_ms: 3932 }];
     expect(check(history, final, expected).map((v) => v.kind)).toEqual(['wrong-result']);
   });
 

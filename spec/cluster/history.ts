@@ -5,8 +5,9 @@
  * every process of a run is on this machine, so their clocks are one), and the state the cluster
  * is left in; {@link check} then lists what breaks the contract:
  * - every request (a file or tensor request over HTTP, a live stream over WebSocket) is answered
- *   exactly once: with a result equal to a single node's for the same input (a stream: its events,
- *   or, resumed on another node, its events before the reported gap), or with a clear error (an
+ *   exactly once: with a result equal to a single node's for the same input (a stream: its events;
+ *   resumed on another node from the model's checkpoint, all of them too; resumed without one, its
+ *   events before the reported gap), or with a clear error (an
  *   HTTP status or close code and an error code) within its busy timeout plus {@link MARGIN_MS};
  * - at most one load of a model is in flight in the cluster at any time;
  * - after healing, every node lists the same holders of a model, with one config;
@@ -40,8 +41,13 @@ export interface Ok {
   id: string;
   at: number;
   result: unknown;
-  /** A stream resumed on another node: the gap its client reported, ms of audio. */
-  gap?: { from_ms: number; to_ms: number };
+  /**
+   * A stream resumed on another node: the gap its client reported, ms of audio. `checkpoint`: the new
+   * session went on from the model's checkpoint (a VAD stream, `resume_from`), so every event must
+   * still equal the single node's; without one (a fresh session on the window grid), only those
+   * before the gap.
+   */
+  gap?: { from_ms: number; to_ms: number; checkpoint: boolean };
 }
 
 /** An error answer: `status` an HTTP status or a WebSocket close code (0: none came), `error` its code or why. */
@@ -164,13 +170,16 @@ export function check(history: Event[], final: Final, expected: Record<string, u
       continue;
     }
     const want = expected[key];
-    if (a.gap) {
+    if (a.gap && !a.gap.checkpoint) {
       const before = (evs: unknown): unknown[] =>
         (evs as unknown[]).filter((e) => (eventTime(e) ?? Number.POSITIVE_INFINITY) < a.gap!.from_ms);
       if (!same(before(a.result), before(want)))
         out.push({ kind: 'wrong-result', detail: `${what}: events before its gap at ${a.gap.from_ms} ms differ` });
     } else if (!same(a.result, want))
-      out.push({ kind: 'wrong-result', detail: `${what}: ${JSON.stringify(a.result).slice(0, 200)}` });
+      out.push({
+        kind: 'wrong-result',
+        detail: `${what}${a.gap ? ` (resumed from a checkpoint at ${a.gap.from_ms} ms)` : ''}: ${JSON.stringify(a.result).slice(0, 200)}`,
+      });
   }
   const loads = history.filter((e): e is Load => e.type === 'load');
   for (let i = 0; i < loads.length; i++)

@@ -7,12 +7,14 @@
  * Runs: (a) the holder partitioned for 10 s, (b) a non-holder, (c) the holder paused (SIGSTOP)
  * 10 s, (d) a nats-server holding neither bucket killed and started again 10 s later.
  * Load, through the nodes that stay connected: 4 live VAD streams at all times (a 5.8 s recording
- * sent in real time, 100 ms frames) and a file request every 200 ms. Everything is recorded as a
+ * sent in real time, 100 ms frames) and a file request every 200 ms; and one stream through the
+ * node the fault takes away, with `VoxClient` given every node's URL (it resumes on another node
+ * from its last checkpoint, so all its events must still equal a single node's). Everything is recorded as a
  * history (spec/cluster/history.ts) and checked after each run; the expected results are a single
  * node's (no cluster, in this process) for the same recordings. Loads are read from the nodes'
  * logs (`model state`), lock operations from a watch of the lock bucket (`voxserve_locks`), and
- * slot host processes from /proc (the nodes run process hosts, the default). The buckets have 1
- * replica on main: no nats-server is partitioned here. Needs root and `ip netns`: without them
+ * slot host processes from /proc (the nodes run process hosts, the default). The buckets have 3
+ * replicas (3 nats-servers); no nats-server is partitioned here. Needs root and `ip netns`: without them
  * the suite fails saying so. `CLUSTER_LOG=1` prints the nodes' logs.
  */
 import { readdirSync, readFileSync } from 'node:fs';
@@ -21,6 +23,7 @@ import { jetstreamManager } from '@nats-io/jetstream';
 import { connect, type NatsConnection } from '@nats-io/transport-node';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
+import { type StreamEvent, VoxClient } from '../../client/node.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, WaveFile } from '../helpers.js';
@@ -191,10 +194,61 @@ function streamOnce(
 }
 
 /**
+ * Streams STREAM_FILE in real time (100 ms frames) with `VoxClient` given `urls` (the first is the
+ * node in use), so it resumes on another node when that one goes away (heartbeat 2 s, resume
+ * bounded by 20 s); resolves with its events (without `ready`, `done`, `progress` and `resumed`)
+ * and the gap of its `resumed` event, or the error it failed with. Bounded like {@link streamOnce}.
+ */
+async function resumableStream(
+  urls: string[],
+): Promise<
+  | { ok: true; events: unknown[]; gap?: { from_ms: number; to_ms: number; checkpoint: boolean } }
+  | { ok: false; status: number; error: string }
+> {
+  const pcm = pcm16k(STREAM_FILE);
+  const frame = 1600 * 2;
+  const events: StreamEvent[] = [];
+  const run = async () => {
+    const vox = new VoxClient({ urls, heartbeatMs: 2000 });
+    const stream = await vox.stream({ model: MODEL, sampleRate: 16_000, resume: { timeoutMs: 20_000 } });
+    const reading = (async () => {
+      for await (const e of stream) events.push(e);
+    })();
+    for (let o = 0; o < pcm.length; o += frame) {
+      await stream.send(pcm.subarray(o, o + frame));
+      await sleep(100);
+    }
+    await stream.end();
+    await reading;
+  };
+  let timer: NodeJS.Timeout | undefined;
+  const bound = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error('no end within the bound')), 5800 + BUSY_MS + MARGIN_MS + 30_000);
+  });
+  try {
+    await Promise.race([run(), bound]);
+  } catch (e) {
+    const err = e as { code?: string; message: string };
+    return { ok: false, status: 0, error: String(err.code ?? err.message) };
+  } finally {
+    clearTimeout(timer);
+  }
+  const resumed = events.flatMap((e) => (e.type === 'resumed' ? [e] : []));
+  return {
+    ok: true,
+    events: events.filter((e) => !['ready', 'done', 'progress', 'resumed'].includes(e.type)),
+    // A VAD stream resumes from its last checkpoint (`resume_from`), or at 0 before the first one: exact either way.
+    ...(resumed.length
+      ? { gap: { from_ms: resumed[0].gap.start_ms, to_ms: resumed.at(-1)!.gap.end_ms, checkpoint: true } }
+      : {}),
+  };
+}
+
+/**
  * Runs the load on `ingress` (round robin) until `stop()`: STREAMS streams at all times and a
  * file request every 200 ms, each recorded in `history`. `stop` resolves once every request is answered.
  */
-function load(ingress: VoxHost[], history: Event[]): () => Promise<void> {
+function load(ingress: VoxHost[], history: Event[], via?: VoxHost): () => Promise<void> {
   let stopping = false;
   let seq = 0;
   const pending = new Set<Promise<void>>();
@@ -226,6 +280,28 @@ function load(ingress: VoxHost[], history: Event[]): () => Promise<void> {
     }
   };
   for (let i = 0; i < STREAMS; i++) track(oneStream());
+  if (via) {
+    const id = `r${seq++}`;
+    history.push({
+      type: 'invoke',
+      id,
+      op: 'stream',
+      node: via.name,
+      model: MODEL,
+      input: STREAM_FILE,
+      at: Date.now(),
+      busy_ms: BUSY_MS,
+    });
+    track(
+      resumableStream([via.url, ...ingress.filter((v) => v !== via).map((v) => v.url)]).then((r) => {
+        history.push(
+          r.ok
+            ? { type: 'ok', id, at: Date.now(), result: r.events, ...(r.gap ? { gap: r.gap } : {}) }
+            : { type: 'fail', id, at: Date.now(), status: r.status, error: r.error },
+        );
+      }),
+    );
+  }
   const body = new Uint8Array(fixture(FILE));
   const files = setInterval(() => {
     const v = next();
@@ -400,9 +476,11 @@ async function run(name: string, holder: string, ingress: string[], fault: Fault
   await placeOn(holder);
   const since = Date.now();
   const history: Event[] = [];
+  // One stream through the node the fault takes away (else the first ingress): it resumes elsewhere.
   const stop = load(
     ingress.map((n) => nodes[n]),
     history,
+    nodes[fault.node ?? ingress[0]],
   );
   await sleep(3000);
   const faultAt = Date.now();
@@ -423,8 +501,9 @@ async function run(name: string, holder: string, ingress: string[], fault: Fault
   const all = [...history, ...fromLogs(since)];
   const violations = check(all, final, expected);
   const loads = all.flatMap((e) => (e.type === 'load' ? [`${e.node}@${e.start - faultAt}ms`] : []));
+  const resumed = history.flatMap((e) => (e.type === 'ok' && e.gap ? [e.gap] : []));
   console.log(
-    `${name}: ${JSON.stringify({ ...figures(history), time_to_replace_ms: replacedMs, loads, lock_ops: all.filter((e) => e.type === 'lock').length })}`,
+    `${name}: ${JSON.stringify({ ...figures(history), time_to_replace_ms: replacedMs, loads, lock_ops: all.filter((e) => e.type === 'lock').length, resumed })}`,
   );
   expect(violations).toEqual([]);
   if (fault.node === holder) expect(replacedMs, 'a node left holds the model within the fault').not.toBeNull();
