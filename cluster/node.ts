@@ -269,8 +269,9 @@ export class ClusterNode {
           state: 'ready',
           slots: backing.pool.slots.length,
           free_slots: Math.max(0, backing.pool.slots.length - backing.pool.activeSlots),
-          queued: 0,
-          active_leases: 0,
+          // Its jobs (its ingress's and other nodes'), for the holder picks of other ingresses.
+          queued: backing.pool.queued,
+          active_leases: backing.pool.inFlight,
           resident_bytes: backing.residentBytes,
           config: fingerprint(registration),
           registration,

@@ -201,7 +201,9 @@ export class RemoteJobs {
     }
     if (!info)
       throw voxError('no_holder', { message: `no holder of ${id} answered: ${why.join('; ') || 'none left'}` });
-    const window = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * holders.reduce((k, h) => k + h.models[id].slots, 0)));
+    // Twice the holders' slots, read at each dispatch: a replica placed later widens it (and one gone narrows it).
+    const window = (): number =>
+      Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * n.holders(id).reduce((k, h) => k + h.models[id].slots, 0)));
     const slot: SlotHost = {
       info,
       run: (job, waitUntil, signal) => this.send(config, job, waitUntil, signal),
@@ -209,8 +211,11 @@ export class RemoteJobs {
       onExit: () => {},
       residentBytes: () => 0,
     };
-    const pool = await SlotPool.start({ kind: 'vad', model: '' }, window, async () => slot);
-    n.log.info({ model: id, holders: holders.map((h) => h.node), window }, 'cluster: model served by other nodes');
+    const pool = await SlotPool.start({ kind: 'vad', model: '' }, MAX_REMOTE_WINDOW, async () => slot, { window });
+    n.log.info(
+      { model: id, holders: holders.map((h) => h.node), window: window() },
+      'cluster: model served by other nodes',
+    );
     n.beat();
     return {
       pool,
@@ -276,8 +281,11 @@ export class RemoteJobs {
     for (let attempt = 1; ; attempt++) {
       if (signal?.aborted) throw aborted();
       if (n.closed) throw voxError('shutting_down');
-      const backing = n.backing.get(id);
-      if (backing) return backing.pool.run(job, signal, end === Infinity ? 0 : left());
+      // Held here too (behind this pool): run here when NATS is away or when here is drawn and less loaded.
+      const backing = n.backing.get(id)?.pool;
+      const here = backing && (backing.queued + backing.inFlight) / backing.size;
+      const picked = backing && n.connected ? pickHolder(id, n.holders(id), skip, n.inflight, Math.random, here) : 'here';
+      if (backing && (picked === 'here' || !picked)) return backing.run(job, signal, end === Infinity ? 0 : left());
       // NATS lost and no live holder known (their heartbeats unheard for 3 of them): no job can reach
       // one, so the model is loaded here behind this pool, as a cold load would be (no lock: the
       // documented overlap of loads decided while NATS is lost).
@@ -300,7 +308,7 @@ export class RemoteJobs {
           message: `NATS (${redact(n.settings.nats, n.settings)}) was unreachable for the busy timeout; ${id} is held on other nodes`,
         });
       if (signal?.aborted) throw aborted();
-      const holder = pickHolder(id, n.holders(id), skip, n.inflight);
+      const holder = backing ? (picked as NodeRecord) : (pickHolder(id, n.holders(id), skip, n.inflight) as NodeRecord);
       if (!holder) {
         const expired = Date.now() >= end;
         // No node holds it any more (unloaded there, or its holders gone): placed again, once a few heartbeats, within
@@ -391,7 +399,10 @@ export class RemoteJobs {
  * (`inflight`, by node), per slot; a tie goes to the first drawn. Unlike always the least loaded,
  * ingresses that heard the same heartbeats do not all pile onto one holder until the next.
  * @param random a number in [0, 1) (a spec gives a seeded one).
- * @returns undefined when no holder is left.
+ * @param here this node's own load per slot when it holds the model too (behind its remote pool):
+ *   it is one of the candidates, so a replica placed on an ingress shares that ingress's jobs with
+ *   the other holders instead of taking them all.
+ * @returns `'here'` when this node is picked; undefined when no holder is left.
  */
 export function pickHolder(
   model: string,
@@ -399,13 +410,16 @@ export function pickHolder(
   skip: ReadonlySet<string>,
   inflight: ReadonlyMap<string, number>,
   random: () => number = Math.random,
-): NodeRecord | undefined {
+  here?: number,
+): NodeRecord | 'here' | undefined {
   const open = holders.filter((h) => !skip.has(h.node));
-  const pool = open.some((h) => !h.draining) ? open.filter((h) => !h.draining) : open;
+  const live = here !== undefined || open.some((h) => !h.draining) ? open.filter((h) => !h.draining) : open;
+  const pool: (NodeRecord | 'here')[] = here === undefined ? live : ['here', ...live];
   if (pool.length <= 1) return pool[0];
   const i = Math.floor(random() * pool.length);
   const j = (i + 1 + Math.floor(random() * (pool.length - 1))) % pool.length;
-  const load = (h: NodeRecord): number => {
+  const load = (h: NodeRecord | 'here'): number => {
+    if (h === 'here') return here!;
     const m = h.models[model];
     return (m.queued + m.active_leases + (inflight.get(h.node) ?? 0)) / Math.max(1, m.slots);
   };

@@ -376,6 +376,8 @@ export type ModelPool = Pick<
   SlotPool,
   | 'size'
   | 'capacity'
+  | 'queued'
+  | 'inFlight'
   | 'info'
   | 'slots'
   | 'activeSlots'
@@ -440,9 +442,11 @@ const RESPAWN_BACKOFF_MS = 100;
  */
 export class SlotPool {
   /** Slots the pool keeps (a respawning one included). */
-  readonly size: number;
-  /** Jobs its slots hold at once, running or queued behind a running one (the size times each slot's depth). */
-  readonly capacity: number;
+  private readonly count: number;
+  /** The size times each slot's depth. */
+  private readonly depthCapacity: number;
+  /** Jobs sent to its slots and not yet settled. */
+  private sent = 0;
   /**
    * What the primary reported at load (heads, initial embedding history). Kept here, not read off
    * a live slot: while every slot respawns there is none, and a session made then must still
@@ -492,9 +496,11 @@ export class SlotPool {
     private readonly factory: SlotFactory,
     /** Longest a respawn may take, ms (0 = none); past it the pool fails. */
     private readonly loadTimeoutMs: number,
+    /** The most jobs in flight now (see {@link SlotPool.start}'s `window`); absent: every slot's depth. */
+    private readonly window?: () => number,
   ) {
-    this.size = slots.length;
-    this.capacity = slots.length * (slots[0].depth ?? 1);
+    this.count = slots.length;
+    this.depthCapacity = slots.length * (slots[0].depth ?? 1);
     this.info = slots[0].info;
     this.live = [...slots];
     this.idle = [...slots].reverse(); // the first slot is taken first
@@ -505,13 +511,15 @@ export class SlotPool {
    * Builds the primary, then the clones (in parallel). Only a complete pool is returned: on any
    * failure, or once `opts.signal` has aborted (the load was abandoned), the clones are closed
    * before the primary and the error is rethrown.
-   * @param count slots, 1-16.
+   * @param count slots, 1-16 (a remote pool: its most jobs in flight, up to 32).
+   * @param opts.window the most jobs in flight now, read at each dispatch (a remote pool's: twice
+   *   the slots of the model's holders, so that it follows their replicas); never more than `count`.
    */
   static async start(
     spec: LoadSpec,
     count: number,
     factory: SlotFactory = startWorkerSlot,
-    opts: { signal?: AbortSignal; loadTimeoutMs?: number } = {},
+    opts: { signal?: AbortSignal; loadTimeoutMs?: number; window?: () => number } = {},
   ): Promise<SlotPool> {
     const primary = await factory(spec, opts.signal);
     const clones = await Promise.allSettled(Array.from({ length: count - 1 }, () => factory(spec, opts.signal)));
@@ -529,7 +537,28 @@ export class SlotPool {
       spec,
       factory,
       opts.loadTimeoutMs ?? 0,
+      opts.window,
     );
+  }
+
+  /** Jobs waiting for a slot now. */
+  get queued(): number {
+    return this.queue.length;
+  }
+
+  /** Jobs sent to its slots and not yet settled (running, or lined up behind a running one). */
+  get inFlight(): number {
+    return this.sent;
+  }
+
+  /** Slots the pool keeps now (a respawning one included; a remote pool: its window). */
+  get size(): number {
+    return this.window ? Math.max(1, Math.min(this.count, this.window())) : this.count;
+  }
+
+  /** Jobs its slots hold at once, running or queued behind a running one (the size times each slot's depth). */
+  get capacity(): number {
+    return this.window ? Math.max(1, Math.min(this.depthCapacity, this.window())) : this.depthCapacity;
   }
 
   /** The slots alive now (a respawning one is missing). */
@@ -625,7 +654,8 @@ export class SlotPool {
   }
 
   private dispatch(): void {
-    while (this.queue.length) {
+    const window = this.window ? this.capacity : Infinity;
+    while (this.queue.length && this.sent < window) {
       const slot = this.idle.pop() ?? (this.queue[0].behind ? this.slotWithRoom() : undefined);
       if (!slot) break;
       const q = this.queue.shift()!;
@@ -654,6 +684,7 @@ export class SlotPool {
     if (!lineup) this.lineups.set(slot, (lineup = []));
     const sent: SentRun = { q, startedAt: lineup.length ? null : Date.now() };
     lineup.push(sent);
+    this.sent++;
     let lost = false;
     slot
       .run(q.job, q.limit > 0 ? q.queuedAt + q.limit : undefined, q.signal)
@@ -701,6 +732,7 @@ export class SlotPool {
 
   /** A job sent to `slot` has ended: the job behind it (if any) runs now, or the slot is free. */
   private settled(slot: SlotHost, sent: SentRun, lost: boolean): void {
+    this.sent--;
     const lineup = this.lineups.get(slot)!;
     lineup.splice(lineup.indexOf(sent), 1);
     if (lost) this.removeLive(slot);

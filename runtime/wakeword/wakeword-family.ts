@@ -166,6 +166,16 @@ export class FamilyView implements ModelPool {
     return this.pool.capacity;
   }
 
+  /** The family's jobs waiting for a slot (its slots are shared: this is their load). */
+  get queued(): number {
+    return this.pool.queued;
+  }
+
+  /** The family's jobs sent to its slots and not yet settled. */
+  get inFlight(): number {
+    return this.pool.inFlight;
+  }
+
   get slots(): SlotPool['slots'] {
     return this.pool.slots;
   }

@@ -166,13 +166,15 @@ function seeded(seed: number): () => number {
 
 describe('the ingress picks a holder by two random choices', () => {
   const holders = [holder('A', 0, 0), holder('B', 3, 2), holder('C', 0, 1), holder('D', 9, 9)];
+  /** The picked holder's name (`here`: this node). */
+  const name = (h: ReturnType<typeof pickHolder>): string | undefined => (h === 'here' ? h : h?.node);
 
   it('of two holders drawn at random, takes the one with the fewer queued requests and active leases', () => {
     const random = seeded(42);
     const counts = new Map<string, number>();
     for (let i = 0; i < 1000; i++) {
-      const h = pickHolder('ww', holders, new Set(), new Map(), random)!;
-      counts.set(h.node, (counts.get(h.node) ?? 0) + 1);
+      const h = name(pickHolder('ww', holders, new Set(), new Map(), random))!;
+      counts.set(h, (counts.get(h) ?? 0) + 1);
     }
     // D (the most loaded) is never taken: of any pair with D, the other has less load.
     expect(counts.get('D') ?? 0).toBe(0);
@@ -185,11 +187,31 @@ describe('the ingress picks a holder by two random choices', () => {
     const random = seeded(7);
     // A: 6 jobs in flight from here, against B's 3 queued and 2 active leases; C skipped.
     for (let i = 0; i < 200; i++)
-      expect(pickHolder('ww', holders.slice(0, 3), new Set(['C']), new Map([['A', 6]]), random)!.node).toBe('B');
+      expect(name(pickHolder('ww', holders.slice(0, 3), new Set(['C']), new Map([['A', 6]]), random))).toBe('B');
     const draining = { ...holders[0], draining: true };
     for (let i = 0; i < 200; i++)
-      expect(pickHolder('ww', [draining, holders[3]], new Set(), new Map(), random)!.node).toBe('D');
-    expect(pickHolder('ww', [draining, holders[3]], new Set(['D']), new Map(), random)!.node).toBe('A');
+      expect(name(pickHolder('ww', [draining, holders[3]], new Set(), new Map(), random))).toBe('D');
+    expect(name(pickHolder('ww', [draining, holders[3]], new Set(['D']), new Map(), random))).toBe('A');
     expect(pickHolder('ww', [draining], new Set(['A']), new Map(), random)).toBeUndefined();
+  });
+
+  it('counts this node as a holder when it holds the model too: it shares the jobs by load, not takes them all', () => {
+    const random = seeded(11);
+    const counts = (here: number, from = holders.slice(1, 3)): Map<string, number> => {
+      const c = new Map<string, number>();
+      for (let i = 0; i < 1000; i++) {
+        const h = name(pickHolder('ww', from, new Set(), new Map(), random, here))!;
+        c.set(h, (c.get(h) ?? 0) + 1);
+      }
+      return c;
+    };
+    // Here idle (0 per slot) against B (5) and C (1): here taken most, but C too (two random choices).
+    const idle = counts(0);
+    expect(idle.get('here')! > idle.get('C')! && idle.get('C')! > 0).toBe(true);
+    expect(idle.get('B') ?? 0).toBe(0);
+    // Here busier than both (8 jobs per slot): never taken while they take jobs.
+    expect(counts(8).get('here') ?? 0).toBe(0);
+    // Here and a draining holder only: here (a draining one is asked only when nothing else is left).
+    expect([...counts(50, [{ ...holders[0], draining: true }]).keys()]).toEqual(['here']);
   });
 });

@@ -223,6 +223,49 @@ describe("stuck slots (DESIGN.md C4): the pool's slot-wait timer decides, onStuc
   });
 });
 
+describe("a pool's window (a remote pool's jobs in flight follow its holders' slots)", () => {
+  it('sends at most window() jobs at once, read at each dispatch: a window widened later lets the waiting jobs go', async () => {
+    // One slot object for every place, as a remote pool has (cluster/remote.ts); its jobs end when the test says.
+    const ends: (() => void)[] = [];
+    const slot: SlotHost = {
+      info: {} as SlotInfo,
+      run: () => new Promise<JobResult>((resolve) => ends.push(() => resolve({ kind: 'vad' } as JobResult))),
+      close: async () => {},
+      onExit: () => {},
+      residentBytes: () => 0,
+    };
+    let window = 2;
+    const pool = await SlotPool.start(vadSpec(), 32, async () => slot, { window: () => window });
+    expect([pool.size, pool.capacity]).toEqual([2, 2]);
+    const job: Job = {
+      kind: 'vad',
+      windows: new Float32Array(512),
+      state: new Float32Array(256),
+      context: new Float32Array(64),
+    };
+    const runs = Array.from({ length: 6 }, () => pool.run(job));
+    expect(ends.length).toBe(2);
+    expect(pool.queued).toBe(4);
+    // A second holder: the window is 4 from the next dispatch (a job's end, or a new job).
+    window = 4;
+    expect([pool.size, pool.capacity]).toEqual([4, 4]);
+    const flush = () => new Promise((r) => setImmediate(r));
+    ends.shift()!();
+    await flush();
+    expect(ends.length).toBe(4);
+    expect(pool.inFlight).toBe(4);
+    // Narrowed again (a holder gone): the jobs in flight finish, no new one goes until fewer than 2 are.
+    window = 2;
+    for (let i = 0; i < 3; i++) ends.shift()!();
+    await flush();
+    expect(pool.inFlight).toBe(2);
+    for (const end of ends.splice(0)) end();
+    await Promise.all(runs);
+    expect(pool.inFlight).toBe(0);
+    await pool.close();
+  });
+});
+
 describe('main-process memory of process slot hosts (issue 25 item 14)', () => {
   it('issue 25 item 14: results from a process host are read into reused buffers (one per region of the job channel), not a fresh one per frame; a VAD session keeps copies, not views', async () => {
     const pool = await SlotPool.start(vadSpec(), 1, processSlots(0));
