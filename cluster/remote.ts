@@ -283,9 +283,13 @@ export class RemoteJobs {
       if (n.closed) throw voxError('shutting_down');
       // Held here too (behind this pool): run here when NATS is away or when here is drawn and less loaded.
       const backing = n.backing.get(id)?.pool;
-      const here = backing && (backing.queued + backing.inFlight) / backing.size;
-      const picked = backing && n.connected ? pickHolder(id, n.holders(id), skip, n.inflight, Math.random, here) : 'here';
-      if (backing && (picked === 'here' || !picked)) return backing.run(job, signal, end === Infinity ? 0 : left());
+      let chosen: NodeRecord | undefined;
+      if (backing) {
+        const here = (backing.queued + backing.inFlight) / backing.size;
+        const picked = n.connected ? pickHolder(id, n.holders(id), skip, n.inflight, Math.random, here) : 'here';
+        if (picked === 'here' || !picked) return backing.run(job, signal, end === Infinity ? 0 : left());
+        chosen = picked;
+      }
       // NATS lost and no live holder known (their heartbeats unheard for 3 of them): no job can reach
       // one, so the model is loaded here behind this pool, as a cold load would be (no lock: the
       // documented overlap of loads decided while NATS is lost).
@@ -308,7 +312,8 @@ export class RemoteJobs {
           message: `NATS (${redact(n.settings.nats, n.settings)}) was unreachable for the busy timeout; ${id} is held on other nodes`,
         });
       if (signal?.aborted) throw aborted();
-      const holder = backing ? (picked as NodeRecord) : (pickHolder(id, n.holders(id), skip, n.inflight) as NodeRecord);
+      // Without `here`, pickHolder picks a node record or none.
+      const holder = chosen ?? (pickHolder(id, n.holders(id), skip, n.inflight) as NodeRecord | undefined);
       if (!holder) {
         const expired = Date.now() >= end;
         // No node holds it any more (unloaded there, or its holders gone): placed again, once a few heartbeats, within
