@@ -202,8 +202,17 @@ export class RemoteJobs {
     if (!info)
       throw voxError('no_holder', { message: `no holder of ${id} answered: ${why.join('; ') || 'none left'}` });
     // Twice the holders' slots, read at each dispatch: a replica placed later widens it (and one gone narrows it).
-    const window = (): number =>
-      Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * n.holders(id).reduce((k, h) => k + h.models[id].slots, 0)));
+    // Worked out again only when the membership chart's context changes (a heartbeat heard), not per job.
+    let seen: unknown;
+    let width = 2;
+    const window = (): number => {
+      const ctx = n.membership.getSnapshot().context;
+      if (ctx !== seen) {
+        seen = ctx;
+        width = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * n.holders(id).reduce((k, h) => k + h.models[id].slots, 0)));
+      }
+      return width;
+    };
     const slot: SlotHost = {
       info,
       run: (job, waitUntil, signal) => this.send(config, job, waitUntil, signal),
