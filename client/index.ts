@@ -697,7 +697,7 @@ export class VoxClient {
     if (!/^audio\/wav\b/.test(res.headers.get('content-type') ?? ''))
       throw new VoxClientError(
         'invalid_request_error',
-        `model: '${opts.model ?? 'rnnoise'}' is not a denoise model (it answered ${res.headers.get('content-type')}, not audio); denoise() takes a denoise model such as rnnoise`,
+        `model: '${opts.model ?? 'rnnoise'}' is not a denoise model (it answered ${res.headers.get('content-type')}, not audio): denoised audio comes from a denoise model such as rnnoise`,
       );
     return new Uint8Array(await res.arrayBuffer());
   }
