@@ -201,15 +201,17 @@ export class RemoteJobs {
     }
     if (!info)
       throw voxError('no_holder', { message: `no holder of ${id} answered: ${why.join('; ') || 'none left'}` });
-    // Twice the holders' slots, read at each dispatch: a replica placed later widens it (and one gone narrows it).
-    // Worked out again only when the membership chart's context changes (a heartbeat heard), not per job.
+    // Twice the holders' slots (this node's own too, when it holds the model behind this pool: its jobs go through the
+    // window as well), read at each dispatch: a replica placed later widens it (and one gone narrows it). Worked out
+    // again only when the membership chart's context changes (a heartbeat heard), not per job.
     let seen: unknown;
     let width = 2;
     const window = (): number => {
       const ctx = n.membership.getSnapshot().context;
       if (ctx !== seen) {
         seen = ctx;
-        width = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * n.holders(id).reduce((k, h) => k + h.models[id].slots, 0)));
+        const slots = n.holders(id).reduce((k, h) => k + h.models[id].slots, n.backing.get(id)?.pool.size ?? 0);
+        width = Math.max(2, Math.min(MAX_REMOTE_WINDOW, 2 * slots));
       }
       return width;
     };

@@ -340,6 +340,9 @@ async function memory(): Promise<void> {
  * once warm). `ISOLATION=thread` runs the slot hosts as threads of the main process. `FRAME_MS`
  * sends each stream's audio in frames of that many ms (default: the whole 5.8 s sentence as one
  * frame). `HOLD_S` keeps the server running that many seconds after the figures (to inspect it).
+ * `streams_per_round` counts the `STREAMS` group streams plus the managed head's two. The managed
+ * head's forced unload ends its never-ending stream each round: one `server_busy` error and one
+ * close 1012 per round are expected.
  */
 async function churn(): Promise<void> {
   const rounds = Number(process.env.ROUNDS ?? 30);
