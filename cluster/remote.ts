@@ -222,7 +222,11 @@ export class RemoteJobs {
       onExit: () => {},
       residentBytes: () => 0,
     };
-    const pool = await SlotPool.start({ kind: 'vad', model: '' }, MAX_REMOTE_WINDOW, async () => slot, { window });
+    // One object per place: the pool keeps free places by identity, and one object for all of them lost a place each
+    // time two of its jobs ended together (after a while a single job in flight, whatever the window).
+    const pool = await SlotPool.start({ kind: 'vad', model: '' }, MAX_REMOTE_WINDOW, async () => ({ ...slot }), {
+      window,
+    });
     n.log.info(
       { model: id, holders: holders.map((h) => h.node), window: window() },
       'cluster: model served by other nodes',

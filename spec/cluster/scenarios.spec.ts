@@ -229,6 +229,33 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     expect(a.loads).toBe(1);
   });
 
+  it("an ingress keeps its whole window of jobs in flight to a holder, round after round (a remote pool's places lost one each time two jobs ended together)", async () => {
+    nodes = await startNodes(bus, ['A', 'B']);
+    const [a, b] = nodes;
+    await b.cluster.loadHere('a', {});
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+    const entry = a.sup.require('a');
+    const lease = await entry.admit({});
+    try {
+      const { pool } = await entry.ensureReady();
+      const job = (): Job => ({
+        kind: 'vad',
+        windows: new Float32Array(512),
+        state: new Float32Array(256),
+        context: new Float32Array(64),
+      });
+      // B holds it with 1 slot: A's window is 2 jobs in flight, every round (before: a place lost per round, 1 once they ran out).
+      for (let round = 0; round < 40; round++) {
+        const runs = [pool.run(job()), pool.run(job()), pool.run(job())];
+        expect([pool.inFlight, pool.queued], `round ${round}`).toEqual([2, 1]);
+        await vi.advanceTimersByTimeAsync(HEARTBEAT_MS);
+        await Promise.all(runs);
+      }
+    } finally {
+      lease.release();
+    }
+  });
+
   it('a node asked to load a model it is loading for its own request answers with that load, not busy (no second load elsewhere)', async () => {
     nodes = await startNodes(bus, ['A', 'C'], [1e12, 2e12]);
     const [a, c] = nodes;
