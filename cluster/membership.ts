@@ -122,9 +122,9 @@ export type MembershipEvent =
 
 /**
  * What the chart emits: `gone` (jobs in flight to the node are sent again), `back` (every request in flight is sent
- * again).
+ * again), `lost` (NATS lost: jobs in flight of a model this node holds too run here).
  */
-export type MembershipEmitted = { type: 'gone'; node: string; why: string } | { type: 'back' };
+export type MembershipEmitted = { type: 'gone'; node: string; why: string } | { type: 'back' } | { type: 'lost' };
 
 /** How often an ingress checks the nodes it has jobs in flight to (a ping; missed heartbeats), ms. */
 export const PROBE_MS = 50;
@@ -196,7 +196,7 @@ export const membershipMachine = setup({
       on: {
         'NATS.LOST': {
           target: 'disconnected',
-          actions: assign({ disconnectedAt: () => Date.now() }),
+          actions: [assign({ disconnectedAt: () => Date.now() }), emit({ type: 'lost' as const })],
         },
         GONE: {
           guard: ({ context, event }) => event.node !== context.self,

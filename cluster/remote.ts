@@ -50,7 +50,7 @@ const aborted = (): Error => Object.assign(new Error('the request ended (its cli
 /** The job attempts of one node in flight to other nodes, and their reply subjects. */
 export class RemoteJobs {
   /** Job attempts in flight, by the last token of their reply subject (`<seq>.<attempt>`). */
-  private readonly pending = new Map<string, { node: string; settle: (a: Attempt) => void }>();
+  private readonly pending = new Map<string, { node: string; model: string; settle: (a: Attempt) => void }>();
   /** The reply subject prefix of this node's job attempts (`<inbox>.<seq>.<attempt>`). */
   readonly inbox = createInbox();
   /** Replies too large for one NATS message, arriving in parts. */
@@ -60,10 +60,13 @@ export class RemoteJobs {
   constructor(private readonly n: ClusterNode) {
     n.membership.on('gone', (e) => this.settleWhere((p) => p.node === e.node, { gone: e.why }));
     n.membership.on('back', () => this.settleWhere(() => true, { lost: true }));
+    // NATS lost: the attempts of a model held here too are run here at once, not waited for until NATS is back or
+    // their job deadline (their holders' answers cannot come).
+    n.membership.on('lost', () => this.settleWhere((p) => n.backing.has(p.model), { lost: true }));
   }
 
   /** Ends the attempts `which` picks with `a` (a late reply to one of them is dropped). */
-  settleWhere(which: (p: { node: string }) => boolean, a: Attempt): void {
+  settleWhere(which: (p: { node: string; model: string }) => boolean, a: Attempt): void {
     for (const [token, p] of this.pending) {
       if (!which(p)) continue;
       this.pending.delete(token);
@@ -145,7 +148,7 @@ export class RemoteJobs {
    * the holder is taken for gone meanwhile or no reply came within `deadlineMs`; `lost` when this
    * node's NATS connection dropped meanwhile.
    */
-  private attempt(node: string, token: string, data: Uint8Array, deadlineMs: number): Promise<Attempt> {
+  private attempt(node: string, model: string, token: string, data: Uint8Array, deadlineMs: number): Promise<Attempt> {
     const n = this.n;
     return new Promise((resolve) => {
       const timer = setTimeout(() => {
@@ -157,6 +160,7 @@ export class RemoteJobs {
       }, deadlineMs);
       const entry = {
         node,
+        model,
         settle: (a: Attempt) => {
           clearTimeout(timer);
           resolve(a);
@@ -366,7 +370,7 @@ export class RemoteJobs {
       signal?.addEventListener('abort', stop, { once: true });
       let outcome: Attempt;
       try {
-        outcome = await this.attempt(node, token, frame(attempt, wait), wait + runMs + deadline);
+        outcome = await this.attempt(node, id, token, frame(attempt, wait), wait + runMs + deadline);
       } finally {
         signal?.removeEventListener('abort', stop);
         n.inflight.set(node, (n.inflight.get(node) ?? 1) - 1);

@@ -104,6 +104,7 @@ describe('history checker', () => {
           { type: 'ok', id: 'x', at: 10, result: EVENTS.slice(1) },
         ),
     ],
+    ['stray-answer', (h) => h.push({ type: 'ok', id: 'never-asked', at: 1_000_100, result: SEGMENTS })],
     [
       'concurrent-loads',
       (h) => h.push({ type: 'load', node: 'a', model: 'silero-vad', start: 1_000_300, end: 1_000_800 }),
@@ -139,6 +140,13 @@ describe('history checker', () => {
     const s2 = history.find((e) => e.type === 'ok' && e.id === 's2') as { result: unknown };
     s2.result = [EVENTS[0]];
     expect(check(history, final, expected).map((v) => v.kind)).toEqual(['wrong-result']);
+  });
+
+  it('an answer before its request is a stray answer', () => {
+    const { history, final } = good();
+    const f1 = history.find((e) => e.type === 'ok' && e.id === 'f1') as { at: number };
+    f1.at = 1;
+    expect(check(history, final, expected).map((v) => v.kind)).toEqual(['stray-answer']);
   });
 
   it('a stream resumed from a checkpoint with events after its gap that differ is a wrong result', () => {

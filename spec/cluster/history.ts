@@ -12,7 +12,8 @@
  * - at most one load of a model is in flight in the cluster at any time;
  * - after healing, every node lists the same holders of a model, with one config;
  * - nothing left behind: no active lease, no load lock in the lock bucket, no slot host process
- *   once everything is unloaded.
+ *   once everything is unloaded;
+ * - no stray answer: none for a request never asked, none before its request.
  */
 
 /** How long past its busy timeout an error answer may come, ms: 3 heartbeats of 1 s (a holder taken for gone) and 2 s for this loaded 2-core machine. */
@@ -35,7 +36,10 @@ export interface Invoke {
   busy_ms: number;
 }
 
-/** A result: a file's or tensor's body, a stream's events (without `ready` and `done`). */
+/**
+ * A result: a file's or tensor's body, a stream's events (without `ready`; `done` as `{type, processed_ms}`, so that a
+ * stream cut short is told apart).
+ */
 export interface Ok {
   type: 'ok';
   id: string;
@@ -118,7 +122,8 @@ export type ViolationKind =
   | 'configs-differ'
   | 'lease-left'
   | 'lock-left'
-  | 'slot-host-left';
+  | 'slot-host-left'
+  | 'stray-answer';
 
 export interface Violation {
   kind: ViolationKind;
@@ -147,6 +152,11 @@ export function check(history: Event[], final: Final, expected: Record<string, u
   for (const e of history) {
     if (e.type === 'invoke') invokes.set(e.id, e);
     else if (e.type === 'ok' || e.type === 'fail') answers.set(e.id, [...(answers.get(e.id) ?? []), e]);
+  }
+  for (const [id, got] of answers) {
+    const inv = invokes.get(id);
+    if (!inv) out.push({ kind: 'stray-answer', detail: `${id}: answered, never asked` });
+    else if (got.some((a) => a.at < inv.at)) out.push({ kind: 'stray-answer', detail: `${id}: answered before asked` });
   }
   for (const [id, inv] of invokes) {
     const key = `${inv.op}:${inv.model}:${inv.input}`;

@@ -133,7 +133,7 @@ const pcm16k = (file: string): Buffer =>
 
 /**
  * Streams STREAM_FILE to `base` in real time; resolves with the outcome: its events (without
- * `ready` and `done`) on close 1000, else the close code and error code. Bounded: the recording's
+ * `ready`; `done` as its `processed_ms`, so a stream cut short differs) on close 1000, else the close code and error code. Bounded: the recording's
  * length plus BUSY_MS, MARGIN_MS and 30 s (then status 0).
  */
 function streamOnce(
@@ -181,7 +181,8 @@ function streamOnce(
           }
           o += frame;
         }, 100);
-      } else if (e.type !== 'done') events.push(e);
+      } else if (e.type === 'done') events.push({ type: 'done', processed_ms: e.processed_ms });
+      else events.push(e);
     });
     ws.on('close', (code) =>
       finish(
@@ -196,7 +197,7 @@ function streamOnce(
 /**
  * Streams STREAM_FILE in real time (100 ms frames) with `VoxClient` given `urls` (the first is the
  * node in use), so it resumes on another node when that one goes away (heartbeat 2 s, resume
- * bounded by 20 s); resolves with its events (without `ready`, `done`, `progress` and `resumed`)
+ * bounded by 20 s); resolves with its events (without `ready`, `progress` and `resumed`; `done` as its `processed_ms`)
  * and the gap of its `resumed` event, or the error it failed with. Bounded like {@link streamOnce}.
  */
 async function resumableStream(
@@ -236,7 +237,9 @@ async function resumableStream(
   const resumed = events.flatMap((e) => (e.type === 'resumed' ? [e] : []));
   return {
     ok: true,
-    events: events.filter((e) => !['ready', 'done', 'progress', 'resumed'].includes(e.type)),
+    events: events
+      .filter((e) => !['ready', 'progress', 'resumed'].includes(e.type))
+      .map((e) => (e.type === 'done' ? { type: 'done', processed_ms: e.processed_ms } : e)),
     // A VAD stream resumes from its last checkpoint (`resume_from`), or at 0 before the first one: exact either way.
     ...(resumed.length
       ? { gap: { from_ms: resumed[0].gap.start_ms, to_ms: resumed.at(-1)!.gap.end_ms, checkpoint: true } }

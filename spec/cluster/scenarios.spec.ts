@@ -215,6 +215,36 @@ describe('cluster faults, scripted over the in-memory NATS', () => {
     expect(a.resident).toBe(1);
   });
 
+  it('NATS lost while a job of a model held here too waits on another holder: it runs here at once (not at NATS back or its job deadline)', async () => {
+    nodes = await startNodes(bus, ['A', 'B', 'C']);
+    const [a, b, c] = nodes;
+    await b.cluster.loadHere('a', {});
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+    expect(await request(a, 'a', 1)).toBe(1);
+    // B dies: A loads the model behind its remote pool; then C holds it too.
+    bus.kill('B');
+    const adopted = watch(request(a, 'a', 2));
+    await vi.advanceTimersByTimeAsync(4 * HEARTBEAT_MS);
+    expect(adopted()).toEqual({ value: 2 });
+    expect(a.resident).toBe(1);
+    await c.cluster.loadHere('a', {});
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+    // C hears nothing more (its messages held); a tie between here and C goes to C: the first job waits on C.
+    bus.stall('C');
+    vi.spyOn(Math, 'random').mockReturnValue(0.99);
+    const jobs = [3, 4, 5].map((k) => watch(request(a, 'a', k)));
+    await vi.advanceTimersByTimeAsync(1);
+    vi.mocked(Math.random).mockRestore();
+    expect(jobs.map((j) => j())).toContain('pending');
+    // A loses NATS: the job waiting on C runs here within a heartbeat.
+    bus.lose('A');
+    await vi.advanceTimersByTimeAsync(HEARTBEAT_MS);
+    expect(jobs.map((j) => j())).toEqual([{ value: 3 }, { value: 4 }, { value: 5 }]);
+    bus.heal('A');
+    bus.heal('C');
+    await vi.advanceTimersByTimeAsync(2 * HEARTBEAT_MS);
+  });
+
   it('a first request on a node for a model whose only holder just died places it at once (not no_holder until the holder misses 3 heartbeats)', async () => {
     nodes = await startNodes(bus, ['A', 'B']);
     const [a, b] = nodes;
