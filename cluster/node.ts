@@ -3,7 +3,7 @@
  * and may hold models. This class is the handle the server holds; the behaviour lives in
  * - membership.ts: the membership chart (NATS link states, heartbeat, registry view, nodes gone);
  * - placement.ts: cold loads placed here or on another node under the load lock (locks.ts);
- * - remote.ts: the remote pool, whose jobs go to the holders and fail over;
+ * - remote.ts: the remote pool, whose jobs go to the holders and fail over (metrics.ts: the counters);
  * - serve.ts: what this node serves to the others (jobs through the shared lease path);
  * - manage.ts: management loads and unloads across nodes, and a draining node's hand-over;
  * - name.ts: the node's name in the registry, claimed at join and held by compare-and-set heartbeats.
@@ -43,7 +43,8 @@ import {
   encodeJson,
 } from './nats.js';
 import { Placement } from './placement.js';
-import { clusterMetrics, RemoteJobs, withDeadline, type ClusterMetrics } from './remote.js';
+import { type ClusterMetrics, clusterMetrics } from './metrics.js';
+import { RemoteJobs, withDeadline } from './remote.js';
 import { NodeName } from './name.js';
 import { Serving } from './serve.js';
 
