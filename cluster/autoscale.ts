@@ -71,7 +71,9 @@ export class Autoscaler {
     for (const id of new Set([...this.scalers.keys(), ...sup.registeredIds])) {
       const autoscale = sup.configOf(id)?.autoscale;
       const holders = replicasOf(nodes, id);
-      const decides = autoscale && holders[0]?.node === n.name && !n.runsRemotely(id);
+      // The lowest-named holder decides, also when it holds the model behind its remote pool (an ingress the scaler
+      // placed a replica on): left out, no node decided once that replica came, and the replicas never went down.
+      const decides = autoscale && holders[0]?.node === n.name;
       let scaler = this.scalers.get(id);
       if (!decides || !autoscale) {
         if (scaler) this.stopOne(id);

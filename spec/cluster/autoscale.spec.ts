@@ -6,6 +6,8 @@
 import { createActor, fromPromise, SimulatedClock } from 'xstate';
 import { describe, expect, it } from 'vitest';
 import { type ScaleSample, scalerMachine, SETTLE_MS } from '../../cluster/autoscale-chart.js';
+import { Autoscaler } from '../../cluster/autoscale.js';
+import type { ClusterNode } from '../../cluster/node.js';
 import { pickHolder } from '../../cluster/remote.js';
 import type { NodeRecord } from '../../cluster/membership.js';
 
@@ -213,5 +215,37 @@ describe('the ingress picks a holder by two random choices', () => {
     expect(counts(8).get('here') ?? 0).toBe(0);
     // Here and a draining holder only: here (a draining one is asked only when nothing else is left).
     expect([...counts(50, [{ ...holders[0], draining: true }]).keys()]).toEqual(['here']);
+  });
+});
+
+describe('which node runs the scaler', () => {
+  /** Node `name`'s autoscaler, heartbeats heard from `others`; `remote`: it runs the model behind its remote pool. */
+  const heardBy = (name: string, others: NodeRecord[], remote: boolean): Autoscaler => {
+    const quiet = { info: () => {}, warn: () => {}, error: () => {}, debug: () => {} };
+    const node = {
+      name,
+      closed: false,
+      draining: false,
+      log: quiet,
+      supervisor: { registeredIds: ['ww'], configOf: () => ({ id: 'ww', autoscale: AUTOSCALE }), statuses: () => [] },
+      nodes: () => others,
+      record: () => holder(name, 0, 0),
+      runsRemotely: () => remote,
+      options: {},
+      beat: () => {},
+    } as unknown as ClusterNode;
+    const a = new Autoscaler(node);
+    a.heard();
+    return a;
+  };
+  const deciding = (a: Autoscaler): boolean => (a as unknown as { scalers: Map<string, unknown> }).scalers.has('ww');
+
+  it('is the lowest-named holder, also when it holds the model behind its remote pool (a replica placed on an ingress)', () => {
+    // Left out (as before), nobody decided once the scaler placed a replica on ingress "a": the replicas never went down.
+    const a = heardBy('a', [holder('b', 0, 0), holder('c', 0, 0)], true);
+    const b = heardBy('b', [holder('a', 0, 0), holder('c', 0, 0)], false);
+    expect([deciding(a), deciding(b)]).toEqual([true, false]);
+    a.stop();
+    b.stop();
   });
 });
