@@ -1,4 +1,4 @@
-import { describe, expect, it } from 'vitest';
+import { describe, expect, it, vi } from 'vitest';
 import { until } from '../helpers.js';
 import { ModelEntry } from '../../actors/model.js';
 import { ModelConfig } from '../../runtime/config.js';
@@ -140,6 +140,41 @@ describe('ModelEntry', () => {
     await expect(e.configure({ options: { threshold: 2 } }, 1000)).rejects.toThrow(/options\.threshold/);
     expect(e.state).toBe('ready');
     expect(await e.ensureReady()).toBe(before);
+  });
+
+  it('requests one after another (a new lease within 5 ms of the last release) cost the chart no event each; it turns idle 5 ms after the last, and at once when asked', async () => {
+    const f = fakeLoader();
+    let changes = 0;
+    const e = new ModelEntry(config, { loader: f.loader, onChange: () => changes++ });
+    await e.ensureReady();
+    let events = 0;
+    const sub = e.actor.subscribe(() => events++);
+    let afterFirst = 0;
+    // The 5 ms on a fake clock (a slow turn of this machine's event loop must not count as a gap).
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout'] });
+    try {
+      for (let i = 0; i < 20; i++) {
+        const lease = await e.admission.acquire();
+        lease.release();
+        await new Promise((r) => setImmediate(r));
+        vi.advanceTimersByTime(4);
+        if (i === 0) afterFirst = changes;
+      }
+      // One turn to busy (the first lease); the idle turn after each release waits for more.
+      expect(events).toBe(1);
+      expect(changes).toBe(afterFirst);
+      expect(e.actor.getSnapshot().matches({ resident: { ready: { leases: 'busy' } } })).toBe(true);
+      vi.advanceTimersByTime(1);
+      expect(e.actor.getSnapshot().matches({ resident: { ready: { leases: 'idle' } } })).toBe(true);
+      expect(changes).toBeGreaterThan(afterFirst);
+    } finally {
+      vi.useRealTimers();
+    }
+    // Read at once after a release (the ad hoc groups' eviction does): idle now, not 5 ms later.
+    const lease = await e.admission.acquire();
+    lease.release();
+    expect(e.idle).toBe(true);
+    sub.unsubscribe();
   });
 
   it('unload waits for running requests (exclusive lease) and is idempotent', async () => {
