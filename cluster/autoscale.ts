@@ -146,6 +146,9 @@ export class Autoscaler {
       { input: { id, autoscale, last_change: this.lastChange(id) }, inspect: n.options.inspect },
     );
     scaler.subscribe({ error: (e) => n.log.error({ model: id, err: (e as Error).message }, 'cluster: scaler failed') });
+    // The change it starts from (another node's, or this node's before it stopped deciding) is not logged again.
+    const inherited = scaler.getSnapshot().context.last_change;
+    if (inherited) this.changes.set(id, inherited);
     scaler.subscribe((s) => {
       const c = s.context.last_change;
       if (c && c !== this.changes.get(id)) {

@@ -20,9 +20,9 @@
  * Each node runs in a CPU budget of its own, as on a machine of its own (a cgroup quota,
  * ./cpu-budget.ts; root needed, as for the netns suites): b and c 0.4 cores, the ingress a 0.9 (all
  * the streams' sockets and remote jobs). The budgets assume this machine's 2 cores are otherwise
- * free (vitest runs one test file at a time here). Without budgets the three nodes, NATS and these
- * clients shared the cores, a second replica added little capacity, and the wait came down only
- * to about 310-430 ms (stop 51's runs).
+ * free (vitest runs one test file at a time on 2 cores: its default maxWorkers is the cores less
+ * one). Without budgets the three nodes, NATS and these clients shared the cores, a second replica
+ * added little capacity, and the wait came down only to about 310-430 ms (the runs of 2026-12-06).
  */
 import type { ChildProcess } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
@@ -104,7 +104,7 @@ async function startNode(name: string): Promise<void> {
 }
 
 beforeAll(async () => {
-  requireCpuBudgets();
+  await requireCpuBudgets();
   nats = await startNats();
   await Promise.all(['a', 'b', 'c'].map(startNode));
   single = await startServer(

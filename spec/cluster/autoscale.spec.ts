@@ -220,8 +220,14 @@ describe('the ingress picks a holder by two random choices', () => {
 
 describe('which node runs the scaler', () => {
   /** Node `name`'s autoscaler, heartbeats heard from `others`; `remote`: it runs the model behind its remote pool. */
+  const logged: string[] = [];
   const heardBy = (name: string, others: NodeRecord[], remote: boolean): Autoscaler => {
-    const quiet = { info: () => {}, warn: () => {}, error: () => {}, debug: () => {} };
+    const quiet = {
+      info: (_o: unknown, msg: string) => logged.push(msg),
+      warn: () => {},
+      error: () => {},
+      debug: () => {},
+    };
     const node = {
       name,
       closed: false,
@@ -247,5 +253,16 @@ describe('which node runs the scaler', () => {
     expect([deciding(a), deciding(b)]).toEqual([true, false]);
     a.stop();
     b.stop();
+  });
+
+  it('a node that takes over does not log the last change (made by another node) as its own', () => {
+    const change = { at: 1000, from: 1, to: 2, why: 'wait p95 900 ms over target_wait_ms 200 for 3000 ms' };
+    const b = { ...holder('b', 0, 0), autoscale: { ww: { wait_ms: 0, last_change: change } } };
+    logged.length = 0;
+    const a = heardBy('a', [b], false);
+    expect(deciding(a)).toBe(true);
+    expect(a.lastChange('ww')).toEqual(change);
+    expect(logged.filter((m) => m.includes('autoscale changed the replicas'))).toEqual([]);
+    a.stop();
   });
 });

@@ -7,6 +7,8 @@
  * keeps its threads (slot hosts with `isolation: 'thread'`) and children in the budget.
  *
  * Needs root: {@link requireCpuBudgets} throws saying why, so the suite fails instead of skipping.
+ * Every budget is named `vx41-<test pid>-<node>`; a test process killed before its `afterAll` leaves
+ * its nodes and budgets behind, and the next run's {@link requireCpuBudgets} removes them.
  */
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -27,22 +29,37 @@ function root(): { dir: string; v2: boolean } | { why: string } {
 }
 
 /**
- * Checks that budgets can be made, and removes the empty budgets of earlier test processes that
- * died without removing theirs.
+ * Checks that budgets can be made, and cleans up after earlier test processes that died without
+ * doing so (killed): the nodes left running in their budgets are killed (SIGKILL), and the
+ * budgets removed once empty.
  * @throws Error saying why per-node CPU budgets cannot be made here (not root, no cpu controller).
  */
-export function requireCpuBudgets(): void {
+export async function requireCpuBudgets(): Promise<void> {
   const r = root();
   if ('why' in r) throw new Error(r.why);
-  for (const d of readdirSync(r.dir)) {
+  const stale = readdirSync(r.dir).filter((d) => {
     const m = /^vx41-(\d+)-/.exec(d);
-    if (!m || existsSync(`/proc/${m[1]}`)) continue;
-    try {
-      rmdirSync(join(r.dir, d));
-    } catch {
-      // processes still in it
+    return m && !existsSync(`/proc/${m[1]}`);
+  });
+  for (const d of stale)
+    for (const pid of readFileSync(join(r.dir, d, 'cgroup.procs'), 'utf8')
+      .split('\n')
+      .filter(Boolean)) {
+      try {
+        process.kill(Number(pid), 'SIGKILL');
+      } catch {
+        // gone already
+      }
     }
-  }
+  for (const d of stale)
+    for (let i = 0; i < 20; i++) {
+      try {
+        rmdirSync(join(r.dir, d));
+        break;
+      } catch {
+        await new Promise((done) => setTimeout(done, 100)); // its processes still exiting
+      }
+    }
 }
 
 /** One node's CPU budget. */
