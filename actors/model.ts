@@ -964,12 +964,17 @@ export class ModelEntry {
         if (this.actor) tell(this.actor, { type: 'HOLDER', held: ex !== null });
       }
       const now = this.admission.activeLeases > 0 || this.admission.queued > 0;
-      if (now && idleSoon) {
-        clearTimeout(idleSoon);
+      if (now) {
+        const pending = idleSoon !== null;
+        if (idleSoon) clearTimeout(idleSoon);
         idleSoon = null;
+        // Another event meanwhile (HOLDER, a refused EVICT) may have let the chart see the admission idle and turn
+        // idle itself (its keep-alive started): then it is told in use again.
+        if (!inUse || (pending && this.actor?.getSnapshot().matches({ resident: { ready: { leases: 'idle' } } })))
+          told(true);
+        return;
       }
-      if (now === inUse || idleSoon) return;
-      if (now) return told(true);
+      if (!inUse || idleSoon) return;
       idleSoon = setTimeout(() => this.tellIdle(), IDLE_TOLD_AFTER_MS);
     });
     this.tellIdle = () => {
@@ -1049,7 +1054,16 @@ export class ModelEntry {
   /** True in `ready.idle`: resident, no lease held, nobody waiting (an idle turn not yet told is told first). */
   get idle(): boolean {
     this.tellIdle();
-    return this.actor.getSnapshot().matches({ resident: { ready: { leases: 'idle' } } });
+    return (
+      this.actor.getSnapshot().matches({ resident: { ready: { leases: 'idle' } } }) &&
+      this.admission.activeLeases === 0 &&
+      this.admission.queued === 0
+    );
+  }
+
+  /** Its slots' busy time since its pool started, ms (SlotPool `busyMs`); 0 when not resident. */
+  busyMs(): number {
+    return this.loaded?.pool.busyMs() ?? 0;
   }
 
   /** Marks use (request start and end, load), for `last_used_at` and LRU eviction. */

@@ -35,6 +35,8 @@ export class Autoscaler {
   private readonly changes = new Map<string, ReplicaChange>();
   /** Per model decided here, the holders' busy slots averaged over the heartbeats. */
   private readonly busy = new Map<string, number>();
+  /** Per model and holder (`<model>\n<node>`), its last record's `at` and `busy_ms` heard, and the busy slots since the one before. */
+  private readonly busyRead = new Map<string, { at: number; busy_ms: number; rate: number }>();
 
   constructor(private readonly n: ClusterNode) {}
 
@@ -74,21 +76,46 @@ export class Autoscaler {
       // The lowest-named holder decides, also when it holds the model behind its remote pool (an ingress the scaler
       // placed a replica on): left out, no node decided once that replica came, and the replicas never went down.
       const decides = autoscale && holders[0]?.node === n.name;
+      // The latest change any node reported is kept: shown when its node has gone, and not logged again here.
+      const last = this.lastChange(id);
+      if (last) this.changes.set(id, last);
       let scaler = this.scalers.get(id);
       if (!decides || !autoscale) {
-        if (scaler) this.stopOne(id);
+        // A step under way finishes first (its change recorded and reported): stopped mid-step, a replica placed was
+        // never recorded when the node it went to took the decisions over.
+        if (scaler && !scaler.getSnapshot().matches('scalingUp') && !scaler.getSnapshot().matches('scalingDown'))
+          this.stopOne(id);
         continue;
       }
       if (!scaler) {
         scaler = this.start(id, autoscale);
       }
-      // Busy slots are a heartbeat's instant: averaged (each heartbeat weighing 0.2) so that one idle
-      // instant under load is not taken for "under", nor one job of a light load for "busy".
+      // Busy slots: each holder's average over its last heartbeat interval (its `busy_ms` grown, over the time
+      // between), not an instant's (which catches a short job by chance: a light stream's one job in a heartbeat read
+      // as a busy slot, and reset the count to a scale-down), then averaged over the heartbeats (each weighing 0.3).
       const sample = sampleOf(nodes, id);
-      const busy = 0.8 * (this.busy.get(id) ?? sample.busy_slots) + 0.2 * sample.busy_slots;
+      const now = holders.reduce((k, r) => k + this.busyOf(id, r), 0);
+      const busy = 0.7 * (this.busy.get(id) ?? now) + 0.3 * now;
       this.busy.set(id, busy);
       scaler.send({ type: 'SAMPLE', ...sample, busy_slots: Math.round(busy * 100) / 100 });
     }
+  }
+
+  /**
+   * Holder `r`'s slots of `id` busy on average between its last two records heard (ms of `busy_ms` per ms of `at`,
+   * at most its slots); the instant's busy slots until two are heard, or when its pool started again.
+   */
+  private busyOf(id: string, r: NodeRecord): number {
+    const m = r.models[id];
+    const key = `${id}\n${r.node}`;
+    const seen = this.busyRead.get(key);
+    if (m.busy_ms === undefined) return m.slots - m.free_slots;
+    if (!seen || r.at > seen.at) {
+      const rate =
+        seen && m.busy_ms >= seen.busy_ms ? (m.busy_ms - seen.busy_ms) / (r.at - seen.at) : m.slots - m.free_slots;
+      this.busyRead.set(key, { at: r.at, busy_ms: m.busy_ms, rate: Math.min(m.slots, Math.max(0, rate)) });
+    }
+    return this.busyRead.get(key)!.rate;
   }
 
   /** The latest change of `id`'s replicas any live node reports, or null. */
@@ -125,6 +152,7 @@ export class Autoscaler {
     scaler.stop();
     this.scalers.delete(id);
     this.busy.delete(id);
+    for (const key of this.busyRead.keys()) if (key.startsWith(`${id}\n`)) this.busyRead.delete(key);
   }
 
   private start(id: string, autoscale: Autoscale): Scaler {

@@ -17,6 +17,11 @@ export interface HeldModel {
   state: string;
   slots: number;
   free_slots: number;
+  /**
+   * Time its slots have spent running jobs since its pool started, summed over the slots, ms (SlotPool `busyMs`, as of
+   * the record's `at`): the autoscaler divides its growth between two heartbeats by their interval.
+   */
+  busy_ms?: number;
   /** Requests waiting for a lease. */
   queued: number;
   active_leases: number;
@@ -288,6 +293,7 @@ const recordSchema = z.looseObject({
       state: z.string(),
       slots: finite.int().positive(),
       free_slots: finite,
+      busy_ms: finite.optional(),
       queued: finite,
       active_leases: finite,
       resident_bytes: finite,

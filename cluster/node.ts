@@ -270,6 +270,7 @@ export class ClusterNode {
           state: 'ready',
           slots: backing.pool.slots.length,
           free_slots: Math.max(0, backing.pool.slots.length - backing.pool.activeSlots),
+          busy_ms: backing.pool.busyMs(),
           // Its jobs (its ingress's and other nodes'), for the holder picks of other ingresses.
           queued: backing.pool.queued,
           active_leases: backing.pool.inFlight,
@@ -285,6 +286,7 @@ export class ClusterNode {
         state: s.state,
         slots: s.slots,
         free_slots: Math.max(0, s.slots - s.active_slots),
+        busy_ms: sup.registered(s.id)?.busyMs() ?? 0,
         queued: s.queued_requests,
         active_leases: s.active_leases,
         resident_bytes: s.resident_bytes,

@@ -381,6 +381,7 @@ export type ModelPool = Pick<
   | 'info'
   | 'slots'
   | 'activeSlots'
+  | 'busyMs'
   | 'residentBytes'
   | 'onStuck'
   | 'onFailure'
@@ -467,6 +468,8 @@ export class SlotPool {
   private readonly queue: QueuedRun[] = [];
   /** Jobs queued so far (each job's {@link QueuedRun.seq}). */
   private jobs = 0;
+  /** Run time of the jobs that have ended, summed, ms ({@link busyMs}). */
+  private busyDone = 0;
   private failure: Error | null = null;
   private failCb: ((err: Error) => void) | null = null;
   private readonly crashes: number[] = [];
@@ -569,6 +572,18 @@ export class SlotPool {
   /** Slots running a job now. */
   get activeSlots(): number {
     return this.running().size;
+  }
+
+  /**
+   * The time the slots have spent running jobs since the pool started, summed over the slots, ms
+   * (a job's run counted from when it started on its slot, the running ones up to `now`): its growth
+   * over an interval, divided by the interval, is the slots busy on average (the autoscaler's
+   * measure; an instant's {@link activeSlots} misses or catches a short job by chance).
+   */
+  busyMs(now = Date.now()): number {
+    let ms = this.busyDone;
+    for (const started of this.running().values()) ms += Math.max(0, now - started);
+    return ms;
   }
 
   /**
@@ -733,6 +748,7 @@ export class SlotPool {
   /** A job sent to `slot` has ended: the job behind it (if any) runs now, or the slot is free. */
   private settled(slot: SlotHost, sent: SentRun, lost: boolean): void {
     this.sent--;
+    if (sent.startedAt !== null) this.busyDone += Math.max(0, Date.now() - sent.startedAt);
     const lineup = this.lineups.get(slot)!;
     lineup.splice(lineup.indexOf(sent), 1);
     if (lost) this.removeLive(slot);

@@ -185,6 +185,11 @@ export class FamilyView implements ModelPool {
     return this.running;
   }
 
+  /** The family's slots' busy time (SlotPool `busyMs`; its slots are shared: this is their load), ms. */
+  busyMs(now?: number): number {
+    return this.pool.busyMs(now);
+  }
+
   /** Its share of the family's slot hosts' memory: theirs divided by the models using them. */
   residentBytes(): number {
     return Math.round(this.pool.residentBytes() / Math.max(1, this.members()));

@@ -177,6 +177,24 @@ describe('ModelEntry', () => {
     sub.unsubscribe();
   });
 
+  it('a lease taken right after an exclusive one (a management load, then a request) turns the chart busy: its keep-alive does not run under the request', async () => {
+    // A breaker's case: the HOLDER event let the chart turn idle at once (keep-alive started), and the request's lease
+    // within 5 ms told it nothing: the model was evicted for idle 1 s after the load, under a stream.
+    const f = fakeLoader();
+    const e = new ModelEntry(ModelConfig.parse({ ...config, keep_alive_ms: 1000 }), { loader: f.loader });
+    await e.ensureReady();
+    const busy = (): boolean => e.actor.getSnapshot().matches({ resident: { ready: { leases: 'busy' } } });
+    for (let i = 0; i < 5; i++) {
+      const manager = await e.admission.acquire({ exclusive: true });
+      manager.release();
+      const request = await e.admission.acquire();
+      expect(busy()).toBe(true);
+      expect(e.idle).toBe(false);
+      request.release();
+      await until(() => !busy());
+    }
+  });
+
   it('unload waits for running requests (exclusive lease) and is idempotent', async () => {
     const f = fakeLoader();
     const e = new ModelEntry(config, { loader: f.loader });

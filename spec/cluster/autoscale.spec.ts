@@ -118,6 +118,15 @@ describe('the scaler chart alone (SimulatedClock)', () => {
     expect(two.calls).toEqual([]);
   });
 
+  it('keeps two replicas whose slots are busy 0.3-0.5 of one replica (1.5 holders of load where a holder spends as much outside its slot), drains one at 0.2', async () => {
+    const { calls, feed } = scaler();
+    for (let i = 0; i < 100; i++)
+      await feed(100, { replicas: 2, wait_ms: 40, busy_slots: 0.3 + (i % 3) * 0.1, slots: 2 });
+    expect(calls).toEqual([]);
+    await feed(5100, { replicas: 2, wait_ms: 20, busy_slots: 0.2, slots: 2 });
+    expect(calls).toEqual(['remove']);
+  });
+
   it('keeps two replicas under 1.5 replicas of load with the wait within target (no flapping)', async () => {
     const { calls, feed } = scaler();
     for (let i = 0; i < 100; i++) await feed(100, { replicas: 2, wait_ms: 60, busy_slots: i % 2 ? 1 : 2, slots: 2 });
@@ -263,6 +272,85 @@ describe('which node runs the scaler', () => {
     expect(deciding(a)).toBe(true);
     expect(a.lastChange('ww')).toEqual(change);
     expect(logged.filter((m) => m.includes('autoscale changed the replicas'))).toEqual([]);
+    a.stop();
+  });
+
+  it('a step under way when another node takes the decisions over finishes, and its change is recorded and kept', async () => {
+    // A breaker's case: b placed a third replica on a, a (lowest-named) took over, and b's scaler was stopped before
+    // its step ended: no node recorded 2 -> 3. And once a node that decided is gone, the others still show its change.
+    const fast = { ...AUTOSCALE, scale_up_after_ms: 50 };
+    const over = (name: string): NodeRecord => ({ ...holder(name, 0, 0), autoscale: { ww: { wait_ms: 900 } } });
+    let others: NodeRecord[] = [over('c')];
+    let placed!: () => void;
+    const node = {
+      name: 'b',
+      closed: false,
+      draining: false,
+      log: { info: () => {}, warn: () => {}, error: () => {}, debug: () => {} },
+      supervisor: { registeredIds: ['ww'], configOf: () => ({ id: 'ww', autoscale: fast }), statuses: () => [] },
+      nodes: () => others,
+      record: () => over('b'),
+      runsRemotely: () => false,
+      options: {},
+      beat: () => {},
+    } as unknown as ClusterNode;
+    const b = new Autoscaler(node);
+    (b as unknown as { addReplica: () => Promise<string> }).addReplica = () =>
+      new Promise((done) => (placed = () => done('a')));
+    const scalers = (b as unknown as { scalers: Map<string, { getSnapshot(): { value: unknown } }> }).scalers;
+    b.heard();
+    await new Promise((r) => setTimeout(r, 80));
+    b.heard();
+    expect(scalers.get('ww')?.getSnapshot().value).toBe('scalingUp');
+    // The replica placed on a: a is now the lowest-named holder, while b's step has not ended.
+    others = [over('a'), over('c')];
+    b.heard();
+    expect(scalers.has('ww')).toBe(true);
+    placed();
+    await flush();
+    b.heard();
+    expect(scalers.has('ww')).toBe(false);
+    expect(b.lastChange('ww')).toMatchObject({ from: 2, to: 3 });
+    // A node that heard it keeps it after b is gone.
+    const reported = { ...over('b'), autoscale: { ww: { wait_ms: 0, last_change: b.lastChange('ww')! } } };
+    const c = new Autoscaler({ ...node, name: 'c', nodes: () => [over('a'), reported] } as unknown as ClusterNode);
+    c.heard();
+    const change = c.lastChange('ww');
+    expect(change).toMatchObject({ from: 2, to: 3 });
+    (c as unknown as { n: { nodes: () => NodeRecord[] } }).n.nodes = () => [over('a')];
+    c.heard();
+    expect(c.lastChange('ww')).toEqual(change);
+    b.stop();
+    c.stop();
+  });
+
+  it("takes each holder's busy slots as their average between its heartbeats (busy_ms), not an instant's", () => {
+    // A light stream: one short job at every heartbeat's instant (free_slots 0), 5 ms of work per 500 ms (0.01 busy).
+    let at = 0;
+    const light = (name: string): NodeRecord => {
+      const r = holder(name, 0, 0);
+      return { ...r, at, models: { ww: { ...r.models.ww, free_slots: 0, busy_ms: at / 100 } } };
+    };
+    const node = {
+      name: 'a',
+      closed: false,
+      draining: false,
+      log: { info: () => {}, warn: () => {}, error: () => {}, debug: () => {} },
+      supervisor: { registeredIds: ['ww'], configOf: () => ({ id: 'ww', autoscale: AUTOSCALE }), statuses: () => [] },
+      nodes: () => [light('b')],
+      record: () => light('a'),
+      runsRemotely: () => false,
+      options: {},
+      beat: () => {},
+    } as unknown as ClusterNode;
+    const a = new Autoscaler(node);
+    for (let i = 0; i < 30; i++) {
+      at += 500;
+      a.heard();
+    }
+    const busy = (a as unknown as { busy: Map<string, number> }).busy.get('ww')!;
+    expect(busy).toBeGreaterThan(0);
+    expect(busy).toBeLessThan(0.05); // the instants read 2 busy slots (one per holder)
     a.stop();
   });
 });

@@ -71,7 +71,8 @@ export interface CpuBudget {
 }
 
 /**
- * Makes a budget of `cpus` cores (e.g. 0.6: 60 ms of CPU per 100 ms) named `name` (unique per test process).
+ * Makes a budget of `cpus` cores (e.g. 0.6: 60 ms of CPU per 100 ms; Infinity: no limit) named `name`
+ * (unique per test process).
  * @throws Error as {@link requireCpuBudgets}, or the kernel's refusal.
  */
 export function cpuBudget(name: string, cpus: number): CpuBudget {
@@ -79,11 +80,12 @@ export function cpuBudget(name: string, cpus: number): CpuBudget {
   if ('why' in r) throw new Error(r.why);
   const dir = join(r.dir, `vx41-${process.pid}-${name}`);
   if (!existsSync(dir)) mkdirSync(dir);
-  const quota = Math.round(cpus * PERIOD_US);
+  // Infinity: no quota (a process kept in a budget only to be cleaned up with the test's nodes).
+  const quota = Number.isFinite(cpus) ? Math.round(cpus * PERIOD_US) : -1;
   if (r.v2) {
     const sub = join(r.dir, 'cgroup.subtree_control');
     if (!readFileSync(sub, 'utf8').includes('cpu')) writeFileSync(sub, '+cpu');
-    writeFileSync(join(dir, 'cpu.max'), `${quota} ${PERIOD_US}`);
+    writeFileSync(join(dir, 'cpu.max'), `${quota < 0 ? 'max' : quota} ${PERIOD_US}`);
   } else {
     writeFileSync(join(dir, 'cpu.cfs_period_us'), String(PERIOD_US));
     writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(quota));

@@ -223,6 +223,48 @@ describe("stuck slots (DESIGN.md C4): the pool's slot-wait timer decides, onStuc
   });
 });
 
+describe("the slots' busy time (busyMs: the autoscaler's average busy slots)", () => {
+  afterEach(() => void vi.useRealTimers());
+
+  it('sums each job from its start on its slot to its end, the running ones up to now, not the time queued', async () => {
+    vi.useFakeTimers({ now: 0 });
+    const ends: (() => void)[] = [];
+    const factory = async (): Promise<SlotHost> => ({
+      info: {} as SlotInfo,
+      run: (job: Job) =>
+        new Promise<JobResult>((resolve) =>
+          ends.push(() =>
+            resolve({
+              kind: 'vad',
+              probs: new Float32Array(0),
+              state: (job as { state: Float32Array }).state,
+            } as JobResult),
+          ),
+        ),
+      close: async () => {},
+      onExit: () => {},
+      residentBytes: () => 0,
+    });
+    const pool = await SlotPool.start(vadSpec(), 2, factory);
+    const a = pool.run(vadJob(1));
+    await vi.advanceTimersByTimeAsync(10);
+    const b = pool.run(vadJob(1));
+    const c = pool.run(vadJob(1)); // queued behind a and b
+    await vi.advanceTimersByTimeAsync(30); // t=40: a has run 40 ms, b 30
+    expect(pool.busyMs(Date.now())).toBe(70);
+    ends.shift()!(); // a ends at 40; c starts on its slot
+    await a;
+    await vi.advanceTimersByTimeAsync(20); // t=60: a 40 (ended) + b 50 + c 20
+    expect(pool.busyMs(Date.now())).toBe(110);
+    ends.shift()!();
+    ends.shift()!();
+    await Promise.all([b, c]);
+    await vi.advanceTimersByTimeAsync(100); // nothing running: it stays
+    expect(pool.busyMs(Date.now())).toBe(110);
+    await pool.close();
+  });
+});
+
 describe("a pool's window (a remote pool's jobs in flight follow its holders' slots)", () => {
   it('sends at most window() jobs at once, read at each dispatch: a window widened later lets the waiting jobs go', async () => {
     // One slot object for every place, as a remote pool has (cluster/remote.ts); its jobs end when the test says.
