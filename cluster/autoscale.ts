@@ -174,12 +174,14 @@ export class Autoscaler {
       { input: { id, autoscale, last_change: this.lastChange(id) }, inspect: n.options.inspect },
     );
     scaler.subscribe({ error: (e) => n.log.error({ model: id, err: (e as Error).message }, 'cluster: scaler failed') });
-    // The change it starts from (another node's, or this node's before it stopped deciding) is not logged again.
-    const inherited = scaler.getSnapshot().context.last_change;
-    if (inherited) this.changes.set(id, inherited);
+    // Only the changes this scaler makes are logged: not the one it starts from (another node's, or this node's before
+    // it stopped deciding), nor a newer one heard meanwhile (compared with `changes`, which heard() keeps up to date,
+    // its own start would be logged again at each heartbeat, each log a heartbeat more: a breaker saw 30 a second).
+    let own = scaler.getSnapshot().context.last_change;
     scaler.subscribe((s) => {
       const c = s.context.last_change;
-      if (c && c !== this.changes.get(id)) {
+      if (c && c !== own) {
+        own = c;
         this.changes.set(id, c);
         n.log.info({ model: id, ...c }, 'cluster: autoscale changed the replicas');
         n.beat();

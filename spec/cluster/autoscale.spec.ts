@@ -264,13 +264,20 @@ describe('which node runs the scaler', () => {
     b.stop();
   });
 
-  it('a node that takes over does not log the last change (made by another node) as its own', () => {
+  it('a node that takes over does not log the last change (made by another node) as its own, nor a newer one heard later', () => {
     const change = { at: 1000, from: 1, to: 2, why: 'wait p95 900 ms over target_wait_ms 200 for 3000 ms' };
-    const b = { ...holder('b', 0, 0), autoscale: { ww: { wait_ms: 0, last_change: change } } };
+    let b = { ...holder('b', 0, 0), autoscale: { ww: { wait_ms: 0, last_change: change } } };
     logged.length = 0;
     const a = heardBy('a', [b], false);
     expect(deciding(a)).toBe(true);
     expect(a.lastChange('ww')).toEqual(change);
+    // b's next heartbeat reports its later change (its step ended after a took over): a breaker saw a log it again and
+    // again, each log a heartbeat more.
+    const later = { at: 2000, from: 2, to: 3, why: 'wait p95 800 ms over target_wait_ms 200 for 3000 ms' };
+    b = { ...holder('b', 0, 0), autoscale: { ww: { wait_ms: 0, last_change: later } } };
+    (a as unknown as { n: { nodes: () => NodeRecord[] } }).n.nodes = () => [b];
+    for (let i = 0; i < 5; i++) a.heard();
+    expect(a.lastChange('ww')).toEqual(later);
     expect(logged.filter((m) => m.includes('autoscale changed the replicas'))).toEqual([]);
     a.stop();
   });
