@@ -21,7 +21,6 @@ import { Autoscaler } from './autoscale.js';
 import { Locks, type LockRef } from './locks.js';
 import { ask, handOver, manageLoad, manageUnload } from './manage.js';
 import {
-  fingerprint,
   liveNodes,
   membershipMachine,
   parseRecord,
@@ -42,6 +41,7 @@ import {
   type NatsLink,
   encodeJson,
 } from './nats.js';
+import { heldModels, holdersByModel } from './held.js';
 import { Placement } from './placement.js';
 import { type ClusterMetrics, clusterMetrics } from './metrics.js';
 import { RemoteJobs, withDeadline } from './remote.js';
@@ -259,41 +259,6 @@ export class ClusterNode {
   /** This node's registry entry now. */
   record(): NodeRecord {
     const sup = this.supervisor!;
-    const models: Record<string, HeldModel> = {};
-    for (const s of sup.statuses()) {
-      const backing = this.backing.get(s.id);
-      const config = sup.configOf(s.id);
-      const registration = config ? this.registrationOf(config) : undefined;
-      if (backing && s.state === 'ready') {
-        models[s.id] = {
-          task: s.task,
-          state: 'ready',
-          slots: backing.pool.slots.length,
-          free_slots: Math.max(0, backing.pool.slots.length - backing.pool.activeSlots),
-          busy_ms: backing.pool.busyMs(),
-          // Its jobs (its ingress's and other nodes'), for the holder picks of other ingresses.
-          queued: backing.pool.queued,
-          active_leases: backing.pool.inFlight,
-          resident_bytes: backing.residentBytes,
-          config: fingerprint(registration),
-          registration,
-        };
-        continue;
-      }
-      if (s.state === 'unloaded' || this.runsRemotely(s.id) || this.placement.placesOnly(s.id, s.state)) continue;
-      models[s.id] = {
-        task: s.task,
-        state: s.state,
-        slots: s.slots,
-        free_slots: Math.max(0, s.slots - s.active_slots),
-        busy_ms: sup.registered(s.id)?.busyMs() ?? 0,
-        queued: s.queued_requests,
-        active_leases: s.active_leases,
-        resident_bytes: s.resident_bytes,
-        config: fingerprint(registration),
-        registration,
-      };
-    }
     return {
       node: this.name,
       url: this.url,
@@ -303,7 +268,7 @@ export class ClusterNode {
       draining: this.draining || (sup.phase !== 'starting' && sup.phase !== 'running'), // a starting node is not draining
       max_loaded_models: this.config.max_loaded_models,
       min_free_memory_mb: this.config.min_free_memory_mb,
-      models,
+      models: heldModels(this),
       session: `${this.nodeName.boot}.${this.membership.getSnapshot().context.reconnects}`,
       ...this.autoscaler.report(),
     };
@@ -449,16 +414,7 @@ export class ClusterNode {
 
   /** Per model id, the live nodes holding it and their figures (for `GET /v1/models`). */
   holdersByModel(): Map<string, ({ node: string } & HeldModel)[]> {
-    const out = new Map<string, ({ node: string } & HeldModel)[]>();
-    const live = new Map(this.nodes().map((r) => [r.node, r]));
-    if (this.supervisor) live.set(this.name, this.record());
-    for (const r of [...live.values()].sort((a, b) => a.node.localeCompare(b.node))) {
-      for (const [id, { registration: _, ...m }] of Object.entries(r.models)) {
-        if (!out.has(id)) out.set(id, []);
-        out.get(id)!.push({ node: r.node, ...m });
-      }
-    }
-    return out;
+    return holdersByModel(this);
   }
 
   /**

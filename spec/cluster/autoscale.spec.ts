@@ -228,28 +228,37 @@ describe('the ingress picks a holder by two random choices', () => {
 });
 
 describe('which node runs the scaler', () => {
-  /** Node `name`'s autoscaler, heartbeats heard from `others`; `remote`: it runs the model behind its remote pool. */
   const logged: string[] = [];
-  const heardBy = (name: string, others: NodeRecord[], remote: boolean): Autoscaler => {
-    const quiet = {
-      info: (_o: unknown, msg: string) => logged.push(msg),
-      warn: () => {},
-      error: () => {},
-      debug: () => {},
-    };
-    const node = {
-      name,
+  /**
+   * A stand-in cluster node for an {@link Autoscaler}: `name`, the records it hears (`nodes`), its own (`record`),
+   * `autoscale` for model ww, `remote`: it runs ww behind its remote pool. Its info log lines go to `logged`.
+   */
+  const stubNode = (o: {
+    name: string;
+    nodes: () => NodeRecord[];
+    record: () => NodeRecord;
+    autoscale?: typeof AUTOSCALE;
+    remote?: boolean;
+  }): ClusterNode =>
+    ({
+      name: o.name,
       closed: false,
       draining: false,
-      log: quiet,
-      supervisor: { registeredIds: ['ww'], configOf: () => ({ id: 'ww', autoscale: AUTOSCALE }), statuses: () => [] },
-      nodes: () => others,
-      record: () => holder(name, 0, 0),
-      runsRemotely: () => remote,
+      log: { info: (_o: unknown, msg: string) => logged.push(msg), warn: () => {}, error: () => {}, debug: () => {} },
+      supervisor: {
+        registeredIds: ['ww'],
+        configOf: () => ({ id: 'ww', autoscale: o.autoscale ?? AUTOSCALE }),
+        statuses: () => [],
+      },
+      nodes: o.nodes,
+      record: o.record,
+      runsRemotely: () => o.remote ?? false,
       options: {},
       beat: () => {},
-    } as unknown as ClusterNode;
-    const a = new Autoscaler(node);
+    }) as unknown as ClusterNode;
+  /** Node `name`'s autoscaler, heartbeats heard from `others`; `remote`: it runs the model behind its remote pool. */
+  const heardBy = (name: string, others: NodeRecord[], remote: boolean): Autoscaler => {
+    const a = new Autoscaler(stubNode({ name, nodes: () => others, record: () => holder(name, 0, 0), remote }));
     a.heard();
     return a;
   };
@@ -289,18 +298,7 @@ describe('which node runs the scaler', () => {
     const over = (name: string): NodeRecord => ({ ...holder(name, 0, 0), autoscale: { ww: { wait_ms: 900 } } });
     let others: NodeRecord[] = [over('c')];
     let placed!: () => void;
-    const node = {
-      name: 'b',
-      closed: false,
-      draining: false,
-      log: { info: () => {}, warn: () => {}, error: () => {}, debug: () => {} },
-      supervisor: { registeredIds: ['ww'], configOf: () => ({ id: 'ww', autoscale: fast }), statuses: () => [] },
-      nodes: () => others,
-      record: () => over('b'),
-      runsRemotely: () => false,
-      options: {},
-      beat: () => {},
-    } as unknown as ClusterNode;
+    const node = stubNode({ name: 'b', nodes: () => others, record: () => over('b'), autoscale: fast });
     const b = new Autoscaler(node);
     (b as unknown as { addReplica: () => Promise<string> }).addReplica = () =>
       new Promise((done) => (placed = () => done('a')));
@@ -338,18 +336,7 @@ describe('which node runs the scaler', () => {
       const r = holder(name, 0, 0);
       return { ...r, at, models: { ww: { ...r.models.ww, free_slots: 0, busy_ms: at / 100 } } };
     };
-    const node = {
-      name: 'a',
-      closed: false,
-      draining: false,
-      log: { info: () => {}, warn: () => {}, error: () => {}, debug: () => {} },
-      supervisor: { registeredIds: ['ww'], configOf: () => ({ id: 'ww', autoscale: AUTOSCALE }), statuses: () => [] },
-      nodes: () => [light('b')],
-      record: () => light('a'),
-      runsRemotely: () => false,
-      options: {},
-      beat: () => {},
-    } as unknown as ClusterNode;
+    const node = stubNode({ name: 'a', nodes: () => [light('b')], record: () => light('a') });
     const a = new Autoscaler(node);
     for (let i = 0; i < 30; i++) {
       at += 500;

@@ -153,30 +153,30 @@ describe('SlotPool.start', () => {
   });
 });
 
+/** Slots whose jobs run until the test ends them (`finish()`: the oldest running job answers). */
+function hangingFactory() {
+  const running: (() => void)[] = [];
+  const factory = async (): Promise<SlotHost> => ({
+    info: {} as SlotInfo,
+    run: (job: Job) =>
+      new Promise<JobResult>((resolve) =>
+        running.push(() =>
+          resolve({
+            kind: 'vad',
+            probs: new Float32Array(0),
+            state: (job as { state: Float32Array }).state,
+          } as JobResult),
+        ),
+      ),
+    close: async () => {},
+    onExit: () => {},
+    residentBytes: () => 0,
+  });
+  return { factory, finish: () => running.shift()!() };
+}
+
 describe("stuck slots (DESIGN.md C4): the pool's slot-wait timer decides, onStuck says so", () => {
   afterEach(() => void vi.useRealTimers());
-
-  /** Slots whose jobs run until the test ends them (`finish()`: the oldest running job answers). */
-  function hangingFactory() {
-    const running: (() => void)[] = [];
-    const factory = async (): Promise<SlotHost> => ({
-      info: {} as SlotInfo,
-      run: (job: Job) =>
-        new Promise<JobResult>((resolve) =>
-          running.push(() =>
-            resolve({
-              kind: 'vad',
-              probs: new Float32Array(0),
-              state: (job as { state: Float32Array }).state,
-            } as JobResult),
-          ),
-        ),
-      close: async () => {},
-      onExit: () => {},
-      residentBytes: () => 0,
-    });
-    return { factory, finish: () => running.shift()!() };
-  }
 
   it('every slot running one job longer than waitTimeoutMs turns the pool stuck (no waiter needed), not a ms before; a job that ends frees it', async () => {
     vi.useFakeTimers({ now: 0 });
@@ -228,36 +228,20 @@ describe("the slots' busy time (busyMs: the autoscaler's average busy slots)", (
 
   it('sums each job from its start on its slot to its end, the running ones up to now, not the time queued', async () => {
     vi.useFakeTimers({ now: 0 });
-    const ends: (() => void)[] = [];
-    const factory = async (): Promise<SlotHost> => ({
-      info: {} as SlotInfo,
-      run: (job: Job) =>
-        new Promise<JobResult>((resolve) =>
-          ends.push(() =>
-            resolve({
-              kind: 'vad',
-              probs: new Float32Array(0),
-              state: (job as { state: Float32Array }).state,
-            } as JobResult),
-          ),
-        ),
-      close: async () => {},
-      onExit: () => {},
-      residentBytes: () => 0,
-    });
-    const pool = await SlotPool.start(vadSpec(), 2, factory);
+    const slots = hangingFactory();
+    const pool = await SlotPool.start(vadSpec(), 2, slots.factory);
     const a = pool.run(vadJob(1));
     await vi.advanceTimersByTimeAsync(10);
     const b = pool.run(vadJob(1));
     const c = pool.run(vadJob(1)); // queued behind a and b
     await vi.advanceTimersByTimeAsync(30); // t=40: a has run 40 ms, b 30
     expect(pool.busyMs(Date.now())).toBe(70);
-    ends.shift()!(); // a ends at 40; c starts on its slot
+    slots.finish(); // a ends at 40; c starts on its slot
     await a;
     await vi.advanceTimersByTimeAsync(20); // t=60: a 40 (ended) + b 50 + c 20
     expect(pool.busyMs(Date.now())).toBe(110);
-    ends.shift()!();
-    ends.shift()!();
+    slots.finish();
+    slots.finish();
     await Promise.all([b, c]);
     await vi.advanceTimersByTimeAsync(100); // nothing running: it stays
     expect(pool.busyMs(Date.now())).toBe(110);
