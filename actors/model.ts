@@ -791,6 +791,12 @@ export interface ModelStatus {
   licence: string | null;
 }
 
+/** What a node's heartbeat reports of a registered model ({@link ModelEntry.figures}): fields of {@link ModelStatus}. */
+export type ModelFigures = Pick<
+  ModelStatus,
+  'id' | 'task' | 'state' | 'slots' | 'active_slots' | 'active_leases' | 'queued_requests' | 'resident_bytes'
+>;
+
 /** Key order-independent JSON, to compare configs. */
 function stable(v: unknown): string {
   if (Array.isArray(v)) return `[${v.map(stable).join(',')}]`;
@@ -909,7 +915,10 @@ function tell(actor: ModelActor, event: ModelEvent): void {
  * How long after its last lease ends a model is told idle (its chart's keep-alive starts, the
  * supervisor may evict it), ms: a request arriving meanwhile keeps it in use without an event.
  */
-const IDLE_TOLD_AFTER_MS = 5;
+// 25, not 5: a holder's peer jobs come a batch apart (an ingress's batch every max_batch_delay_ms, 10 ms, each job
+// leased while it runs), so at 5 ms nearly every gap turned the chart idle and busy again (3 % of the holder's main
+// thread at 50 streams, bench-cluster --parts 2).
+const IDLE_TOLD_AFTER_MS = 25;
 
 /**
  * One registered model: its state-chart actor plus its admission queue (the FIFO of leases).
@@ -1277,26 +1286,45 @@ export class ModelEntry {
     await this.unload(0);
   }
 
-  /** An observation of the entry; never waits on the model's work (C17). */
-  status(): ModelStatus {
+  /**
+   * The part of {@link status} a node's heartbeat reports (cluster/held.ts), without what costs
+   * more to read (the processing lag's percentiles sort up to 4,096 windows: each heartbeat of an
+   * ingress sorted them twice). Never waits on the model's work.
+   */
+  figures(): ModelFigures {
     const s = this.actor.getSnapshot();
-    const state = stateName(s.value);
     const loaded = this.loaded;
     return {
       id: this.id,
       task: s.context.config.task,
-      state,
-      loaded: state === 'ready',
+      state: stateName(s.value),
       slots: s.context.config.slots,
       active_slots: loaded?.pool.activeSlots ?? 0,
       active_leases: this.admission.activeLeases,
-      max_streams: s.context.config.max_streams,
       queued_requests: this.admission.queued,
-      oldest_wait_ms: this.admission.oldestWaitMs(),
       resident_bytes: loaded?.residentBytes ?? 0,
+    };
+  }
+
+  /** An observation of the entry; never waits on the model's work (C17). */
+  status(): ModelStatus {
+    const s = this.actor.getSnapshot();
+    const f = this.figures();
+    return {
+      id: f.id,
+      task: f.task,
+      state: f.state,
+      loaded: f.state === 'ready',
+      slots: f.slots,
+      active_slots: f.active_slots,
+      active_leases: f.active_leases,
+      max_streams: s.context.config.max_streams,
+      queued_requests: f.queued_requests,
+      oldest_wait_ms: this.admission.oldestWaitMs(),
+      resident_bytes: f.resident_bytes,
       last_used_at: this.lastUsedAt,
       last_error: s.context.lastError,
-      retiring: state === 'unloading',
+      retiring: f.state === 'unloading',
       last_eviction: s.context.evicted,
       processing_lag_ms: this.lagPercentiles(),
       cool_down:

@@ -48,11 +48,11 @@ export class Autoscaler {
     const sup = this.n.supervisor;
     const out: Record<string, AutoscaleReport> = {};
     if (!sup) return {};
-    for (const s of sup.statuses()) {
-      const entry = sup.registered(s.id);
-      if (s.state !== 'ready' || !entry || !sup.configOf(s.id)?.autoscale) continue;
-      const change = this.scalers.get(s.id)?.getSnapshot().context.last_change ?? this.changes.get(s.id);
-      out[s.id] = {
+    for (const id of sup.registeredIds) {
+      const entry = sup.registered(id)!;
+      if (entry.state !== 'ready' || !entry.config.autoscale) continue;
+      const change = this.scalers.get(id)?.getSnapshot().context.last_change ?? this.changes.get(id);
+      out[id] = {
         wait_ms: Math.round(entry.recentWaitMs(WAIT_WINDOW_MS)),
         ...(change ? { last_change: change } : {}),
       };

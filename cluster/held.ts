@@ -14,7 +14,8 @@ import type { ClusterNode } from './node.js';
 export function heldModels(n: ClusterNode): Record<string, HeldModel> {
   const sup = n.supervisor!;
   const models: Record<string, HeldModel> = {};
-  for (const s of sup.statuses()) {
+  for (const id of sup.registeredIds) {
+    const s = sup.registered(id)!.figures();
     const backed = s.state === 'ready' ? n.backing.get(s.id) : undefined;
     if (!backed && (s.state === 'unloaded' || n.runsRemotely(s.id) || n.placement.placesOnly(s.id, s.state))) continue;
     const config = sup.configOf(s.id);

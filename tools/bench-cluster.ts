@@ -9,7 +9,9 @@
  * 2. Live VAD streams at 100 ms frames paced in real time: held by 1 node (a `voxserve serve`
  *    child) against 2 nodes on the same cores (an ingress child A, a holder child C): the
  *    processing lag (last sample of a window to its result, p50/p99) and the CPU time the
- *    server processes spent per second of audio. The ratio shows the hop's cost, not throughput.
+ *    server processes spent per second of audio, in all and per process (its main process + its
+ *    slot hosts), and the batched jobs the model's slots ran. The ratio shows the hop's cost, not
+ *    throughput.
  * 3. Failover (issue 20): an ingress (this process, node A) runs Silero VAD jobs of 8 windows one
  *    after another on a remote pool while a holder (a child process) is killed with SIGKILL,
  *    `--kills` times in each of two cases: another node still holds the model (the job is sent
@@ -200,8 +202,9 @@ async function part2(): Promise<void> {
     url: string,
     statusUrl: string,
     pids: number[],
-  ): Promise<{ p50: number; p99: number; cpuPerAudioS: number }> => {
-    const cpu0 = pids.reduce((n, p) => n + treeCpuMs(p), 0);
+  ): Promise<{ p50: number; p99: number; cpuPerAudioS: number; apart: string }> => {
+    const main0 = pids.map(cpuMs);
+    const tree0 = pids.map(treeCpuMs);
     const socks = await Promise.all(
       Array.from(
         { length: STREAMS },
@@ -221,16 +224,28 @@ async function part2(): Promise<void> {
       if (k === frames - 1) s.ws.send(JSON.stringify({ type: 'end' }));
     });
     await Promise.all(socks.map((s) => s.closed));
-    const cpu = pids.reduce((n, p) => n + treeCpuMs(p), 0) - cpu0;
+    const audioS = STREAMS * SECONDS;
+    const main = pids.map((p, i) => cpuMs(p) - main0[i]);
+    const tree = pids.map((p, i) => treeCpuMs(p) - tree0[i]);
+    const cpu = tree.reduce((a, b) => a + b, 0);
+    const apart = main.map((m, i) => `${(m / audioS).toFixed(2)} + ${((tree[i] - m) / audioS).toFixed(2)}`).join(', ');
     const { models } = (await (await fetch(`${statusUrl}/v1/models`)).json()) as {
       models: { id: string; processing_lag_ms: { p50: number; p99: number } }[];
     };
     const lag = models.find((m) => m.id === 'silero-vad')!.processing_lag_ms;
-    return { p50: lag.p50, p99: lag.p99, cpuPerAudioS: cpu / (STREAMS * SECONDS) };
+    return { p50: lag.p50, p99: lag.p99, cpuPerAudioS: cpu / audioS, apart };
   };
 
+  /** Batched jobs the slots of the server at `url` have run (its `voxserve_inference_duration_seconds` count). */
+  const batches = async (url: string): Promise<number> => {
+    const text = await (await fetch(`${url}/metrics`)).text();
+    return Number(
+      /^voxserve_inference_duration_seconds_count\{model="silero-vad"\} (\d+)/m.exec(text)?.[1] ?? Number.NaN,
+    );
+  };
   const one = await serve('single', { models: [{ id: 'silero-vad', lazy: false }] });
   const r1 = await streams(one.url, one.url, [one.child.pid!]);
+  const batches1 = await batches(one.url);
   one.child.kill('SIGTERM');
   const c = await serve('C2', {
     models: [{ id: 'silero-vad', lazy: false }],
@@ -247,12 +262,14 @@ async function part2(): Promise<void> {
   console.log(
     `\nlive VAD streams (${STREAMS} streams x ${SECONDS} s, ${frameMs} ms frames; processing lag = last sample of a window to its result)`,
   );
-  console.log('setup                | lag p50 ms | lag p99 ms | server CPU ms per audio s');
   console.log(
-    `1 node               | ${String(r1.p50).padStart(10)} | ${String(r1.p99).padStart(10)} | ${r1.cpuPerAudioS.toFixed(2)}`,
+    'setup                | lag p50 ms | lag p99 ms | server CPU ms per audio s | main + slot hosts per process (1 node; A, C) | batches',
   );
   console.log(
-    `2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2)}`,
+    `1 node               | ${String(r1.p50).padStart(10)} | ${String(r1.p99).padStart(10)} | ${r1.cpuPerAudioS.toFixed(2).padStart(25)} | ${r1.apart.padEnd(44)} | ${batches1}`,
+  );
+  console.log(
+    `2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2).padStart(25)} | ${r2.apart.padEnd(44)} | ${await batches(c.url)}`,
   );
   console.log(
     `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2)}`,
