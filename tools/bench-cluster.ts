@@ -1,5 +1,5 @@
 /**
- * Cluster benchmark (docs/cluster.md), two parts in one run on this machine, against baselines
+ * Cluster benchmark (docs/cluster.md), three parts in one run on this machine (`--parts`), against baselines
  * measured in the same run:
  *
  * 1. The cost of a remote job against a local one: Silero VAD jobs of 1 and of 64 windows, run
@@ -272,7 +272,7 @@ async function part2(): Promise<void> {
     `2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2).padStart(25)} | ${r2.apart.padEnd(44)} | ${await batches(c.url)}`,
   );
   console.log(
-    `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2)}`,
+    `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2).padStart(25)} |`,
   );
   a.child.kill('SIGTERM');
   c.child.kill('SIGTERM');
