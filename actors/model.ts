@@ -1060,6 +1060,14 @@ export class ModelEntry {
     return s.hasTag('slots') && s.context.remote;
   }
 
+  /**
+   * Tells the chart and the supervisor now of an idle turn told later ({@link IDLE_TOLD_AFTER_MS}), if one waits: the
+   * load gate calls it before it asks this model to `EVICT`, which a chart still `busy` refuses.
+   */
+  settle(): void {
+    this.tellIdle();
+  }
+
   /** True in `ready.idle`: resident, no lease held, nobody waiting (an idle turn not yet told is told first). */
   get idle(): boolean {
     this.tellIdle();

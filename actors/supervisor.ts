@@ -147,6 +147,12 @@ export interface SupervisorInput {
    * first, minus `refused`), and the free memory from the memory probe.
    */
   measure: (target: PendingLoad, refused: string[]) => RoomFigures;
+  /**
+   * Tells model `id`'s chart now of an idle turn it is told later (ModelEntry's `IDLE_TOLD_AFTER_MS`), before it is
+   * asked to `EVICT`: a chart whose last lease ended within that delay would refuse, and the load wait the delay out
+   * (a breaker's `no_room` 503s with a 45 ms busy timeout). Default: nothing.
+   */
+  settle?: (id: string) => void;
   /** The clock, ms since the epoch (default `Date.now`). */
   now?: () => number;
 }
@@ -241,7 +247,7 @@ export const supervisorMachine = setup({
 }).createMachine({
   id: 'supervisor',
   context: ({ input }) => ({
-    deps: { now: Date.now, ...input },
+    deps: { now: Date.now, settle: () => {}, ...input },
     models: new Map(),
     pending: [],
     current: null,
@@ -353,10 +359,13 @@ export const supervisorMachine = setup({
       ],
     },
     evicting: {
-      entry: sendTo(
-        ({ context, system }) => system.get(`model:${context.victim!.id}`),
-        ({ context, self }) => ({ type: 'EVICT', reason: context.victim!.reason, replyTo: self }),
-      ),
+      entry: [
+        ({ context }) => context.deps.settle(context.victim!.id),
+        sendTo(
+          ({ context, system }) => system.get(`model:${context.victim!.id}`),
+          ({ context, self }) => ({ type: 'EVICT', reason: context.victim!.reason, replyTo: self }),
+        ),
+      ],
       on: {
         EVICTED: 'waitingForRelease',
         EVICT_REFUSED: {
@@ -476,6 +485,7 @@ export class Supervisor {
       // Cold loads pass the gate one at a time (C11): the chart's `guarded`.
       guarded: config.max_loaded_models > 0 || config.min_free_memory_mb > 0,
       measure: (target, refused) => this.measureRoom(target, refused),
+      settle: (id) => this.entries.get(id)?.settle(),
     };
     this.root = createActor(
       systemMachine.provide({

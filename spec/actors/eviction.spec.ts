@@ -76,6 +76,21 @@ function find(records: InspectionRecord[], what: string, pred: (r: InspectionRec
 }
 
 describe('eviction as the inspector sees it', () => {
+  it("max_loaded_models 1: B requested right after A's request ended -> A, idle, is evicted when first asked (its idle turn, told 25 ms after its last lease, is told before EVICT)", async () => {
+    // A breaker's case: the gate asked A to EVICT while A's idle turn waited its delay; A's chart, still busy, refused,
+    // and B's load waited ~25 ms for A's turn (503 no_room with a 45 ms busy timeout, 4 of 12 swaps).
+    const { sup, log } = system({ max_loaded_models: 1 });
+    for (let i = 0; i < 3; i++) {
+      await request(sup, 'A');
+      await request(sup, 'B');
+    }
+    const r = log.recent();
+    const refused = r.filter((x) => x.kind === '@xstate.event' && x.event === 'EVICT_REFUSED');
+    expect(refused.map((x) => x.payload)).toEqual([]);
+    const evicted = r.filter((x) => x.actor === 'supervisor' && x.kind === '@xstate.event' && x.event === 'EVICTED');
+    expect(evicted.length).toBe(5);
+  });
+
   it('max_loaded_models 1: load A, request B -> the supervisor makes room, A gets EVICT {reason: lru}, unloads, then B loads', async () => {
     const { sup, log } = system({ max_loaded_models: 1 });
     await request(sup, 'A');
