@@ -647,8 +647,9 @@ export class Supervisor {
    * after a crash loop) out of the registry: at once when one unloads (from {@link changed}, a
    * tick later), and before a new group registers.
    */
-  private dropUnusedGroups(): void {
+  private dropUnusedGroups(keep?: string): void {
     for (const g of [...this.adHoc]) {
+      if (g === keep) continue;
       const e = this.entries.get(g)!;
       const a = e.admission;
       if (e.state !== 'unloaded' || a.activeLeases > 0 || a.queued > 0 || a.exclusive || e.status().cool_down) continue;
@@ -828,13 +829,15 @@ export class Supervisor {
    * loading, unloading or about to load (a request that registers a group takes its lease at
    * once). With `max_ad_hoc_groups` of those, it asks the least recently used idle ones to
    * `EVICT` (they unload while the new one loads; the ones already unloading count as freed).
+   * Also before a registered group that has unloaded (or is unloading) loads again for a request
+   * ({@link require}): it counts as a new one.
    * @throws VoxError `too_many_groups` when too few of them are idle.
    */
   private makeRoomForGroup(id: string): void {
-    this.dropUnusedGroups();
+    this.dropUnusedGroups(id);
     const max = this.config.max_ad_hoc_groups;
     if (max === 0) return;
-    const held = [...this.adHoc].map((g) => this.entries.get(g)!);
+    const held = [...this.adHoc].filter((g) => g !== id).map((g) => this.entries.get(g)!);
     const needed = held.length + 1 - max - held.filter((e) => e.state === 'unloading').length;
     if (needed <= 0) return;
     const idle = held.filter((e) => e.idle).sort((a, b) => (a.lastUsed ?? 0) - (b.lastUsed ?? 0));
@@ -896,11 +899,14 @@ export class Supervisor {
 
   /**
    * The entry for `id` or a 404.
-   * @throws VoxError `not_found`.
+   * @throws VoxError `not_found`; `too_many_groups` (503) for an ad hoc group that would load past `max_ad_hoc_groups`.
    */
   require(id: string): ModelEntry {
     const e = this.getOrRegister(id);
     if (!e) throw this.unknownModel(id);
+    // An ad hoc group evicted (unloading, or unloaded and kept for a request) loads again: within max_ad_hoc_groups, as a
+    // new group (a breaker had two loaded at max 1: the evicted group's next request reloaded it with no check).
+    if (this.adHoc.has(e.id) && (e.state === 'unloaded' || e.state === 'unloading')) this.makeRoomForGroup(e.id);
     return e;
   }
 

@@ -101,6 +101,30 @@ describe('ad hoc wake-word groups (issue 25 item 11)', () => {
     held[1].release();
   });
 
+  it('an evicted ad hoc group asked again counts as a new one: with max_ad_hoc_groups 1 and the other group in use it is refused, never loaded beside it', async () => {
+    // A breaker's case: two clients alternating two groups at max_ad_hoc_groups 1; the evicted group's next request
+    // reloaded it (unloading -> loading, no check), and both stayed loaded in 72 of 86 polls.
+    const s = supervisor({ max_ad_hoc_groups: 1 });
+    const [g1, g2] = GROUPS;
+    await use(s, g1);
+    const e2 = s.require(g2); // g1, idle, is asked to EVICT
+    const lease = await e2.admit({});
+    await e2.ensureReady();
+    expect(s.status(g1)!.state).not.toBe('ready');
+    let refused: unknown;
+    try {
+      s.require(g1);
+    } catch (e) {
+      refused = e;
+    }
+    expect(refused).toMatchObject({ code: 'too_many_groups', status: 503 });
+    expect(loadedGroups(s).filter((id) => s.status(id)!.state !== 'unloading')).toEqual([g2]);
+    lease.release();
+    // g2 idle now: g1 may load again, and g2 makes room.
+    await use(s, g1);
+    expect(loadedGroups(s).filter((id) => s.status(id)!.state !== 'unloading')).toEqual([g1]);
+  });
+
   it('issue 25 item 11: an ad hoc group unloads after ad_hoc_keep_alive_ms idle (default 300000), and leaves the registry then (issue 44 item 7); 0 leaves it to idle_unload_ms', async () => {
     const s = supervisor({ ad_hoc_keep_alive_ms: 100 });
     await use(s, 'alexa,timer');
