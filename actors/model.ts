@@ -914,10 +914,11 @@ function tell(actor: ModelActor, event: ModelEvent): void {
 /**
  * How long after its last lease ends a model is told idle (its chart's keep-alive starts, the
  * supervisor may evict it), ms: a request arriving meanwhile keeps it in use without an event.
+ * 25, not 5: a holder's peer jobs come a batch apart (an ingress's batch every `max_batch_delay_ms`,
+ * each job leased while its slot runs it), and at 5 ms nearly every gap turned the chart idle and
+ * busy again (~0.5 ms of the holder's CPU per job, `bench-cluster --parts 2`). An eviction does
+ * not wait for it ({@link ModelEntry.settle}, the `idle` getter).
  */
-// 25, not 5: a holder's peer jobs come a batch apart (an ingress's batch every max_batch_delay_ms, 10 ms, each job
-// leased while it runs), so at 5 ms nearly every gap turned the chart idle and busy again (3 % of the holder's main
-// thread at 50 streams, bench-cluster --parts 2).
 const IDLE_TOLD_AFTER_MS = 25;
 
 /**
