@@ -204,6 +204,7 @@ export const supervisorMachine = setup({
                 maxLoaded: room?.max_loaded,
                 timeoutMs: current!.timeout_ms,
                 resident: room?.resident ?? [],
+                unloading: context.victim?.id,
               })
             : voxError('insufficient_memory', {
                 id: current!.id,
@@ -370,7 +371,8 @@ export const supervisorMachine = setup({
         EVICTED: 'waitingForRelease',
         EVICT_REFUSED: {
           target: 'admitting',
-          actions: assign({ refused: ({ context, event }) => [...context.refused, event.id] }),
+          // The victim is the one evicted (and unloading) only once it says EVICTED.
+          actions: assign({ refused: ({ context, event }) => [...context.refused, event.id], victim: null }),
         },
       },
     },
@@ -378,7 +380,17 @@ export const supervisorMachine = setup({
       entry: assign({ waitingFor: 'release' }),
       on: { MODEL_CHANGED: { target: 'admitting', actions: assign({ refused: [] }) } },
       after: {
-        untilDeadline: { guard: 'hasDeadline', target: 'idle', actions: { type: 'refuse', params: { why: 'room' } } },
+        // Past the deadline while a victim unloads: refused for what it was evicted for (room, or memory).
+        untilDeadline: {
+          guard: 'hasDeadline',
+          target: 'idle',
+          actions: {
+            type: 'refuse',
+            params: ({ context }) => ({
+              why: context.victim?.reason === 'memory' ? ('memory' as const) : ('room' as const),
+            }),
+          },
+        },
       },
     },
     waitingForMemory: {

@@ -249,8 +249,10 @@ export const ERRORS = {
   no_room: {
     type: 'server_busy',
     retryAfterS: 1,
-    message: (p: { id: string; maxLoaded?: number; timeoutMs: number; resident: string[] }) =>
-      `cannot load ${p.id}: max_loaded_models (${p.maxLoaded}) reached and no model became idle to evict within the busy timeout (${p.timeoutMs} ms); resident: ${p.resident.join(', ') || 'none'}`,
+    message: (p: { id: string; maxLoaded?: number; timeoutMs: number; resident: string[]; unloading?: string }) =>
+      p.unloading
+        ? `cannot load ${p.id}: max_loaded_models (${p.maxLoaded}) reached, and ${p.unloading}, evicted for it, had not finished unloading within the busy timeout (${p.timeoutMs} ms); resident: ${p.resident.join(', ') || 'none'}`
+        : `cannot load ${p.id}: max_loaded_models (${p.maxLoaded}) reached and no model became idle to evict within the busy timeout (${p.timeoutMs} ms); resident: ${p.resident.join(', ') || 'none'}`,
   },
   insufficient_memory: {
     type: 'insufficient_memory',

@@ -148,6 +148,61 @@ describe('supervisor chart (createActor, SimulatedClock, no Supervisor class)', 
     expect(g.state()).toBe('idle');
   });
 
+  it('a victim evicted for the load but still unloading at the deadline: refused for what it was evicted for (lru: server_busy naming it; memory: insufficient_memory)', () => {
+    // A breaker's case: a memory eviction whose unload outlasted a 45 ms busy timeout answered no_room, "max_loaded_models
+    // (0) reached and no model became idle to evict".
+    const lru = gate(true, { ...open(), max_loaded: 1, resident: ['a'], candidates: ['a'] });
+    const x = lru.requester('x', 0, 50);
+    expect(lru.state()).toBe('waitingForRelease');
+    lru.clock.increment(50);
+    expect(x).toMatchObject([
+      {
+        type: 'LOAD_REFUSED',
+        error: {
+          type: 'server_busy',
+          message: expect.stringContaining(
+            'a, evicted for it, had not finished unloading within the busy timeout (50 ms)',
+          ),
+        },
+      },
+    ]);
+    const memory = gate(true, { ...open(), resident: ['a'], candidates: ['a'], headroom: 100, free: 150 });
+    const y = memory.requester('y', 100, 50);
+    expect(memory.asked).toEqual([{ id: 'a', reason: 'memory' }]);
+    memory.clock.increment(50);
+    expect(y).toMatchObject([{ type: 'LOAD_REFUSED', error: { type: 'insufficient_memory' } }]);
+  });
+
+  it('the victim is settled (its pending idle turn told) before it is asked to EVICT', () => {
+    const order: string[] = [];
+    const clock = new SimulatedClock();
+    const actor = createActor(supervisorMachine, {
+      clock,
+      input: {
+        guarded: true,
+        now: () => clock.now(),
+        settle: (id) => order.push(`settle ${id}`),
+        measure: (target) => ({
+          target: target.id,
+          needed_bytes: 0,
+          headroom_bytes: 0,
+          free_bytes: null,
+          max_loaded: 1,
+          resident: ['a'],
+          retiring: [],
+          candidates: ['a'],
+        }),
+      },
+    });
+    actor.start();
+    const victim = fromCallback(({ receive }) => receive((e: { type: string }) => void order.push(e.type)));
+    actor.send({ type: 'REGISTER', id: 'a', logic: victim as unknown as typeof modelMachine, input: {} as never });
+    const ref = createActor(fromCallback(() => {}));
+    ref.start();
+    actor.send({ type: 'LOAD_REQUESTED', id: 'x', needed_bytes: 0, timeout_ms: 1000, replyTo: ref });
+    expect(order).toEqual(['settle a', 'EVICT']);
+  });
+
   it('with no busy timeout (0) the load waits without bound', () => {
     const g = gate(true, { ...open(), max_loaded: 1, resident: ['a'] });
     const x = g.requester('x', 0, 0);
