@@ -15,18 +15,18 @@ export function heldModels(n: ClusterNode): Record<string, HeldModel> {
   const sup = n.supervisor!;
   const models: Record<string, HeldModel> = {};
   for (const id of sup.registeredIds) {
-    const s = sup.registered(id)!.figures();
+    const entry = sup.registered(id)!;
+    const s = entry.figures();
     const backed = s.state === 'ready' ? n.backing.get(s.id) : undefined;
     if (!backed && (s.state === 'unloaded' || n.runsRemotely(s.id) || n.placement.placesOnly(s.id, s.state))) continue;
-    const config = sup.configOf(s.id);
-    const registration = config ? n.registrationOf(config) : undefined;
+    const registration = n.registrationOf(entry.config);
     const pool = backed?.pool;
     models[s.id] = {
       task: s.task,
       state: s.state,
       slots: pool ? pool.slots.length : s.slots,
       free_slots: Math.max(0, pool ? pool.slots.length - pool.activeSlots : s.slots - s.active_slots),
-      busy_ms: pool ? pool.busyMs() : (sup.registered(s.id)?.busyMs() ?? 0),
+      busy_ms: pool ? pool.busyMs() : entry.busyMs(),
       queued: pool ? pool.queued : s.queued_requests,
       active_leases: pool ? pool.inFlight : s.active_leases,
       resident_bytes: backed ? backed.residentBytes : s.resident_bytes,
