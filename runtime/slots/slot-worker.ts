@@ -34,6 +34,7 @@ import {
 } from './slot-protocol.js';
 import { RNNOISE, RnnoiseEngine } from './rnnoise.js';
 import { unsupportedDtype } from '../tasks/tensor.js';
+import { IdleCollector } from '../memory.js';
 
 /** The worker thread's port, or null in a child process (then `process.send` / `process.on`). */
 const port = parentPort;
@@ -50,7 +51,12 @@ const OPTIONS: ort.InferenceSession.SessionOptions = {
   graphOptimizationLevel: 'all',
 };
 
+/** A child process's quiet time before it collects, ms (see the end of this file). */
+const HOST_IDLE_GC_MS = 2000;
+
 let sessions: ort.InferenceSession[] = [];
+/** A job has run since the idle collector last looked (child processes only). */
+let ran = false;
 let runJob: ((job: Job) => Promise<JobResult>) | null = null;
 
 function post(msg: FromSlot, transfer: ArrayBuffer[] = []): void {
@@ -430,6 +436,7 @@ const onMessage = async (msg: ToSlot): Promise<void> => {
       if (!runJob) throw new Error('slot has no model loaded');
       if (!port && ABORT_AT !== null && msg.job.kind === 'vad' && msg.job.windows[0] === ABORT_AT) process.abort();
       const start = performance.timeOrigin + performance.now();
+      ran = true;
       const result = await runJob(msg.job);
       result.ran = [start, performance.timeOrigin + performance.now()];
       post({ type: 'result', seq: msg.seq, result }, transferList(result));
@@ -462,4 +469,12 @@ else {
   jobs = new FrameChannel<ToSlot, FromSlot>(socket, 6, 5, inTurn, () => process.exit(1), true, SLOT_DEPTH);
   // The server is gone (even killed with SIGKILL): no orphan host is left running.
   process.on('disconnect', () => process.exit(0));
+  // 2 s without a job after some: one full garbage collection, then malloc's free pages back, as the server's main
+  // process does when idle (docs/operations.md). A job's buffers are garbage once answered; nothing else collects them
+  // in a host that idles, and what a burst of streams left stayed resident.
+  new IdleCollector(() => {
+    const busy = ran;
+    ran = false;
+    return busy;
+  }, HOST_IDLE_GC_MS);
 }
