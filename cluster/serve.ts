@@ -29,8 +29,23 @@ export class Serving {
   private readonly parts = new Assembler();
   /** Peers' jobs being served here, by their id (`<ingress>:<seq>#<attempt>`): a cancel aborts one. */
   private readonly running = new Map<string, AbortController>();
+  /** Peers' jobs this node has started serving, ever. */
+  private started = 0;
 
   constructor(private readonly n: ClusterNode) {}
+
+  /**
+   * Whether this node served other nodes' work since `since` (a {@link Serving.jobsStarted} read earlier), or serves
+   * some now: work for the server's idle collection, as its own requests and streams are.
+   */
+  servedSince(since: number): boolean {
+    return this.started !== since || this.running.size > 0;
+  }
+
+  /** Peers' jobs this node has started serving, ever (for {@link Serving.servedSince}). */
+  get jobsStarted(): number {
+    return this.started;
+  }
 
   /** Subscribes to this node's subjects (job, job parts, info, load, unload, ping). */
   subscribe(): void {
@@ -116,6 +131,7 @@ export class Serving {
   private async job(data: Uint8Array): Promise<Uint8Array> {
     const n = this.n;
     const msg = decodeMessage<RemoteJob>(data);
+    this.started++;
     let outcome = 'ok';
     /** The lease was revoked under the job (a forced unload): the model is not held here any more. */
     let revoked = false;

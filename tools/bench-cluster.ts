@@ -11,7 +11,9 @@
  *    processing lag (last sample of a window to its result, p50/p99) and the CPU time the
  *    server processes spent per second of audio, in all and per process (its main process + its
  *    slot hosts), and the batched jobs the model's slots ran. The ratio shows the hop's cost, not
- *    throughput.
+ *    throughput. Each setup first runs the same streams for `--warm-up` seconds, unmeasured: fresh
+ *    processes spend their first seconds compiling (V8's JIT), and 2 nodes compile twice; 0 measures
+ *    from the first stream, compile included.
  * 3. Failover (issue 20): an ingress (this process, node A) runs Silero VAD jobs of 8 windows one
  *    after another on a remote pool while a holder (a child process) is killed with SIGKILL,
  *    `--kills` times in each of two cases: another node still holds the model (the job is sent
@@ -20,8 +22,8 @@
  *    it (the job that was in flight, sent again), p50/p99, against the round trip of a job with
  *    no failure measured in the same run (the extra lag a failover adds is the difference).
  *
- *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--kills 20] [--parts
- * 1,2,3]
+ *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--warm-up 10]
+ *   [--kills 20] [--parts 1,2,3]
  *
  * Needs Debian's nats-server at /usr/sbin/nats-server. Other processes load the CPU: say so next
  * to any figure.
@@ -46,13 +48,14 @@ const { values } = parseArgs({
     streams: { type: 'string', default: '50' },
     seconds: { type: 'string', default: '10' },
     kills: { type: 'string', default: '20' },
+    'warm-up': { type: 'string', default: '10' },
     parts: { type: 'string', default: '1,2,3' },
     help: { type: 'boolean', short: 'h', default: false },
   },
 });
 if (values.help) {
   process.stdout.write(
-    'usage: node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--kills 20] [--parts 1,2,3]\n' +
+    'usage: node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--warm-up 10] [--kills 20] [--parts 1,2,3]\n' +
       '  part 1: a remote job against a local one; 2: live streams on 2 nodes against 1; 3: failover after SIGKILL\n',
   );
   process.exit(0);
@@ -62,6 +65,7 @@ const PARTS = new Set(values.parts.split(','));
 const JOBS = Number(values.jobs);
 const STREAMS = Number(values.streams);
 const SECONDS = Number(values.seconds);
+const WARM_UP = Number(values['warm-up']);
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-cluster-'));
 const children: ChildProcess[] = [];
@@ -192,17 +196,21 @@ async function part1(): Promise<void> {
 /** Part 2: live VAD streams, 1 node against 2 nodes. */
 async function part2(): Promise<void> {
   const frameMs = 100;
-  const frames = (SECONDS * 1000) / frameMs;
   const pcm = Buffer.alloc(((16000 * frameMs) / 1000) * 2);
   for (let i = 0; i < pcm.length / 2; i++)
     pcm.writeInt16LE(Math.round(Math.sin(i / 5) * 8000 * (i % 3200 < 1600 ? 1 : 0.01)), i * 2);
 
-  /** Runs the streams against `url`; resolves with the model's lag figures at `statusUrl` and the CPU of `pids`. */
+  /**
+   * Runs the streams for `seconds` against `url`; resolves with the model's lag figures at `statusUrl` (its last 4,096
+   * windows) and the CPU of `pids`.
+   */
   const streams = async (
     url: string,
     statusUrl: string,
     pids: number[],
+    seconds = SECONDS,
   ): Promise<{ p50: number; p99: number; cpuPerAudioS: number; apart: string }> => {
+    const frames = (seconds * 1000) / frameMs;
     const main0 = pids.map(cpuMs);
     const tree0 = pids.map(treeCpuMs);
     const socks = await Promise.all(
@@ -224,7 +232,7 @@ async function part2(): Promise<void> {
       if (k === frames - 1) s.ws.send(JSON.stringify({ type: 'end' }));
     });
     await Promise.all(socks.map((s) => s.closed));
-    const audioS = STREAMS * SECONDS;
+    const audioS = STREAMS * seconds;
     const main = pids.map((p, i) => cpuMs(p) - main0[i]);
     const tree = pids.map((p, i) => treeCpuMs(p) - tree0[i]);
     const cpu = tree.reduce((a, b) => a + b, 0);
@@ -236,16 +244,16 @@ async function part2(): Promise<void> {
     return { p50: lag.p50, p99: lag.p99, cpuPerAudioS: cpu / audioS, apart };
   };
 
-  /** Batched jobs the slots of the server at `url` have run (its `voxserve_inference_duration_seconds` count). */
+  /** Batched jobs the slots of the server at `url` have run (its `voxserve_inference_duration_seconds` count; 0 before the first). */
   const batches = async (url: string): Promise<number> => {
     const text = await (await fetch(`${url}/metrics`)).text();
-    return Number(
-      /^voxserve_inference_duration_seconds_count\{model="silero-vad"\} (\d+)/m.exec(text)?.[1] ?? Number.NaN,
-    );
+    return Number(/^voxserve_inference_duration_seconds_count\{model="silero-vad"\} (\d+)/m.exec(text)?.[1] ?? 0);
   };
   const one = await serve('single', { models: [{ id: 'silero-vad', lazy: false }] });
+  if (WARM_UP > 0) await streams(one.url, one.url, [one.child.pid!], WARM_UP);
+  const batches0 = await batches(one.url);
   const r1 = await streams(one.url, one.url, [one.child.pid!]);
-  const batches1 = await batches(one.url);
+  const batches1 = (await batches(one.url)) - batches0;
   one.child.kill('SIGTERM');
   const c = await serve('C2', {
     models: [{ id: 'silero-vad', lazy: false }],
@@ -258,9 +266,11 @@ async function part2(): Promise<void> {
     headers: { 'content-type': 'audio/wav' },
     body: new Uint8Array(wav(pcm)),
   });
+  if (WARM_UP > 0) await streams(a.url, a.url, [a.child.pid!, c.child.pid!], WARM_UP);
+  const batches2 = await batches(c.url);
   const r2 = await streams(a.url, a.url, [a.child.pid!, c.child.pid!]);
   console.log(
-    `\nlive VAD streams (${STREAMS} streams x ${SECONDS} s, ${frameMs} ms frames; processing lag = last sample of a window to its result)`,
+    `\nlive VAD streams (${STREAMS} streams x ${SECONDS} s after ${WARM_UP} s of the same unmeasured, ${frameMs} ms frames; processing lag = last sample of a window to its result)`,
   );
   console.log(
     'setup                | lag p50 ms | lag p99 ms | server CPU ms per audio s | main + slot hosts per process (1 node; A, C) | batches',
@@ -269,7 +279,7 @@ async function part2(): Promise<void> {
     `1 node               | ${String(r1.p50).padStart(10)} | ${String(r1.p99).padStart(10)} | ${r1.cpuPerAudioS.toFixed(2).padStart(25)} | ${r1.apart.padEnd(44)} | ${batches1}`,
   );
   console.log(
-    `2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2).padStart(25)} | ${r2.apart.padEnd(44)} | ${await batches(c.url)}`,
+    `2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2).padStart(25)} | ${r2.apart.padEnd(44)} | ${(await batches(c.url)) - batches2}`,
   );
   console.log(
     `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2).padStart(25)} |`,

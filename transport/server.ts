@@ -45,6 +45,8 @@ export interface VoxServer {
   readonly zeroconf: Announcement | null;
   /** This node's cluster membership, when `cluster` is configured. */
   readonly cluster: ClusterNode | null;
+  /** The collection of garbage once the server idles (runtime/memory.ts): `runs` counts those done. */
+  readonly idleGc: Pick<IdleCollector, 'runs'>;
   /**
    * Shuts down in phases (C15), as the system chart (actors/system.ts) says: stop accepting
    * (`/ready` and new work 503 `shutting_down`); let running requests finish and finish every
@@ -499,6 +501,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     actors.declare('wyoming', streamSocketMachine);
     actors.source(() => [...(run.wyoming?.links ?? [])].map((l) => l.actor), 'wyoming');
   }
+  /** Other nodes' jobs this node had started serving when the idle collection last looked. */
+  let jobsSeen = 0;
   const run: Running = {
     config,
     supervisor,
@@ -510,8 +514,18 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     inflight,
     connections: new Set(),
     links: new WeakMap(),
-    // Off-heap garbage left by streams and requests is collected once the server idles (issue 25 item 14).
-    idleGc: new IdleCollector(() => streams.size > 0 || inflight.size > 0 || (run.wyoming?.links.size ?? 0) > 0),
+    // Off-heap garbage left by streams, requests and other nodes' jobs is collected once the server idles (issue 25
+    // item 14; a holder serving only other nodes' jobs never did, issue 45).
+    idleGc: new IdleCollector(() => {
+      const seen = jobsSeen;
+      jobsSeen = cluster?.serving.jobsStarted ?? 0;
+      return (
+        streams.size > 0 ||
+        inflight.size > 0 ||
+        (run.wyoming?.links.size ?? 0) > 0 ||
+        (cluster?.serving.servedSince(seen) ?? false)
+      );
+    }),
     wyoming: null,
     actors,
     tell: (event) => {
@@ -561,6 +575,7 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     wyoming: run.wyoming,
     zeroconf: run.zeroconf ?? null,
     cluster,
+    idleGc: run.idleGc,
     close: () => close(),
     destroy: () => close(true),
   };

@@ -182,6 +182,17 @@ describe('three nodes and one NATS server', () => {
     expect(await metric(A, 'voxserve_loads_total', { model: 'silero-vad' })).toBe(0);
   });
 
+  it("a holder that served only other nodes' jobs collects its garbage once idle, as after its own requests (issue 45)", async () => {
+    // Past any collection earlier work on C may still be due (the collector runs 5 s after work ends).
+    await new Promise((r) => setTimeout(r, 6500));
+    const base = C.idleGc.runs;
+    const r = await runFile(A, 'silero-vad', 'silero_test.wav');
+    expect(r.status, JSON.stringify(r.body)).toBe(200);
+    expect(await holders(A, 'silero-vad')).toEqual(['C']);
+    // The collector samples once a second and runs after 5 s without work (runtime/memory.ts).
+    await until(async () => C.idleGc.runs > base, 9000);
+  }, 20_000);
+
   it.each(['voxserve.v1.json', 'voxserve.v1.msgpack'])(
     "a VAD stream on A held only by C gives the single node's events and file segments (%s)",
     async (protocol) => {
