@@ -56,19 +56,41 @@ const { values } = parseArgs({
 if (values.help) {
   process.stdout.write(
     'usage: node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--warm-up 10] [--kills 20] [--parts 1,2,3]\n' +
-      '  part 1: a remote job against a local one; 2: live streams on 2 nodes against 1; 3: failover after SIGKILL\n',
+      '  part 1: a remote job against a local one (--jobs per figure); 2: live streams on 2 nodes against 1 (--streams\n' +
+      '  of --seconds each, after --warm-up seconds of the same unmeasured on each setup, so 2 x S more); 3: failover\n' +
+      '  after SIGKILL of a holder (--kills times in each of two cases)\n',
   );
   process.exit(0);
 }
-const KILLS = Number(values.kills);
+/** The option `name` as a whole number of at least `min`; exits 2 naming it otherwise. */
+function count(name: keyof typeof values, min: number): number {
+  const v = Number(values[name]);
+  if (Number.isInteger(v) && v >= min) return v;
+  process.stderr.write(
+    `bench-cluster: --${name} must be a whole number >= ${min}, got ${JSON.stringify(values[name])}\n`,
+  );
+  process.exit(2);
+}
+const KILLS = count('kills', 1);
 const PARTS = new Set(values.parts.split(','));
-const JOBS = Number(values.jobs);
-const STREAMS = Number(values.streams);
-const SECONDS = Number(values.seconds);
-const WARM_UP = Number(values['warm-up']);
+const JOBS = count('jobs', 1);
+const STREAMS = count('streams', 1);
+const SECONDS = count('seconds', 1);
+const WARM_UP = count('warm-up', 0);
+for (const p of PARTS)
+  if (!['1', '2', '3'].includes(p)) {
+    process.stderr.write(`bench-cluster: --parts lists 1, 2 or 3, got ${JSON.stringify(values.parts)}\n`);
+    process.exit(2);
+  }
 const silero = defaultCatalog().find((m) => m.id === 'silero-vad')!;
 const dir = mkdtempSync(join(tmpdir(), 'voxserve-bench-cluster-'));
 const children: ChildProcess[] = [];
+// However this process ends (an error, Ctrl-C, its output's reader gone), the servers and nats-server it started end too.
+process.on('exit', () => {
+  for (const ch of children) if (ch.exitCode === null) ch.kill('SIGKILL');
+  rmSync(dir, { recursive: true, force: true });
+});
+process.once('SIGINT', () => process.exit(130)).once('SIGTERM', () => process.exit(143));
 
 function freePort(): Promise<number> {
   return new Promise((resolve) => {
@@ -209,7 +231,15 @@ async function part2(): Promise<void> {
     statusUrl: string,
     pids: number[],
     seconds = SECONDS,
-  ): Promise<{ p50: number; p99: number; cpuPerAudioS: number; apart: string }> => {
+  ): Promise<{ p50: number; p99: number; earlier: number; cpuPerAudioS: number; apart: string }> => {
+    /** The model's lag figures at `statusUrl`: p50, p99 over its last 4,096 windows, and the windows counted ever. */
+    const lagNow = async (): Promise<{ p50: number; p99: number; windows: number }> => {
+      const { models } = (await (await fetch(`${statusUrl}/v1/models`)).json()) as {
+        models: { id: string; processing_lag_ms: { p50: number; p99: number; windows: number } | null }[];
+      };
+      return models.find((m) => m.id === 'silero-vad')!.processing_lag_ms ?? { p50: 0, p99: 0, windows: 0 };
+    };
+    const windows0 = (await lagNow()).windows;
     const frames = (seconds * 1000) / frameMs;
     const main0 = pids.map(cpuMs);
     const tree0 = pids.map(treeCpuMs);
@@ -237,11 +267,10 @@ async function part2(): Promise<void> {
     const tree = pids.map((p, i) => treeCpuMs(p) - tree0[i]);
     const cpu = tree.reduce((a, b) => a + b, 0);
     const apart = main.map((m, i) => `${(m / audioS).toFixed(2)} + ${((tree[i] - m) / audioS).toFixed(2)}`).join(', ');
-    const { models } = (await (await fetch(`${statusUrl}/v1/models`)).json()) as {
-      models: { id: string; processing_lag_ms: { p50: number; p99: number } }[];
-    };
-    const lag = models.find((m) => m.id === 'silero-vad')!.processing_lag_ms;
-    return { p50: lag.p50, p99: lag.p99, cpuPerAudioS: cpu / audioS, apart };
+    const lag = await lagNow();
+    // Windows of the figures that came before this run (the warm-up's), when this run had fewer than 4,096.
+    const earlier = Math.max(0, Math.min(lag.windows, 4096) - (lag.windows - windows0));
+    return { p50: lag.p50, p99: lag.p99, earlier, cpuPerAudioS: cpu / audioS, apart };
   };
 
   /** Batched jobs the slots of the server at `url` have run (its `voxserve_inference_duration_seconds` count; 0 before the first). */
@@ -284,6 +313,10 @@ async function part2(): Promise<void> {
   console.log(
     `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2).padStart(25)} |`,
   );
+  if (r1.earlier || r2.earlier)
+    console.log(
+      `(the lag is the model's last 4,096 windows: ${r1.earlier} of 1 node's and ${r2.earlier} of 2 nodes' are the warm-up's; more streams or seconds leave none)`,
+    );
   a.child.kill('SIGTERM');
   c.child.kill('SIGTERM');
 }
