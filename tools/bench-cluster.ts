@@ -13,7 +13,9 @@
  *    slot hosts), and the batched jobs the model's slots ran. The ratio shows the hop's cost, not
  *    throughput. Each setup first runs the same streams for `--warm-up` seconds, unmeasured: fresh
  *    processes spend their first seconds compiling (V8's JIT), and 2 nodes compile twice; 0 measures
- *    from the first stream, compile included.
+ *    from the first stream, compile included. Then `--rounds` rounds, each measuring 1 node then 2
+ *    nodes (all three processes run throughout, idle while the other setup is measured); the ratios
+ *    are printed as the median and range of the rounds' ratios.
  * 3. Failover (issue 20): an ingress (this process, node A) runs Silero VAD jobs of 8 windows one
  *    after another on a remote pool while a holder (a child process) is killed with SIGKILL,
  *    `--kills` times in each of two cases: another node still holds the model (the job is sent
@@ -23,7 +25,7 @@
  *    no failure measured in the same run (the extra lag a failover adds is the difference).
  *
  *   npm run build && node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--warm-up 10]
- *   [--kills 20] [--parts 1,2,3]
+ *   [--rounds 3] [--kills 20] [--parts 1,2,3]
  *
  * Needs Debian's nats-server at /usr/sbin/nats-server. Other processes load the CPU: say so next
  * to any figure.
@@ -49,16 +51,18 @@ const { values } = parseArgs({
     seconds: { type: 'string', default: '10' },
     kills: { type: 'string', default: '20' },
     'warm-up': { type: 'string', default: '10' },
+    rounds: { type: 'string', default: '3' },
     parts: { type: 'string', default: '1,2,3' },
     help: { type: 'boolean', short: 'h', default: false },
   },
 });
 if (values.help) {
   process.stdout.write(
-    'usage: node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--warm-up 10] [--kills 20] [--parts 1,2,3]\n' +
+    'usage: node dist/tools/bench-cluster.js [--jobs 300] [--streams 50] [--seconds 10] [--warm-up 10] [--rounds 3]\n' +
+      '  [--kills 20] [--parts 1,2,3]\n' +
       '  part 1: a remote job against a local one (--jobs per figure); 2: live streams on 2 nodes against 1 (--streams\n' +
-      '  of --seconds each, after --warm-up seconds of the same unmeasured on each setup, so 2 x S more); 3: failover\n' +
-      '  after SIGKILL of a holder (--kills times in each of two cases)\n',
+      '  of --seconds each, after --warm-up seconds of the same unmeasured on each setup; --rounds alternated, the\n' +
+      '  ratios their median and range); 3: failover after SIGKILL of a holder (--kills times in each of two cases)\n',
   );
   process.exit(0);
 }
@@ -77,6 +81,7 @@ const JOBS = count('jobs', 1);
 const STREAMS = count('streams', 1);
 const SECONDS = count('seconds', 1);
 const WARM_UP = count('warm-up', 0);
+const ROUNDS = count('rounds', 1);
 for (const p of PARTS)
   if (!['1', '2', '3'].includes(p)) {
     process.stderr.write(`bench-cluster: --parts lists 1, 2 or 3, got ${JSON.stringify(values.parts)}\n`);
@@ -278,12 +283,9 @@ async function part2(): Promise<void> {
     const text = await (await fetch(`${url}/metrics`)).text();
     return Number(/^voxserve_inference_duration_seconds_count\{model="silero-vad"\} (\d+)/m.exec(text)?.[1] ?? 0);
   };
+  // Both setups run side by side, idle while the other is measured: their rounds alternate, so the machine's drift
+  // (2-3x from day to day, ~20 % within a run here) falls on both alike.
   const one = await serve('single', { models: [{ id: 'silero-vad', lazy: false }] });
-  if (WARM_UP > 0) await streams(one.url, one.url, [one.child.pid!], WARM_UP);
-  const batches0 = await batches(one.url);
-  const r1 = await streams(one.url, one.url, [one.child.pid!]);
-  const batches1 = (await batches(one.url)) - batches0;
-  one.child.kill('SIGTERM');
   const c = await serve('C2', {
     models: [{ id: 'silero-vad', lazy: false }],
     cluster: { nats, node: 'C2', heartbeat_ms: 500 },
@@ -295,30 +297,47 @@ async function part2(): Promise<void> {
     headers: { 'content-type': 'audio/wav' },
     body: new Uint8Array(wav(pcm)),
   });
-  if (WARM_UP > 0) await streams(a.url, a.url, [a.child.pid!, c.child.pid!], WARM_UP);
-  const batches2 = await batches(c.url);
-  const r2 = await streams(a.url, a.url, [a.child.pid!, c.child.pid!]);
+  const setups = [
+    { name: '1 node', url: one.url, slots: one.url, pids: [one.child.pid!] },
+    { name: '2 nodes (A -> C)', url: a.url, slots: c.url, pids: [a.child.pid!, c.child.pid!] },
+  ];
+  if (WARM_UP > 0) for (const s of setups) await streams(s.url, s.url, s.pids, WARM_UP);
   console.log(
-    `\nlive VAD streams (${STREAMS} streams x ${SECONDS} s after ${WARM_UP} s of the same unmeasured, ${frameMs} ms frames; processing lag = last sample of a window to its result)`,
+    `\nlive VAD streams (${STREAMS} streams x ${SECONDS} s after ${WARM_UP} s of the same unmeasured, ${frameMs} ms frames, ${ROUNDS} rounds; processing lag = last sample of a window to its result)`,
   );
   console.log(
-    'setup                | lag p50 ms | lag p99 ms | server CPU ms per audio s | main + slot hosts per process (1 node; A, C) | batches',
+    'round | setup            | lag p50 ms | lag p99 ms | server CPU ms per audio s | main + slot hosts per process (1 node; A, C) | batches',
   );
+  const ratios: { p50: number; p99: number; cpu: number }[] = [];
+  let earlier = 0;
+  for (let round = 1; round <= ROUNDS; round++) {
+    const r: Awaited<ReturnType<typeof streams>>[] = [];
+    for (const s of setups) {
+      const b0 = await batches(s.slots);
+      const x = await streams(s.url, s.url, s.pids);
+      r.push(x);
+      earlier = Math.max(earlier, x.earlier);
+      console.log(
+        `${String(round).padStart(5)} | ${s.name.padEnd(16)} | ${String(x.p50).padStart(10)} | ${String(x.p99).padStart(10)} | ${x.cpuPerAudioS.toFixed(2).padStart(25)} | ${x.apart.padEnd(44)} | ${(await batches(s.slots)) - b0}`,
+      );
+    }
+    ratios.push({ p50: r[1].p50 / r[0].p50, p99: r[1].p99 / r[0].p99, cpu: r[1].cpuPerAudioS / r[0].cpuPerAudioS });
+  }
+  const spread = (xs: number[]): string => {
+    const sorted = [...xs].sort((x, y) => x - y);
+    const mid = sorted[Math.floor((sorted.length - 1) / 2)];
+    return xs.length > 1
+      ? `${mid.toFixed(2)} (${sorted[0].toFixed(2)}-${sorted[sorted.length - 1].toFixed(2)})`
+      : mid.toFixed(2);
+  };
   console.log(
-    `1 node               | ${String(r1.p50).padStart(10)} | ${String(r1.p99).padStart(10)} | ${r1.cpuPerAudioS.toFixed(2).padStart(25)} | ${r1.apart.padEnd(44)} | ${batches1}`,
+    `2 nodes / 1 node, median (min-max) of the ${ROUNDS} rounds' ratios: server CPU ${spread(ratios.map((x) => x.cpu))}, lag p50 ${spread(ratios.map((x) => x.p50))}, lag p99 ${spread(ratios.map((x) => x.p99))}`,
   );
-  console.log(
-    `2 nodes (A -> C)     | ${String(r2.p50).padStart(10)} | ${String(r2.p99).padStart(10)} | ${r2.cpuPerAudioS.toFixed(2).padStart(25)} | ${r2.apart.padEnd(44)} | ${(await batches(c.url)) - batches2}`,
-  );
-  console.log(
-    `ratio 2 nodes/1 node | ${(r2.p50 / r1.p50).toFixed(2).padStart(10)} | ${(r2.p99 / r1.p99).toFixed(2).padStart(10)} | ${(r2.cpuPerAudioS / r1.cpuPerAudioS).toFixed(2).padStart(25)} |`,
-  );
-  if (r1.earlier || r2.earlier)
+  if (earlier)
     console.log(
-      `(the lag is the model's last 4,096 windows: ${r1.earlier} of 1 node's and ${r2.earlier} of 2 nodes' are the warm-up's; more streams or seconds leave none)`,
+      `(the lag is the model's last 4,096 windows: up to ${earlier} of them came before the round; more streams or seconds leave none)`,
     );
-  a.child.kill('SIGTERM');
-  c.child.kill('SIGTERM');
+  for (const ch of [one.child, a.child, c.child]) ch.kill('SIGTERM');
 }
 
 /** Part 3: failover, the time from a holder's SIGKILL to the result of the job it had. */
