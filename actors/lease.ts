@@ -214,7 +214,9 @@ export function requestLease(
 
 /**
  * The promise form of {@link requestLease}: `granted` resolves on the grant and rejects on the
- * refusal, or with the revocation's error when the lease is revoked before the model was ready;
+ * refusal, or with the revocation's error when the lease is revoked before the model was ready,
+ * or with an `AbortError` when the handle is released before either (no answer comes for a lease
+ * its holder ended: a peer's job cancelled while it waited for admission hung for good);
  * `onRevoke` hears every revocation.
  */
 export function leaseGranted(
@@ -224,12 +226,19 @@ export function leaseGranted(
 ): { handle: LeaseHandle; granted: Promise<Granted> } {
   let handle!: LeaseHandle;
   const granted = new Promise<Granted>((resolve, reject) => {
-    handle = requestLease(entry, opts, (e) => {
+    const lease = requestLease(entry, opts, (e) => {
       if (e.type === 'LEASE_GRANTED') return resolve(e.granted);
       if (e.type === 'LEASE_REFUSED') return reject(e.error);
       onRevoke(e);
       reject(e.error);
     });
+    handle = {
+      signal: lease.signal,
+      release: () => {
+        lease.release();
+        reject(lease.signal.reason);
+      },
+    };
   });
   granted.catch(() => {});
   return { handle, granted };

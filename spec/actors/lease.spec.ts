@@ -107,6 +107,29 @@ describe('lease: arrival order after a cold load (issue 25 item 15)', () => {
     second.handle.release();
   });
 
+  it('a lease released before its answer (a cancelled job, a client gone) rejects its grant, and gives the slot back', async () => {
+    const m = coldModel();
+    m.finishLoad();
+    await m.entry.ensureReady();
+    // Released in the same turn: admission grants the free slot, and the grant comes after the release.
+    const gone = leaseGranted(m.entry, {}, () => {});
+    gone.handle.release();
+    const outcome = await Promise.race([
+      gone.granted.then(
+        () => 'granted',
+        (e: Error) => e.name,
+      ),
+      new Promise((r) => setTimeout(() => r('no answer'), 500)),
+    ]);
+    expect(outcome).toBe('AbortError');
+    // The one slot is free: the next request is granted and runs.
+    const next = fileRequest(m.entry, 7);
+    next.prepared();
+    await expect(next.result).resolves.toMatchObject({ kind: 'vad' });
+    expect(m.started).toEqual([7]);
+    next.handle.release();
+  });
+
   it('a warm model with nobody in line: requests go as they come (unchanged)', async () => {
     const m = coldModel();
     m.finishLoad();
