@@ -27,6 +27,21 @@ describe('IdleCollector (issue 25 item 14)', () => {
       c.stop();
     }
   });
+
+  it('never collects while short requests keep coming, each between two looks at busy(); once after they stop', async () => {
+    const c = new IdleCollector(() => false, 100);
+    try {
+      // A request every 40 ms, each over before the collector looks (every 20 ms): 600 ms of traffic, 6 x idleMs.
+      for (let t = 0; t < 600; t += 40) {
+        c.touch();
+        await sleep(40);
+      }
+      expect(c.runs).toBe(0);
+      await until(() => c.runs === 1, 2000);
+    } finally {
+      c.stop();
+    }
+  });
 });
 
 /**
