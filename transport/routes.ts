@@ -158,6 +158,11 @@ export interface RouteDeps {
   readonly cluster: ClusterNode | null;
   /** Every actor `/debug` shows, by kind (without it: the root's tree and the streams). */
   readonly actors?: ActorDirectory;
+  /**
+   * Called for each request that is work (a work route, or any method but GET: management), not a probe or a read of
+   * status (`/health`, `/metrics`, `/v1/models`...): the idle collection's `touch`.
+   */
+  readonly onWork?: () => void;
 }
 
 /** Answers one HTTP request on the connection's socket actor `link` as request `rid`; throws the error to answer. */
@@ -655,6 +660,7 @@ export function createDispatch(deps: RouteDeps): Dispatch {
       throw voxError('method_not_allowed', { method, path });
     }
     const { route: r, params } = found;
+    if (r.work || method !== 'GET') deps.onWork?.();
     if (r.auth === 'apiKey') access.apiKey(req);
     else if (r.offPage && !config.management.enabled) return sendHtml(res, 403, r.offPage);
     else if (r.auth !== 'none') access.management(req, r.auth === 'managementPage');

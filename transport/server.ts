@@ -217,7 +217,6 @@ function requestHandler(run: Running, dispatch: Dispatch): (req: IncomingMessage
       .then(() => closed)
       .finally(() => run.inflight.delete(handled));
     run.inflight.add(handled);
-    run.idleGc.touch();
   };
 }
 
@@ -542,6 +541,8 @@ export async function startServer(config: ServerConfig, options: ServerOptions =
     cluster,
     actors,
     demo: config.demo.enabled ?? isLoopback(config.host),
+    // A probe polled more often than the idle time must not hold the collection off.
+    onWork: () => run.idleGc.touch(),
   });
   const handle = requestHandler(run, dispatch);
   const { http, headersTimeout, requestTimeout } = createListener(config, handle);

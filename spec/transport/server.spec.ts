@@ -99,6 +99,23 @@ function streamWav(
 }
 
 describe('server basics', () => {
+  it('the idle collection runs once after work while a probe polls /health every second, and not again for the probe', async () => {
+    const poll = async (ms: number, stop: () => boolean = () => false): Promise<void> => {
+      for (const end = Date.now() + ms; Date.now() < end && !stop(); ) {
+        expect((await fetch(`${server.url}/health`)).status).toBe(200);
+        await new Promise((r) => setTimeout(r, 1000));
+      }
+    };
+    // The file's first test: no work yet, so no collection is due from earlier tests.
+    const base = server.idleGc.runs;
+    expect(base).toBe(0);
+    expect((await runWav('silero-vad', fixture('silero_test.wav'))).status).toBe(200);
+    await poll(9000, () => server.idleGc.runs > base);
+    expect(server.idleGc.runs).toBe(base + 1);
+    await poll(6500);
+    expect(server.idleGc.runs).toBe(base + 1);
+  }, 30_000);
+
   it('reports /health, /ready and the embedded catalog', async () => {
     expect(await (await fetch(`${server.url}/health`)).json()).toMatchObject({ status: 'ok' });
     expect((await fetch(`${server.url}/ready`)).status).toBe(200);
