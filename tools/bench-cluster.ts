@@ -41,6 +41,7 @@ import { defaultCatalog, ServerConfig } from '../runtime/config.js';
 import { SILERO, type VadJob } from '../runtime/slots/slot-protocol.js';
 import { type ModelPool, processSlots, SlotPool } from '../runtime/slots/slots.js';
 import { startServer } from '../transport/server.js';
+import { withSpread } from './bench.js';
 import { paceFrames } from './pace.js';
 import { spawnServer } from './spawn-server.js';
 
@@ -182,10 +183,9 @@ try {
   if (PARTS.has('2')) await part2();
   if (PARTS.has('3')) await part3();
 } finally {
+  // A stop first; the exit handler above kills what is left and removes the files.
   for (const ch of children) ch.kill('SIGTERM');
   await new Promise((r) => setTimeout(r, 500));
-  for (const ch of children) if (ch.exitCode === null) ch.kill('SIGKILL');
-  rmSync(dir, { recursive: true, force: true });
 }
 
 /** Part 1: a remote job against a local one. */
@@ -228,18 +228,17 @@ async function part2(): Promise<void> {
     pcm.writeInt16LE(Math.round(Math.sin(i / 5) * 8000 * (i % 3200 < 1600 ? 1 : 0.01)), i * 2);
 
   /**
-   * Runs the streams for `seconds` against `url`; resolves with the model's lag figures at `statusUrl` (its last 4,096
-   * windows) and the CPU of `pids`.
+   * Runs the streams for `seconds` against `url`; resolves with the model's lag figures there (its last 4,096 windows)
+   * and the CPU of `pids`.
    */
   const streams = async (
     url: string,
-    statusUrl: string,
     pids: number[],
     seconds = SECONDS,
   ): Promise<{ p50: number; p99: number; earlier: number; cpuPerAudioS: number; apart: string }> => {
-    /** The model's lag figures at `statusUrl`: p50, p99 over its last 4,096 windows, and the windows counted ever. */
+    /** The model's lag figures at `url`: p50, p99 over its last 4,096 windows, and the windows counted ever. */
     const lagNow = async (): Promise<{ p50: number; p99: number; windows: number }> => {
-      const { models } = (await (await fetch(`${statusUrl}/v1/models`)).json()) as {
+      const { models } = (await (await fetch(`${url}/v1/models`)).json()) as {
         models: { id: string; processing_lag_ms: { p50: number; p99: number; windows: number } | null }[];
       };
       return models.find((m) => m.id === 'silero-vad')!.processing_lag_ms ?? { p50: 0, p99: 0, windows: 0 };
@@ -301,7 +300,7 @@ async function part2(): Promise<void> {
     { name: '1 node', url: one.url, slots: one.url, pids: [one.child.pid!] },
     { name: '2 nodes (A -> C)', url: a.url, slots: c.url, pids: [a.child.pid!, c.child.pid!] },
   ];
-  if (WARM_UP > 0) for (const s of setups) await streams(s.url, s.url, s.pids, WARM_UP);
+  if (WARM_UP > 0) for (const s of setups) await streams(s.url, s.pids, WARM_UP);
   console.log(
     `\nlive VAD streams (${STREAMS} streams x ${SECONDS} s after ${WARM_UP} s of the same unmeasured, ${frameMs} ms frames, ${ROUNDS} rounds; processing lag = last sample of a window to its result)`,
   );
@@ -314,7 +313,7 @@ async function part2(): Promise<void> {
     const r: Awaited<ReturnType<typeof streams>>[] = [];
     for (const s of setups) {
       const b0 = await batches(s.slots);
-      const x = await streams(s.url, s.url, s.pids);
+      const x = await streams(s.url, s.pids);
       r.push(x);
       earlier = Math.max(earlier, x.earlier);
       console.log(
@@ -323,15 +322,8 @@ async function part2(): Promise<void> {
     }
     ratios.push({ p50: r[1].p50 / r[0].p50, p99: r[1].p99 / r[0].p99, cpu: r[1].cpuPerAudioS / r[0].cpuPerAudioS });
   }
-  const spread = (xs: number[]): string => {
-    const sorted = [...xs].sort((x, y) => x - y);
-    const mid = sorted[Math.floor((sorted.length - 1) / 2)];
-    return xs.length > 1
-      ? `${mid.toFixed(2)} (${sorted[0].toFixed(2)}-${sorted[sorted.length - 1].toFixed(2)})`
-      : mid.toFixed(2);
-  };
   console.log(
-    `2 nodes / 1 node, median (min-max) of the ${ROUNDS} rounds' ratios: server CPU ${spread(ratios.map((x) => x.cpu))}, lag p50 ${spread(ratios.map((x) => x.p50))}, lag p99 ${spread(ratios.map((x) => x.p99))}`,
+    `2 nodes / 1 node, median (min-max) of the ${ROUNDS} rounds' ratios: server CPU ${withSpread(ratios.map((x) => x.cpu))}, lag p50 ${withSpread(ratios.map((x) => x.p50))}, lag p99 ${withSpread(ratios.map((x) => x.p99))}`,
   );
   if (earlier)
     console.log(
