@@ -15,9 +15,10 @@
  *   CPU ms per stream-second + the load generator's own CPU ms per stream-second, from a
  *   calibration run at 25 % of cores x 1000 / bare in the first round).
  * - **streams held**: the most streams for which every stream finishes (done within 1 s of its
- *   last frame) and the processing lag p99 stays under 100 ms over the whole run (from the
- *   server's `voxserve_processing_lag_seconds` histogram: at least 99 % of windows at or under
- *   its 0.1 s bucket), as a count and as a share of the limit; searched in steps of the limit
+ *   last frame) and the processing lag p99 over the whole run is under 100 ms over the
+ *   light-load floor (issue 45's measure): the lowest p99 of the rounds' 10 % runs so far. The
+ *   p99 comes from the server's `voxserve_processing_lag_seconds` histogram (linear within its
+ *   bucket; 25 ms buckets from 50 to 250 ms). As a count and as a share of the limit; searched in steps of the limit
  *   from the target share up or down, once per round, median. The lag p99 is also shown for
  *   the run's three parts apart (the first second of audio, the steady part, and the end).
  * - **server CPU per stream-second, whole life**: main process and slot hosts apart (from
@@ -158,7 +159,7 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
       id: 'hey-jarvis',
       model: { ...jarvis, ...batching },
       frameMs: 100,
-      target: 0.7,
+      target: 0.9,
       pcm: Buffer.concat([fixture('espeak_alexa_16k.wav'), fixture('espeak_sentence_16k.wav')]),
       rate: 16_000,
       bare: (_rows, short) => bareInChild(['wakeword', 'hey-jarvis', 1, short ? 300 : 600]),
@@ -174,7 +175,7 @@ function workload(name: WorkloadName, o: BenchOptions): Workload {
     id: 'silero-vad',
     model: { ...silero, ...batching },
     frameMs,
-    target: name === 'vad20' ? 0.6 : 0.7,
+    target: name === 'vad20' ? 0.7 : 0.85,
     pcm: fixture('espeak_sentence_16k.wav'),
     rate: 16_000,
     bare: (rows, short) => bareInChild(['vad', rows, short ? 6000 : 20_000]),
@@ -212,11 +213,11 @@ async function scrape(url: string, id: string): Promise<Map<string, number>> {
   return out;
 }
 
-const LAG_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30];
+const LAG_BUCKET = 'voxserve_processing_lag_seconds_bucket{';
 
 /**
- * p99 of the lag, ms, from histogram bucket counts (linear within its bucket), and the share of windows at or under 100
- * ms.
+ * p99 of the lag, ms, from histogram bucket counts (linear within its bucket; the buckets are the
+ * ones the server exposes), and the share of windows at or under 100 ms.
  */
 function lagFrom(
   before: Map<string, number>,
@@ -225,11 +226,15 @@ function lagFrom(
   const d = (k: string): number => (after.get(k) ?? 0) - (before.get(k) ?? 0);
   const total = d('voxserve_processing_lag_seconds_count');
   if (!total) return { p99: NaN, under100: NaN, windows: 0 };
+  const buckets = [...after.keys()]
+    .filter((k) => k.startsWith(LAG_BUCKET) && k !== `${LAG_BUCKET}+Inf}`)
+    .map((k) => Number(k.slice(LAG_BUCKET.length, -1)))
+    .sort((a, b) => a - b);
   let prevLe = 0;
   let prevCum = 0;
   let p99 = Infinity;
-  for (const le of LAG_BUCKETS) {
-    const cum = d(`voxserve_processing_lag_seconds_bucket{${le}}`);
+  for (const le of buckets) {
+    const cum = d(`${LAG_BUCKET}${le}}`);
     if (cum >= 0.99 * total) {
       p99 = (prevLe + ((0.99 * total - prevCum) / Math.max(1, cum - prevCum)) * (le - prevLe)) * 1000;
       break;
@@ -256,6 +261,9 @@ interface Run {
   /** The lag p99 of the first second of audio, the steady part and the end, ms. */
   lagParts: [number, number, number];
   under100: number;
+  /** The light-load floor the run was judged against: lag p99, ms (0 with `--streams`: none measured). */
+  floor: number;
+  /** Every stream finished and the lag p99 was under `floor` + 100 ms. */
   held: boolean;
   /**
    * Server CPU ms per stream-second over every stream's whole life: from before the first opens to after the last has
@@ -304,7 +312,13 @@ async function settled(url: string): Promise<void> {
  * server CPU over the streams' whole life (open to close), their opening and closing apart, and
  * the steady part.
  */
-async function live(w: Workload, n: number, share: number, round: number, o: BenchOptions): Promise<Omit<Run, 'bare'>> {
+async function live(
+  w: Workload,
+  n: number,
+  share: number,
+  round: number,
+  o: BenchOptions,
+): Promise<Omit<Run, 'bare' | 'floor' | 'held'>> {
   const { child, url } = await startServer(w, n, o);
   const pid = child.pid!;
   try {
@@ -460,7 +474,6 @@ async function live(w: Workload, n: number, share: number, round: number, o: Ben
       lagP99: lag.p99,
       lagParts: [lagFrom(before, ma).p99, lagFrom(ma, mb).p99, lagFrom(mb, after).p99],
       under100: lag.under100,
-      held: finished === n && lag.under100 >= 0.99,
       life: { main: cpu(opening, closedAll, 'main') / lifeS, hosts: cpu(opening, closedAll, 'hosts') / lifeS },
       openClose: { main: ends('main'), hosts: ends('hosts') },
       steady: (cpu(a, b, 'main') + cpu(a, b, 'hosts')) / streamS(ma, mb),
@@ -537,7 +550,7 @@ export async function bench(o: BenchOptions): Promise<void> {
         r.round + 1,
         `${f(r.share * 100, 0)} %`,
         r.streams,
-        r.held ? 'yes' : 'no',
+        `${r.held ? 'yes' : 'no'} (< ${f(r.floor + 100, 0)})`,
         `${r.finished}/${r.streams}`,
         `${f(r.lagP99, 0)} (${r.lagParts.map((x) => f(x, 0)).join(' / ')})`,
         f(r.under100 * 100, 2),
@@ -554,12 +567,20 @@ export async function bench(o: BenchOptions): Promise<void> {
       ].join(' | ');
     const header = (): void => {
       say(
-        'round | share of limit | streams | held | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s, whole life (main + hosts) | server / bare | main / bare | hosts / bare | open + close ms CPU per stream (main + hosts) | steady part only, server ms per stream-s | client ms per stream-s | rows per batch | events identical | load avg',
+        'round | share of limit | streams | held (lag p99 under, ms) | finished | lag p99 ms (start / steady / end) | windows <= 100 ms % | server CPU ms per stream-s, whole life (main + hosts) | server / bare | main / bare | hosts / bare | open + close ms CPU per stream (main + hosts) | steady part only, server ms per stream-s | client ms per stream-s | rows per batch | events identical | load avg',
       );
       say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
     };
+    /**
+     * The light-load floor: the lowest lag p99 of the rounds' 10 % runs so far, ms (issue 45: held is a p99 under 100
+     * ms over it). With `--streams` none is run: 0.
+     */
+    let floor = 0;
     const runAt = async (round: number, share: number, n = Math.max(1, Math.round(share * limit))): Promise<Run> => {
-      const r = { ...(await live(w, n, share, round, o)), bare: best() };
+      const run = await live(w, n, share, round, o);
+      if (share === 0.1 && !o.streams && Number.isFinite(run.lagP99))
+        floor = runs.some((x) => x.share === 0.1) ? Math.min(floor, run.lagP99) : run.lagP99;
+      const r = { ...run, bare: best(), floor, held: run.finished === n && run.lagP99 < floor + 100 };
       runs.push(r);
       say(row(r));
       return r;
@@ -664,7 +685,9 @@ export async function bench(o: BenchOptions): Promise<void> {
       }
       if (!runs.some((x) => x.round === round && x.share === 0.7)) await runAt(round, 0.7);
       rounds.push(most);
-      say(`round ${round + 1}: held ${most} streams (${f((most / limit) * 100, 0)} % of the round's limit)`);
+      say(
+        `round ${round + 1}: held ${most} streams (${f((most / limit) * 100, 0)} % of the round's limit; light-load floor ${f(floor, 0)} ms: the lowest lag p99 of the 10 % runs so far)`,
+      );
     }
     // The limit the held share is judged against: the best bare figure of the rounds at the
     // model's batch size, and the median load generator cost of the runs from 25 % up.
