@@ -16,7 +16,8 @@
  *   calibration run at 25 % of cores x 1000 / bare in the first round).
  * - **streams held**: the most streams for which every stream finishes (done within 1 s of its
  *   last frame) and the processing lag p99 over the whole run is under 100 ms over the
- *   light-load floor (issue 45's measure): the lowest p99 of the rounds' 10 % runs so far. The
+ *   light-load floor (issue 45's measure): the lowest p99 of the rounds' 10 % runs so far whose
+ *   streams all finished. The
  *   p99 comes from the server's `voxserve_processing_lag_seconds` histogram (linear within its
  *   bucket; 25 ms buckets from 50 to 250 ms). As a count and as a share of the limit; searched in steps of the limit
  *   from the target share up or down, once per round, median. The lag p99 is also shown for
@@ -310,17 +311,17 @@ async function settled(url: string): Promise<void> {
 }
 
 /**
- * N real-time streams against a new server (after its warm-up), each stream's frame phase random;
- * server CPU over the streams' whole life (open to close), their opening and closing apart, and
- * the steady part.
- */
-/**
  * Issue 45's "held": every stream finished and the lag p99 is under 100 ms over the light-load
  * floor (ms; 0 judges a p99 under 100 ms).
  */
 export const heldBy = (run: { finished: number; streams: number; lagP99: number }, floor: number): boolean =>
   run.finished === run.streams && run.lagP99 < floor + 100;
 
+/**
+ * N real-time streams against a new server (after its warm-up), each stream's frame phase random;
+ * server CPU over the streams' whole life (open to close), their opening and closing apart, and
+ * the steady part.
+ */
 async function live(
   w: Workload,
   n: number,
@@ -581,14 +582,14 @@ export async function bench(o: BenchOptions): Promise<void> {
       say('---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---');
     };
     /**
-     * The light-load floor: the lowest lag p99 of the rounds' 10 % runs so far, ms (issue 45: held is a p99 under 100
-     * ms over it). With `--streams` none is run: 0.
+     * The light-load floor: the lowest lag p99 of the rounds' 10 % runs so far whose streams all finished, ms (issue
+     * 45: held is a p99 under 100 ms over it). With `--streams` none is run, nor before the first: 0.
      */
     const floors: number[] = [];
     const floorNow = (): number => (floors.length ? Math.min(...floors) : 0);
     const runAt = async (round: number, share: number, n = Math.max(1, Math.round(share * limit))): Promise<Run> => {
       const run = await live(w, n, share, round, o);
-      if (share === 0.1 && !o.streams && Number.isFinite(run.lagP99)) floors.push(run.lagP99);
+      if (share === 0.1 && !o.streams && run.finished === n && Number.isFinite(run.lagP99)) floors.push(run.lagP99);
       const floor = floorNow();
       const r = { ...run, bare: best(), floor, held: heldBy(run, floor) };
       runs.push(r);
