@@ -228,7 +228,8 @@ export function lagFrom(
 ): { p99: number; under100: number; windows: number } {
   const d = (k: string): number => (after.get(k) ?? 0) - (before.get(k) ?? 0);
   const total = d('voxserve_processing_lag_seconds_count');
-  if (!total) return { p99: NaN, under100: NaN, windows: 0 };
+  // No windows, or counts that went back (a restarted server): no figure, and not held.
+  if (!(total > 0)) return { p99: NaN, under100: NaN, windows: 0 };
   const buckets = [...after.keys()]
     .filter((k) => k.startsWith(LAG_BUCKET) && k !== `${LAG_BUCKET}+Inf}`)
     .map((k) => Number(k.slice(LAG_BUCKET.length, -1)))
@@ -697,7 +698,7 @@ export async function bench(o: BenchOptions): Promise<void> {
       if (!runs.some((x) => x.round === round && x.share === 0.7)) await runAt(round, 0.7);
       rounds.push(most);
       say(
-        `round ${round + 1}: held ${most} streams (${f((most / limit) * 100, 0)} % of the round's limit; light-load floor ${f(floorNow(), 0)} ms: the lowest lag p99 of the 10 % runs so far)`,
+        `round ${round + 1}: held ${most} streams (${f((most / limit) * 100, 0)} % of the round's limit; ${floors.length ? `light-load floor ${f(floorNow(), 0)} ms: the lowest lag p99 of the 10 % runs so far` : 'no light-load floor: no 10 % run has finished every stream, held is a p99 under 100 ms'})`,
       );
     }
     // The limit the held share is judged against: the best bare figure of the rounds at the
@@ -736,7 +737,7 @@ export async function bench(o: BenchOptions): Promise<void> {
         f(limit, 0),
         `${held} (${rounds.join(', ')})`,
         `${f((held / limit) * 100, 0)} % (${f(w.target * 100, 0)} %)`,
-        f(floorNow(), 0),
+        floors.length ? f(floorNow(), 0) : 'none',
         ratios((r) => (r.life.main + r.life.hosts) / bare),
         ratios((r) => r.life.hosts / bare),
         ratios((r) => r.life.main / bare),

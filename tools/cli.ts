@@ -584,6 +584,14 @@ program
         die('--streams must be a comma-separated list of positive integers');
       if (opts.isolation !== 'process' && opts.isolation !== 'thread')
         die(`--isolation must be process or thread, got '${opts.isolation}'`);
+      // The server's own bounds (docs/configuration.md), checked before minutes of bare loops, not after.
+      if (opts.rounds < 1) die('--rounds must be at least 1');
+      if (opts.seconds !== undefined && opts.seconds < 1) die('--seconds must be at least 1');
+      if (opts.slots < 1 || opts.slots > 16) die("--slots must be from 1 to 16 (a model's slots)");
+      if (opts.batchSize !== undefined && (opts.batchSize < 1 || opts.batchSize > 512))
+        die('--batch-size must be from 1 to 512 (max_batch_size)');
+      if (opts.batchDelayMs !== undefined && opts.batchDelayMs > 1000)
+        die('--batch-delay-ms must be from 0 to 1000 (max_batch_delay_ms)');
       const { bench } = await import('./bench.js');
       await bench({
         workloads: workloads as WorkloadName[],

@@ -56,6 +56,22 @@ describe('voxserve bench', () => {
     expect(heldBy({ ...run, finished: 39, lagP99: 10 }, 45)).toBe(false);
   });
 
+  it("refuses option values out of the server's bounds before it runs anything, naming the option", async () => {
+    const cases: [string[], string][] = [
+      [['--rounds', '0'], '--rounds must be at least 1'],
+      [['--seconds', '0'], '--seconds must be at least 1'],
+      [['--slots', '17'], '--slots must be from 1 to 16'],
+      [['--batch-size', '0'], '--batch-size must be from 1 to 512'],
+      [['--batch-delay-ms', '5000'], '--batch-delay-ms must be from 0 to 1000'],
+    ];
+    for (const [args, message] of cases) {
+      const e = await exec(process.execPath, [cli, 'bench', ...args], { cwd: root, timeout: 20_000 }).catch(
+        (x: { code: number; stderr: string }) => x,
+      );
+      expect(e, args.join(' ')).toMatchObject({ code: 1, stderr: expect.stringContaining(message) });
+    }
+  }, 60_000);
+
   // Two rounds of 2 VAD streams of 2 s each (and the bare loop at 32 and 64 rows per round): ~20-40 s.
   it('reports whole-life server CPU per stream-second (main and slot hosts apart), open + close per stream, the bare loop at 32 and 64 rows, medians with spread', async () => {
     const { stdout } = await exec(
