@@ -8,8 +8,10 @@
  * again (one connection a pass).
  *
  * One holder's worth is found first: the streams rise in steps of about 20 %, each held 4 s, until
- * the wait the nodes report passes the target; the last count within it is one holder's worth
- * (whatever this machine's speed). Then the load goes at once to 1.5 times that. Asserted: a
+ * the wait the nodes report passes the target; b's jobs per second there (what it runs
+ * overloaded) over its jobs per second per stream just below (what a stream asks) is one holder's
+ * worth (whatever this machine's speed). Then the load goes at once to 1.5 times that, and no
+ * fewer streams than crossed the target. Asserted: a
  * second replica within scale_up_after_ms + 5 s, and `GET /v1/models` saying why; the load held
  * 12 s on the replicas, and in its second half the wait the nodes report (every 500 ms) and the
  * end lag p95 of the passes that ended then within target_wait_ms (the lag back under target);
@@ -189,6 +191,16 @@ async function within(pred: () => Promise<boolean>, ms: number): Promise<number>
   return -1;
 }
 
+/** The remote jobs a sent so far that ended in a result, by holder (a's `voxserve_remote_jobs_sent_total`). */
+async function sentByNode(): Promise<Record<string, number>> {
+  const out: Record<string, number> = {};
+  for (const l of (await (await fetch(`${urls.a}/metrics`)).text()).split('\n')) {
+    const m = /^voxserve_remote_jobs_sent_total\{.*node="(\w+)",outcome="ok"\} (\d+)/.exec(l);
+    if (m) out[m[1]] = Number(m[2]);
+  }
+  return out;
+}
+
 const p95 = (xs: number[]): number =>
   [...xs].sort((a, b) => a - b)[Math.min(xs.length - 1, Math.floor(0.95 * xs.length))];
 
@@ -231,22 +243,35 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
       return r.nodes.length >= 2 && r.autoscale?.last_change?.to === 2;
     };
     // One holder's worth: the streams rise in steps of about 20 %, each held STEP_MS (a pass and
-    // more, so the wait reported is the new load's); the last count whose wait stayed within target
-    // is one holder's worth (within a step). Then on to 1.5 times that at once (over target on 1
-    // replica, within it on 2).
+    // more, so the wait reported is the new load's), until the wait the nodes report passes the
+    // target. b's jobs per second over each step's second half are read from a's metrics: below
+    // the crossing they are what the streams ask (jobs per stream-second), at it what b runs
+    // overloaded. Their ratio is one holder's worth. The load then goes at once to 1.5 times that,
+    // and to no fewer streams than crossed the target (over target on 1 replica, within it on 2).
+    // (Until 2026-12-07 the worth was the last count within target, and the load 1.5 times that.
+    // A wait builds over seconds, so that count could be over what b runs: the load was about 1.25
+    // times the crossing count, and in one CI run the wait on 2 replicas hovered at 300-370 ms.
+    // Runs of this version read b's overloaded rate at 78-82 jobs/s, 7-8 streams' worth, and hold
+    // the crossing count, 15.)
     let crossedAt = 0;
-    let worth = 0;
+    let perStream = 0;
+    let capacity = 0;
     for (let k = 2; k <= MAX_STREAMS; k += Math.max(1, Math.ceil(0.2 * k))) {
       while (clients.length < k) startClient(clients.length);
-      await sleep(STEP_MS);
+      await sleep(STEP_MS / 2);
+      const before = (await sentByNode()).b ?? 0;
+      const t = Date.now();
+      await sleep(STEP_MS / 2);
+      const rate = ((((await sentByNode()).b ?? 0) - before) * 1000) / (Date.now() - t);
       if (((await replicas(urls.c)).autoscale?.wait_ms ?? 0) > AUTOSCALE.target_wait_ms) {
         crossedAt = k;
+        capacity = rate;
         break;
       }
-      worth = k;
+      perStream = rate / k;
     }
+    const worth = perStream > 0 ? capacity / perStream : 0;
     const goal = Math.max(clients.length, Math.ceil(1.5 * worth));
-    while (clients.length < goal) startClient(clients.length);
     const streams = clients.length;
     const upMs = await within(isUp, AUTOSCALE.scale_up_after_ms + 5000);
     const up = await replicas(urls.a);
@@ -254,6 +279,7 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
     const held: { at: number; wait: number; replicas: number }[] = [];
     const tHold = Date.now();
     const cpu0 = Object.fromEntries(Object.entries(pids).map(([k, pid]) => [k, cpuMs(pid)]));
+    const sent0 = await sentByNode();
     while (Date.now() - tHold < HOLD_MS) {
       await sleep(500);
       const r = await replicas(urls.a);
@@ -263,6 +289,9 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
     const holdCpu = Object.fromEntries(
       Object.entries(pids).map(([k, pid]) => [k, Math.round(((cpuMs(pid) - cpu0[k]) * 1000) / (Date.now() - tHold))]),
     );
+    const sent1 = await sentByNode();
+    /** The remote jobs a sent to each holder over the hold. */
+    const holdJobs = Object.fromEntries(Object.entries(sent1).map(([k, v]) => [k, v - (sent0[k] ?? 0)]));
     const settled = held.filter((h) => h.at >= HOLD_MS / 2);
     /** The end lag of the passes that ended in the hold's second half. */
     const lateLags = log.filter((l) => l.at >= tHold - t1 + HOLD_MS / 2).map((l) => l.endLagMs);
@@ -283,12 +312,15 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
       JSON.stringify({
         streams,
         crossed_at: crossedAt,
-        worth,
+        worth: Math.round(worth * 10) / 10,
+        jobs_per_stream_s: Math.round(perStream * 10) / 10,
+        capacity_jobs_s: Math.round(capacity),
         up_ms: upMs,
         down_ms: downMs,
         lag_p95_ms: p95(log.map((l) => l.endLagMs)),
         held_lag_p95_ms: p95(lateLags),
         hold_cpu_ms_per_s: holdCpu,
+        hold_jobs: holdJobs,
         held: held.map((h) => `${h.wait}/${h.replicas}`).join(' '),
         passes: log.length,
         waits,
