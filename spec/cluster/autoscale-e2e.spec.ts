@@ -272,6 +272,7 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
     }
     const worth = perStream > 0 ? capacity / perStream : 0;
     const goal = Math.max(clients.length, Math.ceil(1.5 * worth));
+    while (clients.length < goal) startClient(clients.length);
     const streams = clients.length;
     const upMs = await within(isUp, AUTOSCALE.scale_up_after_ms + 5000);
     const up = await replicas(urls.a);
