@@ -5,9 +5,10 @@
  * (a) The registry and lock buckets have 3 replicas, read through JetStream's own API, and
  *     `GET /v1/cluster` says so.
  *     Buckets found with 1 replica (created on one server) are scaled up to 3.
- * (b) The server holding the registry bucket's stream leader is killed (SIGKILL): the nodes keep
- *     seeing each other and a cold request for a model no node holds is answered 200 within a few
- *     seconds (with 1-replica buckets the registry went with the server: the nodes lost each
+ * (b) The server holding the registry bucket's stream leader is killed (SIGKILL): the nodes hear
+ *     each other again within 5 heartbeats and 3 s of the bucket taking writes (a probe of the
+ *     test's own; the election before that is NATS's, 4-7 s here) and a cold request for a model no
+ *     node holds is answered 200 within a few seconds (with 1-replica buckets the registry went with the server: the nodes lost each
  *     other and the cold request had no answer within 40 s).
  * (c) The server a node is connected to, made the registry bucket's leader, is killed under live
  *     streams (WebSocket, silero-vad on the fixture) and a file request every 200 ms: nothing
@@ -226,6 +227,28 @@ async function leadOn(name: string): Promise<boolean> {
   }
 }
 
+/**
+ * The ms from `since` until the registry bucket takes a write again (a key of its own, `probe`, which no node
+ * watches), tried every 200 ms through the servers left, each try within 1 s; null past 30 s.
+ */
+async function firstWrite(since: number): Promise<number | null> {
+  const nc = await connect({ servers: servers.map((s) => s.server.url) });
+  try {
+    const kv = await new Kvm(jetstream(nc, { timeout: 1000 })).open('voxserve_nodes');
+    while (Date.now() - since < 30_000) {
+      try {
+        await kv.put('probe', 'x');
+        return Date.now() - since;
+      } catch {
+        await sleep(200);
+      }
+    }
+    return null;
+  } finally {
+    await nc.close();
+  }
+}
+
 /** Nodes A and C on the three servers, each hearing both. */
 async function twoNodes(): Promise<[string, string]> {
   await natsCluster();
@@ -280,26 +303,46 @@ describe('NATS as three servers', () => {
     expect(victim, `registry stream leader ${leader}`).toBeDefined();
     const killedAt = Date.now();
     await victim!.server.halt('SIGKILL');
+    const writable = firstWrite(killedAt);
     // Looked at past 3 heartbeats (a node whose own connection moved gives the others that grace).
     await sleep(3 * HEARTBEAT_MS);
     const seen = await eventually(
       async () => (await heard(A)).join() === 'A,C' && (await heard(C)).join() === 'A,C',
-      15_000,
+      30_000,
     );
     const seenMs = seen === null ? null : Date.now() - killedAt;
+    const writableMs = await writable;
     if (seen === null)
       for (const url of [A, C]) console.log(`nats3 (b): ${url} lists ${JSON.stringify((await clusterOf(url))?.nodes)}`);
     // A cold request: no node holds silero-vad, so it is placed (the lock bucket) and loaded.
     const cold = await runFile(A, 40_000);
     console.log(
-      `nats3 (b): killed ${leader}; both nodes heard again ${seenMs} ms after the kill; ` +
+      `nats3 (b): killed ${leader}; the registry bucket took a write again ${writableMs} ms after the kill, ` +
+        `both nodes heard each other again ${seenMs} ms after the kill; ` +
         `cold request ${cold.status} in ${cold.ms} ms`,
     );
+    // How long NATS takes to elect the bucket's new leader is its own (4-7 s here, unbounded by voxserve); what the
+    // nodes add once it takes writes again is bounded: a reopening of the buckets under way then ends within a
+    // JetStream request's timeout (3 s at this heartbeat), the next heartbeat (the watch silent for over 3) opens
+    // them and the watch again, and is heard.
+    expect(writableMs, 'ms from the kill until the registry bucket takes a write').not.toBeNull();
     expect(seenMs, 'ms from the kill until both nodes hear each other').not.toBeNull();
+    expect(
+      seenMs! - writableMs!,
+      'ms from the bucket taking writes until both nodes hear each other',
+    ).toBeLessThanOrEqual(3 * HEARTBEAT_MS + 3000 + HEARTBEAT_MS);
     expect(cold.status, JSON.stringify(cold.body)).toBe(200);
     expect(cold.body.segments.length).toBe(expected.ends.length);
     expect(cold.ms).toBeLessThan(15_000);
-    expect((await heard(C)).join()).toBe('A,C');
+    const after = await clusterOf(C);
+    expect(
+      (after?.nodes ?? [])
+        .filter((n: { last_seen_ms: number }) => n.last_seen_ms <= 2 * HEARTBEAT_MS)
+        .map((n: { node: string }) => n.node)
+        .sort()
+        .join(),
+      JSON.stringify(after?.nodes ?? after),
+    ).toBe('A,C');
   }, 180_000);
 
   it("(c) killing the server a node is connected to under live streams and a file request every 200 ms: nothing fails, events equal a single node's", async () => {
