@@ -251,7 +251,7 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
     // (Until 2026-12-07 the worth was the last count within target, and the load 1.5 times that.
     // A wait builds over seconds, so that count could be over what b runs: the load was about 1.25
     // times the crossing count, and in one CI run the wait on 2 replicas hovered at 300-370 ms.
-    // Runs of this version read b's overloaded rate at 78-82 jobs/s, 7-8 streams' worth, and hold
+    // Runs of this version read b's overloaded rate at 73-82 jobs/s, 7-10 streams' worth, and hold
     // the crossing count, 15.)
     let crossedAt = 0;
     let perStream = 0;
