@@ -168,7 +168,7 @@ process.stdout.on('error', (e: NodeJS.ErrnoException) => {
 });
 
 const program = new Command('voxserve')
-  .description('Voice models (Silero VAD, openWakeWord) over HTTP, WebSocket and Wyoming')
+  .description('Voice models (Silero VAD, openWakeWord, RNNoise) over HTTP, WebSocket and Wyoming')
   .version(version, '-V, --version')
   // A flag commander cannot read (unknown, or a value it refuses) is a configuration mistake too: exit 2, not
   // commander's 1 (its `error: ...` line is printed already). Set before the commands: they inherit it.
