@@ -167,8 +167,10 @@ export class ClusterNode {
   /** Follows the registry bucket (every node's last heartbeat) into the membership chart. */
   private async watch(): Promise<void> {
     this.stopWatch?.();
-    const started = (this.watchedAt = Date.now());
+    const started = Date.now();
     const it = await this.link.nodes.watch({ key: 'node.>' });
+    // Only a watch made counts: one that failed is tried again at the next heartbeat, not 3 later.
+    this.watchedAt = started;
     this.stopWatch = () => it.stop();
     void (async () => {
       for await (const e of it) this.membership.send(recordEvent(e, started));
@@ -216,6 +218,21 @@ export class ClusterNode {
         void this.reopen();
       }
     }
+  }
+
+  /**
+   * Follows the registry anew on the buckets as open (a watch whose consumer went with a NATS server). Unlike
+   * {@link reopen} it asks nothing of JetStream's meta leader, which may still be electing when the bucket's own new
+   * leader already serves it (nats-server 2.9.10: reopening timed out for 10 s more). A bucket NATS lost fails the next
+   * heartbeat's write, which reopens it. Once at a time, sharing {@link reopen}'s turn.
+   */
+  private rewatch(): Promise<void> {
+    if (this.closed) return Promise.resolve();
+    this.reopening ??= this.watch()
+      .then(() => this.publish())
+      .catch((e: Error) => this.log.warn({ err: e.message }, 'cluster: the registry watch could not be made again'))
+      .finally(() => (this.reopening = null));
+    return this.reopening;
   }
 
   /** Opens the buckets again (created if NATS lost them) and follows the registry anew. Once at a time. */
@@ -285,8 +302,8 @@ export class ClusterNode {
     // A registry watch whose consumer went with a NATS server hears nothing, not even this node's heartbeats: made anew.
     const heard = Math.max(this.watchedAt, this.membership.getSnapshot().context.view.get(this.name)?.seen ?? 0);
     if (!failed && Date.now() - heard > 3 * this.settings.heartbeat_ms && !this.reopening) {
-      this.log.warn({ silent_ms: Date.now() - heard }, 'cluster: the registry watch is silent; opened again');
-      void this.reopen();
+      this.log.warn({ silent_ms: Date.now() - heard }, 'cluster: the registry watch is silent; made again');
+      void this.rewatch();
     }
     if (!failed) return void this.locks.sweep();
     if (failed.taken) return this.yieldName(failed.taken);
