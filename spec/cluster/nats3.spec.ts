@@ -9,8 +9,8 @@
  *     killed (SIGKILL): the nodes hear each other again within 5 heartbeats + 3 s of NATS serving
  *     the bucket again (a write read back through a new watch, a probe of the test's own; the
  *     election before that is NATS's, 4-7 s here) and a cold request for a model no node holds is
- *     answered 200 within a few seconds (with 1-replica buckets the registry went with the server: the nodes lost each
- *     other and the cold request had no answer within 40 s).
+ *     answered 200 within a few seconds (with 1-replica buckets the registry went with the
+ *     server: the nodes lost each other and the cold request had no answer within 40 s).
  * (c) The server a node is connected to, made the registry bucket's leader, is killed under live
  *     streams (WebSocket, silero-vad on the fixture) and a file request every 200 ms: nothing
  *     fails, every stream's events equal a single node's for the same audio. 30 real-time streams
@@ -349,8 +349,8 @@ describe('NATS as three servers', () => {
     );
     // How long NATS takes to elect the bucket's new leader is its own (4-7 s here, unbounded by voxserve); what the
     // nodes add once it serves the bucket again is bounded: a request of theirs under way then ends within its
-    // timeout (3 heartbeats), the next heartbeat (the watch silent for over 3) opens the buckets and the watch again,
-    // and is heard. Bounded here at 5 heartbeats + 3 s.
+    // timeout (3 heartbeats), the next heartbeat (the watch silent for over 3) makes the watch again on the buckets
+    // as open, and is heard. Bounded here at 5 heartbeats + 3 s.
     expect(servedMs, 'ms from the kill until NATS serves the registry bucket again').not.toBeNull();
     expect(seenMs, 'ms from the kill until both nodes hear each other').not.toBeNull();
     expect(seenMs! - servedMs!, 'ms from NATS serving the bucket until both nodes hear each other').toBeLessThanOrEqual(
