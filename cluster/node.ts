@@ -224,25 +224,31 @@ export class ClusterNode {
    * Follows the registry anew on the buckets as open (a watch whose consumer went with a NATS server). Unlike
    * {@link reopen} it asks nothing of JetStream's meta leader, which may still be electing when the bucket's own new
    * leader already serves it (nats-server 2.9.10: reopening timed out for 10 s more). A bucket NATS lost fails the next
-   * heartbeat's write, which reopens it. Once at a time, sharing {@link reopen}'s turn.
+   * heartbeat's write, which reopens it.
    */
   private rewatch(): Promise<void> {
-    if (this.closed) return Promise.resolve();
-    this.reopening ??= this.watch()
-      .then(() => this.publish())
-      .catch((e: Error) => this.log.warn({ err: e.message }, 'cluster: the registry watch could not be made again'))
-      .finally(() => (this.reopening = null));
-    return this.reopening;
+    return this.inTurn(() => this.watch(), 'cluster: the registry watch could not be made again');
   }
 
-  /** Opens the buckets again (created if NATS lost them) and follows the registry anew. Once at a time. */
+  /** Opens the buckets again (created if NATS lost them) and follows the registry anew. */
   private reopen(): Promise<void> {
-    if (!this.link.reopen || this.closed) return Promise.resolve();
-    this.reopening ??= this.link
-      .reopen()
-      .then(() => this.watch())
+    const reopen = this.link.reopen;
+    if (!reopen) return Promise.resolve();
+    return this.inTurn(
+      () => reopen().then(() => this.watch()),
+      'cluster: the registry buckets could not be opened again',
+    );
+  }
+
+  /**
+   * Runs `step` then a heartbeat, once at a time ({@link rewatch} and {@link reopen} share the turn); a failure is
+   * logged as `failed`.
+   */
+  private inTurn(step: () => Promise<void>, failed: string): Promise<void> {
+    if (this.closed) return Promise.resolve();
+    this.reopening ??= step()
       .then(() => this.publish())
-      .catch((e: Error) => this.log.warn({ err: e.message }, 'cluster: the registry buckets could not be opened again'))
+      .catch((e: Error) => this.log.warn({ err: e.message }, failed))
       .finally(() => (this.reopening = null));
     return this.reopening;
   }

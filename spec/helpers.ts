@@ -66,6 +66,20 @@ export async function until(pred: () => boolean | Promise<boolean>, ms = 5000): 
 }
 
 /**
+ * The sum of a Prometheus series' samples in `<url>/metrics` (a counter, or a histogram's `_count` or `_bucket`)
+ * whose labels include every one of `labels`; 0 when none. Throws past 5 s without an answer.
+ */
+export async function metric(url: string, name: string, labels: Record<string, string> = {}): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
+  let sum = 0;
+  for (const line of text.split('\n')) {
+    if (!line.startsWith(`${name}{`) && !line.startsWith(`${name} `)) continue;
+    if (Object.entries(labels).every(([k, v]) => line.includes(`${k}="${v}"`))) sum += Number(line.split(' ').pop());
+  }
+  return sum;
+}
+
+/**
  * Streams 16 kHz 16-bit PCM to a stream URL (`ws://.../v1/stream?...`) in 100 ms frames once
  * `ready` arrives, then `end`; resolves with every event (parsed JSON) and the close code.
  */

@@ -9,8 +9,8 @@
  *
  * One holder's worth is found first: the streams rise in steps of about 20 %, each held 4 s, until
  * the wait the nodes report passes the target; b's jobs per second there (what it runs
- * overloaded) over its jobs per second per stream just below (what a stream asks) is one holder's
- * worth (whatever this machine's speed). Then the load goes at once to 1.5 times that, and no
+ * overloaded) over a stream's jobs per second below it (what a stream asks: the median of the
+ * steps below) is one holder's worth (whatever this machine's speed). Then the load goes at once to 1.5 times that, and no
  * fewer streams than crossed the target. Asserted: a
  * second replica within scale_up_after_ms + 5 s, and `GET /v1/models` saying why; the load held
  * 12 s on the replicas, and in its second half the wait the nodes report (every 500 ms) and the
@@ -35,7 +35,7 @@ import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { fixture, WaveFile } from '../helpers.js';
+import { fixture, metric, WaveFile } from '../helpers.js';
 import { type CpuBudget, cpuBudget, requireCpuBudgets } from './cpu-budget.js';
 import { startNats, type NatsServer } from './nats-server.js';
 
@@ -191,15 +191,9 @@ async function within(pred: () => Promise<boolean>, ms: number): Promise<number>
   return -1;
 }
 
-/** The remote jobs a sent so far that ended in a result, by holder (a's `voxserve_remote_jobs_sent_total`). */
-async function sentByNode(): Promise<Record<string, number>> {
-  const out: Record<string, number> = {};
-  for (const l of (await (await fetch(`${urls.a}/metrics`)).text()).split('\n')) {
-    const m = /^voxserve_remote_jobs_sent_total\{.*node="(\w+)",outcome="ok"\} (\d+)/.exec(l);
-    if (m) out[m[1]] = Number(m[2]);
-  }
-  return out;
-}
+/** The remote jobs a sent so far to `node` that ended in a result (a's `voxserve_remote_jobs_sent_total`). */
+const sentTo = (node: string): Promise<number> =>
+  metric(urls.a, 'voxserve_remote_jobs_sent_total', { model: MODEL, node, outcome: 'ok' });
 
 const p95 = (xs: number[]): number =>
   [...xs].sort((a, b) => a - b)[Math.min(xs.length - 1, Math.floor(0.95 * xs.length))];
@@ -249,21 +243,18 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
     // ones, near b's limit, read low); at the crossing, what b runs overloaded. Their ratio is one
     // holder's worth. The load then goes at once to 1.5 times that, and to no fewer streams than
     // crossed the target (over target on 1 replica, within it on 2).
-    // (Until 2026-12-07 the worth was the last count within target, and the load 1.5 times that.
-    // A wait builds over seconds, so that count could be over what b runs: the load was about 1.25
-    // times the crossing count, and in one CI run the wait on 2 replicas hovered at 300-370 ms.
-    // Runs of this version on 2026-12-07 crossed at 12-18 streams, read b's overloaded rate at
-    // 63-125 jobs/s and held 14-24 streams.)
+    // (Not the last count within target: a wait builds over seconds, so that count can be over what
+    // b runs, and 1.5 times it more than 2 replicas run.)
     let crossedAt = 0;
     const perStep: number[] = [];
     let capacity = 0;
     for (let k = 2; k <= MAX_STREAMS; k += Math.max(1, Math.ceil(0.2 * k))) {
       while (clients.length < k) startClient(clients.length);
       await sleep(STEP_MS / 2);
-      const before = (await sentByNode()).b ?? 0;
+      const before = await sentTo('b');
       const t = Date.now();
       await sleep(STEP_MS / 2);
-      const rate = ((((await sentByNode()).b ?? 0) - before) * 1000) / (Date.now() - t);
+      const rate = (((await sentTo('b')) - before) * 1000) / (Date.now() - t);
       if (((await replicas(urls.c)).autoscale?.wait_ms ?? 0) > AUTOSCALE.target_wait_ms) {
         crossedAt = k;
         capacity = rate;
@@ -290,7 +281,7 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
     const held: { at: number; wait: number; replicas: number }[] = [];
     const tHold = Date.now();
     const cpu0 = Object.fromEntries(Object.entries(pids).map(([k, pid]) => [k, cpuMs(pid)]));
-    const sent0 = await sentByNode();
+    const sent0 = { b: await sentTo('b'), c: await sentTo('c') };
     while (Date.now() - tHold < HOLD_MS) {
       await sleep(500);
       const r = await replicas(urls.a);
@@ -300,9 +291,8 @@ describe('replicas that follow load (3 nodes, real processes)', () => {
     const holdCpu = Object.fromEntries(
       Object.entries(pids).map(([k, pid]) => [k, Math.round(((cpuMs(pid) - cpu0[k]) * 1000) / (Date.now() - tHold))]),
     );
-    const sent1 = await sentByNode();
     /** The remote jobs a sent to each holder over the hold. */
-    const holdJobs = Object.fromEntries(Object.entries(sent1).map(([k, v]) => [k, v - (sent0[k] ?? 0)]));
+    const holdJobs = { b: (await sentTo('b')) - sent0.b, c: (await sentTo('c')) - sent0.c };
     const settled = held.filter((h) => h.at >= HOLD_MS / 2);
     /** The end lag of the passes that ended in the hold's second half. */
     const lateLags = log.filter((l) => l.at >= tHold - t1 + HOLD_MS / 2).map((l) => l.endLagMs);

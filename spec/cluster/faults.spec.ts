@@ -16,7 +16,7 @@ import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
 import { spawnServer } from '../../tools/spawn-server.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
-import { expectSegments, fixture, reference, until, WaveFile } from '../helpers.js';
+import { expectSegments, fixture, metric, reference, until, WaveFile } from '../helpers.js';
 import { freePort, startNats, type NatsServer } from './nats-server.js';
 import { wyomingSession } from './wyoming-client.js';
 
@@ -210,17 +210,6 @@ function realtimeProbe(url: string): {
     });
   });
   return { stop: () => void (stopped = true), windows };
-}
-
-/** A metric's value in a node's `/metrics`, summed over the series matching every label given. */
-async function metric(url: string, name: string, labels: Record<string, string> = {}): Promise<number> {
-  const text = await (await fetch(`${url}/metrics`)).text();
-  let sum = 0;
-  for (const line of text.split('\n')) {
-    if (!line.startsWith(`${name}{`) && !line.startsWith(`${name} `)) continue;
-    if (Object.entries(labels).every(([k, v]) => line.includes(`${k}="${v}"`))) sum += Number(line.split(' ').pop());
-  }
-  return sum;
 }
 
 const speechEnds = (events: Event[]): { start_ms: unknown; end_ms: unknown }[] =>

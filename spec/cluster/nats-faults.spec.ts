@@ -37,7 +37,7 @@ import { pack, unpack } from 'msgpackr';
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
 import { spawnServer } from '../../tools/spawn-server.js';
-import { fixture } from '../helpers.js';
+import { fixture, metric } from '../helpers.js';
 import { startNats, type NatsServer } from './nats-server.js';
 
 /** Every node's heartbeat, ms: "a few heartbeats" below are counted in it. */
@@ -574,17 +574,6 @@ function slowModel(runMs: number): string {
   return out;
 }
 
-/** The value of a Prometheus counter line on `url`'s /metrics whose labels include all of `labels`; 0 when absent. */
-async function counter(url: string, name: string, labels: Record<string, string>): Promise<number> {
-  const r = await call(`${url}/metrics`, {}, 5000);
-  let sum = 0;
-  for (const line of String(r.body).split('\n')) {
-    if (!line.startsWith(`${name}{`)) continue;
-    if (Object.entries(labels).every(([k, v]) => line.includes(`${k}="${v}"`))) sum += Number(line.split(' ').pop());
-  }
-  return sum;
-}
-
 describe('a remote job that runs longer than job_deadline_ms (a tester found it, issue 40)', () => {
   it('is answered once by its holder: the holder is not taken for gone while the job runs within its job timeout', async () => {
     const n = await nats();
@@ -596,11 +585,11 @@ describe('a remote job that runs longer than job_deadline_ms (a tester found it,
     });
     const r = await runFile(A.url, 'slowvad', SHORT_FILE, 30_000);
     expect(r.status, JSON.stringify(r.body)).toBe(200);
-    expect(await counter(A.url, 'voxserve_remote_jobs_sent_total', { model: 'slowvad', outcome: 'gone' })).toBe(0);
-    expect(await counter(A.url, 'voxserve_remote_failovers_total', { model: 'slowvad' })).toBe(0);
-    expect(
-      await counter(A.url, 'voxserve_remote_jobs_sent_total', { model: 'slowvad', outcome: 'ok' }),
-    ).toBeGreaterThan(0);
+    expect(await metric(A.url, 'voxserve_remote_jobs_sent_total', { model: 'slowvad', outcome: 'gone' })).toBe(0);
+    expect(await metric(A.url, 'voxserve_remote_failovers_total', { model: 'slowvad' })).toBe(0);
+    expect(await metric(A.url, 'voxserve_remote_jobs_sent_total', { model: 'slowvad', outcome: 'ok' })).toBeGreaterThan(
+      0,
+    );
   }, 120_000);
 });
 
@@ -635,10 +624,10 @@ describe('a client that leaves while its job waits at the holder (a tester found
     expect(blockerDone).toBe(false);
     expect((await blocker).status).toBe(200);
     await sleep(500);
-    expect(await counter(B.url, 'voxserve_remote_jobs_served_total', { model: 'slowvad', outcome: 'cancelled' })).toBe(
+    expect(await metric(B.url, 'voxserve_remote_jobs_served_total', { model: 'slowvad', outcome: 'cancelled' })).toBe(
       1,
     );
-    expect(await counter(B.url, 'voxserve_remote_jobs_served_total', { model: 'slowvad', outcome: 'ok' })).toBe(0);
+    expect(await metric(B.url, 'voxserve_remote_jobs_served_total', { model: 'slowvad', outcome: 'ok' })).toBe(0);
   }, 120_000);
 });
 

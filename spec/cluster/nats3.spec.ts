@@ -24,7 +24,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { jetstream, jetstreamManager } from '@nats-io/jetstream';
 import { Kvm } from '@nats-io/kv';
-import { connect } from '@nats-io/transport-node';
+import { connect, type NatsConnection } from '@nats-io/transport-node';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { ServerConfig } from '../../runtime/config.js';
@@ -193,17 +193,27 @@ async function runFile(url: string, ms = 30_000, file = FILE): Promise<{ status:
   }
 }
 
-/** The replicas of the buckets' streams and the leader of the registry's, read through JetStream's API. */
-async function jetstreamView(url: string): Promise<{ nodes: number; locks: number; leader?: string }> {
-  const nc = await connect({ servers: url });
+/** `fn` on a NATS connection of the test's own to `urls` (every server by default), closed after. */
+async function withNats<T>(
+  fn: (nc: NatsConnection) => Promise<T>,
+  urls: string | string[] = servers.map((s) => s.server.url),
+): Promise<T> {
+  const nc = await connect({ servers: urls });
   try {
+    return await fn(nc);
+  } finally {
+    await nc.close();
+  }
+}
+
+/** The replicas of the buckets' streams and the leader of the registry's, read through JetStream's API. */
+function jetstreamView(url: string): Promise<{ nodes: number; locks: number; leader?: string }> {
+  return withNats(async (nc) => {
     const jsm = await jetstreamManager(nc);
     const nodes = await jsm.streams.info('KV_voxserve_nodes');
     const locks = await jsm.streams.info('KV_voxserve_locks');
     return { nodes: nodes.config.num_replicas, locks: locks.config.num_replicas, leader: nodes.cluster?.leader };
-  } finally {
-    await nc.close();
-  }
+  }, url);
 }
 
 /**
@@ -211,9 +221,8 @@ async function jetstreamView(url: string): Promise<{ nodes: number; locks: numbe
  * elects another replica), at most 10 times. @returns whether `name` leads it (never with 1 replica
  * on another server).
  */
-async function leadOn(name: string): Promise<boolean> {
-  const nc = await connect({ servers: servers.map((s) => s.server.url) });
-  try {
+function leadOn(name: string): Promise<boolean> {
+  return withNats(async (nc) => {
     const jsm = await jetstreamManager(nc);
     for (let i = 0; i < 10; i++) {
       const info = await jsm.streams.info('KV_voxserve_nodes');
@@ -223,9 +232,7 @@ async function leadOn(name: string): Promise<boolean> {
       await sleep(1000);
     }
     return false;
-  } finally {
-    await nc.close();
-  }
+  });
 }
 
 /**
@@ -233,9 +240,8 @@ async function leadOn(name: string): Promise<boolean> {
  * own (`probe`, which no node watches) read back through a new watch of the bucket (an ordered consumer, as a node's
  * registry watch is). Tried every 200 ms through the servers left, each request within 1 s; null past 30 s.
  */
-async function firstWatch(since: number): Promise<number | null> {
-  const nc = await connect({ servers: servers.map((s) => s.server.url) });
-  try {
+function firstWatch(since: number): Promise<number | null> {
+  return withNats(async (nc) => {
     const kv = await new Kvm(jetstream(nc, { timeout: 1000 })).open('voxserve_nodes');
     for (let n = 0; Date.now() - since < 30_000; n++) {
       try {
@@ -250,24 +256,19 @@ async function firstWatch(since: number): Promise<number | null> {
       await sleep(200);
     }
     return null;
-  } finally {
-    await nc.close();
-  }
+  });
 }
 
 /** The NATS server that serves most of the registry bucket's consumers (the nodes' registry watches). */
-async function watchesOn(): Promise<string | undefined> {
-  const nc = await connect({ servers: servers.map((s) => s.server.url) });
-  try {
+function watchesOn(): Promise<string | undefined> {
+  return withNats(async (nc) => {
     const on = new Map<string, number>();
     for await (const c of (await jetstreamManager(nc)).consumers.list('KV_voxserve_nodes')) {
       const leader = c.cluster?.leader;
       if (leader) on.set(leader, (on.get(leader) ?? 0) + 1);
     }
     return [...on].sort((x, y) => y[1] - x[1])[0]?.[0];
-  } finally {
-    await nc.close();
-  }
+  });
 }
 
 /** Nodes A and C on the three servers, each hearing both. */
@@ -297,19 +298,16 @@ describe('NATS as three servers', () => {
 
   it('(a) buckets found with 1 replica on three servers are scaled up to 3', async () => {
     await natsCluster();
-    const nc = await connect({ servers: servers[0].server.url });
-    try {
+    // Created the way a 1-server NATS had them (every wait bounded: a fresh cluster elects its leader first).
+    const created = await withNats((nc) => {
       const kvm = new Kvm(jetstream(nc));
-      // Created the way a 1-server NATS had them (every wait bounded: a fresh cluster elects its leader first).
-      const created = await eventually(async () => {
+      return eventually(async () => {
         await kvm.create('voxserve_nodes', { history: 1, replicas: 1 });
         await kvm.create('voxserve_locks', { history: 1, replicas: 1 });
         return true;
       }, 20_000);
-      expect(created, 'buckets created with 1 replica').not.toBeNull();
-    } finally {
-      await nc.close();
-    }
+    }, servers[0].server.url);
+    expect(created, 'buckets created with 1 replica').not.toBeNull();
     expect(await jetstreamView(servers[0].server.url)).toMatchObject({ nodes: 1, locks: 1 });
     const A = await startNode('A');
     const view = await jetstreamView(servers[0].server.url);
