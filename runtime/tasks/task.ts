@@ -93,10 +93,14 @@ export class SampleBuffer {
     this.end += samples.length;
   }
 
-  /** Moves the samples to the front of a buffer at most half full with `need` samples (so moves are amortized). */
+  /**
+   * Moves the samples to the front of a buffer at most half full with `need` samples (so moves are amortized). A
+   * buffer that must grow at least doubles: growing to just twice `need`, a stream falling behind (its unprocessed
+   * samples at a new high on most pushes) made a new array nearly every time room was made.
+   */
   private makeRoom(need: number): void {
-    const size = Math.max(need * 2, this.data.length, 4096);
     const old = this.data;
+    const size = need * 2 <= old.length ? old.length : Math.max(need * 2, old.length * 2, 4096);
     if (this.lent !== old && size === old.length) {
       old.copyWithin(0, this.start, this.end);
     } else {

@@ -49,6 +49,29 @@ describe('SampleBuffer', () => {
     expect(Array.from(buffer.take(2500))).toEqual(Array.from(ramp(6000, 2500)));
   });
 
+  it('makes few new arrays for a stream falling behind slowly: a buffer that grows at least doubles', () => {
+    // A stream's 20 ms frames (320 samples) come in two a step while its jobs take 632 a step, one job lent at a time:
+    // its unprocessed samples grow by 8 a step, to 32,000, at a new high every time room is made. A buffer that at
+    // least doubles from 4,096 to hold twice that grows 4 times (to 65,536), and the buffer a view is lent from needs
+    // a second array of each size: at most 2 x 5 arrays. Growing to just twice what is needed made a new array each
+    // time room was made (175 arrays lent here).
+    const buffer = new SampleBuffer();
+    const arrays = new Set<ArrayBufferLike>();
+    let next = 0;
+    let want = 0;
+    for (let step = 0; step < 4000; step++) {
+      buffer.push(Float32Array.from({ length: 320 }, () => next++));
+      const view = buffer.take(632);
+      arrays.add(view.buffer);
+      buffer.push(Float32Array.from({ length: 320 }, () => next++));
+      if (view[0] !== want || view[631] !== want + 631) expect([view[0], view[631]]).toEqual([want, want + 631]);
+      want += 632;
+      buffer.release();
+    }
+    expect(buffer.length).toBe(4000 * 8);
+    expect(arrays.size).toBeLessThanOrEqual(10);
+  });
+
   it('scales what it is given', () => {
     const buffer = new SampleBuffer();
     buffer.push(Float32Array.of(0.5, -1), 32767);
