@@ -51,10 +51,10 @@ describe('SampleBuffer', () => {
 
   it('makes few new arrays for a stream falling behind slowly: a buffer that grows at least doubles', () => {
     // A stream's 20 ms frames (320 samples) come in two a step while its jobs take 632 a step, one job lent at a time:
-    // its unprocessed samples grow by 8 a step, to 32,000, at a new high every time room is made. A buffer that at
-    // least doubles from 4,096 to hold twice that grows 4 times (to 65,536), and the buffer a view is lent from needs
-    // a second array of each size: at most 2 x 5 arrays. Growing to just twice what is needed made a new array each
-    // time room was made (175 arrays lent here).
+    // its unprocessed samples grow by 8 a step, to 32,000, at a new high every time room is made. Room for twice
+    // that (at most 64,640) from 4,096 takes at most 4 growths that each at least double (4,096 x 2^4 = 65,536), and
+    // the buffer a view is lent from needs a second array of each size: at most 2 x 5 arrays. Growing to just twice
+    // what is needed made a new array each time room was made (175 arrays lent here).
     const buffer = new SampleBuffer();
     const arrays = new Set<ArrayBufferLike>();
     let next = 0;
