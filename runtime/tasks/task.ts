@@ -113,7 +113,10 @@ export class SampleBuffer {
     this.start = 0;
   }
 
-  /** Removes and returns the first `n` samples: a view, unchanged until {@link release}. */
+  /**
+   * Removes and returns the first `n` samples: a view, unchanged until {@link release}. One view is lent at a time:
+   * take again only after `release` (a second take before it may move samples over the first view).
+   */
   take(n: number): Float32Array {
     const out = this.data.subarray(this.start, this.start + n);
     this.start += n;
