@@ -321,11 +321,37 @@ export function encodeMessage(msg: RemoteJob | RemoteReply): Uint8Array {
   return Buffer.concat(encodeFrame(msg as unknown as ToSlot));
 }
 
-/** Decodes {@link encodeMessage}'s frame (copied once so its arrays are aligned views of their own buffer). */
-export function decodeMessage<T extends RemoteJob | RemoteReply>(data: Uint8Array): T {
-  const own = new Uint8Array(data.length);
+/**
+ * Decodes {@link encodeMessage}'s frame, copied once so that its arrays are aligned views of their own buffer.
+ * @param into where to copy it (its first `data.length` bytes; from {@link FrameBuffers}); absent: a new buffer.
+ */
+export function decodeMessage<T extends RemoteJob | RemoteReply>(data: Uint8Array, into?: Uint8Array): T {
+  const own = into ? into.subarray(0, data.length) : new Uint8Array(data.length);
   own.set(data);
   return decodeFrame(own) as T;
+}
+
+/**
+ * Buffers a holder decodes its peers' jobs into, kept from job to job. Each job's bytes were copied into a new buffer
+ * before: V8 counts the bytes of every new ArrayBuffer towards its next mark-compact, and a holder receiving ~10 MB of
+ * jobs a second ran one every ~0.85 s (docs/cluster.md "Benchmark").
+ */
+export class FrameBuffers {
+  private readonly free: Uint8Array[] = [];
+  /** @param keep the most free buffers kept (more jobs than that at once allocate, as before). */
+  constructor(private readonly keep = 8) {}
+
+  /** A buffer of at least `bytes` (a power of two, at least 64 KiB), the caller's until {@link give}n back. */
+  take(bytes: number): Uint8Array {
+    const i = this.free.findIndex((b) => b.byteLength >= bytes);
+    if (i >= 0) return this.free.splice(i, 1)[0];
+    return new Uint8Array(Math.max(65_536, 2 ** Math.ceil(Math.log2(bytes))));
+  }
+
+  /** Gives `b` (taken here) back: nothing reads the views decoded from it any more. */
+  give(b: Uint8Array): void {
+    if (this.free.length < this.keep) this.free.push(b);
+  }
 }
 
 /**

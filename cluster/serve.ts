@@ -11,6 +11,7 @@ import type { LockRef } from './locks.js';
 import {
   Assembler,
   decodeMessage,
+  FrameBuffers,
   encodeMessage,
   errorReply,
   notHeld,
@@ -27,6 +28,8 @@ export class Serving {
   /** When this node last served another node's job, per model (this node's clock). */
   readonly lastServed = new Map<string, number>();
   private readonly parts = new Assembler();
+  /** Where peers' jobs are decoded, buffer by buffer, kept from job to job. */
+  private readonly buffers = new FrameBuffers();
   /** Peers' jobs being served here, by their id (`<ingress>:<seq>#<attempt>`): a cancel aborts one. */
   private readonly running = new Map<string, AbortController>();
   /** Peers' jobs this node has started serving, ever. */
@@ -130,7 +133,9 @@ export class Serving {
    */
   private async job(data: Uint8Array): Promise<Uint8Array> {
     const n = this.n;
-    const msg = decodeMessage<RemoteJob>(data);
+    // Given back once the job's run has settled: no slot reads the job's arrays after that.
+    const buffer = this.buffers.take(data.length);
+    const msg = decodeMessage<RemoteJob>(data, buffer);
     this.started++;
     let outcome = 'ok';
     /** The lease was revoked under the job (a forced unload): the model is not held here any more. */
@@ -188,6 +193,7 @@ export class Serving {
       // A job already running when its client left ends as it runs; nobody takes its reply.
       if (cancel.signal.aborted) outcome = 'cancelled';
       this.running.delete(msg.id);
+      this.buffers.give(buffer);
       n.metrics?.served.inc({ model: msg.model, outcome });
       this.lastServed.set(msg.model, Date.now());
     }

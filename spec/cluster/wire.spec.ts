@@ -7,6 +7,7 @@ import {
   decodeMessage,
   encodeMessage,
   errorReply,
+  FrameBuffers,
   joinResults,
   notHeld,
   replyError,
@@ -88,6 +89,37 @@ describe('remote job frames', () => {
     const back = decodeMessage<RemoteJob>(encodeMessage({ type: 'job', id: 'A:1', model: 'm', wait_ms: 5, job }));
     expect(back).toMatchObject({ type: 'job', id: 'A:1', model: 'm', wait_ms: 5 });
     expect(back.job).toEqual(job);
+  });
+
+  it('a holder decodes jobs into buffers kept from job to job: each the same job, none lent twice at once', () => {
+    const job = (seed: number, windows: number): VadJob => ({
+      kind: 'vad',
+      windows: noise(windows * SILERO.WINDOW, 0.3, seed),
+      state: noise(SILERO.STATE, 0.1, seed + 1),
+      context: noise(SILERO.CONTEXT, 0.1, seed + 2),
+    });
+    const frame = (j: VadJob): Uint8Array => encodeMessage({ type: 'job', id: 'A:1', model: 'm', wait_ms: 5, job: j });
+    const buffers = new FrameBuffers();
+    const a = frame(job(1, 3));
+    const b = frame(job(4, 3));
+    const bufA = buffers.take(a.length);
+    const bufB = buffers.take(b.length);
+    expect(bufB.buffer).not.toBe(bufA.buffer);
+    const first = decodeMessage<RemoteJob>(a, bufA);
+    const second = decodeMessage<RemoteJob>(b, bufB);
+    expect(first.job).toEqual(job(1, 3));
+    expect(second.job).toEqual(job(4, 3));
+    // Given back, a buffer serves the next job that fits, in place of a new one; a larger job gets a larger buffer.
+    buffers.give(bufA);
+    const c = frame(job(7, 2));
+    const bufC = buffers.take(c.length);
+    expect(bufC).toBe(bufA);
+    expect(decodeMessage<RemoteJob>(c, bufC).job).toEqual(job(7, 2));
+    expect(second.job).toEqual(job(4, 3));
+    const big = frame(job(9, 64));
+    const bufBig = buffers.take(big.length);
+    expect(bufBig.byteLength).toBeGreaterThanOrEqual(big.length);
+    expect(decodeMessage<RemoteJob>(big, bufBig).job).toEqual(job(9, 64));
   });
 
   it("a VAD batch of 5 streams, split in two and joined, gives the whole batch's result", async () => {
