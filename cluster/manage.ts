@@ -4,9 +4,11 @@
  */
 import type { ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError, voxError } from '../runtime/errors.js';
+import type { LoadLock } from './locks.js';
 import { nextChange, until } from './membership.js';
 import { decodeMessage, type RemoteReply, encodeJson, replyError } from './nats.js';
 import type { ClusterNode } from './node.js';
+import { withDeadline } from './remote.js';
 
 /** A 503 (busy, insufficient memory, shutting down): a node refused, and the next may be asked. */
 export const is503 = (e: unknown): boolean => e instanceof VoxError && e.status === 503;
@@ -198,6 +200,11 @@ export async function handOver(n: ClusterNode): Promise<void> {
   const bound = n.config.drain_timeout_ms || n.config.busy_timeout_ms || 60_000;
   const end = Date.now() + bound;
   const used = (id: string): boolean => Date.now() - (n.serving.lastServed.get(id) ?? -Infinity) < 60_000;
+  // Every wait within the deadline, the lock's take and release too: with NATS gone (stopped with the node), each
+  // waits out its request's timeout, and the node exited seconds past `drain_timeout_ms`. A lock left so stands
+  // until the node's leaving releases it, or until it expires.
+  const left = (): number => Math.max(1, end - Date.now());
+  const take = (id: string): Promise<LoadLock | null> => withDeadline(n.locks.take(id), left()).catch(() => null);
   const sole = sup
     .statuses()
     .filter((m) => m.state === 'ready' && (!n.runsRemotely(m.id) || n.backing.has(m.id)) && used(m.id))
@@ -211,10 +218,10 @@ export async function handOver(n: ClusterNode): Promise<void> {
       if (!config) return;
       // A placement of this node gives its lock back just after it answers (cluster/placement.ts),
       // another node's may hold it a moment: taken at a later change of membership, in the deadline.
-      let lock = await n.locks.take(id);
+      let lock = await take(id);
       while (!lock && Date.now() < end) {
         await nextChange(n.membership, Math.min(n.settings.heartbeat_ms, end - Date.now()));
-        lock = await n.locks.take(id);
+        lock = await take(id);
       }
       if (!lock) return;
       try {
@@ -227,12 +234,7 @@ export async function handOver(n: ClusterNode): Promise<void> {
           if (Date.now() >= end) return;
           try {
             n.log.info({ model: id, on: r.node }, 'cluster: draining; handing the model over');
-            await n.ask(
-              r.node,
-              'load',
-              { id, config: n.registrationOf(config), adopt: true, lock: lock.ref },
-              Math.max(1, end - Date.now()),
-            );
+            await n.ask(r.node, 'load', { id, config: n.registrationOf(config), adopt: true, lock: lock.ref }, left());
             if (await until(n.membership, () => n.holders(id).some((h) => h.node === r.node), end - Date.now())) {
               moved.push(id);
               to.add(r.node);
@@ -243,7 +245,7 @@ export async function handOver(n: ClusterNode): Promise<void> {
           }
         }
       } finally {
-        await lock.release();
+        await withDeadline(lock.release(), left()).catch(() => {});
       }
     }),
   );

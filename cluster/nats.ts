@@ -338,7 +338,7 @@ export function decodeMessage<T extends RemoteJob | RemoteReply>(data: Uint8Arra
  */
 export class FrameBuffers {
   private readonly free: Uint8Array[] = [];
-  /** @param keep the most free buffers kept (more jobs than that at once allocate, as before). */
+  /** @param keep the most free buffers kept (more jobs than that at once allocate, as before): at most 8 MiB. */
   constructor(private readonly keep = 8) {}
 
   /** A buffer of at least `bytes` (a power of two, at least 64 KiB), the caller's until {@link give}n back. */
@@ -348,9 +348,9 @@ export class FrameBuffers {
     return new Uint8Array(Math.max(65_536, 2 ** Math.ceil(Math.log2(bytes))));
   }
 
-  /** Gives `b` (taken here) back: nothing reads the views decoded from it any more. */
+  /** Gives `b` (taken here) back: nothing reads the views decoded from it any more. One over 1 MiB is not kept. */
   give(b: Uint8Array): void {
-    if (this.free.length < this.keep) this.free.push(b);
+    if (this.free.length < this.keep && b.byteLength <= 1 << 20) this.free.push(b);
   }
 }
 

@@ -411,10 +411,18 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
 /**
  * Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer); its
  * arrays are views into that buffer.
+ * @throws RangeError when an array reaches past the frame's end (a frame cut short: its buffer may be longer and
+ *   hold an earlier frame's bytes, cluster/nats.ts `FrameBuffers`).
  */
 export function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);
   const base = 8 + h + ((8 - (h % 8)) % 8);
+  /** `at`, once the `bytes` from it are within the frame. */
+  const within = (at: number, bytes: number): number => {
+    if (at + bytes > frame.byteLength)
+      throw new RangeError(`frame cut short: an array ends at byte ${at + bytes} of a frame of ${frame.byteLength}`);
+    return at;
+  };
   // One JSON.parse without a reviver, then a walk through the objects and lists only: a reviver
   // is called for every value (22.6 against 3.6 us for a 32-row VAD job).
   const revive = (v: Record<string, unknown> | unknown[]): unknown => {
@@ -426,9 +434,14 @@ export function decodeFrame(frame: Uint8Array): unknown {
       return v;
     }
     const f32 = v.$f32 as [number, number] | undefined;
-    if (Array.isArray(f32)) return new Float32Array(frame.buffer, base + f32[0], f32[1]);
+    if (Array.isArray(f32)) return new Float32Array(frame.buffer, within(base + f32[0], f32[1] * 4), f32[1]);
     const ta = v.$ta as [number, number, TypedName] | undefined;
-    if (Array.isArray(ta) && ta[2] in TYPED) return new TYPED[ta[2]](frame.buffer as ArrayBuffer, base + ta[0], ta[1]);
+    if (Array.isArray(ta) && ta[2] in TYPED)
+      return new TYPED[ta[2]](
+        frame.buffer as ArrayBuffer,
+        within(base + ta[0], ta[1] * TYPED[ta[2]].BYTES_PER_ELEMENT),
+        ta[1],
+      );
     for (const k in v) {
       const x = v[k];
       if (x !== null && typeof x === 'object') v[k] = revive(x as Record<string, unknown>);

@@ -632,6 +632,30 @@ describe('SIGTERM on the only holder (a step of a rolling restart)', () => {
   }, 120_000);
 });
 
+describe('SIGTERM on the only holder, and NATS stopped just after (`kill` of both at once)', () => {
+  const DRAIN_MS = 1500;
+  const c = useCluster(['A', 'C'], 'C', ['silero-vad'], { C: { drain_timeout_ms: DRAIN_MS } });
+
+  it('the holder exits within its drain_timeout_ms: its hand-over gives up at the deadline, not past it', async () => {
+    const { A, C } = c.nodes;
+    // Served for A: C's hand-over begins (its sole model, used in the last minute).
+    const r = await runFile(A.url, 'silero-vad', SHORT_FILE);
+    expect(r.status).toBe(200);
+    expect(r.body.segments).toEqual(want.shortFile);
+    const exited = new Promise<number | null>((res) => C.child.once('exit', (code) => res(code)));
+    const t0 = performance.now();
+    C.child.kill('SIGTERM');
+    await new Promise((res) => setTimeout(res, 30));
+    await c.nats.halt('SIGKILL');
+    expect(await exited).toBe(0);
+    const ms = performance.now() - t0;
+    // The hand-over's ask waits for NATS to come back up to the deadline. Before, the lock's release then waited out
+    // its request's timeout (3 heartbeats, 1.5 s here) past it: 3.0-3.2 s.
+    expect(ms).toBeGreaterThan(DRAIN_MS - 100);
+    expect(ms).toBeLessThan(DRAIN_MS + 1000);
+  }, 60_000);
+});
+
 describe('split brain of a load lock: its owner paused (SIGSTOP) past the deadline, then resumed', () => {
   // X and Y register jarvis-sb with different configs (X's 4 slots load slowly enough to be paused mid-load).
   const head = { id: 'jarvis-sb', task: 'wakeword', heads: ['hey-jarvis'] };

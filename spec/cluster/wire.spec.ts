@@ -120,6 +120,11 @@ describe('remote job frames', () => {
     const bufBig = buffers.take(big.length);
     expect(bufBig.byteLength).toBeGreaterThanOrEqual(big.length);
     expect(decodeMessage<RemoteJob>(big, bufBig).job).toEqual(job(9, 64));
+    // A frame cut short fails as in a buffer of its own size: no array of it is read from an earlier job's bytes.
+    buffers.give(bufBig);
+    const cut = frame(job(11, 3)).subarray(0, b.length - 4096);
+    expect(() => decodeMessage(cut)).toThrow(RangeError);
+    expect(() => decodeMessage(cut, buffers.take(cut.length))).toThrow(/frame cut short/);
   });
 
   it("a VAD batch of 5 streams, split in two and joined, gives the whole batch's result", async () => {
