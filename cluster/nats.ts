@@ -474,6 +474,22 @@ export function splitJob(job: Job): [Job, Job] | null {
   ];
 }
 
+/**
+ * Runs the two halves of a split job ({@link splitJob}) with `run`, at once, and joins their results
+ * ({@link joinResults}). Each half's result is copied as it comes: one run on a local process slot is a view into
+ * a buffer its host reuses `SLOT_DEPTH` answers later (runtime/slots/slots.ts), and other jobs' answers may come before the other
+ * half's (a model held here behind its remote pool: the first half's rows took a later job's probabilities and states).
+ */
+export async function runHalves(halves: [Job, Job], run: (half: Job) => Promise<JobResult>): Promise<JobResult> {
+  const own = (r: JobResult): JobResult => {
+    const out: Record<string, unknown> = { ...r };
+    for (const [k, v] of Object.entries(r)) if (v instanceof Float32Array) out[k] = v.slice();
+    return out as unknown as JobResult;
+  };
+  const [a, b] = await Promise.all(halves.map((h) => run(h).then(own)));
+  return joinResults(a, b);
+}
+
 /** The result of a job split by {@link splitJob}: its halves' results, each field concatenated. */
 export function joinResults(a: JobResult, b: JobResult): JobResult {
   const cat = (x: Float32Array, y: Float32Array): Float32Array => {

@@ -17,10 +17,10 @@ import {
   decodeMessage,
   encodeMessage,
   errorReply,
-  joinResults,
   publishInParts,
   redact,
   replyError,
+  runHalves,
   splitJob,
   type RemoteReply,
 } from './nats.js';
@@ -287,8 +287,7 @@ export class RemoteJobs {
       // parts.
       const halves = splitJob(job);
       if (halves) {
-        const [a, b] = await Promise.all(halves.map((h) => this.send(config, h, waitUntil, signal)));
-        return joinResults(a, b);
+        return runHalves(halves, (h) => this.send(config, h, waitUntil, signal));
       }
     }
     const skip = new Set<string>();

@@ -11,6 +11,7 @@ import {
   joinResults,
   notHeld,
   replyError,
+  runHalves,
   splitJob,
   type ErrorReply,
   type RemoteJob,
@@ -19,8 +20,15 @@ import { voxError } from '../../runtime/errors.js';
 import { vadPacking, wakewordPacking } from '../../runtime/batcher.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
 import { defaultCatalog } from '../../runtime/config.js';
-import { OWW, SILERO, type Job, type VadJob, type WakewordJob } from '../../runtime/slots/slot-protocol.js';
-import { startWorkerSlot, type SlotHost } from '../../runtime/slots/slots.js';
+import {
+  OWW,
+  SILERO,
+  type Job,
+  type VadJob,
+  type VadResult,
+  type WakewordJob,
+} from '../../runtime/slots/slot-protocol.js';
+import { processSlots, SlotPool, startWorkerSlot, type SlotHost } from '../../runtime/slots/slots.js';
 import { readFileSync } from 'node:fs';
 
 /** Deterministic noise in [-amp, amp] (a linear congruential generator). */
@@ -143,6 +151,37 @@ describe('remote job frames', () => {
     expect(Array.from(joined.probs)).toEqual(Array.from(whole.probs));
     expect(Array.from(joined.state)).toEqual(Array.from(whole.state));
     expect(Array.from(joined.context)).toEqual(Array.from(whole.context));
+  });
+
+  it("halves run on a local process slot, another job's answer between theirs, join to the whole batch's result", async () => {
+    // A model held here behind its remote pool runs a split job's halves on its own slots, while the batcher's other
+    // jobs run there too. A process slot's answer is read into a buffer its host reuses two answers later.
+    const pool = await SlotPool.start({ kind: 'vad', model: path('silero-vad') }, 1, processSlots(0));
+    try {
+      const rows: VadJob[] = [2, 3, 1, 4, 2, 3].map((n, r) => ({
+        kind: 'vad',
+        windows: noise(n * SILERO.WINDOW, 0.5, 40 + r),
+        state: noise(SILERO.STATE, 0.2, 50 + r),
+        context: new Float32Array(SILERO.CONTEXT),
+      }));
+      const batch = vadPacking.pack(rows);
+      const other = vadPacking.pack(rows.map((r, i) => ({ ...r, windows: noise(r.windows.length, 0.5, 60 + i) })));
+      const copy = (r: VadResult): number[][] => [[...r.probs], [...r.state], [...r.context]];
+      const whole = copy((await pool.run(batch)) as VadResult);
+      // Both of the host's answer buffers grown past these answers first (a larger answer gets a new buffer).
+      const large = vadPacking.pack(rows.map((r, i) => ({ ...r, windows: noise(8 * SILERO.WINDOW, 0.5, 70 + i) })));
+      await Promise.all([pool.run(large, undefined, 0, true), pool.run(large, undefined, 0, true)]);
+      const halves = splitJob(batch)! as [VadJob, VadJob];
+      let others: Promise<unknown> = Promise.resolve();
+      const joined = await runHalves(halves, (h) => {
+        if (h === halves[1]) others = pool.run(other, undefined, 0, true);
+        return pool.run(h, undefined, 0, true);
+      });
+      await others;
+      expect(copy(joined as VadResult)).toEqual(whole);
+    } finally {
+      await pool.close();
+    }
   });
 
   it("a wake-word batch of 3 streams, split in two and joined, gives the whole batch's result", async () => {
