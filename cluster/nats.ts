@@ -476,9 +476,10 @@ export function splitJob(job: Job): [Job, Job] | null {
 
 /**
  * Runs the two halves of a split job ({@link splitJob}) with `run`, at once, and joins their results
- * ({@link joinResults}). Each half's result is copied as it comes: one run on a local process slot is a view into
- * a buffer its host reuses `SLOT_DEPTH` answers later (runtime/slots/slots.ts), and other jobs' answers may come before the other
- * half's (a model held here behind its remote pool: the first half's rows took a later job's probabilities and states).
+ * ({@link joinResults}). Each half's result is copied as it comes: a local process slot's answer is a view into a
+ * buffer reused `SLOT_DEPTH` (2) answers later (runtime/slots/slots.ts, `processSlots`), and other jobs' answers may
+ * come between the halves' (a model held here behind its remote pool: the first half's rows took a later job's
+ * probabilities and states).
  */
 export async function runHalves(halves: [Job, Job], run: (half: Job) => Promise<JobResult>): Promise<JobResult> {
   const own = (r: JobResult): JobResult => {
