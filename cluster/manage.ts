@@ -6,7 +6,8 @@ import type { ModelConfig } from '../runtime/config.js';
 import { invalid, toVoxError, VoxError, voxError } from '../runtime/errors.js';
 import type { LoadLock } from './locks.js';
 import { nextChange, until } from './membership.js';
-import { decodeMessage, type RemoteReply, encodeJson, replyError } from './nats.js';
+import { encodeJson } from './nats.js';
+import { decodeMessage, type RemoteReply, replyError } from './wire.js';
 import type { ClusterNode } from './node.js';
 import { withDeadline } from './remote.js';
 

@@ -12,18 +12,18 @@ import type { LoadedModel } from '../runtime/loader.js';
 import { SlotPool, type SlotHost } from '../runtime/slots/slots.js';
 import type { Job, JobResult, SlotInfo } from '../runtime/slots/slot-protocol.js';
 import { nextChange, until } from './membership.js';
+import { redact } from './nats.js';
 import {
   Assembler,
   decodeMessage,
   encodeMessage,
   errorReply,
   publishInParts,
-  redact,
   replyError,
   runHalves,
   splitJob,
   type RemoteReply,
-} from './nats.js';
+} from './wire.js';
 import type { NodeRecord } from './membership.js';
 import type { ClusterNode } from './node.js';
 

@@ -8,6 +8,7 @@ import { leaseGranted } from '../actors/lease.js';
 import type { ModelEntry } from '../actors/model.js';
 import { toVoxError, voxError } from '../runtime/errors.js';
 import type { LockRef } from './locks.js';
+import { encodeJson } from './nats.js';
 import {
   Assembler,
   decodeMessage,
@@ -17,8 +18,7 @@ import {
   notHeld,
   publishInParts,
   type RemoteJob,
-  encodeJson,
-} from './nats.js';
+} from './wire.js';
 import type { ClusterNode } from './node.js';
 
 /** What one node serves to the others on its subjects. */

@@ -161,7 +161,7 @@ export interface DenoiseJob {
   state: Float32Array;
   /** Frames per row; absent: one row. */
   rows?: number[];
-  /** Not `counts`: a batch of denoise rows is not split over a cluster link (cluster/nats.ts splitJob). */
+  /** Not `counts`: a batch of denoise rows is not split over a cluster link (cluster/wire.ts splitJob). */
   counts?: undefined;
 }
 export interface DenoiseResult {
@@ -412,7 +412,7 @@ export class FrameChannel<In extends ToSlot | FromSlot, Out extends ToSlot | Fro
  * Decodes a frame of {@link encodeFrame} (the whole frame, length field included, at offset 0 of its buffer); its
  * arrays are views into that buffer.
  * @throws RangeError when an array reaches past the frame's end (a frame cut short: its buffer may be longer and
- *   hold an earlier frame's bytes, cluster/nats.ts `FrameBuffers`).
+ *   hold an earlier frame's bytes, cluster/wire.ts `FrameBuffers`).
  */
 export function decodeFrame(frame: Uint8Array): unknown {
   const h = new DataView(frame.buffer).getUint32(4, true);

@@ -10,7 +10,7 @@ import { unpack } from 'msgpackr';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import WebSocket from 'ws';
 import { VoxClient } from '../../client/node.js';
-import { decodeMessage, type RemoteReply } from '../../cluster/nats.js';
+import { decodeMessage, type RemoteReply } from '../../cluster/wire.js';
 import { ServerConfig } from '../../runtime/config.js';
 import { startServer, type VoxServer } from '../../transport/server.js';
 import { fixture, until, WaveFile } from '../helpers.js';

@@ -15,7 +15,7 @@ import {
   splitJob,
   type ErrorReply,
   type RemoteJob,
-} from '../../cluster/nats.js';
+} from '../../cluster/wire.js';
 import { voxError } from '../../runtime/errors.js';
 import { vadPacking, wakewordPacking } from '../../runtime/batcher.js';
 import { OWW_EMBEDDING, OWW_MELSPECTROGRAM } from '../../runtime/catalog.js';
